@@ -1,0 +1,2 @@
+"""offstep: k-step off-policy RL post-training for LLMs."""
+__version__ = "0.1.0"

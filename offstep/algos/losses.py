@@ -1,0 +1,140 @@
+"""Policy, value and KL losses, and log-prob/entropy helpers for LLM RL.
+
+* ``clipped_policy_loss``: PPO's clipped surrogate objective (Schulman et al. 2017, "Proximal
+  Policy Optimization Algorithms", arXiv:1707.06347, eq. 7), with the asymmetric clip range
+  ``[1 - low, 1 + high]`` of DAPO's "clip-higher" (Yu et al. 2025, arXiv:2503.14476), written as a
+  loss to minimise: ``max(-A * r, -A * clip(r, 1 - low, 1 + high))``. Optional per-token
+  importance weights (see ``offstep.algos.correction``) multiply the per-token loss.
+* ``value_loss``: PPO's clipped value loss, ``0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2)``
+  (as in OpenAI baselines' ppo2, also described in Engstrom et al. 2020, arXiv:2005.12729).
+* ``kl_penalty``: per-token estimators of KL(pi || pi_ref) from samples of pi: k1, k2 and k3 of
+  J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html (k3 is the
+  "low_var_kl" used as GRPO's KL loss, Shao et al. 2024, arXiv:2402.03300, eq. 4).
+* ``entropy_from_logits`` / ``logprobs_from_logits``: softmax entropy
+  ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` and label log-probs
+  ``log p_y = z_y - logsumexp(z)``, both stable for large logits; half-precision logits are
+  upcast to float32 (row by row for the log-probs, so no float32 copy of the whole tensor).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from offstep.algos.common import aggregate_loss, masked_mean
+
+LOG_RATIO_CLAMP = 20.0
+
+
+def _where_valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``x`` with padded entries replaced by 0, so garbage there cannot reach values or grads."""
+    return torch.where(mask.bool(), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def clipped_policy_loss(
+    logprob: torch.Tensor,
+    old_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    loss_agg_mode: str = "token-mean",
+    denom: float | torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+    horizon: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss, reduced with ``aggregate_loss`` (``loss_agg_mode``, ``denom``).
+
+    ``r = exp(clamp(logprob - old_logprob, -20, 20))``; per-token loss
+    ``max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``, times ``is_weights``
+    (treated as constants: detached) when given. Metrics (detached scalars): ``clipfrac``, the
+    fraction of valid tokens where the clipped branch is the larger (active) one, and ``ppo_kl``,
+    the masked mean of ``old_logprob - logprob``.
+    """
+    advantages = _where_valid(advantages, response_mask)
+    log_ratio = _where_valid(logprob - old_logprob, response_mask)
+    ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * _where_valid(is_weights.detach(), response_mask)
+    loss = aggregate_loss(per_token, response_mask, loss_agg_mode, denom=denom, horizon=horizon)
+    metrics = {
+        "clipfrac": masked_mean((clipped > unclipped).float(), response_mask).detach(),
+        "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
+    }
+    return loss, metrics
+
+
+def kl_penalty(
+    logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl"
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (elementwise).
+
+    ``kind``: ``"k1"`` ``logprob - ref``; ``"abs"`` ``|logprob - ref|``; ``"mse"``/``"k2"``
+    ``0.5 * (logprob - ref)^2``; ``"low_var_kl"``/``"k3"`` ``exp(ref - logprob) - (ref - logprob)
+    - 1`` (unbiased and non-negative), with the exponent clamped to [-20, 20] and the result to
+    [-10, 10] for numerical safety.
+    """
+    diff = logprob - ref_logprob
+    if kind == "k1":
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * diff**2
+    if kind in ("low_var_kl", "k3"):
+        neg = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown kl_penalty kind {kind!r}")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[..., labels]``: ``logits`` ``[..., V]``, ``labels`` ``[...]``.
+
+    float32/float64 logits use ``z_y - logsumexp(z)`` (no ``[..., V]`` log-softmax output). Half
+    precision logits are processed one leading row at a time in float32, so only one row's upcast
+    copy exists at once; the result is float32.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    rows = [
+        torch.log_softmax(row.float(), dim=-1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+        for row, lab in zip(logits, labels)
+    ]
+    return torch.stack(rows) if rows else logits.new_zeros(labels.shape, dtype=torch.float32)
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_range: float = 0.2,
+    loss_agg_mode: str = "token-mean",
+    denom: float | torch.Tensor | None = None,
+    horizon: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss ``0.5 * max((v - ret)^2, (old + clip(v - old, -c, c) - ret)^2)``.
+
+    Aggregated with ``aggregate_loss(loss_agg_mode, denom, horizon)``. Metric ``vf_clipfrac``: the
+    fraction of valid tokens where the clipped term is the larger one.
+    """
+    values = _where_valid(values, response_mask)
+    old_values = _where_valid(old_values, response_mask)
+    returns = _where_valid(returns, response_mask)
+    clipped_values = old_values + (values - old_values).clamp(-clip_range, clip_range)
+    unclipped_sq = (values - returns) ** 2
+    clipped_sq = (clipped_values - returns) ** 2
+    per_token = 0.5 * torch.maximum(unclipped_sq, clipped_sq)
+    loss = aggregate_loss(per_token, response_mask, loss_agg_mode, denom=denom, horizon=horizon)
+    metrics = {"vf_clipfrac": masked_mean((clipped_sq > unclipped_sq).float(), response_mask)}
+    return loss, {k: v.detach() for k, v in metrics.items()}

@@ -1,0 +1,61 @@
+"""The ``offstep`` command.
+
+    offstep train [key=value ...]     train (Hydra overrides over the typed config; preset=tiny)
+    offstep train --cfg [overrides]   print the resolved config and exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _train(argv: list[str]) -> int:
+    from offstep.config.loader import ConfigError, load_config, to_yaml
+    from offstep.config.validate import validate
+
+    show = "--cfg" in argv
+    overrides = [a for a in argv if a != "--cfg"]
+    try:
+        cfg = load_config(overrides)
+        validate(cfg)
+    except ConfigError as e:
+        print(f"offstep: {e}", file=sys.stderr)
+        return 2
+    if show:
+        print(to_yaml(cfg))
+        return 0
+    from offstep.pipeline.controller import train
+
+    try:
+        history = train(cfg)
+    except KeyboardInterrupt:
+        print("offstep: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as e:  # data, model and reward problems carry the fix
+        print(f"offstep: {e}", file=sys.stderr)
+        return 2
+    last = [m for m in history if "reward/mean" in m]
+    if last:
+        print(f"offstep: done; metrics in {cfg.trainer.output_dir}/metrics.jsonl")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="offstep", description="k-step off-policy RL post-training for LLMs")
+    parser.add_argument("command", choices=["train"], help="what to do")
+    args, rest = parser.parse_known_args(argv[:1])
+    if args.command == "train":
+        return _train(argv[1:])
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

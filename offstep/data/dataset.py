@@ -1,0 +1,411 @@
+"""Prompt datasets: reading verl-format parquet / JSON-lines files and tokenizing prompts.
+
+File formats
+------------
+``.parquet`` -- verl's row format, one row per prompt:
+
+* ``data_source`` (str): selects the reward scorer (e.g. ``"openai/gsm8k"``).
+* ``prompt`` (list of ``{"role", "content"}`` chat messages, or a plain string).
+* ``ability`` (str, optional).
+* ``reward_model`` (struct): ``{"style": "rule", "ground_truth": ...}``.
+* ``extra_info`` (struct / dict, optional): passed through to the scorer.
+
+``.jsonl`` / ``.json`` -- one JSON object per line with the same fields (a ``.json`` file holding a
+single JSON array of such objects is accepted too). The ``prompt_key`` field holds either a list of
+chat messages or a plain string; a string becomes one user message.
+
+For both formats:
+
+* the prompt column is ``prompt_key`` (default ``"prompt"``);
+* the ground truth is ``reward_model["ground_truth"]``, or the ``answer_key`` column when one is
+  given (then ``reward_model`` is not needed);
+* ``data_source`` defaults to the file's stem (``"train"`` for ``/data/train.jsonl``) when the
+  column is absent or a row's value is empty;
+* ``ability`` defaults to ``""`` and ``extra_info`` to ``{}``.
+
+``PromptRecord.index`` is the row's 0-based position in the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_EXTENSIONS = (".parquet", ".jsonl", ".json")
+OVERLONG_MODES = ("filter", "error")
+
+
+class DatasetError(ValueError):
+    """A dataset file cannot be used. The message names the file, the problem and the fix."""
+
+
+@dataclass
+class PromptRecord:
+    """One prompt row, as plain Python values."""
+
+    index: int
+    data_source: str
+    messages: list[dict]
+    ground_truth: object
+    ability: str = ""
+    extra_info: dict = field(default_factory=dict)
+
+
+@dataclass
+class EncodedPrompt:
+    """A record with its chat-templated prompt token ids."""
+
+    record: PromptRecord
+    prompt_ids: list[int]
+
+
+# --------------------------------------------------------------------------------------------------
+# conversion helpers
+
+
+def _to_plain(value: Any) -> Any:
+    """Recursively convert numpy / pyarrow containers and scalars to plain Python values."""
+    if value is None or isinstance(value, (str, bool, int, float)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): _to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    # pyarrow scalars
+    as_py = getattr(value, "as_py", None)
+    if callable(as_py):
+        return _to_plain(as_py())
+    # numpy arrays and scalars (checked by duck typing so numpy is only needed when present)
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):
+        return _to_plain(tolist())
+    item = getattr(value, "item", None)
+    if callable(item):
+        return item()
+    return value
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+# --------------------------------------------------------------------------------------------------
+# reading rows
+
+
+def _read_parquet(path: str) -> tuple[list[dict], list[str]]:
+    try:
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for damaged files
+        raise DatasetError(
+            f"{path}: cannot read the parquet file ({type(exc).__name__}: {exc}). "
+            "Fix: re-create the file (e.g. with `offstep` task generation or "
+            "pandas.DataFrame.to_parquet) or point the data path at a valid parquet file."
+        ) from exc
+    columns = list(table.column_names)
+    try:
+        rows = table.to_pylist()
+    except Exception as exc:
+        raise DatasetError(
+            f"{path}: cannot convert the parquet rows to Python values "
+            f"({type(exc).__name__}: {exc}). Fix: re-write the file with plain list/struct columns."
+        ) from exc
+    return rows, columns
+
+
+def _read_json(path: str) -> tuple[list[dict], list[str]]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(
+            f"{path}: cannot read the file as UTF-8 text ({type(exc).__name__}: {exc}). "
+            "Fix: write the dataset as UTF-8 JSON lines (one JSON object per line)."
+        ) from exc
+
+    rows: list[Any] = []
+    stripped = text.lstrip()
+    if stripped.startswith("["):
+        # a single JSON array of objects
+        try:
+            loaded = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(
+                f"{path}: the file starts with '[' but is not a valid JSON array ({exc}). "
+                "Fix: write one JSON object per line (JSON lines) or a valid JSON array."
+            ) from exc
+        rows = list(loaded)
+    else:
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise DatasetError(
+                    f"{path}: line {lineno} is not valid JSON ({exc}). "
+                    "Fix: each non-empty line must hold exactly one JSON object."
+                ) from exc
+
+    columns: list[str] = []
+    seen: set[str] = set()
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DatasetError(
+                f"{path}: row {i} is a JSON {type(row).__name__}, not an object. "
+                "Fix: each row must be a JSON object such as "
+                '{"prompt": [{"role": "user", "content": "..."}], '
+                '"reward_model": {"ground_truth": "..."}}.'
+            )
+        for key in row:
+            if key not in seen:
+                seen.add(key)
+                columns.append(key)
+    return rows, columns
+
+
+def _normalize_messages(path: str, row_index: int, prompt_key: str, value: Any) -> list[dict]:
+    value = _to_plain(value)
+    example = '[{"role": "user", "content": "..."}]'
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise DatasetError(
+            f"{path}: row {row_index}: column '{prompt_key}' must be a non-empty list of chat "
+            f"messages or a string, got {type(value).__name__} {_short(value)}. "
+            f"Fix: store prompts as {example} or plain strings, or set data.prompt_key to the "
+            "column that holds them."
+        )
+    messages: list[dict] = []
+    for j, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise DatasetError(
+                f"{path}: row {row_index}: message {j} of '{prompt_key}' is a "
+                f"{type(msg).__name__}, not a dict with 'role' and 'content'. "
+                f"Fix: store prompts as {example}."
+            )
+        role, content = msg.get("role"), msg.get("content")
+        if not isinstance(role, str) or not role:
+            raise DatasetError(
+                f"{path}: row {row_index}: message {j} of '{prompt_key}' has no string 'role' "
+                f"(keys: {sorted(msg)}). Fix: store prompts as {example}."
+            )
+        if not isinstance(content, str):
+            raise DatasetError(
+                f"{path}: row {row_index}: message {j} ({role}) of '{prompt_key}' has no string "
+                f"'content' (got {type(content).__name__}). Fix: store prompts as {example}."
+            )
+        # keep other fields (e.g. "name") but drop the None padding that parquet structs add
+        clean = {k: v for k, v in msg.items() if k in ("role", "content") or v is not None}
+        messages.append(clean)
+    return messages
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def load_records(
+    path: str, prompt_key: str = "prompt", answer_key: str | None = None
+) -> list[PromptRecord]:
+    """Read a verl-format ``.parquet`` or a ``.jsonl``/``.json`` file into :class:`PromptRecord` s.
+
+    See the module docstring for the expected fields. ``data_source`` defaults to the file's stem
+    when absent. Raises :class:`DatasetError` for a missing, unsupported, unreadable or empty file,
+    missing columns and malformed prompts.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DatasetError(
+            f"{path}: file not found. Fix: check data.train_files / data.val_files, or generate a "
+            "built-in task dataset first (offstep.data.tasks.write_task)."
+        )
+    if os.path.isdir(path):
+        raise DatasetError(
+            f"{path}: is a directory, not a dataset file. Fix: point the data path at a "
+            f"{'/'.join(SUPPORTED_EXTENSIONS)} file."
+        )
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in SUPPORTED_EXTENSIONS:
+        raise DatasetError(
+            f"{path}: unsupported file extension '{ext or '(none)'}'. Fix: use one of "
+            f"{', '.join(SUPPORTED_EXTENSIONS)} (verl-format parquet or JSON lines)."
+        )
+
+    if ext == ".parquet":
+        rows, columns = _read_parquet(path)
+    else:
+        rows, columns = _read_json(path)
+
+    if not rows:
+        raise DatasetError(
+            f"{path}: the dataset is empty (0 rows). Fix: point the data path at a file with at "
+            "least one prompt, or regenerate it."
+        )
+
+    column_set = set(columns)
+    if prompt_key not in column_set:
+        raise DatasetError(
+            f"{path}: missing prompt column '{prompt_key}'; the file has columns {columns}. "
+            "Fix: set data.prompt_key to the column that holds the prompts."
+        )
+    if answer_key is not None:
+        if answer_key not in column_set:
+            raise DatasetError(
+                f"{path}: missing answer column '{answer_key}'; the file has columns {columns}. "
+                "Fix: set data.answer_key to the column that holds the ground truth, or unset it "
+                "to use reward_model.ground_truth."
+            )
+    elif "reward_model" not in column_set:
+        raise DatasetError(
+            f"{path}: missing column 'reward_model' (with a 'ground_truth' field); the file has "
+            f"columns {columns}. Fix: add reward_model={{'style': 'rule', 'ground_truth': ...}} "
+            "to every row, or set data.answer_key to the column that holds the ground truth."
+        )
+
+    stem = os.path.splitext(os.path.basename(path))[0]
+    records: list[PromptRecord] = []
+    for i, row in enumerate(rows):
+        messages = _normalize_messages(path, i, prompt_key, row.get(prompt_key))
+
+        if answer_key is not None:
+            ground_truth = _to_plain(row.get(answer_key))
+        else:
+            reward_model = _to_plain(row.get("reward_model"))
+            if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+                raise DatasetError(
+                    f"{path}: row {i}: 'reward_model' must be a dict with a 'ground_truth' field, "
+                    f"got {_short(reward_model)}. Fix: store reward_model={{'style': 'rule', "
+                    "'ground_truth': ...}, or set data.answer_key to the column that holds the "
+                    "ground truth."
+                )
+            ground_truth = reward_model["ground_truth"]
+
+        data_source = row.get("data_source")
+        data_source = stem if _is_missing(data_source) or data_source == "" else str(data_source)
+
+        ability = row.get("ability")
+        ability = "" if _is_missing(ability) else str(ability)
+
+        extra_info = _to_plain(row.get("extra_info"))
+        if _is_missing(extra_info):
+            extra_info = {}
+        if not isinstance(extra_info, dict):
+            raise DatasetError(
+                f"{path}: row {i}: 'extra_info' must be a dict/struct, got "
+                f"{type(extra_info).__name__} {_short(extra_info)}. Fix: store extra_info as a "
+                "JSON object (or drop the column)."
+            )
+
+        records.append(
+            PromptRecord(
+                index=i,
+                data_source=data_source,
+                messages=messages,
+                ground_truth=ground_truth,
+                ability=ability,
+                extra_info=extra_info,
+            )
+        )
+    return records
+
+
+# --------------------------------------------------------------------------------------------------
+# tokenization
+
+
+def _render(tokenizer: Any, record: PromptRecord) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            record.messages, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as exc:
+        raise DatasetError(
+            f"data_source {record.data_source!r} row {record.index}: the tokenizer's chat template "
+            f"failed ({type(exc).__name__}: {exc}). Fix: use an instruct/chat tokenizer that has a "
+            "chat_template, or set one on the tokenizer."
+        ) from exc
+    if not isinstance(text, str):
+        raise DatasetError(
+            f"data_source {record.data_source!r} row {record.index}: apply_chat_template returned "
+            f"{type(text).__name__}, not str. Fix: use a tokenizer whose chat template renders text."
+        )
+    return text
+
+
+def encode_prompts(
+    records: Iterable[PromptRecord],
+    tokenizer: Any,
+    max_prompt_length: int,
+    overlong: str = "filter",
+) -> list[EncodedPrompt]:
+    """Chat-template and tokenize each record's messages.
+
+    Each prompt is rendered with ``tokenizer.apply_chat_template(messages,
+    add_generation_prompt=True, tokenize=False)`` and then tokenized without adding special tokens
+    (the template already contains them). Prompts longer than ``max_prompt_length`` tokens are
+    dropped (``overlong="filter"``, the count is logged) or raise :class:`DatasetError`
+    (``overlong="error"``). Raises :class:`DatasetError` if nothing is left.
+    """
+    if overlong not in OVERLONG_MODES:
+        raise ValueError(
+            f"overlong={overlong!r} is not one of {OVERLONG_MODES}. "
+            "Fix: set data.overlong_prompts=filter or data.overlong_prompts=error."
+        )
+    if int(max_prompt_length) <= 0:
+        raise ValueError(
+            f"max_prompt_length must be positive, got {max_prompt_length}. "
+            "Fix: set data.max_prompt_length to a positive number of tokens."
+        )
+    records = list(records)
+    if not records:
+        raise DatasetError(
+            "encode_prompts got no records. Fix: check that the dataset file has rows."
+        )
+
+    texts = [_render(tokenizer, r) for r in records]
+    encoded = tokenizer(texts, add_special_tokens=False)
+    all_ids = encoded["input_ids"]
+
+    out: list[EncodedPrompt] = []
+    dropped = 0
+    longest = 0
+    for record, ids in zip(records, all_ids):
+        ids = [int(t) for t in ids]
+        if len(ids) > max_prompt_length:
+            if overlong == "error":
+                raise DatasetError(
+                    f"data_source {record.data_source!r} row {record.index}: the prompt is "
+                    f"{len(ids)} tokens long, over data.max_prompt_length={max_prompt_length}. "
+                    f"Fix: raise data.max_prompt_length (to at least {len(ids)}) or set "
+                    "data.overlong_prompts=filter to drop overlong prompts."
+                )
+            dropped += 1
+            longest = max(longest, len(ids))
+            continue
+        out.append(EncodedPrompt(record=record, prompt_ids=ids))
+
+    if dropped:
+        logger.warning(
+            "dropped %d of %d prompts longer than max_prompt_length=%d tokens (longest: %d)",
+            dropped,
+            len(records),
+            max_prompt_length,
+            longest,
+        )
+    if not out:
+        raise DatasetError(
+            f"all {len(records)} prompts (data_source {records[0].data_source!r}) are longer than "
+            f"data.max_prompt_length={max_prompt_length} tokens (longest: {longest}). "
+            "Fix: raise data.max_prompt_length."
+        )
+    return out

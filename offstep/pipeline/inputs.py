@@ -1,0 +1,68 @@
+"""The run's inputs, prepared in the driver before any worker starts: the model folder, the
+tokenised prompts of the training and validation sets, and the reward function (checked against
+every data source in the data)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from offstep.config.schema import Config
+from offstep.data.dataset import EncodedPrompt, encode_prompts, load_records
+from offstep.data.tasks import write_task
+from offstep.models.loading import load_tokenizer, resolve_model
+from offstep.rewards.registry import RewardFunction
+from offstep.rollout.worker import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Inputs:
+    model_path: str
+    pad_id: int
+    train: list[EncodedPrompt]
+    val: list[EncodedPrompt]
+    reward: RewardFunction
+
+
+def _files(cfg: Config, out_dir: Path) -> tuple[list[str], list[str]]:
+    if cfg.data.train_files:
+        return list(cfg.data.train_files), list(cfg.data.val_files)
+    train, val = write_task(
+        cfg.data.task, str(out_dir / "data"), cfg.data.task_train_size, cfg.data.task_val_size, cfg.trainer.seed
+    )
+    return [train], [val]
+
+
+def _encode(files: list[str], cfg: Config, tok) -> list[EncodedPrompt]:
+    records = []
+    for f in files:
+        records.extend(load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key))
+    for i, r in enumerate(records):  # indices unique across files
+        r.index = i
+    return encode_prompts(records, tok, cfg.data.max_prompt_length, overlong=cfg.data.overlong_prompts)
+
+
+def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
+    model_path = resolve_model(cfg.model.path)
+    tok = load_tokenizer(model_path)
+    train_files, val_files = _files(cfg, out_dir)
+    train = _encode(train_files, cfg, tok)
+    val = _encode(val_files, cfg, tok) if val_files else []
+    if cfg.data.val_max_samples:
+        val = val[: cfg.data.val_max_samples]
+    if len(train) < cfg.data.train_batch_size:
+        raise ValueError(
+            f"the training set has {len(train)} usable prompts, fewer than data.train_batch_size="
+            f"{cfg.data.train_batch_size}; lower data.train_batch_size or add data"
+        )
+    reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name)
+    reward.check_sources({p.record.data_source for p in train + val})
+    return Inputs(model_path, tok.pad_token_id, train, val, reward)
+
+
+def to_request(p: EncodedPrompt, uid: int) -> Request:
+    r = p.record
+    return Request(uid=uid, prompt_ids=p.prompt_ids, data_source=r.data_source, ground_truth=r.ground_truth, extra_info=r.extra_info or {})

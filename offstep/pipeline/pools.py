@@ -1,0 +1,98 @@
+"""Resource pools as Ray placement groups, and role groups of Ray actors placed on them.
+
+On CPU a pool's "device" is a bundle of cores; on GPU a GPU. The trainer pool hosts the actor,
+reference and critic groups (each an FSDP2 process group over the pool's bundles); the rollout
+pool hosts the rollout replicas. In synchronous mode the rollout replicas may be colocated on the
+trainer pool instead, taking turns with the trainer on the same cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from offstep.train.distributed import GroupSpec, free_port
+
+# Actors take a token share of a bundle; the bundle itself reserves the cores, and each actor
+# sets its own thread count. This lets several roles share one bundle (they run in turn).
+_TOKEN_CPU = 0.01
+
+
+@dataclass
+class Pool:
+    pg: PlacementGroup
+    bundles: int
+    cpus_per_bundle: int
+    gpus_per_bundle: int
+
+    @classmethod
+    def create(cls, name: str, bundles: int, cpus: int, gpus: int, timeout_s: float = 60.0) -> "Pool":
+        spec = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        pg = placement_group([dict(spec) for _ in range(bundles)], strategy="PACK", name=name)
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+        if not ready:
+            remove_placement_group(pg)
+            raise RuntimeError(
+                f"the {name} pool ({bundles} x {spec}) could not be placed within {timeout_s:.0f} s; "
+                f"the Ray cluster has {ray.available_resources()}. Lower resources.* / rollout.replicas."
+            )
+        return cls(pg, bundles, cpus, gpus)
+
+    def options(self, bundle: int, gpu_share: float = 0.0, env: dict | None = None) -> dict:
+        return dict(
+            num_cpus=_TOKEN_CPU,
+            num_gpus=gpu_share if self.gpus_per_bundle else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group=self.pg, placement_group_bundle_index=bundle
+            ),
+            runtime_env={"env_vars": env or {}},
+        )
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.gpus_per_bundle else "cpu"
+
+    def remove(self) -> None:
+        remove_placement_group(self.pg)
+
+
+class RoleGroup:
+    """The ranks of one trainer role, spread one per bundle of a pool."""
+
+    def __init__(self, name: str, handles: list):
+        self.name, self.handles = name, handles
+
+    @classmethod
+    def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, *args) -> "RoleGroup":
+        remote_cls = ray.remote(worker_cls)
+        master_addr = ray.util.get_node_ip_address()
+        port = free_port()
+        handles = []
+        for rank in range(pool.bundles):
+            spec = GroupSpec(
+                rank=rank,
+                world_size=pool.bundles,
+                master_addr=master_addr,
+                master_port=port,
+                device=pool.device,
+                num_threads=pool.cpus_per_bundle,
+            )
+            opts = pool.options(rank, gpu_share, env)
+            handles.append(remote_cls.options(name=f"{name}-{rank}", **opts).remote(spec, *args))
+        return cls(name, handles)
+
+    def submit(self, method: str, *args) -> list:
+        return [getattr(h, method).remote(*args) for h in self.handles]
+
+    async def run(self, method: str, *args):
+        """Call ``method`` on every rank (a collective); return rank 0's result."""
+        results = await asyncio.gather(*self.submit(method, *args))
+        return results[0]
+
+    def kill(self) -> None:
+        for h in self.handles:
+            ray.kill(h)

@@ -1,0 +1,307 @@
+"""Reward scorer lookup: built-in rule scorers by data source, or one user-supplied function.
+
+Scorers use verl's signature ``compute_score(data_source, solution_str, ground_truth,
+extra_info=None, **kwargs)`` and return a number, or a dict with a numeric ``"score"`` (other
+numeric entries are reported as extra metrics).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import math
+import numbers
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable, Iterable
+
+from offstep.rewards.scorers import gsm8k_score, last_number_score
+
+Scorer = Callable[..., Any]
+
+
+class RewardError(RuntimeError):
+    """A reward scorer failed or is misconfigured."""
+
+
+class RewardConfigError(RewardError, ValueError):
+    """The reward configuration is wrong (bad custom scorer path/name, unknown data source).
+
+    Both a :class:`RewardError` and a ``ValueError``.
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# built-in scorers
+
+
+def _gsm8k(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    return gsm8k_score(solution_str, ground_truth, **kwargs)
+
+
+def _last_number(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    return last_number_score(solution_str, ground_truth)
+
+
+_gsm8k.__qualname__ = _gsm8k.__name__ = "gsm8k_strict"
+_last_number.__qualname__ = _last_number.__name__ = "last_number"
+
+BUILTIN_SCORERS: dict[str, Scorer] = {
+    "openai/gsm8k": _gsm8k,
+    "gsm8k": _gsm8k,
+    "arithmetic": _last_number,
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# custom scorers
+
+
+def load_custom_scorer(path: str, name: str = "compute_score") -> Scorer:
+    """Import the Python file at ``path`` and return its function ``name``.
+
+    Raises :class:`RewardConfigError` (a RewardError and a ValueError) if the file is missing,
+    fails to import (the original exception is chained and quoted), or has no callable ``name``.
+    """
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if not os.path.isfile(path):
+        raise RewardConfigError(
+            f"custom reward file {path} not found. Fix: set reward.custom_path to an existing "
+            "Python file that defines the scorer."
+        )
+    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
+    module_name = f"offstep_custom_reward_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    if spec is None or spec.loader is None:
+        raise RewardConfigError(
+            f"custom reward file {path} cannot be imported as a Python module. "
+            "Fix: set reward.custom_path to a .py file."
+        )
+    module = importlib.util.module_from_spec(spec)
+    previous = sys.modules.get(module_name)
+    sys.modules[module_name] = module  # lets dataclasses / pickle inside the file resolve
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as exc:
+        if previous is None:
+            sys.modules.pop(module_name, None)
+        else:
+            sys.modules[module_name] = previous
+        if not isinstance(exc, Exception):
+            raise
+        raise RewardConfigError(
+            f"custom reward file {path} failed to import: {type(exc).__name__}: {exc}. "
+            "Fix: make the file importable on its own (run `python <file>` to see the error)."
+        ) from exc
+
+    fn = getattr(module, name, None)
+    if fn is None or not callable(fn):
+        available = sorted(
+            k
+            for k, v in vars(module).items()
+            if callable(v) and not k.startswith("_") and getattr(v, "__module__", None) == module_name
+        )
+        what = "has no function" if fn is None else "has a non-callable"
+        raise RewardConfigError(
+            f"custom reward file {path} {what} {name!r}; its callables are {available}. "
+            f"Fix: set reward.custom_name to one of them, or define {name}(data_source, "
+            "solution_str, ground_truth, extra_info=None, **kwargs) in the file."
+        )
+    return fn
+
+
+# --------------------------------------------------------------------------------------------------
+# timeouts
+
+
+class _ScorerTimeout(Exception):
+    pass
+
+
+def _call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """Run ``fn()``; raise :class:`_ScorerTimeout` after ``timeout_s`` seconds.
+
+    In the main thread of a Unix process a SIGALRM interval timer interrupts the scorer. Elsewhere
+    (e.g. in a worker thread) the scorer runs in a daemon thread that is abandoned on timeout.
+    """
+    use_signal = (
+        hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL)[0] == 0.0  # don't clobber someone else's alarm
+    )
+    if use_signal:
+
+        def _on_alarm(signum, frame):
+            raise _ScorerTimeout()
+
+        old_handler = signal.signal(signal.SIGALRM, _on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return fn()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0.0)
+            signal.signal(signal.SIGALRM, old_handler)
+
+    box: dict[str, Any] = {}
+
+    def _target():
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=_target, name="offstep-reward-scorer", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise _ScorerTimeout()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+# --------------------------------------------------------------------------------------------------
+
+
+def _as_float(value: Any) -> float | None:
+    """``value`` as a float if it is a real number (bool and numpy scalars included), else None."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    item = getattr(value, "item", None)  # 0-d numpy arrays / torch tensors, numpy bools
+    if callable(item) and getattr(value, "ndim", None) == 0:
+        try:
+            inner = item()
+        except Exception:
+            return None
+        return float(inner) if isinstance(inner, numbers.Real) else None
+    return None
+
+
+class RewardFunction:
+    """Scores one response: the custom scorer if configured, else the built-in for its source.
+
+    Picklable: the custom scorer is imported lazily on first use, in whichever process uses it.
+    """
+
+    def __init__(
+        self,
+        custom_path: str | None = None,
+        custom_name: str = "compute_score",
+        timeout_s: float | None = None,
+    ):
+        if timeout_s is not None and not float(timeout_s) > 0:
+            raise ValueError(
+                f"reward timeout must be positive or None, got {timeout_s}. "
+                "Fix: set reward.timeout_s to a positive number of seconds (or null)."
+            )
+        self.custom_path = os.fspath(custom_path) if custom_path else None
+        self.custom_name = custom_name
+        self.timeout_s = float(timeout_s) if timeout_s is not None else None
+        self._custom_fn: Scorer | None = None
+
+    # pickling: never ship the imported function (its module may not exist on the worker)
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_custom_fn"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return (
+            f"RewardFunction(custom_path={self.custom_path!r}, custom_name={self.custom_name!r}, "
+            f"timeout_s={self.timeout_s!r})"
+        )
+
+    # ----------------------------------------------------------------------------------------------
+
+    def _custom(self) -> Scorer:
+        if self._custom_fn is None:
+            self._custom_fn = load_custom_scorer(self.custom_path, self.custom_name)
+        return self._custom_fn
+
+    def scorer_for(self, data_source: str) -> Scorer:
+        """The scorer used for ``data_source``; raises RewardConfigError if there is none."""
+        if self.custom_path:
+            return self._custom()
+        fn = BUILTIN_SCORERS.get(data_source)
+        if fn is None:
+            self.check_sources([data_source])
+        return fn
+
+    def _scorer_label(self) -> str:
+        if self.custom_path:
+            return f"custom scorer {self.custom_name!r} from {self.custom_path}"
+        return "built-in scorer"
+
+    def check_sources(self, data_sources: Iterable[str]) -> None:
+        """Fail early if some data source has no scorer.
+
+        With a custom scorer every source is accepted (the scorer is imported now, so a bad
+        path/name fails here rather than mid-training).
+        """
+        if self.custom_path:
+            self._custom()
+            return
+        unknown = sorted({str(s) for s in data_sources if s not in BUILTIN_SCORERS})
+        if unknown:
+            raise RewardConfigError(
+                f"no reward scorer for data source(s) {unknown}; built-in scorers exist for "
+                f"{sorted(BUILTIN_SCORERS)}. Fix: set reward.custom_path=/path/to/scorer.py "
+                "reward.custom_name=compute_score (a function compute_score(data_source, "
+                "solution_str, ground_truth, extra_info=None)), or relabel the data_source column."
+            )
+
+    # ----------------------------------------------------------------------------------------------
+
+    def __call__(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
+    ) -> tuple[float, dict]:
+        """Score one response. Returns ``(score, extras)`` with ``extras`` a dict of floats."""
+        fn = self.scorer_for(data_source)
+        label = f"{self._scorer_label()} {getattr(fn, '__name__', repr(fn))!r}"
+        sample = solution_str[:200] if isinstance(solution_str, str) else repr(solution_str)[:200]
+
+        def fail(problem: str, cause: BaseException | None = None) -> RewardError:
+            err = RewardError(
+                f"reward for data source {data_source!r} failed: {label} {problem}. "
+                f"Sample (first 200 chars): {sample!r}"
+            )
+            err.__cause__ = cause
+            return err
+
+        def invoke():
+            return fn(data_source, solution_str, ground_truth, extra_info=extra_info)
+
+        try:
+            if self.timeout_s is None:
+                result = invoke()
+            else:
+                result = _call_with_timeout(invoke, self.timeout_s)
+        except _ScorerTimeout as exc:
+            raise fail(f"timed out after {self.timeout_s} s (reward.timeout_s)", exc) from exc
+        except Exception as exc:
+            raise fail(f"raised {type(exc).__name__}: {exc}", exc) from exc
+
+        extras: dict[str, float] = {}
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise fail(f"returned a dict without a 'score' key (keys: {sorted(map(str, result))})")
+            raw = result["score"]
+            for key, value in result.items():
+                if key == "score":
+                    continue
+                as_float = _as_float(value)
+                if as_float is not None:
+                    extras[str(key)] = as_float
+        else:
+            raw = result
+        score = _as_float(raw)
+        if score is None:
+            raise fail(f"returned a non-number {type(raw).__name__} {repr(raw)[:80]}")
+        if not math.isfinite(score):
+            raise fail(f"returned a non-finite score {score}")
+        return score, extras

@@ -1,0 +1,102 @@
+"""A rollout worker: one engine replica on the rollout pool, scoring samples as they finish.
+
+Calls to one worker run in the order they were submitted (a Ray actor runs one method at a
+time), which is what orders generation and weight loads: a ``load_weights`` submitted after a
+``generate`` applies once that generation is done.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from offstep.batch import Sample
+from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
+from offstep.rewards.registry import RewardFunction
+from offstep.rollout.engine import TorchEngine
+from offstep.rollout.types import Completion, SamplingParams
+from offstep.sync.weights import unpack_state_dict
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Request:
+    """One prompt to answer ``params.n`` times; ``uid`` groups its samples."""
+
+    uid: int
+    prompt_ids: list[int]
+    data_source: str
+    ground_truth: object
+    extra_info: dict = field(default_factory=dict)
+
+
+class RolloutWorker:
+    def __init__(
+        self,
+        model_path: str,
+        dtype: str,
+        device: str,
+        num_threads: int,
+        reward: RewardFunction,
+        reward_threads: int,
+        max_batch_size: int,
+    ):
+        torch.set_num_threads(num_threads)
+        self.device = torch.device("cuda" if device == "cuda" else "cpu")
+        tok = load_tokenizer(model_path)
+        model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
+        self.engine = TorchEngine(
+            model, tok, eos_token_ids(tok, model_path), device=self.device, max_batch_size=max_batch_size
+        )
+        self.reward = reward
+        self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def generate(self, requests: list[Request], params: SamplingParams, seed: int) -> tuple[list[Sample], dict]:
+        """Sample ``params.n`` responses per request, scoring each as soon as it finishes."""
+        t0 = time.time()
+        version = self.engine.version
+        futures: dict[int, Future] = {}
+
+        def score(c: Completion) -> tuple[float, dict]:
+            r = requests[c.prompt_index]
+            return self.reward(r.data_source, c.text, r.ground_truth, r.extra_info)
+
+        def on_finish(c: Completion) -> None:
+            futures[id(c)] = self.pool.submit(score, c)
+
+        completions = self.engine.generate([r.prompt_ids for r in requests], params, seed, on_finish=on_finish)
+        t_gen = time.time()
+        samples = []
+        for c in completions:
+            fut = futures.get(id(c)) or self.pool.submit(score, c)
+            value, extra = fut.result()  # a scorer's RewardError propagates to the controller
+            r = requests[c.prompt_index]
+            samples.append(
+                Sample(
+                    uid=r.uid,
+                    prompt_ids=list(r.prompt_ids),
+                    response_ids=list(c.response_ids),
+                    rollout_logprobs=list(c.logprobs),
+                    finish_reason=c.finish_reason,
+                    score=value,
+                    version=version,
+                    data_source=r.data_source,
+                    text=c.text,
+                    reward_extra=extra,
+                )
+            )
+        t1 = time.time()
+        return samples, {"start": t0, "end": t1, "score_tail": t1 - t_gen, "version": version}
+
+    def load_weights(self, packed: dict, version: int) -> dict:
+        t0 = time.time()
+        self.engine.load_weights(unpack_state_dict(packed), version)
+        return {"start": t0, "end": time.time(), "version": version}

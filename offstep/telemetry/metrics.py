@@ -1,0 +1,51 @@
+"""What a run leaves in its output directory: ``metrics.jsonl`` (one object per step) and
+``timeline.jsonl`` (one event per stage: role, stage, step, start, end; seconds since the run
+started), from which the overlap of generation and training can be read."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+
+def _clean(v):
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class JsonlWriter:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "w", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class Timeline:
+    """Stage events on one clock (``time.time()``), stored relative to the run's start."""
+
+    def __init__(self, path: Path, t0: float | None = None):
+        self.t0 = time.time() if t0 is None else t0
+        self.events: list[dict] = []
+        self._out = JsonlWriter(path)
+
+    def add(self, role: str, stage: str, step: int, start: float, end: float, **extra) -> None:
+        ev = {"role": role, "stage": stage, "step": step, "start": round(start - self.t0, 4), "end": round(end - self.t0, 4), **extra}
+        self.events.append(ev)
+        self._out.write(ev)
+
+    def close(self) -> None:
+        self._out.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

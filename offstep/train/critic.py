@@ -1,0 +1,80 @@
+"""The critic role (PPO with GAE): the policy's backbone with a scalar value head.
+
+The value of response token t is read at the position before it (the state that produced it),
+as in verl's critic; the head is a fresh linear layer seeded by ``trainer.seed``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import AutoModelForTokenClassification
+
+from offstep.algos.losses import value_loss
+from offstep.batch import TrainBatch
+from offstep.config.schema import AlgorithmConfig, CriticConfig
+from offstep.train.distributed import GroupSpec, all_mean, all_sum
+from offstep.train.fsdp import DTYPES, RoleWorker, clip_and_step, make_optimizer, shard_model, timed
+
+
+class CriticWorker(RoleWorker):
+    def __init__(
+        self,
+        spec: GroupSpec,
+        seed: int,
+        model_path: str,
+        dtype: str,
+        critic: CriticConfig,
+        algo: AlgorithmConfig,
+        micro_batch_size: int,
+        mini_batch_size: int,
+    ):
+        super().__init__(spec, seed)
+        model = AutoModelForTokenClassification.from_pretrained(
+            model_path, num_labels=1, dtype=DTYPES[dtype], attn_implementation="sdpa"
+        ).to(self.device)
+        model.train()
+        self.model = shard_model(model, self.mesh)
+        self.opt, self.sched = make_optimizer(self.model.parameters(), critic.optim)
+        self.cfg, self.algo = critic, algo
+        self.micro, self.mini = micro_batch_size, mini_batch_size
+
+    def _values(self, mb: TrainBatch) -> torch.Tensor:
+        R = mb.response_mask.shape[1]
+        out = self.model(
+            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+        )
+        return out.logits[:, -R - 1 : -1, 0].float() * mb.response_mask
+
+    @timed
+    @torch.no_grad()
+    def compute_values(self, batch: TrainBatch) -> torch.Tensor:
+        local = self._local(batch)
+        return self._gather(torch.cat([self._values(mb) for mb in local.chunks(self.micro)]))
+
+    @timed
+    def update(self, batch: TrainBatch) -> dict[str, float]:
+        local = self._local(batch)
+        world = self.spec.world_size
+        mini = (self.mini or len(batch)) // world
+        sums, n_mini = {}, 0
+        for _ in range(self.cfg.ppo_epochs):
+            for mini_batch in local.chunks(mini):
+                count = mini_batch.response_mask.sum() if self.algo.loss_agg_mode == "token-mean" else len(mini_batch)
+                denom = all_sum(float(count), self.device) / world
+                losses, clips, toks = [], [], []
+                for mb in mini_batch.chunks(self.micro):
+                    v = self._values(mb)
+                    loss, m = value_loss(
+                        v, mb.values, mb.returns, mb.response_mask,
+                        clip_range=self.cfg.value_clip, loss_agg_mode=self.algo.loss_agg_mode, denom=denom,
+                    )
+                    loss.backward()
+                    losses.append(float(loss))
+                    clips.append(float(m["vf_clipfrac"]))
+                    toks.append(float(mb.response_mask.sum()))
+                norm, _ = clip_and_step(self.model, self.opt, self.sched, self.cfg.optim.grad_clip)
+                for k, v in (("vf_loss", sum(losses)), ("vf_clipfrac", float(np.average(clips, weights=toks)) if sum(toks) else 0.0), ("grad_norm", norm)):
+                    sums[k] = sums.get(k, 0.0) + v
+                n_mini += 1
+        return all_mean({k: v / n_mini for k, v in sums.items()}, self.device)

@@ -1,0 +1,138 @@
+"""What every trainer role shares: an FSDP2-sharded transformers model, its forward pass over a
+``TrainBatch``, the optimizer with warm-up, and the data-parallel split of a batch."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from offstep.algos.losses import entropy_from_logits, logprobs_from_logits
+from offstep.batch import TrainBatch
+from offstep.config.schema import OptimConfig
+from offstep.train.distributed import GroupSpec, setup
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
+    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head)."""
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def make_optimizer(params, cfg: OptimConfig):
+    opt = torch.optim.AdamW(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+    )
+    warmup = max(0, cfg.warmup_steps)
+    # Linear warm-up over the first `warmup` optimizer steps, then constant.
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
+    )
+    return opt, sched
+
+
+def clip_and_step(model, opt, sched, max_norm: float) -> tuple[float, bool]:
+    """Clip gradients; step unless the norm is not finite. Returns (grad_norm, stepped)."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    norm = float(norm)
+    stepped = math.isfinite(norm)
+    if stepped:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    sched.step()
+    return norm, stepped
+
+
+def rank_shard(batch: TrainBatch, rank: int, world: int) -> TrainBatch:
+    """This rank's contiguous share of the batch (data parallel)."""
+    if world == 1:
+        return batch
+    per = len(batch) // world
+    return batch.select(slice(rank * per, (rank + 1) * per))
+
+
+def forward_response(
+    model, mb: TrainBatch, temperature: float, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [B, R] of the response tokens (and their entropy) under ``model``.
+
+    Logits are divided by the sampling temperature so that they match the distribution the
+    rollout sampled from. Only the last R + 1 positions go through the LM head.
+    """
+    R = mb.response_mask.shape[1]
+    out = model(
+        input_ids=mb.input_ids,
+        attention_mask=mb.attention_mask,
+        position_ids=mb.position_ids,
+        use_cache=False,
+        logits_to_keep=R + 1,
+    )
+    logits = out.logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp = logprobs_from_logits(logits, mb.responses)
+    ent = entropy_from_logits(logits) if with_entropy else None
+    return logp, ent
+
+
+class RoleWorker:
+    """Base of the actor, reference and critic workers: joins the group, owns the device."""
+
+    def __init__(self, spec: GroupSpec, seed: int):
+        self.spec = spec
+        self.device, self.mesh = setup(spec)
+        torch.manual_seed(seed)
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    def _local(self, batch: TrainBatch) -> TrainBatch:
+        return rank_shard(batch, self.spec.rank, self.spec.world_size).to(self.device)
+
+    @torch.no_grad()
+    def _logprobs(self, model, batch: TrainBatch, temperature: float, micro: int) -> torch.Tensor:
+        """Log-probs of the whole batch, gathered from every rank (rank 0 returns them)."""
+        local = self._local(batch)
+        parts = [forward_response(model, mb, temperature)[0] for mb in local.chunks(micro)]
+        return self._gather(torch.cat(parts))
+
+    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+        if self.spec.world_size == 1:
+            return t.cpu()
+        out = [torch.empty_like(t) for _ in range(self.spec.world_size)]
+        dist.all_gather(out, t.contiguous())
+        return torch.cat(out).cpu()
+
+    def full_state_dict(self, model) -> dict[str, torch.Tensor]:
+        """Unsharded weights on CPU (on rank 0; other ranks get an empty dict)."""
+        return get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def timed(fn):
+    """Wrap a worker method so it returns ``(result, {"start": t0, "end": t1})``."""
+
+    def wrapper(*args, **kwargs):
+        t0 = time.time()
+        res = fn(*args, **kwargs)
+        return res, {"start": t0, "end": time.time()}
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper

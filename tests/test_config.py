@@ -1,0 +1,84 @@
+"""Configuration: presets, overrides, and the bad-input cases that must fail before Ray starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from offstep.config.loader import ConfigError, load_config
+from offstep.config.validate import validate
+
+
+def test_presets_and_overrides():
+    cfg = load_config([])
+    assert cfg.preset == "default" and cfg.model.path == "smollm2-135m-instruct"
+    assert cfg.pipeline.max_staleness == 1
+    tiny = load_config(["preset=tiny", "pipeline.max_staleness=2", "trainer.total_steps=7", "trainer.seed=3", "trainer.output_dir=x"])
+    assert (tiny.model.path, tiny.pipeline.max_staleness, tiny.trainer.total_steps, tiny.trainer.seed, tiny.trainer.output_dir) == ("tiny", 2, 7, 3, "x")
+    validate(tiny, cpu_count=2, gpu_count=0)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["trainer.no_such_key=1", "trainer.total_steps=abc", "preset=nope"],
+)
+def test_bad_overrides(override):
+    with pytest.raises(ConfigError):
+        load_config([override])
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["pipeline.max_staleness=-1"], "pipeline.max_staleness"),
+        (["data.train_batch_size=3", "rollout.n=3", "resources.trainer_workers=2", "resources.cpus_per_trainer_worker=1"], "resources.trainer_workers"),
+        (["actor.mini_batch_size=3"], "actor.mini_batch_size"),
+        (["resources.trainer_workers=4"], "CPU cores"),
+        (["rollout.replicas=3"], "CPU cores"),
+        (["resources.gpus_per_trainer_worker=1"], "GPUs"),
+        (["rollout.n=1"], "rollout.n"),
+        (["model.path=/no/such/model"], "model.path"),
+        (["reward.custom_path=/no/such/reward.py"], "reward.custom_path"),
+        (["data.train_files=[/no/such.parquet]"], "/no/such.parquet"),
+        (["pipeline.colocate=true"], "pipeline.colocate"),
+        (["algorithm.adv_estimator=foo"], "algorithm.adv_estimator"),
+    ],
+)
+def test_invalid_configs_name_the_key(overrides, key):
+    cfg = load_config(["preset=tiny", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, cpu_count=2, gpu_count=0)
+    assert key in str(e.value)
+
+
+def test_unknown_data_source_fails_before_ray(tmp_path):
+    import pandas as pd
+    import ray
+
+    from offstep.pipeline.controller import train
+
+    f = tmp_path / "d.parquet"
+    pd.DataFrame([
+        {"data_source": "my/unknown", "prompt": [{"role": "user", "content": f"q{i}"}], "ability": "x",
+         "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"index": i}}
+        for i in range(8)
+    ]).to_parquet(f)
+    cfg = load_config(["preset=tiny", f"data.train_files=[{f}]", f"trainer.output_dir={tmp_path / 'out'}", "trainer.progress=off"])
+    assert not ray.is_initialized()
+    with pytest.raises(ValueError, match="my/unknown"):
+        train(cfg)
+    assert not ray.is_initialized()
+
+
+def test_cli_rejects_bad_config_in_seconds():
+    t0 = time.time()
+    p = subprocess.run(
+        [sys.executable, "-m", "offstep.cli", "train", "preset=tiny", "pipeline.max_staleness=-2"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert p.returncode == 2
+    assert "pipeline.max_staleness" in p.stderr and "must be >= 0" in p.stderr
+    assert time.time() - t0 < 60

@@ -1,0 +1,323 @@
+"""The built-in PyTorch rollout engine (offstep.rollout.engine) on the tiny random model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from offstep.rollout.engine import RolloutEngine, TorchEngine, sample_tokens
+from offstep.rollout.types import Completion, SamplingParams
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+QUESTIONS = ["What is 12 + 7?", "Hi", "Count the apples: one, two, three, four, five, six."]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    old = os.environ.get("OFFSTEP_CACHE")
+    os.environ["OFFSTEP_CACHE"] = str(tmp_path_factory.mktemp("offstep_cache"))
+    try:
+        path = resolve_model("tiny")
+        tok = load_tokenizer(path)
+        yield path, tok, load_causal_lm(path), eos_token_ids(tok, path)
+    finally:
+        if old is None:
+            os.environ.pop("OFFSTEP_CACHE", None)
+        else:
+            os.environ["OFFSTEP_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def tok(tiny):
+    return tiny[1]
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return tiny[2]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny):
+    _, tok, model, eos = tiny
+    return TorchEngine(model, tok, eos)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    out = []
+    for q in QUESTIONS:
+        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False).input_ids)
+    assert len({len(p) for p in out}) == len(out)  # different lengths: batches are left-padded
+    return out
+
+
+def _teacher_forced_logprobs(model, prompt, response, temperature):
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(response)].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+def _key(cs):
+    return [(c.prompt_index, c.response_ids, c.finish_reason, c.text) for c in cs]
+
+
+# ------------------------------------------------------------------ basics
+
+
+def test_protocol_and_order(engine, prompts):
+    assert isinstance(engine, RolloutEngine) and engine.version == 0
+    out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=8), seed=1)
+    assert [c.prompt_index for c in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for c in out:
+        assert isinstance(c, Completion)
+        assert len(c.response_ids) == len(c.logprobs) <= 8
+        assert all(lp <= 0 for lp in c.logprobs)
+        assert c.text == engine.tokenizer.decode(c.response_ids, skip_special_tokens=True)
+
+
+def test_same_seed_same_output_different_seed_differs(engine, prompts):
+    p = SamplingParams(n=4, temperature=1.0, max_new_tokens=16)
+    a = engine.generate(prompts, p, seed=123)
+    b = engine.generate(prompts, p, seed=123)
+    c = engine.generate(prompts, p, seed=124)
+    assert _key(a) == _key(b)
+    assert [x.logprobs for x in a] == [x.logprobs for x in b]
+    assert _key(a) != _key(c)
+    # The n samples of one prompt differ from each other.
+    assert len({tuple(x.response_ids) for x in a[:4]}) > 1
+
+
+def test_sub_batching_does_not_change_samples(tiny, prompts):
+    _, tok, model, eos = tiny
+    p = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_new_tokens=12)
+    big = TorchEngine(model, tok, eos, max_batch_size=64).generate(prompts, p, seed=5)
+    small = TorchEngine(model, tok, eos, max_batch_size=2).generate(prompts, p, seed=5)
+    assert _key(big) == _key(small)
+    for x, y in zip(big, small):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
+def test_logprobs_match_teacher_forcing(engine, model, prompts, temperature):
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=temperature, max_new_tokens=16), seed=7)
+    for c in out:
+        ref = _teacher_forced_logprobs(model, prompts[c.prompt_index], c.response_ids, temperature)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (20, 0.6)])
+def test_logprobs_with_top_k_top_p(engine, model, prompts, top_k, top_p):
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    t = 0.8
+    out = engine.generate(
+        prompts, SamplingParams(n=2, temperature=t, top_k=top_k, top_p=top_p, max_new_tokens=12), seed=3
+    )
+    for c in out:
+        prompt, resp = prompts[c.prompt_index], c.response_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + resp])).logits[0, len(prompt) - 1 : -1] / t
+        if top_k:
+            logits = TopKLogitsWarper(top_k)(None, logits)
+        if top_p < 1:
+            logits = TopPLogitsWarper(top_p)(None, logits)
+        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+        assert torch.isfinite(ref).all()  # every sampled token is inside the filtered support
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+def test_sample_tokens_inverse_cdf():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    p = SamplingParams(temperature=1.0)
+    picks = [sample_tokens(logits, p, torch.tensor([u], dtype=torch.float64))[0].item() for u in (0.0, 0.15, 0.35, 0.65, 0.999)]
+    assert picks == [0, 1, 2, 3, 3]
+    tok, lp = sample_tokens(logits, SamplingParams(top_k=1), torch.tensor([0.5], dtype=torch.float64))
+    assert tok.item() == 3 and lp.item() == 0.0
+    tok, lp = sample_tokens(logits, SamplingParams(top_p=0.65), torch.tensor([0.0], dtype=torch.float64))
+    assert tok.item() == 2 and abs(lp.item() - torch.log(torch.tensor(3 / 7)).item()) < 1e-6
+
+
+# ------------------------------------------------------------------ greedy
+
+
+def test_greedy_matches_hf_generate(engine, model, tok, prompts):
+    p = SamplingParams(temperature=0.0, max_new_tokens=24)
+    for i, prompt in enumerate(prompts):
+        (c,) = engine.generate([prompt], p, seed=0)
+        ref = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+            max_new_tokens=24, eos_token_id=engine.eos_ids, pad_token_id=tok.pad_token_id,
+        )
+        assert c.response_ids == ref[0, len(prompt):].tolist()
+        # greedy log-probs are those of the untempered distribution
+        want = _teacher_forced_logprobs(model, prompt, c.response_ids, 0.0)
+        assert torch.allclose(torch.tensor(c.logprobs), want, atol=1e-4)
+    # Greedy ignores the seed.
+    assert _key(engine.generate(prompts, p, seed=1)) == _key(engine.generate(prompts, p, seed=2))
+
+
+def test_greedy_alone_equals_inside_padded_batch(engine, prompts):
+    p = SamplingParams(temperature=0.0, max_new_tokens=20)
+    short = min(range(len(prompts)), key=lambda i: len(prompts[i]))
+    (alone,) = engine.generate([prompts[short]], p, seed=0)
+    batch = engine.generate(prompts, p, seed=0)
+    assert batch[short].response_ids == alone.response_ids
+    assert torch.allclose(torch.tensor(batch[short].logprobs), torch.tensor(alone.logprobs), atol=1e-4)
+    for i, prompt in enumerate(prompts):
+        (single,) = engine.generate([prompt], p, seed=0)
+        assert batch[i].response_ids == single.response_ids
+
+
+def test_top_k_1_equals_greedy(engine, prompts):
+    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16), seed=0)
+    topk1 = engine.generate(prompts, SamplingParams(n=2, temperature=1.3, top_k=1, max_new_tokens=16), seed=9)
+    assert [c.response_ids for c in topk1] == [g.response_ids for g in greedy for _ in range(2)]
+    assert all(lp == 0.0 for c in topk1 for lp in c.logprobs)  # a point mass after top-k=1
+
+
+# ------------------------------------------------------------------ stopping
+
+
+def test_max_new_tokens_gives_length(engine, prompts):
+    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=5), seed=0)
+    assert all(c.finish_reason == "length" and len(c.response_ids) == 5 for c in out)
+    empty = engine.generate(prompts[:1], SamplingParams(n=2, max_new_tokens=0), seed=0)
+    assert [(c.response_ids, c.finish_reason, c.text) for c in empty] == [([], "length", "")] * 2
+
+
+def test_eos_stops_and_is_kept(tiny, prompts):
+    _, tok, model, eos = tiny
+    p = SamplingParams(n=3, temperature=1.0, max_new_tokens=24)
+    base = TorchEngine(model, tok, eos).generate(prompts, p, seed=11)
+    # Make a token that the first sample emits at position 3 an extra eos id.
+    target = base[0].response_ids[3]
+    out = TorchEngine(model, tok, [*eos, target]).generate(prompts, p, seed=11)
+    for b, c in zip(base, out):
+        if target in b.response_ids:
+            cut = b.response_ids.index(target) + 1
+            assert c.response_ids == b.response_ids[:cut] and c.finish_reason == "stop"
+            assert c.logprobs == pytest.approx(b.logprobs[:cut], abs=1e-5)
+        else:
+            assert c.response_ids == b.response_ids and c.finish_reason == b.finish_reason
+    assert out[0].finish_reason == "stop" and len(out[0].response_ids) <= 4
+
+
+def _stop_string_completed_at(tok, ids, k):
+    """A stop string that decode(ids[:k + 1]) contains but decode(ids[:k]) does not, or None."""
+    prefix = tok.decode(ids[:k], skip_special_tokens=True)
+    full = tok.decode(ids[: k + 1], skip_special_tokens=True)
+    if not prefix or len(full) <= len(prefix) or not full.startswith(prefix) or "\ufffd" in full:
+        return None
+    stop = full[len(prefix) - 1 :]  # starts before token k, ends inside it
+    return None if stop in prefix else stop
+
+
+def test_stop_string_and_other_rows_unaffected(engine, tok, prompts):
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=24)
+    base = engine.generate(prompts, p, seed=21)
+    found = next(
+        (i, k, s)
+        for i, c in enumerate(base)
+        for k in range(3, 12)
+        if (s := _stop_string_completed_at(tok, c.response_ids, k)) is not None
+    )
+    i, k, stop = found
+    out = engine.generate(prompts, SamplingParams(**{**p.__dict__, "stop": (stop,)}), seed=21)
+    for b, c in zip(base, out):
+        if stop in b.text:
+            assert c.finish_reason == "stop" and stop in c.text
+            assert b.response_ids[: len(c.response_ids)] == c.response_ids
+            assert stop not in tok.decode(c.response_ids[:-1], skip_special_tokens=True)
+        else:  # rows that did not stop are exactly as without the stop string (finished rows left the batch)
+            assert (c.response_ids, c.finish_reason) == (b.response_ids, b.finish_reason)
+            assert c.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    assert out[i].finish_reason == "stop" and len(out[i].response_ids) <= k + 1
+    assert any(c.finish_reason == "length" for c in out)
+
+
+def test_on_finish_called_once_per_sample_as_they_finish(tiny, prompts):
+    _, tok, model, eos = tiny
+    p = SamplingParams(n=3, temperature=1.0, max_new_tokens=24)
+    base = TorchEngine(model, tok, eos).generate(prompts, p, seed=4)
+    extra = base[4].response_ids[2]  # an extra eos id: some samples end early, at different steps
+    engine = TorchEngine(model, tok, [*eos, extra])
+    forwards = []
+    handle = model.register_forward_hook(lambda *args: forwards.append(1))
+    seen: list[tuple[Completion, int]] = []
+    try:
+        out = engine.generate(prompts, p, seed=4, on_finish=lambda c: seen.append((c, len(forwards))))
+    finally:
+        handle.remove()
+    assert len(seen) == len(out) == 9
+    assert sorted(id(c) for c, _ in seen) == sorted(map(id, out))  # once each, the very objects returned
+    assert any(c.finish_reason == "stop" for c in out) and any(c.finish_reason == "length" for c in out)
+    # One sub-batch: a sample with L tokens is reported right after its L-th token was sampled, i.e.
+    # after the prefill and L - 1 decode forwards, while the others are still decoding.
+    for c, n_forwards in seen:
+        assert n_forwards == len(c.response_ids)
+
+
+# ------------------------------------------------------------------ weights
+
+
+def test_load_weights_changes_outputs_and_version(tiny, prompts):
+    path, tok, _, eos = tiny
+    model = load_causal_lm(path)  # a private copy: this test edits weights
+    engine = TorchEngine(model, tok, eos)
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=16)
+    before = engine.generate(prompts, p, seed=0)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+
+    new = {k: v.clone() for k, v in original.items() if k != "lm_head.weight"}  # tied head may be absent
+    eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+    new["model.embed_tokens.weight"][eos_id] *= 25.0  # make <|im_end|> very likely
+    engine.load_weights(new, version=3)
+    assert engine.version == 3
+    assert torch.equal(model.lm_head.weight, new["model.embed_tokens.weight"])
+    after = engine.generate(prompts, p, seed=0)
+    assert _key(after) != _key(before)
+    assert any(c.finish_reason == "stop" and c.response_ids[-1] == eos_id for c in after)
+    for c in after:
+        assert "<|im_end|>" not in c.text and c.extra.get("weight_version") == 3
+
+    engine.load_weights(original, version=4)  # lm_head present as well: also fine
+    assert engine.version == 4
+    assert _key(engine.generate(prompts, p, seed=0)) == _key(before)
+
+
+def test_load_weights_errors(tiny):
+    path, tok, _, eos = tiny
+    model = load_causal_lm(path)
+    engine = TorchEngine(model, tok, eos)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    missing = {k: v for k, v in sd.items() if k != "model.norm.weight"}
+    with pytest.raises(KeyError, match="model.norm.weight"):
+        engine.load_weights(missing, version=1)
+    with pytest.raises(KeyError, match="bogus.weight"):
+        engine.load_weights({**sd, "bogus.weight": torch.zeros(1)}, version=1)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        engine.load_weights({**sd, "model.norm.weight": torch.zeros(3)}, version=1)
+    assert engine.version == 0
+    engine.reset_cache()
+
+
+def test_bad_inputs(engine, prompts):
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate([[]], SamplingParams(), seed=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine.generate([[10**6]], SamplingParams(), seed=0)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.generate(prompts, SamplingParams(top_p=0.0), seed=0)
+    with pytest.raises(ValueError, match="temperature"):
+        engine.generate(prompts, SamplingParams(temperature=-1.0), seed=0)
+    assert engine.generate([], SamplingParams(), seed=0) == []
