@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -128,11 +129,10 @@ class RoleWorker:
 def timed(fn):
     """Wrap a worker method so it returns ``(result, {"start": t0, "end": t1})``."""
 
+    @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         t0 = time.time()
         res = fn(*args, **kwargs)
         return res, {"start": t0, "end": time.time()}
 
-    wrapper.__name__ = fn.__name__
-    wrapper.__doc__ = fn.__doc__
     return wrapper
