@@ -115,6 +115,31 @@ def test_logprobs_match_teacher_forcing(engine, model, prompts, temperature):
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
 
 
+def test_dynamic_cache_fallback_gives_same_results(tiny, prompts):
+    # Models with sliding-window / hybrid layers use transformers' DynamicCache instead of the
+    # pre-allocated layers; both paths must agree.
+    _, tok, model, eos = tiny
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
+    fast = TorchEngine(model, tok, eos)
+    plain = TorchEngine(model, tok, eos)
+    plain._prealloc = False
+    a, b = fast.generate(prompts, p, seed=8), plain.generate(prompts, p, seed=8)
+    assert _key(a) == _key(b)
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
+
+
+def test_long_generation_grows_the_cache(tiny, prompts):
+    # The KV buffers start at prompt + 256 positions and grow: past that, results must stay exact.
+    _, tok, model, _ = tiny
+    engine = TorchEngine(model, tok, eos_ids=[10**6])  # an id never sampled: every sample runs to the limit
+    out = engine.generate(prompts[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=300), seed=2)
+    for c in out:
+        assert len(c.response_ids) == 300 and c.finish_reason == "length"
+        ref = _teacher_forced_logprobs(model, prompts[c.prompt_index], c.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (20, 0.6)])
 def test_logprobs_with_top_k_top_p(engine, model, prompts, top_k, top_p):
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
@@ -139,12 +164,30 @@ def test_logprobs_with_top_k_top_p(engine, model, prompts, top_k, top_p):
 def test_sample_tokens_inverse_cdf():
     logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
     p = SamplingParams(temperature=1.0)
-    picks = [sample_tokens(logits, p, torch.tensor([u], dtype=torch.float64))[0].item() for u in (0.0, 0.15, 0.35, 0.65, 0.999)]
+    us = (0.0, 0.15, 0.35, 0.65, 0.999)
+    picks = [sample_tokens(logits, p, torch.tensor([u], dtype=torch.float64))[0].item() for u in us]
     assert picks == [0, 1, 2, 3, 3]
     tok, lp = sample_tokens(logits, SamplingParams(top_k=1), torch.tensor([0.5], dtype=torch.float64))
     assert tok.item() == 3 and lp.item() == 0.0
     tok, lp = sample_tokens(logits, SamplingParams(top_p=0.65), torch.tensor([0.0], dtype=torch.float64))
     assert tok.item() == 2 and abs(lp.item() - torch.log(torch.tensor(3 / 7)).item()) < 1e-6
+
+
+def test_sample_tokens_quantiles_match_distribution():
+    # Evenly spaced uniforms through the inverse CDF hit every token in proportion to its probability
+    # (a vocabulary of 700: several CDF blocks, the last one partial).
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 700, generator=gen) * 2.0
+    logits[0, 100:140] = float("-inf")  # a zero-mass stretch is never picked
+    n = 20000
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    for t in (1.0, 0.5):
+        tokens, lps = sample_tokens(logits.expand(n, -1), SamplingParams(temperature=t), u)
+        probs = torch.softmax(logits[0] / t, -1)
+        counts = torch.bincount(tokens, minlength=700).double()
+        assert (counts - n * probs.double()).abs().max() <= 1.0 + 1e-6
+        assert torch.allclose(lps, torch.log_softmax(logits[0] / t, -1)[tokens], atol=1e-5)
+        assert tokens.diff().min() >= 0  # monotone in u: a true inverse CDF
 
 
 # ------------------------------------------------------------------ greedy

@@ -65,7 +65,12 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class ModelError(ValueError):
@@ -126,7 +131,10 @@ def check_model_path(name_or_path: str) -> None:
     the converted folder is already cached); anything else must be an existing folder with a ``config.json``.
     """
     if not isinstance(name_or_path, (str, os.PathLike)) or not str(name_or_path).strip():
-        raise ModelError(f"model.path must be a non-empty string; give a local Hugging Face model folder or one of the aliases: {_aliases_text()}")
+        raise ModelError(
+            "model.path must be a non-empty string; give a local Hugging Face model folder or one of the "
+            f"aliases: {_aliases_text()}"
+        )
     alias = _normalise_alias(str(name_or_path))
     if alias is not None:
         if alias == DEFAULT_MODEL and not (_alias_dir(alias) / _DONE_MARKER).is_file():
@@ -139,7 +147,10 @@ def check_model_path(name_or_path: str) -> None:
             f"aliases: {_aliases_text()} (nothing is downloaded from the Hugging Face Hub)"
         )
     if not path.is_dir():
-        raise ModelError(f"model.path {str(name_or_path)!r} is a file, not a folder; give the Hugging Face model folder that contains config.json")
+        raise ModelError(
+            f"model.path {str(name_or_path)!r} is a file, not a folder; give the Hugging Face model folder "
+            "that contains config.json"
+        )
     if not (path / "config.json").is_file():
         raise ModelError(
             f"model.path {str(name_or_path)!r} has no config.json, so it is not a Hugging Face model folder; give the "
@@ -161,9 +172,13 @@ def _check_causal_lm_folder(path: Path, shown: str) -> None:
     try:
         cfg = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
-        raise ModelError(f"model.path {shown!r}: config.json cannot be read ({exc}); re-save the model with `save_pretrained`") from exc
+        raise ModelError(
+            f"model.path {shown!r}: config.json cannot be read ({exc}); re-save the model with `save_pretrained`"
+        ) from exc
     if not isinstance(cfg, dict):
-        raise ModelError(f"model.path {shown!r}: config.json is not a JSON object; re-save the model with `save_pretrained`")
+        raise ModelError(
+            f"model.path {shown!r}: config.json is not a JSON object; re-save the model with `save_pretrained`"
+        )
     model_type = cfg.get("model_type")
     architectures = cfg.get("architectures") or []
     mapping, class_names = _causal_lm_class_names()
@@ -350,7 +365,10 @@ def _build_tiny_tokenizer():
 
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
     )
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -431,7 +449,10 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ModelError(f"the tokenizer in {folder!r} has neither a pad nor an eos token; set eos_token in tokenizer_config.json")
+            raise ModelError(
+                f"the tokenizer in {folder!r} has neither a pad nor an eos token; set eos_token in "
+                "tokenizer_config.json"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
@@ -472,5 +493,8 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | os.PathL
             add(data["eos_token_id"])
             break
     if not ids:
-        raise ModelError(f"no eos token id for {str(model_path)!r}: set eos_token in the tokenizer or eos_token_id in generation_config.json")
+        raise ModelError(
+            f"no eos token id for {str(model_path)!r}: set eos_token in the tokenizer or eos_token_id in "
+            "generation_config.json"
+        )
     return ids
