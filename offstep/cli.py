@@ -27,14 +27,16 @@ def _train(argv: list[str]) -> int:
     if show:
         print(to_yaml(cfg))
         return 0
-    from offstep.pipeline.controller import train
+    from offstep.pipeline.controller import StalenessError, train
+    from offstep.rewards.registry import RewardError
 
     try:
         history = train(cfg)
     except KeyboardInterrupt:
         print("offstep: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as e:  # data, model and reward problems carry the fix
+    except (ValueError, FileNotFoundError, RewardError, StalenessError) as e:
+        # Data, model and reward problems carry their fix in the message.
         print(f"offstep: {e}", file=sys.stderr)
         return 2
     last = [m for m in history if "reward/mean" in m]

@@ -91,8 +91,8 @@ def test_synchronous_matches_in_process_reference(tmp_path, ray_session):
         s.bind(("", 0))
         port = s.getsockname()[1]
     spec = GroupSpec(0, 1, "127.0.0.1", port, "cpu", 1)
-    actor = ActorWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", cfg.actor, cfg.algorithm, r.temperature)
-    ref = RefWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", r.temperature, cfg.actor.micro_batch_size)
+    actor = ActorWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature)
+    ref = RefWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", r.temperature, cfg.actor.micro_batch_size)
     try:
         for step in range(1, steps + 1):
             _, idx = stream.next_batch()
@@ -112,3 +112,33 @@ def test_synchronous_matches_in_process_reference(tmp_path, ray_session):
     finally:
         actor.shutdown()
         torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+def test_fsdp_two_ranks_two_replicas_colocated(tmp_path, ray_session):
+    """FSDP2 over 2 trainer ranks (gloo) and 2 rollout replicas sharing their cores (k = 0)."""
+    _, metrics, timeline = run(
+        tmp_path, 0, 2, "pipeline.colocate=true", "resources.trainer_workers=2", "rollout.replicas=2",
+        "trainer.val_before_train=false",
+    )
+    assert [m["policy_version"] for m in metrics] == [1, 2]
+    assert all(m["actor/grad_norm"] > 0 and m["rollout/staleness_max"] == 0 for m in metrics)
+    roles = {e["role"] for e in timeline if e["stage"] == "gen"}
+    assert roles == {"rollout/0", "rollout/1"}
+    # Both replicas loaded the new weights after each step.
+    loads = [(e["role"], e["version"]) for e in timeline if e["stage"] == "load_weights"]
+    assert sorted(loads) == [("rollout/0", 1), ("rollout/0", 2), ("rollout/1", 1), ("rollout/1", 2)]
+
+
+def test_custom_reward_that_raises_names_source_and_sample(tmp_path, ray_session):
+    from offstep.rewards.registry import RewardError
+
+    f = tmp_path / "bad_reward.py"
+    f.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+        "    raise KeyError('boom')\n"
+    )
+    cfg = tiny_cfg(tmp_path / "out", 1, 2, f"reward.custom_path={f}", "trainer.val_before_train=false")
+    with pytest.raises(RewardError) as e:
+        train(cfg)
+    msg = str(e.value)
+    assert "arithmetic" in msg and "compute_score" in msg and "boom" in msg

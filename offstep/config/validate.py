@@ -44,7 +44,8 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     _need(cfg.trainer.val_freq >= 0, f"trainer.val_freq={cfg.trainer.val_freq} must be >= 0 (0: before and after only)", e)
     _choice(cfg.trainer.device, "trainer.device", ("auto", "cpu", "cuda"), e)
     _choice(cfg.trainer.progress, "trainer.progress", ("auto", "bar", "plain", "off"), e)
-    _choice(cfg.model.dtype, "model.dtype", ("float32", "bfloat16"), e)
+    for key, v in (("model.dtype", cfg.model.dtype), ("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)):
+        _choice(v, key, ("float32", "bfloat16"), e)
     _choice(cfg.data.overlong_prompts, "data.overlong_prompts", ("filter", "error"), e)
     _choice(cfg.algorithm.adv_estimator, "algorithm.adv_estimator", ADV_ESTIMATORS, e)
     _choice(cfg.algorithm.kl_estimator, "algorithm.kl_estimator", KL_ESTIMATORS, e)

@@ -114,12 +114,12 @@ class Controller:
         roles_per_bundle = 1 + use_ref + use_critic + (1 if colocate else 0)
         share = 1.0 / roles_per_bundle
         env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OFFSTEP_CACHE": str(cache_dir())}
-        mp, dt, seed, T = self.inputs.model_path, cfg.model.dtype, cfg.trainer.seed, ro.temperature
+        mp, dt, cd, seed, T = self.inputs.model_path, cfg.model.dtype, cfg.model.compute_dtype, cfg.trainer.seed, ro.temperature
         tp = self.trainer_pool
-        self.actor = RoleGroup.create("actor", ActorWorker, tp, share, env, seed, mp, dt, cfg.actor, cfg.algorithm, T)
-        self.ref = RoleGroup.create("ref", RefWorker, tp, share, env, seed, mp, dt, T, cfg.actor.micro_batch_size) if use_ref else None
+        self.actor = RoleGroup.create("actor", ActorWorker, tp, share, env, seed, mp, dt, cd, cfg.actor, cfg.algorithm, T)
+        self.ref = RoleGroup.create("ref", RefWorker, tp, share, env, seed, mp, dt, cd, T, cfg.actor.micro_batch_size) if use_ref else None
         self.critic = (
-            RoleGroup.create("critic", CriticWorker, tp, share, env, seed, mp, dt, cfg.critic, cfg.algorithm,
+            RoleGroup.create("critic", CriticWorker, tp, share, env, seed, mp, dt, cd, cfg.critic, cfg.algorithm,
                              cfg.actor.micro_batch_size, cfg.actor.mini_batch_size)
             if use_critic else None
         )
@@ -131,7 +131,7 @@ class Controller:
             opts = pool.options(b, share if colocate else 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)})
             self.rollout.append(
                 rollout_cls.options(name=f"rollout-{i}", **opts).remote(
-                    mp, dt, pool.device, pool.cpus_per_bundle, self.inputs.reward, cfg.reward.num_threads, ro.max_batch_size
+                    mp, ro.dtype, pool.device, pool.cpus_per_bundle, self.inputs.reward, cfg.reward.num_threads, ro.max_batch_size
                 )
             )
         # Fail here, with the worker's own error, rather than at the first step.

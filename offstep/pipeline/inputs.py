@@ -31,7 +31,8 @@ def _files(cfg: Config, out_dir: Path) -> tuple[list[str], list[str]]:
     if cfg.data.train_files:
         return list(cfg.data.train_files), list(cfg.data.val_files)
     train, val = write_task(
-        cfg.data.task, str(out_dir / "data"), cfg.data.task_train_size, cfg.data.task_val_size, cfg.trainer.seed
+        cfg.data.task, str(out_dir / "data"), cfg.data.task_train_size, cfg.data.task_val_size, cfg.trainer.seed,
+        **cfg.data.task_options,
     )
     return [train], [val]
 

@@ -38,12 +38,14 @@ class ActorWorker(RoleWorker):
         seed: int,
         model_path: str,
         dtype: str,
+        compute_dtype: str,
         actor: ActorConfig,
         algo: AlgorithmConfig,
         temperature: float,
     ):
         super().__init__(spec, seed)
         self.cfg, self.algo, self.temperature = actor, algo, temperature
+        self.compute_dtype = compute_dtype
         model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
         model.train()
         self.model = shard_model(model, self.mesh)
@@ -52,7 +54,7 @@ class ActorWorker(RoleWorker):
 
     @timed
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._logprobs(self.model, batch, self.temperature, self.cfg.micro_batch_size)
+        return self._logprobs(self.model, batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype)
 
     def _denominator(self, mb: TrainBatch) -> float:
         """This rank's share of the mini-batch's normaliser (FSDP2 averages gradients over ranks)."""
@@ -64,7 +66,7 @@ class ActorWorker(RoleWorker):
 
     def _micro_step(self, mb: TrainBatch, denom: float) -> dict[str, float]:
         algo, mask = self.algo, mb.response_mask
-        logp, ent = forward_response(self.model, mb, self.temperature, with_entropy=True)
+        logp, ent = forward_response(self.model, mb, self.temperature, True, self.compute_dtype)
         old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
         is_w, metrics = None, {}
         if algo.tis:

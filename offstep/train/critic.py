@@ -14,7 +14,7 @@ from offstep.algos.losses import value_loss
 from offstep.batch import TrainBatch
 from offstep.config.schema import AlgorithmConfig, CriticConfig
 from offstep.train.distributed import GroupSpec, all_mean, all_sum
-from offstep.train.fsdp import DTYPES, RoleWorker, clip_and_step, make_optimizer, shard_model, timed
+from offstep.train.fsdp import DTYPES, RoleWorker, autocast, clip_and_step, make_optimizer, shard_model, timed
 
 
 class CriticWorker(RoleWorker):
@@ -24,6 +24,7 @@ class CriticWorker(RoleWorker):
         seed: int,
         model_path: str,
         dtype: str,
+        compute_dtype: str,
         critic: CriticConfig,
         algo: AlgorithmConfig,
         micro_batch_size: int,
@@ -38,12 +39,14 @@ class CriticWorker(RoleWorker):
         self.opt, self.sched = make_optimizer(self.model.parameters(), critic.optim)
         self.cfg, self.algo = critic, algo
         self.micro, self.mini = micro_batch_size, mini_batch_size
+        self.compute_dtype = compute_dtype
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         R = mb.response_mask.shape[1]
-        out = self.model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
-        )
+        with autocast(mb.input_ids.device, self.compute_dtype):
+            out = self.model(
+                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
+            )
         return out.logits[:, -R - 1 : -1, 0].float() * mb.response_mask
 
     @timed

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -18,6 +19,12 @@ from offstep.config.schema import OptimConfig
 from offstep.train.distributed import GroupSpec, setup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def autocast(device: torch.device, compute_dtype: str):
+    if compute_dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[compute_dtype])
 
 
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -63,21 +70,23 @@ def rank_shard(batch: TrainBatch, rank: int, world: int) -> TrainBatch:
 
 
 def forward_response(
-    model, mb: TrainBatch, temperature: float, with_entropy: bool = False
+    model, mb: TrainBatch, temperature: float, with_entropy: bool = False, compute_dtype: str = "float32"
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of the response tokens (and their entropy) under ``model``.
 
     Logits are divided by the sampling temperature so that they match the distribution the
-    rollout sampled from. Only the last R + 1 positions go through the LM head.
+    rollout sampled from. Only the last R + 1 positions go through the LM head. Under a bfloat16
+    ``compute_dtype`` the model runs in autocast; log-probs and entropy are taken in float32.
     """
     R = mb.response_mask.shape[1]
-    out = model(
-        input_ids=mb.input_ids,
-        attention_mask=mb.attention_mask,
-        position_ids=mb.position_ids,
-        use_cache=False,
-        logits_to_keep=R + 1,
-    )
+    with autocast(mb.input_ids.device, compute_dtype):
+        out = model(
+            input_ids=mb.input_ids,
+            attention_mask=mb.attention_mask,
+            position_ids=mb.position_ids,
+            use_cache=False,
+            logits_to_keep=R + 1,
+        )
     logits = out.logits[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature
@@ -102,10 +111,10 @@ class RoleWorker:
         return rank_shard(batch, self.spec.rank, self.spec.world_size).to(self.device)
 
     @torch.no_grad()
-    def _logprobs(self, model, batch: TrainBatch, temperature: float, micro: int) -> torch.Tensor:
+    def _logprobs(self, model, batch: TrainBatch, temperature: float, micro: int, compute_dtype: str) -> torch.Tensor:
         """Log-probs of the whole batch, gathered from every rank (rank 0 returns them)."""
         local = self._local(batch)
-        parts = [forward_response(model, mb, temperature)[0] for mb in local.chunks(micro)]
+        parts = [forward_response(model, mb, temperature, compute_dtype=compute_dtype)[0] for mb in local.chunks(micro)]
         return self._gather(torch.cat(parts))
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
