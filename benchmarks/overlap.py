@@ -6,10 +6,13 @@ For each preset, three runs of the same number of steps on the same machine, one
   the equal-total-cores baseline;
 * ``sync-disjoint``: k = 0 on the same disjoint pools as one-step (1 + 1 cores on 2 cores) —
   isolates what the overlap itself hides;
-* ``one-step``: k = 1 on disjoint pools.
+* ``one-step``: k = 1 on disjoint pools;
+* ``one-step+ref-on-rollout``: the same, with the reference log-probs computed by the rollout
+  worker after generating (``pipeline.ref_on_rollout=true``), off the trainer's critical path.
 
 Reported: the median ``timing_s/step`` over steps 2..N (step 1 includes warm-up), the median
-generation and trainer-busy time, and the overlap efficiency of the one-step run,
+rollout-busy (generation, plus reference log-probs where the rollout computes them) and
+trainer-busy time, and the overlap efficiency of the one-step run,
 ``(max(busy generation, busy training) + sync) / step time`` (1.0 is the physical limit).
 
     python benchmarks/overlap.py                      # tiny and default presets
@@ -29,9 +32,10 @@ import tempfile
 from pathlib import Path
 
 MODES = {
-    "sync-colocated": ["pipeline.max_staleness=0", "pipeline.colocate=true", "resources.cpus_per_trainer_worker={cores}"],
-    "sync-disjoint": ["pipeline.max_staleness=0"],
-    "one-step": ["pipeline.max_staleness=1"],
+    "sync-colocated": ["pipeline.max_staleness=0", "pipeline.colocate=true", "resources.cpus_per_trainer_worker={cores}", "pipeline.ref_on_rollout=false"],
+    "sync-disjoint": ["pipeline.max_staleness=0", "pipeline.ref_on_rollout=false"],
+    "one-step": ["pipeline.max_staleness=1", "pipeline.ref_on_rollout=false"],
+    "one-step+ref-on-rollout": ["pipeline.max_staleness=1", "pipeline.ref_on_rollout=true"],
 }
 
 
@@ -46,14 +50,21 @@ def run(preset: str, mode: str, steps: int, cores: int, out: Path) -> list[dict]
     return [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
 
 
+TRAINER_STAGES = ("timing_s/ref", "timing_s/values", "timing_s/old_logprobs", "timing_s/update_critic", "timing_s/update_actor")
+
+
 def busy(m: dict) -> float:
-    return sum(v for k, v in m.items() if k in ("timing_s/ref", "timing_s/values", "timing_s/old_logprobs", "timing_s/update_critic", "timing_s/update_actor"))
+    return sum(m.get(k, 0.0) for k in TRAINER_STAGES)
+
+
+def rollout_busy(m: dict) -> float:
+    return m["timing_s/gen"] + m.get("timing_s/ref_rollout", 0.0)
 
 
 def summarise(metrics: list[dict]) -> dict:
     ms = [m for m in metrics if m.get("step", 0) >= 2 and "timing_s/step" in m]
     med = lambda key: statistics.median(key(m) for m in ms)  # noqa: E731
-    step, gen, train, sync = med(lambda m: m["timing_s/step"]), med(lambda m: m["timing_s/gen"]), med(busy), med(lambda m: m["timing_s/sync_weights"])
+    step, gen, train, sync = med(lambda m: m["timing_s/step"]), med(rollout_busy), med(busy), med(lambda m: m["timing_s/sync_weights"])
     return {"step": step, "gen": gen, "train": train, "sync": sync, "efficiency": (max(gen, train) + sync) / step}
 
 
@@ -82,7 +93,7 @@ def main() -> None:
         f"Machine: {platform.machine()}, {cores} cores, {platform.python_version()}; medians over steps 2..N of one run each, "
         f"run one after another by `python benchmarks/overlap.py`.",
         "",
-        "| preset | mode | step s | gen s | trainer busy s | sync s | speed vs sync-colocated | overlap efficiency |",
+        "| preset | mode | step s | rollout busy s | trainer busy s | sync s | speed vs sync-colocated | overlap efficiency |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
         *rows,
     ])

@@ -29,6 +29,7 @@ class Sample:
     data_source: str = ""
     text: str = ""
     reward_extra: dict = field(default_factory=dict)
+    ref_logprobs: Optional[list[float]] = None  # set when the rollout worker holds the reference
 
 
 @dataclass
@@ -99,6 +100,12 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
             input_ids[i, P : P + r] = torch.tensor(s.response_ids, dtype=torch.long)
             response_mask[i, :r] = 1.0
             rollout_logprobs[i, :r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    ref_logprobs = None
+    if all(s.ref_logprobs is not None for s in samples):
+        ref_logprobs = torch.zeros((B, R), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            if s.response_ids:
+                ref_logprobs[i, : len(s.response_ids)] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
     # Positions count real tokens only, so a left-padded prompt sees the same positions as unpadded.
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return TrainBatch(
@@ -111,4 +118,5 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
         group_ids=torch.tensor([s.uid for s in samples], dtype=torch.long),
         versions=torch.tensor([s.version for s in samples], dtype=torch.long),
         prompt_len=P,
+        ref_logprobs=ref_logprobs,
     )

@@ -142,3 +142,35 @@ def test_custom_reward_that_raises_names_source_and_sample(tmp_path, ray_session
         train(cfg)
     msg = str(e.value)
     assert "arithmetic" in msg and "compute_score" in msg and "boom" in msg
+
+
+@pytest.mark.parametrize(
+    "extra, keys",
+    [
+        # PPO with GAE: the critic role joins the trainer pool.
+        (["algorithm.adv_estimator=gae", "rollout.n=1"], ["critic/vf_loss", "timing_s/values", "timing_s/update_critic"]),
+        # Two PPO epochs over two mini-batches: old log-probs come from a separate forward pass.
+        (["actor.ppo_epochs=2", "actor.mini_batch_size=4", "actor.micro_batch_size=2"], ["timing_s/old_logprobs", "actor/clipfrac"]),
+    ],
+    ids=["gae", "ppo-epochs"],
+)
+def test_algorithm_variants_run(tmp_path, ray_session, extra, keys):
+    _, metrics, _ = run(tmp_path, 1, 2, "trainer.val_before_train=false", *extra)
+    assert [m["rollout/staleness_max"] for m in metrics] == [0, 1]
+    for m in metrics:
+        for k in keys:
+            assert k in m, k
+        assert m["actor/grad_norm"] > 0
+
+
+def test_reference_on_rollout_matches_trainer_reference(tmp_path, ray_session):
+    """pipeline.ref_on_rollout moves the reference forward to the rollout workers; with k = 0 the
+    run must match the one with the reference on the trainer pool."""
+    _, on_trainer, _ = run(tmp_path / "a", 0, 2, "trainer.val_before_train=false")
+    _, on_rollout, timeline = run(tmp_path / "b", 0, 2, "trainer.val_before_train=false", "pipeline.ref_on_rollout=true")
+    assert any(e["stage"] == "ref" and e["role"] == "rollout/0" for e in timeline)
+    for a, b in zip(on_trainer, on_rollout):
+        assert "timing_s/ref_rollout" in b and "timing_s/ref" not in b
+        assert a["reward/mean"] == b["reward/mean"]
+        assert b["actor/kl"] == pytest.approx(a["actor/kl"], rel=1e-4, abs=1e-7)
+        assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-4, abs=1e-7)

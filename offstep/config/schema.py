@@ -128,6 +128,10 @@ class PipelineConfig:
     # Synchronous mode only: rollout workers share the trainer's cores (colocated) instead of a
     # pool of their own. Ignored (pools are always disjoint) when max_staleness >= 1.
     colocate: bool = False
+    # Compute the reference policy's log-probs on the rollout workers (a frozen copy beside the
+    # engine) right after each generation instead of on the trainer pool. In off-policy modes this
+    # moves a forward pass off the trainer's critical path onto cores that would otherwise wait.
+    ref_on_rollout: bool = False
 
 
 @dataclass

@@ -29,7 +29,7 @@ from offstep.models.loading import cache_dir
 from offstep.pipeline.inputs import Inputs, prepare_inputs, to_request
 from offstep.pipeline.pools import Pool, RoleGroup
 from offstep.rollout.types import SamplingParams
-from offstep.rollout.worker import RolloutWorker
+from offstep.rollout.worker import RefSpec, RolloutWorker
 from offstep.telemetry.console import ConsoleProgress
 from offstep.telemetry.metrics import JsonlWriter, Timeline
 from offstep.train.actor import ActorWorker
@@ -109,7 +109,11 @@ class Controller:
         colocate = cfg.pipeline.colocate and self.k == 0
         self.trainer_pool = Pool.create("trainer", res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker)
         self.rollout_pool = None if colocate else Pool.create("rollout", ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica)
-        use_ref = cfg.algorithm.use_kl_loss
+        use_ref = cfg.algorithm.use_kl_loss and not cfg.pipeline.ref_on_rollout
+        ref_spec = (
+            RefSpec(cfg.model.dtype, cfg.model.compute_dtype, ro.temperature, cfg.actor.micro_batch_size)
+            if cfg.algorithm.use_kl_loss and cfg.pipeline.ref_on_rollout else None
+        )
         use_critic = cfg.algorithm.adv_estimator == "gae"
         roles_per_bundle = 1 + use_ref + use_critic + (1 if colocate else 0)
         share = 1.0 / roles_per_bundle
@@ -131,7 +135,8 @@ class Controller:
             opts = pool.options(b, share if colocate else 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)})
             self.rollout.append(
                 rollout_cls.options(name=f"rollout-{i}", **opts).remote(
-                    mp, ro.dtype, pool.device, pool.cpus_per_bundle, self.inputs.reward, cfg.reward.num_threads, ro.max_batch_size
+                    mp, ro.dtype, pool.device, pool.cpus_per_bundle, self.inputs.reward, cfg.reward.num_threads, ro.max_batch_size,
+                    ref_spec,
                 )
             )
         # Fail here, with the worker's own error, rather than at the first step.
@@ -141,11 +146,11 @@ class Controller:
         return [g for g in (getattr(self, r, None) for r in ("actor", "ref", "critic")) if g is not None]
 
     # ---------------------------------------------------------------- rollout
-    def _submit_generation(self, prompts, params: SamplingParams, seed_base: int, batch_idx: int, uid0: int):
+    def _submit_generation(self, prompts, params, seed_base: int, batch_idx: int, uid0: int, with_ref: bool = True):
         reqs = [to_request(p, uid0 + i) for i, p in enumerate(prompts)]
         chunks = split(reqs, len(self.rollout))
         refs = [
-            w.generate.remote(chunk, params, gen_seed(seed_base, batch_idx, i))
+            w.generate.remote(chunk, params, gen_seed(seed_base, batch_idx, i), with_ref)
             for i, (w, chunk) in enumerate(zip(self.rollout, chunks)) if chunk
         ]
         return asyncio.ensure_future(asyncio.gather(*refs))
@@ -156,13 +161,17 @@ class Controller:
         fut = self._submit_generation(prompts, self.params, self.cfg.trainer.seed, batch_idx, batch_idx * len(idx))
         return batch_idx, epoch, fut
 
-    def _record_gen(self, results: list[tuple[list[Sample], dict]], step: int, stage: str = "gen") -> tuple[list[Sample], float]:
-        samples, span = [], 0.0
+    def _record_gen(self, results: list[tuple[list[Sample], dict]], step: int, stage: str = "gen") -> tuple[list[Sample], float, float]:
+        """Samples of every replica, in replica order; (samples, generation s, rollout-side ref s)."""
+        samples, span, ref = [], 0.0, 0.0
         for i, (s, t) in enumerate(results):
             samples.extend(s)
             self.timeline.add(f"rollout/{i}", stage, step, t["start"], t["end"], version=t["version"])
             span = max(span, t["end"] - t["start"])
-        return samples, span
+            if "ref_start" in t:
+                self.timeline.add(f"rollout/{i}", "ref", step, t["ref_start"], t["ref_end"])
+                ref = max(ref, t["ref_end"] - t["ref_start"])
+        return samples, span, ref
 
     # ---------------------------------------------------------------- training
     async def _timed(self, group: RoleGroup, method: str, stage: str, step: int, *args):
@@ -210,10 +219,10 @@ class Controller:
     def _start_validation(self, step: int):
         if not self.inputs.val:
             return None
-        return self._submit_generation(self.inputs.val, self.val_params, self.cfg.trainer.seed + 1, 0, 10**9)
+        return self._submit_generation(self.inputs.val, self.val_params, self.cfg.trainer.seed + 1, 0, 10**9, False)
 
     async def _finish_validation(self, fut, step: int) -> dict:
-        samples, _ = self._record_gen(await fut, step, stage="val")
+        samples, _, _ = self._record_gen(await fut, step, stage="val")
         scores = torch.tensor([s.score for s in samples])
         acc = torch.tensor([float(s.reward_extra.get("acc", s.score >= 1.0)) for s in samples])
         m = {"val/reward/mean": scores.mean().item(), "val/acc": acc.mean().item(), "val/policy_version": samples[0].version}
@@ -244,11 +253,13 @@ class Controller:
             results = await fut
             wait = time.time() - t_wait
             self.timeline.add("trainer", "wait_gen", step, t_wait, time.time())
-            samples, gen_span = self._record_gen(results, step)
+            samples, gen_span, ref_span = self._record_gen(results, step)
             batch = collate(samples, self.inputs.pad_id)
             staleness = check_staleness(batch.versions, self.version, k)
             m = self._batch_metrics(step, epoch, samples, batch, staleness)
             m["timing_s/gen"], m["timing_s/wait_gen"] = gen_span, wait
+            if ref_span:
+                m["timing_s/ref_rollout"] = ref_span
             m["perf/gen_tokens_per_s"] = float(batch.response_mask.sum()) / max(gen_span, 1e-9)
             self.console.status(f"step {step}: training")
             await self._train(batch, step, m)

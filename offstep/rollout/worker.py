@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offstep.batch import Sample
+from offstep.batch import Sample, collate
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sync.weights import unpack_state_dict
+from offstep.train.fsdp import forward_response
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -34,6 +35,16 @@ class Request:
     extra_info: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RefSpec:
+    """How a rollout worker computes reference log-probs (``pipeline.ref_on_rollout``)."""
+
+    dtype: str
+    compute_dtype: str
+    temperature: float
+    micro_batch_size: int
+
+
 class RolloutWorker:
     def __init__(
         self,
@@ -44,6 +55,7 @@ class RolloutWorker:
         reward: RewardFunction,
         reward_threads: int,
         max_batch_size: int,
+        ref: "RefSpec | None" = None,
     ):
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
@@ -53,14 +65,22 @@ class RolloutWorker:
             model, tok, eos_token_ids(tok, model_path), device=self.device, max_batch_size=max_batch_size
         )
         self.reward = reward
+        self.ref = ref
+        if ref is not None:  # a frozen copy of the initial policy, for the KL term
+            self.ref_model = load_causal_lm(model_path, dtype=DTYPES[ref.dtype]).to(self.device)
+            self.ref_model.requires_grad_(False)
+        self.pad_id = tok.pad_token_id
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
 
     @property
     def version(self) -> int:
         return self.engine.version
 
-    def generate(self, requests: list[Request], params: SamplingParams, seed: int) -> tuple[list[Sample], dict]:
-        """Sample ``params.n`` responses per request, scoring each as soon as it finishes."""
+    def generate(
+        self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool = True
+    ) -> tuple[list[Sample], dict]:
+        """Sample ``params.n`` responses per request, scoring each as soon as it finishes; with a
+        reference model here (``pipeline.ref_on_rollout``), attach its log-probs too."""
         t0 = time.time()
         version = self.engine.version
         futures: dict[int, Future] = {}
@@ -94,7 +114,27 @@ class RolloutWorker:
                 )
             )
         t1 = time.time()
-        return samples, {"start": t0, "end": t1, "score_tail": t1 - t_gen, "version": version}
+        timing = {"start": t0, "end": t1, "score_tail": t1 - t_gen, "version": version}
+        if self.ref is not None and with_ref:
+            self._attach_ref_logprobs(samples)
+            timing["ref_start"], timing["ref_end"] = t1, time.time()
+        return samples, timing
+
+    @torch.no_grad()
+    def _attach_ref_logprobs(self, samples: list[Sample]) -> None:
+        """Reference log-probs, computed here while the trainer is busy with the previous batch.
+
+        The same forward as the trainer's reference role (``forward_response``, same temperature
+        and compute dtype), on this worker's share of the batch.
+        """
+        batch = collate(samples, self.pad_id).to(self.device)
+        parts = [
+            forward_response(self.ref_model, mb, self.ref.temperature, compute_dtype=self.ref.compute_dtype)[0]
+            for mb in batch.chunks(self.ref.micro_batch_size)
+        ]
+        ref = torch.cat(parts).cpu()
+        for i, s in enumerate(samples):
+            s.ref_logprobs = ref[i, : len(s.response_ids)].tolist()
 
     def load_weights(self, packed: dict, version: int) -> dict:
         t0 = time.time()
