@@ -174,3 +174,20 @@ def test_reference_on_rollout_matches_trainer_reference(tmp_path, ray_session):
         assert a["reward/mean"] == b["reward/mean"]
         assert b["actor/kl"] == pytest.approx(a["actor/kl"], rel=1e-4, abs=1e-7)
         assert b["actor/pg_loss"] == pytest.approx(a["actor/pg_loss"], rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_default_preset_runs_two_steps(tmp_path, ray_session):
+    """The real default (SmolLM2-135M from the GGUF package) through the whole pipeline."""
+    cfg = load_config([
+        "trainer.total_steps=2", f"trainer.output_dir={tmp_path}", "trainer.progress=off",
+        "trainer.val_before_train=false", "data.task_val_size=8", "data.train_batch_size=4",
+        "rollout.max_new_tokens=16",
+    ])
+    assert cfg.preset == "default" and cfg.model.path == "smollm2-135m-instruct"
+    train(cfg)
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [m["rollout/staleness_max"] for m in metrics] == [0, 1]
+    assert [m["policy_version"] for m in metrics] == [1, 2]
+    assert all(m["actor/grad_norm"] >= 0 and 0 <= m["reward/mean"] <= 1 for m in metrics)
+    assert "val/acc" in metrics[-1] and abs(metrics[-1]["actor/mismatch_kl_k1"]) < 0.05

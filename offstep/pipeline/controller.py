@@ -239,7 +239,7 @@ class Controller:
             vm = await self._finish_validation(self._start_validation(0), 0)
             self._emit({"step": 0, "policy_version": 0, **vm})
         pending: deque = deque()
-        finishing: list[asyncio.Task] = []
+        finishing: asyncio.Future | None = None
         launched = 0
         t_step = time.time()
         for step in range(1, N + 1):
@@ -273,13 +273,16 @@ class Controller:
             t_step = now
             m["perf/tokens_per_s"] = float(batch.attention_mask.sum()) / m["timing_s/step"]
             m["policy_version"] = self.version
-            finishing.append(asyncio.ensure_future(self._finish_step(m, export_s, loads, val)))
-        for t in finishing:
-            await t
+            finishing = asyncio.ensure_future(self._finish_step(m, export_s, loads, val, finishing))
+        if finishing is not None:
+            await finishing
         return self.history
 
-    async def _finish_step(self, m: dict, export_s: float, loads, val) -> None:
-        """Complete a step's record once its weight sync (and validation) are done; in step order."""
+    async def _finish_step(self, m: dict, export_s: float, loads, val, previous) -> None:
+        """Complete a step's record once its weight sync (and validation) are done; records are
+        emitted in step order because each waits for the previous step's first."""
+        if previous is not None:
+            await previous
         timings = await loads
         for i, t in enumerate(timings):
             self.timeline.add(f"rollout/{i}", "load_weights", m["step"], t["start"], t["end"], version=t["version"])
