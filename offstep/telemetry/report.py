@@ -1,0 +1,199 @@
+"""``offstep report RUN_DIR [RUN_DIR ...]``: PNG plots and a ``summary.md`` from what a run left.
+
+Plots (written into the first run's directory, under ``report/``):
+
+* ``reward.png``      — training reward and validation accuracy over steps and over wall-clock time;
+* ``timing.png``      — stacked time per step: waiting for generation, reference, old log-probs,
+                        critic, actor update, weight sync (one panel per run);
+* ``timeline.png``    — the pipeline timeline: one lane per role (rollout replicas, trainer), a bar
+                        per stage and step, so overlap and idle gaps are visible at a glance;
+* ``offpolicy.png``   — staleness and rollout-vs-trainer mismatch metrics over steps.
+
+Several runs (e.g. synchronous vs one-step) share the line plots and get a panel each otherwise.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from offstep.telemetry.metrics import read_jsonl  # noqa: E402
+
+# Trainer-side stages stacked in timing.png, in execution order.
+TIMING_STACK = (
+    ("timing_s/wait_gen", "wait for generation"),
+    ("timing_s/ref", "reference"),
+    ("timing_s/old_logprobs", "old log-probs"),
+    ("timing_s/values", "critic values"),
+    ("timing_s/update_critic", "critic update"),
+    ("timing_s/update_actor", "actor update"),
+    ("timing_s/sync_weights", "weight sync"),
+)
+STAGE_COLORS = {
+    "gen": "tab:blue", "val": "tab:cyan", "ref": "tab:purple", "load_weights": "tab:gray",
+    "wait_gen": "#dddddd", "old_logprobs": "tab:pink", "values": "tab:olive", "update_critic": "tab:brown",
+    "update_actor": "tab:orange", "sync_export": "tab:red",
+}
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    steps: list[dict]  # training steps (step >= 1)
+    val: list[dict]  # records carrying validation metrics (step 0 included)
+    timeline: list[dict]
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Run":
+        path = Path(path)
+        metrics_file = path / "metrics.jsonl"
+        if not metrics_file.is_file():
+            raise FileNotFoundError(f"{metrics_file} does not exist: give the trainer.output_dir of an offstep run")
+        records = read_jsonl(metrics_file)
+        timeline_file = path / "timeline.jsonl"
+        return cls(
+            name=path.name,
+            path=path,
+            steps=[m for m in records if m.get("step", 0) >= 1 and "reward/mean" in m],
+            val=[m for m in records if "val/acc" in m],
+            timeline=read_jsonl(timeline_file) if timeline_file.is_file() else [],
+        )
+
+    def series(self, key: str) -> tuple[list[int], list[float]]:
+        pts = [(m["step"], m[key]) for m in self.steps if m.get(key) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def wall_clock(self) -> list[float]:
+        """Seconds since the first step began, at the end of each step."""
+        t, out = 0.0, []
+        for m in self.steps:
+            t += m.get("timing_s/step", 0.0)
+            out.append(t)
+        return out
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_reward(runs: list[Run], out: Path) -> Path:
+    fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for r in runs:
+        x, y = r.series("reward/mean")
+        (line,) = ax_s.plot(x, y, marker=".", label=f"{r.name} reward")
+        ax_t.plot(r.wall_clock()[: len(y)], y, marker=".", color=line.get_color(), label=f"{r.name} reward")
+        if r.val:
+            vx = [m["step"] for m in r.val]
+            vy = [m["val/acc"] for m in r.val]
+            ax_s.plot(vx, vy, "s--", color=line.get_color(), alpha=0.7, label=f"{r.name} val acc")
+    ax_s.set(xlabel="step", ylabel="reward / accuracy", title="reward and validation accuracy")
+    ax_t.set(xlabel="wall-clock seconds since step 1 began", ylabel="reward", title="reward over time")
+    for ax in (ax_s, ax_t):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, out / "reward.png")
+
+
+def plot_timing(runs: list[Run], out: Path) -> Path:
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 3.4 * len(runs)), squeeze=False)
+    for ax, r in zip(axes[:, 0], runs):
+        steps = [m["step"] for m in r.steps]
+        bottom = [0.0] * len(steps)
+        for key, label in TIMING_STACK:
+            vals = [m.get(key) or 0.0 for m in r.steps]
+            if any(vals):
+                ax.bar(steps, vals, bottom=bottom, label=label)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.plot(steps, [m.get("timing_s/step", 0.0) for m in r.steps], "k.-", label="step time")
+        ax.plot(steps, [m.get("timing_s/gen", 0.0) for m in r.steps], "b:", label="generation (rollout)")
+        ax.set(xlabel="step", ylabel="seconds", title=f"{r.name}: where the trainer's time goes")
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8, ncol=4)
+    return _save(fig, out / "timing.png")
+
+
+def plot_timeline(runs: list[Run], out: Path) -> Path:
+    fig, axes = plt.subplots(len(runs), 1, figsize=(14, 1.2 + 1.1 * max(2, _lanes_max(runs)) * len(runs)), squeeze=False)
+    for ax, r in zip(axes[:, 0], runs):
+        lanes = sorted({e["role"] for e in r.timeline}, key=lambda s: (s != "trainer", s))
+        seen = set()
+        for y, lane in enumerate(lanes):
+            for e in (e for e in r.timeline if e["role"] == lane):
+                color = STAGE_COLORS.get(e["stage"], "tab:green")
+                label = e["stage"] if e["stage"] not in seen else None
+                seen.add(e["stage"])
+                ax.barh(y, e["end"] - e["start"], left=e["start"], height=0.6, color=color, edgecolor="black", linewidth=0.3, label=label)
+                if e["stage"] in ("gen", "update_actor") and e["end"] - e["start"] > 0:
+                    ax.text((e["start"] + e["end"]) / 2, y, str(e["step"]), ha="center", va="center", fontsize=7)
+        ax.set_yticks(range(len(lanes)), lanes)
+        ax.set(xlabel="seconds since the run started", title=f"{r.name}: pipeline timeline (numbers: step)")
+        ax.grid(alpha=0.3, axis="x")
+        ax.legend(fontsize=7, ncol=6, loc="upper left", bbox_to_anchor=(0, -0.35))
+    return _save(fig, out / "timeline.png")
+
+
+def _lanes_max(runs: list[Run]) -> int:
+    return max((len({e["role"] for e in r.timeline}) for r in runs), default=1)
+
+
+def plot_offpolicy(runs: list[Run], out: Path) -> Path:
+    keys = [("rollout/staleness_max", "staleness (max)"), ("actor/mismatch_kl_k1", "mismatch KL k1"), ("actor/is_weight_mean", "IS weight mean"), ("actor/kl", "KL to reference")]
+    fig, axes = plt.subplots(1, len(keys), figsize=(15, 3.6))
+    for ax, (key, title) in zip(axes, keys):
+        for r in runs:
+            x, y = r.series(key)
+            if y:
+                ax.plot(x, y, marker=".", label=r.name)
+        ax.set(xlabel="step", title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, out / "offpolicy.png")
+
+
+def summary(runs: list[Run]) -> str:
+    """A Markdown table of each run's headline numbers, taken straight from metrics.jsonl."""
+    rows = []
+    for r in runs:
+        rewards = [m["reward/mean"] for m in r.steps]
+        step_t = [m["timing_s/step"] for m in r.steps[1:]] or [m["timing_s/step"] for m in r.steps]
+        k = min(5, len(rewards))
+        rows.append({
+            "run": r.name,
+            "steps": len(r.steps),
+            f"reward, first {k} steps": sum(rewards[:k]) / k if k else float("nan"),
+            f"reward, last {k} steps": sum(rewards[-k:]) / k if k else float("nan"),
+            "val acc, first": r.val[0]["val/acc"] if r.val else float("nan"),
+            "val acc, last": r.val[-1]["val/acc"] if r.val else float("nan"),
+            "median step s": statistics.median(step_t) if step_t else float("nan"),
+            "median gen s": statistics.median(m["timing_s/gen"] for m in r.steps) if r.steps else float("nan"),
+            "max staleness": max((m["rollout/staleness_max"] for m in r.steps), default=0),
+            "wall s (steps)": r.wall_clock()[-1] if r.steps else 0.0,
+        })
+    cols = list(rows[0])
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    lines += ["| " + " | ".join(fmt(row[c]) for c in cols) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> Path:
+    runs = [Run.load(d) for d in run_dirs]
+    if not any(r.steps for r in runs):
+        raise ValueError(f"no training steps in {', '.join(str(d) for d in run_dirs)}: metrics.jsonl has none yet")
+    out = Path(out_dir) if out_dir else runs[0].path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    plots = [plot_reward(runs, out), plot_timing(runs, out), plot_timeline(runs, out), plot_offpolicy(runs, out)]
+    text = ["# offstep report", "", summary(runs), ""]
+    text += [f"![{p.stem}]({p.name})" for p in plots]
+    (out / "summary.md").write_text("\n".join(text) + "\n")
+    return out
