@@ -27,13 +27,13 @@ from offstep.telemetry.metrics import read_jsonl  # noqa: E402
 
 # Trainer-side stages stacked in timing.png, in execution order.
 TIMING_STACK = (
-    ("timing_s/wait_gen", "wait for generation"),
-    ("timing_s/ref", "reference"),
-    ("timing_s/old_logprobs", "old log-probs"),
-    ("timing_s/values", "critic values"),
-    ("timing_s/update_critic", "critic update"),
-    ("timing_s/update_actor", "actor update"),
-    ("timing_s/sync_weights", "weight sync"),
+    ("timing_s/wait_gen", "wait for generation", "#bbbbbb"),
+    ("timing_s/ref", "reference", "tab:purple"),
+    ("timing_s/old_logprobs", "old log-probs", "tab:pink"),
+    ("timing_s/values", "critic values", "tab:olive"),
+    ("timing_s/update_critic", "critic update", "tab:brown"),
+    ("timing_s/update_actor", "actor update", "tab:orange"),
+    ("timing_s/sync_weights", "weight sync (export + load)", "tab:red"),
 )
 STAGE_COLORS = {
     "gen": "tab:blue", "val": "tab:cyan", "ref": "tab:purple", "load_weights": "tab:gray",
@@ -109,10 +109,10 @@ def plot_timing(runs: list[Run], out: Path) -> Path:
     for ax, r in zip(axes[:, 0], runs):
         steps = [m["step"] for m in r.steps]
         bottom = [0.0] * len(steps)
-        for key, label in TIMING_STACK:
+        for key, label, color in TIMING_STACK:
             vals = [m.get(key) or 0.0 for m in r.steps]
             if any(vals):
-                ax.bar(steps, vals, bottom=bottom, label=label)
+                ax.bar(steps, vals, bottom=bottom, label=label, color=color)
                 bottom = [b + v for b, v in zip(bottom, vals)]
         ax.plot(steps, [m.get("timing_s/step", 0.0) for m in r.steps], "k.-", label="step time")
         ax.plot(steps, [m.get("timing_s/gen", 0.0) for m in r.steps], "b:", label="generation (rollout)")
