@@ -45,6 +45,7 @@ def test_bad_overrides(override):
         (["data.train_files=[/no/such.parquet]"], "/no/such.parquet"),
         (["pipeline.colocate=true"], "pipeline.colocate"),
         (["algorithm.adv_estimator=foo"], "algorithm.adv_estimator"),
+        (["trainer.loggers=[console,nope]"], "trainer.loggers"),
     ],
 )
 def test_invalid_configs_name_the_key(overrides, key):

@@ -44,6 +44,10 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     _need(cfg.trainer.val_freq >= 0, f"trainer.val_freq={cfg.trainer.val_freq} must be >= 0 (0: before and after only)", e)
     _choice(cfg.trainer.device, "trainer.device", ("auto", "cpu", "cuda"), e)
     _choice(cfg.trainer.progress, "trainer.progress", ("auto", "bar", "plain", "off"), e)
+    from offstep.telemetry.loggers import KNOWN as LOGGERS
+
+    for name in cfg.trainer.loggers:
+        _choice(name, "trainer.loggers entry", LOGGERS, e)
     for key, v in (("model.dtype", cfg.model.dtype), ("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)):
         _choice(v, key, ("float32", "bfloat16"), e)
     _choice(cfg.data.overlong_prompts, "data.overlong_prompts", ("filter", "error"), e)

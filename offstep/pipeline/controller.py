@@ -31,6 +31,7 @@ from offstep.pipeline.pools import Pool, RoleGroup
 from offstep.rollout.types import SamplingParams
 from offstep.rollout.worker import RefSpec, RolloutWorker
 from offstep.telemetry.console import ConsoleProgress
+from offstep.telemetry.loggers import SampleLog, TensorBoardLogger
 from offstep.telemetry.metrics import JsonlWriter, Timeline
 from offstep.train.actor import ActorWorker
 from offstep.train.critic import CriticWorker
@@ -73,7 +74,8 @@ class Controller:
         self.k = cfg.pipeline.max_staleness
         self.out = Path(cfg.trainer.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.console = ConsoleProgress(cfg.trainer.total_steps, cfg.trainer.progress)
+        progress = cfg.trainer.progress if "console" in cfg.trainer.loggers else "off"
+        self.console = ConsoleProgress(cfg.trainer.total_steps, progress)
         self.version = 0  # trainer's policy version: number of updates applied
         self.history: list[dict] = []
 
@@ -93,6 +95,8 @@ class Controller:
             max_new_tokens=cfg.rollout.max_new_tokens, stop=tuple(cfg.rollout.stop),
         )
         self.metrics = JsonlWriter(self.out / "metrics.jsonl")
+        self.samples_log = SampleLog(self.out / "samples.jsonl")
+        self.tensorboard = TensorBoardLogger(self.out) if "tensorboard" in cfg.trainer.loggers else None
         self.timeline = Timeline(self.out / "timeline.jsonl")
         self._start_workers()
 
@@ -159,7 +163,7 @@ class Controller:
         epoch, idx = self.stream.next_batch()
         prompts = [self.inputs.train[i] for i in idx]
         fut = self._submit_generation(prompts, self.params, self.cfg.trainer.seed, batch_idx, batch_idx * len(idx))
-        return batch_idx, epoch, fut
+        return batch_idx, epoch, prompts, fut
 
     def _record_gen(self, results: list[tuple[list[Sample], dict]], step: int, stage: str = "gen") -> tuple[list[Sample], float, float]:
         """Samples of every replica, in replica order; (samples, generation s, rollout-side ref s)."""
@@ -247,13 +251,14 @@ class Controller:
             while len(pending) <= k and launched < N:
                 launched += 1
                 pending.append(self._launch(launched))
-            batch_idx, epoch, fut = pending.popleft()
+            batch_idx, epoch, prompts, fut = pending.popleft()
             t_wait = time.time()
             self.console.status(f"step {step}: waiting for generation")
             results = await fut
             wait = time.time() - t_wait
             self.timeline.add("trainer", "wait_gen", step, t_wait, time.time())
             samples, gen_span, ref_span = self._record_gen(results, step)
+            self._log_samples(step, samples, prompts, batch_idx * len(prompts))
             batch = collate(samples, self.inputs.pad_id)
             staleness = check_staleness(batch.versions, self.version, k)
             m = self._batch_metrics(step, epoch, samples, batch, staleness)
@@ -294,7 +299,23 @@ class Controller:
     def _emit(self, m: dict) -> None:
         self.history.append(m)
         self.metrics.write(m)
+        if self.tensorboard is not None:
+            self.tensorboard.log(m)
         self.console.step(m)
+
+    def _log_samples(self, step: int, samples: list[Sample], prompts, uid0: int) -> None:
+        t = self.cfg.trainer
+        if not t.log_samples_freq or (step != 1 and step % t.log_samples_freq):
+            return
+        rows = [
+            {"step": step, "version": s.version, "data_source": s.data_source,
+             "prompt": prompts[s.uid - uid0].record.messages[-1]["content"], "response": s.text,
+             "reward": s.score, "finish_reason": s.finish_reason}
+            for s in samples[:: max(1, len(samples) // t.log_samples_count)][: t.log_samples_count]
+        ]
+        self.samples_log.write(rows)
+        if self.tensorboard is not None:
+            self.tensorboard.log_samples(step, rows)
 
     def _batch_metrics(self, step, epoch, samples, batch: TrainBatch, staleness) -> dict:
         lengths = batch.response_mask.sum(-1)
@@ -319,8 +340,8 @@ class Controller:
             except Exception:
                 pass
         self.console.close()
-        for w in ("metrics", "timeline"):
-            if hasattr(self, w):
+        for w in ("metrics", "timeline", "samples_log", "tensorboard"):
+            if getattr(self, w, None) is not None:
                 getattr(self, w).close()
         for g in self._groups():
             g.kill()
