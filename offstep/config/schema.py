@@ -143,7 +143,6 @@ class TrainerConfig:
     val_before_train: bool = True
     device: str = "auto"  # auto | cpu | cuda
     progress: str = "auto"  # auto | bar | plain | off
-    overwrite: bool = True  # reuse output_dir, replacing its metrics
     loggers: list[str] = field(default_factory=lambda: ["console", "jsonl"])  # + tensorboard
     log_samples_freq: int = 5  # write a few generations to samples.jsonl every N steps (0: never)
     log_samples_count: int = 4

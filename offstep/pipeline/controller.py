@@ -185,7 +185,6 @@ class Controller:
 
     async def _train(self, batch: TrainBatch, step: int, m: dict) -> None:
         cfg, algo = self.cfg, self.cfg.algorithm
-        batch_ref = None
         if self.ref is not None:
             batch.ref_logprobs, m["timing_s/ref"] = await self._timed(self.ref, "compute_logprobs", "ref", step, batch)
         if self.critic is not None:

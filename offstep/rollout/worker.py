@@ -19,9 +19,7 @@ from offstep.rewards.registry import RewardFunction
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sync.weights import unpack_state_dict
-from offstep.train.fsdp import forward_response
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+from offstep.train.fsdp import DTYPES, forward_response
 
 
 @dataclass
