@@ -3,6 +3,7 @@
     offstep train [key=value ...]     train (Hydra overrides over the typed config; preset=tiny)
     offstep train --cfg [overrides]   print the resolved config and exit
     offstep report RUN_DIR [RUN_DIR]  plots and summary.md of one run, or several compared
+    offstep eval MODEL --data FILE    accuracy and reward per data source of a model folder or alias
 """
 
 from __future__ import annotations
@@ -62,6 +63,53 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
+def _eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="offstep eval", description="accuracy and reward per data source")
+    parser.add_argument("model", help="a local Hugging Face model folder or an alias (smollm2-135m-instruct, tiny)")
+    parser.add_argument("--data", required=True, help="verl parquet or JSONL file")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (best@n is reported for n > 1)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-key", default="prompt")
+    parser.add_argument("--answer-key", default=None)
+    parser.add_argument("--max-prompt-length", type=int, default=1024)
+    parser.add_argument("--reward-path", default=None, help="a file with compute_score(...) (verl signature)")
+    parser.add_argument("--reward-name", default="compute_score")
+    parser.add_argument("--batch-size", type=int, default=32, help="prompts per generation call")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="eval_results.json", help="results file (JSON)")
+    args = parser.parse_args(argv)
+    import json
+
+    from offstep.pipeline.evaluation import run_eval
+    from offstep.rewards.registry import RewardError
+
+    def progress(done: int, total: int) -> None:
+        print(f"offstep eval: {done}/{total} prompts", file=sys.stderr, flush=True)
+
+    try:
+        metrics, samples = run_eval(
+            args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens, prompt_key=args.prompt_key, answer_key=args.answer_key,
+            max_prompt_length=args.max_prompt_length, reward_path=args.reward_path, reward_name=args.reward_name,
+            batch_size=args.batch_size, seed=args.seed, on_progress=progress,
+        )
+    except (ValueError, FileNotFoundError, RewardError) as e:
+        print(f"offstep: {e}", file=sys.stderr)
+        return 2
+    result = {
+        "model": args.model, "data": args.data, "n": args.n, "temperature": args.temperature, "metrics": metrics,
+        "samples": [{"uid": s.uid, "data_source": s.data_source, "response": s.text, "score": s.score} for s in samples],
+    }
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    for k, v in metrics.items():
+        print(f"{k:<40} {v:.4f}")
+    print(f"offstep: results in {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,10 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="offstep", description="k-step off-policy RL post-training for LLMs")
-    parser.add_argument("command", choices=["train", "report"], help="what to do")
+    parser.add_argument("command", choices=["train", "report", "eval"], help="what to do")
     args, rest = parser.parse_known_args(argv[:1])
     if args.command == "train":
         return _train(argv[1:])
+    if args.command == "eval":
+        return _eval(argv[1:])
     return _report(argv[1:])
 
 

@@ -26,6 +26,7 @@ from offstep.config.loader import to_yaml
 from offstep.config.schema import Config
 from offstep.data.stream import PromptStream
 from offstep.models.loading import cache_dir
+from offstep.pipeline.evaluation import summarise
 from offstep.pipeline.inputs import Inputs, prepare_inputs, to_request
 from offstep.pipeline.pools import Pool, RoleGroup
 from offstep.rollout.types import SamplingParams
@@ -226,14 +227,7 @@ class Controller:
 
     async def _finish_validation(self, fut, step: int) -> dict:
         samples, _, _ = self._record_gen(await fut, step, stage="val")
-        scores = torch.tensor([s.score for s in samples])
-        acc = torch.tensor([float(s.reward_extra.get("acc", s.score >= 1.0)) for s in samples])
-        m = {"val/reward/mean": scores.mean().item(), "val/acc": acc.mean().item(), "val/policy_version": samples[0].version}
-        for src in sorted({s.data_source for s in samples}):
-            sel = torch.tensor([s.data_source == src for s in samples])
-            m[f"val/{src}/acc"] = acc[sel].mean().item()
-            m[f"val/{src}/reward/mean"] = scores[sel].mean().item()
-        return m
+        return {**summarise(samples), "val/policy_version": samples[0].version}
 
     # ---------------------------------------------------------------- the loop
     async def fit(self) -> list[dict]:

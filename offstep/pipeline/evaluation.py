@@ -1,0 +1,88 @@
+"""Accuracy and reward of scored samples, overall and per data source — shared by validation
+during training and by ``offstep eval``.
+
+A sample counts as correct when its scorer says so (an ``acc`` field in a dict result) or, for
+rule scorers that return only a score, when the score is at least 1. With n samples per prompt,
+``mean@n`` averages over all samples and ``best@n`` takes each prompt's best sample.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from offstep.batch import Sample
+
+
+def is_correct(s: Sample) -> float:
+    return float(s.reward_extra.get("acc", s.score >= 1.0))
+
+
+def summarise(samples: list[Sample], prefix: str = "val/") -> dict[str, float]:
+    """Metrics named ``{prefix}acc``, ``{prefix}reward/mean``, ``{prefix}<source>/acc``,
+    ``{prefix}<source>/reward/mean``, and with several samples per prompt
+    ``{prefix}<source>/acc/best@n``."""
+    if not samples:
+        return {}
+    m = {
+        f"{prefix}acc": sum(map(is_correct, samples)) / len(samples),
+        f"{prefix}reward/mean": sum(s.score for s in samples) / len(samples),
+    }
+    by_source: dict[str, list[Sample]] = defaultdict(list)
+    for s in samples:
+        by_source[s.data_source].append(s)
+    for src, group in sorted(by_source.items()):
+        m[f"{prefix}{src}/acc"] = sum(map(is_correct, group)) / len(group)
+        m[f"{prefix}{src}/reward/mean"] = sum(s.score for s in group) / len(group)
+        per_prompt: dict[int, list[Sample]] = defaultdict(list)
+        for s in group:
+            per_prompt[s.uid].append(s)
+        n = max(len(v) for v in per_prompt.values())
+        if n > 1:
+            m[f"{prefix}{src}/acc/best@{n}"] = sum(max(map(is_correct, v)) for v in per_prompt.values()) / len(per_prompt)
+            m[f"{prefix}{src}/reward/best@{n}"] = sum(max(s.score for s in v) for v in per_prompt.values()) / len(per_prompt)
+    return m
+
+
+def run_eval(
+    model: str,
+    data: str,
+    n: int = 1,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    max_new_tokens: int = 64,
+    prompt_key: str = "prompt",
+    answer_key: str | None = None,
+    max_prompt_length: int = 1024,
+    reward_path: str | None = None,
+    reward_name: str = "compute_score",
+    batch_size: int = 32,
+    threads: int | None = None,
+    seed: int = 0,
+    on_progress=None,
+) -> tuple[dict[str, float], list[Sample]]:
+    """Generate with the built-in engine and score with the training scorers (no Ray)."""
+    import os
+
+    from offstep.data.dataset import encode_prompts, load_records
+    from offstep.models.loading import check_model_path, load_tokenizer, resolve_model
+    from offstep.pipeline.inputs import to_request
+    from offstep.rewards.registry import RewardFunction
+    from offstep.rollout.types import SamplingParams
+    from offstep.rollout.worker import RolloutWorker
+
+    check_model_path(model)
+    reward = RewardFunction(reward_path, reward_name)
+    records = load_records(data, prompt_key=prompt_key, answer_key=answer_key)
+    reward.check_sources({r.data_source for r in records})
+    path = resolve_model(model)
+    prompts = encode_prompts(records, load_tokenizer(path), max_prompt_length)
+    worker = RolloutWorker(path, "float32", "cpu", threads or os.cpu_count() or 1, reward, 2, max(batch_size * n, 1))
+    params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
+    samples: list[Sample] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        out, _ = worker.generate([to_request(p, start + i) for i, p in enumerate(chunk)], params, seed + start)
+        samples.extend(out)
+        if on_progress is not None:
+            on_progress(min(start + batch_size, len(prompts)), len(prompts))
+    return summarise(samples, prefix=""), samples
