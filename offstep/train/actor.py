@@ -19,7 +19,7 @@ from offstep.batch import TrainBatch
 from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.loading import load_causal_lm
 from offstep.sync.weights import pack_state_dict
-from offstep.train.distributed import GroupSpec, all_mean, all_sum
+from offstep.train.distributed import GroupSpec, all_mean
 from offstep.train.fsdp import (
     DTYPES,
     RoleWorker,
@@ -55,14 +55,6 @@ class ActorWorker(RoleWorker):
     @timed
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self._logprobs(self.model, batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype)
-
-    def _denominator(self, mb: TrainBatch) -> float:
-        """This rank's share of the mini-batch's normaliser (FSDP2 averages gradients over ranks)."""
-        if self.algo.loss_agg_mode == "token-mean":
-            count = float(mb.response_mask.sum())
-        else:
-            count = float(len(mb))
-        return all_sum(count, self.device) / self.spec.world_size
 
     def _micro_step(self, mb: TrainBatch, denom: float) -> dict[str, float]:
         algo, mask = self.algo, mb.response_mask
@@ -110,7 +102,7 @@ class ActorWorker(RoleWorker):
         n_mini = 0
         for _ in range(self.cfg.ppo_epochs):
             for mini_batch in local.chunks(mini):
-                denom = self._denominator(mini_batch)
+                denom = self._denominator(mini_batch, self.algo.loss_agg_mode)
                 micros = mini_batch.chunks(self.cfg.micro_batch_size)
                 micro_metrics = [self._micro_step(mb, denom) for mb in micros]
                 n_tok = [float(mb.response_mask.sum()) for mb in micros]

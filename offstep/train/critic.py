@@ -13,7 +13,7 @@ from transformers import AutoModelForTokenClassification
 from offstep.algos.losses import value_loss
 from offstep.batch import TrainBatch
 from offstep.config.schema import AlgorithmConfig, CriticConfig
-from offstep.train.distributed import GroupSpec, all_mean, all_sum
+from offstep.train.distributed import GroupSpec, all_mean
 from offstep.train.fsdp import DTYPES, RoleWorker, autocast, clip_and_step, make_optimizer, shard_model, timed
 
 
@@ -63,8 +63,7 @@ class CriticWorker(RoleWorker):
         sums, n_mini = {}, 0
         for _ in range(self.cfg.ppo_epochs):
             for mini_batch in local.chunks(mini):
-                count = mini_batch.response_mask.sum() if self.algo.loss_agg_mode == "token-mean" else len(mini_batch)
-                denom = all_sum(float(count), self.device) / world
+                denom = self._denominator(mini_batch, self.algo.loss_agg_mode)
                 losses, clips, toks = [], [], []
                 for mb in mini_batch.chunks(self.micro):
                     v = self._values(mb)

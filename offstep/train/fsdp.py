@@ -16,7 +16,7 @@ from torch.distributed.fsdp import fully_shard
 from offstep.algos.losses import entropy_from_logits, logprobs_from_logits
 from offstep.batch import TrainBatch
 from offstep.config.schema import OptimConfig
-from offstep.train.distributed import GroupSpec, setup
+from offstep.train.distributed import GroupSpec, all_sum, setup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -116,6 +116,13 @@ class RoleWorker:
         local = self._local(batch)
         parts = [forward_response(model, mb, temperature, compute_dtype=compute_dtype)[0] for mb in local.chunks(micro)]
         return self._gather(torch.cat(parts))
+
+    def _denominator(self, mb: TrainBatch, loss_agg_mode: str) -> float:
+        """This rank's share of a mini-batch's loss normaliser (global tokens for token-mean,
+        global sequences otherwise): FSDP2 averages gradients over ranks, so dividing by
+        global / world gives exactly the mini-batch's loss."""
+        count = float(mb.response_mask.sum()) if loss_agg_mode == "token-mean" else float(len(mb))
+        return all_sum(count, self.device) / self.spec.world_size
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         if self.spec.world_size == 1:
