@@ -20,12 +20,12 @@ from pathlib import Path
 import ray
 import torch
 
-from offstep.algos.advantages import gae_advantage, grpo_outcome_advantage
 from offstep.batch import Sample, TrainBatch, collate
 from offstep.config.loader import to_yaml
 from offstep.config.schema import Config
 from offstep.data.stream import PromptStream
 from offstep.models.loading import cache_dir
+from offstep.pipeline.advantage import compute_advantages
 from offstep.pipeline.evaluation import summarise
 from offstep.pipeline.inputs import Inputs, prepare_inputs, to_request
 from offstep.pipeline.pools import Pool, RoleGroup
@@ -194,14 +194,7 @@ class Controller:
         if not one_pass:  # the PPO ratio needs the pre-update policy's log-probs for every mini-batch
             batch.old_logprobs, m["timing_s/old_logprobs"] = await self._timed(self.actor, "compute_logprobs", "old_logprobs", step, batch)
         t0 = time.time()
-        mask = batch.response_mask
-        if algo.adv_estimator == "grpo":
-            batch.advantages, batch.returns = grpo_outcome_advantage(batch.scores, batch.group_ids, mask, norm_by_std=algo.norm_adv_by_std)
-        else:
-            last = (mask.sum(-1).long() - 1).clamp(min=0)
-            token_rewards = torch.zeros_like(mask)
-            token_rewards[torch.arange(len(batch)), last] = batch.scores
-            batch.advantages, batch.returns = gae_advantage(token_rewards, batch.values, mask, gamma=algo.gamma, lam=algo.lam)
+        m.update(compute_advantages(batch, algo))
         m["timing_s/adv"] = time.time() - t0
         batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
         if self.critic is not None:
