@@ -30,6 +30,9 @@ class Sample:
     text: str = ""
     reward_extra: dict = field(default_factory=dict)
     ref_logprobs: Optional[list[float]] = None  # set when the rollout worker holds the reference
+    # ReMax: score and length of the greedy response to the same prompt, same weights
+    baseline_score: Optional[float] = None
+    baseline_length: Optional[int] = None
 
 
 @dataclass
@@ -48,6 +51,9 @@ class TrainBatch:
     values: Optional[torch.Tensor] = None  # [B, R]
     advantages: Optional[torch.Tensor] = None  # [B, R]
     returns: Optional[torch.Tensor] = None  # [B, R]
+    staleness: Optional[torch.Tensor] = None  # [B] long: trainer version - sample version
+    baseline_scores: Optional[torch.Tensor] = None  # [B] float: ReMax's greedy-response scores
+    baseline_lengths: Optional[torch.Tensor] = None  # [B] float: their lengths (overlong penalty)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -80,6 +86,37 @@ class TrainBatch:
             },
         )
 
+    def __reduce__(self):
+        """Pickle CPU tensors as numpy arrays. Ray sends those out-of-band (pickle protocol 5)
+        instead of through torch's storage pickling: ``ray.put`` of a 32-sample batch takes about
+        a third of the time and ``ray.get`` a sixth, on the controller's critical path each step
+        (benchmarks/controller_overhead.py)."""
+        state = {
+            k: _NumpyTensor(v.numpy()) if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype in _NUMPY_DTYPES
+            and not v.requires_grad else v
+            for k, v in vars(self).items()
+        }
+        return _rebuild_train_batch, (state,)
+
+
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.int64, torch.int32, torch.bool)
+
+
+class _NumpyTensor:
+    """A CPU tensor in transit as its numpy array (see ``TrainBatch.__reduce__``)."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+
+def _rebuild_train_batch(state: dict) -> TrainBatch:
+    batch = object.__new__(TrainBatch)
+    # Arrays Ray deserialises are read-only views of the object store: copy into own memory.
+    batch.__dict__.update({k: torch.from_numpy(v.array.copy()) if isinstance(v, _NumpyTensor) else v for k, v in state.items()})
+    return batch
+
 
 def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
     """Pad samples into a ``TrainBatch`` (prompts left-padded, responses right-padded)."""
@@ -106,6 +143,10 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
         for i, s in enumerate(samples):
             if s.response_ids:
                 ref_logprobs[i, : len(s.response_ids)] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
+    baseline_scores = baseline_lengths = None
+    if all(s.baseline_score is not None for s in samples):
+        baseline_scores = torch.tensor([s.baseline_score for s in samples], dtype=torch.float32)
+        baseline_lengths = torch.tensor([float(s.baseline_length or 0) for s in samples], dtype=torch.float32)
     # Positions count real tokens only, so a left-padded prompt sees the same positions as unpadded.
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return TrainBatch(
@@ -119,4 +160,116 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
         versions=torch.tensor([s.version for s in samples], dtype=torch.long),
         prompt_len=P,
         ref_logprobs=ref_logprobs,
+        baseline_scores=baseline_scores,
+        baseline_lengths=baseline_lengths,
     )
+
+
+# ------------------------------------------------------------------ micro-batching by token budget
+#
+# With ragged response lengths, fixed-count micro-batches of a padded batch spend most of their
+# compute on padding: every row is as long as the longest prompt plus the longest response of the
+# whole batch. Instead (as verl's ``use_dynamic_bsz`` does with a per-GPU token budget) samples are
+# sorted by length and grouped so that each micro-batch's padded cost (rows x width) fits a token
+# budget, and each micro-batch is cut down to the columns its own rows use. Both are exact: the
+# loss normaliser is global per mini-batch, padding columns are masked out of attention, and
+# ``position_ids`` come from the attention mask, so removing leading pad columns moves no token.
+
+SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")  # [B, P+R]; other 2-D fields are [B, R]
+
+
+def sample_lengths(batch: TrainBatch) -> tuple[list[int], list[int]]:
+    """Real (non-pad) prompt and response token counts of every row."""
+    prompt = batch.attention_mask[:, : batch.prompt_len].sum(-1)
+    response = batch.response_mask.sum(-1)
+    return [int(x) for x in prompt], [int(x) for x in response]
+
+
+def plan_micro_batches(
+    prompt_lens: list[int], response_lens: list[int], token_budget: int, min_count: int = 1
+) -> list[list[int]]:
+    """Group row indices into micro-batches whose padded cost fits ``token_budget``.
+
+    The cost of a micro-batch is ``rows x (longest prompt + longest response)`` among its rows:
+    the width it has once its unused pad columns are trimmed (``trim_padding``). Rows are sorted
+    by total length, longest first, and filled greedily: a row joins the current micro-batch if
+    the cost stays within the budget, otherwise it opens the next one. A row longer than the
+    budget on its own gets a micro-batch of its own. Then, while there are fewer than
+    ``min_count`` micro-batches, the one with most rows is halved (every data-parallel rank must
+    run the same number of forward/backward passes, since FSDP's collectives pair them up).
+
+    Returns lists of row indices, each in ascending order; together they cover every row once.
+    """
+    if len(prompt_lens) != len(response_lens):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths but {len(response_lens)} response lengths")
+    if token_budget < 1:
+        raise ValueError(f"token_budget={token_budget} must be >= 1")
+    n = len(prompt_lens)
+    if min_count > n:
+        raise ValueError(f"cannot split {n} rows into {min_count} micro-batches")
+    order = sorted(range(n), key=lambda i: (-(prompt_lens[i] + response_lens[i]), i))
+    groups: list[list[int]] = []
+    max_p = max_r = 0
+    for i in order:
+        p, r = max(max_p, prompt_lens[i]), max(max_r, response_lens[i])
+        if groups and (len(groups[-1]) + 1) * (p + r) <= token_budget:
+            groups[-1].append(i)
+            max_p, max_r = p, r
+        else:
+            groups.append([i])
+            max_p, max_r = prompt_lens[i], response_lens[i]
+    while len(groups) < min_count:
+        j = max(range(len(groups)), key=lambda g: len(groups[g]))
+        g = groups[j]
+        groups[j : j + 1] = [g[: len(g) // 2], g[len(g) // 2 :]]
+    return [sorted(g) for g in groups]
+
+
+def trim_padding(mb: TrainBatch) -> TrainBatch:
+    """``mb`` without the columns none of its rows uses.
+
+    Drops leading prompt columns that are padding in every row and trailing response columns past
+    the longest response (at least one response column is kept). Positions are sliced, not
+    recomputed, so every real token keeps its position; per-token [B, R] fields keep the first
+    R' columns, so outputs computed on the result are ``scatter_rows``-ed back to width R.
+    """
+    P, R = mb.prompt_len, mb.response_mask.shape[1]
+    keep_p = int(mb.attention_mask[:, :P].sum(-1).max())
+    keep_r = max(1, int(mb.response_mask.sum(-1).max()))
+    if keep_p == P and keep_r == R:
+        return mb
+    out = {}
+    for f in dataclasses.fields(mb):
+        t = getattr(mb, f.name)
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            continue
+        out[f.name] = t[:, P - keep_p : P + keep_r] if f.name in SEQUENCE_FIELDS else t[:, :keep_r]
+    return dataclasses.replace(mb, prompt_len=keep_p, **out)
+
+
+def micro_batches(batch: TrainBatch, micro_batch_size: int, token_budget: int = 0, min_count: int = 1) -> list[tuple[torch.Tensor, TrainBatch]]:
+    """(row indices, micro-batch) pairs covering ``batch``.
+
+    ``token_budget == 0``: contiguous chunks of ``micro_batch_size`` rows, untouched (the padded
+    layout). Otherwise: ``plan_micro_batches`` groups, each passed through ``trim_padding``.
+    """
+    if token_budget <= 0:
+        return [(torch.arange(i, min(i + micro_batch_size, len(batch))), batch.select(slice(i, i + micro_batch_size)))
+                for i in range(0, len(batch), micro_batch_size)]
+    prompt_lens, response_lens = sample_lengths(batch)
+    plan = plan_micro_batches(prompt_lens, response_lens, token_budget, min_count)
+    out = []
+    for rows in plan:
+        idx = torch.tensor(rows, dtype=torch.long)
+        out.append((idx, trim_padding(batch.select(idx.to(batch.input_ids.device)))))
+    return out
+
+
+def scatter_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], n_rows: int, width: int) -> torch.Tensor:
+    """Undo a micro-batch split of per-token outputs: ``parts`` holds (row indices, [b, r <= width])
+    pairs; the result is [n_rows, width] in the original row order, zero past each part's width."""
+    first = parts[0][1]
+    out = torch.zeros((n_rows, width), dtype=first.dtype, device=first.device)
+    for idx, t in parts:
+        out[idx.to(out.device), : t.shape[1]] = t
+    return out

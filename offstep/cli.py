@@ -3,7 +3,8 @@
     offstep train [key=value ...]     train (Hydra overrides over the typed config; preset=tiny)
     offstep train --cfg [overrides]   print the resolved config and exit
     offstep report RUN_DIR [RUN_DIR]  plots and summary.md of one run, or several compared
-    offstep eval MODEL --data FILE    accuracy and reward per data source of a model folder or alias
+    offstep eval MODEL --data FILE    accuracy and reward per data source of a model folder, alias or run
+    offstep export RUN_DIR --out DIR  the policy of a run checkpoint as a Hugging Face model folder
 """
 
 from __future__ import annotations
@@ -12,6 +13,17 @@ import argparse
 import logging
 import os
 import sys
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The exception a Ray worker raised, without Ray's wrapper (whose text is a traceback)."""
+    exceptions = sys.modules.get("ray.exceptions")
+    while exceptions is not None and isinstance(e, exceptions.RayTaskError):
+        cause = getattr(e, "cause", None)
+        if not isinstance(cause, BaseException):
+            break
+        e = cause
+    return e
 
 
 def _train(argv: list[str]) -> int:
@@ -29,20 +41,29 @@ def _train(argv: list[str]) -> int:
     if show:
         print(to_yaml(cfg))
         return 0
-    from offstep.pipeline.controller import StalenessError, train
+    from offstep.pipeline.controller import RolloutFailed, StalenessError, TrainerFailed, train
     from offstep.rewards.registry import RewardError
+    from offstep.train.fsdp import NonFiniteError
 
     try:
         history = train(cfg)
     except KeyboardInterrupt:
         print("offstep: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RewardError, StalenessError) as e:
-        # Data, model and reward problems carry their fix in the message.
-        print(f"offstep: {e}", file=sys.stderr)
-        return 2
-    last = [m for m in history if "reward/mean" in m]
-    if last:
+    except (ValueError, FileNotFoundError, RewardError, StalenessError, ConfigError, RolloutFailed, TrainerFailed,
+            NonFiniteError) as e:
+        # Data, model and reward problems, failed workers and a run stopped by actor.nonfinite=stop
+        # carry their fix in the message; a worker's traceback would only bury it. Anything else is
+        # a bug and keeps its traceback.
+        cause = _unwrap(e)
+        print(f"offstep: {cause}", file=sys.stderr)
+        return 1 if isinstance(cause, NonFiniteError) else 2
+    steps = [m["step"] for m in history if "reward/mean" in m]
+    if steps and steps[-1] < cfg.trainer.total_steps:  # stopped by Ctrl-C / SIGTERM between steps
+        print(f"offstep: stopped at step {steps[-1]} of {cfg.trainer.total_steps}; continue with the same command "
+              f"(trainer.resume=auto picks up the last checkpoint)", file=sys.stderr)
+        return 130
+    if steps:
         print(f"offstep: done; metrics in {cfg.trainer.output_dir}/metrics.jsonl")
     return 0
 
@@ -65,7 +86,8 @@ def _report(argv: list[str]) -> int:
 
 def _eval(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="offstep eval", description="accuracy and reward per data source")
-    parser.add_argument("model", help="a local Hugging Face model folder or an alias (smollm2-135m-instruct, tiny)")
+    parser.add_argument("model", help="a local Hugging Face model folder, an alias (smollm2-135m-instruct, tiny), "
+                        "or a run directory / checkpoint (its latest policy)")
     parser.add_argument("--data", required=True, help="verl parquet or JSONL file")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (best@n is reported for n > 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -88,14 +110,18 @@ def _eval(argv: list[str]) -> int:
     def progress(done: int, total: int) -> None:
         print(f"offstep eval: {done}/{total} prompts", file=sys.stderr, flush=True)
 
+    from offstep.config.loader import ConfigError
+    from offstep.models.export import model_for_eval
+
     try:
+        model = model_for_eval(args.model)
         metrics, samples = run_eval(
-            args.model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
+            model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
             max_new_tokens=args.max_new_tokens, prompt_key=args.prompt_key, answer_key=args.answer_key,
             max_prompt_length=args.max_prompt_length, reward_path=args.reward_path, reward_name=args.reward_name,
             batch_size=args.batch_size, seed=args.seed, on_progress=progress,
         )
-    except (ValueError, FileNotFoundError, RewardError) as e:
+    except (ValueError, FileNotFoundError, RewardError, ConfigError) as e:
         print(f"offstep: {e}", file=sys.stderr)
         return 2
     result = {
@@ -110,6 +136,24 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
+def _export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="offstep export", description="a run checkpoint as a Hugging Face model folder")
+    parser.add_argument("run", help="a run directory (trainer.output_dir) or one of its checkpoints/step_<N> folders")
+    parser.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")
+    parser.add_argument("--out", required=True, help="the folder to write (safetensors, config, tokenizer)")
+    args = parser.parse_args(argv)
+    from offstep.config.loader import ConfigError
+    from offstep.models.export import export_checkpoint
+
+    try:
+        out = export_checkpoint(args.run, args.out, args.step)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"offstep: {e}", file=sys.stderr)
+        return 2
+    print(f"offstep: model written to {out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -117,12 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     parser = argparse.ArgumentParser(prog="offstep", description="k-step off-policy RL post-training for LLMs")
-    parser.add_argument("command", choices=["train", "report", "eval"], help="what to do")
+    parser.add_argument("command", choices=["train", "report", "eval", "export"], help="what to do")
     args, rest = parser.parse_known_args(argv[:1])
     if args.command == "train":
         return _train(argv[1:])
     if args.command == "eval":
         return _eval(argv[1:])
+    if args.command == "export":
+        return _export(argv[1:])
     return _report(argv[1:])
 
 

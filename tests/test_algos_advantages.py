@@ -1,11 +1,20 @@
-"""Tests for offstep.algos.advantages: GRPO outcome advantage and GAE."""
+"""Tests for offstep.algos.advantages: GRPO, RLOO, REINFORCE++ (and its group-baseline variant),
+ReMax, GAE, and outcome rewards placed on the last token."""
 
 import math
 
 import pytest
 import torch
 
-from offstep.algos.advantages import gae_advantage, grpo_outcome_advantage
+from offstep.algos.advantages import (
+    gae_advantage,
+    grpo_outcome_advantage,
+    outcome_token_rewards,
+    reinforce_pp_advantage,
+    reinforce_pp_baseline_advantage,
+    remax_advantage,
+    rloo_advantage,
+)
 from offstep.algos.common import masked_whiten
 
 F64 = torch.float64
@@ -167,3 +176,126 @@ def test_gae_padding_invariance(fill, whiten):
     torch.testing.assert_close(adv_p[:, :5], adv)
     torch.testing.assert_close(ret_p[:, :5], ret)
     assert (adv_p[:, 5:] == 0).all() and (ret_p[:, 5:] == 0).all()
+
+
+# ---------------------------------------------------------------- RLOO
+
+
+def test_rloo_hand():
+    # group 0: scores 1, 0, 0 -> 1 - (0 + 0) / 2 = 1; 0 - (1 + 0) / 2 = -0.5 (twice)
+    # group 1: scores 2, 4    -> 2 - 4 = -2; 4 - 2 = 2
+    # group 2: a single score 5 -> no baseline: 0
+    scores = torch.tensor([1.0, 2.0, 0.0, 4.0, 0.0, 5.0], dtype=F64)
+    groups = torch.tensor([0, 1, 0, 1, 0, 2])
+    mask = length_mask([2, 1, 3, 3, 1, 2], 3)
+    adv, ret = rloo_advantage(scores, groups, mask)
+    expect = torch.tensor([1.0, -2.0, -0.5, 2.0, -0.5, 0.0], dtype=F64)[:, None] * mask
+    torch.testing.assert_close(adv, expect)
+    torch.testing.assert_close(ret, adv)
+
+
+def test_rloo_loop_vs_vectorised_and_padding():
+    g = torch.Generator().manual_seed(5)
+    scores = torch.randn(30, generator=g, dtype=F64)
+    groups = torch.randint(0, 7, (30,), generator=g)
+    mask = length_mask(torch.randint(1, 5, (30,), generator=g).tolist(), 4)
+    ref = torch.zeros(30, dtype=F64)
+    for i in range(30):  # plain leave-one-out loop
+        others = [scores[j].item() for j in range(30) if j != i and groups[j] == groups[i]]
+        ref[i] = scores[i] - sum(others) / len(others) if others else 0.0
+    adv, _ = rloo_advantage(scores, groups, mask)
+    torch.testing.assert_close(adv, ref[:, None] * mask)
+    adv_p, _ = rloo_advantage(scores, groups, pad(mask, 3, 0.0))
+    torch.testing.assert_close(adv_p[:, :4], adv)
+    assert (adv_p[:, 4:] == 0).all()
+
+
+# ---------------------------------------------------------------- REINFORCE++
+
+
+def test_reinforce_pp_hand():
+    # gamma 0.5. row 0 rewards 0, 0, 1 -> returns 0.25, 0.5, 1
+    #            row 1 rewards 0, 2 (+ a padded 7) -> returns 1, 2
+    # valid returns 0.25, 0.5, 1, 1, 2: mean 0.95; deviations -0.7, -0.45, 0.05, 0.05, 1.05
+    # unbiased var = (0.49 + 0.2025 + 0.0025 + 0.0025 + 1.1025) / 4 = 0.45
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 7.0]], dtype=F64)
+    mask = length_mask([3, 2], 3)
+    adv, ret = reinforce_pp_advantage(rewards, mask, gamma=0.5)
+    torch.testing.assert_close(ret, torch.tensor([[0.25, 0.5, 1.0], [1.0, 2.0, 0.0]], dtype=F64))
+    sd = math.sqrt(0.45 + 1e-8)
+    expect = torch.tensor([[-0.7, -0.45, 0.05], [0.05, 1.05, 0.0]], dtype=F64) / sd
+    torch.testing.assert_close(adv, expect)
+
+
+def test_reinforce_pp_skips_holes():
+    # a masked token inside the response is skipped: returns 1 + 0.5 * 1 = 1.5, 0, 1
+    rewards = torch.tensor([[1.0, 9.0, 1.0]], dtype=F64)
+    mask = torch.tensor([[1.0, 0.0, 1.0]], dtype=F64)
+    _, ret = reinforce_pp_advantage(rewards, mask, gamma=0.5)
+    torch.testing.assert_close(ret, torch.tensor([[1.5, 0.0, 1.0]], dtype=F64))
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_reinforce_pp_loop_vs_vectorised_and_padding(gamma):
+    g = torch.Generator().manual_seed(6)
+    rewards = torch.randn(5, 6, generator=g, dtype=F64)
+    mask = length_mask([6, 1, 4, 3, 5], 6)
+    ref = torch.zeros_like(rewards)
+    for b in range(5):
+        running = 0.0
+        for t in reversed(range(6)):
+            if mask[b, t] > 0:
+                running = rewards[b, t].item() + gamma * running
+                ref[b, t] = running
+    adv, ret = reinforce_pp_advantage(rewards, mask, gamma)
+    torch.testing.assert_close(ret, ref)
+    torch.testing.assert_close(adv, masked_whiten(ref, mask))
+    spoiled = pad(torch.where(mask.bool(), rewards, torch.full_like(rewards, float("nan"))), 2, 1e30)
+    adv_p, ret_p = reinforce_pp_advantage(spoiled, pad(mask, 2, 0.0), gamma)
+    torch.testing.assert_close(adv_p[:, :6], adv)
+    torch.testing.assert_close(ret_p[:, :6], ret)
+
+
+def test_reinforce_pp_baseline_hand():
+    # groups 0: scores 1, 0 (mean 0.5) -> 0.5, -0.5; group 1: 3, 1 (mean 2) -> 1, -1
+    # lengths 2, 1, 1, 2 -> token values 0.5, 0.5, -0.5, 1, -1, -1: mean -1/12
+    scores = torch.tensor([1.0, 0.0, 3.0, 1.0], dtype=F64)
+    groups = torch.tensor([0, 0, 1, 1])
+    mask = length_mask([2, 1, 1, 2], 2)
+    adv, _ = reinforce_pp_baseline_advantage(scores, groups, mask)
+    vals = [0.5, 0.5, -0.5, 1.0, -1.0, -1.0]
+    mean = sum(vals) / 6
+    sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / 5 + 1e-8)
+    expect = torch.tensor([[0.5, 0.5], [-0.5, mean], [1.0, mean], [-1.0, -1.0]], dtype=F64)
+    expect = (expect - mean) / sd * mask
+    torch.testing.assert_close(adv, expect)
+    adv_p, _ = reinforce_pp_baseline_advantage(scores, groups, pad(mask, 2, 0.0))
+    torch.testing.assert_close(adv_p[:, :2], adv)
+
+
+# ---------------------------------------------------------------- ReMax and outcome rewards
+
+
+def test_outcome_token_rewards():
+    # score on the last valid token; a row without valid tokens gets nothing
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [1.0, 0.0, 1.0]], dtype=F64)
+    out = outcome_token_rewards(torch.tensor([2.0, 3.0, 4.0, 5.0], dtype=F64), mask)
+    expect = torch.tensor([[0, 2.0, 0], [0, 0, 3.0], [0, 0, 0], [0, 0, 5.0]], dtype=F64)
+    torch.testing.assert_close(out, expect)
+
+
+def test_remax_hand():
+    # outcome rewards 1 and 0 on the last tokens; greedy baselines 0.5 and 0.5
+    # row 0 (2 tokens): returns 1, 1 -> advantages 0.5, 0.5
+    # row 1 (3 tokens): returns 0, 0, 0 -> advantages -0.5 x 3
+    mask = length_mask([2, 3], 3)
+    rewards = outcome_token_rewards(torch.tensor([1.0, 0.0], dtype=F64), mask)
+    adv, ret = remax_advantage(rewards, torch.tensor([0.5, 0.5], dtype=F64), mask)
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5]], dtype=F64))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64))
+    # with a per-token KL penalty in the reward: rewards -0.1, 0.9 -> returns 0.8, 0.9 -> adv 0.3, 0.4
+    adv, _ = remax_advantage(torch.tensor([[-0.1, 0.9]], dtype=F64), torch.tensor([0.5], dtype=F64),
+                             torch.ones(1, 2, dtype=F64))
+    torch.testing.assert_close(adv, torch.tensor([[0.3, 0.4]], dtype=F64))
+    adv_p, _ = remax_advantage(pad(rewards, 2, 7.0), torch.tensor([0.5, 0.5], dtype=F64), pad(mask, 2, 0.0))
+    assert (adv_p[:, 3:] == 0).all()

@@ -55,11 +55,63 @@ def test_invalid_configs_name_the_key(overrides, key):
     assert key in str(e.value)
 
 
-def test_unknown_data_source_fails_before_ray(tmp_path):
-    import pandas as pd
-    import ray
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["algorithm.adv_estimator=rloo", "rollout.n=1"], "rollout.n >= 2"),
+        (["algorithm.adv_estimator=reinforce_plus_plus_baseline", "rollout.n=1"], "rollout.n >= 2"),
+        (["algorithm.adv_estimator=remax", "rollout.temperature=0"], "rollout.temperature"),
+        (["algorithm.policy_loss=sppo"], "algorithm.policy_loss"),
+        (["algorithm.policy_loss=gspo", "algorithm.clip_ratio_c=3.0"], "algorithm.clip_ratio_c"),
+        (["algorithm.clip_ratio_c=0.5"], "algorithm.clip_ratio_c"),
+        (["algorithm.correction_mode=sometimes"], "algorithm.correction_mode"),
+        (["algorithm.correction_mode=bypass", "algorithm.rejection_level=token"], "algorithm.rejection_level"),
+        (["algorithm.correction_mode=off", "algorithm.rejection_kl=0.1"], "rejection_kl"),
+        (["algorithm.correction_mode=bypass", "rollout.top_p=0.9"], "rollout.top_p=1"),
+        (["algorithm.rejection_level=median"], "algorithm.rejection_level"),
+        (["algorithm.rejection_ratio_high=0.5"], "algorithm.rejection_ratio_low/high"),
+        (["algorithm.kl_penalty=k7"], "algorithm.kl_penalty"),
+        (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], "algorithm.kl_ctrl.target_kl"),
+        (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type"),
+        (["critic.warmup_steps=2"], "only algorithm.adv_estimator=gae has a critic"),
+        (["algorithm.adv_estimator=gae", "critic.warmup_steps=4", "trainer.total_steps=4"], "would never train"),
+        (["algorithm.overlong_penalty=true", "algorithm.overlong_buffer_len=40"], "algorithm.overlong_buffer_len"),
+        (["algorithm.dynamic_sampling=true", "algorithm.adv_estimator=gae", "rollout.n=1"], "algorithm.dynamic_sampling"),
+        (["algorithm.loss_agg_mode=seq-sum"], "algorithm.loss_agg_mode"),
+    ],
+)
+def test_incompatible_algorithm_options_name_the_key(overrides, key):
+    cfg = load_config(["preset=tiny", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, cpu_count=2, gpu_count=0)
+    assert key in str(e.value)
 
-    from offstep.pipeline.controller import train
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.adv_estimator=remax", "rollout.n=1"],
+        ["algorithm.adv_estimator=reinforce_plus_plus", "rollout.n=1", "algorithm.use_kl_in_reward=true"],
+        ["algorithm.adv_estimator=gae", "critic.warmup_steps=2", "rollout.n=1"],
+        ["algorithm.policy_loss=ppo", "algorithm.clip_ratio_c=3.0", "algorithm.correction_mode=bypass"],
+        ["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std=false", "algorithm.loss_agg_mode=seq-mean-token-sum-norm"],
+        ["algorithm.rejection_level=geometric", "algorithm.rejection_kl=0.1", "algorithm.tis_level=sequence"],
+        ["algorithm.overlong_penalty=true", "algorithm.dynamic_sampling=true"],
+    ],
+)
+def test_compatible_algorithm_options_pass(overrides):
+    validate(load_config(["preset=tiny", *overrides]), cpu_count=2, gpu_count=0)
+
+
+def test_unknown_data_source_fails_before_ray(tmp_path, monkeypatch):
+    import pandas as pd
+
+    from offstep.pipeline.controller import Controller, train
+
+    def no_workers(self):
+        raise AssertionError("workers were started before the data source was checked")
+
+    monkeypatch.setattr(Controller, "_start_workers", no_workers)
 
     f = tmp_path / "d.parquet"
     pd.DataFrame([
@@ -68,10 +120,8 @@ def test_unknown_data_source_fails_before_ray(tmp_path):
         for i in range(8)
     ]).to_parquet(f)
     cfg = load_config(["preset=tiny", f"data.train_files=[{f}]", f"trainer.output_dir={tmp_path / 'out'}", "trainer.progress=off"])
-    assert not ray.is_initialized()
     with pytest.raises(ValueError, match="my/unknown"):
         train(cfg)
-    assert not ray.is_initialized()
 
 
 def test_cli_rejects_bad_config_in_seconds():

@@ -97,11 +97,12 @@ def test_same_seed_same_output_different_seed_differs(engine, prompts):
     assert len({tuple(x.response_ids) for x in a[:4]}) > 1
 
 
-def test_sub_batching_does_not_change_samples(tiny, prompts):
+@pytest.mark.parametrize("runner", ["slots", "hf"])
+def test_sub_batching_does_not_change_samples(tiny, prompts, runner):
     _, tok, model, eos = tiny
     p = SamplingParams(n=3, temperature=0.9, top_p=0.95, max_new_tokens=12)
-    big = TorchEngine(model, tok, eos, max_batch_size=64).generate(prompts, p, seed=5)
-    small = TorchEngine(model, tok, eos, max_batch_size=2).generate(prompts, p, seed=5)
+    big = TorchEngine(model, tok, eos, max_batch_size=64, runner=runner).generate(prompts, p, seed=5)
+    small = TorchEngine(model, tok, eos, max_batch_size=2, runner=runner).generate(prompts, p, seed=5)
     assert _key(big) == _key(small)
     for x, y in zip(big, small):
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
@@ -115,14 +116,14 @@ def test_logprobs_match_teacher_forcing(engine, model, prompts, temperature):
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
 
 
-def test_dynamic_cache_fallback_gives_same_results(tiny, prompts):
-    # Models with sliding-window / hybrid layers use transformers' DynamicCache instead of the
-    # pre-allocated layers; both paths must agree.
+def test_hf_fallback_gives_same_results(tiny, prompts):
+    # Models the slot runner does not cover use the model's own forward (DynamicCache, static
+    # sub-batches); both paths must agree.
     _, tok, model, eos = tiny
     p = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
     fast = TorchEngine(model, tok, eos)
-    plain = TorchEngine(model, tok, eos)
-    plain._prealloc = False
+    plain = TorchEngine(model, tok, eos, runner="hf")
+    assert (fast.runner, plain.runner) == ("slots", "hf")
     a, b = fast.generate(prompts, p, seed=8), plain.generate(prompts, p, seed=8)
     assert _key(a) == _key(b)
     for x, y in zip(a, b):
@@ -130,7 +131,7 @@ def test_dynamic_cache_fallback_gives_same_results(tiny, prompts):
 
 
 def test_long_generation_grows_the_cache(tiny, prompts):
-    # The KV buffers start at prompt + 256 positions and grow: past that, results must stay exact.
+    # The slot KV cache starts at prompt + 256 positions and grows: past that, results must stay exact.
     _, tok, model, _ = tiny
     engine = TorchEngine(model, tok, eos_ids=[10**6])  # an id never sampled: every sample runs to the limit
     out = engine.generate(prompts[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=300), seed=2)
@@ -294,8 +295,8 @@ def test_on_finish_called_once_per_sample_as_they_finish(tiny, prompts):
     base = TorchEngine(model, tok, eos).generate(prompts, p, seed=4)
     extra = base[4].response_ids[2]  # an extra eos id: some samples end early, at different steps
     engine = TorchEngine(model, tok, [*eos, extra])
-    forwards = []
-    handle = model.register_forward_hook(lambda *args: forwards.append(1))
+    forwards = []  # one embedding lookup per forward pass, on either runner
+    handle = model.get_input_embeddings().register_forward_hook(lambda *args: forwards.append(1))
     seen: list[tuple[Completion, int]] = []
     try:
         out = engine.generate(prompts, p, seed=4, on_finish=lambda c: seen.append((c, len(forwards))))
@@ -308,6 +309,126 @@ def test_on_finish_called_once_per_sample_as_they_finish(tiny, prompts):
     # after the prefill and L - 1 decode forwards, while the others are still decoding.
     for c, n_forwards in seen:
         assert n_forwards == len(c.response_ids)
+
+
+# ------------------------------------------------------------------ continuous batching
+
+
+def _early_eos(tok, base, sample, at):
+    """A token that ``base[sample]`` emits at index ``at`` and no other sample emits at all."""
+    t = base[sample].response_ids[at]
+    others = [c for i, c in enumerate(base) if i != sample]
+    return None if any(t in c.response_ids for c in others) or t in base[sample].response_ids[:at] else t
+
+
+def test_samples_do_not_depend_on_admission_time(tiny, prompts):
+    # Samples finish at different steps (an extra eos id), so with few slots the later samples are
+    # admitted into freed slots mid-flight, next to others at other positions. Every sample must
+    # equal what it is with one slot per sample (all admitted at once) and with one slot in all.
+    _, tok, model, eos = tiny
+    p = SamplingParams(n=3, temperature=1.0, max_new_tokens=20)
+    base = TorchEngine(model, tok, eos).generate(prompts, p, seed=31)
+    extra = next(t for i in range(len(base)) for at in (2, 5) if (t := _early_eos(tok, base, i, at)) is not None)
+    outs = {m: TorchEngine(model, tok, [*eos, extra], max_batch_size=m).generate(prompts, p, seed=31) for m in (1, 2, 4, 64)}
+    assert any(c.finish_reason == "stop" for c in outs[64]) and any(c.finish_reason == "length" for c in outs[64])
+    for m in (1, 2, 4):
+        assert _key(outs[m]) == _key(outs[64]), m
+        for x, y in zip(outs[m], outs[64]):
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
+
+
+def test_freed_slot_is_refilled_at_the_next_step(tiny, prompts):
+    # Two slots, three prompts: sample 0 ends after k tokens; prompt 2 must be prefilled in the very
+    # next forward pass, together with sample 1's decode token, and nothing waits for sample 1.
+    _, tok, model, _ = tiny
+    never = 10**6  # an eos id that is never sampled: samples run to max_new_tokens
+    p = SamplingParams(n=1, temperature=1.0, max_new_tokens=10)
+    base = TorchEngine(model, tok, [never]).generate(prompts, p, seed=3)
+    extra = next(t for at in (2, 3, 4) if (t := _early_eos(tok, base, 0, at)) is not None)
+    k = base[0].response_ids.index(extra) + 1
+    engine = TorchEngine(model, tok, [never, extra], max_batch_size=2)
+    tokens_per_forward: list[int] = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, i, o: tokens_per_forward.append(i[0].numel()))
+    try:
+        out = engine.generate(prompts, p, seed=3)
+    finally:
+        handle.remove()
+    assert out[0].response_ids == base[0].response_ids[:k] and out[0].finish_reason == "stop"
+    assert [c.response_ids for c in out[1:]] == [c.response_ids for c in base[1:]]
+    lens = [len(q) for q in prompts]
+    # forward 1: prefill prompts 0 and 1; forwards 2..k: decode 2 slots; forward k+1: decode sample 1
+    # + prefill prompt 2; then 1 + 1 tokens until sample 1 ends after 10 forwards; then prompt 2 alone.
+    assert tokens_per_forward[0] == lens[0] + lens[1]
+    assert tokens_per_forward[1:k] == [2] * (k - 1)
+    assert tokens_per_forward[k] == 1 + lens[2]
+    assert len(tokens_per_forward) == k + 10  # prompt 2 ran its 10 tokens right behind sample 0
+
+
+def test_runner_mixed_step_matches_model_forward(model):
+    # One step that decodes running slots at different positions and prefills a new prompt into two
+    # slots gives the model's own next-token logits for every sequence.
+    from offstep.rollout.llama_runner import LlamaRunner
+
+    runner = LlamaRunner(model)
+    a, b, c = [5, 9, 13, 2, 7], [4, 4, 8], [11, 3, 6, 1, 9, 10, 12]
+
+    def ref(ids):
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0, -1].float()
+
+    with torch.inference_mode():
+        cache = runner.new_cache(slots=4, capacity=4, limit=16)  # too small: the steps grow it
+        first = runner.step(cache, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [a, b], [[0], [1]])
+        assert torch.allclose(first, torch.stack([ref(a), ref(b)]), atol=1e-4)
+        mixed = runner.step(cache, torch.tensor([20, 21]), torch.tensor([len(a), len(b)]), [c], [[2, 3]])
+        want = torch.stack([ref(a + [20]), ref(b + [21]), ref(c)])
+        assert torch.allclose(mixed, want, atol=1e-4)
+        # Compaction: move slot 3 (prompt c) into slot 1, then decode slots 0..2.
+        cache.move(torch.tensor([3]), torch.tensor([1]), len(c))
+        nxt = runner.step(cache, torch.tensor([22, 23, 24]), torch.tensor([len(a) + 1, len(c), len(c)]), [], [])
+        want = torch.stack([ref(a + [20, 22]), ref(c + [23]), ref(c + [24])])
+        assert torch.allclose(nxt, want, atol=1e-4)
+        # A shared prefix: c[:4] is cached in slot 2 (written above); copy it into slot 3 and prefill
+        # only the rest of a prompt that starts with it, next to a decode step of slots 0..2.
+        cache.move(torch.tensor([2]), torch.tensor([3]), 4)
+        d = c[:4] + [8, 8, 2]
+        with_prefix = runner.step(
+            cache, torch.tensor([25, 26, 27]), torch.tensor([len(a) + 2, len(c) + 1, len(c) + 1]), [d[4:]], [[3]], start=4
+        )
+        want = torch.stack([ref(a + [20, 22, 25]), ref(c + [23, 26]), ref(c + [24, 27]), ref(d)])
+        assert torch.allclose(with_prefix, want, atol=1e-4)
+
+
+def _random_lm(kind, vocab):
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    if kind == "qwen2":  # Llama structure with q/k/v biases: served by the slot runner
+        model = Qwen2ForCausalLM(Qwen2Config(**kw))
+    else:  # q/k norms: not the Llama structure, falls back to the model's forward
+        model = Qwen3ForCausalLM(Qwen3Config(head_dim=8, **kw))
+    with torch.no_grad():
+        for prm in model.parameters():
+            prm.normal_(0, 0.3) if prm.ndim > 1 else prm.uniform_(0.5, 1.5)
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind,runner", [("qwen2", "slots"), ("qwen3", "hf")])
+def test_other_architectures(tok, prompts, kind, runner):
+    model = _random_lm(kind, len(tok))
+    engine = TorchEngine(model, tok, [tok.eos_token_id])
+    assert engine.runner == runner
+    if runner == "hf":
+        with pytest.raises(ValueError, match="runner='slots' cannot serve this model"):
+            TorchEngine(model, tok, [tok.eos_token_id], runner="slots")
+    out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=10), seed=1)
+    for c in out:
+        ref = _teacher_forced_logprobs(model, prompts[c.prompt_index], c.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    with pytest.raises(ValueError, match="runner="):
+        TorchEngine(model, tok, [tok.eos_token_id], runner="vllm")
 
 
 # ------------------------------------------------------------------ weights

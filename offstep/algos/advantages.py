@@ -10,7 +10,24 @@
   ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma * lam * A_{t+1}``, with
   returns ``A_t + V_t`` as the value-function targets (as in PPO, Schulman et al. 2017).
 
-Both return ``(advantages, returns)``, zero on padding.
+* ``rloo_advantage``: REINFORCE Leave-One-Out (Kool, van Hoof & Welling 2019, "Buy 4 REINFORCE
+  Samples, Get a Baseline for Free!", ICLR DeepRLStructPred workshop; for LLMs Ahmadian et al.
+  2024, "Back to Basics", arXiv:2402.14740): the baseline of a response is the mean score of the
+  *other* responses of its group, ``A_i = r_i - mean_{j != i} r_j = n / (n - 1) * (r_i - mean)``.
+* ``reinforce_pp_advantage``: REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted returns of the
+  token-level rewards (the outcome score at the last token, minus the per-token KL penalty when the
+  KL is in the reward), normalised over the whole batch (global advantage normalisation).
+* ``reinforce_pp_baseline_advantage``: REINFORCE++ with a group baseline (Hu 2025,
+  arXiv:2501.03262, the "REINFORCE++-baseline" variant): the group mean is subtracted from each
+  score, then the result is normalised over the whole batch rather than within the group.
+* ``remax_advantage``: ReMax (Li et al. 2023, "ReMax", arXiv:2310.10505, Algorithm 1): the
+  baseline is the reward of the greedy response to the same prompt; ``A_t = G_t - r_greedy`` with
+  ``G_t`` the reward-to-go of token t (the score itself when the reward is outcome-only).
+
+All return ``(advantages, returns)``, zero on padding. ``group_ids`` are any integers; responses
+with equal ids share a prompt. The group-based estimators give advantage 0 to a group of one
+response (there is no baseline to compare with); ``offstep.config.validate`` asks for
+``rollout.n >= 2`` for them.
 """
 
 from __future__ import annotations
@@ -23,6 +40,23 @@ from offstep.algos.common import masked_whiten
 def _float(x: torch.Tensor) -> torch.Tensor:
     """``x`` in a floating dtype at least as wide as float32."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _groups(scores: torch.Tensor, group_ids: torch.Tensor):
+    """``(inverse, counts, one_hot, mean)``: each response's group index, group sizes ``[G]``,
+    ``one_hot[g, b] = 1`` if response b is in group g, and the group means of ``scores``. Matmuls
+    with ``one_hot`` keep the sums deterministic on GPU."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    one_hot = (inverse[None, :] == torch.arange(len(counts), device=scores.device)[:, None])
+    one_hot = one_hot.to(scores.dtype)
+    counts = counts.to(scores.dtype)
+    return inverse, counts, one_hot, (one_hot @ scores) / counts
+
+
+def _broadcast(adv: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-response ``adv`` ``[B]`` on every valid token ``[B, R]``, 0 on padding."""
+    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+    return torch.where(response_mask.bool(), adv[:, None], zero)
 
 
 def grpo_outcome_advantage(
@@ -40,19 +74,88 @@ def grpo_outcome_advantage(
     ``[B, R]`` with the same values (outcome-only methods use the advantage as the return).
     """
     scores = _float(scores)
-    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    # one_hot[g, b] = 1 if response b is in group g; matmuls keep this deterministic on GPU.
-    one_hot = (inverse[None, :] == torch.arange(len(counts), device=scores.device)[:, None])
-    one_hot = one_hot.to(scores.dtype)
-    counts = counts.to(scores.dtype)
-    mean = (one_hot @ scores) / counts
+    inverse, counts, one_hot, mean = _groups(scores, group_ids)
     centered = scores - mean[inverse]
     std = ((one_hot @ centered**2) / (counts - 1.0).clamp_min(1.0)).sqrt()
     adv = centered / (std[inverse] + eps) if norm_by_std else centered
     adv = torch.where(counts[inverse] > 1, adv, torch.zeros_like(adv))
-    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
-    adv = torch.where(response_mask.bool(), adv[:, None], zero)
+    adv = _broadcast(adv, response_mask)
     return adv, adv.clone()
+
+
+def rloo_advantage(
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO: ``A_i = r_i - (sum_{j in group, j != i} r_j) / (n - 1)`` on every valid token.
+
+    Written as ``n / (n - 1) * (r_i - group mean)``, which is the same number. A group of size 1
+    gets advantage 0. Returns ``(advantages, advantages)``.
+    """
+    scores = _float(scores)
+    inverse, counts, _, mean = _groups(scores, group_ids)
+    n = counts[inverse]
+    adv = torch.where(n > 1, n / (n - 1.0).clamp_min(1.0) * (scores - mean[inverse]), torch.zeros_like(scores))
+    adv = _broadcast(adv, response_mask)
+    return adv, adv.clone()
+
+
+def _returns_to_go(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{t'}`` with ``t'`` the next *valid* token (0 after the last one);
+    padded positions are skipped (their reward is ignored) and get 0."""
+    valid = response_mask.bool()
+    zero = torch.zeros((), dtype=_float(token_rewards).dtype, device=token_rewards.device)
+    rewards = torch.where(valid, _float(token_rewards), zero)
+    running = torch.zeros_like(rewards[:, 0])
+    cols = []
+    for t in reversed(range(rewards.shape[1])):
+        g = rewards[:, t] + gamma * running
+        cols.append(torch.where(valid[:, t], g, zero))
+        running = torch.where(valid[:, t], g, running)
+    return torch.stack(cols[::-1], dim=1) if cols else torch.zeros_like(rewards)
+
+
+def reinforce_pp_advantage(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: returns-to-go of ``token_rewards`` ``[B, R]`` (discount ``gamma``), whitened
+    over every valid token of the batch (``masked_whiten``). Returns ``(advantages, returns)``."""
+    returns = _returns_to_go(token_rewards, response_mask, gamma)
+    return masked_whiten(returns, response_mask), returns
+
+
+def reinforce_pp_baseline_advantage(
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline: ``score - group mean`` on every valid token, then whitened over every
+    valid token of the batch. A group of one response is centred to 0 before whitening. Returns
+    ``(advantages, advantages)``."""
+    scores = _float(scores)
+    inverse, _, _, mean = _groups(scores, group_ids)
+    centered = _broadcast(scores - mean[inverse], response_mask)
+    adv = masked_whiten(centered, response_mask)
+    return adv, adv.clone()
+
+
+def remax_advantage(
+    token_rewards: torch.Tensor, baseline_scores: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax: ``A_t = G_t - b`` with ``G_t`` the undiscounted reward-to-go of token t and ``b``
+    ``[B]`` the reward of the greedy response to the same prompt. Returns ``(advantages, G)``."""
+    returns = _returns_to_go(token_rewards, response_mask, 1.0)
+    adv = returns - _float(baseline_scores)[:, None]
+    zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
+    return torch.where(response_mask.bool(), adv, zero), returns
+
+
+def outcome_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards ``[B, R]`` of an outcome reward: ``scores[b]`` on the last valid token of
+    response b, 0 elsewhere (a response without valid tokens gets none)."""
+    valid = response_mask.bool()
+    pos = torch.arange(valid.shape[1], device=valid.device)
+    last = torch.where(valid, pos, -1).max(dim=-1).values
+    at_last = valid & (pos[None, :] == last[:, None])
+    zero = torch.zeros((), dtype=_float(scores).dtype, device=scores.device)
+    return torch.where(at_last, _float(scores)[:, None], zero)
 
 
 def gae_advantage(

@@ -10,8 +10,23 @@ Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL 
 Sampling", J. Comput. Graph. Stat.) for the truncation itself; the sequence-level variant uses
 the product of the token ratios of a response (as verl's ``rollout_is`` sequence level).
 
+Multiplying the PPO loss (taken against ``pi_old``, the "proximal" policy) by these weights is
+the decoupled PPO objective of Hilton et al. 2022, "Batch size-invariance for policy
+optimization", arXiv:2110.00641 (behaviour policy = the rollout, proximal policy = the trainer's
+recomputation).
+
+``rejection_mask`` drops (weight 0) tokens or whole responses whose ratio lies outside
+``[low, high]`` — per token, for the product over a response ("sequence"), or for its geometric
+mean ("geometric") — or whose mean per-token mismatch KL exceeds a threshold: the masked
+importance sampling / rejection sampling of verl's rollout correction (after Yao et al. 2025 and
+Liu et al. 2025, "When Speed Kills Stability", https://yingru.notion.site/When-Speed-Kills-Stability).
+It departs from verl in one way: a rejected token keeps its place in the loss normaliser (its
+weight is 0 rather than being removed from the mask), so the normaliser of a mini-batch can be
+fixed before the forward pass that produces the trainer's log-probs.
+
 Mismatch diagnostics estimate KL(pi_rollout || pi_old) from the rollout's own samples with the
-k1 and k3 estimators of J. Schulman, http://joschu.net/blog/kl-approx.html.
+k1 and k3 estimators of J. Schulman, http://joschu.net/blog/kl-approx.html. ``GroupedTokenStats``
+accumulates per-token diagnostics per group label (the staleness of each sample).
 """
 
 from __future__ import annotations
@@ -60,10 +75,10 @@ def truncated_importance_weights(
     weights = torch.where(unit_mask, raw if cap is None else raw.clamp(max=cap), zero)
     truncated = (units > math.log(cap)) if cap is not None else torch.zeros_like(unit_mask)
 
-    d = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    k1, k3 = mismatch_kl_terms(old_logprob, rollout_logprob, response_mask)
     metrics = {
-        "mismatch_kl_k1": masked_mean(-log_ratio, valid),
-        "mismatch_kl_k3": masked_mean(torch.exp(d) - d - 1.0, valid),
+        "mismatch_kl_k1": masked_mean(k1, valid),
+        "mismatch_kl_k3": masked_mean(k3, valid),
         "is_weight_mean": masked_mean(weights, unit_mask),
         "is_weight_max": weights.max() if weights.numel() else zero,  # weights >= 0, 0 on padding
         "is_truncated_frac": masked_mean(truncated.to(weights.dtype), unit_mask),
@@ -71,3 +86,133 @@ def truncated_importance_weights(
     if level == "sequence":
         weights = torch.where(valid, weights[:, None], zero)
     return weights, metrics
+
+
+def mismatch_kl_terms(
+    old_logprob: torch.Tensor, rollout_logprob: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token k1 and k3 estimates of KL(pi_rollout || pi_old) from the rollout's samples.
+
+    With ``d = old - rollout`` (clamped to [-20, 20] inside the exponential): ``k1 = -d`` and
+    ``k3 = exp(d) - d - 1`` (non-negative). Both detached, 0 on padding.
+    """
+    valid = response_mask.bool()
+    zero = torch.zeros((), dtype=old_logprob.dtype, device=old_logprob.device)
+    d = torch.where(valid, old_logprob - rollout_logprob, zero).detach()
+    dc = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return -d, torch.where(valid, torch.exp(dc) - dc - 1.0, zero)
+
+
+REJECTION_LEVELS = ("off", "token", "sequence", "geometric")
+
+
+def rejection_mask(
+    old_logprob: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    level: str = "token",
+    ratio_high: float = 2.0,
+    ratio_low: float | None = None,
+    kl_threshold: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Which tokens to keep (1.0) or reject (0.0) given the ratio ``pi_old / pi_rollout``.
+
+    ``level``: ``"token"`` rejects a token whose ratio is outside ``[ratio_low, ratio_high]``;
+    ``"sequence"`` rejects a whole response whose product of token ratios is outside it;
+    ``"geometric"`` uses the geometric mean of the token ratios of a response (exp of the mean
+    log-ratio) instead of the product; ``"off"`` applies no ratio test. ``ratio_low`` defaults to
+    ``1 / ratio_high``. ``kl_threshold`` (optional, any level) also rejects a whole response whose
+    mean per-token k3 mismatch KL exceeds it. Returns ``(keep [B, R], metrics)``, keep 0 on
+    padding and detached; metric ``rejected_frac``: the fraction of valid tokens rejected.
+    """
+    if level not in REJECTION_LEVELS:
+        raise ValueError(f"unknown rejection level {level!r}; expected one of {REJECTION_LEVELS}")
+    valid = response_mask.bool()
+    zero = torch.zeros((), dtype=old_logprob.dtype, device=old_logprob.device)
+    log_ratio = torch.where(valid, old_logprob - rollout_logprob, zero).detach()
+    lo = math.log(ratio_low if ratio_low else 1.0 / ratio_high)
+    hi = math.log(ratio_high)
+    if level == "token":
+        units = log_ratio
+    elif level == "sequence":
+        units = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    elif level == "geometric":
+        units = masked_mean(log_ratio, valid, dim=-1)[:, None].expand_as(log_ratio)
+    keep = valid.clone()
+    if level != "off":
+        keep &= (units >= lo) & (units <= hi)
+    if kl_threshold is not None:
+        _, k3 = mismatch_kl_terms(old_logprob, rollout_logprob, response_mask)
+        keep &= (masked_mean(k3, valid, dim=-1) <= kl_threshold)[:, None]
+    rejected = (valid & ~keep).to(old_logprob.dtype)
+    return keep.to(old_logprob.dtype), {"rejected_frac": masked_mean(rejected, valid)}
+
+
+def truncated_flags(
+    old_logprob: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    cap: float | None,
+    level: str = "token",
+) -> torch.Tensor:
+    """1.0 on the valid tokens whose importance weight ``truncated_importance_weights`` truncated
+    (the token's ratio, or its response's, above ``cap``), else 0.0."""
+    valid = response_mask.bool()
+    if cap is None:
+        return torch.zeros_like(old_logprob).detach()
+    zero = torch.zeros((), dtype=old_logprob.dtype, device=old_logprob.device)
+    log_ratio = torch.where(valid, old_logprob - rollout_logprob, zero).detach()
+    units = log_ratio if level == "token" else log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    return (valid & (units > math.log(cap))).to(old_logprob.dtype)
+
+
+class GroupedTokenStats:
+    """Sums and maxima of per-token statistics over valid tokens, kept apart per group label.
+
+    ``add(stats, mask, labels)`` takes ``stats`` name -> ``[B, R]`` tensor, the ``[B, R]`` mask
+    and one integer label per row (e.g. the staleness of each sample); ``levels`` fixes the
+    labels reported (rows with other labels are ignored). ``totals()`` flattens the sums and
+    counts (to be summed over data-parallel ranks) and the maxima (to be max-reduced);
+    ``metrics(sums, maxes)`` turns them into ``{f"{name}/{prefix}_{level}": mean}`` plus, for the
+    names in ``max_of``, ``{f"{max_of[name]}/{prefix}_{level}": max}``. A level without any valid
+    token reports 0.
+    """
+
+    def __init__(self, levels: list[int], prefix: str = "staleness", max_of: dict[str, str] | None = None):
+        self.levels, self.prefix, self.max_of = list(levels), prefix, dict(max_of or {})
+        self.names: list[str] = []
+        self._sums: dict[str, list[float]] = {}
+        self._maxes: dict[str, list[float]] = {}
+        self._counts = [0.0] * len(self.levels)
+
+    def add(self, stats: dict[str, torch.Tensor], mask: torch.Tensor, labels: torch.Tensor) -> None:
+        for name in stats:
+            if name not in self._sums:
+                self.names.append(name)
+                self._sums[name] = [0.0] * len(self.levels)
+                self._maxes[name] = [0.0] * len(self.levels)
+        valid = mask.bool()
+        for j, level in enumerate(self.levels):
+            sel = valid & (labels == level)[:, None]
+            self._counts[j] += float(sel.sum())
+            for name, t in stats.items():
+                picked = t.detach()[sel]
+                self._sums[name][j] += float(picked.sum())
+                if picked.numel():
+                    self._maxes[name][j] = max(self._maxes[name][j], float(picked.max()))
+
+    def totals(self) -> tuple[list[float], list[float]]:
+        sums = [v for n in self.names for v in self._sums[n]] + list(self._counts)
+        maxes = [v for n in self.names for v in self._maxes[n]]
+        return sums, maxes
+
+    def metrics(self, sums: list[float], maxes: list[float]) -> dict[str, float]:
+        L = len(self.levels)
+        counts = sums[len(self.names) * L :]
+        out = {}
+        for i, name in enumerate(self.names):
+            for j, level in enumerate(self.levels):
+                out[f"{name}/{self.prefix}_{level}"] = sums[i * L + j] / counts[j] if counts[j] else 0.0
+                if name in self.max_of:
+                    out[f"{self.max_of[name]}/{self.prefix}_{level}"] = maxes[i * L + j]
+        return out

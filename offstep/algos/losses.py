@@ -4,7 +4,11 @@
   Policy Optimization Algorithms", arXiv:1707.06347, eq. 7), with the asymmetric clip range
   ``[1 - low, 1 + high]`` of DAPO's "clip-higher" (Yu et al. 2025, arXiv:2503.14476), written as a
   loss to minimise: ``max(-A * r, -A * clip(r, 1 - low, 1 + high))``. Optional per-token
-  importance weights (see ``offstep.algos.correction``) multiply the per-token loss.
+  importance weights (see ``offstep.algos.correction``) multiply the per-token loss. With
+  ``clip_ratio_c`` the dual-clip of Ye et al. 2020 ("Mastering Complex Control in MOBA Games with
+  Deep Reinforcement Learning", arXiv:1912.09729, eq. 5) also bounds the loss of negative-advantage
+  tokens by ``-A * c``, so a huge ratio on a bad token cannot dominate the update. The other
+  surrogates (GSPO, CISPO, plain policy gradient) are in ``offstep.algos.policy_losses``.
 * ``value_loss``: PPO's clipped value loss, ``0.5 * max((V - R)^2, (clip(V, V_old +- c) - R)^2)``
   (as in OpenAI baselines' ppo2, also described in Engstrom et al. 2020, arXiv:2005.12729).
 * ``kl_penalty``: per-token estimators of KL(pi || pi_ref) from samples of pi: k1, k2 and k3 of
@@ -41,14 +45,17 @@ def clipped_policy_loss(
     denom: float | torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
     horizon: float | None = None,
+    clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss, reduced with ``aggregate_loss`` (``loss_agg_mode``, ``denom``).
 
     ``r = exp(clamp(logprob - old_logprob, -20, 20))``; per-token loss
-    ``max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``, times ``is_weights``
-    (treated as constants: detached) when given. Metrics (detached scalars): ``clipfrac``, the
-    fraction of valid tokens where the clipped branch is the larger (active) one, and ``ppo_kl``,
-    the masked mean of ``old_logprob - logprob``.
+    ``max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; with ``clip_ratio_c``
+    (dual-clip, > 1) the loss of tokens with ``A < 0`` is then ``min(that, -A * clip_ratio_c)``.
+    Times ``is_weights`` (treated as constants: detached) when given. Metrics (detached scalars):
+    ``clipfrac``, the fraction of valid tokens where the clipped branch is the larger (active)
+    one, ``ppo_kl``, the masked mean of ``old_logprob - logprob``, and with ``clip_ratio_c``
+    ``dual_clipfrac``, the fraction of valid tokens where the dual clip is active.
     """
     advantages = _where_valid(advantages, response_mask)
     log_ratio = _where_valid(logprob - old_logprob, response_mask)
@@ -56,13 +63,18 @@ def clipped_policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     per_token = torch.maximum(unclipped, clipped)
-    if is_weights is not None:
-        per_token = per_token * _where_valid(is_weights.detach(), response_mask)
-    loss = aggregate_loss(per_token, response_mask, loss_agg_mode, denom=denom, horizon=horizon)
     metrics = {
         "clipfrac": masked_mean((clipped > unclipped).float(), response_mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
+    if clip_ratio_c is not None:
+        bound = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (per_token > bound)
+        per_token = torch.where(dual, bound, per_token)
+        metrics["dual_clipfrac"] = masked_mean(dual.float(), response_mask).detach()
+    if is_weights is not None:
+        per_token = per_token * _where_valid(is_weights.detach(), response_mask)
+    loss = aggregate_loss(per_token, response_mask, loss_agg_mode, denom=denom, horizon=horizon)
     return loss, metrics
 
 

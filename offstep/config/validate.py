@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
+import math
 import os
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 
 from offstep.config.loader import ConfigError
 from offstep.config.schema import Config
 
-ADV_ESTIMATORS = ("grpo", "gae")
+# Kept in step with offstep.pipeline.advantage / offstep.algos (not imported: validation loads no torch).
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "pg")
+CORRECTION_MODES = ("decoupled", "bypass", "off")
+REJECTION_LEVELS = ("off", "token", "sequence", "geometric")
 KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -20,6 +28,89 @@ def _need(ok: bool, msg: str, errors: list[str]) -> None:
 
 def _choice(value, key: str, choices, errors: list[str]) -> None:
     _need(value in choices, f"{key}={value!r} is not one of {list(choices)}", errors)
+
+
+def _floats(node, prefixes: tuple[str, ...], key: str = ""):
+    """(dotted key, value) of every float in the config subtrees named by ``prefixes``."""
+    if is_dataclass(node):
+        for f in fields(node):
+            sub = f"{key}.{f.name}" if key else f.name
+            if not key and f.name not in prefixes:
+                continue
+            yield from _floats(getattr(node, f.name), prefixes, sub)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _floats(v, prefixes, f"{key}[{i}]")
+    elif isinstance(node, float):
+        yield key, node
+
+
+def _check_algorithm(cfg: Config, e: list[str]) -> None:
+    """The algorithm keys (docs/algorithms.md): each choice valid, and no combination that cannot work."""
+    a, r = cfg.algorithm, cfg.rollout
+    _choice(a.adv_estimator, "algorithm.adv_estimator", ADV_ESTIMATORS, e)
+    _choice(a.policy_loss, "algorithm.policy_loss", POLICY_LOSSES, e)
+    _choice(a.kl_estimator, "algorithm.kl_estimator", KL_ESTIMATORS, e)
+    _choice(a.kl_penalty, "algorithm.kl_penalty", KL_ESTIMATORS, e)
+    _choice(a.kl_ctrl.type, "algorithm.kl_ctrl.type", ("fixed", "adaptive"), e)
+    _choice(a.loss_agg_mode, "algorithm.loss_agg_mode", LOSS_AGG_MODES, e)
+    _choice(a.correction_mode, "algorithm.correction_mode", CORRECTION_MODES, e)
+    _choice(a.tis_level, "algorithm.tis_level", ("token", "sequence"), e)
+    _choice(a.rejection_level, "algorithm.rejection_level", REJECTION_LEVELS, e)
+    est = a.adv_estimator
+    _need(not (est in GROUP_ESTIMATORS and r.n < 2),
+          f"algorithm.adv_estimator={est} compares the rewards of the samples of one prompt with each other, so it "
+          f"needs rollout.n >= 2 (got {r.n}); with rollout.n=1 every advantage would be 0. Set rollout.n=4, or use "
+          f"algorithm.adv_estimator=reinforce_plus_plus, remax or gae", e)
+    _need(not (est == "remax" and r.temperature == 0),
+          "algorithm.adv_estimator=remax compares sampled responses with a greedy one, but rollout.temperature=0 "
+          "samples greedily too (every advantage would be 0); set rollout.temperature > 0", e)
+    _need(a.clip_ratio_low >= 0 and a.clip_ratio_high >= 0,
+          f"algorithm.clip_ratio_low/high = {a.clip_ratio_low}/{a.clip_ratio_high} must be >= 0", e)
+    if a.clip_ratio_c is not None:
+        _need(a.policy_loss == "ppo", f"algorithm.clip_ratio_c (dual-clip) bounds PPO's clipped loss; it has no meaning for "
+              f"algorithm.policy_loss={a.policy_loss}: set algorithm.clip_ratio_c=null, or algorithm.policy_loss=ppo", e)
+        _need(a.clip_ratio_c > 1, f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (e.g. 3.0), or null to disable dual-clip", e)
+    _need(a.loss_agg_horizon >= 0, f"algorithm.loss_agg_horizon={a.loss_agg_horizon} must be >= 0 (0: rollout.max_new_tokens)", e)
+    _need(a.kl_coef >= 0 and a.kl_ctrl.kl_coef >= 0, "algorithm.kl_coef and algorithm.kl_ctrl.kl_coef must be >= 0", e)
+    if a.use_kl_in_reward and a.kl_ctrl.type == "adaptive":
+        _need(a.kl_ctrl.target_kl > 0 and a.kl_ctrl.horizon > 0,
+              f"algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl > 0 and algorithm.kl_ctrl.horizon > 0 "
+              f"(got {a.kl_ctrl.target_kl}, {a.kl_ctrl.horizon})", e)
+    # Off-policy correction
+    mode = a.correction_mode
+    rejects = a.rejection_level != "off" or a.rejection_kl > 0
+    _need(not (rejects and mode != "decoupled"),
+          f"algorithm.rejection_level / rejection_kl reject tokens by the ratio of the trainer's to the rollout's "
+          f"log-probs, which only algorithm.correction_mode=decoupled computes (got {mode}); set correction_mode=decoupled "
+          f"or rejection_level=off rejection_kl=0", e)
+    _need(not (mode == "bypass" and (r.top_p < 1 or r.top_k > 0)),
+          f"algorithm.correction_mode=bypass uses the rollout's log-probs as the old policy, but with rollout.top_p="
+          f"{r.top_p} / rollout.top_k={r.top_k} they are those of the truncated sampling distribution, which the "
+          f"trainer's policy does not have; use correction_mode=decoupled, or rollout.top_p=1 rollout.top_k=0", e)
+    _need(a.tis_cap > 0, f"algorithm.tis_cap={a.tis_cap} must be > 0", e)
+    _need(a.rejection_ratio_high > 1 and 0 <= a.rejection_ratio_low < 1,
+          f"algorithm.rejection_ratio_low/high = {a.rejection_ratio_low}/{a.rejection_ratio_high}: need high > 1 and "
+          f"0 <= low < 1 (low 0: 1 / high)", e)
+    _need(a.rejection_kl >= 0, f"algorithm.rejection_kl={a.rejection_kl} must be >= 0 (0: off)", e)
+    # Critic
+    w = cfg.critic.warmup_steps
+    _need(w >= 0, f"critic.warmup_steps={w} must be >= 0", e)
+    _need(not (w > 0 and est != "gae"),
+          f"critic.warmup_steps={w} trains the critic alone first, but only algorithm.adv_estimator=gae has a critic "
+          f"(got {est}); set critic.warmup_steps=0 or algorithm.adv_estimator=gae", e)
+    _need(not (w > 0 and w >= cfg.trainer.total_steps),
+          f"critic.warmup_steps={w} >= trainer.total_steps={cfg.trainer.total_steps}: the actor would never train", e)
+    # DAPO
+    if a.overlong_penalty:
+        _need(0 < a.overlong_buffer_len <= r.max_new_tokens,
+              f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in [1, rollout.max_new_tokens="
+              f"{r.max_new_tokens}] (responses longer than max_new_tokens - buffer are penalised)", e)
+    if a.dynamic_sampling:
+        _need(r.n >= 2, f"algorithm.dynamic_sampling drops groups whose rewards are all equal; with rollout.n={r.n} "
+              f"every group has one response and would be dropped; set rollout.n >= 2", e)
+        _need(a.dynamic_sampling_max_attempts >= 1,
+              f"algorithm.dynamic_sampling_max_attempts={a.dynamic_sampling_max_attempts} must be >= 1", e)
 
 
 def available_gpus() -> int:
@@ -38,29 +129,46 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     e: list[str] = []
     k = cfg.pipeline.max_staleness
     _need(k >= 0, f"pipeline.max_staleness={k} must be >= 0 (0: synchronous, 1: one-step off-policy)", e)
+    _choice(cfg.pipeline.weight_sync, "pipeline.weight_sync", ("object_store", "collective"), e)
+    _need(cfg.pipeline.weight_sync_bucket_mb > 0,
+          f"pipeline.weight_sync_bucket_mb={cfg.pipeline.weight_sync_bucket_mb} must be > 0 (e.g. 64)", e)
+    _need(cfg.pipeline.weight_sync_timeout_s > 0,
+          f"pipeline.weight_sync_timeout_s={cfg.pipeline.weight_sync_timeout_s} must be > 0 (e.g. 1800)", e)
+    _need(not (cfg.pipeline.weight_sync == "collective" and cfg.pipeline.colocate and k == 0
+               and cfg.resources.gpus_per_trainer_worker > 0),
+          "pipeline.weight_sync=collective cannot use NCCL between an actor and a rollout worker colocated on "
+          "one GPU (pipeline.colocate=true); use pipeline.weight_sync=object_store there", e)
     _need(not (cfg.pipeline.colocate and k > 0), "pipeline.colocate=true needs pipeline.max_staleness=0: "
           "overlapping generation with training needs disjoint pools", e)
     _need(cfg.trainer.total_steps >= 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1", e)
     _need(cfg.trainer.val_freq >= 0, f"trainer.val_freq={cfg.trainer.val_freq} must be >= 0 (0: before and after only)", e)
+    t = cfg.trainer
+    _need(t.save_freq >= 0, f"trainer.save_freq={t.save_freq} must be >= 0 (0: no periodic checkpoints)", e)
+    _need(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0: keep all)", e)
+    if t.resume not in ("auto", "off"):
+        _need(Path(t.resume).exists(), f"trainer.resume={t.resume!r} does not exist; give auto, off, or the path of a "
+              f"run directory or of one of its checkpoints/step_<N> folders", e)
+    _need(cfg.rollout.timeout_s > 0, f"rollout.timeout_s={cfg.rollout.timeout_s} must be > 0 (seconds)", e)
+    _need(cfg.rollout.max_restarts >= 0, f"rollout.max_restarts={cfg.rollout.max_restarts} must be >= 0", e)
     _choice(cfg.trainer.device, "trainer.device", ("auto", "cpu", "cuda"), e)
     _choice(cfg.trainer.progress, "trainer.progress", ("auto", "bar", "plain", "off"), e)
     from offstep.telemetry.loggers import KNOWN as LOGGERS
 
     for name in cfg.trainer.loggers:
         _choice(name, "trainer.loggers entry", LOGGERS, e)
+    _need(cfg.trainer.status_interval_s >= 0, f"trainer.status_interval_s={cfg.trainer.status_interval_s} must be >= 0 (0: never)", e)
+    _choice(cfg.trainer.wandb_mode, "trainer.wandb_mode", ("", "offline", "online", "disabled"), e)
+    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        _need(name not in cfg.trainer.loggers or importlib.util.find_spec(module) is not None,
+              f"trainer.loggers includes {name} but the {module} package is missing: "
+              f"pip install 'offstep[{name}]', or remove {name} from trainer.loggers", e)
     for key, v in (("model.dtype", cfg.model.dtype), ("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)):
         _choice(v, key, ("float32", "bfloat16"), e)
     _choice(cfg.data.overlong_prompts, "data.overlong_prompts", ("filter", "error"), e)
-    _choice(cfg.algorithm.adv_estimator, "algorithm.adv_estimator", ADV_ESTIMATORS, e)
-    _choice(cfg.algorithm.kl_estimator, "algorithm.kl_estimator", KL_ESTIMATORS, e)
-    _choice(cfg.algorithm.loss_agg_mode, "algorithm.loss_agg_mode", LOSS_AGG_MODES, e)
-    _choice(cfg.algorithm.tis_level, "algorithm.tis_level", ("token", "sequence"), e)
+    _check_algorithm(cfg, e)
 
     r, d, a = cfg.rollout, cfg.data, cfg.actor
     _need(r.n >= 1, f"rollout.n={r.n} must be >= 1", e)
-    _need(not (cfg.algorithm.adv_estimator == "grpo" and r.n < 2),
-          f"algorithm.adv_estimator=grpo normalises rewards within a group of samples of one prompt, so it "
-          f"needs rollout.n >= 2 (got {r.n}); set rollout.n=4, or use algorithm.adv_estimator=gae", e)
     _need(r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0", e)
     _need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]", e)
     _need(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)", e)
@@ -75,7 +183,19 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     B = d.train_batch_size * r.n
     _need(W >= 1, f"resources.trainer_workers={W} must be >= 1", e)
     _need(a.micro_batch_size >= 1, f"actor.micro_batch_size={a.micro_batch_size} must be >= 1", e)
+    _need(a.micro_token_budget == 0 or a.micro_token_budget >= d.max_prompt_length + r.max_new_tokens,
+          f"actor.micro_token_budget={a.micro_token_budget} cannot hold the longest sample (data.max_prompt_length + "
+          f"rollout.max_new_tokens = {d.max_prompt_length + r.max_new_tokens} tokens); raise it to at least that "
+          f"(a few times more for throughput), or set 0 to use actor.micro_batch_size rows per micro-batch", e)
     _need(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1", e)
+    _choice(a.nonfinite, "actor.nonfinite", ("skip", "stop"), e)
+    for key, v in _floats(cfg, ("algorithm", "actor", "critic")):
+        limit = "clip" in key or "cap" in key  # inf is a meaningful "no limit" there
+        _need(math.isfinite(v) or (limit and not math.isnan(v)), f"{key}={v} must be a finite number", e)
+    rw = cfg.reward
+    _need(rw.timeout_s is None or rw.timeout_s > 0,
+          f"reward.timeout_s={rw.timeout_s} must be > 0 seconds, or null for no limit", e)
+    _need(rw.num_threads >= 1, f"reward.num_threads={rw.num_threads} must be >= 1", e)
     if W >= 1:
         _need(B % W == 0, f"a batch of data.train_batch_size x rollout.n = {d.train_batch_size} x {r.n} = {B} "
               f"samples does not divide over resources.trainer_workers={W}; change one of them", e)
@@ -108,7 +228,8 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
               f"reward.custom_path={cfg.reward.custom_path!r} does not exist; give the path of a Python file "
               f"defining {cfg.reward.custom_name}(data_source, solution_str, ground_truth, extra_info=None)", e)
     for f in [*d.train_files, *d.val_files]:
-        _need(Path(f).is_file(), f"data file {f!r} (data.train_files / data.val_files) does not exist", e)
+        _need(Path(f).is_file(), f"data file {f!r} (data.train_files / data.val_files) does not exist; give the "
+              f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
     try:
         check_model_path(cfg.model.path)
     except ModelError as err:

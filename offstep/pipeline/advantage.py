@@ -1,29 +1,105 @@
-"""From a scored batch to advantages and returns: the estimator chosen by
-``algorithm.adv_estimator``, applied in the driver between the reference/critic forward passes
-and the updates. The maths lives in ``offstep.algos`` (pure functions); this module only picks
-and feeds them."""
+"""From a scored batch to advantages and returns, in the driver between the reference/critic
+forward passes and the updates: reward shaping (DAPO's overlong penalty, the KL penalty in the
+reward), then the estimator chosen by ``algorithm.adv_estimator``. The maths lives in
+``offstep.algos`` (pure functions); this module only picks and feeds them."""
 
 from __future__ import annotations
 
-import torch
-
-from offstep.algos.advantages import gae_advantage, grpo_outcome_advantage
+from offstep.algos.advantages import (
+    gae_advantage,
+    grpo_outcome_advantage,
+    outcome_token_rewards,
+    reinforce_pp_advantage,
+    reinforce_pp_baseline_advantage,
+    remax_advantage,
+    rloo_advantage,
+)
+from offstep.algos.common import masked_mean
+from offstep.algos.dapo import overlong_penalty
+from offstep.algos.kl_control import (
+    FixedKLController,
+    kl_controller,
+    kl_penalized_rewards,
+)
 from offstep.batch import TrainBatch
 from offstep.config.schema import AlgorithmConfig
 
+# Estimators that compare the responses to one prompt with each other: they need rollout.n >= 2.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")
 
-def compute_advantages(batch: TrainBatch, algo: AlgorithmConfig) -> dict[str, float]:
-    """Set ``batch.advantages`` and ``batch.returns``; return metrics."""
+
+def build_kl_controller(algo: AlgorithmConfig) -> FixedKLController:
+    """The coefficient of the KL penalty in the reward (``algorithm.kl_ctrl``)."""
+    c = algo.kl_ctrl
+    return kl_controller(c.type, c.kl_coef, c.target_kl, c.horizon)
+
+
+def compute_advantages(
+    batch: TrainBatch,
+    algo: AlgorithmConfig,
+    kl_ctrl: FixedKLController | None = None,
+    max_response_length: int | None = None,
+) -> dict[str, float]:
+    """Set ``batch.advantages`` and ``batch.returns``; return metrics.
+
+    Needs ``batch.values`` for GAE, ``batch.baseline_scores`` for ReMax, ``batch.ref_logprobs``
+    and ``batch.old_logprobs`` for the KL penalty in the reward (``kl_ctrl`` gives its
+    coefficient and is updated with the measured KL), and ``max_response_length`` for the
+    overlong penalty. ``batch.scores`` are left as the task rewards.
+    """
     mask = batch.response_mask
-    if algo.adv_estimator == "grpo":
-        batch.advantages, batch.returns = grpo_outcome_advantage(
-            batch.scores, batch.group_ids, mask, norm_by_std=algo.norm_adv_by_std
-        )
+    m: dict[str, float] = {}
+    scores = batch.scores
+    baseline = batch.baseline_scores
+    if algo.overlong_penalty:
+        if max_response_length is None:
+            raise ValueError("the overlong penalty needs max_response_length (rollout.max_new_tokens)")
+        pen = overlong_penalty(mask.sum(-1), max_response_length, algo.overlong_buffer_len, algo.overlong_penalty_factor)
+        scores = scores + pen
+        m["reward/overlong_penalty"] = float(pen.mean())
+        if baseline is not None and batch.baseline_lengths is not None:
+            baseline = baseline + overlong_penalty(
+                batch.baseline_lengths, max_response_length, algo.overlong_buffer_len, algo.overlong_penalty_factor
+            )
+    token_rewards = outcome_token_rewards(scores, mask)
+    seq_scores = scores.to(token_rewards.dtype)
+    if algo.use_kl_in_reward:
+        if batch.ref_logprobs is None or batch.old_logprobs is None:
+            raise ValueError("algorithm.use_kl_in_reward needs the batch's ref_logprobs and old_logprobs")
+        kl_ctrl = kl_ctrl or build_kl_controller(algo)
+        beta = kl_ctrl.value
+        penalised, kl = kl_penalized_rewards(token_rewards, batch.old_logprobs, batch.ref_logprobs, mask, beta, algo.kl_penalty)
+        seq_scores = seq_scores + (penalised - token_rewards).sum(-1)  # score - beta * sum_t kl_t
+        token_rewards = penalised
+        kl_ctrl.update(float(kl), n_steps=len(batch))
+        m.update({"reward/kl_penalty": float(kl), "reward/kl_coef": beta})
+
+    est = algo.adv_estimator
+    if est == "grpo":
+        adv, ret = grpo_outcome_advantage(seq_scores, batch.group_ids, mask, norm_by_std=algo.norm_adv_by_std)
+    elif est == "rloo":
+        adv, ret = rloo_advantage(seq_scores, batch.group_ids, mask)
+    elif est == "reinforce_plus_plus_baseline":
+        adv, ret = reinforce_pp_baseline_advantage(seq_scores, batch.group_ids, mask)
+    elif est == "reinforce_plus_plus":
+        adv, ret = reinforce_pp_advantage(token_rewards, mask, gamma=algo.gamma)
+    elif est == "remax":
+        if baseline is None:
+            raise ValueError("adv_estimator=remax needs the greedy baseline's scores (SamplingParams.greedy_baseline)")
+        adv, ret = remax_advantage(token_rewards, baseline, mask)
+        m["reward/greedy_baseline"] = float(baseline.mean())
+    elif est == "gae":
+        adv, ret = gae_advantage(token_rewards, batch.values, mask, gamma=algo.gamma, lam=algo.lam)
     else:
-        last = (mask.sum(-1).long() - 1).clamp(min=0)
-        token_rewards = torch.zeros_like(mask)
-        token_rewards[torch.arange(len(batch)), last] = batch.scores
-        batch.advantages, batch.returns = gae_advantage(
-            token_rewards, batch.values, mask, gamma=algo.gamma, lam=algo.lam
-        )
-    return {}
+        raise ValueError(f"unknown algorithm.adv_estimator={est!r}; expected one of {ADV_ESTIMATORS}")
+    batch.advantages, batch.returns = adv, ret
+    valid = mask.bool()
+    if valid.any():
+        m.update({
+            "adv/mean": float(masked_mean(adv, valid)),
+            "adv/abs_mean": float(masked_mean(adv.abs(), valid)),
+            "adv/max": float(adv[valid].max()),
+            "adv/min": float(adv[valid].min()),
+        })
+    return m

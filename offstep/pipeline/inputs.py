@@ -59,7 +59,7 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
             f"the training set has {len(train)} usable prompts, fewer than data.train_batch_size="
             f"{cfg.data.train_batch_size}; lower data.train_batch_size or add data"
         )
-    reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name)
+    reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name, cfg.reward.timeout_s)
     reward.check_sources({p.record.data_source for p in train + val})
     return Inputs(model_path, tok.pad_token_id, train, val, reward)
 

@@ -120,6 +120,30 @@ class _ScorerTimeout(Exception):
     pass
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+_FIX_RESULT = (
+    "make the scorer return a finite number, or a dict with a numeric 'score', for every response "
+    "(give wrong or malformed answers a low score instead)."
+)
+_FIX_RAISES = (
+    "make the scorer handle every response (give wrong or malformed answers a low score instead of "
+    "raising)."
+)
+_FIX_TIMEOUT = "make the scorer faster, or raise reward.timeout_s (null disables the limit)."
+
+
+def _where(exc: BaseException, prefer: str | None = None) -> str:
+    """`` at FILE:LINE`` where ``exc`` was raised: the innermost frame in the file ``prefer`` (the
+    user's scorer) if the traceback passes through it, else the innermost frame; empty if unknown."""
+    found, tb = None, exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if found is None or prefer is None or code.co_filename == prefer or found[0] != prefer:
+            found = (code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return f" at {found[0]}:{found[1]}" if found else ""
+
+
 def _call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     """Run ``fn()``; raise :class:`_ScorerTimeout` after ``timeout_s`` seconds.
 
@@ -232,10 +256,10 @@ class RewardFunction:
             self.check_sources([data_source])
         return fn
 
-    def _scorer_label(self) -> str:
+    def _scorer_label(self, fn: Scorer) -> str:
         if self.custom_path:
-            return f"custom scorer {self.custom_name!r} from {self.custom_path}"
-        return "built-in scorer"
+            return f"custom scorer {self.custom_name!r} in {self.custom_path}"
+        return f"built-in scorer {getattr(fn, '__name__', repr(fn))!r}"
 
     def check_sources(self, data_sources: Iterable[str]) -> None:
         """Fail early if some data source has no scorer.
@@ -262,13 +286,13 @@ class RewardFunction:
     ) -> tuple[float, dict]:
         """Score one response. Returns ``(score, extras)`` with ``extras`` a dict of floats."""
         fn = self.scorer_for(data_source)
-        label = f"{self._scorer_label()} {getattr(fn, '__name__', repr(fn))!r}"
+        label = self._scorer_label(fn)
         sample = solution_str[:200] if isinstance(solution_str, str) else repr(solution_str)[:200]
 
-        def fail(problem: str, cause: BaseException | None = None) -> RewardError:
+        def fail(problem: str, cause: BaseException | None = None, fix: str = _FIX_RESULT) -> RewardError:
             err = RewardError(
                 f"reward for data source {data_source!r} failed: {label} {problem}. "
-                f"Sample (first 200 chars): {sample!r}"
+                f"Sample (first 200 chars): {sample!r}. Fix: {fix}"
             )
             err.__cause__ = cause
             return err
@@ -282,9 +306,9 @@ class RewardFunction:
             else:
                 result = _call_with_timeout(invoke, self.timeout_s)
         except _ScorerTimeout as exc:
-            raise fail(f"timed out after {self.timeout_s} s (reward.timeout_s)", exc) from exc
+            raise fail(f"timed out after {self.timeout_s:g} s (reward.timeout_s)", exc, _FIX_TIMEOUT) from exc
         except Exception as exc:
-            raise fail(f"raised {type(exc).__name__}: {exc}", exc) from exc
+            raise fail(f"raised {type(exc).__name__}: {exc}{_where(exc, self.custom_path)}", exc, _FIX_RAISES) from exc
 
         extras: dict[str, float] = {}
         if isinstance(result, dict):
@@ -304,4 +328,6 @@ class RewardFunction:
             raise fail(f"returned a non-number {type(raw).__name__} {repr(raw)[:80]}")
         if not math.isfinite(score):
             raise fail(f"returned a non-finite score {score}")
+        if abs(score) > _FLOAT32_MAX:  # the batch holds scores as float32: this would become inf
+            raise fail(f"returned {score:g}, beyond float32's range (|score| <= {_FLOAT32_MAX:.4g})")
         return score, extras

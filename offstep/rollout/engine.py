@@ -1,27 +1,40 @@
 """Rollout engines: the protocol, and the built-in PyTorch engine over a transformers causal LM.
 
-``TorchEngine`` generates with a KV cache: the unique prompts of a sub-batch are prefilled once
-(left-padded, with attention mask and position ids), their cache rows are repeated for the ``n``
-samples, then tokens are decoded one at a time. Rows that finish leave the batch (the cache and
-all per-row state are compacted), so finished samples cost nothing and cannot influence the
-others.
+``TorchEngine`` schedules with **continuous batching** (Orca, Yu et al., OSDI 2022; vLLM, Kwon et
+al., SOSP 2023) on Llama-family models: up to ``max_batch_size`` samples occupy the slots of a
+pre-allocated KV cache; every step is one forward pass that decodes one token for each running
+slot and, in the same pass, prefills the prompts admitted into slots that freed up (packed, no
+padding; a prompt is prefilled once for the samples admitted together). A sample that finishes
+releases its slot at once: the last running slot is moved into the hole, so the running batch stays
+dense, and a waiting sample takes the free slot at the next step. The forward pass over slots is
+``offstep.rollout.llama_runner``.
+
+Other architectures (sliding-window or hybrid attention, q/k norms, ...) use the fallback: the
+model's own forward with a transformers ``DynamicCache``, in static sub-batches of
+``max_batch_size`` samples (unique prompts prefilled once, left-padded; finished rows leave the
+batch).
 
 Randomness: every sample ``i`` (prompt-major index over ``prompt x n``) draws its uniforms from its
 own ``torch.Generator`` seeded from ``(seed, i)``; a token is sampled on the device by inverting the
 CDF of the final (temperature/top-k/top-p) distribution with that uniform. A sample's random stream
-therefore does not depend on the batch it shares, on ``max_batch_size``, on when the others finish,
-or on the device.
+therefore does not depend on the batch it shares, on ``max_batch_size``, on when it was admitted,
+on when the others finish, or on the device.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from offstep.rollout.llama_runner import LlamaRunner, unsupported_reason
 from offstep.rollout.types import Completion, SamplingParams
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["RolloutEngine", "TorchEngine", "sample_tokens"]
 
@@ -124,107 +137,20 @@ def _mix_seed(seed: int, index: int) -> int:
 
 
 # --------------------------------------------------------------------------------------------------
-# KV cache
-
-
-def _make_cache_classes():
-    """A DynamicLayer variant that writes into a pre-allocated buffer (no per-step concatenation).
-
-    The buffer starts at ``capacity`` positions and doubles when full, up to ``limit`` (prompt +
-    ``max_new_tokens``), so short answers to a long ``max_new_tokens`` do not reserve the worst case.
-    """
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-
-    class PreallocatedLayer(DynamicLayer):
-        def __init__(self, capacity: int, limit: int):
-            super().__init__()
-            self.capacity = int(capacity)
-            self.limit = max(int(limit), self.capacity)
-            self.length = 0
-            self._kbuf: Tensor | None = None
-            self._vbuf: Tensor | None = None
-
-        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
-            self.dtype, self.device = key_states.dtype, key_states.device
-            b, h = key_states.shape[:2]
-            cap = max(self.capacity, key_states.shape[-2])
-            self._kbuf = key_states.new_empty((b, h, cap, key_states.shape[-1]))
-            self._vbuf = value_states.new_empty((b, value_states.shape[1], cap, value_states.shape[-1]))
-            self.length = 0
-            self.is_initialized = True
-
-        def _views(self) -> None:
-            self.keys = self._kbuf[:, :, : self.length]
-            self.values = self._vbuf[:, :, : self.length]
-
-        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            end = self.length + key_states.shape[-2]
-            if end > self._kbuf.shape[2]:  # grow geometrically, up to the limit
-                new_cap = max(end, min(2 * self._kbuf.shape[2], self.limit))
-                for name in ("_kbuf", "_vbuf"):
-                    old = getattr(self, name)
-                    new = old.new_empty((*old.shape[:2], new_cap, old.shape[3]))
-                    new[:, :, : self.length] = old[:, :, : self.length]
-                    setattr(self, name, new)
-            self._kbuf[:, :, self.length : end] = key_states
-            self._vbuf[:, :, self.length : end] = value_states
-            self.length = end
-            self._views()
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self.length if self.is_initialized else 0
-
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.get_seq_length() + query_length, 0
-
-        def batch_select_indices(self, indices: Tensor) -> None:
-            if not self.is_initialized:
-                return
-            for name in ("_kbuf", "_vbuf"):
-                old = getattr(self, name)
-                new = old.new_empty((indices.numel(), *old.shape[1:]))
-                new[:, :, : self.length] = old[indices, :, : self.length]
-                setattr(self, name, new)
-            self._views()
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            if self.is_initialized:
-                idx = torch.arange(self._kbuf.shape[0], device=self._kbuf.device).repeat_interleave(repeats)
-                self.batch_select_indices(idx)
-
-        def reorder_cache(self, beam_idx: Tensor) -> None:
-            self.batch_select_indices(beam_idx)
-
-        def crop(self, tokens_to_remove: int) -> None:
-            if tokens_to_remove > 0:
-                raise ValueError("crop expects a negative number of tokens to remove")
-            if self.is_initialized and tokens_to_remove < 0:
-                self.length = max(0, self.length + tokens_to_remove)
-                self._views()
-
-        def reset(self) -> None:
-            self._kbuf = self._vbuf = None
-            self.length = 0
-            super().reset()
-
-    return DynamicCache, PreallocatedLayer
-
-
-_CACHE_CLASSES: tuple[Any, Any] | None = None
-
-
-def _cache_classes():
-    global _CACHE_CLASSES
-    if _CACHE_CLASSES is None:
-        _CACHE_CLASSES = _make_cache_classes()
-    return _CACHE_CLASSES
-
-
-# --------------------------------------------------------------------------------------------------
 # engine
+
+
+_MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth its own forward pass
+
+
+def _shared_prefix(prompts: list[list[int]]) -> int:
+    """Tokens every prompt starts with, leaving each prompt at least one token of its own."""
+    first = prompts[0]
+    limit = min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
 
 
 class _Row:
@@ -239,11 +165,17 @@ class _Row:
         self.logprobs: list[float] = []
 
 
+RUNNERS = ("auto", "slots", "hf")
+
+
 class TorchEngine:
     """Batched KV-cache generation with a transformers causal LM (CPU or CUDA).
 
     ``model`` is moved to ``device`` and put in eval mode. ``eos_ids`` end a sample (the eos token is
     kept in ``response_ids``). At most ``max_batch_size`` sequences are decoded together.
+    ``runner``: ``"slots"`` continuous batching over a slot KV cache (Llama-family models only),
+    ``"hf"`` the model's own forward in static sub-batches, ``"auto"`` (default) the first when the
+    model supports it and its forward matches the model's on a short check input.
     """
 
     def __init__(
@@ -253,9 +185,12 @@ class TorchEngine:
         eos_ids: Sequence[int],
         device: str | torch.device = "cpu",
         max_batch_size: int = 64,
+        runner: str = "auto",
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        if runner not in RUNNERS:
+            raise ValueError(f"runner={runner!r} must be one of {RUNNERS}")
         eos = [int(e) for e in eos_ids]
         if not eos:
             raise ValueError("eos_ids is empty; pass at least the tokenizer's eos token id")
@@ -269,7 +204,12 @@ class TorchEngine:
         self.max_batch_size = int(max_batch_size)
         self.version: int = 0
         self.vocab_size: int = int(self.model.get_input_embeddings().weight.shape[0])
-        self._prealloc = self._full_attention_only()
+        self._runner: LlamaRunner | None = self._pick_runner(runner)
+
+    @property
+    def runner(self) -> str:
+        """The forward path in use: ``"slots"`` (continuous batching) or ``"hf"``."""
+        return "slots" if self._runner is not None else "hf"
 
     # ---------------------------------------------------------------- public API
 
@@ -288,24 +228,27 @@ class TorchEngine:
         outputs.
         """
         self._check(prompts, params)
-        n = params.n
-        order = [(pi * n + j, pi) for pi in range(len(prompts)) for j in range(n)]
-        # Group similar prompt lengths into the same sub-batch (less padding); stable, so each prompt's
-        # samples stay together. Results go back to prompt-major order below.
-        order.sort(key=lambda item: len(prompts[item[1]]))
-        results: list[Completion | None] = [None] * len(order)
+        results: list[Completion | None] = [None] * (len(prompts) * params.n)
+        if not results:
+            return []
+
+        def emit(row: _Row, reason: str) -> None:
+            c = self._finish(row, reason)
+            results[row.index] = c
+            if on_finish is not None:
+                on_finish(c)
+
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling, even if someone switched the module to train()
         try:
             with torch.inference_mode():
-                for start in range(0, len(order), self.max_batch_size):
-                    chunk = order[start : start + self.max_batch_size]
-                    rows = [_Row(i, pi) for i, pi in chunk]
-                    uniforms = self._uniforms(rows, params, seed)
-                    for c, row in self._generate_chunk(prompts, rows, params, uniforms):
-                        results[row.index] = c
-                        if on_finish is not None:
-                            on_finish(c)
+                if params.max_new_tokens == 0:
+                    for i in range(len(results)):
+                        emit(_Row(i, i // params.n), "length")
+                elif self._runner is not None:
+                    self._generate_continuous(prompts, params, seed, emit)
+                else:
+                    self._generate_static(prompts, params, seed, emit)
         finally:
             if was_training:
                 self.model.train()
@@ -353,23 +296,52 @@ class TorchEngine:
         self.reset_cache()
 
     def reset_cache(self) -> None:
-        """No cache outlives a ``generate`` call; this releases cached device memory on CUDA."""
+        """No KV cache outlives a ``generate`` call (the slot runner reads the model's weights in
+        place); this releases cached device memory on CUDA."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    # ---------------------------------------------------------------- internals
+    # ---------------------------------------------------------------- checks
 
-    def _full_attention_only(self) -> bool:
-        cfg = getattr(self.model, "config", None)
-        if cfg is None:
-            return False
-        text = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
-        layer_types = getattr(text, "layer_types", None)
-        if layer_types is not None and any(t != "full_attention" for t in layer_types):
-            return False
-        if getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
-            return False
-        return True
+    def _pick_runner(self, runner: str) -> LlamaRunner | None:
+        if runner == "hf":
+            return None
+        reason = unsupported_reason(self.model)
+        if reason is None:
+            slot_runner = LlamaRunner(self.model)
+            reason = self._verify_runner(slot_runner)
+            if reason is None:
+                return slot_runner
+        if runner == "slots":
+            raise ValueError(f"runner='slots' cannot serve this model: {reason}; use runner='auto' or 'hf'")
+        _log.info("offstep engine: continuous batching unavailable (%s); using the model's forward", reason)
+        return None
+
+    @torch.inference_mode()
+    def _verify_runner(self, slot_runner: LlamaRunner) -> str | None:
+        """Compare the slot forward with the model's own forward on a short input: a prefix prefilled
+        into one slot and moved to another, the rest of the prompt prefilled after it, one decode step."""
+        ids = [(7 * i + 3) % self.vocab_size for i in range(6)]
+        dev = self.device
+        none = torch.zeros(0, dtype=torch.long, device=dev)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            want = self.model(torch.tensor([ids], device=dev)).logits[0, -2:].float()
+            cache = slot_runner.new_cache(2, 8, 8)
+            slot_runner.step(cache, none, none, [ids[:3]], [[1]])
+            cache.move(torch.tensor([1], device=dev), torch.tensor([0], device=dev), 3)
+            first = slot_runner.step(cache, none, none, [ids[3:5]], [[0]], start=3)
+            second = slot_runner.step(cache, torch.tensor([ids[5]], device=dev), torch.tensor([5], device=dev), [], [])
+        finally:
+            if was_training:
+                self.model.train()
+        got = torch.cat([first, second])
+        err = float((got - want).abs().max())
+        tol = (1e-3 if self.model.get_input_embeddings().weight.dtype == torch.float32 else 5e-2) * max(1.0, float(want.abs().max()))
+        if not err <= tol:
+            return f"its logits differ from the model's forward by {err:.3g} (tolerance {tol:.3g})"
+        return None
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if params.n < 1:
@@ -394,39 +366,19 @@ class TorchEngine:
                 bad = lo if lo < 0 else hi
                 raise ValueError(f"prompt {i} has token id {bad} outside the model's vocabulary [0, {self.vocab_size})")
 
-    def _uniforms(self, rows: list[_Row], params: SamplingParams, seed: int) -> Tensor:
+    # ---------------------------------------------------------------- shared helpers
+
+    def _uniforms(self, indices: Sequence[int], params: SamplingParams, seed: int) -> Tensor:
+        """``[len(indices), max_new_tokens]`` float64 uniforms, row ``r`` from sample ``indices[r]``'s own stream."""
         steps = max(1, params.max_new_tokens)
         if params.temperature == 0:
-            return torch.zeros((len(rows), steps), dtype=torch.float64, device=self.device)
-        out = torch.empty((len(rows), steps), dtype=torch.float64)
+            return torch.zeros((len(indices), steps), dtype=torch.float64, device=self.device)
+        out = torch.empty((len(indices), steps), dtype=torch.float64)
         gen = torch.Generator()
-        for r, row in enumerate(rows):
-            gen.manual_seed(_mix_seed(seed, row.index))
+        for r, index in enumerate(indices):
+            gen.manual_seed(_mix_seed(seed, index))
             out[r] = torch.rand(steps, generator=gen, dtype=torch.float64)
         return out.to(self.device)
-
-    def _new_cache(self, prompt_len: int, max_new_tokens: int):
-        cache_cls, layer_cls = _cache_classes()
-        if not self._prealloc:
-            return cache_cls(config=self.model.config)
-        n_layers = self.model.config.get_text_config(decoder=True).num_hidden_layers
-        cache = cache_cls()  # a DynamicCache (some models check for it) holding pre-allocated layers
-        cache.layers = [
-            layer_cls(prompt_len + min(max_new_tokens, 256), prompt_len + max_new_tokens) for _ in range(n_layers)
-        ]
-        cache.layer_class_to_replicate = None
-        return cache
-
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        return out.logits[:, -1, :].float()
 
     def _finish(self, row: _Row, reason: str) -> Completion:
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
@@ -439,21 +391,138 @@ class TorchEngine:
             extra={"weight_version": self.version},
         )
 
-    def _hits_stop(self, row: _Row, stops: tuple[str, ...], window: int) -> bool:
-        # A stop string newly completed by the last token lies within the last `window` tokens (every
-        # token decodes to >= 1 byte, a character is <= 4 bytes); decoding only that tail keeps the check
-        # O(1) per step instead of O(length).
-        tail = self.tokenizer.decode(row.tokens[-window:], skip_special_tokens=True)
-        return any(s in tail for s in stops)
+    def _append(self, row: _Row, token: int, logprob: float, params: SamplingParams, window: int) -> str | None:
+        """Record one sampled token; return the finish reason if the sample ends here."""
+        row.tokens.append(token)
+        row.logprobs.append(logprob)
+        if token in self._eos_set:
+            return "stop"
+        if params.stop:
+            # A stop string newly completed by the last token lies within the last `window` tokens
+            # (every token decodes to >= 1 byte, a character is <= 4 bytes); decoding only that tail
+            # keeps the check O(1) per step instead of O(length).
+            tail = self.tokenizer.decode(row.tokens[-window:], skip_special_tokens=True)
+            if any(s in tail for s in params.stop):
+                return "stop"
+        if len(row.tokens) == params.max_new_tokens:
+            return "length"
+        return None
 
-    def _generate_chunk(self, prompts, rows: list[_Row], params: SamplingParams, uniforms: Tensor):
+    # ---------------------------------------------------------------- continuous batching
+
+    def _generate_continuous(self, prompts, params: SamplingParams, seed: int, emit) -> None:
+        """Decode with slots freed by finished samples refilled from the queue at the next step.
+
+        State of the ``B`` running samples lives in slots ``0..B-1`` (rows of the tensors below and
+        of the KV cache): ``tok`` the next input token, ``pos`` its position (= cached length),
+        ``step`` how many tokens the sample has, ``sid`` its sample index (which random stream).
+        """
+        runner, dev, n = self._runner, self.device, params.n
+        total = len(prompts) * n
+        uniforms = self._uniforms(range(total), params, seed)
+        slots = min(self.max_batch_size, total)
+        plen = max(len(p) for p in prompts)
+        shared = _shared_prefix(prompts)
+        if shared < _MIN_SHARED_PREFIX or (len(prompts) == 1 and n <= slots):
+            shared = 0  # nothing to reuse: every prompt is prefilled once anyway
+        # One slot more holds the shared prefix; admitted prompts copy it and prefill the rest.
+        cache = runner.new_cache(slots + (shared > 0), plen + min(params.max_new_tokens, 256), plen + params.max_new_tokens)
+        none = torch.zeros(0, dtype=torch.long, device=dev)
+        if shared:
+            runner.step(cache, none, none, [prompts[0][:shared]], [[slots]])
+        prefix_src = torch.full((slots,), slots, dtype=torch.long, device=dev)
+        tok, pos, step, sid = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(4))
+        window = 4 * max((len(s) for s in params.stop), default=0) + 4
+        queue = deque(range(total))  # prompt-major: the samples of a prompt are admitted together
+        rows: list[_Row] = []
+        while queue or rows:
+            b = len(rows)
+            # ---- admit waiting samples into the free slots; each new prompt is prefilled once
+            new_prompts: list[list[int]] = []
+            new_slots: list[list[int]] = []
+            logit_row = list(range(b))  # row of the step's logits that each slot samples from
+            last_pi = -1
+            while queue and len(rows) < slots:
+                i = queue.popleft()
+                pi = i // n
+                if pi != last_pi:
+                    new_prompts.append(prompts[pi][shared:])
+                    new_slots.append([])
+                    last_pi = pi
+                new_slots[-1].append(len(rows))
+                logit_row.append(b + len(new_prompts) - 1)
+                rows.append(_Row(i, pi))
+            bt = len(rows)
+            if shared and bt > b:
+                cache.move(prefix_src[: bt - b], torch.arange(b, bt, device=dev), shared)
+            logits = runner.step(cache, tok[:b], pos[:b], new_prompts, new_slots, start=shared)
+            if len(logit_row) != logits.shape[0]:
+                logits = logits[torch.tensor(logit_row, device=dev)]
+            pos[:b] += 1
+            if bt > b:
+                pos[b:bt] = torch.tensor([len(prompts[r.prompt_index]) for r in rows[b:]], device=dev)
+                sid[b:bt] = torch.tensor([r.index for r in rows[b:]], device=dev)
+                step[b:bt] = 0
+            # ---- sample every running slot at once, each from its own stream
+            tokens, logps = sample_tokens(logits, params, uniforms[sid[:bt], step[:bt]])
+            tok[:bt] = tokens
+            step[:bt] += 1
+            done = []
+            for j, (t, lp) in enumerate(zip(tokens.tolist(), logps.tolist())):
+                reason = self._append(rows[j], t, lp, params, window)
+                if reason is not None:
+                    emit(rows[j], reason)
+                    done.append(j)
+            if done:
+                rows = self._compact(rows, done, cache, (tok, pos, step, sid))
+
+    @staticmethod
+    def _compact(rows: list[_Row], done: list[int], cache, state: tuple[Tensor, ...]) -> list[_Row]:
+        """Drop finished slots, moving the last running slots into the holes (the batch stays dense)."""
+        order = list(range(len(rows)))  # order[j]: the old slot that new slot j takes
+        for j in sorted(done, reverse=True):
+            order[j] = order[-1]
+            order.pop()
+        # Moved slots come from the tail (>= the new size) into holes (< the new size): disjoint.
+        moves = [(src, dst) for dst, src in enumerate(order) if src != dst]
+        if moves:
+            dev = state[0].device
+            src = torch.tensor([m[0] for m in moves], device=dev)
+            dst = torch.tensor([m[1] for m in moves], device=dev)
+            cache.move(src, dst, int(state[1][src].max()))  # state[1]: cached length per slot
+            for t in state:
+                t[dst] = t[src]
+        return [rows[o] for o in order]
+
+    # ---------------------------------------------------------------- fallback: static sub-batches
+
+    def _generate_static(self, prompts, params: SamplingParams, seed: int, emit) -> None:
+        n = params.n
+        order = [(pi * n + j, pi) for pi in range(len(prompts)) for j in range(n)]
+        # Group similar prompt lengths into the same sub-batch (less padding); stable, so each prompt's
+        # samples stay together.
+        order.sort(key=lambda item: len(prompts[item[1]]))
+        for start in range(0, len(order), self.max_batch_size):
+            rows = [_Row(i, pi) for i, pi in order[start : start + self.max_batch_size]]
+            uniforms = self._uniforms([r.index for r in rows], params, seed)
+            self._generate_chunk(prompts, rows, params, uniforms, emit)
+
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float()
+
+    def _generate_chunk(self, prompts, rows: list[_Row], params: SamplingParams, uniforms: Tensor, emit) -> None:
+        from transformers.cache_utils import DynamicCache
+
         dev = self.device
-        if params.max_new_tokens == 0:
-            for row in rows:
-                yield self._finish(row, "length"), row
-            return
-
-        # ---- prefill the unique prompts of this chunk once
+        # ---- prefill the unique prompts of this chunk once (left-padded)
         unique: dict[int, int] = {}
         for row in rows:
             unique.setdefault(row.prompt_index, len(unique))
@@ -466,36 +535,27 @@ class TorchEngine:
             mask[u, plen - len(p) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-        cache = self._new_cache(plen, params.max_new_tokens)
+        cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, mask, pos, cache)
 
         # ---- one cache row per sample
         expand = torch.tensor([unique[row.prompt_index] for row in rows], dtype=torch.long, device=dev)
         if len(rows) != len(uniq_prompts) or not torch.equal(expand, torch.arange(len(rows), device=dev)):
             cache.batch_select_indices(expand)
-            logits = logits[expand]
-            mask = mask[expand]
-            pos = pos[expand]
+            logits, mask, pos = logits[expand], mask[expand], pos[expand]
         next_pos = pos[:, -1] + 1
 
-        stops = tuple(params.stop)
-        window = 4 * max((len(s) for s in stops), default=0) + 4
+        window = 4 * max((len(s) for s in params.stop), default=0) + 4
         active = list(range(len(rows)))  # chunk-local row numbers still decoding, in batch order
         for step in range(params.max_new_tokens):
             tokens, logps = sample_tokens(logits, params, uniforms[active, step])
-            tok_list, lp_list = tokens.tolist(), logps.tolist()
             keep: list[int] = []
-            for b, r in enumerate(active):
-                row = rows[r]
-                t = tok_list[b]
-                row.tokens.append(t)
-                row.logprobs.append(lp_list[b])
-                if t in self._eos_set or (stops and self._hits_stop(row, stops, window)):
-                    yield self._finish(row, "stop"), row
-                elif step + 1 == params.max_new_tokens:
-                    yield self._finish(row, "length"), row
-                else:
+            for b, (t, lp) in enumerate(zip(tokens.tolist(), logps.tolist())):
+                reason = self._append(rows[active[b]], t, lp, params, window)
+                if reason is None:
                     keep.append(b)
+                else:
+                    emit(rows[active[b]], reason)
             if not keep:
                 return
             if len(keep) != len(active):

@@ -12,7 +12,8 @@ class SamplingParams:
     ``top_k = 0`` and ``top_p = 1.0`` disable those filters. ``temperature = 0`` is greedy decoding
     (log-probs are then those of the untempered distribution). ``stop`` strings end a sample when
     its decoded text contains one; the stop string stays in the response (as verl's vLLM setting
-    ``include_stop_str_in_output``).
+    ``include_stop_str_in_output``). ``greedy_baseline`` is read by the rollout worker, not the
+    engine.
     """
 
     n: int = 1
@@ -21,6 +22,9 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 64
     stop: tuple[str, ...] = ()
+    # ReMax: also decode one greedy response per prompt (same weights) and score it; its score
+    # becomes every sample's ``baseline_score``. Not part of the returned samples.
+    greedy_baseline: bool = False
 
 
 @dataclass

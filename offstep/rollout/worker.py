@@ -7,6 +7,7 @@ time), which is what orders generation and weight loads: a ``load_weights`` subm
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,7 +19,9 @@ from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.types import Completion, SamplingParams
+from offstep.sync.collective import TensorSpec, WeightReceiver, manifest
 from offstep.sync.weights import unpack_state_dict
+from offstep.telemetry.progress import ProgressClient
 from offstep.train.fsdp import DTYPES, forward_response
 
 
@@ -54,6 +57,7 @@ class RolloutWorker:
         reward_threads: int,
         max_batch_size: int,
         ref: "RefSpec | None" = None,
+        progress: ProgressClient | None = None,
     ):
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
@@ -69,6 +73,7 @@ class RolloutWorker:
             self.ref_model.requires_grad_(False)
         self.pad_id = tok.pad_token_id
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
+        self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
 
     @property
     def version(self) -> int:
@@ -89,13 +94,20 @@ class RolloutWorker:
 
         def on_finish(c: Completion) -> None:
             futures[id(c)] = self.pool.submit(score, c)
+            self.progress.advance()
 
+        self.progress.start("gen", total=len(requests) * params.n, version=version)
         completions = self.engine.generate([r.prompt_ids for r in requests], params, seed, on_finish=on_finish)
         t_gen = time.time()
         samples = []
         for c in completions:
             fut = futures.get(id(c)) or self.pool.submit(score, c)
-            value, extra = fut.result()  # a scorer's RewardError propagates to the controller
+            try:
+                value, extra = fut.result()  # a scorer's RewardError propagates to the controller
+            except BaseException:
+                for other in futures.values():  # don't keep scoring a batch that has failed
+                    other.cancel()
+                raise
             r = requests[c.prompt_index]
             samples.append(
                 Sample(
@@ -111,12 +123,27 @@ class RolloutWorker:
                     reward_extra=extra,
                 )
             )
+        if params.greedy_baseline:
+            self._attach_greedy_baseline(requests, samples, params, seed)
         t1 = time.time()
         timing = {"start": t0, "end": t1, "score_tail": t1 - t_gen, "version": version}
         if self.ref is not None and with_ref:
             self._attach_ref_logprobs(samples)
             timing["ref_start"], timing["ref_end"] = t1, time.time()
         return samples, timing
+
+    def _attach_greedy_baseline(self, requests: list[Request], samples: list[Sample], params: SamplingParams, seed: int) -> None:
+        """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): one greedy response per request
+        from the same weights, scored like the samples; its score and length go on every sample
+        of that request."""
+        greedy = dataclasses.replace(params, n=1, temperature=0.0, top_p=1.0, top_k=0, greedy_baseline=False)
+        completions = self.engine.generate([r.prompt_ids for r in requests], greedy, seed)
+        by_uid = {}
+        for c in completions:
+            r = requests[c.prompt_index]
+            by_uid[r.uid] = (self.reward(r.data_source, c.text, r.ground_truth, r.extra_info)[0], len(c.response_ids))
+        for s in samples:
+            s.baseline_score, s.baseline_length = by_uid[s.uid]
 
     @torch.no_grad()
     def _attach_ref_logprobs(self, samples: list[Sample]) -> None:
@@ -125,6 +152,7 @@ class RolloutWorker:
         The same forward as the trainer's reference role (``forward_response``, same temperature
         and compute dtype), on this worker's share of the batch.
         """
+        self.progress.start("ref")
         batch = collate(samples, self.pad_id).to(self.device)
         parts = [
             forward_response(self.ref_model, mb, self.ref.temperature, compute_dtype=self.ref.compute_dtype)[0]
@@ -136,5 +164,29 @@ class RolloutWorker:
 
     def load_weights(self, packed: dict, version: int) -> dict:
         t0 = time.time()
+        self.progress.start("load_weights", version=version)
         self.engine.load_weights(unpack_state_dict(packed), version)
+        return {"start": t0, "end": time.time(), "version": version}
+
+    # Collective path (pipeline.weight_sync=collective): rank i + 1 of the weight-sync group, made
+    # once by offstep.sync.collective.connect; receives land in the engine's parameters in place.
+    def weight_sync_manifest(self) -> list[TensorSpec]:
+        return manifest(self.engine.model)
+
+    def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list,
+                         bucket_bytes: int, timeout_s: float) -> None:
+        self._weight_receiver = WeightReceiver(self.engine.model, self.device)
+        self._weight_receiver.connect(host, port, rank, world_size, backend, specs, bucket_bytes, timeout_s)
+
+    def receive_weights(self, version: int) -> dict:
+        """The collective counterpart of ``load_weights``: ``start`` is when the actor's data began
+        to arrive (an idle worker may wait for the actor before that)."""
+        receiver = getattr(self, "_weight_receiver", None)
+        if receiver is None:
+            raise RuntimeError("receive_weights: this rollout worker has not joined the weight-sync group "
+                               "(offstep.sync.collective.connect; a replaced worker needs a new group)")
+        self.progress.start("load_weights", version=version)
+        t0 = receiver.receive(version)
+        self.engine.version = int(version)
+        self.engine.reset_cache()
         return {"start": t0, "end": time.time(), "version": version}

@@ -1,11 +1,31 @@
-"""Progress on the console: a rich progress bar on a terminal, plain lines otherwise."""
+"""Progress on the console: a live bar on a terminal, plain lines otherwise.
+
+``trainer.progress``:
+
+- ``bar``: a rich progress bar with a live status line (where the current step is, from
+  ``progress.LiveStatus``), elapsed time and ETA, and one compact line per step above it.
+- ``plain``: the quiet mode for logs and CI. One line per step and, when nothing was printed
+  for ``trainer.status_interval_s`` seconds, one status line; never a control character (no
+  colours, no carriage returns, no cursor movement).
+- ``auto`` (default): ``bar`` on a terminal, ``plain`` when stdout is not a terminal, when
+  ``CI`` is set or when ``TERM=dumb``.
+- ``off``: nothing.
+
+ETA = median step time so far x steps left (the median ignores a slow first step, which waits
+for the first batch, and the occasional validation step).
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import statistics
 import sys
+import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 # The compact per-step line: (metric key, label, format).
 _LINE = (
@@ -21,44 +41,126 @@ _LINE = (
     ("timing_s/update_actor", "upd", "{:.1f}s"),
     ("timing_s/sync_weights", "sync", "{:.2f}s"),
     ("timing_s/step", "step", "{:.1f}s"),
+    ("perf/tokens_per_s", "tok/s", "{:.0f}"),
+    ("perf/samples_per_s", "smp/s", "{:.2f}"),
 )
 
+# C0 controls except newline and tab, DEL, and C1 controls (ESC starts every ANSI sequence).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
-def step_line(m: dict) -> str:
+
+def plain_text(text: str) -> str:
+    """``text`` without control characters (a sample's text could carry any)."""
+    return _CONTROL.sub("", text)
+
+
+def eta_seconds(step_times: list[float], steps_left: int) -> float | None:
+    """Median step time x steps left; None before the first timed step.
+
+    E.g. times [12, 30, 10] s, 5 steps left: median 12 s -> 60 s.
+    """
+    if steps_left <= 0:
+        return 0.0
+    if not step_times:
+        return None
+    return statistics.median(step_times) * steps_left
+
+
+def format_duration(seconds: float | None) -> str:
+    """``42s``, ``3m05s``, ``1h02m``; ``?`` when unknown."""
+    if seconds is None:
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def step_line(m: dict, eta: float | None = None) -> str:
     parts = [f"step {m['step']:>4}"]
     for key, label, fmt in _LINE:
         if m.get(key) is not None:
             parts.append(f"{label} {fmt.format(m[key])}")
+    if eta is not None:
+        parts.append(f"eta {format_duration(eta)}")
     return " | ".join(parts)
 
 
+class _BarWithStatus(Progress):
+    """The bar, and under it the live status on a line of its own (cut to the terminal's width)."""
+
+    status = ""
+
+    def get_renderables(self):
+        yield self.make_tasks_table(self.tasks)
+        if self.status:
+            yield Text("  " + self.status, no_wrap=True, overflow="ellipsis")
+
+
+def auto_mode(stream) -> str:
+    isatty = getattr(stream, "isatty", lambda: False)()
+    if not isatty or os.environ.get("CI") or os.environ.get("TERM") == "dumb":
+        return "plain"
+    return "bar"
+
+
 class ConsoleProgress:
-    def __init__(self, total: int, mode: str = "auto"):
-        tty = sys.stdout.isatty()
-        self.mode = ("bar" if tty else "plain") if mode == "auto" else mode
-        self.console = Console(highlight=False, force_terminal=tty and self.mode == "bar", soft_wrap=True)
+    def __init__(self, total: int, mode: str = "auto", status_interval_s: float = 30.0, stream=None):
+        self.stream = stream if stream is not None else sys.stdout
+        self.mode = auto_mode(self.stream) if mode == "auto" else mode
+        self.total = total
+        self.status_interval_s = status_interval_s
+        self.step_times: list[float] = []
+        self.done = 0
+        self.info = ""
+        self._t0 = self._last_print = time.monotonic()
         self.progress = None
         if self.mode == "bar":
-            self.progress = Progress(
-                TextColumn("[bold]offstep[/]"), BarColumn(), MofNCompleteColumn(),
-                TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+            tty = getattr(self.stream, "isatty", lambda: False)()
+            self.console = Console(file=self.stream, highlight=False, force_terminal=tty, soft_wrap=True)
+            self.progress = _BarWithStatus(
+                TextColumn("[bold]offstep[/]"), BarColumn(bar_width=30), MofNCompleteColumn(),
+                TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
                 console=self.console, transient=False,
             )
-            self.task = self.progress.add_task("train", total=total, info="")
+            self.task = self.progress.add_task("train", total=total, eta="?")
             self.progress.start()
 
+    def eta(self) -> float | None:
+        return eta_seconds(self.step_times, self.total - self.done)
+
     def log(self, text: str) -> None:
-        if self.mode != "off":
+        if self.mode == "off":
+            return
+        if self.progress is not None:
             self.console.print(text, markup=False)
+        else:
+            self.stream.write(plain_text(text) + "\n")
+            self.stream.flush()
+        self._last_print = time.monotonic()
 
     def status(self, info: str) -> None:
+        """Where the run is now. Bar: the live field. Plain: a line only when the log has been
+        silent for ``status_interval_s`` (0: never), so a slow step still shows signs of life."""
+        self.info = info
         if self.progress is not None:
-            self.progress.update(self.task, info=info)
+            self.progress.status = info
+            self.progress.update(self.task, eta=format_duration(self.eta()))
+        elif self.mode == "plain" and self.status_interval_s > 0:
+            now = time.monotonic()
+            if now - self._last_print >= self.status_interval_s:
+                self.log(f"status | {info} | elapsed {format_duration(now - self._t0)} | eta {format_duration(self.eta())}")
 
     def step(self, metrics: dict) -> None:
-        self.log(step_line(metrics))
+        if metrics["step"] >= 1 and metrics.get("timing_s/step") is not None:
+            self.step_times.append(float(metrics["timing_s/step"]))
+        self.done = max(self.done, int(metrics["step"]))
+        eta = self.eta() if 0 < self.done < self.total else None
+        self.log(step_line(metrics, eta))
         if self.progress is not None:
-            self.progress.update(self.task, completed=metrics["step"], info=f"reward {metrics.get('reward/mean', 0):.3f}")
+            self.progress.update(self.task, completed=self.done, eta=format_duration(self.eta()))
 
     def close(self) -> None:
         if self.progress is not None:

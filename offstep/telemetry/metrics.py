@@ -17,10 +17,10 @@ def _clean(v):
 
 
 class JsonlWriter:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, append: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "w", buffering=1)
+        self._f = open(self.path, "a" if append else "w", buffering=1)
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
@@ -32,14 +32,12 @@ class JsonlWriter:
 class Timeline:
     """Stage events on one clock (``time.time()``), stored relative to the run's start."""
 
-    def __init__(self, path: Path, t0: float | None = None):
+    def __init__(self, path: Path, t0: float | None = None, append: bool = False):
         self.t0 = time.time() if t0 is None else t0
-        self.events: list[dict] = []
-        self._out = JsonlWriter(path)
+        self._out = JsonlWriter(path, append=append)
 
     def add(self, role: str, stage: str, step: int, start: float, end: float, **extra) -> None:
         ev = {"role": role, "stage": stage, "step": step, "start": round(start - self.t0, 4), "end": round(end - self.t0, 4), **extra}
-        self.events.append(ev)
         self._out.write(ev)
 
     def close(self) -> None:
@@ -49,3 +47,13 @@ class Timeline:
 def read_jsonl(path: str | Path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path: str | Path, max_step: int) -> None:
+    """Drop the records of steps after ``max_step`` (a resumed run rewrites them)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= max_step]
+    path.write_text("".join(keep))

@@ -1,9 +1,13 @@
 """The actor role: the policy being trained, FSDP2-sharded over the trainer pool.
 
 One update consumes a batch that already carries advantages (and reference log-probs when KL is
-a loss). When the batch is consumed in one mini-batch and one epoch, the "old" log-probs of the
-PPO ratio are the current policy's own (detached) log-probs from the same forward pass, which
-saves a forward pass; otherwise the controller asks for them first (``compute_logprobs``).
+a loss). The "old" log-probs of the ratio depend on ``algorithm.correction_mode``: in ``bypass``
+mode they are the rollout's own (set by the controller); otherwise they are the trainer's, and
+when the batch is consumed in one mini-batch and one epoch they come from the same forward pass
+(detached), which saves a forward pass; else the controller asks for them first
+(``compute_logprobs``). In ``decoupled`` mode the gap between the trainer's and the rollout's
+log-probs is corrected by truncated importance weights and rejection masks
+(``offstep.algos.correction``), with their metrics overall and per staleness.
 """
 
 from __future__ import annotations
@@ -11,14 +15,24 @@ from __future__ import annotations
 import numpy as np
 import ray
 import torch
+import torch.distributed as dist
 
 from offstep.algos.common import aggregate_loss, masked_mean
-from offstep.algos.correction import truncated_importance_weights
-from offstep.algos.losses import clipped_policy_loss, kl_penalty
+from offstep.algos.correction import (
+    GroupedTokenStats,
+    mismatch_kl_terms,
+    rejection_mask,
+    truncated_flags,
+    truncated_importance_weights,
+)
+from offstep.algos.losses import kl_penalty
+from offstep.algos.policy_losses import policy_loss
 from offstep.batch import TrainBatch
 from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.loading import load_causal_lm
+from offstep.sync.collective import WeightSender, full_parameters, manifest
 from offstep.sync.weights import pack_state_dict
+from offstep.telemetry.progress import ProgressClient, mini_batch_count
 from offstep.train.distributed import GroupSpec, all_mean
 from offstep.train.fsdp import (
     DTYPES,
@@ -32,6 +46,8 @@ from offstep.train.fsdp import (
 
 
 class ActorWorker(RoleWorker):
+    _checkpointed_attrs = ("skipped_steps", "updates")
+
     def __init__(
         self,
         spec: GroupSpec,
@@ -42,6 +58,7 @@ class ActorWorker(RoleWorker):
         actor: ActorConfig,
         algo: AlgorithmConfig,
         temperature: float,
+        progress: ProgressClient | None = None,
     ):
         super().__init__(spec, seed)
         self.cfg, self.algo, self.temperature = actor, algo, temperature
@@ -51,30 +68,96 @@ class ActorWorker(RoleWorker):
         self.model = shard_model(model, self.mesh)
         self.opt, self.sched = make_optimizer(self.model.parameters(), actor.optim)
         self.skipped_steps = 0
+        # Live progress from rank 0 only (all ranks step together); a no-op without a hub.
+        self.progress = progress if progress is not None and self.rank == 0 else ProgressClient()
+        self.updates = 0  # update() calls so far: the step number, for error messages
+        self._by_staleness: GroupedTokenStats | None = None  # correction metrics per staleness
 
     @timed
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._logprobs(self.model, batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype)
+        return self._logprobs(
+            self.model, batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype, self.cfg.micro_token_budget
+        )
+
+    def _correction(self, mb: TrainBatch, logp: torch.Tensor):
+        """The old log-probs of the ratio, the per-token weights on the policy loss (or None), and
+        the correction metrics, per ``algorithm.correction_mode`` (see ``AlgorithmConfig``)."""
+        algo, mask = self.algo, mb.response_mask
+        if algo.correction_mode == "bypass":
+            # the rollout's log-probs are the old policy; the diagnostics compare the policy of
+            # this forward pass (the pre-update one on the first mini-batch) with the rollout
+            old = mb.old_logprobs if mb.old_logprobs is not None else mb.rollout_logprobs
+            probe = logp.detach()
+        else:
+            old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
+            probe = old
+        k1, k3 = mismatch_kl_terms(probe, mb.rollout_logprobs, mask)
+        metrics = {"mismatch_kl_k1": masked_mean(k1, mask), "mismatch_kl_k3": masked_mean(k3, mask)}
+        per_token = {"mismatch_kl_k1": k1, "mismatch_kl_k3": k3}
+        weights = None
+        if algo.correction_mode == "decoupled":
+            if algo.tis:
+                weights, tis_metrics = truncated_importance_weights(
+                    old, mb.rollout_logprobs, mask, cap=algo.tis_cap, level=algo.tis_level
+                )
+                metrics.update(tis_metrics)
+                per_token["is_weight_mean"] = weights
+                per_token["is_truncated_frac"] = truncated_flags(old, mb.rollout_logprobs, mask, algo.tis_cap, algo.tis_level)
+            if algo.rejection_level != "off" or algo.rejection_kl > 0:
+                keep, rej_metrics = rejection_mask(
+                    old, mb.rollout_logprobs, mask, level=algo.rejection_level,
+                    ratio_high=algo.rejection_ratio_high, ratio_low=algo.rejection_ratio_low or None,
+                    kl_threshold=algo.rejection_kl or None,
+                )
+                weights = keep if weights is None else weights * keep
+                metrics.update(rej_metrics)
+                per_token["rejected_frac"] = mask - keep
+        if mb.staleness is not None and self._by_staleness is not None:
+            self._by_staleness.add(per_token, mask, mb.staleness)
+        return old, weights, metrics
+
+    @staticmethod
+    def _staleness_stats(batch: TrainBatch) -> GroupedTokenStats | None:
+        if batch.staleness is None:
+            return None
+        levels = sorted(set(batch.staleness.tolist()))  # the whole batch's: the same on every rank
+        return GroupedTokenStats(levels, "staleness", max_of={"is_weight_mean": "is_weight_max"})
+
+    def _staleness_metrics(self) -> dict[str, float]:
+        """The correction metrics per staleness, e.g. ``mismatch_kl_k1/staleness_1``: token sums
+        and counts summed over ranks (every rank reports the same levels: those of the batch)."""
+        stats, self._by_staleness = self._by_staleness, None
+        if stats is None or not stats.levels:
+            return {}
+        sums, maxes = stats.totals()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            t = torch.tensor(sums, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            sums = t.tolist()
+            if maxes:
+                t = torch.tensor(maxes, dtype=torch.float64, device=self.device)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                maxes = t.tolist()
+        return stats.metrics(sums, maxes)
 
     def _micro_step(self, mb: TrainBatch, denom: float) -> dict[str, float]:
         algo, mask = self.algo, mb.response_mask
+        horizon = algo.loss_agg_horizon or None  # Dr. GRPO's constant (set from rollout.max_new_tokens)
         logp, ent = forward_response(self.model, mb, self.temperature, True, self.compute_dtype)
-        old = mb.old_logprobs if mb.old_logprobs is not None else logp.detach()
-        is_w, metrics = None, {}
-        if algo.tis:
-            is_w, metrics = truncated_importance_weights(
-                old, mb.rollout_logprobs, mask, cap=algo.tis_cap, level=algo.tis_level
-            )
-        pg_loss, pg_metrics = clipped_policy_loss(
+        old, weights, metrics = self._correction(mb, logp)
+        pg_loss, pg_metrics = policy_loss(
+            algo.policy_loss,
             logp,
             old,
             mb.advantages,
             mask,
             clip_ratio_low=algo.clip_ratio_low,
             clip_ratio_high=algo.clip_ratio_high,
+            clip_ratio_c=algo.clip_ratio_c,
             loss_agg_mode=algo.loss_agg_mode,
             denom=denom,
-            is_weights=is_w,
+            is_weights=weights,
+            horizon=horizon,
         )
         loss = pg_loss
         metrics.update(pg_metrics)
@@ -82,14 +165,14 @@ class ActorWorker(RoleWorker):
             kl = kl_penalty(logp, mb.ref_logprobs, kind=algo.kl_estimator)
             metrics["kl"] = masked_mean(kl.detach(), mask)
             if algo.use_kl_loss:
-                loss = loss + algo.kl_coef * aggregate_loss(kl, mask, algo.loss_agg_mode, denom=denom)
+                loss = loss + algo.kl_coef * aggregate_loss(kl, mask, algo.loss_agg_mode, denom=denom, horizon=horizon)
         if algo.entropy_coeff:
-            loss = loss - algo.entropy_coeff * aggregate_loss(
-                ent, mask, algo.loss_agg_mode, denom=denom
-            )
+            loss = loss - algo.entropy_coeff * aggregate_loss(ent, mask, algo.loss_agg_mode, denom=denom, horizon=horizon)
         loss.backward()
+        self.progress.advance()
         metrics["entropy"] = masked_mean(ent.detach(), mask)
         metrics["pg_loss"] = pg_loss.detach()
+        metrics["loss"] = loss.detach()
         return {k: float(v) for k, v in metrics.items()}
 
     @timed
@@ -100,30 +183,39 @@ class ActorWorker(RoleWorker):
         mini = (self.cfg.mini_batch_size or len(batch)) // world
         sums: dict[str, float] = {}
         n_mini = 0
-        for _ in range(self.cfg.ppo_epochs):
-            for mini_batch in local.chunks(mini):
+        self.updates += 1
+        self._by_staleness = self._staleness_stats(batch)
+        self.progress.start("update_actor", minis=mini_batch_count(len(local), mini, self.cfg.ppo_epochs))
+        for epoch in range(self.cfg.ppo_epochs):
+            for j, mini_batch in enumerate(local.chunks(mini)):
                 denom = self._denominator(mini_batch, self.algo.loss_agg_mode)
-                micros = mini_batch.chunks(self.cfg.micro_batch_size)
+                micros = [mb for _, mb in self._micro_batches(mini_batch, self.cfg.micro_batch_size, self.cfg.micro_token_budget)]
+                self.progress.plan(len(micros))
                 micro_metrics = [self._micro_step(mb, denom) for mb in micros]
                 n_tok = [float(mb.response_mask.sum()) for mb in micros]
                 for key in micro_metrics[0]:
                     vals = [m[key] for m in micro_metrics]
-                    # pg_loss is already scaled by the mini-batch normaliser: summing gives this
-                    # rank's share of the mini-batch loss. Other metrics are token-weighted means.
-                    if key == "pg_loss":
+                    # pg_loss and loss are already scaled by the mini-batch normaliser: summing gives
+                    # this rank's share of the mini-batch loss. Other metrics are token-weighted means.
+                    if key in ("pg_loss", "loss"):
                         v = sum(vals)
                     elif key.endswith("_max"):
                         v = max(vals)
                     else:
                         v = float(np.average(vals, weights=n_tok)) if sum(n_tok) else 0.0
                     sums[key] = sums.get(key, 0.0) + v
-                norm, stepped = clip_and_step(self.model, self.opt, self.sched, self.cfg.optim.grad_clip)
+                where = f"the actor update of step {self.updates} (epoch {epoch + 1}, mini-batch {j + 1})"
+                loss = sum(m["loss"] for m in micro_metrics)
+                norm, stepped = clip_and_step(
+                    self.model, self.opt, self.sched, self.cfg.optim.grad_clip, loss, self.cfg.nonfinite, where
+                )
                 self.skipped_steps += 0 if stepped else 1
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + norm
                 n_mini += 1
         metrics = {k: v / n_mini for k, v in sums.items()}
         metrics["lr"] = self.sched.get_last_lr()[0]
         metrics["skipped_steps"] = float(self.skipped_steps)
+        metrics.update(self._staleness_metrics())
         return all_mean(metrics, self.device)
 
     def export_weights(self) -> list:
@@ -132,3 +224,23 @@ class ActorWorker(RoleWorker):
         if self.rank != 0:
             return []
         return [ray.put(pack_state_dict(sd))]
+
+    # Collective path (pipeline.weight_sync=collective): rank 0 is rank 0 of a group of its own with
+    # every rollout worker, made once by offstep.sync.collective.connect.
+    def open_weight_sync(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0: serve the weight-sync group's store; returns its (host, port)."""
+        self._weight_sender = WeightSender(ray.util.get_node_ip_address(), self.device, timeout_s)
+        return self._weight_sender.endpoint
+
+    def join_weight_sync(self, world_size: int, backend: str, specs: list, bucket_bytes: int, max_in_flight: int) -> None:
+        """Rank 0: join the group (blocks until every rollout worker has joined)."""
+        self._weight_sender.connect(world_size, backend, specs, bucket_bytes, manifest(self.model), max_in_flight)
+
+    def send_weights(self, version: int) -> None:
+        """Every rank gathers the full parameters (FSDP2); rank 0 broadcasts them to the rollout workers."""
+        sender = getattr(self, "_weight_sender", None)
+        if sender is None:
+            for _ in full_parameters(self.model):
+                pass
+        else:
+            sender.send(full_parameters(self.model), version)

@@ -1,7 +1,9 @@
 """The critic role (PPO with GAE): the policy's backbone with a scalar value head.
 
 The value of response token t is read at the position before it (the state that produced it),
-as in verl's critic; the head is a fresh linear layer seeded by ``trainer.seed``.
+as in verl's critic; the head is a fresh linear layer seeded by ``trainer.seed``. During the first
+``critic.warmup_steps`` steps the controller updates only this role (critic warm-up), so the
+values are trained before the actor follows their advantages.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from offstep.algos.losses import value_loss
-from offstep.batch import TrainBatch
+from offstep.batch import TrainBatch, scatter_rows
 from offstep.config.schema import AlgorithmConfig, CriticConfig
 from offstep.train.distributed import GroupSpec, all_mean
 from offstep.train.fsdp import DTYPES, RoleWorker, autocast, clip_and_step, make_optimizer, shard_model, timed
@@ -29,6 +31,7 @@ class CriticWorker(RoleWorker):
         algo: AlgorithmConfig,
         micro_batch_size: int,
         mini_batch_size: int,
+        micro_token_budget: int = 0,
     ):
         super().__init__(spec, seed)
         model = AutoModelForTokenClassification.from_pretrained(
@@ -38,7 +41,7 @@ class CriticWorker(RoleWorker):
         self.model = shard_model(model, self.mesh)
         self.opt, self.sched = make_optimizer(self.model.parameters(), critic.optim)
         self.cfg, self.algo = critic, algo
-        self.micro, self.mini = micro_batch_size, mini_batch_size
+        self.micro, self.mini, self.token_budget = micro_batch_size, mini_batch_size, micro_token_budget
         self.compute_dtype = compute_dtype
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
@@ -53,7 +56,8 @@ class CriticWorker(RoleWorker):
     @torch.no_grad()
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         local = self._local(batch)
-        return self._gather(torch.cat([self._values(mb) for mb in local.chunks(self.micro)]))
+        parts = [(idx, self._values(mb)) for idx, mb in self._micro_batches(local, self.micro, self.token_budget)]
+        return self._gather(scatter_rows(parts, len(local), local.response_mask.shape[1]))
 
     @timed
     def update(self, batch: TrainBatch) -> dict[str, float]:
@@ -65,11 +69,12 @@ class CriticWorker(RoleWorker):
             for mini_batch in local.chunks(mini):
                 denom = self._denominator(mini_batch, self.algo.loss_agg_mode)
                 losses, clips, toks = [], [], []
-                for mb in mini_batch.chunks(self.micro):
+                for _, mb in self._micro_batches(mini_batch, self.micro, self.token_budget):
                     v = self._values(mb)
                     loss, m = value_loss(
                         v, mb.values, mb.returns, mb.response_mask,
                         clip_range=self.cfg.value_clip, loss_agg_mode=self.algo.loss_agg_mode, denom=denom,
+                        horizon=self.algo.loss_agg_horizon or None,
                     )
                     loss.backward()
                     losses.append(float(loss))

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import math
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -14,9 +15,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from offstep.algos.losses import entropy_from_logits, logprobs_from_logits
-from offstep.batch import TrainBatch
+from offstep.batch import TrainBatch, micro_batches, scatter_rows
 from offstep.config.schema import OptimConfig
-from offstep.train.distributed import GroupSpec, all_sum, setup
+from offstep.train.distributed import GroupSpec, all_max, all_sum, setup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -47,17 +48,49 @@ def make_optimizer(params, cfg: OptimConfig):
     return opt, sched
 
 
-def clip_and_step(model, opt, sched, max_norm: float) -> tuple[float, bool]:
-    """Clip gradients; step unless the norm is not finite. Returns (grad_norm, stepped)."""
+NONFINITE_POLICIES = ("skip", "stop")
+
+
+class NonFiniteError(FloatingPointError):
+    """An update's loss or gradient norm was NaN/inf under ``actor.nonfinite=stop``."""
+
+
+def clip_and_step(
+    model, opt, sched, max_norm: float, loss: float = 0.0, nonfinite: str = "skip", where: str = "an update"
+) -> tuple[float, bool]:
+    """Clip gradients and take one optimizer step, unless the loss or the gradient norm is not
+    finite. Returns ``(grad_norm, stepped)``.
+
+    A non-finite update never reaches the weights or the optimizer's moments (like the skipped
+    steps of a mixed-precision grad scaler): the gradients are dropped and the learning-rate
+    schedule still advances, so a skipped step keeps its place in the schedule. With
+    ``nonfinite="stop"`` it raises :class:`NonFiniteError` instead, naming ``where``. The
+    gradient norm is global (FSDP2 reduces it over ranks) and the loss check is reduced over
+    ranks, so every rank takes the same decision.
+    """
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ValueError(f"actor.nonfinite={nonfinite!r} is not one of {list(NONFINITE_POLICIES)}")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
-    norm = float(norm)
-    stepped = math.isfinite(norm)
+    loss_ok = math.isfinite(float(loss))
+    if dist.is_initialized() and dist.get_world_size() > 1:  # every rank takes the same decision
+        loss_ok = all_sum(0.0 if loss_ok else 1.0, norm.device) == 0.0
+    norm, loss = float(norm), float(loss)
+    stepped = math.isfinite(norm) and loss_ok
     if stepped:
         opt.step()
     opt.zero_grad(set_to_none=True)
-    sched.step()
+    if not stepped and nonfinite == "stop":
+        raise NonFiniteError(
+            f"non-finite values at {where}: loss={loss}, grad_norm={norm}; the run stops because "
+            "actor.nonfinite=stop. Fix: find the cause (too high an actor.optim.lr, extreme rewards, "
+            "bfloat16 overflow in model.compute_dtype), or set actor.nonfinite=skip to skip such "
+            "updates (they are counted in actor/skipped_steps)."
+        )
+    with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        sched.step()
     return norm, stepped
 
 
@@ -110,12 +143,28 @@ class RoleWorker:
     def _local(self, batch: TrainBatch) -> TrainBatch:
         return rank_shard(batch, self.spec.rank, self.spec.world_size).to(self.device)
 
+    def _micro_batches(self, batch: TrainBatch, micro: int, token_budget: int) -> list[tuple[torch.Tensor, TrainBatch]]:
+        """(row indices, micro-batch) pairs of this rank's (mini-)batch: ``micro`` rows each, or
+        budget-planned and trimmed (``offstep.batch.micro_batches``), with the same number of
+        micro-batches on every rank so that FSDP's per-pass collectives pair up."""
+        parts = micro_batches(batch, micro, token_budget)
+        if token_budget > 0 and self.spec.world_size > 1:
+            count = int(all_max(len(parts), self.device))
+            if count > len(parts):
+                parts = micro_batches(batch, micro, token_budget, min_count=count)
+        return parts
+
     @torch.no_grad()
-    def _logprobs(self, model, batch: TrainBatch, temperature: float, micro: int, compute_dtype: str) -> torch.Tensor:
+    def _logprobs(
+        self, model, batch: TrainBatch, temperature: float, micro: int, compute_dtype: str, token_budget: int = 0
+    ) -> torch.Tensor:
         """Log-probs of the whole batch, gathered from every rank (rank 0 returns them)."""
         local = self._local(batch)
-        parts = [forward_response(model, mb, temperature, compute_dtype=compute_dtype)[0] for mb in local.chunks(micro)]
-        return self._gather(torch.cat(parts))
+        parts = [
+            (idx, forward_response(model, mb, temperature, compute_dtype=compute_dtype)[0])
+            for idx, mb in self._micro_batches(local, micro, token_budget)
+        ]
+        return self._gather(scatter_rows(parts, len(local), local.response_mask.shape[1]))
 
     def _denominator(self, mb: TrainBatch, loss_agg_mode: str) -> float:
         """This rank's share of a mini-batch's loss normaliser (global tokens for token-mean,
@@ -136,6 +185,22 @@ class RoleWorker:
         return get_model_state_dict(
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
         )
+
+    # Counters a role keeps across steps (e.g. the actor's skipped steps) that a checkpoint holds.
+    _checkpointed_attrs: tuple[str, ...] = ()
+
+    def save_checkpoint(self, path: str) -> None:
+        from offstep.train.checkpoint import save_role
+
+        extra = {a: getattr(self, a) for a in self._checkpointed_attrs}
+        save_role(path, self.rank, self.model, getattr(self, "opt", None), getattr(self, "sched", None), extra)
+
+    def load_checkpoint(self, path: str) -> None:
+        from offstep.train.checkpoint import load_role
+
+        extra = load_role(path, self.rank, self.model, getattr(self, "opt", None), getattr(self, "sched", None))
+        for a, v in extra.items():
+            setattr(self, a, v)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -1,0 +1,243 @@
+"""The built-in rollout engine against transformers' ``generate``, side by side in one run.
+
+Same model, same prompts, same sampling settings (temperature 1.0, no top-k / top-p, one sample per
+prompt). Two cases:
+
+* ``eos``: samples end at the end-of-turn token or after ``--max-new-tokens`` (what a rollout
+  does). ``generate`` keeps every row of its padded batch until the last one ends; the engine
+  frees a finished sample's slot at once.
+* ``fixed``: every sample runs to ``--max-new-tokens`` (``generate`` with ``min_new_tokens``, the
+  engine with an eos id that is never sampled): pure per-step speed, no early exits.
+
+Tokens/s counts generated tokens (up to and including the first eos). Each repetition runs both
+engines back to back (alternating which goes first); the table gives medians, and the speed-up as
+the median of the per-repetition ratios.
+
+Then the memory-bandwidth bound of one decode step (``--max-new-tokens`` slots, context of a
+prompt plus half the answers): the bytes of weights read per step (every parameter once; the
+tied embedding read by the LM head counted once), plus the KV cache read, against the machine's
+read bandwidth measured here (summing a 512 MiB buffer), and the FLOPs per step against a large
+sgemm measured here.
+
+    .venv/bin/python benchmarks/engine.py                 # SmolLM2-135M, 32 prompts x 64 tokens, 3 reps
+    .venv/bin/python benchmarks/engine.py --reps 5 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from offstep.data.tasks import arithmetic, gsm8k_synthetic
+from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from offstep.rollout.engine import TorchEngine
+from offstep.rollout.types import SamplingParams
+
+NEVER = 10**9  # an eos id outside the vocabulary: never sampled
+
+
+def build_prompts(tok, count: int) -> list[list[int]]:
+    """Half short arithmetic questions, half word problems asking for step-by-step answers."""
+    rows = arithmetic(count - count // 2, seed=0) + gsm8k_synthetic(count // 2, seed=0)
+    return [
+        tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+        for r in rows
+    ]
+
+
+def run_offstep(engine: TorchEngine, prompts, max_new: int, seed: int) -> tuple[int, float]:
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=max_new)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params, seed=seed)
+    return sum(len(c.response_ids) for c in out), time.perf_counter() - t0
+
+
+def run_hf(model, tok, prompts, max_new: int, eos: list[int], fixed: bool, seed: int) -> tuple[int, float]:
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as generate expects for decoder-only models
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=max_new, min_new_tokens=max_new if fixed else 0, eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
+        )
+    dt = time.perf_counter() - t0
+    n = 0
+    for row in out[:, width:].tolist():
+        n += next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+    return n, dt
+
+
+def read_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """GB/s of summing a float32 buffer much larger than the caches (read-dominated)."""
+    x = torch.ones(mib * 2**20 // 4)
+    x.sum()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def sgemm_gflops(n: int = 1024, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def decode_step(engine: TorchEngine, batch: int, context: int, reps: int = 10) -> float:
+    """Median seconds of one decode step of the slot runner with ``batch`` slots at ``context``."""
+    runner = engine._runner
+    cache = runner.new_cache(batch, context + 1, context + 1)
+    tok = torch.randint(0, engine.vocab_size, (batch,))
+    pos = torch.full((batch,), context)
+    times = []
+    with torch.inference_mode():
+        runner.step(cache, tok, pos, [], [])
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            runner.step(cache, tok, pos, [], [])
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def cpu_model() -> str:
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cases", default="eos,fixed")
+    ap.add_argument("--out", default=str(Path(__file__).with_name("results_engine.md")))
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    path = resolve_model(args.model)
+    tok = load_tokenizer(path)
+    model = load_causal_lm(path)
+    eos = eos_token_ids(tok, path)
+    prompts = build_prompts(tok, args.prompts)
+    engines = {"eos": TorchEngine(model, tok, eos), "fixed": TorchEngine(model, tok, [NEVER])}
+    if engines["eos"].runner != "slots":
+        print(f"note: {args.model} uses the fallback runner ({engines['eos'].runner})")
+    load_before = os.getloadavg()
+
+    # warm-up (first-call allocations, lazy imports)
+    run_offstep(engines["eos"], prompts[:4], 4, seed=0)
+    run_hf(model, tok, prompts[:4], 4, eos, False, seed=0)
+
+    rows = []
+    for case in args.cases.split(","):
+        fixed = case == "fixed"
+        ours, hf, ratios = [], [], []
+        for rep in range(args.reps):
+            first_ours = rep % 2 == 0
+            pair = {}
+            for who in (("ours", "hf") if first_ours else ("hf", "ours")):
+                if who == "ours":
+                    pair[who] = run_offstep(engines[case], prompts, args.max_new_tokens, seed=rep)
+                else:
+                    pair[who] = run_hf(model, tok, prompts, args.max_new_tokens, eos, fixed, seed=rep)
+            (n_o, t_o), (n_h, t_h) = pair["ours"], pair["hf"]
+            ours.append(n_o / t_o)
+            hf.append(n_h / t_h)
+            ratios.append((n_o / t_o) / (n_h / t_h))
+            print(f"{case} rep {rep}: offstep {n_o} tok {t_o:.2f}s {n_o / t_o:.1f} tok/s | "
+                  f"generate {n_h} tok {t_h:.2f}s {n_h / t_h:.1f} tok/s | x{ratios[-1]:.2f}", flush=True)
+        rows.append((case, statistics.median(ours), statistics.median(hf), statistics.median(ratios), min(ratios), max(ratios)))
+
+    # ---- the memory-bandwidth bound of one decode step
+    engine = engines["eos"]
+    batch = args.prompts
+    context = int(statistics.median(len(p) for p in prompts)) + args.max_new_tokens // 2
+    params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
+    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    matmul_params = sum(p.numel() for p in params if p.ndim == 2)  # embedding table = the tied head
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = batch * context * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * 4
+    flops = 2 * matmul_params * batch + 4 * batch * context * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim
+    step_s = decode_step(engine, batch, context) if engine.runner == "slots" else float("nan")
+    bw = read_bandwidth()
+    peak = sgemm_gflops()
+    load_after = os.getloadavg()
+
+    lines = [
+        "# Rollout engine vs transformers `generate`",
+        "",
+        f"Machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+        f"transformers {__import__('transformers').__version__}, Python {platform.python_version()}; "
+        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (other processes share these cores).",
+        "",
+        f"`{args.model}` in float32, {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens: "
+        f"arithmetic and word problems in the chat template), 1 sample each, up to {args.max_new_tokens} new tokens, "
+        f"temperature 1.0, no top-k/top-p (`generate(do_sample=True, top_k=0)`). Medians of {args.reps} repetitions "
+        f"run back to back; speed-up = median of the per-repetition ratios (min-max in brackets). Runner: `{engine.runner}`.",
+        "",
+        "| case | offstep tok/s | generate tok/s | speed-up |",
+        "| --- | --- | --- | --- |",
+    ]
+    for case, o, h, r, lo, hi in rows:
+        what = "ends at eos" if case == "eos" else f"all {args.max_new_tokens} tokens"
+        lines.append(f"| {case} ({what}) | {o:.1f} | {h:.1f} | **{r:.2f}x** ({lo:.2f}-{hi:.2f}) |")
+    bound_s = (weight_bytes + kv_bytes) / (bw * 1e9)
+    lines += [
+        "",
+        f"## One decode step: {batch} sequences at context {context}",
+        "",
+        "| quantity | value |",
+        "| --- | --- |",
+        f"| weights read per step | {weight_bytes / 1e6:.0f} MB |",
+        f"| KV cache read per step | {kv_bytes / 1e6:.0f} MB |",
+        f"| measured read bandwidth (sum of 512 MiB) | {bw:.1f} GB/s |",
+        f"| bandwidth bound per step ((weights + KV) / bandwidth) | {bound_s * 1e3:.1f} ms |",
+        f"| measured decode step (slot runner) | {step_s * 1e3:.1f} ms |",
+        f"| achieved bandwidth (weights + KV) / step | {(weight_bytes + kv_bytes) / step_s / 1e9:.1f} GB/s "
+        f"({bound_s / step_s:.0%} of the bound) |",
+        f"| FLOPs per step / measured sgemm peak | {flops / 1e9:.1f} GFLOP / {peak:.0f} GFLOP/s = {flops / peak / 1e9 * 1e3:.1f} ms |",
+        f"| achieved compute | {flops / step_s / 1e9:.0f} GFLOP/s ({flops / peak / 1e9 / step_s:.0%} of the sgemm peak) |",
+        "",
+        f"At {batch} sequences a step reads {weight_bytes / 1e6:.0f} MB of weights once for {batch} tokens, so the "
+        f"bandwidth bound alone would allow {batch / bound_s:.0f} tok/s; the FLOPs ({flops / 1e9:.1f} per step) bound it at "
+        f"{batch / (flops / peak / 1e9):.0f} tok/s on this CPU. Whichever is larger is the step's floor.",
+        "",
+        f"Regenerate: `.venv/bin/python benchmarks/engine.py --reps {args.reps}`.",
+    ]
+    Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Update throughput: padded fixed-count micro-batches vs token-budget micro-batches with the
+padding trimmed (``actor.micro_token_budget``), measured side by side in one process.
+
+One batch of samples with a realistic spread of response lengths (lognormal, clipped to
+``[--min-response, --max-response]`` like a rollout capped by ``max_new_tokens``) goes through one
+forward + backward pass of the real actor (``ActorWorker._micro_batches`` + ``_micro_step``, the
+functions ``ActorWorker.update`` runs; FSDP2 over one gloo rank, no Ray), once per setting and
+repetition, settings interleaved. No optimizer step, so every repetition sees the same weights.
+
+Reported per setting: micro-batches, computed token slots (rows x width summed over micro-batches),
+the share of them that is padding, the median seconds per pass and update tokens/s (real, non-pad
+prompt + response tokens per second), the speed-up over the padded baseline, and the relative
+difference of the loss and gradient norm from the baseline (exactness check).
+
+    python benchmarks/update_throughput.py                    # SmolLM2-135M, 32 samples, 1 thread
+    python benchmarks/update_throughput.py --reps 5 --threads 2 --budgets 1024 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from offstep.batch import Sample, collate
+from offstep.config.schema import ActorConfig, AlgorithmConfig
+from offstep.models.loading import load_tokenizer, resolve_model
+from offstep.train.actor import ActorWorker
+from offstep.train.distributed import GroupSpec
+
+
+def make_batch(n: int, group: int, vocab: int, pad_id: int, seed: int, prompt_range, resp_median: float, resp_sigma: float, resp_range):
+    """``n`` samples in groups of ``group`` sharing a prompt (length uniform in ``prompt_range``);
+    response lengths lognormal (median, sigma), clipped to ``resp_range``."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = resp_range
+    samples = []
+    for i in range(n):
+        if i % group == 0:  # GRPO: `group` samples answer the same prompt
+            p = int(torch.randint(prompt_range[0], prompt_range[1] + 1, (1,), generator=g))
+            prompt = torch.randint(3, vocab, (p,), generator=g).tolist()
+        z = float(torch.randn(1, generator=g))
+        r = int(min(hi, max(lo, round(resp_median * math.exp(resp_sigma * z)))))
+        samples.append(Sample(
+            uid=i // group, prompt_ids=prompt,
+            response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(),
+            rollout_logprobs=(-torch.rand(r, generator=g) * 2).tolist(), finish_reason="stop", score=float(i % 2),
+            version=0, ref_logprobs=(-torch.rand(r, generator=g) * 2).tolist(),
+        ))
+    batch = collate(samples, pad_id)
+    batch.advantages = torch.randn(n, 1, generator=g) * batch.response_mask
+    return batch
+
+
+def one_pass(actor: ActorWorker, batch, micro: int, budget: int) -> tuple[float, float, float, int, int]:
+    """Forward + backward over ``batch``: (seconds, loss, grad norm, micro-batches, token slots)."""
+    actor.opt.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    denom = actor._denominator(batch, actor.algo.loss_agg_mode)
+    micros = actor._micro_batches(batch, micro, budget)
+    loss = sum(actor._micro_step(mb, denom)["pg_loss"] for _, mb in micros)
+    dt = time.perf_counter() - t0
+    sq = 0.0
+    for p in actor.model.parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            sq += float(g.float().pow(2).sum())
+    actor.opt.zero_grad(set_to_none=True)
+    slots = sum(mb.input_ids.numel() for _, mb in micros)
+    return dt, loss, math.sqrt(sq), len(micros), slots
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--group", type=int, default=4, help="samples per prompt (rollout.n)")
+    ap.add_argument("--micro-batch-size", type=int, default=8, help="the padded baseline's rows per micro-batch")
+    ap.add_argument("--budgets", type=int, nargs="+", default=[512, 1024])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--compute-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=[28, 44])
+    ap.add_argument("--response-median", type=float, default=16.0)
+    ap.add_argument("--response-sigma", type=float, default=0.7)
+    ap.add_argument("--response-range", type=int, nargs=2, default=[5, 64])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=str(Path(__file__).with_name("results_update.md")))
+    args = ap.parse_args()
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(args.threads)
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    spec = GroupSpec(0, 1, "127.0.0.1", port, args.device, args.threads)
+    path = str(resolve_model(args.model))
+    tok = load_tokenizer(path)
+    actor = ActorWorker(spec, 0, path, "float32", args.compute_dtype, ActorConfig(micro_batch_size=args.micro_batch_size),
+                        AlgorithmConfig(), 1.0)
+    vocab = actor.model.config.vocab_size
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    batch = make_batch(args.samples, args.group, vocab, pad, args.seed, args.prompt_range, args.response_median,
+                       args.response_sigma, args.response_range).to(actor.device)
+    real = int(batch.attention_mask.sum())
+    resp = batch.response_mask.sum(-1).long().tolist()
+
+    settings = [("padded, fixed count", 0)] + [(f"token budget {b}, trimmed", b) for b in args.budgets]
+    one_pass(actor, batch, args.micro_batch_size, 0)  # warm-up (allocator, kernels)
+    runs: dict[str, list] = {name: [] for name, _ in settings}
+    for _ in range(args.reps):
+        for name, budget in settings:  # interleaved, so drift affects every setting alike
+            runs[name].append(one_pass(actor, batch, args.micro_batch_size, budget))
+            print(name, f"{runs[name][-1][0]:.2f} s", flush=True)
+    actor.shutdown()
+
+    base_t = statistics.median(r[0] for r in runs[settings[0][0]])
+    _, base_loss, base_norm, _, _ = runs[settings[0][0]][0]
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU, {args.threads} thread(s)"
+    lines = [
+        "# Update throughput: padded fixed-count vs token-budget micro-batches (padding trimmed)",
+        "",
+        f"Machine: {device}, torch {torch.__version__}, Python {platform.python_version()}. Model {args.model}, "
+        f"fp32 weights, {args.compute_dtype} compute. One forward + backward pass of the actor over {args.samples} samples "
+        f"(no optimizer step); medians of {args.reps} repetitions, settings interleaved, in one process.",
+        "",
+        f"Batch: {args.samples // args.group} prompts x {args.group} samples; prompts uniform in {args.prompt_range[0]}..{args.prompt_range[1]} tokens; responses lognormal "
+        f"(median {args.response_median:g}, sigma {args.response_sigma:g}) clipped to {args.response_range[0]}..{args.response_range[1]}: "
+        f"min {min(resp)}, median {statistics.median(resp):g}, mean {sum(resp) / len(resp):.1f}, max {max(resp)}. Padded layout "
+        f"{len(batch)} x {batch.input_ids.shape[1]} = {batch.input_ids.numel()} token slots, {real} real tokens.",
+        "",
+        "| setting | micro-batches | token slots computed | padding share | s / pass (median) | update tokens/s | speed-up | loss rel. diff | grad-norm rel. diff |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, _ in settings:
+        rs = runs[name]
+        t = statistics.median(r[0] for r in rs)
+        _, loss, norm, n_micro, slots = rs[0]
+        lines.append(
+            f"| {name} | {n_micro} | {slots} | {1 - real / slots:.0%} | {t:.2f} | {real / t:.0f} | {base_t / t:.2f}x | "
+            f"{abs(loss - base_loss) / max(abs(base_loss), 1e-12):.1e} | {abs(norm - base_norm) / max(base_norm, 1e-12):.1e} |"
+        )
+    lines += [
+        "",
+        f"Regenerate: `python benchmarks/update_throughput.py --reps {args.reps} --threads {args.threads} "
+        f"--budgets {' '.join(map(str, args.budgets))} --device {args.device}`.",
+    ]
+    text = "\n".join(lines) + "\n"
+    Path(args.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

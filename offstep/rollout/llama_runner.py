@@ -1,0 +1,234 @@
+"""Forward passes of Llama-family decoders over a slot-based, pre-allocated KV cache.
+
+The continuous-batching scheduler in ``offstep.rollout.engine`` needs one forward pass that, in a
+single read of the weights, (a) advances every running sequence by one token, each at its own
+position, and (b) prefills newly admitted prompts of different lengths. transformers' forward
+takes one position layout and one cache length for the whole batch, so this module calls the
+model's own submodules (embedding, RMSNorms, q/k/v/o projections, rotary embedding, MLP, head)
+and does the two things it cannot:
+
+* **Packed tokens.** Decode tokens and prompt tokens are concatenated into one ``[N, hidden]``
+  matrix, so every linear layer runs once per step on exactly the real tokens: no padding rows
+  (the "mixed batch" of Orca, Yu et al., OSDI 2022, and vLLM's chunked prefill).
+* **Per-slot cache.** K and V live in ``[layers, slots, kv_heads, capacity, head_dim]`` buffers.
+  A running sequence occupies one slot and has its own length; its new K/V is written at its own
+  position and attention masks the keys past it. Prompt tokens attend among themselves (right
+  padding under a causal mask, so padding never reaches a real query) and their K/V is written
+  into the slots of every sample that shares the prompt (prefilled once for ``n`` samples).
+
+Only the weights are shared with the transformers model, so ``load_weights`` on the model is seen
+here at once. Supported: ``llama``, ``qwen2`` and ``mistral`` models whose layers all use full
+attention and have exactly Llama's structure (checked by :func:`unsupported_reason`); the engine
+also compares this forward with the model's own on a short input before using it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["LlamaRunner", "SlotCache", "unsupported_reason"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot use :class:`LlamaRunner` (``None`` when it can)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {getattr(cfg, 'model_type', None)!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        return "some layers use sliding-window or other non-full attention"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return "the model uses sliding-window attention"
+    inner = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    if inner is None or head is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return "the model lacks the Llama layout (model.embed_tokens/layers/norm/rotary_emb, lm_head)"
+    for layer in inner.layers:
+        attn = getattr(layer, "self_attn", None)
+        if attn is None or not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")):
+            return "an attention block lacks q/k/v/o projections"
+        if any(hasattr(attn, a) for a in ("q_norm", "k_norm")) or getattr(attn, "sliding_window", None):
+            return "attention has q/k norms or a sliding window"
+        if not all(hasattr(layer, a) for a in ("input_layernorm", "post_attention_layernorm", "mlp")):
+            return "a decoder layer lacks the pre-norm residual structure"
+    return None
+
+
+class SlotCache:
+    """K and V of every layer for ``slots`` sequences, ``[layers, slots, kv_heads, capacity, head_dim]``.
+
+    The capacity starts at ``capacity`` positions and doubles (up to ``limit``) when a sequence
+    needs more, so a long ``max_new_tokens`` that answers rarely reach does not reserve the worst
+    case up front.
+    """
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, head_dim: int, capacity: int, limit: int, dtype, device):
+        self.limit = max(int(limit), int(capacity))
+        shape = (layers, slots, kv_heads, min(int(capacity), self.limit), head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def ensure(self, length: int) -> None:
+        """Make room for ``length`` positions per slot (copying what is cached)."""
+        if length <= self.capacity:
+            return
+        if length > self.limit:
+            raise ValueError(f"KV cache: {length} positions requested, the limit is {self.limit}")
+        new_cap = max(length, min(2 * self.capacity, self.limit))
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros((*old.shape[:3], new_cap, old.shape[4]))
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+    def move(self, src: Tensor, dst: Tensor, length: int) -> None:
+        """Copy the first ``length`` positions of slots ``src`` into slots ``dst`` (disjoint sets)."""
+        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
+        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+
+
+def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotary position embedding (Su et al., 2021, RoFormer) in the half-split layout Llama uses.
+
+    ``x`` is ``[N, heads, D]``, ``cos``/``sin`` are ``[N, 1, D]``.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaRunner:
+    """One packed forward step of a Llama-family causal LM over a :class:`SlotCache`."""
+
+    def __init__(self, model: torch.nn.Module):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"LlamaRunner: {reason}")
+        self.model = model
+        inner = model.model
+        self.embed = inner.embed_tokens
+        self.layers = list(inner.layers)
+        self.norm = inner.norm
+        self.rotary = inner.rotary_emb
+        self.head = model.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.n_heads = attn.q_proj.out_features // self.head_dim
+        self.n_kv = attn.k_proj.out_features // self.head_dim
+        self.scaling = float(attn.scaling)
+
+    def new_cache(self, slots: int, capacity: int, limit: int) -> SlotCache:
+        w = self.embed.weight
+        return SlotCache(len(self.layers), slots, self.n_kv, self.head_dim, capacity, limit, w.dtype, w.device)
+
+    def step(
+        self,
+        cache: SlotCache,
+        dec_tokens: Tensor,
+        dec_pos: Tensor,
+        prompts: list[list[int]],
+        prompt_slots: list[list[int]],
+        start: int = 0,
+    ) -> Tensor:
+        """Advance the running slots by one token and prefill new prompts, in one forward pass.
+
+        ``dec_tokens``/``dec_pos`` (``[B]``): the input token of running slots ``0..B-1`` and the
+        position it takes (= the slot's cached length). ``prompts[p]`` is prefilled into every slot
+        of ``prompt_slots[p]`` at positions ``start..start+len-1``; with ``start > 0`` those slots
+        must already hold the K/V of the ``start`` tokens before it (a shared prefix). Returns
+        float32 next-token logits ``[B + P, V]``: one row per running slot, then one per prompt
+        (its last position).
+        """
+        dev = cache.k.device
+        b = int(dec_tokens.shape[0])
+        lens = [len(p) for p in prompts]
+        cache.ensure(max([int(dec_pos.max()) + 1 if b else 0] + [start + n for n in lens]))
+        ids = [dec_tokens]
+        pos = [dec_pos]
+        if prompts:
+            ids.append(torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=dev))
+            pos.append(torch.cat([torch.arange(start, start + n, device=dev) for n in lens]))
+        ids_t, pos_t = torch.cat(ids), torch.cat(pos)
+        n_tok = int(ids_t.shape[0])
+
+        # Where each token's K/V goes: decode token b -> (slot b, dec_pos[b]); prompt token t of
+        # prompt p -> (s, start + t) for every slot s of the prompt.
+        w_src, w_slot, w_pos = [torch.arange(b, device=dev)], [torch.arange(b, device=dev)], [dec_pos]
+        offsets = [b]
+        for n in lens:
+            offsets.append(offsets[-1] + n)
+        for p, slots in enumerate(prompt_slots):
+            for s in slots:
+                w_src.append(torch.arange(offsets[p], offsets[p + 1], device=dev))
+                w_slot.append(torch.full((lens[p],), s, dtype=torch.long, device=dev))
+                w_pos.append(torch.arange(start, start + lens[p], device=dev))
+        w_slot_t, w_pos_t = torch.cat(w_slot), torch.cat(w_pos)
+        # With one slot per prompt, write n is token n: no gather needed.
+        w_src_t = None if all(len(s) == 1 for s in prompt_slots) else torch.cat(w_src)
+        # Row of the flattened cache [slots * kv_heads * capacity, D] that each (write, kv head) fills.
+        cap, heads = cache.capacity, torch.arange(self.n_kv, device=dev)
+        w_flat = ((w_slot_t[:, None] * self.n_kv + heads[None, :]) * cap + w_pos_t[:, None]).reshape(-1)
+
+        if b:
+            t_dec = int(dec_pos.max()) + 1
+            # [B, 1, 1, T]: a running slot sees its cached keys and the one written this step.
+            visible = torch.arange(t_dec, device=dev)[None, :] <= dec_pos[:, None]
+            dec_bias = torch.zeros(visible.shape, dtype=cache.k.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+            dec_bias = dec_bias[:, None, None, :]
+        if prompts:
+            lmax, t_pre = max(lens), start + max(lens)
+            # Queries right-padded to [P, lmax] (pad entries repeat the last token; their outputs are
+            # dropped). Keys come from each prompt's first slot, prefix included; query t sees keys
+            # 0..start+t, so a real query never sees a padded one.
+            pad_idx = torch.tensor(
+                [[offsets[p] - b + min(t, lens[p] - 1) for t in range(lmax)] for p in range(len(prompts))],
+                dtype=torch.long, device=dev,
+            )
+            valid = torch.arange(lmax, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+            first = torch.tensor([slots[0] for slots in prompt_slots], dtype=torch.long, device=dev)
+            pre_mask = torch.arange(t_pre, device=dev)[None, :] <= start + torch.arange(lmax, device=dev)[:, None]
+
+        h = self.embed(ids_t)  # [N, hidden]
+        cos, sin = self.rotary(h[None], pos_t[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]
+        g = self.n_heads // self.n_kv
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = _rope(attn.q_proj(x).view(n_tok, self.n_heads, self.head_dim), cos, sin)
+            k = _rope(attn.k_proj(x).view(n_tok, self.n_kv, self.head_dim), cos, sin)
+            v = attn.v_proj(x).view(n_tok, self.n_kv, self.head_dim)
+            kc, vc = cache.k[i], cache.v[i]
+            kw, vw = (k, v) if w_src_t is None else (k[w_src_t], v[w_src_t])
+            kc.view(-1, self.head_dim).index_copy_(0, w_flat, kw.reshape(-1, self.head_dim))
+            vc.view(-1, self.head_dim).index_copy_(0, w_flat, vw.reshape(-1, self.head_dim))
+            outs = []
+            if b:
+                # Grouped-query attention of one query per slot over its cached keys:
+                # [B, kv, g, D] x [B, kv, D, T] -> [B, kv, g, T].
+                qd = q[:b].view(b, self.n_kv, g, self.head_dim)
+                scores = torch.matmul(qd, kc[:b, :, :t_dec].transpose(-1, -2)) * self.scaling + dec_bias
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                outs.append(torch.matmul(probs, vc[:b, :, :t_dec]).reshape(b, -1))
+            if prompts:
+                qp = q[b:][pad_idx].transpose(1, 2)  # [P, H, lmax, D]
+                kp, vp = kc[first, :, :t_pre], vc[first, :, :t_pre]  # [P, kv, start + lmax, D]
+                if g > 1:
+                    kp, vp = kp.repeat_interleave(g, dim=1), vp.repeat_interleave(g, dim=1)
+                op = torch.nn.functional.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=None if start == 0 else pre_mask, is_causal=start == 0, scale=self.scaling
+                )
+                outs.append(op.transpose(1, 2)[valid].reshape(n_tok - b, -1))
+            h = h + attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+        last = torch.tensor([offsets[p + 1] - 1 for p in range(len(prompts))], dtype=torch.long, device=dev)
+        rows = h[:b] if not prompts else torch.cat([h[:b], h[last]])
+        return self.head(self.norm(rows)).float()

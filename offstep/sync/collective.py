@@ -1,0 +1,337 @@
+"""Collective weight sync: actor rank 0 broadcasts the policy to every rollout worker with
+``torch.distributed``, in buckets, over a process group of its own (``pipeline.weight_sync=collective``).
+
+The group. Actor rank 0 is rank 0 and rollout worker i is rank i + 1. It is made once, at start-up
+(``connect``), on a ``TCPStore`` served by actor rank 0, as a ``ProcessGroupGloo`` (CPU) or
+``ProcessGroupNCCL`` (every member on a GPU) object built directly: the actor already belongs to
+its FSDP default group, and the rollout workers to none, so neither ``init_process_group`` nor
+``new_group`` applies. This follows verl's weight sync for its one-step off-policy trainer (a
+separate actor→rollout communicator, parameters broadcast one after another); here tensors are
+packed into buckets and the layout is agreed once.
+
+The layout. Both ends agree once on a manifest: the rollout model's unique parameters (name,
+shape, dtype) in registration order (``manifest``). ``plan`` places them back to back in one flat
+buffer per dtype and cuts each buffer into buckets of ``bucket_bytes``. On a rollout worker the
+parameters are re-pointed at views of those flat buffers (``flatten_parameters``), so a bucket is
+received straight into the live weights: no allocation and no copy on the receiving side. Actor
+rank 0 packs its full parameters into a snapshot with the same layout, cast to the rollout's dtype
+(the object-store path casts on load instead: the same rounding), and broadcasts each bucket as
+soon as it is full, so packing overlaps sending.
+
+The order. The actor posts its broadcasts and returns (gloo runs them on its own threads); every
+rollout worker receives in its own call queue, behind the generation in flight, exactly as the
+object-store path orders ``load_weights``. Each transfer starts with a header (version, element
+count) that the receiver checks. While a version is still on its way to some worker (k >= 2), the
+next one goes into another snapshot, at most ``max_in_flight`` of them (the object store holds as
+many copies). With NCCL the actor waits until every worker has received (an NCCL kernel left
+waiting beside the FSDP communicator's can deadlock the GPU), so the controller submits the
+receives before the send. The NCCL path is written to the same API but untested (no GPU here).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+_PREFIX = "offstep/weight_sync"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One parameter as both ends must see it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor sits: elements ``[offset, offset + numel)`` of its dtype's flat buffer."""
+
+    dtype: str
+    offset: int
+    numel: int
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Elements ``[start, end)`` of one dtype's flat buffer, broadcast as one tensor."""
+
+    dtype: str
+    start: int
+    end: int
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def element_size(dtype: str) -> int:
+    return torch.empty((), dtype=_dtype(dtype)).element_size()
+
+
+def manifest(model: torch.nn.Module) -> list[TensorSpec]:
+    """The unique parameters of ``model`` (a tied weight once, under its first name), in order."""
+    return [TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
+
+
+def plan(specs: list[TensorSpec], bucket_bytes: int) -> tuple[dict[str, Slot], dict[str, int], list[Bucket]]:
+    """Lay ``specs`` out back to back, one flat buffer per dtype (in order of first appearance),
+    and cut each buffer into buckets of at most ``bucket_bytes`` (a tensor may straddle buckets).
+
+    Returns ``(slots by name, elements per dtype, buckets)``.
+    """
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1 (pipeline.weight_sync_bucket_mb)")
+    slots: dict[str, Slot] = {}
+    totals: dict[str, int] = {}
+    for s in specs:
+        if s.name in slots:
+            raise ValueError(f"weight-sync manifest names {s.name!r} twice")
+        off = totals.get(s.dtype, 0)
+        slots[s.name] = Slot(s.dtype, off, s.numel)
+        totals[s.dtype] = off + s.numel
+    buckets = []
+    for dt, total in totals.items():
+        per = max(1, bucket_bytes // element_size(dt))
+        buckets += [Bucket(dt, a, min(a + per, total)) for a in range(0, total, per)]
+    return slots, totals, buckets
+
+
+def overlaps(slot: Slot, buckets: list[Bucket]) -> list[tuple[int, int]]:
+    """``(bucket index, elements of the slot inside it)`` for every bucket the slot touches."""
+    end = slot.offset + slot.numel
+    out = []
+    for i, b in enumerate(buckets):
+        if b.dtype == slot.dtype and b.start < end and slot.offset < b.end:
+            out.append((i, min(end, b.end) - max(slot.offset, b.start)))
+    return out
+
+
+def check_manifest(expected: list[TensorSpec], actual: list[TensorSpec], who: str) -> None:
+    """Raise naming the differences when ``actual`` (names, shapes) disagrees with ``expected``."""
+    a = {s.name: s.shape for s in expected}
+    b = {s.name: s.shape for s in actual}
+    missing, extra = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+    shapes = [f"{n}: {a[n]} vs {b[n]}" for n in a.keys() & b.keys() if a[n] != b[n]]
+    if missing or extra or shapes:
+        raise ValueError(
+            f"weight sync: the {who} model does not match the rollout manifest: missing {missing[:10]}, "
+            f"unexpected {extra[:10]}, shapes {shapes[:10]}; every rollout worker and the actor must load the "
+            "same architecture (model.path)"
+        )
+
+
+# ------------------------------------------------------------------------------------ the group
+def _timeout(timeout_s: float) -> timedelta:
+    return timedelta(seconds=float(timeout_s))
+
+
+def make_group(store: dist.Store, rank: int, world_size: int, backend: str, timeout_s: float) -> dist.ProcessGroup:
+    """A process group object of its own (not registered as the default group); blocks until all
+    ``world_size`` ranks have joined."""
+    store = dist.PrefixStore(_PREFIX, store)
+    if backend == "gloo":
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = _timeout(timeout_s)
+        iface = os.environ.get("GLOO_SOCKET_IFNAME")
+        opts._devices = [
+            dist.ProcessGroupGloo.create_device(interface=iface) if iface else dist.ProcessGroupGloo.create_default_device()
+        ]
+        opts._threads = 2  # two buckets in flight at once
+        return dist.ProcessGroupGloo(store, rank, world_size, opts)
+    if backend == "nccl":
+        if not hasattr(dist, "ProcessGroupNCCL"):
+            raise RuntimeError("pipeline.weight_sync=collective on GPUs needs a CUDA build of torch with NCCL")
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _timeout(timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"weight-sync backend {backend!r} is not gloo or nccl")
+
+
+def _broadcast(group: dist.ProcessGroup, t: torch.Tensor):
+    return group.broadcast(t, 0)
+
+
+def _wait(works: list, device: torch.device) -> None:
+    for w in works:
+        w.wait()
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+@dataclass
+class _Snapshot:
+    flat: dict[str, torch.Tensor]
+    works: list
+
+    def free(self) -> bool:
+        if all(w.is_completed() for w in self.works):
+            for w in self.works:  # surfaces a failed transfer (e.g. a timeout) here
+                w.wait()
+            self.works = []
+            return True
+        return False
+
+
+class WeightSender:
+    """Actor rank 0's end: serves the store, packs snapshots, posts broadcasts."""
+
+    def __init__(self, host: str, device: torch.device, timeout_s: float):
+        self.host, self.device, self.timeout_s = host, device, timeout_s
+        self.store = dist.TCPStore(host, 0, None, True, _timeout(timeout_s), wait_for_workers=False)
+        self.group = None
+
+    @property
+    def endpoint(self) -> tuple[str, int]:
+        return self.host, self.store.port
+
+    def connect(
+        self, world_size: int, backend: str, specs: list[TensorSpec], bucket_bytes: int,
+        own: list[TensorSpec], max_in_flight: int = 1,
+    ) -> None:
+        check_manifest(specs, own, "actor")
+        self.slots, self.totals, self.buckets = plan(specs, bucket_bytes)
+        self.touches = {name: overlaps(slot, self.buckets) for name, slot in self.slots.items()}
+        self.blocking = backend == "nccl"
+        self.max_in_flight = max(1, max_in_flight)
+        self.snapshots = [self._new_snapshot()]  # allocated (and touched) now, not in the first sync
+        self.group = make_group(self.store, 0, world_size, backend, self.timeout_s)
+
+    def _new_snapshot(self) -> _Snapshot:
+        flat = {dt: torch.zeros(n, dtype=_dtype(dt), device=self.device) for dt, n in self.totals.items()}
+        return _Snapshot(flat, [])
+
+    def _free_snapshot(self) -> _Snapshot:
+        for s in self.snapshots:
+            if s.free():
+                return s
+        if len(self.snapshots) < self.max_in_flight:
+            self.snapshots.append(self._new_snapshot())
+            return self.snapshots[-1]
+        oldest = self.snapshots.pop(0)  # every snapshot still in flight: wait for the oldest
+        _wait(oldest.works, self.device)
+        oldest.works = []
+        self.snapshots.append(oldest)
+        return oldest
+
+    @torch.no_grad()
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Pack ``named`` full tensors and broadcast each bucket once it is full."""
+        if self.group is None:
+            raise RuntimeError("weight sync: send() before connect()")
+        snap = self._free_snapshot()
+        header = torch.tensor([version, sum(self.totals.values())], dtype=torch.int64, device=self.device)
+        works = [_broadcast(self.group, header)]
+        left = [b.end - b.start for b in self.buckets]
+        seen = set()
+        for name, t in named:
+            slot = self.slots.get(name)
+            if slot is None:  # connect() checked the names; this is a parameter added since
+                raise KeyError(f"weight sync: actor parameter {name!r} is not in the rollout manifest")
+            seen.add(name)
+            snap.flat[slot.dtype][slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
+            for i, n in self.touches[name]:
+                left[i] -= n
+                if left[i] == 0:
+                    b = self.buckets[i]
+                    works.append(_broadcast(self.group, snap.flat[b.dtype][b.start : b.end]))
+        if len(seen) != len(self.slots):
+            raise KeyError(f"weight sync: the actor did not send {sorted(self.slots.keys() - seen)[:10]}")
+        snap.works = works
+        if self.blocking:
+            _wait(works, self.device)
+
+
+def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` per unique parameter; FSDP2 shards are all-gathered, so every rank
+    of the actor's group must iterate (in the same order). On a one-rank mesh the local shard is
+    the full tensor: no gather, no copy."""
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            p = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
+        yield name, p.detach()
+
+
+@torch.no_grad()
+def flatten_parameters(model: torch.nn.Module, specs: list[TensorSpec], slots: dict[str, Slot], totals: dict[str, int],
+                       device: torch.device) -> dict[str, torch.Tensor]:
+    """Re-point every parameter of ``model`` at a view of one flat buffer per dtype (values kept),
+    so that broadcasts land in the live weights. Tied parameters are one object: re-pointed once."""
+    flat = {dt: torch.empty(n, dtype=_dtype(dt), device=device) for dt, n in totals.items()}
+    for s in specs:
+        p = model.get_parameter(s.name)
+        slot = slots[s.name]
+        view = flat[slot.dtype][slot.offset : slot.offset + slot.numel].view(s.shape)
+        view.copy_(p)
+        p.data = view
+    return flat
+
+
+class WeightReceiver:
+    """A rollout worker's end: its model's parameters live in flat buffers the broadcasts fill."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.model, self.device = model, device
+        self.group = None
+
+    def connect(
+        self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list[TensorSpec],
+        bucket_bytes: int, timeout_s: float,
+    ) -> None:
+        own = manifest(self.model)
+        if own != list(specs):
+            check_manifest(specs, own, f"rollout worker {rank - 1}")
+            raise ValueError(f"weight sync: rollout worker {rank - 1} has other dtypes or order than rollout worker 0; "
+                             "every replica must use the same rollout.dtype")
+        self.slots, self.totals, self.buckets = plan(list(specs), bucket_bytes)
+        self.flat = flatten_parameters(self.model, list(specs), self.slots, self.totals, self.device)
+        store = dist.TCPStore(host, port, None, False, _timeout(timeout_s))
+        self.group = make_group(store, rank, world_size, backend, timeout_s)
+
+    @torch.no_grad()
+    def receive(self, version: int) -> float:
+        """Receive one version into the model's parameters; returns when its header arrived."""
+        if self.group is None:
+            raise RuntimeError("weight sync: receive() before connect()")
+        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        _wait([_broadcast(self.group, header)], self.device)
+        t_header = time.time()
+        got, total = (int(x) for x in header.tolist())
+        if got != version or total != sum(self.totals.values()):
+            raise RuntimeError(f"weight sync out of step: expected version {version} ({sum(self.totals.values())} "
+                               f"elements), the actor sent version {got} ({total})")
+        works = [_broadcast(self.group, self.flat[b.dtype][b.start : b.end]) for b in self.buckets]
+        _wait(works, self.device)
+        return t_header
+
+
+def connect(actor_handles: list, rollout_handles: list, backend: str, bucket_mb: float, timeout_s: float,
+            max_in_flight: int = 1) -> None:
+    """Driver side: make the weight-sync group once, between actor rank 0 and every rollout worker
+    (Ray actor handles of ``ActorWorker`` and ``RolloutWorker``)."""
+    import ray
+
+    bucket_bytes = max(1, int(bucket_mb * 2**20))
+    specs = ray.get(rollout_handles[0].weight_sync_manifest.remote())
+    host, port = ray.get(actor_handles[0].open_weight_sync.remote(timeout_s))
+    world = 1 + len(rollout_handles)
+    refs = [actor_handles[0].join_weight_sync.remote(world, backend, specs, bucket_bytes, max_in_flight)]
+    refs += [
+        w.join_weight_sync.remote(host, port, i + 1, world, backend, specs, bucket_bytes, timeout_s)
+        for i, w in enumerate(rollout_handles)
+    ]
+    ray.get(refs)

@@ -1,0 +1,252 @@
+"""Checkpoints: atomic commits, which one a resume picks, exact continuation after SIGKILL
+(including the batch that was generating), export to a Hugging Face folder, and clean stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from offstep.config.loader import ConfigError, load_config, to_yaml
+from offstep.pipeline.checkpoints import Checkpoints, check_compatible, complete_checkpoints, resolve_path
+
+# A reward that is deterministic and not constant (the tiny model earns nothing on arithmetic), and
+# that blocks forever once the file named by $BLOCK_AFTER exists: the run is then stuck mid-step
+# with a batch generating, the moment at which we kill it.
+REWARD = '''
+import os, time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    gate = os.environ.get("BLOCK_AFTER")
+    if gate and os.path.exists(gate):
+        time.sleep(3600)
+    return (len(solution_str) % 3) / 2.0
+'''
+
+
+def _overrides(out: Path, reward: Path, k: int, steps: int = 6) -> list[str]:
+    return [
+        "preset=tiny", f"trainer.output_dir={out}", f"trainer.total_steps={steps}", "trainer.save_freq=3",
+        f"pipeline.max_staleness={k}", "trainer.val_freq=0", "trainer.val_before_train=false",
+        "trainer.progress=off", f"reward.custom_path={reward}", "reward.num_threads=1",
+    ]
+
+
+def _cli(args: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "offstep.cli", "train", *args], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    t0 = time.time()
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended (rc {proc.returncode}) before {path} appeared: {proc.stderr.read()}")
+        if time.time() - t0 > timeout:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.1)
+
+
+def _records(run: Path) -> dict[int, dict]:
+    """Per step, everything but wall-clock figures."""
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        out[m["step"]] = {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
+    return out
+
+
+# ------------------------------------------------------------------ on-disk layout, no Ray
+def _fake_commit(ck: Checkpoints, step: int, cfg_yaml: str = "a: 1\n") -> Path:
+    staging = ck.staging(step)
+    (staging / "actor").mkdir()
+    return ck.commit(staging, step, {"step": step}, cfg_yaml)
+
+
+def test_commit_is_atomic_and_auto_skips_partial(tmp_path):
+    ck = Checkpoints(tmp_path)
+    _fake_commit(ck, 3)
+    # A crash while writing step 6 leaves only the staging folder: resume=auto must not pick it.
+    partial = ck.staging(6)
+    (partial / "actor").mkdir()
+    assert ck.resolve("auto") == tmp_path / "checkpoints" / "step_000003"
+    assert [s for s, _ in complete_checkpoints(ck.root)] == [3]
+    # The next save clears the stale staging folder away.
+    _fake_commit(ck, 9)
+    assert not partial.exists()
+    assert ck.resolve("auto").name == "step_000009"
+    assert ck.resolve("off") is None
+
+
+def test_keep_checkpoints_prunes_oldest_complete(tmp_path):
+    ck = Checkpoints(tmp_path, keep=2)
+    for s in (2, 4, 6):
+        _fake_commit(ck, s)
+    assert [s for s, _ in complete_checkpoints(ck.root)] == [4, 6]
+
+
+def test_resolve_path_errors_name_the_fix(tmp_path):
+    with pytest.raises(ConfigError, match="no complete checkpoint.*save_freq"):
+        resolve_path(tmp_path)
+    ck = Checkpoints(tmp_path)
+    _fake_commit(ck, 3)
+    assert resolve_path(tmp_path).name == "step_000003"
+    assert resolve_path(tmp_path / "checkpoints" / "step_000003").name == "step_000003"
+    with pytest.raises(ConfigError, match=r"no checkpoint of step 5; it has steps \[3\]"):
+        resolve_path(tmp_path, step=5)
+
+
+def test_resume_refuses_a_different_run():
+    saved = to_yaml(load_config(["preset=tiny"]))
+    check_compatible(saved, load_config(["preset=tiny", "trainer.total_steps=50"]))  # more steps: fine
+    with pytest.raises(ConfigError, match="data.train_batch_size: checkpoint 4, now 8.*trainer.resume=off"):
+        check_compatible(saved, load_config(["preset=tiny", "data.train_batch_size=8"]))
+
+
+def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
+    from offstep.config.validate import validate
+
+    with pytest.raises(ConfigError, match="trainer.resume=.*does not exist"):
+        validate(load_config(["preset=tiny", f"trainer.resume={tmp_path / 'nope'}"]))
+
+
+# ------------------------------------------------------------------ kill and resume
+@pytest.mark.parametrize("k", [0, 1], ids=["sync", "one-step"])
+def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k):
+    """6 steps in one go == 3 steps, SIGKILL mid-step 4/5, resume for the rest: same prompts,
+    rewards, losses, KL, entropy and gradient norms at every step, bit for bit (CPU, fixed seeds;
+    in one-step mode the batch generating at save time is stored in the checkpoint)."""
+    from offstep.pipeline.controller import train
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    train(load_config(_overrides(full, reward, k)))
+
+    gate = killed / "checkpoints" / "step_000003" / "trainer_state.pt"
+    proc = _cli(_overrides(killed, reward, k), env={**os.environ, "BLOCK_AFTER": str(gate)})
+    _wait_for(gate, proc)
+    time.sleep(1.0)  # let it get into step 4, whose generation (k=0) or the next one (k=1) now blocks
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert max(_records(killed)) < 6, "the run was meant to be killed before it finished"
+
+    history = train(load_config(_overrides(killed, reward, k)))  # trainer.resume=auto is the default
+    assert [m["step"] for m in history] == [4, 5, 6]
+    a, b = _records(full), _records(killed)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+    for step in a:
+        assert a[step] == b[step], f"step {step} differs after resume"
+
+
+def test_export_writes_a_loadable_model_equal_to_the_checkpoint(tmp_path, ray_session):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    from offstep.cli import main
+    from offstep.models.loading import load_causal_lm, resolve_model
+    from offstep.pipeline.controller import train
+
+    run = tmp_path / "run"
+    train(load_config(["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=2", "trainer.save_freq=1",
+                       "trainer.val_before_train=false", "trainer.progress=off"]))
+    assert main(["export", str(run), "--step", "2", "--out", str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    # An independent reading of the same shards: torch's own DCP-to-torch.save converter.
+    dcp_to_torch_save(run / "checkpoints" / "step_000002" / "actor", tmp_path / "full.pt")
+    reference = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
+    initial = load_causal_lm(resolve_model("tiny")).state_dict()
+    got = exported.state_dict()
+    for name, t in reference.items():
+        assert torch.equal(got[name], t), name
+    assert any(not torch.equal(got[n], initial[n]) for n in reference), "the exported policy should be trained"
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
+
+
+# ------------------------------------------------------------------ stops and failures
+SLOW_REWARD = '''
+import time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    time.sleep(0.05)
+    return 0.0
+'''
+
+
+def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it): the step in progress
+    completes, a checkpoint is written, every process ends, exit code 130."""
+    reward = tmp_path / "slow.py"
+    reward.write_text(SLOW_REWARD)
+    run = tmp_path / "run"
+    args = ["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=200", "trainer.save_freq=1000",
+            "trainer.val_before_train=false", "trainer.progress=plain", f"reward.custom_path={reward}"]
+    proc = _cli(args)
+    _wait_for(run / "metrics.jsonl", proc)
+    t0 = time.time()
+    while not (run / "metrics.jsonl").read_text().strip() and time.time() - t0 < 300:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err
+    assert "stopped at step" in err and "trainer.resume=auto" in err
+    found = complete_checkpoints(run / "checkpoints")
+    assert found, err
+    last_metric = max(_records(run))
+    assert found[-1][0] == last_metric < 200
+    # Nothing of the run is left behind (its Ray processes share the session of the driver).
+    time.sleep(2)
+    leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert not leftover, f"processes left running: {leftover}"
+
+
+DYING_REWARD = '''
+import os
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    marker = MARKER
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)  # the rollout worker process dies in the middle of a generation
+    return 0.0
+'''
+
+
+def test_rollout_worker_death_is_survived_by_a_restart(tmp_path, ray_session):
+    from offstep.pipeline.controller import train
+
+    reward = tmp_path / "dying.py"
+    reward.write_text(DYING_REWARD.replace("MARKER", repr(str(tmp_path / "died"))))
+    cfg = load_config(["preset=tiny", f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=3",
+                       "trainer.val_before_train=false", "trainer.progress=off", f"reward.custom_path={reward}"])
+    history = train(cfg)
+    assert (tmp_path / "died").exists(), "the worker was meant to die once"
+    assert [m["step"] for m in history if "reward/mean" in m] == [1, 2, 3]
+    assert max(m["rollout/staleness_max"] for m in history if "rollout/staleness_max" in m) <= 1
+
+
+HANGING_REWARD = '''
+import time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    time.sleep(3600)
+'''
+
+
+def test_hung_generation_fails_within_bounded_time(tmp_path, ray_session):
+    from offstep.pipeline.controller import RolloutFailed, train
+
+    reward = tmp_path / "hang.py"
+    reward.write_text(HANGING_REWARD)
+    cfg = load_config(["preset=tiny", f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=2",
+                       "trainer.val_before_train=false", "trainer.progress=off", f"reward.custom_path={reward}",
+                       "rollout.timeout_s=5", "rollout.max_restarts=1", "reward.timeout_s=3600"])
+    t0 = time.time()
+    with pytest.raises(RolloutFailed, match="rollout.timeout_s=5.*rollout.max_restarts=1"):
+        train(cfg)
+    assert time.time() - t0 < 120

@@ -1,0 +1,95 @@
+"""The real controller loop with simulated (sleeping) workers, from benchmarks/controller_overhead.py:
+pipeline invariants for k = 0, 1, 2 in seconds, no model. No timing assertions: only the order of
+events on the timeline and the versions the samples carry."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pickle
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from offstep.batch import Sample, collate
+from offstep.telemetry.metrics import read_jsonl
+
+_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "controller_overhead.py"
+
+
+@pytest.fixture(scope="module")
+def sim():
+    spec = importlib.util.spec_from_file_location("controller_overhead", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _run(sim, tmp_path, k: int, steps: int):
+    cfg = sim.sim_config(tmp_path, k, steps)
+    hist = sim.run_sim(cfg, gen_s=0.05, train_s=0.05, export_s=0.01, load_s=0.01)
+    tl = read_jsonl(tmp_path / "timeline.jsonl")
+    ev = {(e["role"], e["stage"], e["step"]): e for e in tl}
+    return [m for m in hist if m["step"] >= 1], ev
+
+
+def test_ideal_step(sim):
+    # k = 0: serial, 0.5 + 1.0 + 0.05 + 0.05 = 1.6; k >= 1: max(0.5 + 0.05, 1.0 + 0.05) = 1.05.
+    assert sim.ideal_step(0, 0.5, 1.0, 0.05, 0.05) == pytest.approx(1.6)
+    assert sim.ideal_step(1, 0.5, 1.0, 0.05, 0.05) == pytest.approx(1.05)
+    assert sim.ideal_step(2, 1.0, 0.5, 0.05, 0.05) == pytest.approx(1.05)
+
+
+def test_one_step_off_policy_overlaps(sim, tmp_path, ray_session):
+    metrics, ev = _run(sim, tmp_path, 1, 4)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 1, 1]
+    assert [m["policy_version"] for m in metrics] == [1, 2, 3, 4]
+    # Batches 1 and 2 come from v0, batch s > 2 from v(s-2): one version behind the trainer (v(s-1)).
+    assert [ev[("rollout/0", "gen", s)]["version"] for s in range(1, 5)] == [0, 0, 1, 2]
+    for s in range(1, 4):
+        # Generation of batch s+1 starts before the update on batch s ends.
+        assert ev[("rollout/0", "gen", s + 1)]["start"] < ev[("trainer", "update_actor", s)]["end"], s
+        # Weights v(s) are loaded only after the update that made them.
+        assert ev[("rollout/0", "load_weights", s)]["start"] >= ev[("trainer", "update_actor", s)]["end"]
+    assert all("timing_s/sync_weights" in m and "timing_s/step" in m for m in metrics)
+
+
+def test_synchronous_does_not_overlap(sim, tmp_path, ray_session):
+    metrics, ev = _run(sim, tmp_path, 0, 3)
+    assert [m["rollout/staleness_max"] for m in metrics] == [0, 0, 0]
+    assert [ev[("rollout/0", "gen", s)]["version"] for s in range(1, 4)] == [0, 1, 2]
+    for s in range(1, 3):
+        # The next generation starts after this step's weights are loaded.
+        assert ev[("rollout/0", "gen", s + 1)]["start"] >= ev[("rollout/0", "load_weights", s)]["end"], s
+
+
+def test_staleness_two_never_exceeded(sim, tmp_path, ray_session):
+    metrics, ev = _run(sim, tmp_path, 2, 5)
+    assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 2, 2, 2]
+    assert max(m["rollout/staleness_max"] for m in metrics) <= 2
+    assert [ev[("rollout/0", "gen", s)]["version"] for s in range(1, 6)] == [0, 0, 0, 1, 2]
+
+
+def test_train_batch_pickles_exactly():
+    """TrainBatch travels through Ray as numpy arrays (TrainBatch.__reduce__): exact round trip,
+    including attributes set after collate and tensors numpy cannot hold (kept as tensors)."""
+    samples = [Sample(uid=i, prompt_ids=[5, 6, 7][: i + 1], response_ids=[8, 9][:i], rollout_logprobs=[-0.5, -1.0][:i],
+                      finish_reason="stop", score=float(i), version=i) for i in range(3)]
+    batch = collate(samples, pad_id=0)
+    batch.advantages = torch.randn(3, batch.response_mask.shape[1])
+    batch.values = torch.randn(3, batch.response_mask.shape[1]).to(torch.bfloat16)
+    batch.note = "extra attribute"
+    back = pickle.loads(pickle.dumps(batch))
+    assert back.prompt_len == batch.prompt_len and back.note == "extra attribute"
+    for f in dataclasses.fields(batch):
+        a, b = getattr(batch, f.name), getattr(back, f.name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype and torch.equal(a, b), f.name
+        else:
+            assert a == b, f.name
+    back.input_ids += 1  # its own, writable memory
+    assert not torch.equal(back.input_ids, batch.input_ids)
