@@ -60,6 +60,12 @@ class Pool:
         remove_placement_group(self.pg)
 
 
+@ray.remote(num_cpus=0)
+def _address() -> tuple[str, int]:
+    """This node's address and a free port on it."""
+    return ray.util.get_node_ip_address(), free_port()
+
+
 class RoleGroup:
     """The ranks of one trainer role, spread one per bundle of a pool."""
 
@@ -69,8 +75,10 @@ class RoleGroup:
     @classmethod
     def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, *args) -> "RoleGroup":
         remote_cls = ray.remote(worker_cls)
-        master_addr = ray.util.get_node_ip_address()
-        port = free_port()
+        # The group meets at rank 0's node (which, on a cluster, need not be the driver's).
+        where = pool.options(0)
+        where.pop("runtime_env")
+        master_addr, port = ray.get(_address.options(**where).remote())
         handles = []
         for rank in range(pool.bundles):
             spec = GroupSpec(
