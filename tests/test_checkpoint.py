@@ -250,3 +250,30 @@ def test_hung_generation_fails_within_bounded_time(tmp_path, ray_session):
     with pytest.raises(RolloutFailed, match="rollout.timeout_s=5.*rollout.max_restarts=1"):
         train(cfg)
     assert time.time() - t0 < 120
+
+
+def test_trainer_worker_death_ends_the_run_and_keeps_the_checkpoint(tmp_path):
+    """SIGKILL the actor's process mid-run: the run ends (no hang) with a message naming the
+    last checkpoint, which stays complete and exportable."""
+    import psutil
+
+    from offstep.models.export import export_checkpoint
+
+    reward = tmp_path / "slow.py"
+    reward.write_text(SLOW_REWARD)
+    run = tmp_path / "run"
+    proc = _cli(["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=200", "trainer.save_freq=2",
+                 "trainer.val_before_train=false", "trainer.progress=off", f"reward.custom_path={reward}"])
+    _wait_for(run / "checkpoints" / "step_000002" / "trainer_state.pt", proc)
+    actors = [p for p in psutil.process_iter(["cmdline"])
+              if "ActorWorker" in " ".join(p.info["cmdline"] or []) and os.getsid(p.pid) == proc.pid]
+    assert actors, "the actor worker process was not found"
+    for p in actors:
+        p.kill()
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2, err
+    assert "a trainer worker died" in err and "is intact: continue with trainer.resume=auto" in err, err
+    last = complete_checkpoints(run / "checkpoints")[-1][1]
+    assert str(last) in err
+    export_checkpoint(last, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -459,6 +459,28 @@ def test_load_weights_changes_outputs_and_version(tiny, prompts):
     assert _key(engine.generate(prompts, p, seed=0)) == _key(before)
 
 
+def test_runner_follows_repointed_parameters(tiny, prompts):
+    # The slot runner reads q/k/v and gate/up through fused views of the model's parameters; if a
+    # parameter is replaced (not copied into), the next step must use the new values, not stale ones.
+    path, tok, _, eos = tiny
+    model = load_causal_lm(path)
+    engine = TorchEngine(model, tok, eos)
+    attn, mlp = model.model.layers[1].self_attn, model.model.layers[0].mlp
+    with torch.no_grad():
+        attn.k_proj.weight.data = attn.k_proj.weight.data * 1.5
+        mlp.up_proj.weight.data = -mlp.up_proj.weight.data
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=10)
+    for c in engine.generate(prompts, p, seed=6):
+        ref = _teacher_forced_logprobs(model, prompts[c.prompt_index], c.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    # and in-place loads into the regrouped storage are seen as well
+    sd = {k: v * 0.9 for k, v in model.state_dict().items()}
+    engine.load_weights(sd, version=1)
+    for c in engine.generate(prompts, p, seed=6):
+        ref = _teacher_forced_logprobs(model, prompts[c.prompt_index], c.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
 def test_load_weights_errors(tiny):
     path, tok, _, eos = tiny
     model = load_causal_lm(path)

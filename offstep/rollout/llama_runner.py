@@ -94,6 +94,49 @@ class SlotCache:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
+def _adjacent(tensors: list[Tensor]) -> bool:
+    """Whether contiguous ``tensors`` lie back to back in one storage, in this order."""
+    if not all(t.is_contiguous() for t in tensors):
+        return False
+    base = tensors[0].untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != base for t in tensors):
+        return False  # back to back in memory by chance, but separate allocations
+    size = tensors[0].element_size()
+    return all(b.data_ptr() == a.data_ptr() + a.numel() * size for a, b in zip(tensors, tensors[1:]))
+
+
+def _fused(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """One ``[sum(out), in]`` weight (and bias) for linears that read the same input.
+
+    The first call regroups the modules' parameters into one storage: each parameter becomes a
+    view of the fused matrix, so the model's own forward, ``state_dict`` and in-place weight loads
+    keep working on the same numbers, and this runner does one matrix product instead of several
+    (fewer, larger GEMMs: a small ``N``, such as the K/V projections of grouped-query attention,
+    runs far below peak on CPU). Later calls return views of that storage; if something re-pointed
+    a parameter (another runner on the same model, ``model.to``), it is regrouped again.
+    """
+    weights = [m.weight for m in linears]
+    biases = [m.bias for m in linears]
+    has_bias = biases[0] is not None
+    if not _adjacent(weights) or (has_bias and not _adjacent(biases)):
+        # Ordinary tensors even when called inside inference mode: weight loads copy into them later.
+        with torch.inference_mode(False), torch.no_grad():
+            weight = torch.cat([w.detach() for w in weights])
+            bias = torch.cat([b.detach() for b in biases]) if has_bias else None
+            start = 0
+            for m in linears:
+                end = start + m.out_features
+                m.weight.data = weight[start:end]
+                if has_bias:
+                    m.bias.data = bias[start:end]
+                start = end
+    rows = sum(m.out_features for m in linears)
+    w0 = linears[0].weight.detach()
+    weight = w0.as_strided((rows, w0.shape[1]), (w0.shape[1], 1))
+    bias = linears[0].bias.detach().as_strided((rows,), (1,)) if has_bias else None
+    return weight, bias
+
+
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotary position embedding (Su et al., 2021, RoFormer) in the half-split layout Llama uses.
 
@@ -123,6 +166,11 @@ class LlamaRunner:
         self.n_heads = attn.q_proj.out_features // self.head_dim
         self.n_kv = attn.k_proj.out_features // self.head_dim
         self.scaling = float(attn.scaling)
+        self.qkv = [[l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj] for l in self.layers]
+        self.gated = all(hasattr(l.mlp, a) for l in self.layers for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+        self.gate_up = [[l.mlp.gate_proj, l.mlp.up_proj] for l in self.layers] if self.gated else []
+        for group in self.qkv + self.gate_up:
+            _fused(group)
 
     def new_cache(self, slots: int, capacity: int, limit: int) -> SlotCache:
         w = self.embed.weight
@@ -202,9 +250,11 @@ class LlamaRunner:
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = _rope(attn.q_proj(x).view(n_tok, self.n_heads, self.head_dim), cos, sin)
-            k = _rope(attn.k_proj(x).view(n_tok, self.n_kv, self.head_dim), cos, sin)
-            v = attn.v_proj(x).view(n_tok, self.n_kv, self.head_dim)
+            qkv = torch.nn.functional.linear(x, *_fused(self.qkv[i]))
+            nq, nkv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q = _rope(qkv[:, :nq].view(n_tok, self.n_heads, self.head_dim), cos, sin)
+            k = _rope(qkv[:, nq : nq + nkv].view(n_tok, self.n_kv, self.head_dim), cos, sin)
+            v = qkv[:, nq + nkv :].view(n_tok, self.n_kv, self.head_dim)
             kc, vc = cache.k[i], cache.v[i]
             kw, vw = (k, v) if w_src_t is None else (k[w_src_t], v[w_src_t])
             kc.view(-1, self.head_dim).index_copy_(0, w_flat, kw.reshape(-1, self.head_dim))
@@ -227,7 +277,14 @@ class LlamaRunner:
                 )
                 outs.append(op.transpose(1, 2)[valid].reshape(n_tok - b, -1))
             h = h + attn.o_proj(torch.cat(outs) if len(outs) > 1 else outs[0])
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            x = layer.post_attention_layernorm(h)
+            if self.gated:  # down(act(gate(x)) * up(x)), the gate and up products in one GEMM
+                mlp = layer.mlp
+                gu = torch.nn.functional.linear(x, *_fused(self.gate_up[i]))
+                inter = gu.shape[-1] // 2
+                h = h + mlp.down_proj(mlp.act_fn(gu[:, :inter]) * gu[:, inter:])
+            else:
+                h = h + layer.mlp(x)
 
         last = torch.tensor([offsets[p + 1] - 1 for p in range(len(prompts))], dtype=torch.long, device=dev)
         rows = h[:b] if not prompts else torch.cat([h[:b], h[last]])

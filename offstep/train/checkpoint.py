@@ -9,6 +9,7 @@ the RNG states, which are small and per rank, go beside it as ``rank<i>.pt``.
 from __future__ import annotations
 
 import random
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -69,5 +70,7 @@ def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:
     process group: DCP reads the shards of every rank and reassembles full tensors."""
     sd = model.state_dict()
     state = {"model": sd}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # "no process group: assuming a single process" is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     model.load_state_dict(state["model"])
