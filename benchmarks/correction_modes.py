@@ -12,7 +12,6 @@ final validation accuracy, the largest mismatch KL and the median step time.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -53,7 +52,6 @@ def main() -> None:
         rows.append((name, statistics.mean(rewards[:5]), statistics.mean(rewards[-5:]), val[0] if val else float("nan"),
                      val[-1] if val else float("nan"), max(mism), statistics.median(m["timing_s/step"] for m in steps[1:]),
                      time.time() - t0))
-        (HERE / "results_correction.json").write_text(json.dumps(rows))
     lines = [
         f"Preset `{args.preset}`, {args.steps} steps, seed {args.seed}; one run per row, one after another.",
         "",
