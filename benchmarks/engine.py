@@ -7,7 +7,9 @@ prompt). Two cases:
   does). ``generate`` keeps every row of its padded batch until the last one ends; the engine
   frees a finished sample's slot at once.
 * ``fixed``: every sample runs to ``--max-new-tokens`` (``generate`` with ``min_new_tokens``, the
-  engine with an eos id that is never sampled): pure per-step speed, no early exits.
+  engine with an eos id that is never sampled): per-step speed and prefill, no early exits.
+* ``eos-n4``: the shape of a GRPO rollout, a quarter of the prompts with 4 samples each (the same
+  number of sequences; ``generate(num_return_sequences=4)``).
 
 Tokens/s counts generated tokens (up to and including the first eos). Each repetition runs both
 engines back to back (alternating which goes first); the table gives medians, and the speed-up as
@@ -36,7 +38,12 @@ from pathlib import Path
 import torch
 
 from offstep.data.tasks import arithmetic, gsm8k_synthetic
-from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from offstep.models.loading import (
+    eos_token_ids,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model,
+)
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.types import SamplingParams
 
@@ -52,14 +59,21 @@ def build_prompts(tok, count: int) -> list[list[int]]:
     ]
 
 
-def run_offstep(engine: TorchEngine, prompts, max_new: int, seed: int) -> tuple[int, float]:
-    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=max_new)
+CASES = {  # name: (fraction of the prompts, samples per prompt, every sample runs to the limit)
+    "eos": (1, 1, False),
+    "fixed": (1, 1, True),
+    "eos-n4": (4, 4, False),
+}
+
+
+def run_offstep(engine: TorchEngine, prompts, max_new: int, seed: int, n: int = 1) -> tuple[int, float]:
+    params = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new)
     t0 = time.perf_counter()
     out = engine.generate(prompts, params, seed=seed)
     return sum(len(c.response_ids) for c in out), time.perf_counter() - t0
 
 
-def run_hf(model, tok, prompts, max_new: int, eos: list[int], fixed: bool, seed: int) -> tuple[int, float]:
+def run_hf(model, tok, prompts, max_new: int, eos: list[int], fixed: bool, seed: int, n: int = 1) -> tuple[int, float]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -72,7 +86,7 @@ def run_hf(model, tok, prompts, max_new: int, eos: list[int], fixed: bool, seed:
         out = model.generate(
             input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
             max_new_tokens=max_new, min_new_tokens=max_new if fixed else 0, eos_token_id=eos,
-            pad_token_id=tok.pad_token_id,
+            pad_token_id=tok.pad_token_id, num_return_sequences=n,
         )
     dt = time.perf_counter() - t0
     n = 0
@@ -90,7 +104,7 @@ def read_bandwidth(mib: int = 512, reps: int = 5) -> float:
         t0 = time.perf_counter()
         x.sum()
         times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / statistics.median(times) / 1e9
+    return x.numel() * 4 / min(times) / 1e9
 
 
 def sgemm_gflops(n: int = 1024, reps: int = 5) -> float:
@@ -101,11 +115,12 @@ def sgemm_gflops(n: int = 1024, reps: int = 5) -> float:
         t0 = time.perf_counter()
         a @ b
         times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times) / 1e9
+    return 2 * n**3 / min(times) / 1e9
 
 
 def decode_step(engine: TorchEngine, batch: int, context: int, reps: int = 10) -> float:
-    """Median seconds of one decode step of the slot runner with ``batch`` slots at ``context``."""
+    """Seconds of one decode step of the slot runner with ``batch`` slots at ``context`` (the
+    fastest of ``reps``, like the bandwidth and sgemm figures: the least disturbed by other load)."""
     runner = engine._runner
     cache = runner.new_cache(batch, context + 1, context + 1)
     tok = torch.randint(0, engine.vocab_size, (batch,))
@@ -117,7 +132,7 @@ def decode_step(engine: TorchEngine, batch: int, context: int, reps: int = 10) -
             t0 = time.perf_counter()
             runner.step(cache, tok, pos, [], [])
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def cpu_model() -> str:
@@ -137,7 +152,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--cases", default="eos,fixed")
+    ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--out", default=str(Path(__file__).with_name("results_engine.md")))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -149,37 +164,42 @@ def main() -> None:
     model = load_causal_lm(path)
     eos = eos_token_ids(tok, path)
     prompts = build_prompts(tok, args.prompts)
-    engines = {"eos": TorchEngine(model, tok, eos), "fixed": TorchEngine(model, tok, [NEVER])}
-    if engines["eos"].runner != "slots":
-        print(f"note: {args.model} uses the fallback runner ({engines['eos'].runner})")
+    engines = {False: TorchEngine(model, tok, eos), True: TorchEngine(model, tok, [NEVER])}
+    if engines[False].runner != "slots":
+        print(f"note: {args.model} uses the fallback runner ({engines[False].runner})")
     load_before = os.getloadavg()
 
     # warm-up (first-call allocations, lazy imports)
-    run_offstep(engines["eos"], prompts[:4], 4, seed=0)
+    run_offstep(engines[False], prompts[:4], 4, seed=0)
     run_hf(model, tok, prompts[:4], 4, eos, False, seed=0)
 
     rows = []
     for case in args.cases.split(","):
-        fixed = case == "fixed"
-        ours, hf, ratios = [], [], []
+        part, n, fixed = CASES[case]
+        case_prompts = prompts[::part]  # both kinds of prompt in every case
+        ours, plain, hf, ratios = [], [], [], []
         for rep in range(args.reps):
-            first_ours = rep % 2 == 0
+            order = ("ours", "plain", "hf") if rep % 2 == 0 else ("hf", "plain", "ours")
             pair = {}
-            for who in (("ours", "hf") if first_ours else ("hf", "ours")):
-                if who == "ours":
-                    pair[who] = run_offstep(engines[case], prompts, args.max_new_tokens, seed=rep)
+            for who in order:
+                if who == "hf":
+                    pair[who] = run_hf(model, tok, case_prompts, args.max_new_tokens, eos, fixed, seed=rep, n=n)
                 else:
-                    pair[who] = run_hf(model, tok, prompts, args.max_new_tokens, eos, fixed, seed=rep)
-            (n_o, t_o), (n_h, t_h) = pair["ours"], pair["hf"]
+                    # "plain": the same engine with prompt-prefix sharing off (an ablation)
+                    engines[fixed].min_shared_prefix = TorchEngine.min_shared_prefix if who == "ours" else 10**9
+                    pair[who] = run_offstep(engines[fixed], case_prompts, args.max_new_tokens, seed=rep, n=n)
+            (n_o, t_o), (n_p, t_p), (n_h, t_h) = pair["ours"], pair["plain"], pair["hf"]
             ours.append(n_o / t_o)
+            plain.append(n_p / t_p)
             hf.append(n_h / t_h)
             ratios.append((n_o / t_o) / (n_h / t_h))
-            print(f"{case} rep {rep}: offstep {n_o} tok {t_o:.2f}s {n_o / t_o:.1f} tok/s | "
-                  f"generate {n_h} tok {t_h:.2f}s {n_h / t_h:.1f} tok/s | x{ratios[-1]:.2f}", flush=True)
-        rows.append((case, statistics.median(ours), statistics.median(hf), statistics.median(ratios), min(ratios), max(ratios)))
+            print(f"{case} rep {rep}: offstep {n_o} tok {t_o:.2f}s {n_o / t_o:.1f} tok/s | no prefix sharing "
+                  f"{n_p / t_p:.1f} tok/s | generate {n_h} tok {t_h:.2f}s {n_h / t_h:.1f} tok/s | x{ratios[-1]:.2f}", flush=True)
+        rows.append((case, statistics.median(ours), statistics.median(plain), statistics.median(hf),
+                     statistics.median(ratios), min(ratios), max(ratios)))
 
     # ---- the memory-bandwidth bound of one decode step
-    engine = engines["eos"]
+    engine = engines[False]
     batch = args.prompts
     context = int(statistics.median(len(p) for p in prompts)) + args.max_new_tokens // 2
     params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
@@ -202,36 +222,44 @@ def main() -> None:
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (other processes share these cores).",
         "",
         f"`{args.model}` in float32, {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens: "
-        f"arithmetic and word problems in the chat template), 1 sample each, up to {args.max_new_tokens} new tokens, "
+        f"arithmetic and word problems in the chat template), up to {args.max_new_tokens} new tokens, "
         f"temperature 1.0, no top-k/top-p (`generate(do_sample=True, top_k=0)`). Medians of {args.reps} repetitions "
         f"run back to back; speed-up = median of the per-repetition ratios (min-max in brackets). Runner: `{engine.runner}`.",
         "",
-        "| case | offstep tok/s | generate tok/s | speed-up |",
-        "| --- | --- | --- | --- |",
+        "| case | offstep tok/s | offstep, no prefix sharing | generate tok/s | speed-up |",
+        "| --- | --- | --- | --- | --- |",
     ]
-    for case, o, h, r, lo, hi in rows:
-        what = "ends at eos" if case == "eos" else f"all {args.max_new_tokens} tokens"
-        lines.append(f"| {case} ({what}) | {o:.1f} | {h:.1f} | **{r:.2f}x** ({lo:.2f}-{hi:.2f}) |")
+    for case, o, pl, h, r, lo, hi in rows:
+        part, n, fixed = CASES[case]
+        what = f"{len(prompts) // part} prompts x {n}, " + (f"all {args.max_new_tokens} tokens" if fixed else "ends at eos")
+        lines.append(f"| {case} ({what}) | {o:.1f} | {pl:.1f} | {h:.1f} | **{r:.2f}x** ({lo:.2f}-{hi:.2f}) |")
     bound_s = (weight_bytes + kv_bytes) / (bw * 1e9)
+    compute_s = flops / (peak * 1e9)
     lines += [
         "",
         f"## One decode step: {batch} sequences at context {context}",
         "",
+        "Fastest of several runs for the step, the bandwidth and the sgemm figures (least disturbed by other load).",
+        "",
         "| quantity | value |",
         "| --- | --- |",
-        f"| weights read per step | {weight_bytes / 1e6:.0f} MB |",
+        f"| weights read per step (every parameter once, tied head once) | {weight_bytes / 1e6:.0f} MB |",
         f"| KV cache read per step | {kv_bytes / 1e6:.0f} MB |",
         f"| measured read bandwidth (sum of 512 MiB) | {bw:.1f} GB/s |",
-        f"| bandwidth bound per step ((weights + KV) / bandwidth) | {bound_s * 1e3:.1f} ms |",
+        f"| memory-bandwidth bound per step ((weights + KV) / bandwidth) | {bound_s * 1e3:.1f} ms |",
+        f"| FLOPs per step / measured sgemm rate (1024^3) | {flops / 1e9:.1f} GFLOP / {peak:.0f} GFLOP/s = {compute_s * 1e3:.1f} ms |",
         f"| measured decode step (slot runner) | {step_s * 1e3:.1f} ms |",
         f"| achieved bandwidth (weights + KV) / step | {(weight_bytes + kv_bytes) / step_s / 1e9:.1f} GB/s "
-        f"({bound_s / step_s:.0%} of the bound) |",
-        f"| FLOPs per step / measured sgemm peak | {flops / 1e9:.1f} GFLOP / {peak:.0f} GFLOP/s = {flops / peak / 1e9 * 1e3:.1f} ms |",
-        f"| achieved compute | {flops / step_s / 1e9:.0f} GFLOP/s ({flops / peak / 1e9 / step_s:.0%} of the sgemm peak) |",
+        f"({bound_s / step_s:.0%} of the bandwidth bound) |",
+        f"| achieved compute | {flops / step_s / 1e9:.0f} GFLOP/s ({compute_s / step_s:.0%} of the sgemm rate) |",
         "",
-        f"At {batch} sequences a step reads {weight_bytes / 1e6:.0f} MB of weights once for {batch} tokens, so the "
-        f"bandwidth bound alone would allow {batch / bound_s:.0f} tok/s; the FLOPs ({flops / 1e9:.1f} per step) bound it at "
-        f"{batch / (flops / peak / 1e9):.0f} tok/s on this CPU. Whichever is larger is the step's floor.",
+        f"With {batch} sequences a step reads the {weight_bytes / 1e6:.0f} MB of weights once for {batch} tokens: "
+        f"memory bandwidth alone would allow {batch / bound_s:.0f} tok/s and the FLOPs at the sgemm rate "
+        f"{batch / compute_s:.0f} tok/s, so on this CPU the step is "
+        f"{'compute' if compute_s > bound_s else 'memory'}-bound at {batch / max(compute_s, bound_s):.0f} tok/s at best "
+        f"(measured: {batch / step_s:.0f}). `generate` runs the same GEMMs per running sequence; the engine's gain "
+        "comes from computing fewer tokens (no padding, finished samples leave at once, a shared prompt prefix, each "
+        "prompt prefilled once for its n samples) and from less per-step overhead.",
         "",
         f"Regenerate: `.venv/bin/python benchmarks/engine.py --reps {args.reps}`.",
     ]

@@ -7,7 +7,12 @@ import os
 import pytest
 import torch
 
-from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from offstep.models.loading import (
+    eos_token_ids,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model,
+)
 from offstep.rollout.engine import RolloutEngine, TorchEngine, sample_tokens
 from offstep.rollout.types import Completion, SamplingParams
 
@@ -143,7 +148,10 @@ def test_long_generation_grows_the_cache(tiny, prompts):
 
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (20, 0.6)])
 def test_logprobs_with_top_k_top_p(engine, model, prompts, top_k, top_p):
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import (
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     t = 0.8
     out = engine.generate(
@@ -364,6 +372,48 @@ def test_freed_slot_is_refilled_at_the_next_step(tiny, prompts):
     assert len(tokens_per_forward) == k + 10  # prompt 2 ran its 10 tokens right behind sample 0
 
 
+def test_shared_prompt_prefix_is_prefilled_once(tiny):
+    # Prompts that share a system message: the common prefix is prefilled once, each prompt only
+    # prefills the rest, and the samples are those of an engine that prefills every prompt whole.
+    from offstep.rollout.engine import _shared_prefix
+
+    _, tok, model, eos = tiny
+    system = "You are a helpful assistant. Answer the question step by step."
+    prompts = [
+        tok(tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                    tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
+        for q in QUESTIONS
+    ]
+    shared = _shared_prefix(prompts)
+    assert shared >= TorchEngine.min_shared_prefix
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
+    whole = TorchEngine(model, tok, eos)
+    whole.min_shared_prefix = 10**6
+    want = whole.generate(prompts, p, seed=12)
+    engine = TorchEngine(model, tok, eos)
+    tokens_per_forward: list[int] = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, i, o: tokens_per_forward.append(i[0].numel()))
+    try:
+        got = engine.generate(prompts, p, seed=12)
+    finally:
+        handle.remove()
+    assert tokens_per_forward[:2] == [shared, sum(len(q) - shared for q in prompts)]
+    assert _key(got) == _key(want)
+    for c, w in zip(got, want):
+        assert torch.allclose(torch.tensor(c.logprobs), torch.tensor(w.logprobs), atol=1e-4)
+        ref = _teacher_forced_logprobs(model, prompts[c.prompt_index], c.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+def test_shared_prefix_length():
+    from offstep.rollout.engine import _shared_prefix
+
+    assert _shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert _shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # each prompt keeps one token of its own
+    assert _shared_prefix([[7], [7, 8]]) == 0
+    assert _shared_prefix([[1, 2], [3, 2]]) == 0
+
+
 def test_runner_mixed_step_matches_model_forward(model):
     # One step that decodes running slots at different positions and prefills a new prompt into two
     # slots gives the model's own next-token logits for every sequence.
@@ -400,10 +450,15 @@ def test_runner_mixed_step_matches_model_forward(model):
 
 
 def _random_lm(kind, vocab):
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    from transformers import (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
-    kw = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
+    kw = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
     torch.manual_seed(0)
     if kind == "qwen2":  # Llama structure with q/k/v biases: served by the slot runner
         model = Qwen2ForCausalLM(Qwen2Config(**kw))
@@ -461,7 +516,8 @@ def test_load_weights_changes_outputs_and_version(tiny, prompts):
 
 def test_runner_follows_repointed_parameters(tiny, prompts):
     # The slot runner reads q/k/v and gate/up through fused views of the model's parameters; if a
-    # parameter is replaced (not copied into), the next step must use the new values, not stale ones.
+    # parameter is replaced (not copied into), the next step must use the new values, not stale ones
+    # (the separate modules, as the parameters are no longer back to back).
     path, tok, _, eos = tiny
     model = load_causal_lm(path)
     engine = TorchEngine(model, tok, eos)
@@ -479,6 +535,31 @@ def test_runner_follows_repointed_parameters(tiny, prompts):
     for c in engine.generate(prompts, p, seed=6):
         ref = _teacher_forced_logprobs(model, prompts[c.prompt_index], c.response_ids, 1.0)
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["tiny", "qwen2"])
+def test_runner_reads_weights_a_collective_receiver_repointed(tiny, prompts, kind):
+    # The collective weight receiver moves every parameter into one flat buffer (in parameter order)
+    # and broadcasts into it. The runner must generate from those live weights afterwards: q/k/v
+    # stay back to back for Llama (fused GEMM on the flat buffer); Qwen2's biases interleave, so
+    # there it must use the separate modules, and never move the parameters away again.
+    from offstep.sync.collective import flatten_parameters, manifest, plan
+
+    path, tok, _, eos = tiny
+    model = load_causal_lm(path) if kind == "tiny" else _random_lm("qwen2", len(tok))
+    engine = TorchEngine(model, tok, eos)
+    assert engine.runner == "slots"
+    specs = manifest(model)
+    slots, totals, _ = plan(specs, bucket_bytes=1 << 16)
+    flat = flatten_parameters(model, specs, slots, totals, torch.device("cpu"))
+    with torch.no_grad():
+        flat["float32"].mul_(0.8)  # what a broadcast of new weights does: write into the buffer
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=10)
+    for c in engine.generate(prompts, p, seed=2):
+        ref = _teacher_forced_logprobs(model, prompts[c.prompt_index], c.response_ids, 1.0)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    views = [prm.untyped_storage().data_ptr() for prm in model.parameters()]
+    assert set(views) == {flat["float32"].untyped_storage().data_ptr()}  # still the receiver's buffer
 
 
 def test_load_weights_errors(tiny):

@@ -6,8 +6,11 @@ pre-allocated KV cache; every step is one forward pass that decodes one token fo
 slot and, in the same pass, prefills the prompts admitted into slots that freed up (packed, no
 padding; a prompt is prefilled once for the samples admitted together). A sample that finishes
 releases its slot at once: the last running slot is moved into the hole, so the running batch stays
-dense, and a waiting sample takes the free slot at the next step. The forward pass over slots is
-``offstep.rollout.llama_runner``.
+dense, and a waiting sample takes the free slot at the next step. When all prompts of a call start
+with the same tokens (a system prompt, a chat-template header), that prefix is prefilled once and
+its K/V copied into each admitted slot (the idea of vLLM's automatic prefix caching and SGLang's
+RadixAttention, Zheng et al., 2024, reduced to the one longest common prefix of the call). The
+forward pass over slots is ``offstep.rollout.llama_runner``.
 
 Other architectures (sliding-window or hybrid attention, q/k norms, ...) use the fallback: the
 model's own forward with a transformers ``DynamicCache``, in static sub-batches of
@@ -140,9 +143,6 @@ def _mix_seed(seed: int, index: int) -> int:
 # engine
 
 
-_MIN_SHARED_PREFIX = 8  # tokens; a shorter common prefix is not worth its own forward pass
-
-
 def _shared_prefix(prompts: list[list[int]]) -> int:
     """Tokens every prompt starts with, leaving each prompt at least one token of its own."""
     first = prompts[0]
@@ -156,7 +156,7 @@ def _shared_prefix(prompts: list[list[int]]) -> int:
 class _Row:
     """Decoding state of one sample."""
 
-    __slots__ = ("index", "prompt_index", "tokens", "logprobs")
+    __slots__ = ("index", "logprobs", "prompt_index", "tokens")
 
     def __init__(self, index: int, prompt_index: int):
         self.index = index
@@ -175,8 +175,12 @@ class TorchEngine:
     kept in ``response_ids``). At most ``max_batch_size`` sequences are decoded together.
     ``runner``: ``"slots"`` continuous batching over a slot KV cache (Llama-family models only),
     ``"hf"`` the model's own forward in static sub-batches, ``"auto"`` (default) the first when the
-    model supports it and its forward matches the model's on a short check input.
+    model supports it and its forward matches the model's on a short check input. The slot runner
+    regroups each layer's q/k/v and gate/up weights into one storage (the parameters become views
+    of it: the model's own forward and ``state_dict`` are unchanged).
     """
+
+    min_shared_prefix: int = 8  # tokens; a shorter common prompt prefix is not worth its own forward
 
     def __init__(
         self,
@@ -423,7 +427,7 @@ class TorchEngine:
         slots = min(self.max_batch_size, total)
         plen = max(len(p) for p in prompts)
         shared = _shared_prefix(prompts)
-        if shared < _MIN_SHARED_PREFIX or (len(prompts) == 1 and n <= slots):
+        if shared < self.min_shared_prefix or (len(prompts) == 1 and n <= slots):
             shared = 0  # nothing to reuse: every prompt is prefilled once anyway
         # One slot more holds the shared prefix; admitted prompts copy it and prefill the rest.
         cache = runner.new_cache(slots + (shared > 0), plen + min(params.max_new_tokens, 256), plen + params.max_new_tokens)
