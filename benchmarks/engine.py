@@ -1,6 +1,6 @@
 """The built-in rollout engine against transformers' ``generate``, side by side in one run.
 
-Same model, same prompts, same sampling settings (temperature 1.0, no top-k / top-p, one sample per
+Same model, same prompts, same dtype, same sampling settings (temperature 1.0, no top-k / top-p, one sample per
 prompt). Two cases:
 
 * ``eos``: samples end at the end-of-turn token or after ``--max-new-tokens`` (what a rollout
@@ -28,6 +28,7 @@ sgemm measured here.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
@@ -145,34 +146,31 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results_engine.md")))
-    args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
 
-    path = resolve_model(args.model)
-    tok = load_tokenizer(path)
-    model = load_causal_lm(path)
-    eos = eos_token_ids(tok, path)
-    prompts = build_prompts(tok, args.prompts)
+
+def matmul_share(engine: TorchEngine, prompts, max_new: int, n: int) -> float:
+    """Fraction of one ``generate`` call's CPU time spent in matrix products (the layers' GEMMs,
+    attention's batched products and fused attention), from torch's profiler. ``generate`` runs the
+    same products for the same tokens (fixed case), so ``t_generate / (share * t_offstep)`` bounds
+    the speed-up any per-step overhead saving could reach."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        run_offstep(engine, prompts, max_new, seed=99, n=n)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    return sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / total
+
+
+def bench_dtype(model, tok, eos, prompts, args, dtype_name: str) -> list[tuple]:
+    """Every case at one dtype: offstep (with and without prefix sharing) and ``generate``."""
     engines = {False: TorchEngine(model, tok, eos), True: TorchEngine(model, tok, [NEVER])}
     if engines[False].runner != "slots":
         print(f"note: {args.model} uses the fallback runner ({engines[False].runner})")
-    load_before = os.getloadavg()
-
     # warm-up (first-call allocations, lazy imports)
     run_offstep(engines[False], prompts[:4], 4, seed=0)
     run_hf(model, tok, prompts[:4], 4, eos, False, seed=0)
-
     rows = []
     for case in args.cases.split(","):
         part, n, fixed = CASES[case]
@@ -193,13 +191,47 @@ def main() -> None:
             plain.append(n_p / t_p)
             hf.append(n_h / t_h)
             ratios.append((n_o / t_o) / (n_h / t_h))
-            print(f"{case} rep {rep}: offstep {n_o} tok {t_o:.2f}s {n_o / t_o:.1f} tok/s | no prefix sharing "
+            print(f"{dtype_name} {case} rep {rep}: offstep {n_o} tok {t_o:.2f}s {n_o / t_o:.1f} tok/s | no prefix sharing "
                   f"{n_p / t_p:.1f} tok/s | generate {n_h} tok {t_h:.2f}s {n_h / t_h:.1f} tok/s | x{ratios[-1]:.2f}", flush=True)
-        rows.append((case, statistics.median(ours), statistics.median(plain), statistics.median(hf),
-                     statistics.median(ratios), min(ratios), max(ratios)))
+        engines[fixed].min_shared_prefix = TorchEngine.min_shared_prefix
+        share = matmul_share(engines[fixed], case_prompts, args.max_new_tokens, n)
+        rows.append((dtype_name, case, statistics.median(ours), statistics.median(plain), statistics.median(hf),
+                     statistics.median(ratios), min(ratios), max(ratios), share))
+    return rows
 
-    # ---- the memory-bandwidth bound of one decode step
-    engine = engines[False]
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="both engines run at each of these dtypes")
+    ap.add_argument("--out", default=str(Path(__file__).with_name("results_engine.md")))
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    path = resolve_model(args.model)
+    tok = load_tokenizer(path)
+    base = load_causal_lm(path)
+    eos = eos_token_ids(tok, path)
+    prompts = build_prompts(tok, args.prompts)
+    load_before = os.getloadavg()
+
+    rows, engine_fp32, model_fp32 = [], None, None
+    for dtype_name in args.dtypes.split(","):
+        model = base if dtype_name == "float32" else copy.deepcopy(base).to(getattr(torch, dtype_name))
+        rows += bench_dtype(model, tok, eos, prompts, args, dtype_name)
+        if dtype_name == "float32":
+            model_fp32, engine_fp32 = model, TorchEngine(model, tok, eos)
+
+    # ---- the memory-bandwidth bound of one float32 decode step
+    model = model_fp32 or base
+    engine = engine_fp32 or TorchEngine(model, tok, eos)
     batch = args.prompts
     context = int(statistics.median(len(p) for p in prompts)) + args.max_new_tokens // 2
     params = {p.data_ptr(): p for p in model.parameters()}.values()  # tied weights once
@@ -221,23 +253,38 @@ def main() -> None:
         f"transformers {__import__('transformers').__version__}, Python {platform.python_version()}; "
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (other processes share these cores).",
         "",
-        f"`{args.model}` in float32, {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens: "
+        f"`{args.model}`, {len(prompts)} prompts ({min(map(len, prompts))}-{max(map(len, prompts))} tokens: "
         f"arithmetic and word problems in the chat template), up to {args.max_new_tokens} new tokens, "
-        f"temperature 1.0, no top-k/top-p (`generate(do_sample=True, top_k=0)`). Medians of {args.reps} repetitions "
-        f"run back to back; speed-up = median of the per-repetition ratios (min-max in brackets). Runner: `{engine.runner}`.",
+        f"temperature 1.0, no top-k/top-p (`generate(do_sample=True, top_k=0)`). Both engines run the same weights "
+        f"in the same dtype. Medians of {args.reps} repetitions run back to back; speed-up = median of the "
+        f"per-repetition ratios (min-max in brackets). Runner: `{engine.runner}`.",
         "",
-        "| case | offstep tok/s | offstep, no prefix sharing | generate tok/s | speed-up |",
-        "| --- | --- | --- | --- | --- |",
+        "**Limit** is the speed-up `generate` would show if offstep spent no time outside matrix products: "
+        "`t_generate / (matmul share x t_offstep)`, with the share of offstep's CPU time in `mm`/`bmm`/fused "
+        "attention taken from torch's profiler. In the `fixed` case both engines compute the same tokens, so no "
+        "saving of per-step overhead can pass it; only fewer tokens (early exits, shared prefixes) or cheaper "
+        "products (a lower dtype) can.",
+        "",
+        "| dtype | case | offstep tok/s | offstep, no prefix sharing | generate tok/s | speed-up | matmul share | limit |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for case, o, pl, h, r, lo, hi in rows:
+    for dtype_name, case, o, pl, h, r, lo, hi, share in rows:
         part, n, fixed = CASES[case]
         what = f"{len(prompts) // part} prompts x {n}, " + (f"all {args.max_new_tokens} tokens" if fixed else "ends at eos")
-        lines.append(f"| {case} ({what}) | {o:.1f} | {pl:.1f} | {h:.1f} | **{r:.2f}x** ({lo:.2f}-{hi:.2f}) |")
+        limit = o / (h * share)
+        lines.append(f"| {dtype_name} | {case} ({what}) | {o:.1f} | {pl:.1f} | {h:.1f} | **{r:.2f}x** ({lo:.2f}-{hi:.2f}) "
+                     f"| {share:.0%} | {limit:.2f}x |")
+    by = {(d, c): (o, h) for d, c, o, _, h, *_ in rows}
+    cross = [(c, by[("bfloat16", c)][0] / by[("float32", c)][1]) for c in args.cases.split(",")
+             if ("bfloat16", c) in by and ("float32", c) in by]
+    if cross:
+        lines += ["", "A rollout in bfloat16 (`rollout.dtype=bfloat16`) against `generate` in float32, from the medians above: "
+                  + ", ".join(f"{c} **{x:.2f}x**" for c, x in cross) + "."]
     bound_s = (weight_bytes + kv_bytes) / (bw * 1e9)
     compute_s = flops / (peak * 1e9)
     lines += [
         "",
-        f"## One decode step: {batch} sequences at context {context}",
+        f"## One float32 decode step: {batch} sequences at context {context}",
         "",
         "Fastest of several runs for the step, the bandwidth and the sgemm figures (least disturbed by other load).",
         "",
@@ -257,9 +304,10 @@ def main() -> None:
         f"memory bandwidth alone would allow {batch / bound_s:.0f} tok/s and the FLOPs at the sgemm rate "
         f"{batch / compute_s:.0f} tok/s, so on this CPU the step is "
         f"{'compute' if compute_s > bound_s else 'memory'}-bound at {batch / max(compute_s, bound_s):.0f} tok/s at best "
-        f"(measured: {batch / step_s:.0f}). `generate` runs the same GEMMs per running sequence; the engine's gain "
-        "comes from computing fewer tokens (no padding, finished samples leave at once, a shared prompt prefix, each "
-        "prompt prefilled once for its n samples) and from less per-step overhead.",
+        f"(measured: {batch / step_s:.0f}; GEMMs with {batch} rows run below the 1024^3 sgemm rate). `generate` runs "
+        "the same GEMMs per running sequence; the engine's gain comes from computing fewer tokens (no padding, "
+        "finished samples leave at once, a shared prompt prefix, each prompt prefilled once for its n samples) and "
+        "from less per-step overhead.",
         "",
         f"Regenerate: `.venv/bin/python benchmarks/engine.py --reps {args.reps}`.",
     ]

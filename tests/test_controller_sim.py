@@ -58,6 +58,18 @@ def test_one_step_off_policy_overlaps(sim, tmp_path, ray_session):
     assert all("timing_s/sync_weights" in m and "timing_s/step" in m for m in metrics)
 
 
+def test_next_batch_is_prepared_while_the_trainer_updates(sim, tmp_path, ray_session):
+    """k = 1, generation much shorter than training: the driver's work on batch s+1 (collate,
+    metrics, advantages, the object-store copy) is done before the update on batch s ends, so the
+    update on s+1 starts without waiting for it."""
+    cfg = sim.sim_config(tmp_path, 1, 4)
+    sim.run_sim(cfg, gen_s=0.02, train_s=0.4, export_s=0.01, load_s=0.01)
+    ev = {(e["role"], e["stage"], e["step"]): e for e in read_jsonl(tmp_path / "timeline.jsonl")}
+    for s in range(1, 4):
+        assert ev[("driver", "prepare", s + 1)]["end"] < ev[("trainer", "update_actor", s)]["end"], s
+        assert ev[("driver", "prepare", s + 1)]["start"] >= ev[("rollout/0", "gen", s + 1)]["end"], s
+
+
 def test_synchronous_does_not_overlap(sim, tmp_path, ray_session):
     metrics, ev = _run(sim, tmp_path, 0, 3)
     assert [m["rollout/staleness_max"] for m in metrics] == [0, 0, 0]

@@ -7,6 +7,11 @@ With ``pipeline.max_staleness = k`` generation runs up to k batches ahead of tra
 
 k = 0 is the synchronous loop. Every sample carries the policy version that generated it (the
 rollout worker tags it); ``check_staleness`` is the one place the bound is enforced.
+
+Off the critical path: a batch is prepared (collated, measured and, when the trainer has nothing
+to add, given its advantages and put in the object store) as soon as its samples arrive, while the
+trainer still updates on the batch before (``_prepare``); the weight export is queued behind the
+actor's update on every rank (``_start_sync``), so no round trip separates the two.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 import ray
@@ -59,12 +65,35 @@ class TrainerFailed(RuntimeError):
 
 @dataclass
 class InFlight:
-    """A batch whose generation has been launched: its position in the stream and its future."""
+    """A batch whose generation has been launched: its position in the stream, the future of its
+    samples, and the future of its :class:`Prepared` batch (the driver's share of the work, done as
+    soon as the samples arrive)."""
 
     batch_idx: int
     epoch: int
     idx: list[int]  # prompt indices into the training set
-    fut: asyncio.Future
+    fut: asyncio.Future  # -> Generated
+    ready: asyncio.Future | None = None  # -> Prepared
+
+
+class SyncCall(NamedTuple):
+    """A weight export in flight: the actor ranks' calls, the rollout workers' receives
+    (collective path; ``None``: loads follow the export), and when the export started."""
+
+    export: list
+    loads: list | None
+    start: float
+
+
+@dataclass
+class Prepared:
+    """A generated batch made ready for the trainer while the trainer still updates on the one
+    before: collated, its metrics taken and, when they need nothing from the trainer, its
+    advantages computed and the batch put in the object store (``ref``)."""
+
+    batch: TrainBatch
+    metrics: dict
+    ref: ray.ObjectRef | None = None
 
 
 async def _await(ref):
@@ -119,6 +148,8 @@ class Controller:
         self.stop_requested = False  # set by Ctrl-C / SIGTERM: finish this step, checkpoint, stop
         self.restarts = 0  # rollout workers replaced so far
         self.weights_lock = asyncio.Lock()  # held from an update until its weights are exported
+        self.queued_sync: SyncCall | None = None  # the export queued behind the last actor update
+        self.last_end = 0.0  # when the last trainer stage ended (its worker's clock)
 
     # ---------------------------------------------------------------- set-up
     def setup(self) -> None:
@@ -252,7 +283,12 @@ class Controller:
 
     def _launch(self, batch_idx: int) -> InFlight:
         epoch, idx = self.stream.next_batch()
-        return InFlight(batch_idx, epoch, idx, asyncio.ensure_future(self._generate_batch(batch_idx, idx)))
+        return self._in_flight(batch_idx, epoch, idx, asyncio.ensure_future(self._generate_batch(batch_idx, idx)))
+
+    def _in_flight(self, batch_idx: int, epoch: int, idx: list[int], fut: asyncio.Future) -> InFlight:
+        cur = InFlight(batch_idx, epoch, idx, fut)
+        cur.ready = asyncio.ensure_future(self._prepare(cur))
+        return cur
 
     async def _generate_batch(self, batch_idx: int, idx: list[int]) -> Generated:
         """One batch: its prompts once, or with dynamic sampling, more prompts until enough groups
@@ -290,58 +326,120 @@ class Controller:
         return samples, span, ref
 
     # ---------------------------------------------------------------- training
-    async def _timed(self, group: RoleGroup, method: str, stage: str, step: int, *args):
+    def _needs_old_logprobs(self, batch: TrainBatch, actor_frozen: bool = False) -> bool:
+        """Whether the actor must compute the pre-update log-probs in a pass of their own: the PPO
+        ratio needs them for every mini-batch after the first, and the KL penalty in the reward
+        before the advantages; otherwise the actor takes them from its own forward pass (one epoch,
+        one mini-batch), and in bypass mode the rollout's log-probs are the old policy."""
+        cfg, algo = self.cfg, self.cfg.algorithm
+        if algo.correction_mode == "bypass":
+            return False
+        one_pass = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, len(batch))
+        return algo.use_kl_in_reward or (not one_pass and not actor_frozen)
+
+    async def _prepare(self, cur: InFlight) -> Prepared:
+        """The driver's work on a batch, as soon as its samples arrive (for k >= 1 usually while the
+        trainer still updates on the batch before): timeline, sample log, collate, metrics and,
+        where possible, advantages and the object-store copy. Batch b is trained at step b, by the
+        policy of version b - 1 (one update per step), so its staleness is known here too."""
+        gen: Generated = await cur.fut
+        t0, step, k = time.time(), cur.batch_idx, self.k
+        gen_span = ref_span = 0.0
+        for attempt, results in enumerate(gen.rounds):
+            _, g, r = self._record_gen(results, step, "gen" if attempt == 0 else "gen_more")
+            gen_span, ref_span = gen_span + g, ref_span + r
+        samples = gen.samples
+        self._log_samples(step, samples, gen.prompt_of)
+        batch = collate(samples, self.inputs.pad_id)
+        staleness = check_staleness(batch.versions, step - 1, k)
+        batch.staleness = staleness  # per sample: the actor reports its correction metrics per staleness
+        m = self._batch_metrics(step, cur.epoch, samples, batch, staleness)
+        m["data/prompts_crc32"] = zlib.crc32(",".join(map(str, cur.idx)).encode())
+        if self.cfg.algorithm.dynamic_sampling:
+            m["rollout/dynamic_sampling_attempts"] = len(gen.rounds)
+            m["rollout/dynamic_sampling_filled_groups"] = gen.filled_groups
+        m["timing_s/gen"] = gen_span
+        if ref_span:
+            m["timing_s/ref_rollout"] = ref_span
+        m["perf/gen_tokens_per_s"] = float(batch.response_mask.sum()) / max(gen_span, 1e-9)
+        ready = Prepared(batch, m)
+        if self.ref is None and self.critic is None and not self._needs_old_logprobs(batch):
+            ready.ref = self._advantages_and_put(batch, m)  # nothing needed from the trainer
+        self.timeline.add("driver", "prepare", step, t0, time.time())
+        return ready
+
+    def _advantages_and_put(self, batch: TrainBatch, m: dict) -> ray.ObjectRef:
+        algo = self.cfg.algorithm
+        if algo.correction_mode == "bypass":  # the rollout's log-probs are the old policy: no forward pass
+            batch.old_logprobs = batch.rollout_logprobs
+        t0 = time.time()
+        m.update(compute_advantages(batch, algo, self.kl_ctrl, self.cfg.rollout.max_new_tokens))
+        m["timing_s/adv"] = time.time() - t0
+        return ray.put(batch)  # one copy in the object store, read by every rank
+
+    async def _timed(self, group: RoleGroup, method: str, stage: str, step: int, *args, then=None):
+        """Run ``method`` on every rank of ``group``; ``then()`` (if given) submits the calls that
+        follow it, so that each rank starts them as soon as this one ends, without a round trip."""
         self.live.note("trainer", stage, step=step)
-        result, t = await group.run(method, *args)
+        refs = group.submit(method, *args)
+        if then is not None:
+            then()
+        result, t = (await asyncio.gather(*refs))[0]
         self.timeline.add("trainer", stage, step, t["start"], t["end"])
+        self.last_end = t["end"]
         return result, t["end"] - t["start"]
 
-    async def _train(self, batch: TrainBatch, step: int, m: dict) -> None:
-        cfg, algo = self.cfg, self.cfg.algorithm
+    async def _train(self, ready: Prepared, step: int, m: dict) -> None:
+        cfg, batch = self.cfg, ready.batch
+        # Critic warm-up: only the critic trains during the first critic.warmup_steps steps.
+        actor_frozen = self.critic is not None and step <= cfg.critic.warmup_steps
+        batch_ref = ready.ref if ready.ref is not None else await self._trainer_inputs(batch, step, m, actor_frozen)
+        if self.critic is not None:
+            cm, m["timing_s/update_critic"] = await self._timed(self.critic, "update", "update_critic", step, batch_ref)
+            m.update({f"critic/{k}": v for k, v in cm.items()})
+            m["actor/frozen"] = float(actor_frozen)
+        if not actor_frozen:
+            # The new weights' export is queued behind the update on every rank: it starts as the update ends.
+            syncs = []
+            am, m["timing_s/update_actor"] = await self._timed(self.actor, "update", "update_actor", step, batch_ref,
+                                                               then=lambda: syncs.append(self._start_sync(self.version + 1)))
+            self.queued_sync = syncs[0]._replace(start=self.last_end)
+            m.update({f"actor/{k}": v for k, v in am.items()})
+
+    async def _trainer_inputs(self, batch: TrainBatch, step: int, m: dict, actor_frozen: bool) -> ray.ObjectRef:
+        """The passes over the batch that the advantages need from the trainer workers (reference,
+        critic values, pre-update log-probs), then the advantages; returns the batch's object-store ref."""
         if self.ref is not None:
             batch.ref_logprobs, m["timing_s/ref"] = await self._timed(self.ref, "compute_logprobs", "ref", step, batch)
         if self.critic is not None:
             batch.values, m["timing_s/values"] = await self._timed(self.critic, "compute_values", "values", step, batch)
-        # Critic warm-up: only the critic trains during the first critic.warmup_steps steps.
-        actor_frozen = self.critic is not None and step <= cfg.critic.warmup_steps
-        if algo.correction_mode == "bypass":  # the rollout's log-probs are the old policy: no forward pass
-            batch.old_logprobs = batch.rollout_logprobs
-        else:
-            # The PPO ratio needs the pre-update policy's log-probs for every mini-batch after the
-            # first, and the KL penalty in the reward needs them before the advantages; otherwise
-            # the actor takes them from its own forward pass (one epoch, one mini-batch).
-            one_pass = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, len(batch))
-            if algo.use_kl_in_reward or (not one_pass and not actor_frozen):
-                batch.old_logprobs, m["timing_s/old_logprobs"] = await self._timed(self.actor, "compute_logprobs", "old_logprobs", step, batch)
-        t0 = time.time()
-        m.update(compute_advantages(batch, algo, self.kl_ctrl, cfg.rollout.max_new_tokens))
-        m["timing_s/adv"] = time.time() - t0
-        batch_ref = ray.put(batch)  # one copy in the object store, read by every rank
-        if self.critic is not None:
-            cm, m["timing_s/update_critic"] = await self._timed(self.critic, "update", "update_critic", step, batch_ref)
-            m.update({f"critic/{k}": v for k, v in cm.items()})
-        if self.critic is not None:
-            m["actor/frozen"] = float(actor_frozen)
-        if not actor_frozen:
-            am, m["timing_s/update_actor"] = await self._timed(self.actor, "update", "update_actor", step, batch_ref)
-            m.update({f"actor/{k}": v for k, v in am.items()})
+        if self._needs_old_logprobs(batch, actor_frozen):
+            batch.old_logprobs, m["timing_s/old_logprobs"] = await self._timed(self.actor, "compute_logprobs", "old_logprobs", step, batch)
+        return self._advantages_and_put(batch, m)
 
-    async def _sync_weights(self, step: int) -> tuple[float, asyncio.Future]:
-        """Export the actor's weights once and queue their load on every rollout worker."""
-        self.live.note("trainer", "sync", step=step)
-        t0 = time.time()
+    def _start_sync(self, version: int) -> SyncCall:
+        """Submit the export of the actor's weights as ``version`` (queued behind whatever the actor
+        ranks are running) and, on the collective path, the receives on every rollout worker."""
         # Once a rollout worker has been replaced, the group has a dead member: the object store takes over.
         if self.cfg.pipeline.weight_sync == "collective" and self.rollout == getattr(self, "_sync_group", None):
             # Receives first: each queues behind its worker's generation in flight. Actor rank 0
             # posts its broadcasts and returns (with NCCL it waits for every receiver).
-            loads = [w.receive_weights.remote(self.version) for w in self.rollout]
-            await self.actor.run("send_weights", self.version)
-        else:
-            refs = await self.actor.run("export_weights")
-            loads = [w.load_weights.remote(refs[0], self.version) for w in self.rollout]
+            loads = [w.receive_weights.remote(version) for w in self.rollout]
+            return SyncCall(self.actor.submit("send_weights", version), loads, time.time())
+        return SyncCall(self.actor.submit("export_weights"), None, time.time())
+
+    async def _sync_weights(self, step: int) -> tuple[float, asyncio.Future]:
+        """Finish the export of the actor's weights (started behind the update, or now) and queue
+        their load on every rollout worker; returns the export's seconds and the loads' future."""
+        self.live.note("trainer", "sync", step=step)
+        call, self.queued_sync = self.queued_sync or self._start_sync(self.version), None
+        exported = (await asyncio.gather(*call.export))[0]
+        loads = call.loads
+        if loads is None:  # object store: every rollout worker reads the same copy
+            loads = [w.load_weights.remote(exported[0], self.version) for w in self.rollout]
         t1 = time.time()
-        self.timeline.add("trainer", "sync_export", step, t0, t1)
-        return t1 - t0, asyncio.ensure_future(asyncio.gather(*loads))
+        self.timeline.add("trainer", "sync_export", step, call.start, t1)
+        return t1 - call.start, asyncio.ensure_future(asyncio.gather(*loads))
 
     # ---------------------------------------------------------------- validation
     def _start_validation(self, step: int):
@@ -366,7 +464,7 @@ class Controller:
             self._emit({"step": 0, "policy_version": 0, **vm})
         # Batches already launched when the checkpoint was written come back as they were.
         pending: deque[InFlight] = deque(
-            InFlight(b, e, idx, _done(results)) for b, e, idx, results in self.restored_pending
+            self._in_flight(b, e, idx, _done(results)) for b, e, idx, results in self.restored_pending
         )
         finishing: asyncio.Future | None = None
         launched = self.start_step + len(pending)
@@ -377,31 +475,16 @@ class Controller:
                 launched += 1
                 pending.append(self._launch(launched))
             cur = pending.popleft()
+            assert cur.batch_idx == step and self.version == step - 1, "batch b is trained at step b by policy b - 1"
             t_wait = time.time()
             self.live.note("trainer", "wait_gen", step=step)
-            gen: Generated = await cur.fut
+            ready: Prepared = await cur.ready
             wait = time.time() - t_wait
             self.timeline.add("trainer", "wait_gen", step, t_wait, time.time())
-            gen_span = ref_span = 0.0
-            for attempt, results in enumerate(gen.rounds):
-                _, g, r = self._record_gen(results, step, "gen" if attempt == 0 else "gen_more")
-                gen_span, ref_span = gen_span + g, ref_span + r
-            samples = gen.samples
-            self._log_samples(step, samples, gen.prompt_of)
-            batch = collate(samples, self.inputs.pad_id)
-            staleness = check_staleness(batch.versions, self.version, k)
-            batch.staleness = staleness  # per sample: the actor reports its correction metrics per staleness
-            m = self._batch_metrics(step, cur.epoch, samples, batch, staleness)
-            m["data/prompts_crc32"] = zlib.crc32(",".join(map(str, cur.idx)).encode())
-            if cfg.algorithm.dynamic_sampling:
-                m["rollout/dynamic_sampling_attempts"] = len(gen.rounds)
-                m["rollout/dynamic_sampling_filled_groups"] = gen.filled_groups
-            m["timing_s/gen"], m["timing_s/wait_gen"] = gen_span, wait
-            if ref_span:
-                m["timing_s/ref_rollout"] = ref_span
-            m["perf/gen_tokens_per_s"] = float(batch.response_mask.sum()) / max(gen_span, 1e-9)
+            batch, m = ready.batch, ready.metrics
+            m["timing_s/wait_gen"] = wait
             async with self.weights_lock:
-                await self._train(batch, step, m)
+                await self._train(ready, step, m)
                 self.version += 1
                 export_s, loads = await self._sync_weights(step)
             val = None

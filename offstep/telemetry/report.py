@@ -39,6 +39,7 @@ STAGE_COLORS = {
     "gen": "tab:blue", "val": "tab:cyan", "ref": "tab:purple", "load_weights": "tab:gray",
     "wait_gen": "#dddddd", "old_logprobs": "tab:pink", "values": "tab:olive", "update_critic": "tab:brown",
     "update_actor": "tab:orange", "sync_export": "tab:red", "gen_more": "tab:blue", "checkpoint": "black",
+    "prepare": "goldenrod",
 }
 
 
