@@ -47,6 +47,12 @@ def machine() -> str:
             f"torch {torch.__version__}")
 
 
+def demote(markdown: str, levels: int = 2) -> str:
+    """A benchmark's own results file nested under this file's ``## name`` heading: its headings
+    go ``levels`` deeper (``# Title`` -> ``### Title``)."""
+    return "\n".join("#" * levels + line if line.startswith("#") else line for line in markdown.splitlines())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="+", choices=list(BENCHMARKS), default=list(BENCHMARKS))
@@ -65,7 +71,7 @@ def main() -> int:
         status = "" if rc == 0 else f" — exited with {rc}"
         if rc:
             failed.append(name)
-        sections.append(f"## {name}\n\n`python benchmarks/{script} {' '.join(cmd[2:])}` ({took / 60:.1f} min{status})\n\n{body.strip()}\n")
+        sections.append(f"## {name}\n\n`python benchmarks/{script} {' '.join(cmd[2:])}` ({took / 60:.1f} min{status})\n\n{demote(body.strip())}\n")
     text = (f"# offstep benchmarks\n\nRegenerate: `.venv/bin/python benchmarks/run_all.py`{' --quick' if args.quick else ''}."
             f"\n\nMachine: {machine()}.\n\n" + "\n".join(sections))
     Path(args.out).write_text(text)

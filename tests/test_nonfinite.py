@@ -59,6 +59,15 @@ def test_nonfinite_stop_raises_naming_the_key_and_where():
     assert clip_and_step(model, opt, sched, 1.0, 0.5, "stop")[1]
 
 
+def test_critic_stop_names_the_critic_key():
+    model, opt, sched = linear_with_grad([1.0, 1.0])
+    with pytest.raises(NonFiniteError) as info:
+        clip_and_step(model, opt, sched, 1.0, float("inf"), "stop", "the critic update of step 2", role="critic")
+    msg = str(info.value)
+    assert "the critic update of step 2" in msg and "critic.nonfinite=stop" in msg and "critic/skipped_steps" in msg
+    assert "actor." not in msg
+
+
 def test_skipped_step_leaves_adamw_state_untouched():
     model = torch.nn.Linear(2, 1, bias=False)
     opt, sched = make_optimizer(model.parameters(), OptimConfig(lr=0.1))
@@ -121,3 +130,19 @@ def test_run_stops_on_nonfinite_update(tmp_path, ray_session, capsys):
     assert "non-finite values at the actor update of step 1 (epoch 1, mini-batch 1)" in err, err
     assert "actor.nonfinite=stop" in err and "actor.nonfinite=skip" in err, err
     assert not [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if m.get("step", 0) >= 1]
+
+
+@pytest.mark.slow
+def test_critic_skips_or_stops_on_nonfinite_value_loss(tmp_path, ray_session, capsys):
+    # With GAE the returns are ~3e38, so the critic's squared value error overflows to inf.
+    gae = ["algorithm.adv_estimator=gae", "rollout.n=1", "trainer.total_steps=2"]
+    history = train(load_config(huge_reward_run(tmp_path, *gae, "critic.nonfinite=skip")))
+    metrics = [m for m in history if m["step"] >= 1]
+    assert [m["critic/skipped_steps"] for m in metrics] == [1.0, 2.0]
+    capsys.readouterr()
+    (tmp_path / "stop").mkdir()
+    rc = main(["train", *huge_reward_run(tmp_path / "stop", *gae, "critic.nonfinite=stop")])
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    assert "non-finite values at the critic update of step 1 (epoch 1, mini-batch 1)" in err, err
+    assert "critic.nonfinite=stop" in err, err

@@ -174,6 +174,9 @@ class CriticConfig:
     # Critic warm-up: during the first warmup_steps steps only the critic trains; the actor is not
     # updated (its weights stay those of step 0). Not the learning-rate warm-up (optim.warmup_steps).
     warmup_steps: int = 0
+    # NaN/inf value loss or gradients: "skip" drops that optimizer step (counted in
+    # critic/skipped_steps); "stop" ends the run with an error naming the step.
+    nonfinite: str = "skip"  # skip | stop
 
 
 @dataclass

@@ -189,6 +189,7 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
           f"(a few times more for throughput), or set 0 to use actor.micro_batch_size rows per micro-batch", e)
     _need(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1", e)
     _choice(a.nonfinite, "actor.nonfinite", ("skip", "stop"), e)
+    _choice(cfg.critic.nonfinite, "critic.nonfinite", ("skip", "stop"), e)
     for key, v in _floats(cfg, ("algorithm", "actor", "critic")):
         limit = "clip" in key or "cap" in key  # inf is a meaningful "no limit" there
         _need(math.isfinite(v) or (limit and not math.isnan(v)), f"{key}={v} must be a finite number", e)

@@ -20,6 +20,8 @@ from offstep.train.fsdp import DTYPES, RoleWorker, autocast, clip_and_step, make
 
 
 class CriticWorker(RoleWorker):
+    _checkpointed_attrs = ("skipped_steps", "updates")
+
     def __init__(
         self,
         spec: GroupSpec,
@@ -43,6 +45,8 @@ class CriticWorker(RoleWorker):
         self.cfg, self.algo = critic, algo
         self.micro, self.mini, self.token_budget = micro_batch_size, mini_batch_size, micro_token_budget
         self.compute_dtype = compute_dtype
+        self.skipped_steps = 0  # optimizer steps skipped for non-finite loss or gradients
+        self.updates = 0
 
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         R = mb.response_mask.shape[1]
@@ -65,8 +69,9 @@ class CriticWorker(RoleWorker):
         world = self.spec.world_size
         mini = (self.mini or len(batch)) // world
         sums, n_mini = {}, 0
-        for _ in range(self.cfg.ppo_epochs):
-            for mini_batch in local.chunks(mini):
+        self.updates += 1
+        for epoch in range(self.cfg.ppo_epochs):
+            for j, mini_batch in enumerate(local.chunks(mini)):
                 denom = self._denominator(mini_batch, self.algo.loss_agg_mode)
                 losses, clips, toks = [], [], []
                 for _, mb in self._micro_batches(mini_batch, self.micro, self.token_budget):
@@ -80,8 +85,13 @@ class CriticWorker(RoleWorker):
                     losses.append(float(loss))
                     clips.append(float(m["vf_clipfrac"]))
                     toks.append(float(mb.response_mask.sum()))
-                norm, _ = clip_and_step(self.model, self.opt, self.sched, self.cfg.optim.grad_clip)
+                where = f"the critic update of step {self.updates} (epoch {epoch + 1}, mini-batch {j + 1})"
+                norm, stepped = clip_and_step(self.model, self.opt, self.sched, self.cfg.optim.grad_clip,
+                                              sum(losses), self.cfg.nonfinite, where, role="critic")
+                self.skipped_steps += 0 if stepped else 1
                 for k, v in (("vf_loss", sum(losses)), ("vf_clipfrac", float(np.average(clips, weights=toks)) if sum(toks) else 0.0), ("grad_norm", norm)):
                     sums[k] = sums.get(k, 0.0) + v
                 n_mini += 1
-        return all_mean({k: v / n_mini for k, v in sums.items()}, self.device)
+        metrics = all_mean({k: v / n_mini for k, v in sums.items()}, self.device)
+        metrics["skipped_steps"] = float(self.skipped_steps)
+        return metrics

@@ -52,11 +52,12 @@ NONFINITE_POLICIES = ("skip", "stop")
 
 
 class NonFiniteError(FloatingPointError):
-    """An update's loss or gradient norm was NaN/inf under ``actor.nonfinite=stop``."""
+    """An update's loss or gradient norm was NaN/inf under ``actor.nonfinite=stop`` (or ``critic.``)."""
 
 
 def clip_and_step(
-    model, opt, sched, max_norm: float, loss: float = 0.0, nonfinite: str = "skip", where: str = "an update"
+    model, opt, sched, max_norm: float, loss: float = 0.0, nonfinite: str = "skip", where: str = "an update",
+    role: str = "actor",
 ) -> tuple[float, bool]:
     """Clip gradients and take one optimizer step, unless the loss or the gradient norm is not
     finite. Returns ``(grad_norm, stepped)``.
@@ -64,12 +65,13 @@ def clip_and_step(
     A non-finite update never reaches the weights or the optimizer's moments (like the skipped
     steps of a mixed-precision grad scaler): the gradients are dropped and the learning-rate
     schedule still advances, so a skipped step keeps its place in the schedule. With
-    ``nonfinite="stop"`` it raises :class:`NonFiniteError` instead, naming ``where``. The
+    ``nonfinite="stop"`` it raises :class:`NonFiniteError` instead, naming ``where`` and the
+    ``role`` whose ``<role>.nonfinite`` key chose it. The
     gradient norm is global (FSDP2 reduces it over ranks) and the loss check is reduced over
     ranks, so every rank takes the same decision.
     """
     if nonfinite not in NONFINITE_POLICIES:
-        raise ValueError(f"actor.nonfinite={nonfinite!r} is not one of {list(NONFINITE_POLICIES)}")
+        raise ValueError(f"{role}.nonfinite={nonfinite!r} is not one of {list(NONFINITE_POLICIES)}")
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
@@ -84,9 +86,9 @@ def clip_and_step(
     if not stepped and nonfinite == "stop":
         raise NonFiniteError(
             f"non-finite values at {where}: loss={loss}, grad_norm={norm}; the run stops because "
-            "actor.nonfinite=stop. Fix: find the cause (too high an actor.optim.lr, extreme rewards, "
-            "bfloat16 overflow in model.compute_dtype), or set actor.nonfinite=skip to skip such "
-            "updates (they are counted in actor/skipped_steps)."
+            f"{role}.nonfinite=stop. Fix: find the cause (too high a {role}.optim.lr, extreme rewards, "
+            f"bfloat16 overflow in model.compute_dtype), or set {role}.nonfinite=skip to skip such "
+            f"updates (they are counted in {role}/skipped_steps)."
         )
     with warnings.catch_warnings():  # a skipped first step makes torch warn about the call order
         warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
