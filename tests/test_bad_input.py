@@ -144,6 +144,7 @@ OPTION_CASES = {
     "wrong type": (["trainer.total_steps=many"], ["bad value for trainer.total_steps", "'many'", "Fix"]),
     "nan learning rate": (["actor.optim.lr=nan"], ["actor.optim.lr", "finite"]),
     "bad nonfinite policy": (["actor.nonfinite=ignore"], ["actor.nonfinite", "skip", "stop"]),
+    "bad critic nonfinite policy": (["critic.nonfinite=warn"], ["critic.nonfinite", "skip", "stop"]),
     "zero reward timeout": (["reward.timeout_s=0"], ["reward.timeout_s", "null"]),
 }
 
