@@ -400,10 +400,9 @@ class Controller:
             m["actor/frozen"] = float(actor_frozen)
         if not actor_frozen:
             # The new weights' export is queued behind the update on every rank: it starts as the update ends.
-            syncs = []
             am, m["timing_s/update_actor"] = await self._timed(self.actor, "update", "update_actor", step, batch_ref,
-                                                               then=lambda: syncs.append(self._start_sync(self.version + 1)))
-            self.queued_sync = syncs[0]._replace(start=self.last_end)
+                                                               then=self._queue_sync)
+            self.queued_sync = self.queued_sync._replace(start=self.last_end)
             m.update({f"actor/{k}": v for k, v in am.items()})
 
     async def _trainer_inputs(self, batch: TrainBatch, step: int, m: dict, actor_frozen: bool) -> ray.ObjectRef:
@@ -427,6 +426,10 @@ class Controller:
             loads = [w.receive_weights.remote(version) for w in self.rollout]
             return SyncCall(self.actor.submit("send_weights", version), loads, time.time())
         return SyncCall(self.actor.submit("export_weights"), None, time.time())
+
+    def _queue_sync(self) -> None:
+        """Queue the next version's export behind the actor update just submitted."""
+        self.queued_sync = self._start_sync(self.version + 1)
 
     async def _sync_weights(self, step: int) -> tuple[float, asyncio.Future]:
         """Finish the export of the actor's weights (started behind the update, or now) and queue
