@@ -23,8 +23,8 @@ import time
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import ray
 import torch
