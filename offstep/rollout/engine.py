@@ -26,6 +26,7 @@ on when the others finish, or on the device.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -512,13 +513,16 @@ class TorchEngine:
             self._generate_chunk(prompts, rows, params, uniforms, emit)
 
     def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
+        # transformers >= 5.24 names the KV-cache argument `cache` (`past_key_values` is deprecated).
+        params = inspect.signature(self.model.forward).parameters
+        cache_kw = "cache" if "cache" in params else "past_key_values"
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
+            **{cache_kw: cache},
         )
         return out.logits[:, -1, :].float()
 
