@@ -201,6 +201,8 @@ class TorchEngine:
             raise ValueError("eos_ids is empty; pass at least the tokenizer's eos token id")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
+        # transformers >= 5.24 names the forward's KV-cache argument `cache` (`past_key_values` is deprecated).
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.tokenizer = tokenizer
         self.eos_ids: list[int] = list(dict.fromkeys(eos))
         self._eos_set = frozenset(self.eos_ids)
@@ -513,16 +515,13 @@ class TorchEngine:
             self._generate_chunk(prompts, rows, params, uniforms, emit)
 
     def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
-        # transformers >= 5.24 names the KV-cache argument `cache` (`past_key_values` is deprecated).
-        params = inspect.signature(self.model.forward).parameters
-        cache_kw = "cache" if "cache" in params else "past_key_values"
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=1,
-            **{cache_kw: cache},
+            **{self._cache_kw: cache},
         )
         return out.logits[:, -1, :].float()
 
