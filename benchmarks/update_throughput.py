@@ -22,7 +22,6 @@ import argparse
 import math
 import os
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -98,10 +97,7 @@ def main() -> None:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    spec = GroupSpec(0, 1, "127.0.0.1", port, args.device, args.threads)
+    spec = GroupSpec(0, 1, "127.0.0.1", 0, args.device, args.threads)
     path = str(resolve_model(args.model))
     tok = load_tokenizer(path)
     actor = ActorWorker(spec, 0, path, "float32", args.compute_dtype, ActorConfig(micro_batch_size=args.micro_batch_size),

@@ -37,7 +37,7 @@ from offstep.rewards.registry import RewardFunction
 from offstep.rollout.worker import RolloutWorker
 from offstep.sync.collective import connect
 from offstep.train.actor import ActorWorker
-from offstep.train.distributed import GroupSpec, free_port
+from offstep.train.distributed import GroupSpec
 
 
 def _timed_call(self, method: str, *args):
@@ -58,13 +58,13 @@ def sync_once(path: str, actor, rollouts, version: int) -> float:
     else:
         t0, refs = ray.get(actor.__ray_call__.remote(_timed_call, "export_weights"))
         loads = [w.load_weights.remote(refs[0], version) for w in rollouts]
-    ends = [t["end"] for t in ray.get(loads)]
+    ends = [t.end for t in ray.get(loads)]
     return max(ends) - t0
 
 
 def bench(model: str, replicas: int, reps: int, bucket_mb: float, dtype: str) -> tuple[dict[str, list[float]], int]:
     env = {"runtime_env": {"env_vars": {"OFFSTEP_CACHE": str(cache_dir()), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}}}
-    spec = GroupSpec(0, 1, "127.0.0.1", free_port(), "cpu", 1)
+    spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
     actor = ray.remote(ActorWorker).options(num_cpus=0.01, **env).remote(
         spec, 0, model, "float32", "float32", ActorConfig(), AlgorithmConfig(), 1.0
     )

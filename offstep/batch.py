@@ -35,6 +35,29 @@ class Sample:
     baseline_length: Optional[int] = None
 
 
+@dataclass(frozen=True)
+class Span:
+    """When a stage ran on a worker (``time.time()``, the worker's clock), and, for the rollout
+    side, the policy version it ran with."""
+
+    start: float
+    end: float
+    version: Optional[int] = None
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class GenTiming:
+    """A rollout worker's report on one generation call: generation with scoring, and the
+    reference log-probs when the worker holds the reference (``pipeline.ref_on_rollout``)."""
+
+    gen: Span
+    ref: Optional[Span] = None
+
+
 @dataclass
 class TrainBatch:
     input_ids: torch.Tensor  # [B, P+R] long

@@ -27,6 +27,10 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 def _train(argv: list[str]) -> int:
+    if "--help" in argv or "-h" in argv:
+        from offstep.config.help import print_help
+
+        return print_help(argv)
     from offstep.config.loader import ConfigError, load_config, to_yaml
     from offstep.config.validate import validate
 
@@ -41,23 +45,21 @@ def _train(argv: list[str]) -> int:
     if show:
         print(to_yaml(cfg))
         return 0
-    from offstep.pipeline.controller import RolloutFailed, StalenessError, TrainerFailed, train
-    from offstep.rewards.registry import RewardError
-    from offstep.train.fsdp import NonFiniteError
+    from offstep.errors import OffstepError
+    from offstep.pipeline.controller import train
 
     try:
         history = train(cfg)
     except KeyboardInterrupt:
         print("offstep: interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RewardError, StalenessError, ConfigError, RolloutFailed, TrainerFailed,
-            NonFiniteError) as e:
-        # Data, model and reward problems, failed workers and a run stopped by actor.nonfinite=stop
-        # carry their fix in the message; a worker's traceback would only bury it. Anything else is
-        # a bug and keeps its traceback.
+    except (OffstepError, ValueError, FileNotFoundError) as e:
+        # offstep's own errors (and the data, task and logger checks' ValueErrors) carry their fix
+        # in the message; a worker's traceback would only bury it. Anything else is a bug and keeps
+        # its traceback.
         cause = _unwrap(e)
         print(f"offstep: {cause}", file=sys.stderr)
-        return 1 if isinstance(cause, NonFiniteError) else 2
+        return getattr(cause, "exit_code", 2)
     steps = [m["step"] for m in history if "reward/mean" in m]
     if steps and steps[-1] < cfg.trainer.total_steps:  # stopped by Ctrl-C / SIGTERM between steps
         print(f"offstep: stopped at step {steps[-1]} of {cfg.trainer.total_steps}; continue with the same command "
@@ -111,7 +113,7 @@ def _eval(argv: list[str]) -> int:
         print(f"offstep eval: {done}/{total} prompts", file=sys.stderr, flush=True)
 
     from offstep.config.loader import ConfigError
-    from offstep.models.export import model_for_eval
+    from offstep.pipeline.export import model_for_eval
 
     try:
         model = model_for_eval(args.model)
@@ -143,7 +145,7 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--out", required=True, help="the folder to write (safetensors, config, tokenizer)")
     args = parser.parse_args(argv)
     from offstep.config.loader import ConfigError
-    from offstep.models.export import export_checkpoint
+    from offstep.pipeline.export import export_checkpoint
 
     try:
         out = export_checkpoint(args.run, args.out, args.step)

@@ -4,7 +4,7 @@ reward shaping before it (overlong penalty, KL in the reward), and the errors fo
 import pytest
 import torch
 
-from offstep.algos.advantages import grpo_outcome_advantage, rloo_advantage
+from offstep.algos import advantages as estimators
 from offstep.batch import Sample, collate
 from offstep.config.schema import AlgorithmConfig, KLControlConfig
 from offstep.pipeline.advantage import (
@@ -27,20 +27,56 @@ def make_batch(scores=(1.0, 0.0, 0.5, 0.5), lengths=(2, 3, 1, 3), uids=(7, 7, 8,
 def test_default_is_grpo_unchanged():
     batch = make_batch()
     m = compute_advantages(batch, AlgorithmConfig())
-    expect, _ = grpo_outcome_advantage(batch.scores, batch.group_ids, batch.response_mask)
+    expect, _ = estimators.grpo_outcome_advantage(batch.scores, batch.group_ids, batch.response_mask)
     torch.testing.assert_close(batch.advantages, expect)
     # group 7: scores 1, 0 -> +-0.7071; group 8: equal -> 0; token values 0.7071 x 2, -0.7071 x 3, 0 x 4
     assert m["adv/max"] == pytest.approx(0.70711, abs=1e-5) and m["adv/mean"] == pytest.approx(-0.70711 / 9, abs=1e-5)
 
 
-@pytest.mark.parametrize("est", [e for e in ADV_ESTIMATORS if e not in ("gae", "remax")])
-def test_every_outcome_estimator_runs(est):
-    batch = make_batch()
+def outcome(b):
+    """The score on the last token of each response: the token-level estimators' rewards."""
+    return estimators.outcome_token_rewards(b.scores, b.response_mask)
+
+
+# Each estimator computed directly by its own function, for the dispatch to match.
+DIRECT = {
+    "grpo": lambda b: estimators.grpo_outcome_advantage(b.scores, b.group_ids, b.response_mask),
+    "rloo": lambda b: estimators.rloo_advantage(b.scores, b.group_ids, b.response_mask),
+    "reinforce_plus_plus_baseline": lambda b: estimators.reinforce_pp_baseline_advantage(b.scores, b.group_ids, b.response_mask),
+    "reinforce_plus_plus": lambda b: estimators.reinforce_pp_advantage(outcome(b), b.response_mask),
+    "remax": lambda b: estimators.remax_advantage(outcome(b), b.baseline_scores, b.response_mask),
+    "gae": lambda b: estimators.gae_advantage(outcome(b), b.values, b.response_mask),
+}
+
+
+def full_batch():
+    """A batch every estimator can use: scores 1, 0, 0.25, 0.5 in groups 7, 7, 8, 8 (the group
+    means differ, so centring per group matters), greedy baselines 0.5, 0.5, 0, 1, critic values."""
+    batch = make_batch(scores=(1.0, 0.0, 0.25, 0.5), baseline=[0.5, 0.5, 0.0, 1.0])
+    values = torch.tensor([[0.3, -0.2, 0.0], [0.1, 0.4, -0.5], [0.2, 0.0, 0.0], [-0.1, 0.6, 0.2]])
+    batch.values = values * batch.response_mask
+    return batch
+
+
+def test_every_estimator_has_a_direct_result_that_differs():
+    # the estimators give pairwise different advantages on this batch, so routing one to another's
+    # function cannot pass test_dispatch_equals_the_estimators_function
+    assert set(DIRECT) == set(ADV_ESTIMATORS)
+    results = {est: fn(full_batch())[0] for est, fn in DIRECT.items()}
+    for a in ADV_ESTIMATORS:
+        for b in ADV_ESTIMATORS:
+            assert a == b or not torch.allclose(results[a], results[b]), (a, b)
+
+
+@pytest.mark.parametrize("est", ADV_ESTIMATORS)
+def test_dispatch_equals_the_estimators_function(est):
+    batch = full_batch()
     compute_advantages(batch, AlgorithmConfig(adv_estimator=est))
     assert batch.advantages.shape == batch.response_mask.shape
+    adv, ret = DIRECT[est](full_batch())
+    torch.testing.assert_close(batch.advantages, adv, rtol=0, atol=0)
+    torch.testing.assert_close(batch.returns, ret, rtol=0, atol=0)
     assert (batch.advantages[batch.response_mask == 0] == 0).all()
-    if est == "rloo":
-        torch.testing.assert_close(batch.advantages, rloo_advantage(batch.scores, batch.group_ids, batch.response_mask)[0])
 
 
 def test_remax_and_gae():

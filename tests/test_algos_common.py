@@ -76,6 +76,33 @@ def test_aggregate_loss_hand():
     assert aggregate_loss(X, M, "seq-mean-token-sum-norm", horizon=10).item() == pytest.approx(0.35)
 
 
+def test_aggregate_loss_is_weights_hand():
+    # weights 2, 0.5 | 3 on the valid entries (garbage under the padding): weighted losses 2, 1 | 12,
+    # per-row sums 3 and 12, per-row lengths 2 and 1, 3 valid tokens, 2 sequences, width 3
+    w = torch.tensor([[2.0, 0.5, float("nan")], [3.0, float("inf"), -1e30]], dtype=F64, requires_grad=True)
+    cases = {
+        "token-mean": (5.0, 3.0),  # (2 + 1 + 12) / 3; d/dx = w / 3
+        "seq-mean-token-sum": (7.5, 2.0),  # (3 + 12) / 2; d/dx = w / 2
+        "seq-mean-token-mean": (6.75, None),  # (3/2 + 12/1) / 2; d/dx = w / (2 n_i)
+        "seq-mean-token-sum-norm": (2.5, 6.0),  # (3/3 + 12/3) / 2, horizon = width 3; d/dx = w / 6
+    }
+    for mode, (expect, scale) in cases.items():
+        x = X.clone().requires_grad_()
+        loss = aggregate_loss(x, M, mode, is_weights=w)
+        assert loss.item() == pytest.approx(expect), mode
+        loss.backward()
+        grad = [[2.0 / 4, 0.5 / 4, 0.0], [3.0 / 2, 0.0, 0.0]] if scale is None else \
+            [[2.0 / scale, 0.5 / scale, 0.0], [3.0 / scale, 0.0, 0.0]]
+        torch.testing.assert_close(x.grad, torch.tensor(grad, dtype=F64))
+    assert w.grad is None  # the weights are constants
+    # with denom and horizon: token-mean 15 / 10; seq-mean-token-sum-norm (3/10 + 12/10) / 5
+    assert aggregate_loss(X, M, "token-mean", denom=10, is_weights=w).item() == pytest.approx(1.5)
+    assert aggregate_loss(X, M, "seq-mean-token-sum-norm", denom=5, horizon=10, is_weights=w).item() == pytest.approx(0.3)
+    # weights of 1 change nothing
+    for mode in AGG_MODES:
+        assert aggregate_loss(X, M, mode, is_weights=torch.ones_like(X)).item() == aggregate_loss(X, M, mode).item()
+
+
 def test_aggregate_loss_ignores_empty_rows_and_rejects_bad_mode():
     # a third all-padding row must not count as a sequence: same results as above
     x = torch.cat([X, torch.full((1, 3), 9.0, dtype=F64)])

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from offstep.algos.common import aggregate_loss
 from offstep.algos.correction import (
     GroupedTokenStats,
     mismatch_kl_terms,
@@ -98,8 +99,8 @@ def test_weights_plug_into_policy_loss():
     w, m = truncated_importance_weights(old, old.clone(), mask)
     assert m["mismatch_kl_k1"].item() == 0.0 and m["mismatch_kl_k3"].item() == 0.0
     torch.testing.assert_close(w, mask)
-    torch.testing.assert_close(clipped_policy_loss(logp, old, adv, mask, is_weights=w)[0],
-                               clipped_policy_loss(logp, old, adv, mask)[0])
+    per_token = clipped_policy_loss(logp, old, adv, mask)[0]
+    torch.testing.assert_close(aggregate_loss(per_token, mask, is_weights=w), aggregate_loss(per_token, mask))
 
 
 # ---------------------------------------------------------------- rejection, flags, per-staleness stats

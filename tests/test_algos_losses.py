@@ -1,11 +1,12 @@
-"""Tests for offstep.algos.losses: PPO policy/value losses, KL penalties, log-prob helpers."""
+"""Tests for offstep.algos.losses: PPO policy/value losses, KL penalties, log-prob helpers. The
+policy loss is per token; ``aggregate_loss`` reduces it."""
 
 import math
 
 import pytest
 import torch
 
-from offstep.algos.common import AGG_MODES
+from offstep.algos.common import AGG_MODES, aggregate_loss
 from offstep.algos.losses import (
     clipped_policy_loss,
     entropy_from_logits,
@@ -41,7 +42,9 @@ MASK = torch.ones(1, 4, dtype=F64)
 
 def test_policy_loss_hand():
     logp = LOGP.clone().requires_grad_()
-    loss, metrics = clipped_policy_loss(logp, OLD, ADV, MASK)
+    per_token, metrics = clipped_policy_loss(logp, OLD, ADV, MASK)
+    torch.testing.assert_close(per_token, torch.tensor([[-1.2, -0.5, 1.1, 0.8]], dtype=F64))
+    loss = aggregate_loss(per_token, MASK)
     assert loss.item() == pytest.approx(0.05)
     assert metrics["clipfrac"].item() == pytest.approx(0.5)
     assert metrics["ppo_kl"].item() == pytest.approx(-math.log(0.5775) / 4)
@@ -64,7 +67,7 @@ def test_policy_loss_asymmetric_clip_and_is_weights():
     assert low.item() == pytest.approx(0.7)
     # is_weights 2, 1, 0.5, 1 on the hand example: (-2.4 - 0.5 + 0.55 + 0.8) / 4 = -0.3875
     w = torch.tensor([[2.0, 1.0, 0.5, 1.0]], dtype=F64, requires_grad=True)
-    loss, _ = clipped_policy_loss(LOGP, OLD, ADV, MASK, is_weights=w)
+    loss = aggregate_loss(clipped_policy_loss(LOGP, OLD, ADV, MASK)[0], MASK, is_weights=w)
     assert loss.item() == pytest.approx(-0.3875)
     assert not loss.requires_grad  # the weights are constants (detached)
 
@@ -72,7 +75,7 @@ def test_policy_loss_asymmetric_clip_and_is_weights():
 def test_policy_loss_log_ratio_clamp():
     # log-ratio 100 is clamped to 20 before exp: loss = -A * e^20 with A = -1, finite
     loss, _ = clipped_policy_loss(torch.tensor([[100.0]]), torch.zeros(1, 1), -torch.ones(1, 1),
-                                  torch.ones(1, 1))
+                                  torch.ones(1, 1))  # one token: its loss is the reduced loss
     assert torch.isfinite(loss) and loss.item() == pytest.approx(math.exp(20), rel=1e-5)
 
 
@@ -86,9 +89,10 @@ def test_policy_loss_padding_invariance(fill, mode):
     w = torch.rand(3, 4, generator=g, dtype=F64) * 2
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=F64)
 
-    def run(lp, *rest):
+    def run(lp, old, adv, mask, *clip, is_weights=None):
         lp = lp.clone().requires_grad_()
-        loss, metrics = clipped_policy_loss(lp, *rest, loss_agg_mode=mode, horizon=4)
+        per_token, metrics = clipped_policy_loss(lp, old, adv, mask, *clip)
+        loss = aggregate_loss(per_token, mask, mode, horizon=4, is_weights=is_weights)
         loss.backward()
         return loss, metrics, lp.grad
 
@@ -103,10 +107,8 @@ def test_policy_loss_padding_invariance(fill, mode):
     torch.testing.assert_close(grad_p[:, :4], grad)
     assert (grad_p[~pad(mask, 3, 0.0).bool()] == 0).all()  # no gradient leaks into padding
     # and with importance weights
-    loss_w, _ = clipped_policy_loss(logp, old, adv, mask, is_weights=w, loss_agg_mode=mode,
-                                    horizon=4)
-    loss_wp, _ = clipped_policy_loss(spoil(logp), spoil(old), spoil(adv), pad(mask, 3, 0.0),
-                                     is_weights=spoil(w), loss_agg_mode=mode, horizon=4)
+    loss_w = run(logp, old, adv, mask, is_weights=w)[0]
+    loss_wp = run(spoil(logp), spoil(old), spoil(adv), pad(mask, 3, 0.0), is_weights=spoil(w))[0]
     torch.testing.assert_close(loss_wp, loss_w)
 
 
@@ -131,11 +133,11 @@ def test_policy_loss_micro_batch_invariance(mode, n_micro):
     mask = (torch.arange(r)[None] < torch.tensor([7, 1, 3, 5, 2, 7, 4, 6])[:, None]).float()
 
     full = logp.clone().requires_grad_()
-    clipped_policy_loss(full, old, adv, mask, loss_agg_mode=mode, is_weights=w)[0].backward()
+    aggregate_loss(clipped_policy_loss(full, old, adv, mask)[0], mask, mode, is_weights=w).backward()
 
     def loss_fn(lp, idx, denom):
-        return clipped_policy_loss(lp, old[idx], adv[idx], mask[idx], loss_agg_mode=mode,
-                                   denom=denom, is_weights=w[idx])[0]
+        per_token = clipped_policy_loss(lp, old[idx], adv[idx], mask[idx])[0]
+        return aggregate_loss(per_token, mask[idx], mode, denom=denom, is_weights=w[idx])
 
     grad = micro_batch_grads(loss_fn, logp, mask, mode, n_micro)
     torch.testing.assert_close(grad, full.grad, atol=1e-6, rtol=0)

@@ -1,13 +1,14 @@
 """Tests for the policy-gradient surrogates: PPO's dual-clip, GSPO, CISPO, the plain importance-
 weighted policy gradient, and the ``policy_loss`` dispatch (padding and micro-batch invariance for
-every surrogate under every aggregation mode)."""
+every surrogate under every aggregation mode). The surrogates return per-token losses; the
+reduction is ``aggregate_loss``'s."""
 
 import math
 
 import pytest
 import torch
 
-from offstep.algos.common import AGG_MODES, masked_mean
+from offstep.algos.common import AGG_MODES, aggregate_loss, masked_mean
 from offstep.algos.losses import clipped_policy_loss
 from offstep.algos.policy_losses import (
     POLICY_LOSSES,
@@ -40,13 +41,15 @@ def test_dual_clip_hand():
     logp, old = ratios_to_logp(torch.tensor([[4.0, 0.5, 4.0, 2.0]], dtype=F64))
     adv = torch.tensor([[-1.0, -1.0, 1.0, -1.0]], dtype=F64)
     mask = torch.ones(1, 4, dtype=F64)
-    loss, m = clipped_policy_loss(logp, old, adv, mask, clip_ratio_c=3.0)
+    per_token, m = clipped_policy_loss(logp, old, adv, mask, clip_ratio_c=3.0)
+    torch.testing.assert_close(per_token, torch.tensor([[3.0, 0.8, -1.2, 2.0]], dtype=F64))
+    loss = aggregate_loss(per_token, mask)
     assert loss.item() == pytest.approx(1.15)
     assert m["clipfrac"].item() == pytest.approx(0.5) and m["dual_clipfrac"].item() == pytest.approx(0.25)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 0.0, 0.0, 0.5]], dtype=F64))
     # without dual clip tok0 costs 4: (4 + 0.8 - 1.2 + 2) / 4 = 1.4
-    assert clipped_policy_loss(logp, old, adv, mask)[0].item() == pytest.approx(1.4)
+    assert aggregate_loss(clipped_policy_loss(logp, old, adv, mask)[0], mask).item() == pytest.approx(1.4)
 
 
 def test_gspo_hand():
@@ -59,7 +62,8 @@ def test_gspo_hand():
     logp, old = ratios_to_logp(ratios)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]], dtype=F64)
     adv = torch.tensor([[1.0, 1.0, 99.0], [1.0, 1.0, 99.0]], dtype=F64)
-    loss, m = gspo_policy_loss(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean")
+    per_token, m = gspo_policy_loss(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.2)
+    loss = aggregate_loss(per_token, mask, "token-mean")
     assert loss.item() == pytest.approx(-1.1)
     assert m["clipfrac"].item() == pytest.approx(0.5)
     assert m["ppo_kl"].item() == pytest.approx(-math.log(1.5) / 2)
@@ -76,7 +80,7 @@ def test_gspo_token_gradient_equals_sequence_objective():
     adv_seq = torch.randn(5, generator=g, dtype=F64)
     mask = (torch.arange(6)[None] < torch.tensor([6, 2, 4, 1, 5])[:, None]).to(F64)
     adv = adv_seq[:, None] * mask
-    loss, _ = gspo_policy_loss(logp, old, adv, mask, 0.05, 0.05, loss_agg_mode="seq-mean-token-mean")
+    loss = aggregate_loss(gspo_policy_loss(logp, old, adv, mask, 0.05, 0.05)[0], mask, "seq-mean-token-mean")
     loss.backward()
     ref_logp = logp.detach().clone().requires_grad_()
     s = torch.exp(masked_mean(ref_logp - old, mask, dim=-1))
@@ -92,7 +96,9 @@ def test_cispo_hand():
     # gradient -A * clip(r) / 3 (every token keeps one, unlike PPO); clipfrac 2/3
     logp, old = ratios_to_logp(torch.tensor([[2.0, 0.5, 1.1]], dtype=F64))
     adv = torch.tensor([[1.0, -1.0, 1.0]], dtype=F64)
-    loss, m = cispo_policy_loss(logp, old, adv, torch.ones(1, 3, dtype=F64), clip_ratio_low=0.2, clip_ratio_high=0.28)
+    mask = torch.ones(1, 3, dtype=F64)
+    per_token, m = cispo_policy_loss(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    loss = aggregate_loss(per_token, mask)
     assert loss.item() == pytest.approx(-1.58 / 3)
     assert m["clipfrac"].item() == pytest.approx(2 / 3)
     loss.backward()
@@ -102,13 +108,15 @@ def test_cispo_hand():
 def test_pg_hand():
     # r = 2, 0.5; A = 1, -1: loss per token -2, 0.5 -> mean -0.75; gradient -A * r / 2 = -1, 0.25
     logp, old = ratios_to_logp(torch.tensor([[2.0, 0.5]], dtype=F64))
-    loss, m = pg_policy_loss(logp, old, torch.tensor([[1.0, -1.0]], dtype=F64), torch.ones(1, 2, dtype=F64))
+    mask = torch.ones(1, 2, dtype=F64)
+    per_token, m = pg_policy_loss(logp, old, torch.tensor([[1.0, -1.0]], dtype=F64), mask)
+    loss = aggregate_loss(per_token, mask)
     assert loss.item() == pytest.approx(-0.75) and m["clipfrac"].item() == 0.0
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, 0.25]], dtype=F64))
     # on policy (old = logp): the gradient is REINFORCE's -A * grad log pi / n
     lp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
-    pg_policy_loss(lp, lp.detach(), torch.tensor([[1.0, -1.0]], dtype=F64), torch.ones(1, 2, dtype=F64))[0].backward()
+    aggregate_loss(pg_policy_loss(lp, lp.detach(), torch.tensor([[1.0, -1.0]], dtype=F64), mask)[0], mask).backward()
     torch.testing.assert_close(lp.grad, torch.tensor([[-0.5, 0.5]], dtype=F64))
 
 
@@ -116,8 +124,10 @@ def test_dispatch_and_errors():
     logp, old = ratios_to_logp(torch.tensor([[4.0, 2.0]], dtype=F64))
     adv, mask = torch.tensor([[-1.0, -1.0]], dtype=F64), torch.ones(1, 2, dtype=F64)
     # ppo with dual clip through the dispatch equals the direct call: (3 + 2) / 2
-    assert policy_loss("ppo", logp, old, adv, mask, clip_ratio_c=3.0)[0].item() == pytest.approx(2.5)
-    assert policy_loss("pg", logp, old, adv, mask)[0].item() == pytest.approx(3.0)
+    dual = policy_loss("ppo", logp, old, adv, mask, clip_ratio_c=3.0)[0]
+    torch.testing.assert_close(dual, clipped_policy_loss(logp, old, adv, mask, clip_ratio_c=3.0)[0])
+    assert aggregate_loss(dual, mask).item() == pytest.approx(2.5)
+    assert aggregate_loss(policy_loss("pg", logp, old, adv, mask)[0], mask).item() == pytest.approx(3.0)
     with pytest.raises(ValueError, match="dual-clip"):
         policy_loss("gspo", logp, old, adv, mask, clip_ratio_c=3.0)
     with pytest.raises(ValueError, match="unknown policy loss"):
@@ -145,7 +155,8 @@ def test_padding_invariance(loss_name, mode, fill):
 
     def run(lp, o, a, m, ww):
         lp = lp.clone().requires_grad_()
-        loss, metrics = policy_loss(loss_name, lp, o, a, m, loss_agg_mode=mode, is_weights=ww, horizon=4, **KW[loss_name])
+        per_token, metrics = policy_loss(loss_name, lp, o, a, m, **KW[loss_name])
+        loss = aggregate_loss(per_token, m, mode, horizon=4, is_weights=ww)
         loss.backward()
         return loss, metrics, lp.grad
 
@@ -167,11 +178,14 @@ def test_micro_batch_invariance(loss_name, mode, n_micro):
     b, r = 8, 7
     logp, old, adv, w = inputs(b, r, 3)
     mask = (torch.arange(r)[None] < torch.tensor([7, 1, 3, 5, 2, 7, 4, 6])[:, None]).to(F64)
-    kw = dict(loss_agg_mode=mode, horizon=r, **KW[loss_name])
+    def loss(lp, idx, denom=None):
+        per_token = policy_loss(loss_name, lp, old[idx], adv[idx], mask[idx], **KW[loss_name])[0]
+        return aggregate_loss(per_token, mask[idx], mode, denom=denom, horizon=r, is_weights=w[idx])
+
     full = logp.clone().requires_grad_()
-    policy_loss(loss_name, full, old, adv, mask, is_weights=w, **kw)[0].backward()
+    loss(full, torch.arange(b)).backward()
     denom = mask.sum() if mode == "token-mean" else (mask.sum(-1) > 0).sum()
     part = logp.clone().requires_grad_()
     for idx in torch.arange(b).chunk(n_micro):
-        policy_loss(loss_name, part[idx], old[idx], adv[idx], mask[idx], is_weights=w[idx], denom=denom, **kw)[0].backward()
+        loss(part[idx], idx, denom).backward()
     torch.testing.assert_close(part.grad, full.grad, atol=1e-12, rtol=0)

@@ -159,12 +159,12 @@ def run_cli(args: list[str], capsys) -> tuple[int, str]:
 def no_workers(monkeypatch):
     """Fail the test if the run gets as far as starting Ray workers (other tests of the session
     may have started Ray itself, so "Ray is not initialised" cannot be the check)."""
-    from offstep.pipeline.controller import Controller
+    from offstep.pipeline import controller
 
-    def refuse(self):
+    def refuse(*args):
         raise AssertionError("worker processes were started before the bad input was caught")
 
-    monkeypatch.setattr(Controller, "_start_workers", refuse)
+    monkeypatch.setattr(controller, "start_workers", refuse)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

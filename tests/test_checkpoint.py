@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from offstep.config.loader import ConfigError, load_config, to_yaml
-from offstep.pipeline.checkpoints import Checkpoints, check_compatible, complete_checkpoints, resolve_path
+from offstep.pipeline.checkpoints import TrainerState, Checkpoints, check_compatible, complete_checkpoints, resolve_path
 
 # A reward that is deterministic and not constant (the tiny model earns nothing on arithmetic), and
 # that blocks forever once the file named by $BLOCK_AFTER exists: the run is then stuck mid-step
@@ -67,7 +67,7 @@ def _records(run: Path) -> dict[int, dict]:
 def _fake_commit(ck: Checkpoints, step: int, cfg_yaml: str = "a: 1\n") -> Path:
     staging = ck.staging(step)
     (staging / "actor").mkdir()
-    return ck.commit(staging, step, {"step": step}, cfg_yaml)
+    return ck.commit(staging, TrainerState(step, step, 0.0, {}, [], 0), cfg_yaml)
 
 
 def test_commit_is_atomic_and_auto_skips_partial(tmp_path):
@@ -239,7 +239,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 def test_hung_generation_fails_within_bounded_time(tmp_path, ray_session):
-    from offstep.pipeline.controller import RolloutFailed, train
+    from offstep.pipeline.controller import train
+    from offstep.pipeline.fleet import RolloutFailed
 
     reward = tmp_path / "hang.py"
     reward.write_text(HANGING_REWARD)
@@ -257,7 +258,7 @@ def test_trainer_worker_death_ends_the_run_and_keeps_the_checkpoint(tmp_path):
     last checkpoint, which stays complete and exportable."""
     import psutil
 
-    from offstep.models.export import export_checkpoint
+    from offstep.pipeline.export import export_checkpoint
 
     reward = tmp_path / "slow.py"
     reward.write_text(SLOW_REWARD)

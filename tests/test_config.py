@@ -106,12 +106,13 @@ def test_compatible_algorithm_options_pass(overrides):
 def test_unknown_data_source_fails_before_ray(tmp_path, monkeypatch):
     import pandas as pd
 
-    from offstep.pipeline.controller import Controller, train
+    from offstep.pipeline import controller
+    from offstep.pipeline.controller import train
 
-    def no_workers(self):
+    def no_workers(*args):
         raise AssertionError("workers were started before the data source was checked")
 
-    monkeypatch.setattr(Controller, "_start_workers", no_workers)
+    monkeypatch.setattr(controller, "start_workers", no_workers)
 
     f = tmp_path / "d.parquet"
     pd.DataFrame([
@@ -133,3 +134,87 @@ def test_cli_rejects_bad_config_in_seconds():
     assert p.returncode == 2
     assert "pipeline.max_staleness" in p.stderr and "must be >= 0" in p.stderr
     assert time.time() - t0 < 60
+
+
+def test_loss_agg_horizon_resolves_to_max_new_tokens():
+    # 0 means rollout.max_new_tokens; load_config fills it in, so the actor and critic read one value
+    assert load_config(["preset=tiny"]).algorithm.loss_agg_horizon == 12  # tiny: rollout.max_new_tokens=12
+    assert load_config(["preset=tiny", "rollout.max_new_tokens=20"]).algorithm.loss_agg_horizon == 20
+    assert load_config(["preset=tiny", "algorithm.loss_agg_horizon=7"]).algorithm.loss_agg_horizon == 7
+
+
+def test_choice_lists_match_the_dispatch():
+    # validate.py loads no torch, so it copies the names the algorithms dispatch on; they must agree
+    import torch
+
+    from offstep.algos import common, correction, kl_control, losses, policy_losses
+    from offstep.config import validate as v
+    from offstep.pipeline import advantage
+
+    assert v.GROUP_ESTIMATORS == advantage.GROUP_ESTIMATORS and v.ADV_ESTIMATORS == advantage.ADV_ESTIMATORS
+    assert v.POLICY_LOSSES == policy_losses.POLICY_LOSSES
+    assert v.LOSS_AGG_MODES == common.AGG_MODES
+    assert v.KL_ESTIMATORS == losses.KL_ESTIMATORS
+    assert v.KL_CONTROLLERS == kl_control.KL_CONTROLLERS
+    assert v.TIS_LEVELS == correction.TIS_LEVELS and v.REJECTION_LEVELS == correction.REJECTION_LEVELS
+    # and every listed name is one the function takes (the estimators, surrogates and aggregation
+    # modes are each run by name in tests/test_algos_*.py)
+    lp, mask = torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)
+    for kind in losses.KL_ESTIMATORS:
+        losses.kl_penalty(lp, lp - 0.5, kind)
+    for kind in kl_control.KL_CONTROLLERS:
+        kl_control.kl_controller(kind, 0.1, target_kl=0.1, horizon=10)
+    for level in correction.TIS_LEVELS:
+        correction.truncated_importance_weights(lp, lp - 0.5, mask, level=level)
+    for level in correction.REJECTION_LEVELS:
+        correction.rejection_mask(lp, lp - 0.5, mask, level=level)
+
+
+def schema_classes():
+    from dataclasses import fields, is_dataclass
+
+    from offstep.config.schema import Config
+
+    todo, seen = [Config()], []
+    while todo:
+        node = todo.pop()
+        seen.append(type(node))
+        todo += [getattr(node, f.name) for f in fields(node) if is_dataclass(getattr(node, f.name))]
+    return seen
+
+
+def test_every_schema_field_has_a_one_line_docstring():
+    from dataclasses import fields
+
+    from offstep.config.help import field_docs
+
+    docs = field_docs()
+    for cls in schema_classes():
+        for f in fields(cls):
+            doc = docs.get((cls.__name__, f.name))
+            assert doc, f"{cls.__name__}.{f.name} has no docstring (a string literal right after the field)"
+            assert "\n" not in doc, f"{cls.__name__}.{f.name}: the docstring is one line"
+
+
+def test_help_lists_every_key_by_section_and_one_key_alone():
+    from offstep.config.help import all_keys, help_text, print_help
+
+    full = help_text()
+    assert full.startswith("usage: offstep train")
+    assert "\nrollout: generation\n" in full and "\nalgorithm: " in full
+    for k in all_keys():  # a section as a heading, a group inside one as key.*, a key with its type
+        head = (f"\n{k.key}: " if "." not in k.key else f"  {k.key}.*: ") if k.section else f"  {k.key}: {k.type} = "
+        assert head in full, k.key
+    assert "  rollout.n: int = 4\n      samples generated per prompt" in full
+    assert "  reward.timeout_s: float | null = 60.0" in full and "  actor.optim.lr: float = 1e-06" in full
+    # a prefix: its keys only
+    section = help_text("algorithm.kl_ctrl")
+    assert "algorithm.kl_ctrl.target_kl: float = 0.1" in section and "algorithm.kl_coef" not in section
+    with pytest.raises(KeyError, match="rollout.n"):
+        help_text("rollout.nn")
+    # through the command: `offstep train --help rollout.n` names the key and its help, nothing else
+    p = subprocess.run([sys.executable, "-m", "offstep.cli", "train", "--help", "rollout.n"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["  rollout.n: int = 4", "      samples generated per prompt (the group of GRPO, RLOO, ...)"]
+    assert print_help(["preset=tiny", "-h", "nope.key"]) == 2  # and the message on stderr names close keys

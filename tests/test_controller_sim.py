@@ -1,31 +1,19 @@
-"""The real controller loop with simulated (sleeping) workers, from benchmarks/controller_overhead.py:
-pipeline invariants for k = 0, 1, 2 in seconds, no model. No timing assertions: only the order of
-events on the timeline and the versions the samples carry."""
+"""The real controller loop with simulated (sleeping) workers (tests/fakes.py): pipeline invariants
+for k = 0, 1, 2 in seconds, no model. No timing assertions: only the order of events on the
+timeline and the versions the samples carry."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
-import importlib.util
 import pickle
-import sys
-from pathlib import Path
 
+import fakes as sim
 import pytest
 import torch
 
 from offstep.batch import Sample, collate
 from offstep.telemetry.metrics import read_jsonl
-
-_PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "controller_overhead.py"
-
-
-@pytest.fixture(scope="module")
-def sim():
-    spec = importlib.util.spec_from_file_location("controller_overhead", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _run(sim, tmp_path, k: int, steps: int):
@@ -36,14 +24,14 @@ def _run(sim, tmp_path, k: int, steps: int):
     return [m for m in hist if m["step"] >= 1], ev
 
 
-def test_ideal_step(sim):
+def test_ideal_step():
     # k = 0: serial, 0.5 + 1.0 + 0.05 + 0.05 = 1.6; k >= 1: max(0.5 + 0.05, 1.0 + 0.05) = 1.05.
     assert sim.ideal_step(0, 0.5, 1.0, 0.05, 0.05) == pytest.approx(1.6)
     assert sim.ideal_step(1, 0.5, 1.0, 0.05, 0.05) == pytest.approx(1.05)
     assert sim.ideal_step(2, 1.0, 0.5, 0.05, 0.05) == pytest.approx(1.05)
 
 
-def test_one_step_off_policy_overlaps(sim, tmp_path, ray_session):
+def test_one_step_off_policy_overlaps(tmp_path, ray_session):
     metrics, ev = _run(sim, tmp_path, 1, 4)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 1, 1]
@@ -58,7 +46,7 @@ def test_one_step_off_policy_overlaps(sim, tmp_path, ray_session):
     assert all("timing_s/sync_weights" in m and "timing_s/step" in m for m in metrics)
 
 
-def test_next_batch_is_prepared_while_the_trainer_updates(sim, tmp_path, ray_session):
+def test_next_batch_is_prepared_while_the_trainer_updates(tmp_path, ray_session):
     """k = 1, generation much shorter than training: the driver's work on batch s+1 (collate,
     metrics, advantages, the object-store copy) is done before the update on batch s ends, so the
     update on s+1 starts without waiting for it."""
@@ -70,7 +58,7 @@ def test_next_batch_is_prepared_while_the_trainer_updates(sim, tmp_path, ray_ses
         assert ev[("driver", "prepare", s + 1)]["start"] >= ev[("rollout/0", "gen", s + 1)]["end"], s
 
 
-def test_synchronous_does_not_overlap(sim, tmp_path, ray_session):
+def test_synchronous_does_not_overlap(tmp_path, ray_session):
     metrics, ev = _run(sim, tmp_path, 0, 3)
     assert [m["rollout/staleness_max"] for m in metrics] == [0, 0, 0]
     assert [ev[("rollout/0", "gen", s)]["version"] for s in range(1, 4)] == [0, 1, 2]
@@ -79,11 +67,46 @@ def test_synchronous_does_not_overlap(sim, tmp_path, ray_session):
         assert ev[("rollout/0", "gen", s + 1)]["start"] >= ev[("rollout/0", "load_weights", s)]["end"], s
 
 
-def test_staleness_two_never_exceeded(sim, tmp_path, ray_session):
+def test_staleness_two_never_exceeded(tmp_path, ray_session):
     metrics, ev = _run(sim, tmp_path, 2, 5)
     assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 2, 2, 2]
     assert max(m["rollout/staleness_max"] for m in metrics) <= 2
     assert [ev[("rollout/0", "gen", s)]["version"] for s in range(1, 6)] == [0, 0, 0, 1, 2]
+
+
+def test_records_stay_in_step_order_when_a_validation_is_slow(tmp_path):
+    """Step 2's validation is slow; step 3 (none) has its weights loaded long before. Step 3's
+    record still comes after step 2's: a checkpoint relies on the metrics of the steps it covers
+    being on disk first (``Controller._finish_step``). On one replica its call order alone would
+    hide this; here the futures complete in the other order."""
+    from offstep.batch import GenTiming, Span
+    from offstep.pipeline.controller import Controller
+    from offstep.telemetry.metrics import Timeline
+
+    class Records(list):
+        def log(self, m):
+            self.append(m["step"])
+
+        step = log
+
+    async def later(result, s: float):
+        await asyncio.sleep(s)
+        return result
+
+    async def steps():
+        val = [([Sample(uid=0, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0], finish_reason="stop",
+                        score=1.0, version=2)], GenTiming(Span(0.0, 1.0, 2)))]
+        loaded = [Span(0.0, 0.1, 2)]
+        s2 = asyncio.ensure_future(ctl._finish_step({"step": 2}, 0.0, later(loaded, 0), later(val, 0.3), None))
+        s3 = asyncio.ensure_future(ctl._finish_step({"step": 3}, 0.0, later(loaded, 0), None, s2))
+        await s3
+
+    ctl = Controller.__new__(Controller)
+    ctl.history, ctl.loggers, ctl.console = [], Records(), Records()
+    ctl.timeline = Timeline(tmp_path / "timeline.jsonl")
+    asyncio.run(steps())
+    assert [m["step"] for m in ctl.history] == [2, 3] and ctl.loggers == [2, 3]
+    assert "val/reward/mean" in ctl.history[0] and "val/reward/mean" not in ctl.history[1]
 
 
 def test_train_batch_pickles_exactly():

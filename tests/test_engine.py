@@ -1,4 +1,5 @@
-"""The built-in PyTorch rollout engine (offstep.rollout.engine) on the tiny random model."""
+"""The built-in PyTorch rollout engine (offstep.rollout.engine and its runners, offstep.rollout.sampling)
+on the tiny random model."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from offstep.models.loading import (
     load_tokenizer,
     resolve_model,
 )
-from offstep.rollout.engine import RolloutEngine, TorchEngine, sample_tokens
+from offstep.rollout.engine import RolloutEngine, TorchEngine
+from offstep.rollout.sampling import sample_tokens
 from offstep.rollout.types import Completion, SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

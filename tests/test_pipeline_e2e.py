@@ -67,14 +67,12 @@ def test_staleness_two(tmp_path, ray_session):
 
 def test_synchronous_matches_in_process_reference(tmp_path, ray_session):
     """k = 0 through Ray equals a plain in-process loop over the same parts, step for step."""
-    import socket
-
     import torch
 
     from offstep.algos.advantages import grpo_outcome_advantage
     from offstep.batch import collate
     from offstep.data.stream import PromptStream
-    from offstep.pipeline.controller import gen_seed
+    from offstep.pipeline.fleet import gen_seed
     from offstep.pipeline.inputs import prepare_inputs, to_request
     from offstep.rollout.types import SamplingParams
     from offstep.rollout.worker import RolloutWorker
@@ -93,10 +91,7 @@ def test_synchronous_matches_in_process_reference(tmp_path, ray_session):
     r = cfg.rollout
     params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
     rollout = RolloutWorker(inputs.model_path, "float32", "cpu", 1, inputs.reward, 1, r.max_batch_size)
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port = s.getsockname()[1]
-    spec = GroupSpec(0, 1, "127.0.0.1", port, "cpu", 1)
+    spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
     actor = ActorWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature)
     ref = RefWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", r.temperature, cfg.actor.micro_batch_size)
     try:

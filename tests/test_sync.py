@@ -221,9 +221,9 @@ def test_ray_workers_collective_and_object_store_agree(ray_session, tmp_path):
     from offstep.rollout.worker import RolloutWorker
     from offstep.sync.collective import connect
     from offstep.train.actor import ActorWorker
-    from offstep.train.distributed import GroupSpec, free_port
+    from offstep.train.distributed import GroupSpec
 
-    spec = GroupSpec(0, 1, "127.0.0.1", free_port(), "cpu", 1)
+    spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
     env = {"runtime_env": {"env_vars": {"OFFSTEP_CACHE": os.environ["OFFSTEP_CACHE"], "HF_HUB_OFFLINE": "1"}}}
     actor = ray.remote(ActorWorker).options(num_cpus=0.01, **env).remote(
         spec, 0, "tiny", "float32", "float32", ActorConfig(), AlgorithmConfig(), 1.0
@@ -251,7 +251,7 @@ def test_ray_workers_collective_and_object_store_agree(ray_session, tmp_path):
             else:
                 refs = ray.get(actor.export_weights.remote())
                 loads = [w.load_weights.remote(refs[0], version) for w in rollouts]
-            assert [t["version"] for t in ray.get(loads)] == [version, version]
+            assert [t.version for t in ray.get(loads)] == [version, version]
             for w in rollouts:
                 got = _rollout_state(w)
                 assert ray.get(w.__ray_call__.remote(lambda self: self.engine.version)) == version

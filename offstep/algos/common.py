@@ -78,8 +78,13 @@ def aggregate_loss(
     mode: str = "token-mean",
     denom: float | torch.Tensor | None = None,
     horizon: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Reduce a per-token loss ``loss_mat`` ``[B, R]`` to a scalar.
+    """Reduce a per-token loss ``loss_mat`` ``[B, R]`` to a scalar: the one reduction of every loss
+    (the policy surrogates, the KL loss, the entropy bonus, the value loss).
+
+    ``is_weights`` ``[B, R]`` (optional): per-token importance weights (``offstep.algos.correction``)
+    that multiply ``l_it`` first; they are constants (detached) and their padded entries are ignored.
 
     Modes (``n_i`` = valid tokens of sequence ``i``, ``S`` = set of sequences with ``n_i > 0``):
 
@@ -102,6 +107,9 @@ def aggregate_loss(
     configured maximum response length to get results independent of padding.
     """
     valid = _valid(mask)
+    if is_weights is not None:
+        zero = torch.zeros((), dtype=is_weights.dtype, device=is_weights.device)
+        loss_mat = loss_mat * torch.where(valid, is_weights.detach(), zero)
     if mode == "token-mean":
         total = masked_sum(loss_mat, valid)
         n = valid.sum() if denom is None else denom

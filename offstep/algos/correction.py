@@ -36,8 +36,9 @@ import math
 import torch
 
 from offstep.algos.common import masked_mean
+from offstep.algos.losses import LOG_RATIO_CLAMP
 
-LOG_RATIO_CLAMP = 20.0
+TIS_LEVELS = ("token", "sequence")
 
 
 def truncated_importance_weights(
@@ -69,7 +70,7 @@ def truncated_importance_weights(
     elif level == "sequence":
         units, unit_mask = log_ratio.sum(dim=-1), valid.any(dim=-1)
     else:
-        raise ValueError(f"unknown importance-weight level {level!r}; expected token or sequence")
+        raise ValueError(f"unknown importance-weight level {level!r}; expected one of {TIS_LEVELS}")
 
     raw = torch.exp(units.clamp(max=LOG_RATIO_CLAMP))  # exp(20) ~ 5e8: no overflow
     weights = torch.where(unit_mask, raw if cap is None else raw.clamp(max=cap), zero)

@@ -3,8 +3,8 @@
 * ``clipped_policy_loss``: PPO's clipped surrogate objective (Schulman et al. 2017, "Proximal
   Policy Optimization Algorithms", arXiv:1707.06347, eq. 7), with the asymmetric clip range
   ``[1 - low, 1 + high]`` of DAPO's "clip-higher" (Yu et al. 2025, arXiv:2503.14476), written as a
-  loss to minimise: ``max(-A * r, -A * clip(r, 1 - low, 1 + high))``. Optional per-token
-  importance weights (see ``offstep.algos.correction``) multiply the per-token loss. With
+  loss to minimise: ``max(-A * r, -A * clip(r, 1 - low, 1 + high))`` per token; the reduction
+  (importance weights, ``loss_agg_mode``) is ``offstep.algos.common.aggregate_loss``'s. With
   ``clip_ratio_c`` the dual-clip of Ye et al. 2020 ("Mastering Complex Control in MOBA Games with
   Deep Reinforcement Learning", arXiv:1912.09729, eq. 5) also bounds the loss of negative-advantage
   tokens by ``-A * c``, so a huge ratio on a bad token cannot dominate the update. The other
@@ -27,6 +27,7 @@ import torch
 from offstep.algos.common import aggregate_loss, masked_mean
 
 LOG_RATIO_CLAMP = 20.0
+KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")  # the kinds of kl_penalty
 
 
 def _where_valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -41,21 +42,17 @@ def clipped_policy_loss(
     response_mask: torch.Tensor,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    loss_agg_mode: str = "token-mean",
-    denom: float | torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-    horizon: float | None = None,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss, reduced with ``aggregate_loss`` (``loss_agg_mode``, ``denom``).
+    """PPO clipped surrogate: the per-token loss ``[B, R]`` (reduce it with ``aggregate_loss``).
 
     ``r = exp(clamp(logprob - old_logprob, -20, 20))``; per-token loss
     ``max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))``; with ``clip_ratio_c``
     (dual-clip, > 1) the loss of tokens with ``A < 0`` is then ``min(that, -A * clip_ratio_c)``.
-    Times ``is_weights`` (treated as constants: detached) when given. Metrics (detached scalars):
-    ``clipfrac``, the fraction of valid tokens where the clipped branch is the larger (active)
-    one, ``ppo_kl``, the masked mean of ``old_logprob - logprob``, and with ``clip_ratio_c``
-    ``dual_clipfrac``, the fraction of valid tokens where the dual clip is active.
+    Padded entries are 0. Metrics (detached scalars): ``clipfrac``, the fraction of valid tokens
+    where the clipped branch is the larger (active) one, ``ppo_kl``, the masked mean of
+    ``old_logprob - logprob``, and with ``clip_ratio_c`` ``dual_clipfrac``, the fraction of valid
+    tokens where the dual clip is active.
     """
     advantages = _where_valid(advantages, response_mask)
     log_ratio = _where_valid(logprob - old_logprob, response_mask)
@@ -72,10 +69,7 @@ def clipped_policy_loss(
         dual = (advantages < 0) & (per_token > bound)
         per_token = torch.where(dual, bound, per_token)
         metrics["dual_clipfrac"] = masked_mean(dual.float(), response_mask).detach()
-    if is_weights is not None:
-        per_token = per_token * _where_valid(is_weights.detach(), response_mask)
-    loss = aggregate_loss(per_token, response_mask, loss_agg_mode, denom=denom, horizon=horizon)
-    return loss, metrics
+    return per_token, metrics
 
 
 def kl_penalty(
@@ -98,7 +92,7 @@ def kl_penalty(
     if kind in ("low_var_kl", "k3"):
         neg = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
-    raise ValueError(f"unknown kl_penalty kind {kind!r}")
+    raise ValueError(f"unknown kl_penalty kind {kind!r}; expected one of {KL_ESTIMATORS}")
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,12 @@
 and ``policy_loss``, the one place that picks a surrogate by name.
 
 All take right-padded ``[B, R]`` log-probs of the current policy (``logprob``, with gradient) and
-of the policy the ratio is taken against (``old_logprob``), per-token ``advantages``, the
-``response_mask``, optional per-token ``is_weights`` (constants multiplying the per-token loss;
-see ``offstep.algos.correction``), and reduce with ``aggregate_loss`` (``loss_agg_mode``,
-``denom``, ``horizon``), which is a separate choice. They return ``(loss, metrics)`` with the
-detached scalar metrics ``clipfrac`` and ``ppo_kl`` (masked mean of ``old - logprob``).
+of the policy the ratio is taken against (``old_logprob``), per-token ``advantages`` and the
+``response_mask``, and return ``(per_token_loss, metrics)``: the ``[B, R]`` loss (0 on padding)
+and the detached scalar metrics ``clipfrac`` and ``ppo_kl`` (masked mean of ``old - logprob``).
+The reduction to a scalar is a separate choice, made once by ``offstep.algos.common.aggregate_loss``
+(per-token importance weights of ``offstep.algos.correction``, ``loss_agg_mode``, ``denom``,
+``horizon``).
 
 * ``gspo_policy_loss``: GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization",
   arXiv:2507.18071, the GSPO-token form of eq. 13): the ratio of a response is the geometric mean
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from offstep.algos.common import aggregate_loss, masked_mean
+from offstep.algos.common import masked_mean
 from offstep.algos.losses import LOG_RATIO_CLAMP, _where_valid, clipped_policy_loss
 
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "pg")
@@ -37,12 +38,6 @@ def _ratio(logprob, old_logprob, response_mask):
     return log_ratio, torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
-def _reduce(per_token, response_mask, is_weights, loss_agg_mode, denom, horizon):
-    if is_weights is not None:
-        per_token = per_token * _where_valid(is_weights.detach(), response_mask)
-    return aggregate_loss(per_token, response_mask, loss_agg_mode, denom=denom, horizon=horizon)
-
-
 def gspo_policy_loss(
     logprob: torch.Tensor,
     old_logprob: torch.Tensor,
@@ -50,12 +45,9 @@ def gspo_policy_loss(
     response_mask: torch.Tensor,
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
-    loss_agg_mode: str = "seq-mean-token-mean",
-    denom: float | torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-    horizon: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO-token loss ``max(-A * s_it, -A * clip(s_it, 1 - low, 1 + high))`` per token."""
+    """GSPO-token loss ``max(-A * s_it, -A * clip(s_it, 1 - low, 1 + high))`` per token. The
+    paper's objective is the ``seq-mean-token-mean`` reduction of it."""
     advantages = _where_valid(advantages, response_mask)
     log_ratio, _ = _ratio(logprob, old_logprob, response_mask)
     seq_log_ratio = masked_mean(log_ratio, response_mask, dim=-1)  # log of the geometric mean
@@ -64,13 +56,11 @@ def gspo_policy_loss(
     s = torch.exp(_where_valid(log_s, response_mask))
     unclipped = -advantages * s
     clipped = -advantages * s.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    per_token = torch.maximum(unclipped, clipped)
-    loss = _reduce(per_token, response_mask, is_weights, loss_agg_mode, denom, horizon)
     metrics = {
         "clipfrac": masked_mean((clipped > unclipped).float(), response_mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
-    return loss, metrics
+    return torch.maximum(unclipped, clipped), metrics
 
 
 def cispo_policy_loss(
@@ -80,23 +70,17 @@ def cispo_policy_loss(
     response_mask: torch.Tensor,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    loss_agg_mode: str = "token-mean",
-    denom: float | torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-    horizon: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO loss ``-A * r * sg[clip(r, 1 - low, 1 + high) / r]`` per token (gradient
     ``-A * clip(r) * grad log pi``). ``clipfrac``: fraction of tokens whose weight was clipped."""
     advantages = _where_valid(advantages, response_mask)
     log_ratio, ratio = _ratio(logprob, old_logprob, response_mask)
     clipped_ratio = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    per_token = -advantages * ratio * (clipped_ratio / ratio).detach()
-    loss = _reduce(per_token, response_mask, is_weights, loss_agg_mode, denom, horizon)
     metrics = {
         "clipfrac": masked_mean((clipped_ratio != ratio).float(), response_mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
-    return loss, metrics
+    return -advantages * ratio * (clipped_ratio / ratio).detach(), metrics
 
 
 def pg_policy_loss(
@@ -104,17 +88,12 @@ def pg_policy_loss(
     old_logprob: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    loss_agg_mode: str = "token-mean",
-    denom: float | torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-    horizon: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Importance-weighted policy gradient ``-A * r`` per token, no clipping (``clipfrac`` 0)."""
     advantages = _where_valid(advantages, response_mask)
     log_ratio, ratio = _ratio(logprob, old_logprob, response_mask)
-    loss = _reduce(-advantages * ratio, response_mask, is_weights, loss_agg_mode, denom, horizon)
     zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
-    return loss, {"clipfrac": zero, "ppo_kl": masked_mean(-log_ratio, response_mask).detach()}
+    return -advantages * ratio, {"clipfrac": zero, "ppo_kl": masked_mean(-log_ratio, response_mask).detach()}
 
 
 def policy_loss(
@@ -127,25 +106,19 @@ def policy_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    denom: float | torch.Tensor | None = None,
-    is_weights: torch.Tensor | None = None,
-    horizon: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The surrogate named ``mode`` (one of ``POLICY_LOSSES``). ``clip_ratio_c`` (dual-clip) only
-    exists for ``"ppo"``; the clip range is unused by ``"pg"``."""
-    common = {"loss_agg_mode": loss_agg_mode, "denom": denom, "is_weights": is_weights, "horizon": horizon}
+    """The per-token loss and metrics of the surrogate named ``mode`` (one of ``POLICY_LOSSES``).
+    ``clip_ratio_c`` (dual-clip) only exists for ``"ppo"``; the clip range is unused by ``"pg"``."""
     clip = {"clip_ratio_low": clip_ratio_low, "clip_ratio_high": clip_ratio_high}
     if mode != "ppo" and clip_ratio_c is not None:
         raise ValueError(f"clip_ratio_c (dual-clip) applies to the ppo loss only, not {mode!r}")
     match mode:
         case "ppo":
-            return clipped_policy_loss(logprob, old_logprob, advantages, response_mask, **clip, **common,
-                                       clip_ratio_c=clip_ratio_c)
+            return clipped_policy_loss(logprob, old_logprob, advantages, response_mask, **clip, clip_ratio_c=clip_ratio_c)
         case "gspo":
-            return gspo_policy_loss(logprob, old_logprob, advantages, response_mask, **clip, **common)
+            return gspo_policy_loss(logprob, old_logprob, advantages, response_mask, **clip)
         case "cispo":
-            return cispo_policy_loss(logprob, old_logprob, advantages, response_mask, **clip, **common)
+            return cispo_policy_loss(logprob, old_logprob, advantages, response_mask, **clip)
         case "pg":
-            return pg_policy_loss(logprob, old_logprob, advantages, response_mask, **common)
+            return pg_policy_loss(logprob, old_logprob, advantages, response_mask)
     raise ValueError(f"unknown policy loss {mode!r}; expected one of {POLICY_LOSSES}")

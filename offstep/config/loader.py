@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import difflib
+import re
+from dataclasses import fields, is_dataclass
 
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, InterpolationResolutionError, OmegaConfBaseException
 
 from offstep.config.schema import Config
+from offstep.errors import OffstepError
 
 _registered = False
 
 
-class ConfigError(ValueError):
+class ConfigError(OffstepError, ValueError):
     """A configuration that cannot work; the message names the key and the fix."""
 
 
@@ -26,6 +30,19 @@ def _register() -> None:
         _registered = True
 
 
+def _unknown_key(key: str) -> str:
+    """The message for a key the schema does not have, with the closest keys it does have."""
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.structured(Config)
+    for part in filter(None, parent.split(".")):
+        node = node.get(part) if hasattr(node, "get") else None
+    known = [str(k) for k in node] if hasattr(node, "keys") else []
+    close = difflib.get_close_matches(name, known, n=3)
+    hint = f"did you mean {' or '.join(f'{parent}.{c}' if parent else c for c in close)}? Otherwise " if close else ""
+    return (f"unknown configuration key {key!r}. Fix: {hint}check the spelling; `offstep train --cfg` "
+            "prints every key with its value")
+
+
 def _explain(e: Exception, overrides: list[str]) -> str:
     """One message for a failed composition: which key, what is wrong, how to fix it (Hydra's own
     text suggests ``+key=value``, which a typed config rejects anyway)."""
@@ -33,30 +50,66 @@ def _explain(e: Exception, overrides: list[str]) -> str:
     key = getattr(cause, "full_key", None)
     text = str(cause).split("\n    full_key:")[0].split("\nConfig search path")[0].strip().rstrip(".")
     if isinstance(cause, ConfigAttributeError) and key:
-        parent, _, name = key.rpartition(".")
-        node = OmegaConf.structured(Config)
-        for part in filter(None, parent.split(".")):
-            node = node.get(part) if hasattr(node, "get") else None
-        known = [str(k) for k in node] if hasattr(node, "keys") else []
-        close = difflib.get_close_matches(name, known, n=3)
-        hint = f"did you mean {' or '.join(f'{parent}.{c}' if parent else c for c in close)}? Otherwise " if close else ""
-        return (f"unknown configuration key {key!r}. Fix: {hint}check the spelling; `offstep train --cfg` "
-                "prints every key with its value")
+        return _unknown_key(key)
+    if isinstance(cause, InterpolationResolutionError):
+        env = re.search(r"Environment variable '([^']+)' not found", text)
+        if env:
+            return (f"{key}: the environment variable {env.group(1)} in ${{oc.env:{env.group(1)}}} is not set. Fix: "
+                    f"export {env.group(1)}=..., or give a default: ${{oc.env:{env.group(1)},VALUE}}")
+        return f"{key}: cannot resolve its interpolation ({text}). Fix: give a plain value, or an interpolation that resolves"
     if key:
         return f"bad value for {key}: {text}. Fix: give a value of the key's type (`offstep train --cfg` prints them)"
     return f"bad override in {overrides}: {text}"
 
 
+def _refuse_hydra_overrides(overrides: list[str]) -> None:
+    """Hydra applies ``hydra.*`` overrides to its own node, which ``compose`` drops: refuse them
+    rather than ignore them."""
+    for o in OverridesParser.create().parse_overrides(overrides):
+        group = o.key_or_group
+        if group == "hydra" or group.startswith(("hydra.", "hydra/")):
+            raise ConfigError(
+                f"{o.input_line}: offstep does not use Hydra's own settings (hydra.*): it writes the config, "
+                f"metrics and checkpoints of a run to trainer.output_dir and has no launcher or sweeper. Fix: "
+                f"drop {group}, and set trainer.output_dir=DIR for where the run writes")
+
+
+def _added_keys(node, key: str = "") -> list[str]:
+    """Keys that a ``+key=value`` override added to a dataclass node of the schema (Hydra accepts
+    them in struct mode and ``to_object`` keeps them as stray attributes; nothing reads them)."""
+    out = []
+    if is_dataclass(node):
+        names = {f.name for f in fields(node)}
+        out += [f"{key}{k}" for k in vars(node) if k not in names]
+        for name in names:
+            out += _added_keys(getattr(node, name), f"{key}{name}.")
+    return out
+
+
+def resolve(cfg: Config) -> Config:
+    """Fill in, in place, the keys whose default is derived from other keys, so that every consumer
+    (actor, critic, the saved ``config.yaml``) sees one value: ``algorithm.loss_agg_horizon`` 0 is
+    ``rollout.max_new_tokens`` (Dr. GRPO's constant divisor)."""
+    cfg.algorithm.loss_agg_horizon = cfg.algorithm.loss_agg_horizon or cfg.rollout.max_new_tokens
+    return cfg
+
+
 def load_config(overrides: list[str] | None = None) -> Config:
-    """Return the typed config for ``offstep train`` with ``overrides`` (``key=value``) applied."""
+    """Return the typed, resolved config for ``offstep train`` with ``overrides`` (``key=value``)
+    applied."""
     _register()
     overrides = list(overrides or [])
     try:
+        _refuse_hydra_overrides(overrides)
         with initialize_config_module(config_module="offstep.config", version_base="1.3"):
             cfg = compose(config_name="train", overrides=overrides)
+        typed = OmegaConf.to_object(cfg)  # resolves interpolations such as ${oc.env:VAR}
     except (HydraException, OmegaConfBaseException) as e:
         raise ConfigError(_explain(e, overrides)) from None
-    return OmegaConf.to_object(cfg)
+    added = _added_keys(typed)
+    if added:
+        raise ConfigError(_unknown_key(added[0]))
+    return resolve(typed)
 
 
 def to_yaml(cfg: Config) -> str:

@@ -11,14 +11,19 @@ from pathlib import Path
 from offstep.config.loader import ConfigError
 from offstep.config.schema import Config
 
-# Kept in step with offstep.pipeline.advantage / offstep.algos (not imported: validation loads no torch).
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "pg")
+# Copies of the names that offstep.pipeline.advantage and offstep.algos dispatch on (validation loads
+# no torch, so it cannot import them); tests/test_config.py::test_choice_lists_match_the_dispatch
+# fails when one changes without the other.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # pipeline.advantage.GROUP_ESTIMATORS
+ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")  # pipeline.advantage.ADV_ESTIMATORS
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "pg")  # algos.policy_losses.POLICY_LOSSES
+KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")  # algos.losses.KL_ESTIMATORS
+KL_CONTROLLERS = ("fixed", "adaptive")  # algos.kl_control.KL_CONTROLLERS
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # algos.common.AGG_MODES
+TIS_LEVELS = ("token", "sequence")  # algos.correction.TIS_LEVELS
+REJECTION_LEVELS = ("off", "token", "sequence", "geometric")  # algos.correction.REJECTION_LEVELS
+# No table dispatches on these: the actor and the controller compare with each name.
 CORRECTION_MODES = ("decoupled", "bypass", "off")
-REJECTION_LEVELS = ("off", "token", "sequence", "geometric")
-KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _need(ok: bool, msg: str, errors: list[str]) -> None:
@@ -52,10 +57,10 @@ def _check_algorithm(cfg: Config, e: list[str]) -> None:
     _choice(a.policy_loss, "algorithm.policy_loss", POLICY_LOSSES, e)
     _choice(a.kl_estimator, "algorithm.kl_estimator", KL_ESTIMATORS, e)
     _choice(a.kl_penalty, "algorithm.kl_penalty", KL_ESTIMATORS, e)
-    _choice(a.kl_ctrl.type, "algorithm.kl_ctrl.type", ("fixed", "adaptive"), e)
+    _choice(a.kl_ctrl.type, "algorithm.kl_ctrl.type", KL_CONTROLLERS, e)
     _choice(a.loss_agg_mode, "algorithm.loss_agg_mode", LOSS_AGG_MODES, e)
     _choice(a.correction_mode, "algorithm.correction_mode", CORRECTION_MODES, e)
-    _choice(a.tis_level, "algorithm.tis_level", ("token", "sequence"), e)
+    _choice(a.tis_level, "algorithm.tis_level", TIS_LEVELS, e)
     _choice(a.rejection_level, "algorithm.rejection_level", REJECTION_LEVELS, e)
     est = a.adv_estimator
     _need(not (est in GROUP_ESTIMATORS and r.n < 2),

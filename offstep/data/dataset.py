@@ -35,13 +35,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+from offstep.errors import OffstepError
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_EXTENSIONS = (".parquet", ".jsonl", ".json")
 OVERLONG_MODES = ("filter", "error")
 
 
-class DatasetError(ValueError):
+class DatasetError(OffstepError, ValueError):
     """A dataset file cannot be used. The message names the file, the problem and the fix."""
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -32,6 +33,19 @@ MUST_MATCH = (
     "model.path", "data.train_files", "data.task", "data.task_options", "data.train_batch_size",
     "rollout.n", "pipeline.max_staleness", "trainer.seed", "algorithm.adv_estimator",
 )
+
+
+@dataclass
+class TrainerState:
+    """The driver's share of a checkpoint (the trainer roles write their own shards)."""
+
+    step: int  # the last step done
+    version: int  # the trainer's policy version
+    t0: float  # the run's clock origin (timeline.jsonl is relative to it)
+    stream: dict  # PromptStream.state_dict(): epoch, position, order
+    in_flight: list  # (batch index, epoch, prompt indices, Generated) of each batch generating ahead
+    restarts: int  # rollout replicas replaced so far
+    kl_ctrl: dict | None = None  # the KL-in-reward controller's state
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -64,11 +78,11 @@ class Checkpoints:
         path.mkdir()
         return path
 
-    def commit(self, staging: Path, step: int, state: dict, config_yaml: str) -> Path:
+    def commit(self, staging: Path, state: TrainerState, config_yaml: str) -> Path:
         """Write the driver's state last, then make the checkpoint visible with one rename."""
         (staging / "config.yaml").write_text(config_yaml)
-        torch.save(state, staging / STATE_FILE)
-        final = step_dir(self.root, step)
+        torch.save(vars(state), staging / STATE_FILE)
+        final = step_dir(self.root, state.step)
         if final.exists():  # re-saving a step (e.g. a resumed run stopped again at once)
             shutil.rmtree(final)
         staging.rename(final)
@@ -111,8 +125,8 @@ def resolve_path(path: str | Path, step: int | None = None) -> Path:
     return found[step]
 
 
-def load_state(path: Path) -> dict:
-    return torch.load(path / STATE_FILE, weights_only=False)
+def load_state(path: Path) -> TrainerState:
+    return TrainerState(**torch.load(path / STATE_FILE, weights_only=False))
 
 
 def check_compatible(saved_yaml: str, cfg) -> None:

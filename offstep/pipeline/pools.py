@@ -15,7 +15,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from offstep.train.distributed import GroupSpec, free_port
+from offstep.train.distributed import GroupSpec, serve_store
 
 # Actors take a token share of a bundle; the bundle itself reserves the cores, and each actor
 # sets its own thread count. This lets several roles share one bundle (they run in turn).
@@ -61,24 +61,33 @@ class Pool:
 
 
 @ray.remote(num_cpus=0)
-def _address() -> tuple[str, int]:
-    """This node's address and a free port on it."""
-    return ray.util.get_node_ip_address(), free_port()
+class Rendezvous:
+    """Serves the store a role group's ranks meet at, for the group's lifetime: on rank 0's node,
+    listening on ``host`` only (127.0.0.1 for a local run; the node's address on a cluster)."""
+
+    def __init__(self, host: str | None):
+        self.host = host or ray.util.get_node_ip_address()
+        self.store, self.sock = serve_store(self.host, None)
+
+    def endpoint(self) -> tuple[str, int]:
+        return self.host, self.sock.getsockname()[1]
 
 
 class RoleGroup:
     """The ranks of one trainer role, spread one per bundle of a pool."""
 
-    def __init__(self, name: str, handles: list):
-        self.name, self.handles = name, handles
+    def __init__(self, name: str, handles: list, rendezvous=None):
+        self.name, self.handles, self.rendezvous = name, handles, rendezvous
 
     @classmethod
-    def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, *args) -> "RoleGroup":
+    def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, *args, host: str | None = None) -> "RoleGroup":
+        """``host``: the address the group's store listens on (None: rank 0's node address)."""
         remote_cls = ray.remote(worker_cls)
         # The group meets at rank 0's node (which, on a cluster, need not be the driver's).
         where = pool.options(0)
         where.pop("runtime_env")
-        master_addr, port = ray.get(_address.options(**where).remote())
+        rendezvous = Rendezvous.options(**where).remote(host)
+        master_addr, port = ray.get(rendezvous.endpoint.remote())
         handles = []
         for rank in range(pool.bundles):
             spec = GroupSpec(
@@ -91,7 +100,7 @@ class RoleGroup:
             )
             opts = pool.options(rank, gpu_share, env)
             handles.append(remote_cls.options(name=f"{name}-{rank}", **opts).remote(spec, *args))
-        return cls(name, handles)
+        return cls(name, handles, rendezvous)
 
     def submit(self, method: str, *args) -> list:
         return [getattr(h, method).remote(*args) for h in self.handles]
@@ -102,5 +111,5 @@ class RoleGroup:
         return results[0]
 
     def kill(self) -> None:
-        for h in self.handles:
+        for h in self.handles + ([self.rendezvous] if self.rendezvous is not None else []):
             ray.kill(h)

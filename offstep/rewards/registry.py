@@ -17,12 +17,13 @@ import sys
 import threading
 from typing import Any, Callable, Iterable
 
+from offstep.errors import OffstepError
 from offstep.rewards.scorers import gsm8k_score, last_number_score
 
 Scorer = Callable[..., Any]
 
 
-class RewardError(RuntimeError):
+class RewardError(OffstepError, RuntimeError):
     """A reward scorer failed or is misconfigured."""
 
 

@@ -1,4 +1,5 @@
-"""Rollout engines: the protocol, and the built-in PyTorch engine over a transformers causal LM.
+"""Rollout engines: the protocol, and the scheduler of the built-in PyTorch engine over a
+transformers causal LM.
 
 ``TorchEngine`` schedules with **continuous batching** (Orca, Yu et al., OSDI 2022; vLLM, Kwon et
 al., SOSP 2023) on Llama-family models: up to ``max_batch_size`` samples occupy the slots of a
@@ -13,20 +14,16 @@ RadixAttention, Zheng et al., 2024, reduced to the one longest common prefix of 
 forward pass over slots is ``offstep.rollout.llama_runner``.
 
 Other architectures (sliding-window or hybrid attention, q/k norms, ...) use the fallback: the
-model's own forward with a transformers ``DynamicCache``, in static sub-batches of
-``max_batch_size`` samples (unique prompts prefilled once, left-padded; finished rows leave the
-batch).
+model's own forward with a transformers ``DynamicCache`` (``offstep.rollout.hf_runner``), in static
+sub-batches of ``max_batch_size`` samples (unique prompts prefilled once, left-padded; finished rows
+leave the batch).
 
-Randomness: every sample ``i`` (prompt-major index over ``prompt x n``) draws its uniforms from its
-own ``torch.Generator`` seeded from ``(seed, i)``; a token is sampled on the device by inverting the
-CDF of the final (temperature/top-k/top-p) distribution with that uniform. A sample's random stream
-therefore does not depend on the batch it shares, on ``max_batch_size``, on when it was admitted,
-on when the others finish, or on the device.
+Sampling, and the per-sample random streams that make a sample's tokens independent of the batch
+it shares, are ``offstep.rollout.sampling``.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -35,12 +32,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from offstep.rollout.hf_runner import HFRunner
 from offstep.rollout.llama_runner import LlamaRunner, unsupported_reason
+from offstep.rollout.sampling import sample_tokens, sample_uniforms
 from offstep.rollout.types import Completion, SamplingParams
 
 _log = logging.getLogger(__name__)
 
-__all__ = ["RolloutEngine", "TorchEngine", "sample_tokens"]
+__all__ = ["RolloutEngine", "TorchEngine"]
 
 
 @runtime_checkable
@@ -66,78 +65,6 @@ class RolloutEngine(Protocol):
     def reset_cache(self) -> None:
         """Drop any cached state (KV / prefix cache) that depends on the weights."""
         ...
-
-
-# --------------------------------------------------------------------------------------------------
-# sampling
-
-
-def sample_tokens(logits: Tensor, params: SamplingParams, uniforms: Tensor) -> tuple[Tensor, Tensor]:
-    """Sample one token per row and return ``(tokens, logprobs)``.
-
-    ``logits`` is ``[B, V]`` float32; ``uniforms`` is ``[B]`` float64 in ``[0, 1)`` (ignored when greedy).
-    The log-prob is that of the sampled token under the final distribution (temperature, top-k, top-p
-    applied); for greedy decoding (``temperature == 0``) it is under the untempered softmax.
-    """
-    if params.temperature == 0:
-        logp = torch.log_softmax(logits, dim=-1)
-        tokens = logits.argmax(dim=-1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
-
-    x = logits / params.temperature
-    vocab = x.shape[-1]
-    if 0 < params.top_k < vocab:
-        kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_x, order = torch.sort(x, dim=-1, descending=True)
-        probs = torch.softmax(sorted_x, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        # Keep the smallest prefix whose mass reaches top_p (the most likely token is always kept).
-        sorted_x = sorted_x.masked_fill(mass_before >= params.top_p, float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, order, sorted_x)
-    probs = torch.softmax(x, dim=-1)
-    tokens = _inverse_cdf(probs, uniforms.to(device=probs.device, dtype=torch.float64))
-    chosen = probs.gather(-1, tokens[:, None]).squeeze(-1)
-    bad = chosen <= 0  # only reachable through float rounding at the very top of the CDF
-    if bool(bad.any()):
-        tokens = torch.where(bad, probs.argmax(dim=-1), tokens)
-        chosen = probs.gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, torch.log(chosen)
-
-
-_CDF_BLOCK = 256
-
-
-def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
-    """Index ``i`` per row with ``cdf[i - 1] <= u * total < cdf[i]``, in two levels.
-
-    A float64 cumulative sum over the whole vocabulary costs several times the softmax; summing blocks
-    of 256 probabilities first and then scanning only the selected block is exact enough (float64
-    accumulation) and ~5x cheaper on CPU.
-    """
-    b, v = probs.shape
-    nb = -(-v // _CDF_BLOCK)
-    if nb * _CDF_BLOCK != v:
-        probs = torch.nn.functional.pad(probs, (0, nb * _CDF_BLOCK - v))
-    blocks = probs.view(b, nb, _CDF_BLOCK)
-    block_cdf = blocks.sum(-1, dtype=torch.float64).cumsum(-1)  # [B, nb]
-    target = (u * block_cdf[:, -1])[:, None]
-    bidx = torch.searchsorted(block_cdf, target, right=True).clamp_(max=nb - 1)  # [B, 1]
-    before = torch.where(bidx > 0, block_cdf.gather(-1, (bidx - 1).clamp_(min=0)), torch.zeros_like(target))
-    inner = blocks.gather(1, bidx[:, :, None].expand(b, 1, _CDF_BLOCK)).squeeze(1).to(torch.float64).cumsum(-1)
-    rest = torch.minimum(target - before, inner[:, -1:] * (1 - 1e-12))  # stay inside the chosen block
-    j = torch.searchsorted(inner, rest, right=True).clamp_(max=_CDF_BLOCK - 1)
-    return (bidx * _CDF_BLOCK + j).squeeze(-1).clamp_(max=v - 1)
-
-
-def _mix_seed(seed: int, index: int) -> int:
-    """SplitMix64 of (seed, index): well-spread 63-bit seeds for per-sample generators."""
-    mask = (1 << 64) - 1
-    z = (int(seed) * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -201,8 +128,6 @@ class TorchEngine:
             raise ValueError("eos_ids is empty; pass at least the tokenizer's eos token id")
         self.device = torch.device(device)
         self.model = model.to(self.device).eval()
-        # transformers >= 5.24 names the forward's KV-cache argument `cache` (`past_key_values` is deprecated).
-        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.tokenizer = tokenizer
         self.eos_ids: list[int] = list(dict.fromkeys(eos))
         self._eos_set = frozenset(self.eos_ids)
@@ -212,6 +137,8 @@ class TorchEngine:
         self.version: int = 0
         self.vocab_size: int = int(self.model.get_input_embeddings().weight.shape[0])
         self._runner: LlamaRunner | None = self._pick_runner(runner)
+        # The model's own forward, for models the slot runner does not serve.
+        self._fallback = HFRunner(self.model, self.pad_id, self.device) if self._runner is None else None
 
     @property
     def runner(self) -> str:
@@ -375,18 +302,6 @@ class TorchEngine:
 
     # ---------------------------------------------------------------- shared helpers
 
-    def _uniforms(self, indices: Sequence[int], params: SamplingParams, seed: int) -> Tensor:
-        """``[len(indices), max_new_tokens]`` float64 uniforms, row ``r`` from sample ``indices[r]``'s own stream."""
-        steps = max(1, params.max_new_tokens)
-        if params.temperature == 0:
-            return torch.zeros((len(indices), steps), dtype=torch.float64, device=self.device)
-        out = torch.empty((len(indices), steps), dtype=torch.float64)
-        gen = torch.Generator()
-        for r, index in enumerate(indices):
-            gen.manual_seed(_mix_seed(seed, index))
-            out[r] = torch.rand(steps, generator=gen, dtype=torch.float64)
-        return out.to(self.device)
-
     def _finish(self, row: _Row, reason: str) -> Completion:
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
         return Completion(
@@ -426,7 +341,7 @@ class TorchEngine:
         """
         runner, dev, n = self._runner, self.device, params.n
         total = len(prompts) * n
-        uniforms = self._uniforms(range(total), params, seed)
+        uniforms = sample_uniforms(range(total), params, seed, self.device)
         slots = min(self.max_batch_size, total)
         plen = max(len(p) for p in prompts)
         shared = _shared_prefix(prompts)
@@ -511,46 +426,16 @@ class TorchEngine:
         order.sort(key=lambda item: len(prompts[item[1]]))
         for start in range(0, len(order), self.max_batch_size):
             rows = [_Row(i, pi) for i, pi in order[start : start + self.max_batch_size]]
-            uniforms = self._uniforms([r.index for r in rows], params, seed)
+            uniforms = sample_uniforms([r.index for r in rows], params, seed, self.device)
             self._generate_chunk(prompts, rows, params, uniforms, emit)
 
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kw: cache},
-        )
-        return out.logits[:, -1, :].float()
-
     def _generate_chunk(self, prompts, rows: list[_Row], params: SamplingParams, uniforms: Tensor, emit) -> None:
-        from transformers.cache_utils import DynamicCache
-
-        dev = self.device
-        # ---- prefill the unique prompts of this chunk once (left-padded)
+        # ---- prefill the unique prompts of this chunk once; one cache row per sample
         unique: dict[int, int] = {}
         for row in rows:
             unique.setdefault(row.prompt_index, len(unique))
-        uniq_prompts = [prompts[pi] for pi in unique]
-        plen = max(len(p) for p in uniq_prompts)
-        ids = torch.full((len(uniq_prompts), plen), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(uniq_prompts), plen), dtype=torch.long)
-        for u, p in enumerate(uniq_prompts):
-            ids[u, plen - len(p) :] = torch.as_tensor(p, dtype=torch.long)
-            mask[u, plen - len(p) :] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
-        cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, pos, cache)
-
-        # ---- one cache row per sample
-        expand = torch.tensor([unique[row.prompt_index] for row in rows], dtype=torch.long, device=dev)
-        if len(rows) != len(uniq_prompts) or not torch.equal(expand, torch.arange(len(rows), device=dev)):
-            cache.batch_select_indices(expand)
-            logits, mask, pos = logits[expand], mask[expand], pos[expand]
-        next_pos = pos[:, -1] + 1
+        runner = self._fallback
+        logits, batch = runner.prefill([prompts[pi] for pi in unique], [unique[row.prompt_index] for row in rows])
 
         window = 4 * max((len(s) for s in params.stop), default=0) + 4
         active = list(range(len(rows)))  # chunk-local row numbers still decoding, in batch order
@@ -566,10 +451,8 @@ class TorchEngine:
             if not keep:
                 return
             if len(keep) != len(active):
-                sel = torch.tensor(keep, dtype=torch.long, device=dev)
-                cache.batch_select_indices(sel)
-                tokens, mask, next_pos = tokens[sel], mask[sel], next_pos[sel]
+                sel = torch.tensor(keep, dtype=torch.long, device=self.device)
+                batch.select(sel)
+                tokens = tokens[sel]
                 active = [active[b] for b in keep]
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-            logits = self._forward(tokens[:, None], mask, next_pos[:, None], cache)
-            next_pos = next_pos + 1
+            logits = runner.decode(batch, tokens)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offstep.batch import Sample, collate
+from offstep.batch import GenTiming, Sample, Span, collate
+from offstep.models.forward import DTYPES, forward_response
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.engine import TorchEngine
@@ -22,7 +23,6 @@ from offstep.rollout.types import Completion, SamplingParams
 from offstep.sync.collective import TensorSpec, WeightReceiver, manifest
 from offstep.sync.weights import unpack_state_dict
 from offstep.telemetry.progress import ProgressClient
-from offstep.train.fsdp import DTYPES, forward_response
 
 
 @dataclass
@@ -75,13 +75,9 @@ class RolloutWorker:
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
         self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
 
-    @property
-    def version(self) -> int:
-        return self.engine.version
-
     def generate(
         self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool = True
-    ) -> tuple[list[Sample], dict]:
+    ) -> tuple[list[Sample], GenTiming]:
         """Sample ``params.n`` responses per request, scoring each as soon as it finishes; with a
         reference model here (``pipeline.ref_on_rollout``), attach its log-probs too."""
         t0 = time.time()
@@ -98,7 +94,6 @@ class RolloutWorker:
 
         self.progress.start("gen", total=len(requests) * params.n, version=version)
         completions = self.engine.generate([r.prompt_ids for r in requests], params, seed, on_finish=on_finish)
-        t_gen = time.time()
         samples = []
         for c in completions:
             fut = futures.get(id(c)) or self.pool.submit(score, c)
@@ -125,12 +120,12 @@ class RolloutWorker:
             )
         if params.greedy_baseline:
             self._attach_greedy_baseline(requests, samples, params, seed)
-        t1 = time.time()
-        timing = {"start": t0, "end": t1, "score_tail": t1 - t_gen, "version": version}
+        gen = Span(t0, time.time(), version)
+        ref = None
         if self.ref is not None and with_ref:
             self._attach_ref_logprobs(samples)
-            timing["ref_start"], timing["ref_end"] = t1, time.time()
-        return samples, timing
+            ref = Span(gen.end, time.time())
+        return samples, GenTiming(gen, ref)
 
     def _attach_greedy_baseline(self, requests: list[Request], samples: list[Sample], params: SamplingParams, seed: int) -> None:
         """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): one greedy response per request
@@ -162,11 +157,11 @@ class RolloutWorker:
         for i, s in enumerate(samples):
             s.ref_logprobs = ref[i, : len(s.response_ids)].tolist()
 
-    def load_weights(self, packed: dict, version: int) -> dict:
+    def load_weights(self, packed: dict, version: int) -> Span:
         t0 = time.time()
         self.progress.start("load_weights", version=version)
         self.engine.load_weights(unpack_state_dict(packed), version)
-        return {"start": t0, "end": time.time(), "version": version}
+        return Span(t0, time.time(), version)
 
     # Collective path (pipeline.weight_sync=collective): rank i + 1 of the weight-sync group, made
     # once by offstep.sync.collective.connect; receives land in the engine's parameters in place.
@@ -178,7 +173,7 @@ class RolloutWorker:
         self._weight_receiver = WeightReceiver(self.engine.model, self.device)
         self._weight_receiver.connect(host, port, rank, world_size, backend, specs, bucket_bytes, timeout_s)
 
-    def receive_weights(self, version: int) -> dict:
+    def receive_weights(self, version: int) -> Span:
         """The collective counterpart of ``load_weights``: ``start`` is when the actor's data began
         to arrive (an idle worker may wait for the actor before that)."""
         receiver = getattr(self, "_weight_receiver", None)
@@ -189,4 +184,4 @@ class RolloutWorker:
         t0 = receiver.receive(version)
         self.engine.version = int(version)
         self.engine.reset_cache()
-        return {"start": t0, "end": time.time(), "version": version}
+        return Span(t0, time.time(), version)

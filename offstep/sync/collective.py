@@ -41,6 +41,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from offstep.train.distributed import serve_store
+
 _PREFIX = "offstep/weight_sync"
 
 
@@ -192,12 +194,12 @@ class WeightSender:
 
     def __init__(self, host: str, device: torch.device, timeout_s: float):
         self.host, self.device, self.timeout_s = host, device, timeout_s
-        self.store = dist.TCPStore(host, 0, None, True, _timeout(timeout_s), wait_for_workers=False)
+        self.store, self._sock = serve_store(host, None, _timeout(timeout_s))
         self.group = None
 
     @property
     def endpoint(self) -> tuple[str, int]:
-        return self.host, self.store.port
+        return self.host, self._sock.getsockname()[1]
 
     def connect(
         self, world_size: int, backend: str, specs: list[TensorSpec], bucket_bytes: int,
@@ -320,14 +322,15 @@ class WeightReceiver:
 
 
 def connect(actor_handles: list, rollout_handles: list, backend: str, bucket_mb: float, timeout_s: float,
-            max_in_flight: int = 1) -> None:
+            max_in_flight: int = 1, host: str | None = None) -> None:
     """Driver side: make the weight-sync group once, between actor rank 0 and every rollout worker
-    (Ray actor handles of ``ActorWorker`` and ``RolloutWorker``)."""
+    (Ray actor handles of ``ActorWorker`` and ``RolloutWorker``); its store listens on ``host``
+    (None: actor rank 0's node address)."""
     import ray
 
     bucket_bytes = max(1, int(bucket_mb * 2**20))
     specs = ray.get(rollout_handles[0].weight_sync_manifest.remote())
-    host, port = ray.get(actor_handles[0].open_weight_sync.remote(timeout_s))
+    host, port = ray.get(actor_handles[0].open_weight_sync.remote(timeout_s, host))
     world = 1 + len(rollout_handles)
     refs = [actor_handles[0].join_weight_sync.remote(world, backend, specs, bucket_bytes, max_in_flight)]
     refs += [

@@ -38,7 +38,3 @@ def unpack_state_dict(packed: Mapping[str, tuple[np.ndarray, str]]) -> dict[str,
             t = t.view(target)
         out[name] = t
     return out
-
-
-def state_bytes(packed: Mapping[str, tuple[np.ndarray, str]]) -> int:
-    return sum(arr.nbytes for arr, _ in packed.values())

@@ -29,20 +29,13 @@ from offstep.algos.losses import kl_penalty
 from offstep.algos.policy_losses import policy_loss
 from offstep.batch import TrainBatch
 from offstep.config.schema import ActorConfig, AlgorithmConfig
+from offstep.models.forward import DTYPES, forward_response
 from offstep.models.loading import load_causal_lm
 from offstep.sync.collective import WeightSender, full_parameters, manifest
 from offstep.sync.weights import pack_state_dict
 from offstep.telemetry.progress import ProgressClient, mini_batch_count
 from offstep.train.distributed import GroupSpec, all_mean
-from offstep.train.fsdp import (
-    DTYPES,
-    RoleWorker,
-    clip_and_step,
-    forward_response,
-    make_optimizer,
-    shard_model,
-    timed,
-)
+from offstep.train.fsdp import RoleWorker, clip_and_step, make_optimizer, shard_model, timed
 
 
 class ActorWorker(RoleWorker):
@@ -142,32 +135,28 @@ class ActorWorker(RoleWorker):
 
     def _micro_step(self, mb: TrainBatch, denom: float) -> dict[str, float]:
         algo, mask = self.algo, mb.response_mask
-        horizon = algo.loss_agg_horizon or None  # Dr. GRPO's constant (set from rollout.max_new_tokens)
         logp, ent = forward_response(self.model, mb, self.temperature, True, self.compute_dtype)
         old, weights, metrics = self._correction(mb, logp)
-        pg_loss, pg_metrics = policy_loss(
-            algo.policy_loss,
-            logp,
-            old,
-            mb.advantages,
-            mask,
-            clip_ratio_low=algo.clip_ratio_low,
-            clip_ratio_high=algo.clip_ratio_high,
-            clip_ratio_c=algo.clip_ratio_c,
-            loss_agg_mode=algo.loss_agg_mode,
-            denom=denom,
-            is_weights=weights,
-            horizon=horizon,
+        horizon = algo.loss_agg_horizon or None  # Dr. GRPO's constant (load_config resolves 0 to rollout.max_new_tokens)
+
+        def reduce(per_token: torch.Tensor, is_weights: torch.Tensor | None = None) -> torch.Tensor:
+            """The one reduction of every loss term, normalised by the whole mini-batch (``denom``)."""
+            return aggregate_loss(per_token, mask, algo.loss_agg_mode, denom=denom, horizon=horizon, is_weights=is_weights)
+
+        per_token, pg_metrics = policy_loss(
+            algo.policy_loss, logp, old, mb.advantages, mask,
+            clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c,
         )
+        pg_loss = reduce(per_token, weights)
         loss = pg_loss
         metrics.update(pg_metrics)
         if mb.ref_logprobs is not None:
             kl = kl_penalty(logp, mb.ref_logprobs, kind=algo.kl_estimator)
             metrics["kl"] = masked_mean(kl.detach(), mask)
             if algo.use_kl_loss:
-                loss = loss + algo.kl_coef * aggregate_loss(kl, mask, algo.loss_agg_mode, denom=denom, horizon=horizon)
+                loss = loss + algo.kl_coef * reduce(kl)
         if algo.entropy_coeff:
-            loss = loss - algo.entropy_coeff * aggregate_loss(ent, mask, algo.loss_agg_mode, denom=denom, horizon=horizon)
+            loss = loss - algo.entropy_coeff * reduce(ent)
         loss.backward()
         self.progress.advance()
         metrics["entropy"] = masked_mean(ent.detach(), mask)
@@ -227,9 +216,10 @@ class ActorWorker(RoleWorker):
 
     # Collective path (pipeline.weight_sync=collective): rank 0 is rank 0 of a group of its own with
     # every rollout worker, made once by offstep.sync.collective.connect.
-    def open_weight_sync(self, timeout_s: float) -> tuple[str, int]:
-        """Rank 0: serve the weight-sync group's store; returns its (host, port)."""
-        self._weight_sender = WeightSender(ray.util.get_node_ip_address(), self.device, timeout_s)
+    def open_weight_sync(self, timeout_s: float, host: str | None = None) -> tuple[str, int]:
+        """Rank 0: serve the weight-sync group's store on ``host`` (None: this node's address);
+        returns its (host, port)."""
+        self._weight_sender = WeightSender(host or ray.util.get_node_ip_address(), self.device, timeout_s)
         return self._weight_sender.endpoint
 
     def join_weight_sync(self, world_size: int, backend: str, specs: list, bucket_bytes: int, max_in_flight: int) -> None:

@@ -15,8 +15,9 @@ from transformers import AutoModelForTokenClassification
 from offstep.algos.losses import value_loss
 from offstep.batch import TrainBatch, scatter_rows
 from offstep.config.schema import AlgorithmConfig, CriticConfig
+from offstep.models.forward import DTYPES, autocast
 from offstep.train.distributed import GroupSpec, all_mean
-from offstep.train.fsdp import DTYPES, RoleWorker, autocast, clip_and_step, make_optimizer, shard_model, timed
+from offstep.train.fsdp import RoleWorker, clip_and_step, make_optimizer, shard_model, timed
 
 
 class CriticWorker(RoleWorker):

@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+STORE_TIMEOUT = timedelta(minutes=30)  # torch's default for a process group
 
 
 @dataclass(frozen=True)
@@ -18,15 +21,24 @@ class GroupSpec:
     rank: int
     world_size: int
     master_addr: str
-    master_port: int
+    master_port: int  # the group's store (a Rendezvous actor's); 0: one rank, serving its own on master_addr
     device: str  # "cpu" or "cuda"
     num_threads: int
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def serve_store(host: str, world_size: int | None, timeout: timedelta = STORE_TIMEOUT) -> tuple[dist.TCPStore, socket.socket]:
+    """A ``TCPStore`` server that listens on ``host`` only (torch's own listens on every
+    interface), on a port the returned socket holds from the start: no port is picked, closed
+    and bound again later, which another process could take in between."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen(128)
+    store = dist.TCPStore(host, sock.getsockname()[1], world_size, True, timeout, wait_for_workers=False,
+                          master_listen_fd=sock.fileno())
+    return store, sock
+
+
+_own_store: list = []  # the store (and its socket) a one-rank group in this process serves itself
 
 
 def setup(spec: GroupSpec) -> tuple[torch.device, DeviceMesh]:
@@ -43,12 +55,14 @@ def setup(spec: GroupSpec) -> tuple[torch.device, DeviceMesh]:
         if dist.get_world_size() != spec.world_size:
             raise RuntimeError("a different process group is already initialised in this process")
         return device, init_device_mesh(device.type, (spec.world_size,))
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{spec.master_addr}:{spec.master_port}",
-        rank=spec.rank,
-        world_size=spec.world_size,
-    )
+    if spec.master_port == 0:
+        if spec.world_size != 1:
+            raise ValueError("GroupSpec.master_port=0 (a store of its own) is for a group of one rank")
+        _own_store[:] = serve_store(spec.master_addr, 1)
+        store = _own_store[0]
+    else:
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, STORE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size)
     mesh = init_device_mesh(device.type, (spec.world_size,))
     return device, mesh
 

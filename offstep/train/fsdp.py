@@ -1,9 +1,9 @@
-"""What every trainer role shares: an FSDP2-sharded transformers model, its forward pass over a
-``TrainBatch``, the optimizer with warm-up, and the data-parallel split of a batch."""
+"""What every trainer role shares: an FSDP2-sharded transformers model, the optimizer with
+warm-up, and the data-parallel split of a batch. The forward pass over a ``TrainBatch`` is
+``offstep.models.forward`` (the rollout side uses it too)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -14,18 +14,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from offstep.algos.losses import entropy_from_logits, logprobs_from_logits
-from offstep.batch import TrainBatch, micro_batches, scatter_rows
+from offstep.batch import Span, TrainBatch, micro_batches, scatter_rows
 from offstep.config.schema import OptimConfig
+from offstep.errors import OffstepError
+from offstep.models.forward import forward_response
 from offstep.train.distributed import GroupSpec, all_max, all_sum, setup
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def autocast(device: torch.device, compute_dtype: str):
-    if compute_dtype == "float32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[compute_dtype])
 
 
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -51,8 +44,10 @@ def make_optimizer(params, cfg: OptimConfig):
 NONFINITE_POLICIES = ("skip", "stop")
 
 
-class NonFiniteError(FloatingPointError):
+class NonFiniteError(OffstepError, FloatingPointError):
     """An update's loss or gradient norm was NaN/inf under ``actor.nonfinite=stop`` (or ``critic.``)."""
+
+    exit_code = 1  # the input was fine; the run stopped as asked
 
 
 def clip_and_step(
@@ -102,32 +97,6 @@ def rank_shard(batch: TrainBatch, rank: int, world: int) -> TrainBatch:
         return batch
     per = len(batch) // world
     return batch.select(slice(rank * per, (rank + 1) * per))
-
-
-def forward_response(
-    model, mb: TrainBatch, temperature: float, with_entropy: bool = False, compute_dtype: str = "float32"
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, R] of the response tokens (and their entropy) under ``model``.
-
-    Logits are divided by the sampling temperature so that they match the distribution the
-    rollout sampled from. Only the last R + 1 positions go through the LM head. Under a bfloat16
-    ``compute_dtype`` the model runs in autocast; log-probs and entropy are taken in float32.
-    """
-    R = mb.response_mask.shape[1]
-    with autocast(mb.input_ids.device, compute_dtype):
-        out = model(
-            input_ids=mb.input_ids,
-            attention_mask=mb.attention_mask,
-            position_ids=mb.position_ids,
-            use_cache=False,
-            logits_to_keep=R + 1,
-        )
-    logits = out.logits[:, :-1].float()
-    if temperature > 0:
-        logits = logits / temperature
-    logp = logprobs_from_logits(logits, mb.responses)
-    ent = entropy_from_logits(logits) if with_entropy else None
-    return logp, ent
 
 
 class RoleWorker:
@@ -210,12 +179,12 @@ class RoleWorker:
 
 
 def timed(fn):
-    """Wrap a worker method so it returns ``(result, {"start": t0, "end": t1})``."""
+    """Wrap a worker method so it returns ``(result, Span)``."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         t0 = time.time()
         res = fn(*args, **kwargs)
-        return res, {"start": t0, "end": time.time()}
+        return res, Span(t0, time.time())
 
     return wrapper

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from offstep.batch import TrainBatch
+from offstep.models.forward import DTYPES
 from offstep.models.loading import load_causal_lm
 from offstep.train.distributed import GroupSpec
-from offstep.train.fsdp import DTYPES, RoleWorker, shard_model, timed
+from offstep.train.fsdp import RoleWorker, shard_model, timed
 
 
 class RefWorker(RoleWorker):

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from omegaconf import OmegaConf
 
+from offstep.models.forward import DTYPES
 from offstep.models.loading import load_causal_lm, load_tokenizer, resolve_model
 from offstep.pipeline.checkpoints import STATE_FILE, resolve_path
 from offstep.train.checkpoint import load_model_weights
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int | None = None) -> Path:
@@ -22,7 +20,7 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
     ckpt = resolve_path(run_or_checkpoint, step)
     cfg = OmegaConf.load(ckpt / "config.yaml")
     base = resolve_model(cfg.model.path)
-    model = load_causal_lm(base, dtype=_DTYPES[cfg.model.dtype])
+    model = load_causal_lm(base, dtype=DTYPES[cfg.model.dtype])
     load_model_weights(ckpt / "actor", model)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

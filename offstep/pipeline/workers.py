@@ -1,0 +1,140 @@
+"""The processes of a run: Ray, the trainer and rollout pools, the trainer roles (actor,
+reference, critic) and the rollout replicas; their start-up and their shutdown.
+
+:class:`Workers` is what the controller's loop receives. ``start_workers`` builds the real ones;
+tests and benchmarks hand the loop simulated ones instead (``tests/fakes.py``), with the same
+method names and results.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from offstep.config.schema import Config
+from offstep.models.loading import cache_dir
+from offstep.pipeline.inputs import Inputs
+from offstep.pipeline.pools import Pool, RoleGroup
+from offstep.rollout.worker import RefSpec, RolloutWorker
+from offstep.telemetry.progress import LiveStatus
+from offstep.train.actor import ActorWorker
+from offstep.train.critic import CriticWorker
+from offstep.train.ref import RefWorker
+
+
+@dataclass
+class Workers:
+    """Handles to every worker of a run. ``rollout[i]`` is replica i; ``make_rollout(i)`` starts
+    a fresh replica i (the fleet replaces a dead one with it)."""
+
+    actor: RoleGroup
+    rollout: list
+    make_rollout: Callable[[int], Any]
+    live: LiveStatus
+    ref: RoleGroup | None = None
+    critic: RoleGroup | None = None
+    pools: list[Pool] = field(default_factory=list)
+    owns_ray: bool = False  # this run started Ray, so it stops it
+    host: str | None = None  # the address the run's own stores listen on (None: each node's address)
+
+    @property
+    def groups(self) -> list[RoleGroup]:
+        return [g for g in (self.actor, self.ref, self.critic) if g is not None]
+
+    @property
+    def stateful(self) -> list[RoleGroup]:
+        """The roles whose weights and optimizer a checkpoint holds (the reference is frozen)."""
+        return [g for g in (self.actor, self.critic) if g is not None]
+
+    @property
+    def sync_backend(self) -> str:
+        """The weight-sync collective's backend: NCCL when both sides are on GPUs, else gloo."""
+        return "nccl" if self.pools and all(p.device == "cuda" for p in self.pools) else "gloo"
+
+    def ready(self) -> None:
+        """Wait until every worker is constructed: a worker that fails to start fails here, with
+        its own error, rather than at the first step."""
+        ray.get([w.__ray_ready__.remote() for w in self.rollout] + [h.__ray_ready__.remote() for g in self.groups for h in g.handles])
+
+    def close(self) -> None:
+        for g in self.groups:
+            try:
+                ray.get(g.submit("shutdown"), timeout=30)
+            except Exception:  # a dead or hung worker: it is killed below
+                pass
+        self.live.close()
+        for g in self.groups:
+            g.kill()
+        for w in self.rollout:
+            ray.kill(w)
+        for p in self.pools:
+            p.remove()
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def init_ray(cfg: Config) -> bool:
+    """Connect to ``resources.ray_address`` or start a local Ray; True when this run started it."""
+    if ray.is_initialized():
+        return False
+    kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level="WARNING")
+    if cfg.resources.ray_address:
+        ray.init(address=cfg.resources.ray_address, **kwargs)
+    else:
+        ray.init(num_cpus=os.cpu_count(), **kwargs)
+    return True
+
+
+def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
+    """Place the pools and start every role on them (one bundle per trainer rank or replica)."""
+    res, ro, k = cfg.resources, cfg.rollout, cfg.pipeline.max_staleness
+    console.log("offstep: starting Ray and the worker pools")
+    owns_ray = init_ray(cfg)
+    colocate = cfg.pipeline.colocate and k == 0
+    live = LiveStatus.create(console)
+    trainer_pool = Pool.create("trainer", res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker)
+    rollout_pool = None if colocate else Pool.create("rollout", ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica)
+    ref_on_trainer = cfg.algorithm.needs_reference and not cfg.pipeline.ref_on_rollout
+    ref_spec = (
+        RefSpec(cfg.model.dtype, cfg.model.compute_dtype, ro.temperature, cfg.actor.micro_batch_size)
+        if cfg.algorithm.needs_reference and cfg.pipeline.ref_on_rollout else None
+    )
+    use_critic = cfg.algorithm.adv_estimator == "gae"
+    # Roles sharing a trainer bundle take turns on its cores; each takes an equal GPU share.
+    share = 1.0 / (1 + ref_on_trainer + use_critic + colocate)
+    env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OFFSTEP_CACHE": str(cache_dir())}
+    model = (inputs.model_path, cfg.model.dtype, cfg.model.compute_dtype)
+    seed, temperature = cfg.trainer.seed, ro.temperature
+    micro, budget = cfg.actor.micro_batch_size, cfg.actor.micro_token_budget
+    host = None if cfg.resources.ray_address else "127.0.0.1"  # a local run listens on loopback only
+    actor = RoleGroup.create("actor", ActorWorker, trainer_pool, share, env, seed, *model, cfg.actor, cfg.algorithm,
+                             temperature, live.client("trainer"), host=host)
+    ref = (RoleGroup.create("ref", RefWorker, trainer_pool, share, env, seed, *model, temperature, micro, budget, host=host)
+           if ref_on_trainer else None)
+    critic = (
+        RoleGroup.create("critic", CriticWorker, trainer_pool, share, env, seed, *model, cfg.critic, cfg.algorithm,
+                         micro, cfg.actor.mini_batch_size, budget, host=host)
+        if use_critic else None
+    )
+    pool = rollout_pool or trainer_pool
+    rollout_cls = ray.remote(RolloutWorker)
+
+    def make_rollout(i: int):
+        opts = pool.options(i % pool.bundles, share if colocate else 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)})
+        return rollout_cls.options(**opts).remote(
+            inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
+            ro.max_batch_size, ref_spec, live.client(f"rollout/{i}"),
+        )
+
+    workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,
+                      [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host)
+    try:
+        workers.ready()
+    except BaseException:
+        workers.close()
+        raise
+    return workers
