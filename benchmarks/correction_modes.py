@@ -41,8 +41,9 @@ def main() -> None:
     rows = []
     for name, extra in RUNS:
         out = Path("runs") / "bench_correction" / name.split()[0].strip(",") / extra[1].split("=")[1]
+        # A rerun moves the previous run's folder aside (trainer.overwrite) rather than refusing.
         cfg = load_config([f"preset={args.preset}", f"trainer.total_steps={args.steps}", f"trainer.seed={args.seed}",
-                           f"trainer.output_dir={out}", f"trainer.val_freq={args.steps}", "trainer.progress=plain", *extra])
+                           f"trainer.output_dir={out}", "trainer.overwrite=true", f"trainer.val_freq={args.steps}", "trainer.progress=plain", *extra])
         t0 = time.time()
         history = train(cfg)
         steps = [m for m in history if "reward/mean" in m]

@@ -32,13 +32,15 @@ def _train(argv: list[str]) -> int:
 
         return print_help(argv)
     from offstep.config.loader import ConfigError, load_config, to_yaml
-    from offstep.config.validate import validate
+    from offstep.config.validate import check_ray_address, validate
 
     show = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
     try:
         cfg = load_config(overrides)
         validate(cfg)
+        if not show:
+            check_ray_address(cfg.resources.ray_address)  # seconds, not the minutes of data preparation
     except ConfigError as e:
         print(f"offstep: {e}", file=sys.stderr)
         return 2
@@ -100,10 +102,14 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--max-prompt-length", type=int, default=1024)
     parser.add_argument("--reward-path", default=None, help="a file with compute_score(...) (verl signature)")
     parser.add_argument("--reward-name", default="compute_score")
+    parser.add_argument("--reward-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="seconds one scorer call may take before eval stops with the sample named (0: no limit)")
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per generation call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="eval_results.json", help="results file (JSON)")
     args = parser.parse_args(argv)
+    if args.reward_timeout < 0:
+        parser.error(f"--reward-timeout {args.reward_timeout:g} must be >= 0 seconds (0: no limit)")
     import json
 
     from offstep.pipeline.evaluation import run_eval
@@ -121,7 +127,7 @@ def _eval(argv: list[str]) -> int:
             model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
             max_new_tokens=args.max_new_tokens, prompt_key=args.prompt_key, answer_key=args.answer_key,
             max_prompt_length=args.max_prompt_length, reward_path=args.reward_path, reward_name=args.reward_name,
-            batch_size=args.batch_size, seed=args.seed, on_progress=progress,
+            reward_timeout=args.reward_timeout or None, batch_size=args.batch_size, seed=args.seed, on_progress=progress,
         )
     except (ValueError, FileNotFoundError, RewardError, ConfigError) as e:
         print(f"offstep: {e}", file=sys.stderr)
@@ -142,14 +148,19 @@ def _export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="offstep export", description="a run checkpoint as a Hugging Face model folder")
     parser.add_argument("run", help="a run directory (trainer.output_dir) or one of its checkpoints/step_<N> folders")
     parser.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")
-    parser.add_argument("--out", required=True, help="the folder to write (safetensors, config, tokenizer)")
+    parser.add_argument("--out", required=True, help="the folder to write (safetensors, config, tokenizer); it must "
+                        "not exist or be empty")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty --out (deleted only once the new "
+                        "folder is in place)")
+    parser.add_argument("--model", default=None, help="the base model folder or alias (default: the checkpoint's "
+                        "model.path, which must be an alias or a local folder)")
     args = parser.parse_args(argv)
-    from offstep.config.loader import ConfigError
+    from offstep.errors import OffstepError
     from offstep.pipeline.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.run, args.out, args.step)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+        out = export_checkpoint(args.run, args.out, args.step, force=args.force, base=args.model)
+    except (OffstepError, FileNotFoundError, ValueError) as e:
         print(f"offstep: {e}", file=sys.stderr)
         return 2
     print(f"offstep: model written to {out}")

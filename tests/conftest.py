@@ -10,6 +10,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 
+# Shared by the algorithm tests: padding positions filled with values that must never leak into a
+# result (NaN, inf, huge, plausible).
+GARBAGE = [float("nan"), float("inf"), -1e30, 123.0]
+
+
+def pad(x, k, fill):
+    """Append ``k`` columns of ``fill`` to the last dim of ``x``."""
+    import torch
+
+    return torch.cat([x, torch.full((*x.shape[:-1], k), fill, dtype=x.dtype)], dim=-1)
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch

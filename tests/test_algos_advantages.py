@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from conftest import GARBAGE, pad
 from offstep.algos.advantages import (
     gae_advantage,
     grpo_outcome_advantage,
@@ -18,12 +19,6 @@ from offstep.algos.advantages import (
 from offstep.algos.common import masked_whiten
 
 F64 = torch.float64
-GARBAGE = [float("nan"), float("inf"), -1e30, 123.0]
-
-
-def pad(x, k, fill):
-    """Append ``k`` columns of ``fill`` to the last dim of ``x``."""
-    return torch.cat([x, torch.full((*x.shape[:-1], k), fill, dtype=x.dtype)], dim=-1)
 
 
 def length_mask(lengths, r):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import GARBAGE, pad
 from offstep.algos.common import (
     AGG_MODES,
     aggregate_loss,
@@ -15,15 +16,9 @@ from offstep.algos.common import (
 F64 = torch.float64
 
 
-def pad(x, k, fill):
-    """Append ``k`` columns of ``fill`` to the last dim of ``x``."""
-    return torch.cat([x, torch.full((*x.shape[:-1], k), fill, dtype=x.dtype)], dim=-1)
-
-
 # x = [[1, 2, 3], [4, 5, 6]] with valid entries 1, 2 | 4
 X = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], dtype=F64)
 M = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]], dtype=F64)
-GARBAGE = [float("nan"), float("inf"), -1e30, 123.0]
 
 
 def test_masked_sum_and_mean_hand():

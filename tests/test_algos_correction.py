@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from conftest import GARBAGE, pad
 from offstep.algos.common import aggregate_loss
 from offstep.algos.correction import (
     GroupedTokenStats,
@@ -17,12 +18,6 @@ from offstep.algos.correction import (
 from offstep.algos.losses import clipped_policy_loss
 
 F64 = torch.float64
-GARBAGE = [float("nan"), float("inf"), -1e30, 123.0]
-
-
-def pad(x, k, fill):
-    """Append ``k`` columns of ``fill`` to the last dim of ``x``."""
-    return torch.cat([x, torch.full((*x.shape[:-1], k), fill, dtype=x.dtype)], dim=-1)
 
 
 def test_token_level_hand():

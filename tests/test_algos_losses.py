@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from conftest import GARBAGE, pad
 from offstep.algos.common import AGG_MODES, aggregate_loss
 from offstep.algos.losses import (
     clipped_policy_loss,
@@ -16,12 +17,6 @@ from offstep.algos.losses import (
 )
 
 F64 = torch.float64
-GARBAGE = [float("nan"), float("inf"), -1e30, 123.0]
-
-
-def pad(x, k, fill):
-    """Append ``k`` columns of ``fill`` to the last dim of ``x``."""
-    return torch.cat([x, torch.full((*x.shape[:-1], k), fill, dtype=x.dtype)], dim=-1)
 
 
 # ---------------------------------------------------------------- clipped_policy_loss

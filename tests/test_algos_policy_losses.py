@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from conftest import GARBAGE, pad
 from offstep.algos.common import AGG_MODES, aggregate_loss, masked_mean
 from offstep.algos.losses import clipped_policy_loss
 from offstep.algos.policy_losses import (
@@ -19,11 +20,6 @@ from offstep.algos.policy_losses import (
 )
 
 F64 = torch.float64
-GARBAGE = [float("nan"), float("inf"), -1e30, 123.0]
-
-
-def pad(x, k, fill):
-    return torch.cat([x, torch.full((*x.shape[:-1], k), fill, dtype=x.dtype)], dim=-1)
 
 
 def ratios_to_logp(ratios, old=None):

@@ -111,6 +111,60 @@ def _model_missing(tmp):
     return [f"model.path={tmp / 'no_model'}"]
 
 
+def _rows_with_ground_truth(tmp, truth, name):
+    f = tmp / name
+    rows = verl_rows(8)
+    for r in rows:
+        r["reward_model"]["ground_truth"] = truth
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [f"data.train_files=[{f}]"]
+
+
+def _list_ground_truth(tmp):
+    return _rows_with_ground_truth(tmp, ["2", "two"], "listgt.jsonl")
+
+
+def _dict_ground_truth(tmp):
+    return _rows_with_ground_truth(tmp, {"answer": "2"}, "dictgt.jsonl")
+
+
+def _reward_file_exits_on_import(tmp):
+    path = write(tmp / "exits.py", """
+        import sys
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return 0.0
+
+        sys.exit(0)
+    """)
+    return [f"reward.custom_path={path}"]
+
+
+def _scorer_with_wrong_signature(tmp):
+    path = write(tmp / "twoargs.py", "def compute_score(solution_str, ground_truth):\n    return 0.0\n")
+    return [f"reward.custom_path={path}"]
+
+
+def tiny_model_copy(tmp: Path) -> Path:
+    """A copy of the tiny model's folder, to damage."""
+    import shutil
+
+    from offstep.models.loading import resolve_model
+
+    return Path(shutil.copytree(resolve_model("tiny"), tmp / "model"))
+
+
+def _corrupt_safetensors(tmp):
+    d = tiny_model_copy(tmp)
+    weights = d / "model.safetensors"
+    weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:])  # a header length no file has
+    return [f"model.path={d}"]
+
+
+def _output_dir_is_a_file(tmp):
+    return [f"trainer.output_dir={write(tmp / 'taken', 'not a directory')}"]
+
+
 def _model_not_causal_lm(tmp):
     d = tmp / "bert"
     d.mkdir()
@@ -134,6 +188,16 @@ CASES = {
     "data source without scorer": (_unknown_data_source, ["my/task", "reward.custom_path"]),
     "model path missing": (_model_missing, ["no_model", "does not exist", "model.path"]),
     "model not a causal LM": (_model_not_causal_lm, ["bert", "not a causal language model"]),
+    "list ground truth with a built-in scorer": (
+        _list_ground_truth, ["listgt.jsonl", "row 0", "is a list", "string or number", "reward.custom_path"]),
+    "dict ground truth with a built-in scorer": (
+        _dict_ground_truth, ["dictgt.jsonl", "row 0", "is a dict", "every reward would be 0", "reward.custom_path"]),
+    "reward file exits on import": (_reward_file_exits_on_import, ["exits.py", "sys.exit(0)", "__main__"]),
+    "scorer with the wrong signature": (
+        _scorer_with_wrong_signature, ["twoargs.py", "'compute_score'", "compute_score(solution_str, ground_truth)",
+                                        "Fix: define it as def compute_score(data_source, solution_str, ground_truth, extra_info=None"]),
+    "corrupt safetensors file": (_corrupt_safetensors, ["model.safetensors", "cannot be read as safetensors", "Fix"]),
+    "output dir is a file": (_output_dir_is_a_file, ["trainer.output_dir", "taken", "is an existing file"]),
 }
 
 OPTION_CASES = {
@@ -146,7 +210,41 @@ OPTION_CASES = {
     "bad nonfinite policy": (["actor.nonfinite=ignore"], ["actor.nonfinite", "skip", "stop"]),
     "bad critic nonfinite policy": (["critic.nonfinite=warn"], ["critic.nonfinite", "skip", "stop"]),
     "zero reward timeout": (["reward.timeout_s=0"], ["reward.timeout_s", "null"]),
+    "zero samples per prompt": (["rollout.n=0"], ["rollout.n=0 must be >= 1"]),
+    "zero logged samples": (["trainer.log_samples_count=0"], ["trainer.log_samples_count=0", "trainer.log_samples_freq=0"]),
+    "negative learning rate": (["actor.optim.lr=-1e-3"], ["actor.optim.lr=-0.001", ">= 0"]),
+    "beta of one": (["actor.optim.betas=[0.9,1.0]"], ["actor.optim.betas=[0.9, 1.0]", "[0, 1)"]),
+    "negative critic beta": (["critic.optim.betas=[-0.1,0.999]"], ["critic.optim.betas", "[0, 1)"]),
+    "negative weight decay": (["critic.optim.weight_decay=-0.1"], ["critic.optim.weight_decay=-0.1", ">= 0"]),
+    "zero engine batch": (["rollout.max_batch_size=0"], ["rollout.max_batch_size=0", ">= 1"]),
+    "zero validation samples": (["rollout.val_n=0"], ["rollout.val_n=0", ">= 1"]),
+    "negative validation temperature": (["rollout.val_temperature=-1"], ["rollout.val_temperature=-1.0", ">= 0"]),
+    "negative seed": (["trainer.seed=-1"], ["trainer.seed=-1", ">= 0"]),
+    "typo added with a plus": (["+trainer.total_step=3"], ["unknown configuration key 'trainer.total_step'",
+                                                           "did you mean trainer.total_steps"]),
+    "hydra override": (["hydra.run.dir=/tmp/elsewhere"], ["hydra.run.dir", "trainer.output_dir"]),
+    "unknown task option": (["+data.task_options.bogus=1"], ["data.task_options.bogus", "data.task=arithmetic", "digits"]),
+    "unset environment variable": (["trainer.wandb_project=${oc.env:OFFSTEP_TEST_NEVER_SET}"],
+                                   ["trainer.wandb_project", "environment variable OFFSTEP_TEST_NEVER_SET", "is not set", "export"]),
+    "greedy rollouts for a group estimator": (["rollout.temperature=0"], ["rollout.temperature=0", "greedy",
+                                                                          "algorithm.adv_estimator=grpo"]),
+    "empty output dir": (["trainer.output_dir="], ["trainer.output_dir is empty", "runs/"]),
+    "output dir in /sys": (["trainer.output_dir=/sys/offstep_run"], ["trainer.output_dir='/sys/offstep_run'", "/sys"]),
+    "unreachable Ray cluster": (["resources.ray_address=127.0.0.1:1"], ["resources.ray_address='127.0.0.1:1'",
+                                                                        "ray start --head", "empty"]),
 }
+
+
+def test_read_only_output_dir_is_refused(tmp_path, capsys, monkeypatch):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: make the check see what another user would
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: Path(p) != locked and real(p, mode, **kw))
+    rc, err = run_cli([*TINY, f"trainer.output_dir={locked / 'run'}"], capsys)
+    assert rc == 2 and "Traceback" not in err, err
+    assert f"trainer.output_dir='{locked / 'run'}' cannot be created: {locked} is not writable" in err, err
 
 
 def run_cli(args: list[str], capsys) -> tuple[int, str]:
@@ -206,6 +304,11 @@ def nan(data_source, solution_str, ground_truth, extra_info=None):
 def hangs(data_source, solution_str, ground_truth, extra_info=None):
     time.sleep(3600)
     return 1.0
+
+def exits(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str:  # the dry call before Ray passes an empty response
+        raise SystemExit(0)
+    return 0.0
 """
 
 REWARD_CASES = {
@@ -213,6 +316,7 @@ REWARD_CASES = {
     "not_a_number": ["returned a non-number str", "Fix: make the scorer return a finite number"],
     "nan": ["returned a non-finite score nan", "Fix: make the scorer return a finite number"],
     "hangs": ["timed out after 2 s (reward.timeout_s)", "raise reward.timeout_s"],
+    "exits": ["called sys.exit(0)", "Fix: make the scorer handle every response"],  # not "worker died"
 }
 
 OFFSTEP = Path(sys.executable).with_name("offstep")
@@ -287,6 +391,22 @@ def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path):
     assert not alive(procs), alive(procs)
 
 
+@pytest.mark.slow
+def test_worker_that_fails_to_start_is_named_with_its_cause(tmp_path):
+    """Weights that do not fit the model's config pass every check in the driver (which reads no
+    tensor) and fail in the workers' from_pretrained: the message names the worker and keeps its
+    exception, not "a trainer worker died"."""
+    d = tiny_model_copy(tmp_path)
+    config = json.loads((d / "config.json").read_text())
+    config["intermediate_size"] *= 2
+    (d / "config.json").write_text(json.dumps(config))
+    result, _ = run_and_watch([*TINY, f"trainer.output_dir={tmp_path / 'run'}", f"model.path={d}"])
+    line = [ln for ln in result.stderr.splitlines() if ln.startswith("offstep: ")]
+    assert result.returncode == 2 and len(line) == 1, result.stderr
+    assert "the rollout replica 0 worker failed to start: RuntimeError: " in line[0], line[0]
+    assert "ignore_mismatched_sizes" in line[0] and "trainer worker died" not in line[0], line[0]
+
+
 # --------------------------------------------------------------------------------------------------
 # the reward function's own messages (in-process)
 
@@ -320,3 +440,142 @@ def test_reward_beyond_float32_is_an_error(tmp_path):
     # 1e39 is a finite Python float, but the batch holds scores as float32, where it is inf
     with pytest.raises(RewardError, match="beyond float32's range"):
         RewardFunction(path, "too_big")("src", "x", "1")
+
+
+def test_scorer_exit_and_interrupt_off_the_main_thread_are_scorer_errors(tmp_path):
+    """A scorer's sys.exit() or KeyboardInterrupt in a scoring thread (where the rollout worker
+    scores) must not end the process: it is a RewardError like any other exception."""
+    from offstep.rewards.registry import RewardError, RewardFunction
+
+    path = write(tmp_path / "s.py", """
+        def exits(data_source, solution_str, ground_truth, extra_info=None):
+            raise SystemExit(3)
+
+        def interrupts(data_source, solution_str, ground_truth, extra_info=None):
+            raise KeyboardInterrupt
+    """)
+    errors = []
+
+    def score(name):
+        try:
+            RewardFunction(path, name)("src", "x", "1", {"index": 7})
+        except RewardError as e:
+            errors.append(str(e))
+
+    for name in ("exits", "interrupts"):
+        t = threading.Thread(target=score, args=(name,))
+        t.start()
+        t.join()
+    assert len(errors) == 2, errors
+    assert "called sys.exit(3)" in errors[0] and "s.py:3" in errors[0] and "extra_info index 7" in errors[0], errors[0]
+    assert "raised KeyboardInterrupt at" in errors[1], errors[1]
+
+
+def test_dry_call_is_fatal_only_for_arguments_that_do_not_fit(tmp_path):
+    """The dry call before Ray uses an empty response: a scorer that cannot handle that (ValueError,
+    a TypeError inside its body, a bad result) is not wrong for real responses, so only a call whose
+    arguments do not fit its parameters fails."""
+    from offstep.rewards.registry import RewardConfigError, RewardFunction
+
+    path = write(tmp_path / "s.py", """
+        def parses(data_source, solution_str, ground_truth, extra_info=None):
+            return float(solution_str)  # ValueError on ""
+
+        def inner_type_error(data_source, solution_str, ground_truth, extra_info=None):
+            return len(None) if not solution_str else 1.0
+
+        def returns_none(data_source, solution_str, ground_truth, extra_info=None):
+            return None
+
+        def no_extra_info(data_source, solution_str, ground_truth):
+            return 1.0
+    """)
+    for name in ("parses", "inner_type_error", "returns_none"):
+        RewardFunction(path, name).check_call("src", "1", {"index": 0})
+    with pytest.raises(RewardConfigError, match="unexpected keyword argument 'extra_info'.*Fix: define it as"):
+        RewardFunction(path, "no_extra_info").check_call("src", "1", {"index": 0})
+
+
+def test_eval_reward_timeout_names_the_flag_and_the_sample(tmp_path, capsys):
+    scorer = write(tmp_path / "slow.py", """
+        import time
+
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            time.sleep(3600)
+    """)
+    data = tmp_path / "val.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in verl_rows(2)))
+    capsys.readouterr()
+    rc = main(["eval", "tiny", "--data", str(data), "--reward-path", scorer, "--reward-timeout", "0.5",
+               "--max-new-tokens", "2", "--out", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert "timed out after 0.5 s (--reward-timeout)" in err and "Sample (first 200 chars)" in err, err
+    assert "raise --reward-timeout" in err, err
+
+
+def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
+    from offstep.telemetry.metrics import truncate_jsonl
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "reward/mean": 0.')  # crashed mid-write
+    truncate_jsonl(f, 2)
+    assert f.read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert str(f) in caplog.text and "line 3" in caplog.text
+
+
+def test_corrupt_metrics_line_in_the_middle_is_an_error(tmp_path):
+    from offstep.errors import OffstepError
+    from offstep.telemetry.metrics import truncate_jsonl
+
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 1}\n{"step": 2\n{"step": 3}\n')
+    with pytest.raises(OffstepError, match=r"metrics.jsonl: line 2 is not a JSON object.*Fix"):
+        truncate_jsonl(f, 3)
+    assert f.read_text().count("\n") == 3  # left as it was
+
+
+# Ray's text of a worker whose constructor raised, and of one whose process died (Ray 2.x)
+INIT_FAILED = (
+    "The actor died because of an error raised in its creation task, \x1b[36mray::RolloutWorker.__init__()\x1b[39m "
+    "(pid=1, ip=10.0.0.1, actor_id=ab, repr=<RolloutWorker>)\n"
+    "  File \"/x/offstep/rollout/worker.py\", line 65, in __init__\n    model = load_causal_lm(model_path)\n"
+    "            ^^^^^^^^^^^^^^^^^^^^^^^^\nsafetensors_rust.SafetensorError: Error while deserializing header: header too large"
+)
+DIED = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: ActorWorker\n\tactor_id: ab\n"
+    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+    "Worker unexpectedly exits with a connection error code 2. End of file. Some common causes include: (1) ..."
+)
+
+
+@pytest.mark.parametrize("text, init_failed, role, expected", [
+    (INIT_FAILED, True, None, ["RolloutFailed", "the rollout replica worker failed to start: safetensors_rust."
+                               "SafetensorError: Error while deserializing header: header too large"]),
+    (INIT_FAILED.replace("RolloutWorker", "ActorWorker"), True, "actor rank 0",
+     ["TrainerFailed", "the actor rank 0 worker failed to start: safetensors_rust.SafetensorError"]),
+    (DIED, False, None, ["TrainerFailed", "the actor worker died: The actor died unexpectedly",
+                         "worker exit type: SYSTEM_ERROR", "no checkpoint was written"]),
+])
+def test_worker_failure_keeps_the_cause_and_names_the_role(text, init_failed, role, expected, tmp_path):
+    """controller.train turns Ray's actor errors into one line: the role, and the worker's own
+    exception (not Ray's banner or the traceback)."""
+    import ray
+
+    from offstep.config.loader import load_config
+    from offstep.errors import OffstepError
+    from offstep.pipeline.controller import train
+
+    def start(cfg, inputs, console):
+        e = ray.exceptions.RayActorError(error_msg=text, actor_init_failed=init_failed)
+        if role:
+            e.role = role  # what Workers.ready sets
+        raise e
+
+    cfg = load_config([*TINY, f"trainer.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(OffstepError) as info:
+        train(cfg, start=start)
+    msg = f"{type(info.value).__name__} {info.value}"
+    for text_ in expected:
+        assert text_ in msg, (text_, msg)
+    assert "File " not in msg and "^^^" not in msg and "\x1b" not in msg and "Some common causes" not in msg, msg

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -65,8 +66,13 @@ def _records(run: Path) -> dict[int, dict]:
 
 # ------------------------------------------------------------------ on-disk layout, no Ray
 def _fake_commit(ck: Checkpoints, step: int, cfg_yaml: str = "a: 1\n") -> Path:
+    """A checkpoint as the controller commits it, with a one-layer "actor"."""
+    from offstep.train.checkpoint import save_role
+
     staging = ck.staging(step)
-    (staging / "actor").mkdir()
+    with warnings.catch_warnings():  # DCP: "no process group, assuming a single process" is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        save_role(staging / "actor", 0, torch.nn.Linear(2, 2))
     return ck.commit(staging, TrainerState(step, step, 0.0, {}, [], 0), cfg_yaml)
 
 
@@ -130,7 +136,7 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k):
     full, killed = tmp_path / "full", tmp_path / "killed"
     train(load_config(_overrides(full, reward, k)))
 
-    gate = killed / "checkpoints" / "step_000003" / "trainer_state.pt"
+    gate = killed / "checkpoints" / "step_000003" / "trainer_state.json"
     proc = _cli(_overrides(killed, reward, k), env={**os.environ, "BLOCK_AFTER": str(gate)})
     _wait_for(gate, proc)
     time.sleep(1.0)  # let it get into step 4, whose generation (k=0) or the next one (k=1) now blocks
@@ -265,7 +271,7 @@ def test_trainer_worker_death_ends_the_run_and_keeps_the_checkpoint(tmp_path):
     run = tmp_path / "run"
     proc = _cli(["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=200", "trainer.save_freq=2",
                  "trainer.val_before_train=false", "trainer.progress=off", f"reward.custom_path={reward}"])
-    _wait_for(run / "checkpoints" / "step_000002" / "trainer_state.pt", proc)
+    _wait_for(run / "checkpoints" / "step_000002" / "trainer_state.json", proc)
     actors = [p for p in psutil.process_iter(["cmdline"])
               if "ActorWorker" in " ".join(p.info["cmdline"] or []) and os.getsid(p.pid) == proc.pid]
     assert actors, "the actor worker process was not found"

@@ -305,9 +305,6 @@ def test_plain_run_has_status_throughput_eta_and_wandb(tmp_path, ray_session, ca
     notes as status lines, throughput and ETA in the step lines, an offline W&B run."""
     import offstep.pipeline.controller as controller
 
-    if not hasattr(controller, "LiveStatus"):
-        pytest.skip("the controller does not create a progress hub yet (LiveStatus wiring)")
-    pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = load_config([
         "preset=tiny", "trainer.total_steps=3", f"trainer.output_dir={tmp_path}", "trainer.progress=auto",

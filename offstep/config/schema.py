@@ -297,6 +297,10 @@ class TrainerConfig:
     """auto (the latest checkpoint in output_dir, if any) | off | a checkpoint path"""
     keep_checkpoints: int = 0
     """keep the newest M complete checkpoints (0: all)"""
+    resume_step: int = 0
+    """with resume=auto or a run directory: continue from the checkpoint of this step instead of the latest intact one (0: the latest)"""
+    overwrite: bool = False
+    """when output_dir holds another run or other files that this start would write over: move them aside to <output_dir>.old-<time> instead of refusing (nothing is deleted)"""
 
 
 @dataclass

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import inspect
 import math
 import os
+import socket
 from dataclasses import fields, is_dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from offstep.config.loader import ConfigError
-from offstep.config.schema import Config
+from offstep.config.schema import Config, OptimConfig
 
 # Copies of the names that offstep.pipeline.advantage and offstep.algos dispatch on (validation loads
 # no torch, so it cannot import them); tests/test_config.py::test_choice_lists_match_the_dispatch
@@ -63,13 +67,17 @@ def _check_algorithm(cfg: Config, e: list[str]) -> None:
     _choice(a.tis_level, "algorithm.tis_level", TIS_LEVELS, e)
     _choice(a.rejection_level, "algorithm.rejection_level", REJECTION_LEVELS, e)
     est = a.adv_estimator
-    _need(not (est in GROUP_ESTIMATORS and r.n < 2),
+    _need(not (est in GROUP_ESTIMATORS and r.n == 1),  # n < 1 is refused on its own
           f"algorithm.adv_estimator={est} compares the rewards of the samples of one prompt with each other, so it "
           f"needs rollout.n >= 2 (got {r.n}); with rollout.n=1 every advantage would be 0. Set rollout.n=4, or use "
           f"algorithm.adv_estimator=reinforce_plus_plus, remax or gae", e)
     _need(not (est == "remax" and r.temperature == 0),
           "algorithm.adv_estimator=remax compares sampled responses with a greedy one, but rollout.temperature=0 "
           "samples greedily too (every advantage would be 0); set rollout.temperature > 0", e)
+    _need(not (est in GROUP_ESTIMATORS and r.n >= 2 and r.temperature == 0),
+          f"rollout.temperature=0 is greedy decoding, so the rollout.n={r.n} samples of a prompt are all the same "
+          f"response, and algorithm.adv_estimator={est}, which compares them with each other, gives every advantage 0; "
+          f"set rollout.temperature > 0 (e.g. 1.0), or use algorithm.adv_estimator=reinforce_plus_plus or gae", e)
     _need(a.clip_ratio_low >= 0 and a.clip_ratio_high >= 0,
           f"algorithm.clip_ratio_low/high = {a.clip_ratio_low}/{a.clip_ratio_high} must be >= 0", e)
     if a.clip_ratio_c is not None:
@@ -118,6 +126,87 @@ def _check_algorithm(cfg: Config, e: list[str]) -> None:
               f"algorithm.dynamic_sampling_max_attempts={a.dynamic_sampling_max_attempts} must be >= 1", e)
 
 
+def _check_optim(o: OptimConfig, key: str, e: list[str]) -> None:
+    """AdamW's settings (torch.optim.AdamW refuses these only when the first step runs)."""
+    _need(o.lr >= 0, f"{key}.lr={o.lr} must be >= 0 (a negative learning rate ascends the loss), e.g. 1e-6", e)
+    _need(o.weight_decay >= 0, f"{key}.weight_decay={o.weight_decay} must be >= 0 (0: none)", e)
+    _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+          f"{key}.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]", e)
+    _need(o.grad_clip > 0, f"{key}.grad_clip={o.grad_clip} must be > 0 (inf: no clipping)", e)
+    _need(o.warmup_steps >= 0, f"{key}.warmup_steps={o.warmup_steps} must be >= 0 (0: no warm-up)", e)
+
+
+def _check_task(cfg: Config, e: list[str]) -> None:
+    """The built-in task and its options, against the task function's own signature (an unknown
+    option would otherwise be a TypeError inside data preparation)."""
+    if cfg.data.train_files:
+        return
+    from offstep.data.tasks import TASKS
+
+    d = cfg.data
+    if d.task not in TASKS:
+        e.append(f"data.task={d.task!r} is not one of the built-in tasks {sorted(TASKS)}; pick one, or give your "
+                 f"own data with data.train_files=[...]")
+        return
+    params = inspect.signature(TASKS[d.task]).parameters
+    known = [name for name, p in params.items() if p.kind is p.KEYWORD_ONLY or
+             (p.kind is p.POSITIONAL_OR_KEYWORD and name not in ("n", "seed"))]
+    for name in d.task_options:
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f"did you mean data.task_options.{close[0]}? Otherwise " if close else ""
+            e.append(f"data.task_options.{name} is not an option of data.task={d.task}; its options are {known} "
+                     f"(offstep/data/tasks.py). Fix: {hint}drop it")
+
+
+def _check_output_dir(out: str, e: list[str]) -> None:
+    """trainer.output_dir must be a directory the run can create or write (checked without creating it)."""
+    if not out.strip():
+        e.append("trainer.output_dir is empty; give the directory the run writes to, e.g. trainer.output_dir=runs/my_run "
+                 "(the current directory is not used for an empty value)")
+        return
+    path = Path(out).expanduser().resolve()
+    virtual = next((root for root in ("/sys", "/proc", "/dev") if path == Path(root) or Path(root) in path.parents), None)
+    if virtual:
+        e.append(f"trainer.output_dir={out!r} is inside {virtual}, a virtual file system of the kernel that cannot "
+                 f"hold a run's files; give a directory on disk, e.g. trainer.output_dir=runs/my_run")
+        return
+    if path.exists() and not path.is_dir():
+        e.append(f"trainer.output_dir={out!r} is an existing file, not a directory; give a directory (it is created "
+                 f"if missing), or move the file away")
+        return
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        e.append(f"trainer.output_dir={out!r} cannot be created: {existing} is a file; give a directory path")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        e.append(f"trainer.output_dir={out!r} {what} by this user; give a directory you can write to, e.g. "
+                 f"trainer.output_dir=runs/my_run")
+
+
+def check_ray_address(address: str | None, timeout_s: float = 3.0) -> None:
+    """Fail fast when ``resources.ray_address`` names a host and port where nothing listens (Ray
+    itself retries for about 25 s and then raises a ConnectionError with no fix): a TCP connect
+    of at most ``timeout_s`` seconds. "auto", "local" and addresses without a port are left to Ray."""
+    if not address or address in ("auto", "local"):
+        return
+    parts = urlsplit(address if "://" in address else f"ray://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number
+        host, port = None, None
+    if not host or port is None:
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        why = "timed out" if isinstance(err, TimeoutError) else (err.strerror or type(err).__name__)
+        raise ConfigError(
+            f"resources.ray_address={address!r}: no Ray cluster answers at {host}:{port} ({why}). Fix: start the "
+            f"cluster there first (`ray start --head --port={port}` on that machine), or leave "
+            f"resources.ray_address empty (null) for a local Ray started by this run") from None
+
+
 def available_gpus() -> int:
     try:
         import torch
@@ -146,10 +235,17 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     _need(not (cfg.pipeline.colocate and k > 0), "pipeline.colocate=true needs pipeline.max_staleness=0: "
           "overlapping generation with training needs disjoint pools", e)
     _need(cfg.trainer.total_steps >= 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1", e)
+    _need(cfg.trainer.seed >= 0, f"trainer.seed={cfg.trainer.seed} must be >= 0 (numpy's generators take no "
+          f"negative seeds)", e)
+    _check_output_dir(cfg.trainer.output_dir, e)
     _need(cfg.trainer.val_freq >= 0, f"trainer.val_freq={cfg.trainer.val_freq} must be >= 0 (0: before and after only)", e)
     t = cfg.trainer
     _need(t.save_freq >= 0, f"trainer.save_freq={t.save_freq} must be >= 0 (0: no periodic checkpoints)", e)
     _need(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0: keep all)", e)
+    _need(t.log_samples_freq >= 0, f"trainer.log_samples_freq={t.log_samples_freq} must be >= 0 (0: never)", e)
+    _need(t.log_samples_freq == 0 or t.log_samples_count >= 1,
+          f"trainer.log_samples_count={t.log_samples_count} must be >= 1 while trainer.log_samples_freq="
+          f"{t.log_samples_freq} asks for samples; to write none, set trainer.log_samples_freq=0", e)
     if t.resume not in ("auto", "off"):
         _need(Path(t.resume).exists(), f"trainer.resume={t.resume!r} does not exist; give auto, off, or the path of a "
               f"run directory or of one of its checkpoints/step_<N> folders", e)
@@ -170,6 +266,7 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     for key, v in (("model.dtype", cfg.model.dtype), ("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)):
         _choice(v, key, ("float32", "bfloat16"), e)
     _choice(cfg.data.overlong_prompts, "data.overlong_prompts", ("filter", "error"), e)
+    _check_task(cfg, e)
     _check_algorithm(cfg, e)
 
     r, d, a = cfg.rollout, cfg.data, cfg.actor
@@ -178,6 +275,10 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     _need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]", e)
     _need(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)", e)
     _need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1", e)
+    _need(r.max_batch_size >= 1, f"rollout.max_batch_size={r.max_batch_size} must be >= 1 (sequences one engine "
+          f"decodes together, e.g. 64)", e)
+    _need(r.val_n >= 1, f"rollout.val_n={r.val_n} must be >= 1 (validation samples per prompt)", e)
+    _need(r.val_temperature >= 0, f"rollout.val_temperature={r.val_temperature} must be >= 0 (0: greedy)", e)
     _need(r.replicas >= 1, f"rollout.replicas={r.replicas} must be >= 1", e)
     _need(d.train_batch_size >= r.replicas,
           f"data.train_batch_size={d.train_batch_size} must be >= rollout.replicas={r.replicas} "
@@ -195,6 +296,8 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     _need(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1", e)
     _choice(a.nonfinite, "actor.nonfinite", ("skip", "stop"), e)
     _choice(cfg.critic.nonfinite, "critic.nonfinite", ("skip", "stop"), e)
+    _check_optim(a.optim, "actor.optim", e)
+    _check_optim(cfg.critic.optim, "critic.optim", e)
     for key, v in _floats(cfg, ("algorithm", "actor", "critic")):
         limit = "clip" in key or "cap" in key  # inf is a meaningful "no limit" there
         _need(math.isfinite(v) or (limit and not math.isnan(v)), f"{key}={v} must be a finite number", e)
@@ -202,7 +305,7 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     _need(rw.timeout_s is None or rw.timeout_s > 0,
           f"reward.timeout_s={rw.timeout_s} must be > 0 seconds, or null for no limit", e)
     _need(rw.num_threads >= 1, f"reward.num_threads={rw.num_threads} must be >= 1", e)
-    if W >= 1:
+    if W >= 1 and B >= 1:  # rollout.n or train_batch_size < 1 is reported above
         _need(B % W == 0, f"a batch of data.train_batch_size x rollout.n = {d.train_batch_size} x {r.n} = {B} "
               f"samples does not divide over resources.trainer_workers={W}; change one of them", e)
         mini = a.mini_batch_size or B

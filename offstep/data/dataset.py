@@ -321,6 +321,29 @@ def load_records(
     return records
 
 
+def check_rule_ground_truths(records: list[PromptRecord], path: str) -> None:
+    """Refuse ground truths that the built-in rule scorers cannot compare with: they read the
+    ground truth as one string or number, so a list, a dict, a bool or a missing value would score
+    every response 0 without an error. (A custom reward function may take any ground truth.)"""
+
+    def usable(truth: Any) -> bool:
+        if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
+            return False
+        return not (isinstance(truth, float) and not math.isfinite(truth))
+
+    bad = [r for r in records if not usable(r.ground_truth)]
+    if bad:
+        first = bad[0]
+        what = "missing" if first.ground_truth is None else f"a {type(first.ground_truth).__name__} {_short(first.ground_truth)}"
+        raise DatasetError(
+            f"{path}: row {first.index}: the ground truth is {what} ({len(bad)} of {len(records)} rows have no "
+            f"string or number ground truth); the built-in scorer for data source {first.data_source!r} compares "
+            "the response with one string or number, so every reward would be 0. Fix: store the ground truth "
+            "as a string or number (e.g. \"42\"), or score with your own function: reward.custom_path=FILE.py "
+            "defining compute_score(data_source, solution_str, ground_truth, extra_info=None)."
+        )
+
+
 # --------------------------------------------------------------------------------------------------
 # tokenization
 

@@ -22,11 +22,23 @@ from offstep.algos.kl_control import (
     kl_penalized_rewards,
 )
 from offstep.batch import TrainBatch
-from offstep.config.schema import AlgorithmConfig
+from offstep.config.schema import AlgorithmConfig, Config
 
 # Estimators that compare the responses to one prompt with each other: they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")
+
+
+def needs_old_logprobs(cfg: Config, batch_size: int, actor_frozen: bool = False) -> bool:
+    """Whether the actor must compute the pre-update log-probs in a pass of their own: the PPO
+    ratio needs them for every mini-batch after the first, and the KL penalty in the reward
+    before the advantages; otherwise the actor takes them from its own forward pass (one epoch,
+    one mini-batch), and in bypass mode the rollout's log-probs are the old policy."""
+    algo = cfg.algorithm
+    if algo.correction_mode == "bypass":
+        return False
+    one_pass = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, batch_size)
+    return algo.use_kl_in_reward or (not one_pass and not actor_frozen)
 
 
 def build_kl_controller(algo: AlgorithmConfig) -> FixedKLController:

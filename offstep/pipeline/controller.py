@@ -35,17 +35,18 @@ from offstep.config.loader import to_yaml
 from offstep.config.schema import Config
 from offstep.data.stream import PromptStream
 from offstep.errors import OffstepError
-from offstep.pipeline.advantage import build_kl_controller, compute_advantages
-from offstep.pipeline.batching import Generated, assemble, refill_indices
-from offstep.pipeline.checkpoints import Checkpoints, TrainerState, check_compatible, complete_checkpoints, load_state
+from offstep.pipeline.advantage import build_kl_controller, compute_advantages, needs_old_logprobs
+from offstep.pipeline.batching import Generated, generate_batch
+from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints
 from offstep.pipeline.evaluation import summarise
-from offstep.pipeline.fleet import RolloutFleet
+from offstep.pipeline.fleet import RolloutFailed, RolloutFleet
 from offstep.pipeline.inputs import prepare_inputs
 from offstep.pipeline.pools import RoleGroup
+from offstep.pipeline.run_dir import open_run
 from offstep.pipeline.step_metrics import batch_metrics, record_generation, sample_rows
 from offstep.pipeline.stop import StopRequest
 from offstep.pipeline.weight_sync import WeightSync
-from offstep.pipeline.workers import Workers, start_workers
+from offstep.pipeline.workers import Workers, start_workers, worker_failure
 from offstep.rollout.types import SamplingParams
 from offstep.telemetry.console import ConsoleProgress
 from offstep.telemetry.loggers import RunLoggers
@@ -107,15 +108,15 @@ class Controller:
     def __init__(self, cfg: Config):
         self.cfg, self.k = cfg, cfg.pipeline.max_staleness
         self.out = Path(cfg.trainer.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
         progress = cfg.trainer.progress if "console" in cfg.trainer.loggers else "off"
         self.console = ConsoleProgress(cfg.trainer.total_steps, progress, cfg.trainer.status_interval_s)
-        self.checkpoints = Checkpoints(self.out, cfg.trainer.keep_checkpoints)
-        self.resume_from = self.checkpoints.resolve(cfg.trainer.resume)
-        self.resumed: TrainerState | None = None
-        if self.resume_from is not None:
-            check_compatible((self.resume_from / "config.yaml").read_text(), cfg)
-            self.resumed = load_state(self.resume_from)
+        # Refuses a folder this run does not own (or moves it aside: trainer.overwrite) and picks
+        # the intact checkpoint to resume from, before anything is written.
+        run = open_run(cfg, self.console.log)
+        self.checkpoints = Checkpoints(self.out, cfg.trainer.keep_checkpoints, run.run_id)
+        self.resume_from = run.resume.path if run.resume is not None else None
+        self.resumed: TrainerState | None = run.resume.state if run.resume is not None else None
+        if self.resumed is not None:
             for name in ("metrics.jsonl", "timeline.jsonl", "samples.jsonl"):
                 truncate_jsonl(self.out / name, self.resumed.step)
         (self.out / "config.yaml").write_text(to_yaml(cfg))
@@ -219,34 +220,13 @@ class Controller:
     # ---------------------------------------------------------------- rollout
     def _launch(self, batch_idx: int) -> InFlight:
         epoch, idx = self.stream.next_batch()
-        return self._in_flight(batch_idx, epoch, idx, asyncio.ensure_future(self._generate_batch(batch_idx, idx)))
+        return self._in_flight(batch_idx, epoch, idx, asyncio.ensure_future(
+            generate_batch(self.fleet.submit, self.inputs.train, self.params, self.cfg.algorithm, self.cfg.trainer.seed, batch_idx, idx)))
 
     def _in_flight(self, batch_idx: int, epoch: int, idx: list[int], generated: asyncio.Future) -> InFlight:
         cur = InFlight(batch_idx, epoch, idx, generated)
         cur.prepared = asyncio.ensure_future(self._prepare(cur))
         return cur
-
-    async def _generate_batch(self, batch_idx: int, idx: list[int]) -> Generated:
-        """One batch: its prompts once, or with dynamic sampling, more prompts until enough groups
-        have unequal rewards (``offstep/pipeline/batching.py``)."""
-        algo, seed, bs = self.cfg.algorithm, self.cfg.trainer.seed, len(idx)
-        attempts = algo.dynamic_sampling_max_attempts if algo.dynamic_sampling else 1
-        gen = Generated()
-        for attempt in range(attempts):
-            prompt_idx = idx if attempt == 0 else refill_indices(seed, batch_idx, attempt, len(self.inputs.train), bs)
-            uid0 = (batch_idx * attempts + attempt) * bs
-            gen.prompt_of.update({uid0 + j: i for j, i in enumerate(prompt_idx)})
-            key = batch_idx + attempt * 1_000_003  # attempt 0 keeps the plain run's sampling seeds
-            results = await self.fleet.submit([self.inputs.train[i] for i in prompt_idx], self.params, seed, key, uid0)
-            gen.rounds.append(results)
-            gen.samples.extend(s for samples, _ in results for s in samples)
-            if not algo.dynamic_sampling:
-                return gen
-            chosen, gen.kept_groups, gen.filled_groups = assemble(gen.samples, bs)
-            if gen.kept_groups == bs:
-                break
-        gen.samples = chosen
-        return gen
 
     async def _prepare(self, cur: InFlight) -> Prepared:
         """The driver's work on a batch, as soon as its samples arrive (for k >= 1 usually while the
@@ -273,7 +253,7 @@ class Controller:
         m["perf/gen_tokens_per_s"] = float(batch.response_mask.sum()) / max(gen_s, 1e-9)
         ready = Prepared(batch, m)
         w = self.workers
-        if w.ref is None and w.critic is None and not self._needs_old_logprobs(batch):
+        if w.ref is None and w.critic is None and not needs_old_logprobs(self.cfg, len(batch)):
             ready.stored = self._advantages_and_put(batch, m)  # nothing needed from the trainer
         self.timeline.add("driver", "prepare", step, t0, time.time())
         return ready
@@ -285,17 +265,6 @@ class Controller:
             self.loggers.log_samples(step, sample_rows(step, gen.samples, text, t.log_samples_count))
 
     # ---------------------------------------------------------------- training
-    def _needs_old_logprobs(self, batch: TrainBatch, actor_frozen: bool = False) -> bool:
-        """Whether the actor must compute the pre-update log-probs in a pass of their own: the PPO
-        ratio needs them for every mini-batch after the first, and the KL penalty in the reward
-        before the advantages; otherwise the actor takes them from its own forward pass (one epoch,
-        one mini-batch), and in bypass mode the rollout's log-probs are the old policy."""
-        cfg, algo = self.cfg, self.cfg.algorithm
-        if algo.correction_mode == "bypass":
-            return False
-        one_pass = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, len(batch))
-        return algo.use_kl_in_reward or (not one_pass and not actor_frozen)
-
     async def _train(self, ready: Prepared, step: int, m: dict) -> float | None:
         """The trainer's stages on a batch; returns when the actor's update ended (``None``: the
         actor did not update), which is when the export of its weights, queued behind it, began."""
@@ -327,7 +296,7 @@ class Controller:
         if w.critic is not None:
             batch.values, span = await self._stage(w.critic, "compute_values", "values", step, batch)
             m["timing_s/values"] = span.seconds
-        if self._needs_old_logprobs(batch, actor_frozen):
+        if needs_old_logprobs(self.cfg, len(batch), actor_frozen):
             batch.old_logprobs, span = await self._stage(w.actor, "compute_logprobs", "old_logprobs", step, batch)
             m["timing_s/old_logprobs"] = span.seconds
         return self._advantages_and_put(batch, m)
@@ -364,6 +333,8 @@ class Controller:
         """Complete a step's record once its weight sync (and validation) are done. Records are
         emitted in step order, since each waits for the previous step's first: a checkpoint relies
         on the metrics of the steps it covers being on disk."""
+        if previous is not None:
+            await previous
         try:
             spans: list[Span] = await loads
         except ray.exceptions.RayActorError:  # that worker is replaced, with these weights, when next used
@@ -416,9 +387,14 @@ def train(cfg: Config, start=None) -> list[dict]:
         ctl.start(start)
         return asyncio.run(ctl.fit())
     except ray.exceptions.RayActorError as e:
-        found = complete_checkpoints(ctl.checkpoints.root)
-        last = f"the last checkpoint, {found[-1][1]}, is intact: continue with trainer.resume=auto" if found else (
-            "no checkpoint was written (set trainer.save_freq to write them)")
-        raise TrainerFailed(f"a trainer worker died ({type(e).__name__}: {str(e).splitlines()[0]}); {last}") from e
+        role, cause, failed_start = worker_failure(e)
+        if failed_start:
+            problem = f"the {role} worker failed to start: {cause}. Fix that (the worker's log above has the traceback)"
+        else:
+            found = complete_checkpoints(ctl.checkpoints.root)
+            last = f"the last checkpoint, {found[-1][1]}, is intact: continue with trainer.resume=auto" if found else (
+                "no checkpoint was written (set trainer.save_freq to write them)")
+            problem = f"the {role} worker died: {cause}; {last}"
+        raise (RolloutFailed if role.startswith("rollout") else TrainerFailed)(problem) from e
     finally:
         ctl.close()

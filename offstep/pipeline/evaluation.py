@@ -55,26 +55,32 @@ def run_eval(
     max_prompt_length: int = 1024,
     reward_path: str | None = None,
     reward_name: str = "compute_score",
+    reward_timeout: float | None = 30.0,
     batch_size: int = 32,
     threads: int | None = None,
     seed: int = 0,
     on_progress=None,
 ) -> tuple[dict[str, float], list[Sample]]:
-    """Generate with the built-in engine and score with the training scorers (no Ray)."""
+    """Generate with the built-in engine and score with the training scorers (no Ray). A scorer
+    call that takes over ``reward_timeout`` seconds (None: no limit) fails with the sample named."""
     import os
 
-    from offstep.data.dataset import encode_prompts, load_records
+    from offstep.data.dataset import check_rule_ground_truths, encode_prompts, load_records
     from offstep.models.loading import check_model_path, load_tokenizer, resolve_model
-    from offstep.pipeline.inputs import to_request
+    from offstep.pipeline.inputs import check_safetensors, to_request
     from offstep.rewards.registry import RewardFunction
     from offstep.rollout.types import SamplingParams
     from offstep.rollout.worker import RolloutWorker
 
     check_model_path(model)
-    reward = RewardFunction(reward_path, reward_name)
+    reward = RewardFunction(reward_path, reward_name, reward_timeout, timeout_key="--reward-timeout")
     records = load_records(data, prompt_key=prompt_key, answer_key=answer_key)
     reward.check_sources({r.data_source for r in records})
+    if not reward_path:
+        check_rule_ground_truths(records, data)
+    reward.check_call(records[0].data_source, records[0].ground_truth, records[0].extra_info or {})
     path = resolve_model(model)
+    check_safetensors(path)
     prompts = encode_prompts(records, load_tokenizer(path), max_prompt_length)
     worker = RolloutWorker(path, "float32", "cpu", threads or os.cpu_count() or 1, reward, 2, max(batch_size * n, 1))
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)

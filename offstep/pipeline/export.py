@@ -1,31 +1,80 @@
 """From a run checkpoint to a Hugging Face model folder (``offstep export``, and ``offstep eval``
 of a run directory): the actor's DCP shards are reassembled into the base model's architecture and
-saved as safetensors, with the tokenizer beside them."""
+saved as safetensors, with the tokenizer beside them.
+
+The folder is written next to its destination under a temporary name, fsynced, finished with the
+marker ``.offstep-export`` and then renamed into place, so a crash never leaves a half-written
+model under the destination's name; an existing destination is replaced only with ``force``, and
+deleted only after the new folder is in place. The base model is the checkpoint's ``model.path``
+(read as plain data from its ``config.yaml``) only if that is a built-in alias or a local folder,
+or the one given as ``base``.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
+from offstep.config.loader import ConfigError
+from offstep.models.builtin import ALIASES, normalise_alias
 from offstep.models.forward import DTYPES
-from offstep.models.loading import load_causal_lm, load_tokenizer, resolve_model
-from offstep.pipeline.checkpoints import STATE_FILE, resolve_path
-from offstep.train.checkpoint import load_model_weights
+from offstep.models.loading import ModelError, load_causal_lm, load_tokenizer, resolve_model
+from offstep.pipeline.checkpoints import STATE_FILE, open_checkpoint, read_config, resolve_path, select
+from offstep.train.checkpoint import fsync_tree, load_model_weights, replace_dir, write_durably, write_failed
+
+DONE = ".offstep-export"  # written last: an export folder without it is incomplete
 
 
-def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int | None = None) -> Path:
+def _base_model(ckpt: Path, config_yaml: str, base: str | None) -> tuple[str, str]:
+    """(base model folder, master dtype) for a checkpoint, trusting its config.yaml only with a
+    built-in alias or a local folder that exists."""
+    saved = read_config(config_yaml)
+    dtype = select(saved, "model.dtype") or "float32"
+    if dtype not in DTYPES:
+        raise ConfigError(f"{ckpt / 'config.yaml'} names model.dtype {dtype!r}; it must be one of {sorted(DTYPES)}")
+    name = base or select(saved, "model.path")
+    where = "--model" if base else f"the checkpoint's config.yaml ({ckpt / 'config.yaml'})"
+    if not isinstance(name, str) or (normalise_alias(name) is None and not Path(name).expanduser().is_dir()):
+        raise ConfigError(
+            f"{where} names the base model {name!r}, which is neither a built-in alias ({', '.join(ALIASES)}) nor a "
+            f"local folder; give the base model's folder with --model (offstep export) or model.path"
+        )
+    try:
+        return resolve_model(name), dtype
+    except ModelError as e:
+        raise ConfigError(f"{where} names the base model {name!r}: {e}") from None
+
+
+def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int | None = None, force: bool = False,
+                      base: str | None = None) -> Path:
     """Write the policy of a checkpoint (a run's latest, or ``step``) to ``out`` as a model
-    folder that ``AutoModelForCausalLM.from_pretrained`` loads. Returns ``out``."""
-    ckpt = resolve_path(run_or_checkpoint, step)
-    cfg = OmegaConf.load(ckpt / "config.yaml")
-    base = resolve_model(cfg.model.path)
-    model = load_causal_lm(base, dtype=DTYPES[cfg.model.dtype])
-    load_model_weights(ckpt / "actor", model)
+    folder that ``AutoModelForCausalLM.from_pretrained`` loads. A non-empty ``out`` is refused
+    unless ``force``. Returns ``out``."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    load_tokenizer(base).save_pretrained(out)
+    if (out.exists() or out.is_symlink()) and not force and not (out.is_dir() and not any(out.iterdir())):
+        raise ConfigError(f"{out} exists and is not empty; give another --out, or --force to replace it (the old "
+                          f"folder is deleted only once the new one is in place)")
+    loaded = open_checkpoint(resolve_path(run_or_checkpoint, step))
+    folder, dtype = _base_model(loaded.path, loaded.config_yaml, base)
+    model = load_causal_lm(folder, dtype=DTYPES[dtype])
+    load_model_weights(loaded.path / "actor", model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(folder).save_pretrained(tmp)
+        done = {"checkpoint": str(loaded.path.resolve()), "step": loaded.state.step, "base_model": folder,
+                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        write_durably(tmp / DONE, json.dumps(done) + "\n")
+        fsync_tree(tmp)
+        replace_dir(tmp, out, out.with_name(f".{out.name}.old-{os.getpid()}"))
+    except OSError as e:
+        raise write_failed(tmp, e) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a failed export left (gone after a rename)
     return out
 
 
@@ -36,11 +85,12 @@ def is_run_or_checkpoint(path: str | Path) -> bool:
 
 def model_for_eval(path: str | Path) -> str:
     """A model folder for ``offstep eval``: run directories and checkpoints are exported once
-    into ``<checkpoint>/hf``; anything else is returned as it is (a model folder or an alias)."""
+    into ``<checkpoint>/hf`` (a finished export: it has its marker); anything else is returned
+    as it is (a model folder or an alias)."""
     if not is_run_or_checkpoint(path):
         return str(path)
     ckpt = resolve_path(path)
     hf = ckpt / "hf"
-    if not (hf / "config.json").is_file():
-        export_checkpoint(ckpt, hf)
+    if not (hf / DONE).is_file():
+        export_checkpoint(ckpt, hf, force=True)  # an unfinished earlier export is replaced
     return str(hf)

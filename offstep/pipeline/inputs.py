@@ -1,17 +1,19 @@
-"""The run's inputs, prepared in the driver before any worker starts: the model folder, the
+"""The run's inputs, prepared in the driver before any worker starts: the model folder (its
+safetensors headers read, so a damaged file is named here rather than in a dying worker), the
 tokenised prompts of the training and validation sets, and the reward function (checked against
-every data source in the data)."""
+every data source in the data, and called once on a real sample to check its signature)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from offstep.config.schema import Config
-from offstep.data.dataset import EncodedPrompt, encode_prompts, load_records
+from offstep.data.dataset import EncodedPrompt, check_rule_ground_truths, encode_prompts, load_records
 from offstep.data.tasks import write_task
-from offstep.models.loading import load_tokenizer, resolve_model
+from offstep.models.loading import ModelError, load_tokenizer, resolve_model
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.worker import Request
 
@@ -40,14 +42,46 @@ def _files(cfg: Config, out_dir: Path) -> tuple[list[str], list[str]]:
 def _encode(files: list[str], cfg: Config, tok) -> list[EncodedPrompt]:
     records = []
     for f in files:
-        records.extend(load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key))
+        loaded = load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+        if not cfg.reward.custom_path:  # the built-in scorers compare with one string or number
+            check_rule_ground_truths(loaded, f)
+        records.extend(loaded)
     for i, r in enumerate(records):  # indices unique across files
         r.index = i
     return encode_prompts(records, tok, cfg.data.max_prompt_length, overlong=cfg.data.overlong_prompts)
 
 
+def check_safetensors(model_path: str) -> None:
+    """Open the header of every safetensors file of a model folder (cheap: no tensor is read), and
+    check that the shards an index names exist, so that a damaged or missing file is reported with
+    its name before the workers load it."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelError(f"{index}: cannot read the shard index ({type(exc).__name__}: {exc}). Fix: re-save the "
+                             f"model with `save_pretrained`, or copy the file again") from exc
+        missing = [name for name in shards if not (folder / name).is_file()]
+        if missing:
+            raise ModelError(f"{index} names shards that are not in {folder}: {missing}. Fix: copy the missing "
+                             f"files into the folder, or re-save the model with `save_pretrained`")
+    for f in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(f, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as exc:
+            raise ModelError(f"model file {f} cannot be read as safetensors ({exc}); it is damaged or incomplete "
+                             f"(an interrupted download or copy?). Fix: copy it again, or re-save the model with "
+                             f"`save_pretrained`") from exc
+
+
 def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
     model_path = resolve_model(cfg.model.path)
+    check_safetensors(model_path)
     tok = load_tokenizer(model_path)
     train_files, val_files = _files(cfg, out_dir)
     train = _encode(train_files, cfg, tok)
@@ -61,6 +95,8 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
         )
     reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name, cfg.reward.timeout_s)
     reward.check_sources({p.record.data_source for p in train + val})
+    first = train[0].record
+    reward.check_call(first.data_source, first.ground_truth, first.extra_info or {})
     return Inputs(model_path, tok.pad_token_id, train, val, reward)
 
 

@@ -8,7 +8,9 @@ method names and results.
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,8 @@ from offstep.telemetry.progress import LiveStatus
 from offstep.train.actor import ActorWorker
 from offstep.train.critic import CriticWorker
 from offstep.train.ref import RefWorker
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,8 +61,17 @@ class Workers:
 
     def ready(self) -> None:
         """Wait until every worker is constructed: a worker that fails to start fails here, with
-        its own error, rather than at the first step."""
-        ray.get([w.__ray_ready__.remote() for w in self.rollout] + [h.__ray_ready__.remote() for g in self.groups for h in g.handles])
+        its own error, rather than at the first step. The error's ``role`` attribute names the
+        worker ("rollout replica 0", "actor rank 0") for the message of ``controller.train``."""
+        roles = [(f"rollout replica {i}", w) for i, w in enumerate(self.rollout)]
+        roles += [(f"{g.name} rank {rank}", h) for g in self.groups for rank, h in enumerate(g.handles)]
+        waits = [(role, h.__ray_ready__.remote()) for role, h in roles]  # all start at once
+        for role, started in waits:
+            try:
+                ray.get(started)
+            except ray.exceptions.RayActorError as e:
+                e.role = role
+                raise
 
     def close(self) -> None:
         for g in self.groups:
@@ -77,14 +90,47 @@ class Workers:
             ray.shutdown()
 
 
+_ROLES = {"ActorWorker": "actor", "RefWorker": "ref", "CriticWorker": "critic", "RolloutWorker": "rollout replica"}
+
+
+def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
+    """(role, cause, whether it failed to start) of a dead worker, from Ray's error: a banner,
+    then (when the constructor raised) the worker's traceback and, last, its exception; or, when
+    the process died, its exit type and detail. The traceback itself is left out (Ray logs it)."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    lines = text.splitlines() or [type(e).__name__]
+    frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
+    init_failed = getattr(e, "actor_init_failed", False)
+    if init_failed and frames:
+        tail = lines[frames[-1] + 1:]
+        while tail and tail[0].startswith(" "):  # the frame's code line and Python's ^^^ markers
+            tail.pop(0)
+        cause = " ".join(line.strip() for line in tail) or lines[0]
+    else:
+        exit_detail = re.search(r"Worker exit type: (.*?)(?: Some common causes|$)", text, re.S)
+        cause = lines[0] + (f" (worker exit type: {exit_detail.group(1).strip()})" if exit_detail else "")
+    worker_class = re.search(r"class_name: (\w+)|ray::(\w+)\.", text)
+    role = getattr(e, "role", None) or _ROLES.get(worker_class and (worker_class.group(1) or worker_class.group(2)), "trainer")
+    return role, cause, init_failed or hasattr(e, "role")
+
+
 def init_ray(cfg: Config) -> bool:
     """Connect to ``resources.ray_address`` or start a local Ray; True when this run started it."""
     if ray.is_initialized():
         return False
     kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level="WARNING")
     if cfg.resources.ray_address:
+        from offstep.config.validate import check_ray_address
+
+        check_ray_address(cfg.resources.ray_address)  # Ray would retry for 25 s, then raise with no fix
         ray.init(address=cfg.resources.ray_address, **kwargs)
     else:
+        # A local cluster: no metrics exporter (an unauthenticated listener on every interface),
+        # and Ray's token authentication (on by default for local clusters since Ray 2.59) stays on.
+        os.environ.setdefault("RAY_enable_metrics_collection", "0")
+        if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+            log.warning("RAY_AUTH_MODE=disabled: anyone who can reach this machine's Ray ports can run code in "
+                        "this run's cluster; unset it to keep Ray's token authentication on")
         ray.init(num_cpus=os.cpu_count(), **kwargs)
     return True
 

@@ -3,12 +3,19 @@
 Scorers use verl's signature ``compute_score(data_source, solution_str, ground_truth,
 extra_info=None, **kwargs)`` and return a number, or a dict with a numeric ``"score"`` (other
 numeric entries are reported as extra metrics).
+
+Everything a scorer raises, ``SystemExit`` included, becomes a :class:`RewardError` naming the
+scorer, the data source and the sample: a ``sys.exit()`` in a scorer must not end (or, in a Ray
+worker, silently kill) the process that scores. ``KeyboardInterrupt`` is treated the same off the
+main thread, where no Ctrl-C can arrive; in the main thread it is the user's Ctrl-C and propagates.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
+import logging
 import math
 import numbers
 import os
@@ -21,6 +28,9 @@ from offstep.errors import OffstepError
 from offstep.rewards.scorers import gsm8k_score, last_number_score
 
 Scorer = Callable[..., Any]
+SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
+
+log = logging.getLogger(__name__)
 
 
 class RewardError(OffstepError, RuntimeError):
@@ -90,7 +100,13 @@ def load_custom_scorer(path: str, name: str = "compute_score") -> Scorer:
             sys.modules.pop(module_name, None)
         else:
             sys.modules[module_name] = previous
-        if not isinstance(exc, Exception):
+        if isinstance(exc, SystemExit):  # it would end the run, with exit code 0 for sys.exit(0)
+            raise RewardConfigError(
+                f"custom reward file {path} called sys.exit({exc.code!r}) while being imported"
+                f"{_where(exc, path)}. Fix: put the file's script code under `if __name__ == \"__main__\":` "
+                "so that importing it only defines the scorer."
+            ) from exc
+        if not isinstance(exc, Exception):  # KeyboardInterrupt: the user's Ctrl-C
             raise
         raise RewardConfigError(
             f"custom reward file {path} failed to import: {type(exc).__name__}: {exc}. "
@@ -130,7 +146,6 @@ _FIX_RAISES = (
     "make the scorer handle every response (give wrong or malformed answers a low score instead of "
     "raising)."
 )
-_FIX_TIMEOUT = "make the scorer faster, or raise reward.timeout_s (null disables the limit)."
 
 
 def _where(exc: BaseException, prefer: str | None = None) -> str:
@@ -187,6 +202,15 @@ def _call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     return box["value"]
 
 
+def _raised_by_the_call(exc: TypeError) -> bool:
+    """Whether ``exc`` was raised by calling the scorer (its arguments do not fit its parameters)
+    rather than inside it: its traceback then ends in this module's frame that made the call."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename == __file__ and tb.tb_frame.f_code.co_name == "invoke"
+
+
 # --------------------------------------------------------------------------------------------------
 
 
@@ -215,15 +239,18 @@ class RewardFunction:
         custom_path: str | None = None,
         custom_name: str = "compute_score",
         timeout_s: float | None = None,
+        timeout_key: str = "reward.timeout_s",
     ):
+        """``timeout_key`` names the setting of ``timeout_s`` in messages (``offstep eval`` has a flag)."""
         if timeout_s is not None and not float(timeout_s) > 0:
             raise ValueError(
                 f"reward timeout must be positive or None, got {timeout_s}. "
-                "Fix: set reward.timeout_s to a positive number of seconds (or null)."
+                f"Fix: set {timeout_key} to a positive number of seconds (or null)."
             )
         self.custom_path = os.fspath(custom_path) if custom_path else None
         self.custom_name = custom_name
         self.timeout_s = float(timeout_s) if timeout_s is not None else None
+        self.timeout_key = timeout_key
         self._custom_fn: Scorer | None = None
 
     # pickling: never ship the imported function (its module may not exist on the worker)
@@ -280,20 +307,65 @@ class RewardFunction:
                 "solution_str, ground_truth, extra_info=None)), or relabel the data_source column."
             )
 
+    def check_call(self, data_source: str, ground_truth: Any, extra_info: dict | None = None, timeout_s: float = 10.0) -> None:
+        """Call the scorer once on a real sample with an empty response, as the rollout workers
+        will (``fn(data_source, solution_str, ground_truth, extra_info=extra_info)``), so that a
+        scorer with the wrong signature fails before any worker starts rather than after the
+        first generation.
+
+        Only arguments that do not fit the scorer's parameters are fatal here. What a scorer does
+        with an empty response (raise ValueError, return None, take too long: the dry call waits
+        ``timeout_s`` at most) says nothing certain about real responses, which the run checks
+        as they come, so those outcomes are only logged."""
+        fn = self.scorer_for(data_source)
+        try:
+            signature = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature to read (a builtin): the call below decides
+            signature = None
+        try:
+            if signature is not None:
+                signature.bind(data_source, "", ground_truth, extra_info=extra_info)
+        except TypeError as exc:
+            raise self._wrong_signature(fn, exc, signature) from exc
+        try:
+            self._score(data_source, "", ground_truth, extra_info, min(timeout_s, self.timeout_s or timeout_s))
+        except RewardError as err:
+            cause = err.__cause__
+            if isinstance(cause, TypeError) and _raised_by_the_call(cause):
+                raise self._wrong_signature(fn, cause, signature) from cause
+            log.info("dry call of the scorer on an empty response: %s", err)
+
+    def _wrong_signature(self, fn: Scorer, exc: TypeError, signature) -> RewardConfigError:
+        name = getattr(fn, "__name__", repr(fn))
+        where = self.custom_path or "the built-in scorers"
+        has = f"; it is defined as {name}{signature}" if signature is not None else ""
+        return RewardConfigError(
+            f"the reward function {name!r} in {where} cannot be called the way offstep (like verl) calls "
+            f"it, {name}(data_source, solution_str, ground_truth, extra_info=extra_info): {exc}{has}. "
+            f"Fix: define it as def {name}{SIGNATURE}."
+        )
+
     # ----------------------------------------------------------------------------------------------
 
     def __call__(
         self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None
     ) -> tuple[float, dict]:
         """Score one response. Returns ``(score, extras)`` with ``extras`` a dict of floats."""
+        return self._score(data_source, solution_str, ground_truth, extra_info, self.timeout_s)
+
+    def _score(
+        self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None, timeout_s: float | None
+    ) -> tuple[float, dict]:
         fn = self.scorer_for(data_source)
         label = self._scorer_label(fn)
         sample = solution_str[:200] if isinstance(solution_str, str) else repr(solution_str)[:200]
+        row = extra_info.get("index") if isinstance(extra_info, dict) else None
+        which = f"ground truth {repr(ground_truth)[:60]}" + (f", extra_info index {row}" if row is not None else "")
 
         def fail(problem: str, cause: BaseException | None = None, fix: str = _FIX_RESULT) -> RewardError:
             err = RewardError(
                 f"reward for data source {data_source!r} failed: {label} {problem}. "
-                f"Sample (first 200 chars): {sample!r}. Fix: {fix}"
+                f"Sample (first 200 chars): {sample!r} ({which}). Fix: {fix}"
             )
             err.__cause__ = cause
             return err
@@ -302,14 +374,20 @@ class RewardFunction:
             return fn(data_source, solution_str, ground_truth, extra_info=extra_info)
 
         try:
-            if self.timeout_s is None:
+            if timeout_s is None:
                 result = invoke()
             else:
-                result = _call_with_timeout(invoke, self.timeout_s)
+                result = _call_with_timeout(invoke, timeout_s)
         except _ScorerTimeout as exc:
-            raise fail(f"timed out after {self.timeout_s:g} s (reward.timeout_s)", exc, _FIX_TIMEOUT) from exc
-        except Exception as exc:
-            raise fail(f"raised {type(exc).__name__}: {exc}{_where(exc, self.custom_path)}", exc, _FIX_RAISES) from exc
+            fix = f"make the scorer faster, or raise {self.timeout_key} (null disables the limit)."
+            raise fail(f"timed out after {timeout_s:g} s ({self.timeout_key})", exc, fix) from exc
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            if isinstance(exc, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise  # the user's Ctrl-C (see the module docstring)
+            what = f"raised {type(exc).__name__}" + (f": {exc}" if str(exc) else "")
+            if isinstance(exc, SystemExit):
+                what = f"called sys.exit({exc.code!r})"
+            raise fail(f"{what}{_where(exc, self.custom_path)}", exc, _FIX_RAISES) from exc
 
         extras: dict[str, float] = {}
         if isinstance(result, dict):

@@ -50,10 +50,33 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 
 def truncate_jsonl(path: str | Path, max_step: int) -> None:
-    """Drop the records of steps after ``max_step`` (a resumed run rewrites them)."""
+    """Drop the records of steps after ``max_step`` (a resumed run rewrites them).
+
+    A torn last line (the run crashed while writing it) is dropped with a warning; a line that is
+    not a JSON object anywhere else means the file was damaged, and is an error naming the line."""
+    import logging
+
+    from offstep.errors import OffstepError
+
     path = Path(path)
     if not path.exists():
         return
-    keep = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= max_step]
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    keep = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"a JSON {type(record).__name__}, not an object")
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            if i == len(lines) - 1:
+                logging.getLogger(__name__).warning(
+                    "%s: dropped its last line %d, cut off mid-write by the run that stopped (%s)", path, n, exc)
+                break
+            raise OffstepError(
+                f"{path}: line {n} is not a JSON object ({exc}), and it is not the last line, so the file was "
+                f"damaged after it was written. Fix: delete or repair that line, or move the file away to "
+                f"resume without the earlier records") from None
+        if record.get("step", 0) <= max_step:
+            keep.append(line + "\n")
     path.write_text("".join(keep))

@@ -1,64 +1,221 @@
-"""Saving and restoring one trainer role (actor or critic) with torch's distributed checkpointing.
+"""Saving and restoring one trainer role (actor or critic) with torch's distributed checkpointing,
+and reading checkpoints, which may come from someone else, without running any code of theirs.
 
 Every rank writes its own shards of the model and optimizer state (``torch.distributed.checkpoint``
 with FSDP2's sharded state dicts), so saving needs no gather onto one rank and a checkpoint can be
-loaded by the same number of ranks or, for export, without any process group. The scheduler and
-the RNG states, which are small and per rank, go beside it as ``rank<i>.pt``.
+loaded by the same number of ranks or, for export, without any process group. The scheduler, the
+RNG states and the role's counters, which are small and per rank, go beside them as
+``rank<i>.json``.
+
+What reading executes: nothing. DCP's ``.metadata`` is a pickle; :class:`SafeReader` reads it with
+an unpickler that builds only the classes DCP's metadata is made of and refuses anything else.
+DCP reads tensors with ``torch.load(weights_only=True)``; its non-tensor items (the optimizer's
+hyper-parameters) it would unpickle unrestricted, so :class:`SafePlanner` reads them
+with ``weights_only=True`` too. ``rank<i>.json`` is JSON.
+
+The helpers at the end write files durably (fsync) and turn a failed write (a full disk) into a
+message that names the folder and the free space.
 """
 
 from __future__ import annotations
 
+import base64
+import io
+import json
+import os
+import pickle
 import random
+import shutil
 import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from offstep.errors import OffstepError
+
+RANK_FORMAT = 1
+
+
+class CheckpointError(OffstepError, ValueError):
+    """A checkpoint that cannot be written (e.g. a full disk) or read (damaged, or holding
+    something a checkpoint never holds); the message names the path and what to do."""
+
+
+# ------------------------------------------------------------------ per-rank state (JSON)
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8)
 
 
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Python's, NumPy's and torch's RNG states as JSON values."""
+    version, words, gauss = random.getstate()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": [version, list(words), gauss], "numpy": [kind, key.tolist(), int(pos), int(has_gauss), float(cached)],
+             "torch": _b64(torch.get_rng_state())}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    version, words, gauss = state["python"]
+    random.setstate((version, tuple(words), gauss))
+    kind, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
+def read_rank_file(path: Path) -> dict:
+    """``rank<i>.json``: {rng, sched, extra}; a damaged file is a :class:`CheckpointError`."""
+    try:
+        local = json.loads(path.read_text())
+        if not isinstance(local, dict) or local.get("format") != RANK_FORMAT or not {"rng", "sched", "extra"} <= set(local):
+            raise ValueError("not a rank state of this offstep version")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} cannot be read ({e})") from None
+    return local
+
+
+# ------------------------------------------------------------------ reading DCP without running code
+# What a DCP .metadata pickle refers to (torch 2.13; read off a real save of a model + AdamW).
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
+_METADATA_NAMES = {
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def __init__(self, file, path: Path):
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in _METADATA_NAMES:
+            return super().find_class(module, name)
+        if module in _METADATA_MODULES:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and obj.__module__ == module:  # its own classes, not what it imports
+                return obj
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"{self.path} refers to {module}.{name}, which checkpoint metadata never holds; it was not written by "
+            f"torch's checkpointing and is refused unread (loading it could run code). Use a checkpoint from a "
+            f"source you trust, or write a new one"
+        )
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, but its metadata is unpickled by :class:`_MetadataUnpickler`, and the
+    shard files it names must lie in the checkpoint folder."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f, path).load()
+        except CheckpointError:
+            raise
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as e:
+            raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
+        for info in (metadata.storage_data or {}).values():
+            rel = str(getattr(info, "relative_path", ""))
+            if not rel or Path(rel).name != rel or rel in (".", ".."):
+                raise CheckpointError(f"{path} names a shard file {rel!r} outside its folder; refused")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, reading non-tensor items with ``torch.load(weights_only=True)``."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"the checkpoint item {read_item.dest_index.fqn!r} is refused: {e}") from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def check_role(path: Path) -> str | None:
+    """What is wrong with the role folder ``path`` (missing, truncated or foreign files), or
+    ``None``: its metadata reads safely, every shard it names is there at full length, and every
+    ``rank<i>.json`` reads. Cheap: reads the metadata and the small files, stats the shards."""
+    try:
+        metadata = SafeReader(path).read_metadata()
+        need: dict[str, int] = {}
+        for info in metadata.storage_data.values():
+            need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+        for name, size in sorted(need.items()):
+            f = path / name
+            have = f.stat().st_size if f.is_file() else None
+            if have is None or have < size:
+                return f"shard {f} is {'missing' if have is None else f'truncated ({have} of {size} bytes)'}"
+        ranks = sorted(path.glob("rank*.json"))
+        if not ranks:
+            return f"{path} has no rank0.json"
+        for f in ranks:
+            read_rank_file(f)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+# ------------------------------------------------------------------ a role's save and load
 def save_role(path: str | Path, rank: int, model, opt=None, sched=None, extra: dict | None = None) -> None:
-    """Write ``model`` (and ``opt``) shards under ``path`` with DCP, plus ``rank<i>.pt``."""
+    """Write ``model`` (and ``opt``) shards under ``path`` with DCP, plus ``rank<i>.json``."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, opt) if opt is not None else (get_state_dict(model, [])[0], None)
-    state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
-    dcp.save(state, checkpoint_id=str(path))
-    local = {"rng": rng_state(), "sched": sched.state_dict() if sched is not None else None, "extra": extra or {}}
-    torch.save(local, path / f"rank{rank}.pt")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        model_sd, optim_sd = get_state_dict(model, opt) if opt is not None else (get_state_dict(model, [])[0], None)
+        state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
+        dcp.save(state, checkpoint_id=str(path))  # fsyncs its files (FileSystemWriter(sync_files=True))
+        local = {"format": RANK_FORMAT, "rng": rng_state(), "sched": sched.state_dict() if sched is not None else None,
+                 "extra": extra or {}}
+        write_durably(path / f"rank{rank}.json", json.dumps(local))
+    except (OSError, RuntimeError, CheckpointException) as e:
+        raise write_failed(path, e) from None
 
 
 def load_role(path: str | Path, rank: int, model, opt=None, sched=None) -> dict:
     """Restore what ``save_role`` wrote into an identically built (and sharded) role; returns
     the ``extra`` dict."""
     path = Path(path)
+    local = read_rank_file(path / f"rank{rank}.json")
     if opt is not None:
         model_sd, optim_sd = get_state_dict(model, opt)
         state = {"model": model_sd, "optim": optim_sd}
     else:
         state = {"model": get_state_dict(model, [])[0]}
-    dcp.load(state, checkpoint_id=str(path))
+    _dcp_load(state, path)
     if opt is not None:
         set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
-    local = torch.load(path / f"rank{rank}.pt", weights_only=False)
     set_rng_state(local["rng"])
     if sched is not None and local["sched"] is not None:
         sched.load_state_dict(local["sched"])
@@ -68,9 +225,88 @@ def load_role(path: str | Path, rank: int, model, opt=None, sched=None) -> dict:
 def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:
     """Load only the model weights of a role checkpoint into a plain (unsharded) model, without a
     process group: DCP reads the shards of every rank and reassembles full tensors."""
-    sd = model.state_dict()
-    state = {"model": sd}
+    state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "no process group: assuming a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        _dcp_load(state, Path(path), no_dist=True)
     model.load_state_dict(state["model"])
+
+
+def _dcp_load(state: dict, path: Path, **kw) -> None:
+    try:
+        dcp.load(state, storage_reader=SafeReader(path), planner=SafePlanner(), **kw)
+    except CheckpointError:
+        raise
+    except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as e:
+        raise CheckpointError(f"the checkpoint {path} cannot be loaded ({_cause(e)})") from None
+
+
+# ------------------------------------------------------------------ durable writes, full disks
+def _cause(e: BaseException) -> str:
+    """The first line of what went wrong (DCP wraps each rank's exception in its own)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        e = inner[0] if isinstance(inner, tuple) else inner
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def free_space(path: Path) -> str:
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    free = shutil.disk_usage(p).free
+    return f"{free / 2**30:.2f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
+
+
+def write_failed(path: Path, e: BaseException) -> CheckpointError:
+    """The error for a write into ``path`` that failed, typically a full disk (torch's writer
+    reports it as "unexpected pos ..." or "file write failed")."""
+    return CheckpointError(
+        f"writing {path} failed ({_cause(e)}); {free_space(path)} free on that file system. Free some space "
+        f"(or keep fewer checkpoints: trainer.keep_checkpoints, or write elsewhere: trainer.output_dir), then "
+        f"continue from the last complete checkpoint with trainer.resume=auto"
+    )
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` and fsync it (not its folder: the caller renames that)."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder under ``root`` (and ``root``), so that a rename of ``root``
+    that follows publishes complete contents even after a power loss."""
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
+
+
+def replace_dir(new: Path, final: Path, aside: Path) -> None:
+    """Put the folder ``new`` at ``final`` so that a complete copy exists at every moment: an
+    existing ``final`` is renamed to ``aside`` first and deleted only once ``new`` is in place."""
+    if final.exists() or final.is_symlink():
+        os.rename(final, aside)
+    os.rename(new, final)
+    fsync_dir(final.parent)
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside)
+    elif aside.exists() or aside.is_symlink():
+        aside.unlink()

@@ -1,0 +1,185 @@
+"""Which run a ``trainer.output_dir`` belongs to, so that a run never writes into a folder it does
+not own (called by the controller before anything is written).
+
+A run folder carries ``.offstep-run``, a JSON file with the run's id, written when the run first
+starts there. Every checkpoint records the id of the run that wrote it, and pruning deletes only
+this run's. What a start does with the folder:
+
+===========================================  ==================================================
+the folder                                   trainer.resume=off / auto / a path
+===========================================  ==================================================
+missing or empty                             a new run
+this run's, holding no records yet           off/auto: used again; a path: a new run
+(only config.yaml, data/, empty logs)
+a run with an intact checkpoint              auto: continues the run from its latest (or from
+                                             trainer.resume_step); off: refused
+a run with records but no intact checkpoint  refused (the run cannot be continued, and a new one
+                                             would write over its metrics)
+not an offstep run, and not empty            refused
+===========================================  ==================================================
+
+A resume from a checkpoint of this folder continues its run (checkpoints of later steps are then
+renamed ``.superseded``, so no later resume picks them); a resume from elsewhere starts a new run
+in the folder. Where the table says refused, ``trainer.overwrite=true`` moves the folder aside to
+``<output_dir>.old-<time>`` (nothing is deleted) and starts a new run there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from offstep.config.loader import ConfigError
+from offstep.config.schema import Config
+from offstep.pipeline.checkpoints import LEGACY_STATE_FILE, Checkpoints, Loaded, check_compatible, open_checkpoint, resolve_path
+from offstep.train.checkpoint import fsync_dir, write_durably
+
+MARKER = ".offstep-run"
+# What a run writes that does not make the folder worth keeping: the marker, the config it
+# rewrites at every start, and the built-in task's data, which it regenerates.
+_NOT_RECORDS = {MARKER, "config.yaml", "data"}
+
+
+@dataclass
+class Run:
+    run_id: str
+    resume: Loaded | None  # the checkpoint to continue from
+
+
+def read_marker(out: Path) -> str | None:
+    path = out / MARKER
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        return str(doc["run_id"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} cannot be read ({e}); if {out} is yours, delete that file, or give "
+                          f"trainer.overwrite=true to move the folder aside, or another trainer.output_dir") from None
+
+
+def records(out: Path) -> list[str]:
+    """What in ``out`` a new run must not write over: checkpoints (not ``.partial`` ones),
+    non-empty metrics, logs and anything else the run does not regenerate."""
+    found = []
+    for p in sorted(out.iterdir()) if out.is_dir() else []:
+        if p.name in _NOT_RECORDS:
+            continue
+        if p.name == "checkpoints" and p.is_dir():
+            n = sum(not c.name.endswith(".partial") for c in p.iterdir())
+            if n:
+                found.append(f"checkpoints/ ({n})")
+        elif p.is_dir():
+            if any(f.is_file() and f.stat().st_size for f in p.rglob("*")):
+                found.append(p.name + "/")
+        elif not p.is_file() or p.stat().st_size:
+            found.append(p.name)
+    return found
+
+
+def _move_aside(out: Path, log: Callable[[str], None]) -> None:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = out.with_name(f"{out.name}.old-{stamp}"), 1
+    while aside.exists():
+        aside, n = out.with_name(f"{out.name}.old-{stamp}-{n}"), n + 1
+    try:
+        os.rename(out, aside)
+    except OSError as e:
+        raise ConfigError(f"trainer.overwrite=true could not move {out} aside to {aside} ({e}); move it yourself, "
+                          f"or give another trainer.output_dir") from None
+    log(f"offstep: trainer.overwrite=true: moved the previous contents of {out} to {aside}")
+
+
+def _claim(out: Path, run_id: str | None = None) -> str:
+    """Make ``out`` (missing or empty, or this run's) the folder of run ``run_id`` (a new one)."""
+    run_id = run_id or uuid.uuid4().hex
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{MARKER}.tmp"
+    write_durably(tmp, json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
+    os.replace(tmp, out / MARKER)
+    fsync_dir(out)
+    return run_id
+
+
+def _refusal(out: Path, marker: str | None, held: list[str], resume: str) -> str:
+    what = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "")
+    fix = (f"give a new trainer.output_dir, or trainer.overwrite=true to move the folder aside to {out.name}.old-<time> "
+           f"(nothing is deleted) and start afresh")
+    if marker is None:
+        legacy = any((out / "checkpoints").glob(f"step_*/{LEGACY_STATE_FILE}"))
+        why = (f"trainer.output_dir={out} is not empty and is not an offstep run folder (it has no {MARKER}; it holds "
+               f"{what})")
+        if legacy:
+            why += ("; it looks like a run of an older offstep, whose checkpoints (trainer_state.pt, a pickle) this "
+                    "version does not load")
+        return f"{why}; {fix}"
+    if resume == "off":
+        return (f"trainer.output_dir={out} holds run {marker} ({what}) and trainer.resume=off would write over it; "
+                f"{fix}, or trainer.resume=auto to continue that run")
+    if resume == "auto":
+        return (f"trainer.output_dir={out} holds run {marker} ({what}) but no intact checkpoint to continue it from, "
+                f"and a new run would write over its records; {fix}")
+    return (f"trainer.output_dir={out} holds run {marker} ({what}); a resume from {resume} starts a new run, which "
+            f"would write over it; {fix}")
+
+
+def open_run(cfg: Config, log: Callable[[str], None] = print) -> Run:
+    """Decide, before anything is written, which run ``cfg.trainer.output_dir`` holds and what this
+    start does with it (see the module's table): returns the run id and the checkpoint to resume
+    from, or raises :class:`ConfigError` naming the fix. With ``trainer.overwrite=true`` a folder
+    that would be refused is moved aside instead."""
+    t = cfg.trainer
+    out = Path(t.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"trainer.output_dir={out} is a file, not a folder; give a folder")
+    if t.resume == "off" and t.resume_step:
+        raise ConfigError(f"trainer.resume_step={t.resume_step} needs trainer.resume=auto or a run directory")
+    marker = read_marker(out)
+    loaded, continues = None, False
+    if t.resume not in ("auto", "off"):
+        loaded, damaged = _from_path(Path(t.resume), t.resume_step, log)
+        own = out / "checkpoints"
+        continues = marker is not None and own.is_dir() and loaded.path.resolve().parent == own.resolve()
+        if continues and loaded.run_id != marker:
+            raise ConfigError(f"the checkpoint {loaded.path} was written by run {loaded.run_id}, not by the run of "
+                              f"its folder ({marker}); it is refused (give a checkpoint of another folder to start a "
+                              f"new run from it)")
+    elif t.resume == "auto" and marker is not None:
+        loaded, damaged = Checkpoints(out, run_id=marker).latest(log, t.resume_step)
+        continues = loaded is not None
+    if t.resume_step and loaded is None:
+        raise ConfigError(f"trainer.resume_step={t.resume_step}: {out} has no checkpoint to resume from")
+    if continues:
+        check_compatible(loaded.config_yaml, cfg)
+        Checkpoints(out, run_id=marker).set_aside_after(loaded.state.step, damaged, log)
+        return Run(marker, loaded)
+    if loaded is not None:
+        check_compatible(loaded.config_yaml, cfg)
+    held = records(out) if marker is not None else sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
+        if not t.overwrite:
+            raise ConfigError(_refusal(out, marker, held, t.resume))
+        if loaded is not None and out.resolve() in loaded.path.resolve().parents:
+            raise ConfigError(f"trainer.overwrite=true would move aside {out}, which holds the checkpoint to resume "
+                              f"from ({loaded.path}); give another trainer.output_dir")
+        _move_aside(out, log)
+        marker = None
+    # A run of this folder that wrote nothing worth keeping continues under its id with resume=auto.
+    return Run(_claim(out, marker if t.resume == "auto" else None), loaded)
+
+
+def _from_path(path: Path, step: int, log: Callable[[str], None]) -> tuple[Loaded, list[Path]]:
+    """``trainer.resume=<path>``: a checkpoint folder as it is, or a run directory's latest intact
+    checkpoint (or ``step``'s)."""
+    if (path / "checkpoints").is_dir():
+        loaded, damaged = Checkpoints(path).latest(log, step)
+        if loaded is None:
+            resolve_path(path)  # raises the message that names what is missing
+            raise ConfigError(f"trainer.resume={path}: none of its checkpoints is intact (see above)")
+        return loaded, damaged
+    return open_checkpoint(resolve_path(path, step or None)), []
