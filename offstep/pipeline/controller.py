@@ -6,11 +6,12 @@ With ``pipeline.max_staleness = k`` generation runs up to k batches ahead of tra
             trainer:             [train b1 → v1]sync[train b2 → v2]sync...
 
 k = 0 is the synchronous loop. Every sample carries the policy version that generated it (the
-rollout worker tags it); ``check_staleness`` is the one place the bound is enforced.
+rollout worker tags it); ``check_staleness`` (``prepare.py``, as the batch is prepared) is the one place the bound is
+enforced.
 
 Off the critical path: a batch is prepared (collated, measured and, when the trainer has nothing
 to add, given its advantages and put in the object store) as soon as its samples arrive, while the
-trainer still updates on the batch before (``_prepare``); the weight export is queued behind the
+trainer still updates on the batch before (``BatchPreparer``); the weight export is queued behind the
 actor's update on every rank (``WeightSync.queue``), so no round trip separates the two.
 
 The parts around the loop each have a file: the workers it drives (``workers.py``), the rollout
@@ -22,28 +23,27 @@ from __future__ import annotations
 
 import asyncio
 import time
-import zlib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
-import torch
 
-from offstep.batch import Span, TrainBatch, collate
+from offstep.batch import Span, TrainBatch
 from offstep.config.loader import to_yaml
 from offstep.config.schema import Config
 from offstep.data.stream import PromptStream
 from offstep.errors import OffstepError
-from offstep.pipeline.advantage import build_kl_controller, compute_advantages, needs_old_logprobs
-from offstep.pipeline.batching import Generated, generate_batch
+from offstep.pipeline.advantage import build_kl_controller, needs_old_logprobs
+from offstep.pipeline.batching import generate_batch
 from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints
 from offstep.pipeline.evaluation import summarise
 from offstep.pipeline.fleet import RolloutFailed, RolloutFleet
 from offstep.pipeline.inputs import prepare_inputs
 from offstep.pipeline.pools import RoleGroup
 from offstep.pipeline.run_dir import open_run
-from offstep.pipeline.step_metrics import batch_metrics, record_generation, sample_rows
+from offstep.pipeline.prepare import BatchPreparer, Prepared
+from offstep.pipeline.step_metrics import record_generation
 from offstep.pipeline.stop import StopRequest
 from offstep.pipeline.weight_sync import WeightSync
 from offstep.pipeline.workers import Workers, start_workers, worker_failure
@@ -51,10 +51,6 @@ from offstep.rollout.types import SamplingParams
 from offstep.telemetry.console import ConsoleProgress
 from offstep.telemetry.loggers import RunLoggers
 from offstep.telemetry.metrics import Timeline, truncate_jsonl
-
-
-class StalenessError(OffstepError):
-    pass
 
 
 class TrainerFailed(OffstepError):
@@ -73,32 +69,10 @@ class InFlight:
     prepared: asyncio.Future | None = None
 
 
-@dataclass
-class Prepared:
-    """A generated batch made ready for the trainer while the trainer still updates on the one
-    before: collated, its metrics taken and, when they need nothing from the trainer, its
-    advantages computed and the batch put in the object store (``stored``)."""
-
-    batch: TrainBatch
-    metrics: dict
-    stored: ray.ObjectRef | None = None
-
-
 def _done(result) -> asyncio.Future:
     fut = asyncio.get_running_loop().create_future()
     fut.set_result(result)
     return fut
-
-
-def check_staleness(versions: torch.Tensor, trainer_version: int, max_staleness: int) -> torch.Tensor:
-    """The one place the staleness bound is checked. Returns per-sample staleness."""
-    staleness = trainer_version - versions
-    if staleness.numel() and (int(staleness.max()) > max_staleness or int(staleness.min()) < 0):
-        raise StalenessError(
-            f"batch staleness {staleness.min().item()}..{staleness.max().item()} at trainer version "
-            f"{trainer_version} breaks pipeline.max_staleness={max_staleness}"
-        )
-    return staleness
 
 
 class Controller:
@@ -133,6 +107,7 @@ class Controller:
         self.loggers = RunLoggers(self.out, cfg, append=self.resumed is not None)
         self.timeline = Timeline(self.out / "timeline.jsonl", t0=self.resumed and self.resumed.t0,
                                  append=self.resumed is not None)
+        self.preparer = BatchPreparer(cfg, self.inputs, self.timeline, self.loggers, self.kl_ctrl)
         self.stop = StopRequest(self.console.log)
         self.version = 0  # the trainer's policy version: updates applied
         self.start_step = 0  # the last step already done (> 0 when resuming)
@@ -229,40 +204,11 @@ class Controller:
         return cur
 
     async def _prepare(self, cur: InFlight) -> Prepared:
-        """The driver's work on a batch, as soon as its samples arrive (for k >= 1 usually while the
-        trainer still updates on the batch before): timeline, sample log, collate, metrics and,
-        where possible, advantages and the object-store copy. Batch b is trained at step b, by the
-        policy of version b - 1 (one update per step), so its staleness is known here too."""
-        gen: Generated = await cur.generated
-        t0, step = time.time(), cur.batch_idx
-        gen_s = ref_s = 0.0
-        for attempt, results in enumerate(gen.rounds):
-            _, g, r = record_generation(self.timeline, results, step, "gen" if attempt == 0 else "gen_more")
-            gen_s, ref_s = gen_s + g, ref_s + r
-        self._log_samples(step, gen)
-        batch = collate(gen.samples, self.inputs.pad_id)
-        batch.staleness = check_staleness(batch.versions, step - 1, self.k)  # the actor reports corrections per staleness
-        m = batch_metrics(step, cur.epoch, gen.samples, batch, batch.staleness)
-        m["data/prompts_crc32"] = zlib.crc32(",".join(map(str, cur.idx)).encode())
-        if self.cfg.algorithm.dynamic_sampling:
-            m["rollout/dynamic_sampling_attempts"] = len(gen.rounds)
-            m["rollout/dynamic_sampling_filled_groups"] = gen.filled_groups
-        m["timing_s/gen"] = gen_s
-        if ref_s:
-            m["timing_s/ref_rollout"] = ref_s
-        m["perf/gen_tokens_per_s"] = float(batch.response_mask.sum()) / max(gen_s, 1e-9)
-        ready = Prepared(batch, m)
+        """The driver's work on a batch as soon as its samples arrive (``prepare.py``); for k >= 1
+        usually while the trainer still updates on the batch before."""
         w = self.workers
-        if w.ref is None and w.critic is None and not needs_old_logprobs(self.cfg, len(batch)):
-            ready.stored = self._advantages_and_put(batch, m)  # nothing needed from the trainer
-        self.timeline.add("driver", "prepare", step, t0, time.time())
-        return ready
-
-    def _log_samples(self, step: int, gen: Generated) -> None:
-        t = self.cfg.trainer
-        if t.log_samples_freq and (step == 1 or step % t.log_samples_freq == 0):
-            text = {uid: self.inputs.train[i].record.messages[-1]["content"] for uid, i in gen.prompt_of.items()}
-            self.loggers.log_samples(step, sample_rows(step, gen.samples, text, t.log_samples_count))
+        trainer_first = w.ref is not None or w.critic is not None  # passes the advantages need
+        return self.preparer.prepare(await cur.generated, cur.batch_idx, cur.epoch, cur.idx, trainer_first)
 
     # ---------------------------------------------------------------- training
     async def _train(self, ready: Prepared, step: int, m: dict) -> float | None:
@@ -299,16 +245,7 @@ class Controller:
         if needs_old_logprobs(self.cfg, len(batch), actor_frozen):
             batch.old_logprobs, span = await self._stage(w.actor, "compute_logprobs", "old_logprobs", step, batch)
             m["timing_s/old_logprobs"] = span.seconds
-        return self._advantages_and_put(batch, m)
-
-    def _advantages_and_put(self, batch: TrainBatch, m: dict) -> ray.ObjectRef:
-        algo = self.cfg.algorithm
-        if algo.correction_mode == "bypass":  # the rollout's log-probs are the old policy: no forward pass
-            batch.old_logprobs = batch.rollout_logprobs
-        t0 = time.time()
-        m.update(compute_advantages(batch, algo, self.kl_ctrl, self.cfg.rollout.max_new_tokens))
-        m["timing_s/adv"] = time.time() - t0
-        return ray.put(batch)  # one copy in the object store, read by every rank
+        return self.preparer.advantages_and_put(batch, m)
 
     async def _stage(self, group: RoleGroup, call, stage: str, step: int, *args) -> tuple[object, Span]:
         """Run a method on every rank of ``group`` (``call``: its name, or the calls already

@@ -60,15 +60,16 @@ class Pool:
         remove_placement_group(self.pg)
 
 
-@ray.remote(num_cpus=0)
 class Rendezvous:
-    """Serves the store a role group's ranks meet at, for the group's lifetime: on rank 0's node,
-    listening on ``host`` only (127.0.0.1 for a local run; the node's address on a cluster)."""
+    """The store every role group of a run meets at, served by the driver for the run's lifetime
+    (each group under its own prefix), listening on ``host`` only: 127.0.0.1 for a local run, the
+    driver's node address on a cluster. No process of its own."""
 
-    def __init__(self, host: str | None):
-        self.host = host or ray.util.get_node_ip_address()
-        self.store, self.sock = serve_store(self.host, None)
+    def __init__(self, host: str):
+        self.host = host
+        self.store, self.sock = serve_store(host, None)
 
+    @property
     def endpoint(self) -> tuple[str, int]:
         return self.host, self.sock.getsockname()[1]
 
@@ -76,18 +77,13 @@ class Rendezvous:
 class RoleGroup:
     """The ranks of one trainer role, spread one per bundle of a pool."""
 
-    def __init__(self, name: str, handles: list, rendezvous=None):
-        self.name, self.handles, self.rendezvous = name, handles, rendezvous
+    def __init__(self, name: str, handles: list):
+        self.name, self.handles = name, handles
 
     @classmethod
-    def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, *args, host: str | None = None) -> "RoleGroup":
-        """``host``: the address the group's store listens on (None: rank 0's node address)."""
+    def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, rendezvous: Rendezvous, *args) -> "RoleGroup":
         remote_cls = ray.remote(worker_cls)
-        # The group meets at rank 0's node (which, on a cluster, need not be the driver's).
-        where = pool.options(0)
-        where.pop("runtime_env")
-        rendezvous = Rendezvous.options(**where).remote(host)
-        master_addr, port = ray.get(rendezvous.endpoint.remote())
+        master_addr, port = rendezvous.endpoint
         handles = []
         for rank in range(pool.bundles):
             spec = GroupSpec(
@@ -95,12 +91,13 @@ class RoleGroup:
                 world_size=pool.bundles,
                 master_addr=master_addr,
                 master_port=port,
+                group=name,
                 device=pool.device,
                 num_threads=pool.cpus_per_bundle,
             )
             opts = pool.options(rank, gpu_share, env)
             handles.append(remote_cls.options(name=f"{name}-{rank}", **opts).remote(spec, *args))
-        return cls(name, handles, rendezvous)
+        return cls(name, handles)
 
     def submit(self, method: str, *args) -> list:
         return [getattr(h, method).remote(*args) for h in self.handles]
@@ -111,5 +108,5 @@ class RoleGroup:
         return results[0]
 
     def kill(self) -> None:
-        for h in self.handles + ([self.rendezvous] if self.rendezvous is not None else []):
+        for h in self.handles:
             ray.kill(h)

@@ -20,7 +20,7 @@ import ray
 from offstep.config.schema import Config
 from offstep.models.loading import cache_dir
 from offstep.pipeline.inputs import Inputs
-from offstep.pipeline.pools import Pool, RoleGroup
+from offstep.pipeline.pools import Pool, Rendezvous, RoleGroup
 from offstep.rollout.worker import RefSpec, RolloutWorker
 from offstep.telemetry.progress import LiveStatus
 from offstep.train.actor import ActorWorker
@@ -44,6 +44,7 @@ class Workers:
     pools: list[Pool] = field(default_factory=list)
     owns_ray: bool = False  # this run started Ray, so it stops it
     host: str | None = None  # the address the run's own stores listen on (None: each node's address)
+    rendezvous: Rendezvous | None = None  # the store the trainer roles' process groups meet at
 
     @property
     def groups(self) -> list[RoleGroup]:
@@ -157,13 +158,14 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
     seed, temperature = cfg.trainer.seed, ro.temperature
     micro, budget = cfg.actor.micro_batch_size, cfg.actor.micro_token_budget
     host = None if cfg.resources.ray_address else "127.0.0.1"  # a local run listens on loopback only
-    actor = RoleGroup.create("actor", ActorWorker, trainer_pool, share, env, seed, *model, cfg.actor, cfg.algorithm,
-                             temperature, live.client("trainer"), host=host)
-    ref = (RoleGroup.create("ref", RefWorker, trainer_pool, share, env, seed, *model, temperature, micro, budget, host=host)
+    rendezvous = Rendezvous(host or ray.util.get_node_ip_address())
+    actor = RoleGroup.create("actor", ActorWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.actor,
+                             cfg.algorithm, temperature, live.client("trainer"))
+    ref = (RoleGroup.create("ref", RefWorker, trainer_pool, share, env, rendezvous, seed, *model, temperature, micro, budget)
            if ref_on_trainer else None)
     critic = (
-        RoleGroup.create("critic", CriticWorker, trainer_pool, share, env, seed, *model, cfg.critic, cfg.algorithm,
-                         micro, cfg.actor.mini_batch_size, budget, host=host)
+        RoleGroup.create("critic", CriticWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.critic,
+                         cfg.algorithm, micro, cfg.actor.mini_batch_size, budget)
         if use_critic else None
     )
     pool = rollout_pool or trainer_pool
@@ -177,7 +179,7 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
         )
 
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,
-                      [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host)
+                      [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous)
     try:
         workers.ready()
     except BaseException:

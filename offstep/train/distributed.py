@@ -21,9 +21,10 @@ class GroupSpec:
     rank: int
     world_size: int
     master_addr: str
-    master_port: int  # the group's store (a Rendezvous actor's); 0: one rank, serving its own on master_addr
+    master_port: int  # the run's store (the driver's Rendezvous); 0: one rank, serving its own on master_addr
     device: str  # "cpu" or "cuda"
     num_threads: int
+    group: str = ""  # the role: its keys in the run's store are prefixed with it
 
 
 def serve_store(host: str, world_size: int | None, timeout: timedelta = STORE_TIMEOUT) -> tuple[dist.TCPStore, socket.socket]:
@@ -61,7 +62,7 @@ def setup(spec: GroupSpec) -> tuple[torch.device, DeviceMesh]:
         _own_store[:] = serve_store(spec.master_addr, 1)
         store = _own_store[0]
     else:
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, STORE_TIMEOUT)
+        store = dist.PrefixStore(f"{spec.group}/", dist.TCPStore(spec.master_addr, spec.master_port, None, False, STORE_TIMEOUT))
     dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size)
     mesh = init_device_mesh(device.type, (spec.world_size,))
     return device, mesh
