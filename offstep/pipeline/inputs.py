@@ -82,6 +82,12 @@ def check_safetensors(model_path: str) -> None:
 def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
     model_path = resolve_model(cfg.model.path)
     check_safetensors(model_path)
+    if cfg.rollout.engine == "vllm":  # a model vLLM's backend cannot serve fails here, not in a worker
+        from offstep.rollout.vllm_engine import attention_head_dim_problem
+
+        problem = attention_head_dim_problem(model_path, "cuda" if cfg.rollout.gpus_per_replica else "cpu")
+        if problem is not None:
+            raise ModelError(f"rollout.engine=vllm cannot serve model.path={cfg.model.path}: {problem}")
     tok = load_tokenizer(model_path)
     train_files, val_files = _files(cfg, out_dir)
     train = _encode(train_files, cfg, tok)

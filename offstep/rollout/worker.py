@@ -58,14 +58,21 @@ class RolloutWorker:
         max_batch_size: int,
         ref: "RefSpec | None" = None,
         progress: ProgressClient | None = None,
+        engine: str = "builtin",
+        seed: int = 0,
     ):
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         tok = load_tokenizer(model_path)
-        model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
-        self.engine = TorchEngine(
-            model, tok, eos_token_ids(tok, model_path), device=self.device, max_batch_size=max_batch_size
-        )
+        eos = eos_token_ids(tok, model_path)
+        if engine == "vllm":  # one vLLM engine per replica, in this process (offstep/rollout/vllm_engine.py)
+            from offstep.rollout.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(model_path, tok, eos, dtype=dtype, max_batch_size=max_batch_size,
+                                     num_threads=num_threads, seed=seed)
+        else:
+            model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
+            self.engine = TorchEngine(model, tok, eos, device=self.device, max_batch_size=max_batch_size)
         self.reward = reward
         self.ref = ref
         if ref is not None:  # a frozen copy of the initial policy, for the KL term
