@@ -42,3 +42,28 @@ class Completion:
     finish_reason: str
     text: str = ""
     extra: dict = field(default_factory=dict)
+
+
+def check_request(prompts: list[list[int]], params: SamplingParams, vocab_size: int) -> None:
+    """The arguments of an engine's ``generate``, checked the same way by every engine."""
+    if params.n < 1:
+        raise ValueError(f"SamplingParams.n={params.n} must be >= 1")
+    if params.temperature < 0:
+        raise ValueError(f"SamplingParams.temperature={params.temperature} must be >= 0 (0: greedy)")
+    if not 0 < params.top_p <= 1:
+        raise ValueError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
+    if params.top_k < 0:
+        raise ValueError(f"SamplingParams.top_k={params.top_k} must be >= 0 (0: disabled)")
+    if params.max_new_tokens < 0:
+        raise ValueError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 0")
+    if isinstance(params.stop, str):
+        raise ValueError("SamplingParams.stop must be a tuple of strings, not a string")
+    if any(not s for s in params.stop):
+        raise ValueError("SamplingParams.stop contains an empty string")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"prompt {i} has token id {bad} outside the model's vocabulary [0, {vocab_size})")

@@ -69,7 +69,7 @@ import torch
 from torch import Tensor
 
 from offstep.rollout.sampling import _mix_seed
-from offstep.rollout.types import Completion, SamplingParams
+from offstep.rollout.types import Completion, SamplingParams, check_request
 
 __all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "attention_head_dim_problem", "vllm_unavailable_reason"]
 
@@ -332,28 +332,7 @@ class VLLMEngine:
         )
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """The built-in engine's argument checks, with its messages."""
-        if params.n < 1:
-            raise ValueError(f"SamplingParams.n={params.n} must be >= 1")
-        if params.temperature < 0:
-            raise ValueError(f"SamplingParams.temperature={params.temperature} must be >= 0 (0: greedy)")
-        if not 0 < params.top_p <= 1:
-            raise ValueError(f"SamplingParams.top_p={params.top_p} must be in (0, 1]")
-        if params.top_k < 0:
-            raise ValueError(f"SamplingParams.top_k={params.top_k} must be >= 0 (0: disabled)")
-        if params.max_new_tokens < 0:
-            raise ValueError(f"SamplingParams.max_new_tokens={params.max_new_tokens} must be >= 0")
-        if isinstance(params.stop, str):
-            raise ValueError("SamplingParams.stop must be a tuple of strings, not a string")
-        if any(not s for s in params.stop):
-            raise ValueError("SamplingParams.stop contains an empty string")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty; a prompt needs at least one token")
-            lo, hi = min(p), max(p)
-            if lo < 0 or hi >= self.vocab_size:
-                bad = lo if lo < 0 else hi
-                raise ValueError(f"prompt {i} has token id {bad} outside the model's vocabulary [0, {self.vocab_size})")
+        check_request(prompts, params, self.vocab_size)
 
 
 def _refresh_tied_lm_head(worker) -> None:
