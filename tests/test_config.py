@@ -218,3 +218,17 @@ def test_help_lists_every_key_by_section_and_one_key_alone():
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines() == ["  rollout.n: int = 4", "      samples generated per prompt (the group of GRPO, RLOO, ...)"]
     assert print_help(["preset=tiny", "-h", "nope.key"]) == 2  # and the message on stderr names close keys
+
+
+def test_rollout_engine_is_checked_before_anything_starts():
+    import importlib.util
+
+    from offstep.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.engine='nope'|rollout.engine=nope"):
+        validate(load_config(["preset=tiny", "rollout.engine=nope"]), cpu_count=2, gpu_count=0)
+    with pytest.raises(ConfigError, match="rollout.engine=vllm loads weights through vLLM's own reload"):
+        validate(load_config(["preset=tiny", "rollout.engine=vllm", "pipeline.weight_sync=collective"]), cpu_count=2, gpu_count=0)
+    if importlib.util.find_spec("vllm") is None:
+        with pytest.raises(ConfigError, match="rollout.engine=vllm needs vLLM, which is not installed"):
+            validate(load_config(["preset=tiny", "rollout.engine=vllm"]), cpu_count=2, gpu_count=0)

