@@ -50,8 +50,8 @@ process whose threads it has pinned). In-process that would be the rollout worke
 Not supported here (for the config check to refuse): LoRA adapters, the collective weight path
 straight into the engine's parameters (``offstep.sync.collective`` re-points a torch module's
 parameters; with vLLM, receive into buffers and call ``load_weights``), and models whose attention
-head size the backend lacks (vLLM-CPU: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; the
-built-in ``tiny`` model's 16 is refused, see ``attention_head_dim_problem``).
+head size the backend lacks (vLLM-CPU: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; a head
+of 16, as the ``tiny`` recipe v1 had, is refused: see ``attention_head_dim_problem``).
 """
 
 from __future__ import annotations
@@ -154,7 +154,9 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        self.model_path = str(model_path)
+        from offstep.models.loading import resolve_model
+
+        self.model_path = resolve_model(str(model_path))  # an alias or a local Hugging Face folder
         self.tokenizer = tokenizer
         self.eos_ids: list[int] = eos
         self.dtype = _DTYPES[dtype]
