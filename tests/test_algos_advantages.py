@@ -1,5 +1,5 @@
-"""Tests for offstep.algos.advantages: GRPO, RLOO, REINFORCE++ (and its group-baseline variant),
-ReMax, GAE, and outcome rewards placed on the last token."""
+"""Tests for offstep.algos.advantages: GRPO, RLOO, OPO, GPG, GRPO pass@k, REINFORCE++ (and its
+group-baseline variant), ReMax, GAE, and outcome rewards placed on the last token."""
 
 import math
 
@@ -9,7 +9,10 @@ import torch
 from conftest import GARBAGE, pad
 from offstep.algos.advantages import (
     gae_advantage,
+    gpg_advantage,
     grpo_outcome_advantage,
+    grpo_passk_advantage,
+    opo_advantage,
     outcome_token_rewards,
     reinforce_pp_advantage,
     reinforce_pp_baseline_advantage,
@@ -82,13 +85,14 @@ def test_grpo_loop_vs_vectorised(norm_by_std):
     torch.testing.assert_close(ret, adv)
 
 
-def test_grpo_padding_invariance():
+@pytest.mark.parametrize("fn", [grpo_outcome_advantage, opo_advantage, gpg_advantage, grpo_passk_advantage])
+def test_group_estimators_padding_invariance(fn):
     # the only [B, R] input is the mask: extra padded columns must leave the valid part unchanged
     scores = torch.tensor([1.0, 0.0, 2.0, 1.0], dtype=F64)
     groups = torch.tensor([0, 0, 1, 1])
     mask = length_mask([3, 1, 2, 3], 3)
-    adv, ret = grpo_outcome_advantage(scores, groups, mask)
-    adv_p, ret_p = grpo_outcome_advantage(scores, groups, pad(mask, 4, 0.0))
+    adv, ret = fn(scores, groups, mask)
+    adv_p, ret_p = fn(scores, groups, pad(mask, 4, 0.0))
     torch.testing.assert_close(adv_p[:, :3], adv)
     torch.testing.assert_close(ret_p[:, :3], ret)
     assert (adv_p[:, 3:] == 0).all() and (ret_p[:, 3:] == 0).all()
@@ -294,3 +298,69 @@ def test_remax_hand():
     torch.testing.assert_close(adv, torch.tensor([[0.3, 0.4]], dtype=F64))
     adv_p, _ = remax_advantage(pad(rewards, 2, 7.0), torch.tensor([0.5, 0.5], dtype=F64), pad(mask, 2, 0.0))
     assert (adv_p[:, 3:] == 0).all()
+
+
+# ---------------------------------------------------------------- OPO, GPG, GRPO pass@k
+
+
+def test_opo_hand():
+    # group 0: lengths 2, 3, scores 1, 0 -> baseline (2 * 1 + 3 * 0) / 5 = 0.4 -> 0.6, -0.4
+    # group 1: lengths 1, 3, scores 0.25, 0.5 -> baseline (0.25 + 1.5) / 4 = 0.4375 -> -0.1875, 0.0625
+    # group 2: a single response -> 0 (verl: its score)
+    scores = torch.tensor([1.0, 0.0, 0.25, 0.5, 7.0], dtype=F64)
+    groups = torch.tensor([0, 0, 1, 1, 2])
+    mask = length_mask([2, 3, 1, 3, 2], 3)
+    adv, ret = opo_advantage(scores, groups, mask)
+    assert adv[:, 0].tolist() == pytest.approx([0.6, -0.4, -0.1875, 0.0625, 0.0])
+    torch.testing.assert_close(adv, adv[:, :1] * mask)  # the same value on every valid token, 0 on padding
+    torch.testing.assert_close(ret, adv)
+    # equal lengths: OPO's baseline is the plain group mean (GRPO without the std)
+    even = length_mask([3, 3, 3, 3, 3], 3)
+    torch.testing.assert_close(opo_advantage(scores, groups, even)[0], grpo_outcome_advantage(scores, groups, even, norm_by_std=False)[0])
+
+
+def test_gpg_hand():
+    # B = 6 responses, M = 4 with a non-zero score -> alpha = 6 / 4 = 1.5
+    # group 0: scores 1, 0, 1 (mean 2/3) -> 1.5 * (1/3, -2/3, 1/3) = 0.5, -1, 0.5
+    # group 1: scores 0, 0.5 (mean 0.25) -> 1.5 * (-0.25, 0.25) = -0.375, 0.375
+    # group 2: a single response (score 2) -> 0
+    scores = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.5, 2.0], dtype=F64)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])
+    mask = length_mask([1, 2, 3, 3, 1, 2], 3)
+    adv, ret = gpg_advantage(scores, groups, mask)
+    assert adv[:, 0].tolist() == pytest.approx([0.5, -1.0, 0.5, -0.375, 0.375, 0.0])
+    torch.testing.assert_close(adv, adv[:, :1] * mask)
+    # every score zero: alpha = 6 / max(1, 0), advantages 0 (no division by zero)
+    assert gpg_advantage(torch.zeros(6, dtype=F64), groups, mask)[0].abs().sum().item() == 0.0
+
+
+def test_grpo_passk_hand():
+    # group 0: scores 0, 1, 0.5 -> best 1 (index 1), second 0.5: gap 0.5; std of (0, 1, 0.5) =
+    #          sqrt((0.25 + 0.25 + 0) / 2) = 0.5 -> 0.5 / (0.5 + 1e-6); the others 0
+    # group 1: scores 1, 1 -> a tie for the best: gap 0 for both
+    # group 2: a single response -> 0
+    scores = torch.tensor([0.0, 1.0, 0.5, 1.0, 1.0, 3.0], dtype=F64)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2])
+    mask = length_mask([2, 2, 2, 2, 2, 2], 2)
+    adv, ret = grpo_passk_advantage(scores, groups, mask)
+    assert adv[:, 0].tolist() == pytest.approx([0.0, 0.5 / (0.5 + 1e-6), 0.0, 0.0, 0.0, 0.0])
+    adv, _ = grpo_passk_advantage(scores, groups, mask, norm_by_std=False)
+    assert adv[:, 1].tolist() == [0.0, 0.5, 0.0, 0.0, 0.0, 0.0]
+    # the best is found wherever it sits in the batch, and only it is credited
+    adv, _ = grpo_passk_advantage(torch.tensor([0.2, 0.9, 0.2], dtype=F64), torch.tensor([4, 5, 4]),
+                                  torch.ones(3, 1, dtype=F64), norm_by_std=False)
+    assert adv[:, 0].tolist() == [0.0, 0.0, 0.0]  # groups {0.2, 0.2} (tie) and {0.9} (single)
+
+
+def test_reinforce_pp_baseline_single_response_group_is_not_zero():
+    # groups {1, 0} and {5}: centred scores 0.5, -0.5 and 0 (the single response), on lengths 2, 1, 1
+    # -> tokens 0.5, 0.5 | -0.5 | 0: mean 0.5 / 4 = 0.125; deviations 0.375, 0.375, -0.625, -0.125;
+    # unbiased var (0.140625 * 2 + 0.390625 + 0.015625) / 3 = 0.6875 / 3 = 0.229167
+    # -> the single response ends at (0 - 0.125) / 0.478714 = -0.26112, not at 0
+    scores = torch.tensor([1.0, 0.0, 5.0], dtype=F64)
+    groups = torch.tensor([0, 0, 1])
+    mask = length_mask([2, 1, 1], 2)
+    adv, _ = reinforce_pp_baseline_advantage(scores, groups, mask)
+    sigma = math.sqrt(0.6875 / 3 + 1e-8)
+    assert adv[2, 0].item() == pytest.approx(-0.125 / sigma) and adv[2, 0].item() == pytest.approx(-0.26112, abs=1e-5)
+    assert adv[0, 0].item() == pytest.approx(0.375 / sigma)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import GARBAGE, pad
+from conftest import GARBAGE, mini_batch_denom, pad
 from offstep.algos.common import (
     AGG_MODES,
     aggregate_loss,
@@ -59,6 +59,7 @@ def test_aggregate_loss_hand():
     # per-row sums 3 and 4, per-row lengths 2 and 1, 3 valid tokens, 2 sequences, width 3
     cases = {
         "token-mean": 7 / 3,  # (1 + 2 + 4) / 3
+        "token-sum": 7.0,  # 1 + 2 + 4, no normaliser
         "seq-mean-token-sum": 3.5,  # (3 + 4) / 2
         "seq-mean-token-mean": 2.75,  # (3/2 + 4/1) / 2
         "seq-mean-token-sum-norm": 7 / 6,  # (3/3 + 4/3) / 2, horizon = width 3
@@ -67,6 +68,7 @@ def test_aggregate_loss_hand():
         assert aggregate_loss(X, M, mode).item() == pytest.approx(expect), mode
     # explicit denominators: token-mean 7 / 14; seq modes (3 + 4) / 4; horizon 10: 0.7 / 2
     assert aggregate_loss(X, M, "token-mean", denom=14).item() == pytest.approx(0.5)
+    assert aggregate_loss(X, M, "token-sum", denom=0.5).item() == pytest.approx(14.0)  # 2 ranks: 7 / (1/2)
     assert aggregate_loss(X, M, "seq-mean-token-sum", denom=4).item() == pytest.approx(1.75)
     assert aggregate_loss(X, M, "seq-mean-token-sum-norm", horizon=10).item() == pytest.approx(0.35)
 
@@ -147,7 +149,7 @@ def test_micro_batch_invariance(mode, n_micro):
     x_full = x.clone().requires_grad_()
     aggregate_loss(x_full, mask, mode).backward()
 
-    denom = mask.sum() if mode == "token-mean" else (mask.sum(-1) > 0).sum()
+    denom = mini_batch_denom(mask, mode)
     x_acc = x.clone().requires_grad_()
     total = 0.0
     for xs, ms in zip(x_acc.chunk(n_micro), mask.chunk(n_micro)):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from conftest import GARBAGE, pad
+from conftest import GARBAGE, mini_batch_denom, pad
 from offstep.algos.common import AGG_MODES, aggregate_loss
 from offstep.algos.losses import (
     clipped_policy_loss,
@@ -109,7 +109,7 @@ def test_policy_loss_padding_invariance(fill, mode):
 
 def micro_batch_grads(loss_fn, params, mask, mode, n_micro):
     """Gradient of the summed micro-batch losses with ``denom`` = the mini-batch's count."""
-    denom = mask.sum() if mode == "token-mean" else (mask.sum(-1) > 0).sum()
+    denom = mini_batch_denom(mask, mode)
     params = params.clone().requires_grad_()
     for idx in torch.arange(len(mask)).chunk(n_micro):
         loss_fn(params[idx], idx, denom).backward()
@@ -207,6 +207,30 @@ def test_kl_penalty_hand():
     assert kl_penalty(torch.tensor([-100.0]), torch.tensor([0.0])).item() == 10.0
     with pytest.raises(ValueError):
         kl_penalty(logp, ref, "k4")
+
+
+def test_kl_alias_and_straight_through_hand():
+    # logprob - ref = d = 1, -1, 0.5 (ref fixed, gradient taken w.r.t. logprob)
+    # "kl" is verl's name for k1: values 1, -1, 0.5
+    # straight-through "+": the value of the base estimator, the gradient of k2 = 0.5 d^2, i.e. d:
+    #   k1+  values 1, -1, 0.5                          gradients 1, -1, 0.5 (k1's own would be 1, 1, 1)
+    #   k3+  values e^-1 + 1 - 1 = 0.36788, e - 2 = 0.71828, e^-0.5 + 0.5 - 1 = 0.10653
+    #        gradients 1, -1, 0.5 (k3's own 1 - e^-d = 0.63212, -1.71828, 0.39347)
+    ref = torch.tensor([-1.0, 0.0, -1.0], dtype=F64)
+    base = torch.tensor([0.0, -1.0, -0.5], dtype=F64)
+    assert kl_penalty(base, ref, "kl").tolist() == [1.0, -1.0, 0.5]
+    k3 = [math.exp(-1), math.e - 2, math.exp(-0.5) - 0.5]
+    for kind, value in (("k1+", [1.0, -1.0, 0.5]), ("kl+", [1.0, -1.0, 0.5]), ("k3+", k3), ("low_var_kl+", k3)):
+        logp = base.clone().requires_grad_()
+        out = kl_penalty(logp, ref, kind)
+        assert out.tolist() == pytest.approx(value), kind
+        out.sum().backward()
+        assert logp.grad.tolist() == pytest.approx([1.0, -1.0, 0.5]), kind
+    logp = base.clone().requires_grad_()
+    kl_penalty(logp, ref, "k3").sum().backward()  # the base estimator keeps its own gradient
+    assert logp.grad.tolist() == pytest.approx([1 - math.exp(-1), 1 - math.e, 1 - math.exp(-0.5)])
+    with pytest.raises(ValueError):
+        kl_penalty(base, ref, "k2++")
 
 
 def test_kl_estimators_are_unbiased():

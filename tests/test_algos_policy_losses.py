@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from conftest import GARBAGE, pad
+from conftest import GARBAGE, mini_batch_denom, pad
 from offstep.algos.common import AGG_MODES, aggregate_loss, masked_mean
 from offstep.algos.losses import clipped_policy_loss
 from offstep.algos.policy_losses import (
@@ -87,15 +87,19 @@ def test_gspo_token_gradient_equals_sequence_objective():
 
 
 def test_cispo_hand():
-    # clip range [0.8, 1.28]: r = 2, 0.5, 1.1 -> clipped weights 1.28, 0.8, 1.1; A = 1, -1, 1
-    # loss per token -A * clip(r) = -1.28, 0.8, -1.1 -> mean -1.58 / 3
+    # clip range [0.8, 1.28]: r = 2, 0.5, 1.1 -> clipped weights 1.28, 0.8, 1.1; A = 1, -1, 1;
+    # log pi = -1, -2, -0.5 (old = log pi - log r). verl's value -sg[clip(r)] * A * log pi:
+    #   -1.28 * 1 * -1 = 1.28, -0.8 * -1 * -2 = -1.6, -1.1 * 1 * -0.5 = 0.55 -> mean 0.23 / 3
     # gradient -A * clip(r) / 3 (every token keeps one, unlike PPO); clipfrac 2/3
-    logp, old = ratios_to_logp(torch.tensor([[2.0, 0.5, 1.1]], dtype=F64))
+    ratios = torch.tensor([[2.0, 0.5, 1.1]], dtype=F64)
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64, requires_grad=True)
+    old = logp.detach() - ratios.log()
     adv = torch.tensor([[1.0, -1.0, 1.0]], dtype=F64)
     mask = torch.ones(1, 3, dtype=F64)
     per_token, m = cispo_policy_loss(logp, old, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    torch.testing.assert_close(per_token, torch.tensor([[1.28, -1.6, 0.55]], dtype=F64))
     loss = aggregate_loss(per_token, mask)
-    assert loss.item() == pytest.approx(-1.58 / 3)
+    assert loss.item() == pytest.approx(0.23 / 3)
     assert m["clipfrac"].item() == pytest.approx(2 / 3)
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.28, 0.8, -1.1]], dtype=F64) / 3)
@@ -180,7 +184,7 @@ def test_micro_batch_invariance(loss_name, mode, n_micro):
 
     full = logp.clone().requires_grad_()
     loss(full, torch.arange(b)).backward()
-    denom = mask.sum() if mode == "token-mean" else (mask.sum(-1) > 0).sum()
+    denom = mini_batch_denom(mask, mode)
     part = logp.clone().requires_grad_()
     for idx in torch.arange(b).chunk(n_micro):
         loss(part[idx], idx, denom).backward()

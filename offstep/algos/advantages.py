@@ -24,10 +24,25 @@
   baseline is the reward of the greedy response to the same prompt; ``A_t = G_t - r_greedy`` with
   ``G_t`` the reward-to-go of token t (the score itself when the reward is outcome-only).
 
+* ``opo_advantage``: OPO (Hao et al. 2025, "On-Policy RL with Optimal Reward Baseline",
+  arXiv:2505.23585): the baseline of a group is the length-weighted mean of its scores,
+  ``b = sum_j |o_j| r_j / sum_j |o_j|`` (the variance-minimising baseline when the gradient's
+  norm grows with the length), ``A_i = r_i - b``.
+* ``gpg_advantage``: GPG (Chu et al. 2025, "GPG: A Simple and Strong Reinforcement Learning
+  Baseline for Model Reasoning", arXiv:2504.02546): ``A_i = alpha * (r_i - group mean)`` with no
+  std division, scaled by ``alpha = B / M`` to undo the dilution of the batch's gradient by
+  responses that carry none. ``M`` is counted as verl's ``gpg`` estimator counts it, the responses
+  of the batch with a non-zero score, so that the two frameworks' runs compare.
+* ``grpo_passk_advantage``: GRPO for pass@k (as verl's ``grpo_passk``, after arXiv:2503.19595):
+  only the best response of a group is credited, with ``r_max - r_second_max`` (divided by the
+  group's std + eps with ``norm_by_std``); every other response gets 0. A tie for the best gives 0.
+
 All return ``(advantages, returns)``, zero on padding. ``group_ids`` are any integers; responses
-with equal ids share a prompt. The group-based estimators give advantage 0 to a group of one
-response (there is no baseline to compare with); ``offstep.config.validate`` asks for
-``rollout.n >= 2`` for them.
+with equal ids share a prompt. A group of one response has no baseline to compare with:
+GRPO, RLOO, OPO, GPG and GRPO pass@k give it advantage 0 (verl gives GRPO's ``r / (1 + eps)``
+and OPO's ``r``), and REINFORCE++-baseline centres it to 0 before the batch whitening, after
+which it is ``(0 - mu) / sigma`` of the batch. ``offstep.config.validate`` asks for
+``rollout.n >= 2`` for all of them.
 """
 
 from __future__ import annotations
@@ -53,6 +68,13 @@ def _groups(scores: torch.Tensor, group_ids: torch.Tensor):
     return inverse, counts, one_hot, (one_hot @ scores) / counts
 
 
+def _group_std(scores: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor, one_hot: torch.Tensor,
+               mean: torch.Tensor) -> torch.Tensor:
+    """The unbiased std ``[G]`` of each group's scores (as ``torch.std``; 0 for a group of one)."""
+    centered = scores - mean[inverse]
+    return ((one_hot @ centered**2) / (counts - 1.0).clamp_min(1.0)).sqrt()
+
+
 def _broadcast(adv: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """Per-response ``adv`` ``[B]`` on every valid token ``[B, R]``, 0 on padding."""
     zero = torch.zeros((), dtype=adv.dtype, device=adv.device)
@@ -76,7 +98,7 @@ def grpo_outcome_advantage(
     scores = _float(scores)
     inverse, counts, one_hot, mean = _groups(scores, group_ids)
     centered = scores - mean[inverse]
-    std = ((one_hot @ centered**2) / (counts - 1.0).clamp_min(1.0)).sqrt()
+    std = _group_std(scores, inverse, counts, one_hot, mean)
     adv = centered / (std[inverse] + eps) if norm_by_std else centered
     adv = torch.where(counts[inverse] > 1, adv, torch.zeros_like(adv))
     adv = _broadcast(adv, response_mask)
@@ -95,6 +117,65 @@ def rloo_advantage(
     inverse, counts, _, mean = _groups(scores, group_ids)
     n = counts[inverse]
     adv = torch.where(n > 1, n / (n - 1.0).clamp_min(1.0) * (scores - mean[inverse]), torch.zeros_like(scores))
+    adv = _broadcast(adv, response_mask)
+    return adv, adv.clone()
+
+
+def opo_advantage(
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO: ``A_i = r_i - sum_j |o_j| r_j / sum_j |o_j|`` over the group, with ``|o_j|`` the valid
+    tokens of response j, on every valid token. A group of size 1 gets advantage 0 (so does a group
+    whose responses have no valid token). Returns ``(advantages, advantages)``."""
+    scores = _float(scores)
+    inverse, counts, one_hot, _ = _groups(scores, group_ids)
+    lengths = response_mask.bool().sum(-1).to(scores.dtype)
+    weight = one_hot @ lengths
+    baseline = (one_hot @ (lengths * scores)) / weight.clamp_min(1.0)
+    keep = (counts[inverse] > 1) & (weight[inverse] > 0)
+    adv = torch.where(keep, scores - baseline[inverse], torch.zeros_like(scores))
+    adv = _broadcast(adv, response_mask)
+    return adv, adv.clone()
+
+
+def gpg_advantage(
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG: ``A_i = alpha * (r_i - group mean)`` on every valid token, ``alpha = B / max(1, M)``
+    with ``B`` the responses of the batch and ``M`` those with a non-zero score. A group of size 1
+    gets advantage 0. Returns ``(advantages, advantages)``."""
+    scores = _float(scores)
+    inverse, counts, _, mean = _groups(scores, group_ids)
+    alpha = len(scores) / (scores != 0).sum().clamp_min(1).to(scores.dtype)
+    adv = torch.where(counts[inverse] > 1, alpha * (scores - mean[inverse]), torch.zeros_like(scores))
+    adv = _broadcast(adv, response_mask)
+    return adv, adv.clone()
+
+
+def grpo_passk_advantage(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO pass@k: the best response of each group (the first one, on a tie) gets
+    ``r_max - r_second_max``, divided by ``group std + eps`` (unbiased, as ``torch.std``) when
+    ``norm_by_std``; every other response, and a group of size 1, gets 0. Returns
+    ``(advantages, advantages)``."""
+    scores = _float(scores)
+    inverse, counts, one_hot, mean = _groups(scores, group_ids)
+    members = one_hot.bool()
+    neg_inf = torch.tensor(-torch.inf, dtype=scores.dtype, device=scores.device)
+    in_group = torch.where(members, scores[None, :], neg_inf)  # [G, B]
+    best = in_group.argmax(dim=-1)  # the first maximum of each group
+    is_best = torch.zeros_like(members).scatter_(1, best[:, None], True)
+    second = torch.where(is_best, neg_inf, in_group).max(dim=-1).values
+    gap = in_group.max(dim=-1).values - second
+    if norm_by_std:
+        gap = gap / (_group_std(scores, inverse, counts, one_hot, mean) + eps)
+    credited = is_best.any(dim=0) & (counts[inverse] > 1)  # [B]: the best of a group of >= 2
+    adv = torch.where(credited, gap[inverse], torch.zeros_like(scores))
     adv = _broadcast(adv, response_mask)
     return adv, adv.clone()
 
@@ -127,8 +208,8 @@ def reinforce_pp_baseline_advantage(
     scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: ``score - group mean`` on every valid token, then whitened over every
-    valid token of the batch. A group of one response is centred to 0 before whitening. Returns
-    ``(advantages, advantages)``."""
+    valid token of the batch. A group of one response is centred to 0 before whitening, so it ends
+    at ``(0 - mu) / sigma`` of the batch, not at 0. Returns ``(advantages, advantages)``."""
     scores = _float(scores)
     inverse, _, _, mean = _groups(scores, group_ids)
     centered = _broadcast(scores - mean[inverse], response_mask)

@@ -11,6 +11,9 @@ baselines, TRL, verl). The loss-aggregation modes of ``aggregate_loss`` follow v
 
 * ``"token-mean"``: every valid token of the mini-batch weighs the same (DAPO, Yu et al. 2025,
   arXiv:2503.14476, "token-level policy gradient loss").
+* ``"token-sum"``: the plain sum over every valid token of the mini-batch, no normaliser (verl's
+  ``token-sum``): the gradient grows with the batch's token count, so the learning rate carries
+  the scale.
 * ``"seq-mean-token-mean"``: mean over each sequence's tokens, then mean over sequences (the
   original GRPO objective, Shao et al. 2024, arXiv:2402.03300, eq. 3).
 * ``"seq-mean-token-sum"``: sum over each sequence's tokens, then mean over sequences.
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _valid(mask: torch.Tensor) -> torch.Tensor:
@@ -89,6 +92,7 @@ def aggregate_loss(
     Modes (``n_i`` = valid tokens of sequence ``i``, ``S`` = set of sequences with ``n_i > 0``):
 
     * ``"token-mean"``:              ``sum_{i,t} l_it / denom``, ``denom`` default ``sum_i n_i``
+    * ``"token-sum"``:               ``sum_{i,t} l_it / denom``, ``denom`` default 1
     * ``"seq-mean-token-sum"``:      ``sum_{i in S} (sum_t l_it) / denom``
     * ``"seq-mean-token-mean"``:     ``sum_{i in S} (sum_t l_it / n_i) / denom``
     * ``"seq-mean-token-sum-norm"``: ``sum_{i in S} (sum_t l_it / horizon) / denom``
@@ -98,7 +102,8 @@ def aggregate_loss(
 
     ``denom`` is for gradient accumulation: pass the count of the whole *mini-batch* (global
     number of valid tokens for ``token-mean``; global number of sequences with at least one valid
-    token for the ``seq-mean-*`` modes) when calling this on each micro-batch. The sum over the
+    token for the ``seq-mean-*`` modes; for ``token-sum`` only the data-parallel share, 1 / ranks,
+    as gradients are averaged over ranks) when calling this on each micro-batch. The sum over the
     micro-batches of the returned losses then equals the mini-batch's loss, and so does the
     accumulated gradient. Leaving ``denom`` as None normalises by this call's own counts.
 
@@ -110,9 +115,9 @@ def aggregate_loss(
     if is_weights is not None:
         zero = torch.zeros((), dtype=is_weights.dtype, device=is_weights.device)
         loss_mat = loss_mat * torch.where(valid, is_weights.detach(), zero)
-    if mode == "token-mean":
+    if mode in ("token-mean", "token-sum"):
         total = masked_sum(loss_mat, valid)
-        n = valid.sum() if denom is None else denom
+        n = (valid.sum() if mode == "token-mean" else 1.0) if denom is None else denom
         return total / torch.as_tensor(n, dtype=total.dtype, device=total.device).clamp_min(1e-12)
     if mode not in AGG_MODES:
         raise ValueError(f"unknown loss_agg_mode {mode!r}; expected one of {AGG_MODES}")

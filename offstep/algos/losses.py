@@ -13,7 +13,11 @@
   (as in OpenAI baselines' ppo2, also described in Engstrom et al. 2020, arXiv:2005.12729).
 * ``kl_penalty``: per-token estimators of KL(pi || pi_ref) from samples of pi: k1, k2 and k3 of
   J. Schulman, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html (k3 is the
-  "low_var_kl" used as GRPO's KL loss, Shao et al. 2024, arXiv:2402.03300, eq. 4).
+  "low_var_kl" used as GRPO's KL loss, Shao et al. 2024, arXiv:2402.03300, eq. 4). A kind ending
+  in ``+`` (``k1+``, ``k3+``, ...; verl's names) is straight-through: the base estimator's value
+  with k2's gradient. k1's and k3's values are unbiased estimates of the KL, but their expected
+  gradients are not the KL's gradient (k1's is 0 on samples of pi); k2's gradient,
+  ``(logprob - ref) * grad logprob``, is (verl PR 2953's argument).
 * ``entropy_from_logits`` / ``logprobs_from_logits``: softmax entropy
   ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` and label log-probs
   ``log p_y = z_y - logsumexp(z)``, both stable for large logits; half-precision logits are
@@ -27,7 +31,8 @@ import torch
 from offstep.algos.common import aggregate_loss, masked_mean
 
 LOG_RATIO_CLAMP = 20.0
-KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")  # the kinds of kl_penalty
+# The kinds of kl_penalty: "kl" is verl's name for k1; "+" marks the straight-through variants.
+KL_ESTIMATORS = ("k1", "kl", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "kl+", "abs+", "low_var_kl+", "k3+")
 
 
 def _where_valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -77,13 +82,17 @@ def kl_penalty(
 ) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (elementwise).
 
-    ``kind``: ``"k1"`` ``logprob - ref``; ``"abs"`` ``|logprob - ref|``; ``"mse"``/``"k2"``
+    ``kind``: ``"k1"``/``"kl"`` ``logprob - ref``; ``"abs"`` ``|logprob - ref|``; ``"mse"``/``"k2"``
     ``0.5 * (logprob - ref)^2``; ``"low_var_kl"``/``"k3"`` ``exp(ref - logprob) - (ref - logprob)
     - 1`` (unbiased and non-negative), with the exponent clamped to [-20, 20] and the result to
-    [-10, 10] for numerical safety.
+    [-10, 10] for numerical safety. ``kind + "+"`` (e.g. ``"k3+"``): the value of ``kind`` and the
+    gradient of ``"k2"``, ``k2 - sg[k2] + sg[kind]``.
     """
+    if kind.endswith("+") and kind in KL_ESTIMATORS:
+        k2 = kl_penalty(logprob, ref_logprob, "k2")
+        return k2 - k2.detach() + kl_penalty(logprob, ref_logprob, kind[:-1]).detach()
     diff = logprob - ref_logprob
-    if kind == "k1":
+    if kind in ("k1", "kl"):
         return diff
     if kind == "abs":
         return diff.abs()

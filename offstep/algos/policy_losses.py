@@ -17,8 +17,10 @@ The reduction to a scalar is a separate choice, made once by ``offstep.algos.com
   ranges are small (3e-4 / 4e-4) because a sequence ratio moves less than a token ratio.
 * ``cispo_policy_loss``: CISPO (MiniMax 2025, "MiniMax-M1", arXiv:2506.13585, eq. 4): the
   importance weight itself is clipped and detached, ``-sg[clip(r, 1 - low, 1 + high)] * A *
-  log pi``, so every token keeps a gradient (PPO's clip zeroes it). Written here as
-  ``-A * r * sg[clip(r) / r]``: the same gradient, and the loss value is ``-A * clip(r)``.
+  log pi``, so every token keeps a gradient (PPO's clip zeroes it). Written as the paper and
+  verl write it, so the logged ``pg_loss`` is verl's value (``-clip(r) * A * log pi``, which grows
+  with the response's surprisal rather than staying near ``-A``); its gradient is
+  ``-A * clip(r) * grad log pi``.
 * ``pg_policy_loss``: the unclipped importance-weighted policy gradient ``-A * r`` (Williams 1992's
   REINFORCE when ``old`` is the current policy, where ``grad r = grad log pi``).
 """
@@ -71,7 +73,7 @@ def cispo_policy_loss(
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO loss ``-A * r * sg[clip(r, 1 - low, 1 + high) / r]`` per token (gradient
+    """CISPO loss ``-sg[clip(r, 1 - low, 1 + high)] * A * log pi`` per token (gradient
     ``-A * clip(r) * grad log pi``). ``clipfrac``: fraction of tokens whose weight was clipped."""
     advantages = _where_valid(advantages, response_mask)
     log_ratio, ratio = _ratio(logprob, old_logprob, response_mask)
@@ -80,7 +82,7 @@ def cispo_policy_loss(
         "clipfrac": masked_mean((clipped_ratio != ratio).float(), response_mask).detach(),
         "ppo_kl": masked_mean(-log_ratio, response_mask).detach(),
     }
-    return -advantages * ratio * (clipped_ratio / ratio).detach(), metrics
+    return -clipped_ratio.detach() * advantages * _where_valid(logprob, response_mask), metrics
 
 
 def pg_policy_loss(

@@ -120,15 +120,15 @@ class AlgorithmConfig:
     ``loss_agg_mode=seq-mean-token-sum-norm`` (docs/algorithms.md)."""
 
     adv_estimator: str = "grpo"
-    """how advantages are estimated (docs/algorithms.md): grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax (greedy baseline) | gae (PPO with a critic)"""
+    """how advantages are estimated (docs/algorithms.md): grpo | rloo | opo (length-weighted group baseline) | gpg | grpo_passk (only the best of a group is credited) | reinforce_plus_plus | reinforce_plus_plus_baseline | remax (greedy baseline) | gae (PPO with a critic)"""
     norm_adv_by_std: bool = True
-    """GRPO: divide by the group's std"""
+    """grpo, grpo_passk: divide by the group's std (verl: norm_adv_by_std_in_grpo)"""
     gamma: float = 1.0
     """GAE, REINFORCE++: discount"""
     lam: float = 1.0
     """GAE: lambda"""
     policy_loss: str = "ppo"
-    """the surrogate: ppo (clipped ratio) | gspo (sequence-level ratio) | cispo (clipped, detached importance weight) | pg (importance-weighted policy gradient, no clipping)"""
+    """the surrogate: ppo (clipped ratio) | gspo (sequence-level ratio) | cispo (clipped, detached importance weight; pg_loss logged as verl logs it, -sg[clip r] A log pi) | pg (importance-weighted policy gradient, no clipping)"""
     clip_ratio_low: float = 0.2
     """the ratio is clipped below at 1 - clip_ratio_low"""
     clip_ratio_high: float = 0.2
@@ -136,7 +136,7 @@ class AlgorithmConfig:
     clip_ratio_c: Optional[float] = None
     """ppo only: dual-clip bound (> 1, e.g. 3.0); null: off"""
     loss_agg_mode: str = "token-mean"
-    """how per-token losses are reduced: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
+    """how per-token losses are reduced: token-mean | token-sum (no normaliser) | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
     loss_agg_horizon: int = 0
     """seq-mean-token-sum-norm's constant divisor; 0: rollout.max_new_tokens"""
     use_kl_loss: bool = True
@@ -144,11 +144,11 @@ class AlgorithmConfig:
     kl_coef: float = 0.001
     """the KL loss's coefficient"""
     kl_estimator: str = "low_var_kl"
-    """the KL loss's estimator: k1 | abs | mse (k2) | low_var_kl (k3)"""
+    """the KL loss's estimator: k1 (kl) | abs | mse (k2) | low_var_kl (k3); k1+ | k3+ | low_var_kl+ | abs+: that value with k2's gradient (straight-through)"""
     use_kl_in_reward: bool = False
     """KL to the reference policy as a penalty in the reward"""
     kl_penalty: str = "k1"
-    """the reward penalty's estimator: k1 | abs | mse (k2) | low_var_kl (k3)"""
+    """the reward penalty's estimator: k1 (kl) | abs | mse (k2) | low_var_kl (k3)"""
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     """the coefficient of the KL penalty in the reward"""
     entropy_coeff: float = 0.0
@@ -162,13 +162,13 @@ class AlgorithmConfig:
     tis_level: str = "token"
     """decoupled: importance weights per token | sequence"""
     rejection_level: str = "off"
-    """decoupled: reject (weight 0) tokens/responses whose ratio is outside [rejection_ratio_low, rejection_ratio_high]: off | token | sequence (product) | geometric (geometric mean)"""
+    """decoupled: reject (weight 0) tokens/responses whose ratio pi_old / pi_rollout is outside [rejection_ratio_low, rejection_ratio_high] (verl's rollout_rs *_k1 bounds the inverse, pi_rollout / pi_old; its keys are converted): off | token (verl token_k1) | sequence (product; seq_sum_k1) | geometric (geometric mean; seq_mean_k1)"""
     rejection_ratio_high: float = 2.0
-    """decoupled: the upper bound of the ratio before a token/response is rejected"""
+    """decoupled: the upper bound of pi_old / pi_rollout before a token/response is rejected"""
     rejection_ratio_low: float = 0.0
-    """decoupled: the lower bound of the ratio before a token/response is rejected (0: 1 / rejection_ratio_high)"""
+    """decoupled: the lower bound of pi_old / pi_rollout before a token/response is rejected (0: 1 / rejection_ratio_high)"""
     rejection_kl: float = 0.0
-    """decoupled: > 0: also reject responses whose mean mismatch KL (k3) exceeds it"""
+    """decoupled: > 0: also reject responses whose mean mismatch KL (k3) exceeds it (verl seq_mean_k3)"""
     overlong_penalty: bool = False
     """DAPO's soft overlong punishment, added to the reward before advantages: responses longer than rollout.max_new_tokens - overlong_buffer_len lose up to overlong_penalty_factor"""
     overlong_buffer_len: int = 4

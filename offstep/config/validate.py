@@ -18,12 +18,12 @@ from offstep.config.schema import Config, OptimConfig
 # Copies of the names that offstep.pipeline.advantage and offstep.algos dispatch on (validation loads
 # no torch, so it cannot import them); tests/test_config.py::test_choice_lists_match_the_dispatch
 # fails when one changes without the other.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")  # pipeline.advantage.GROUP_ESTIMATORS
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")  # pipeline.advantage.GROUP_ESTIMATORS
 ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")  # pipeline.advantage.ADV_ESTIMATORS
 POLICY_LOSSES = ("ppo", "gspo", "cispo", "pg")  # algos.policy_losses.POLICY_LOSSES
-KL_ESTIMATORS = ("k1", "abs", "mse", "k2", "low_var_kl", "k3")  # algos.losses.KL_ESTIMATORS
+KL_ESTIMATORS = ("k1", "kl", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "kl+", "abs+", "low_var_kl+", "k3+")  # algos.losses.KL_ESTIMATORS
 KL_CONTROLLERS = ("fixed", "adaptive")  # algos.kl_control.KL_CONTROLLERS
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # algos.common.AGG_MODES
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # algos.common.AGG_MODES
 TIS_LEVELS = ("token", "sequence")  # algos.correction.TIS_LEVELS
 REJECTION_LEVELS = ("off", "token", "sequence", "geometric")  # algos.correction.REJECTION_LEVELS
 # No table dispatches on these: the actor and the controller compare with each name.

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 from offstep.algos.advantages import (
     gae_advantage,
+    gpg_advantage,
     grpo_outcome_advantage,
+    grpo_passk_advantage,
+    opo_advantage,
     outcome_token_rewards,
     reinforce_pp_advantage,
     reinforce_pp_baseline_advantage,
@@ -25,7 +28,7 @@ from offstep.batch import TrainBatch
 from offstep.config.schema import AlgorithmConfig, Config
 
 # Estimators that compare the responses to one prompt with each other: they need rollout.n >= 2.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
 ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")
 
 
@@ -92,6 +95,12 @@ def compute_advantages(
         adv, ret = grpo_outcome_advantage(seq_scores, batch.group_ids, mask, norm_by_std=algo.norm_adv_by_std)
     elif est == "rloo":
         adv, ret = rloo_advantage(seq_scores, batch.group_ids, mask)
+    elif est == "opo":
+        adv, ret = opo_advantage(seq_scores, batch.group_ids, mask)
+    elif est == "gpg":
+        adv, ret = gpg_advantage(seq_scores, batch.group_ids, mask)
+    elif est == "grpo_passk":
+        adv, ret = grpo_passk_advantage(seq_scores, batch.group_ids, mask, norm_by_std=algo.norm_adv_by_std)
     elif est == "reinforce_plus_plus_baseline":
         adv, ret = reinforce_pp_baseline_advantage(seq_scores, batch.group_ids, mask)
     elif est == "reinforce_plus_plus":

@@ -139,8 +139,10 @@ class RoleWorker:
 
     def _denominator(self, mb: TrainBatch, loss_agg_mode: str) -> float:
         """This rank's share of a mini-batch's loss normaliser (global tokens for token-mean,
-        global sequences otherwise): FSDP2 averages gradients over ranks, so dividing by
-        global / world gives exactly the mini-batch's loss."""
+        none for token-sum, global sequences otherwise): FSDP2 averages gradients over ranks, so
+        dividing by global / world gives exactly the mini-batch's loss."""
+        if loss_agg_mode == "token-sum":
+            return 1.0 / self.spec.world_size
         count = float(mb.response_mask.sum()) if loss_agg_mode == "token-mean" else float(len(mb))
         return all_sum(count, self.device) / self.spec.world_size
 
