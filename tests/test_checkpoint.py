@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ENGINES, needs_vllm
 
 from offstep.config.loader import ConfigError, load_config, to_yaml
 from offstep.pipeline.checkpoints import TrainerState, Checkpoints, check_compatible, complete_checkpoints, resolve_path
@@ -31,9 +32,10 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def _overrides(out: Path, reward: Path, k: int, steps: int = 6) -> list[str]:
+def _overrides(out: Path, reward: Path, k: int, steps: int = 6, engine: str = "builtin") -> list[str]:
     return [
-        "preset=tiny", f"trainer.output_dir={out}", f"trainer.total_steps={steps}", "trainer.save_freq=3",
+        "preset=tiny", f"rollout.engine={engine}", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
+        "trainer.save_freq=3",
         f"pipeline.max_staleness={k}", "trainer.val_freq=0", "trainer.val_before_train=false",
         "trainer.progress=off", f"reward.custom_path={reward}", "reward.num_threads=1",
     ]
@@ -124,27 +126,30 @@ def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
 
 
 # ------------------------------------------------------------------ kill and resume
-@pytest.mark.parametrize("k", [0, 1], ids=["sync", "one-step"])
-def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k):
+@pytest.mark.parametrize("k,engine", [(0, "builtin"), (1, "builtin"), pytest.param(1, "vllm", marks=needs_vllm)],
+                         ids=["sync", "one-step", "one-step-vllm"])
+def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, engine):
     """6 steps in one go == 3 steps, SIGKILL mid-step 4/5, resume for the rest: same prompts,
     rewards, losses, KL, entropy and gradient norms at every step, bit for bit (CPU, fixed seeds;
-    in one-step mode the batch generating at save time is stored in the checkpoint)."""
+    in one-step mode the batch generating at save time is stored in the checkpoint). With vLLM the
+    resumed replica is a new vLLM engine given the checkpoint's weights: its per-request seeds make
+    the same samples."""
     from offstep.pipeline.controller import train
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     full, killed = tmp_path / "full", tmp_path / "killed"
-    train(load_config(_overrides(full, reward, k)))
+    train(load_config(_overrides(full, reward, k, engine=engine)))
 
     gate = killed / "checkpoints" / "step_000003" / "trainer_state.json"
-    proc = _cli(_overrides(killed, reward, k), env={**os.environ, "BLOCK_AFTER": str(gate)})
+    proc = _cli(_overrides(killed, reward, k, engine=engine), env={**os.environ, "BLOCK_AFTER": str(gate)})
     _wait_for(gate, proc)
     time.sleep(1.0)  # let it get into step 4, whose generation (k=0) or the next one (k=1) now blocks
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert max(_records(killed)) < 6, "the run was meant to be killed before it finished"
 
-    history = train(load_config(_overrides(killed, reward, k)))  # trainer.resume=auto is the default
+    history = train(load_config(_overrides(killed, reward, k, engine=engine)))  # trainer.resume=auto is the default
     assert [m["step"] for m in history] == [4, 5, 6]
     a, b = _records(full), _records(killed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
@@ -186,13 +191,15 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path, engine):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it): the step in progress
-    completes, a checkpoint is written, every process ends, exit code 130."""
+    completes, a checkpoint is written, every process ends (vLLM's included), exit code 130."""
     reward = tmp_path / "slow.py"
     reward.write_text(SLOW_REWARD)
     run = tmp_path / "run"
-    args = ["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=200", "trainer.save_freq=1000",
+    args = ["preset=tiny", f"rollout.engine={engine}", f"trainer.output_dir={run}", "trainer.total_steps=200",
+            "trainer.save_freq=1000",
             "trainer.val_before_train=false", "trainer.progress=plain", f"reward.custom_path={reward}"]
     proc = _cli(args)
     _wait_for(run / "metrics.jsonl", proc)
@@ -225,13 +232,17 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def test_rollout_worker_death_is_survived_by_a_restart(tmp_path, ray_session):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rollout_worker_death_is_survived_by_a_restart(tmp_path, ray_session, engine):
+    """The replica's process dies mid-generation: a new replica (a new vLLM engine, for vLLM) is
+    started, given the current weights, and the lost requests are generated again."""
     from offstep.pipeline.controller import train
 
     reward = tmp_path / "dying.py"
     reward.write_text(DYING_REWARD.replace("MARKER", repr(str(tmp_path / "died"))))
-    cfg = load_config(["preset=tiny", f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=3",
-                       "trainer.val_before_train=false", "trainer.progress=off", f"reward.custom_path={reward}"])
+    cfg = load_config(["preset=tiny", f"rollout.engine={engine}", f"trainer.output_dir={tmp_path / 'run'}",
+                       "trainer.total_steps=3", "trainer.val_before_train=false", "trainer.progress=off",
+                       f"reward.custom_path={reward}"])
     history = train(cfg)
     assert (tmp_path / "died").exists(), "the worker was meant to die once"
     assert [m["step"] for m in history if "reward/mean" in m] == [1, 2, 3]

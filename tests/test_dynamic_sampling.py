@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+from conftest import ENGINES
+
 from offstep.batch import Sample
 from offstep.config.loader import load_config
 from offstep.pipeline.batching import assemble, refill_indices
@@ -42,14 +45,16 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def test_dynamic_sampling_run_fills_every_batch(tmp_path, ray_session):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_dynamic_sampling_run_fills_every_batch(tmp_path, ray_session, engine):
     from offstep.pipeline.controller import train
 
     reward = tmp_path / "r.py"
     reward.write_text(REWARD)
     out = tmp_path / "run"
     history = train(load_config([
-        "preset=tiny", f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.val_before_train=false",
+        "preset=tiny", f"rollout.engine={engine}", f"trainer.output_dir={out}", "trainer.total_steps=3",
+        "trainer.val_before_train=false",
         "trainer.progress=off", f"reward.custom_path={reward}", "algorithm.dynamic_sampling=true",
         "algorithm.dynamic_sampling_max_attempts=4", "rollout.n=4",
     ]))

