@@ -220,15 +220,19 @@ def test_help_lists_every_key_by_section_and_one_key_alone():
     assert print_help(["preset=tiny", "-h", "nope.key"]) == 2  # and the message on stderr names close keys
 
 
-def test_rollout_engine_is_checked_before_anything_starts():
+def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
     import importlib.util
 
     from offstep.config.loader import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.engine='nope'|rollout.engine=nope"):
         validate(load_config(["preset=tiny", "rollout.engine=nope"]), cpu_count=2, gpu_count=0)
-    with pytest.raises(ConfigError, match="rollout.engine=vllm loads weights through vLLM's own reload"):
-        validate(load_config(["preset=tiny", "rollout.engine=vllm", "pipeline.weight_sync=collective"]), cpu_count=2, gpu_count=0)
-    if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(ConfigError, match="rollout.engine=vllm needs vLLM, which is not installed"):
-            validate(load_config(["preset=tiny", "rollout.engine=vllm"]), cpu_count=2, gpu_count=0)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    with pytest.raises(ConfigError, match="rollout.engine=vllm needs vLLM, which is not installed"):
+        validate(load_config(["preset=tiny", "rollout.engine=vllm"]), cpu_count=2, gpu_count=0)
+    monkeypatch.undo()
+    if importlib.util.find_spec("vllm") is not None:  # both weight paths serve vLLM
+        for path in ("object_store", "collective"):
+            validate(load_config(["preset=tiny", "rollout.engine=vllm", f"pipeline.weight_sync={path}"]),
+                     cpu_count=2, gpu_count=0)

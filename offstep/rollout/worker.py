@@ -171,13 +171,19 @@ class RolloutWorker:
         return Span(t0, time.time(), version)
 
     # Collective path (pipeline.weight_sync=collective): rank i + 1 of the weight-sync group, made
-    # once by offstep.sync.collective.connect; receives land in the engine's parameters in place.
+    # once by offstep.sync.collective.connect. The built-in engine receives into its parameters in
+    # place; vLLM into buffers, then through its own loader (as load_weights).
     def weight_sync_manifest(self) -> list[TensorSpec]:
-        return manifest(self.engine.model)
+        if isinstance(self.engine, TorchEngine):
+            return manifest(self.engine.model)
+        return self.engine.weight_manifest()
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list,
                          bucket_bytes: int, timeout_s: float) -> None:
-        self._weight_receiver = WeightReceiver(self.engine.model, self.device)
+        if isinstance(self.engine, TorchEngine):
+            self._weight_receiver = WeightReceiver(self.engine.model, self.device)
+        else:
+            self._weight_receiver = WeightReceiver(None, self.device, self.engine.weight_manifest())
         self._weight_receiver.connect(host, port, rank, world_size, backend, specs, bucket_bytes, timeout_s)
 
     def receive_weights(self, version: int) -> Span:
@@ -189,6 +195,9 @@ class RolloutWorker:
                                "(offstep.sync.collective.connect; a replaced worker needs a new group)")
         self.progress.start("load_weights", version=version)
         t0 = receiver.receive(version)
-        self.engine.version = int(version)
-        self.engine.reset_cache()
+        if receiver.model is None:
+            self.engine.load_weights(receiver.tensors(), version)
+        else:
+            self.engine.version = int(version)
+            self.engine.reset_cache()
         return Span(t0, time.time(), version)

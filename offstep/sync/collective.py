@@ -18,6 +18,11 @@ rank 0 packs its full parameters into a snapshot with the same layout, cast to t
 (the object-store path casts on load instead: the same rounding), and broadcasts each bucket as
 soon as it is full, so packing overlaps sending.
 
+An engine that loads weights through its own path (vLLM) receives into buffers of its own
+instead and then loads them (``WeightReceiver`` without a model): one copy on the receiving side.
+vLLM's own weight-transfer engines (``vllm.distributed.weight_transfer``, v0.32) are NCCL, CUDA IPC
+and others for GPUs; none serves gloo, so this one transport serves both engines on CPU and GPU.
+
 The order. The actor posts its broadcasts and returns (gloo runs them on its own threads); every
 rollout worker receives in its own call queue, behind the generation in flight, exactly as the
 object-store path orders ``load_weights``. Each transfer starts with a header (version, element
@@ -284,29 +289,47 @@ def flatten_parameters(model: torch.nn.Module, specs: list[TensorSpec], slots: d
 
 
 class WeightReceiver:
-    """A rollout worker's end: its model's parameters live in flat buffers the broadcasts fill."""
+    """A rollout worker's end. With a ``model`` (the built-in engine), its parameters live in the
+    flat buffers that the broadcasts fill: a receive lands in the live weights. Without one
+    (``model=None``, with the engine's ``specs``), the flat buffers are the receiver's own and
+    ``tensors()`` hands out views of them by name, for an engine that applies weights through its
+    own loader (vLLM's ``reload_weights``, whose post-load processing a write into its parameters
+    would skip)."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module | None, device: torch.device, specs: list[TensorSpec] | None = None):
+        if (model is None) == (specs is None):
+            raise ValueError("WeightReceiver: pass a model or the specs of its own buffers, not both")
         self.model, self.device = model, device
+        self.own = manifest(model) if model is not None else list(specs)
         self.group = None
 
     def connect(
         self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list[TensorSpec],
         bucket_bytes: int, timeout_s: float,
     ) -> None:
-        own = manifest(self.model)
-        if own != list(specs):
-            check_manifest(specs, own, f"rollout worker {rank - 1}")
+        if self.own != list(specs):
+            check_manifest(specs, self.own, f"rollout worker {rank - 1}")
             raise ValueError(f"weight sync: rollout worker {rank - 1} has other dtypes or order than rollout worker 0; "
-                             "every replica must use the same rollout.dtype")
+                             "every replica must use the same rollout.dtype and rollout.engine")
         self.slots, self.totals, self.buckets = plan(list(specs), bucket_bytes)
-        self.flat = flatten_parameters(self.model, list(specs), self.slots, self.totals, self.device)
+        if self.model is not None:
+            self.flat = flatten_parameters(self.model, list(specs), self.slots, self.totals, self.device)
+        else:
+            self.flat = {dt: torch.zeros(n, dtype=_dtype(dt), device=self.device) for dt, n in self.totals.items()}
         store = dist.TCPStore(host, port, None, False, _timeout(timeout_s))
         self.group = make_group(store, rank, world_size, backend, timeout_s)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The last version received, by name: views of the flat buffers (valid until the next receive)."""
+        out = {}
+        for s in self.own:
+            slot = self.slots[s.name]
+            out[s.name] = self.flat[s.dtype][slot.offset : slot.offset + slot.numel].view(s.shape)
+        return out
+
     @torch.no_grad()
     def receive(self, version: int) -> float:
-        """Receive one version into the model's parameters; returns when its header arrived."""
+        """Receive one version into the flat buffers; returns when its header arrived."""
         if self.group is None:
             raise RuntimeError("weight sync: receive() before connect()")
         header = torch.empty(2, dtype=torch.int64, device=self.device)
