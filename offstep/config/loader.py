@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import sys
 from dataclasses import fields, is_dataclass
 
 from hydra import compose, initialize_config_module
@@ -14,6 +15,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, InterpolationResolutionError, OmegaConfBaseException
 
 from offstep.config.schema import Config
+from offstep.config.verl_keys import VerlKeyError, apply_derived, translate
 from offstep.errors import OffstepError
 
 _registered = False
@@ -40,14 +42,17 @@ def _unknown_key(key: str) -> str:
     close = difflib.get_close_matches(name, known, n=3)
     hint = f"did you mean {' or '.join(f'{parent}.{c}' if parent else c for c in close)}? Otherwise " if close else ""
     return (f"unknown configuration key {key!r}. Fix: {hint}check the spelling; `offstep train --cfg` "
-            "prints every key with its value")
+            "prints every key with its value (verl's keys: docs/from-verl.md lists those offstep translates)")
 
 
-def _explain(e: Exception, overrides: list[str]) -> str:
+def _explain(e: Exception, overrides: list[str], origin: dict[str, str] | None = None) -> str:
     """One message for a failed composition: which key, what is wrong, how to fix it (Hydra's own
-    text suggests ``+key=value``, which a typed config rejects anyway)."""
+    text suggests ``+key=value``, which a typed config rejects anyway). ``origin``: the verl key
+    that set an offstep key, named too."""
     cause = e.__cause__ if isinstance(e.__cause__, OmegaConfBaseException) else e
     key = getattr(cause, "full_key", None)
+    if key and origin and origin.get(key, key) != key:
+        key = f"{key} (given as verl's {origin[key]})"
     text = str(cause).split("\n    full_key:")[0].split("\nConfig search path")[0].strip().rstrip(".")
     if isinstance(cause, ConfigAttributeError) and key:
         return _unknown_key(key)
@@ -94,21 +99,34 @@ def resolve(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(overrides: list[str] | None = None) -> Config:
+def load_config(overrides: list[str] | None = None, notes: list[str] | None = None) -> Config:
     """Return the typed, resolved config for ``offstep train`` with ``overrides`` (``key=value``)
-    applied."""
+    applied. verl's key names are translated (``offstep.config.verl_keys``); what the translation
+    says about them goes to ``notes`` when a list is given, else to stderr."""
     _register()
     overrides = list(overrides or [])
     try:
         _refuse_hydra_overrides(overrides)
+        verl = translate(overrides)
+    except (HydraException, VerlKeyError) as e:
+        raise ConfigError(str(e) if isinstance(e, VerlKeyError) else _explain(e, overrides)) from None
+    try:
         with initialize_config_module(config_module="offstep.config", version_base="1.3"):
-            cfg = compose(config_name="train", overrides=overrides)
+            cfg = compose(config_name="train", overrides=verl.overrides)
         typed = OmegaConf.to_object(cfg)  # resolves interpolations such as ${oc.env:VAR}
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_explain(e, overrides)) from None
+        raise ConfigError(_explain(e, overrides, verl.origin)) from None
     added = _added_keys(typed)
     if added:
         raise ConfigError(_unknown_key(added[0]))
+    try:
+        said = verl.notes + apply_derived(typed, verl)
+    except VerlKeyError as e:
+        raise ConfigError(str(e)) from None
+    if notes is not None:
+        notes.extend(said)
+    elif said:
+        print("offstep: verl keys:\n  " + "\n  ".join(said), file=sys.stderr)
     return resolve(typed)
 
 
