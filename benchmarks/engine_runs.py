@@ -1,0 +1,122 @@
+"""The default run with each rollout engine: step time, generation time, weight-load time and the
+learning curve, one run after another on the same machine.
+
+    .venv/bin/python benchmarks/engine_runs.py [--steps 10] [--seeds 0,1]
+
+Runs the default preset (SmolLM2-135M, GRPO, one-step off-policy, 1 trainer core + 1 rollout core)
+for ``--steps`` steps with ``rollout.engine=builtin`` and ``rollout.engine=vllm`` for every seed, and
+once more with vLLM over the collective weight path (``pipeline.weight_sync=collective``, first
+seed). Writes ``benchmarks/results_engine_runs.md``: per run the median step time, generation time
+of a batch (``timing_s/gen``), how long the trainer waited for it, the rollout side's weight load
+(median over updates, with the GB/s of the float32 weights), the training reward over the first and
+last 3 steps, validation accuracy before and after, the largest mismatch KL, and the wall time; then
+the vLLM-vs-builtin ratios of the medians, per seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from offstep.config.loader import load_config  # noqa: E402
+from offstep.pipeline.controller import train  # noqa: E402
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _weight_bytes(model_path: str) -> int:
+    from offstep.models.loading import resolve_model
+
+    return sum(f.stat().st_size for f in Path(resolve_model(model_path)).glob("*.safetensors"))
+
+
+def run_one(preset: str, engine: str, seed: int, steps: int, extra: list[str], out: Path) -> dict:
+    cfg = load_config([
+        f"preset={preset}", f"rollout.engine={engine}", f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"trainer.output_dir={out}",
+        "trainer.overwrite=true", f"trainer.val_freq={steps}", "trainer.progress=plain", *extra,
+    ])
+    t0 = time.time()
+    train(cfg)
+    wall = time.time() - t0
+    metrics = _jsonl(out / "metrics.jsonl")
+    steps_m = [m for m in metrics if m["step"] >= 1]
+    later = steps_m[1:]  # step 1 includes the pipeline's fill
+    loads = [e["end"] - e["start"] for e in _jsonl(out / "timeline.jsonl") if e["stage"] == "load_weights"]
+    val = [m["val/acc"] for m in metrics if "val/acc" in m]
+    rewards = [m["reward/mean"] for m in steps_m]
+    load_s = statistics.median(loads) if loads else float("nan")
+    return {
+        "engine": engine + (" (collective)" if "pipeline.weight_sync=collective" in extra else ""), "seed": seed,
+        "step_s": statistics.median(m["timing_s/step"] for m in later),
+        "gen_s": statistics.median(m["timing_s/gen"] for m in later),
+        "wait_s": statistics.median(m["timing_s/wait_gen"] for m in later),
+        "load_s": load_s, "load_gbs": _weight_bytes(cfg.model.path) / load_s / 1e9,
+        "r0": statistics.mean(rewards[:3]), "r1": statistics.mean(rewards[-3:]),
+        "v0": val[0], "v1": val[-1], "mismatch": max(abs(m.get("actor/mismatch_kl_k1") or 0.0) for m in steps_m),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="default", help="tiny: a smoke run of this script")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--out", default=str(HERE / "results_engine_runs.md"))
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    plan = [(e, s, []) for s in seeds for e in ("builtin", "vllm")]
+    plan.append(("vllm", seeds[0], ["pipeline.weight_sync=collective"]))
+    t_start = time.time()
+    rows = []
+    for engine, seed, extra in plan:
+        out = Path("runs") / "bench_engine_runs" / f"{engine}{'-coll' if extra else ''}-seed{seed}"
+        rows.append(run_one(args.preset, engine, seed, args.steps, extra, out))
+        print(json.dumps(rows[-1]), flush=True)
+    import torch
+    import vllm
+
+    lines = [
+        "# The default run with each rollout engine",
+        "",
+        f"Machine: {platform.machine()}, {__import__('os').cpu_count()} cores, torch {torch.__version__}, "
+        f"vllm {vllm.__version__}, Python {platform.python_version()}. Runs one after another; "
+        f"{(time.time() - t_start) / 60:.1f} minutes in all.",
+        "",
+        f"Preset `{args.preset}` (default: SmolLM2-135M, GRPO, one-step off-policy, 1 trainer core + 1 rollout core), {args.steps} "
+        "steps, validation before and after. Medians over steps 2 and later; the weight load is the rollout "
+        "side's span per update (receive/deserialise, load into the engine, cache reset), GB/s of the float32 "
+        "weights. vLLM runs eagerly (the engine's default).",
+        "",
+        "| engine | seed | step s | gen s | trainer wait s | weight load s (GB/s) | reward, first 3 / last 3 steps "
+        "| val acc before / after | max mismatch KL | wall s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['engine']} | {r['seed']} | {r['step_s']:.1f} | {r['gen_s']:.1f} | {r['wait_s']:.2f} | "
+                     f"{r['load_s']:.2f} ({r['load_gbs']:.2f}) | {r['r0']:.3f} / {r['r1']:.3f} | {r['v0']:.3f} / "
+                     f"{r['v1']:.3f} | {r['mismatch']:.4f} | {r['wall_s']:.0f} |")
+    lines += ["", "vLLM vs built-in, same seed (ratio of medians; below 1: vLLM takes less time):", "",
+              "| seed | step time | generation time |", "| --- | --- | --- |"]
+    for s in seeds:
+        b = next(r for r in rows if r["engine"] == "builtin" and r["seed"] == s)
+        v = next(r for r in rows if r["engine"] == "vllm" and r["seed"] == s)
+        lines.append(f"| {s} | {v['step_s'] / b['step_s']:.2f} | {v['gen_s'] / b['gen_s']:.2f} |")
+    lines += ["", f"Regenerate: `.venv/bin/python benchmarks/engine_runs.py --preset {args.preset} --steps {args.steps} "
+              f"--seeds {args.seeds}`"]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
