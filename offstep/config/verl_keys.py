@@ -517,7 +517,7 @@ def translate(overrides: list[str]) -> Translation:
             if value not in rule.allow:
                 raise VerlKeyError(f"verl key {key}={value!r} is refused: {rule.why}. Fix: drop it"
                                    + (f" or set {rule.allow[0]!r}" if rule.allow else "") + f" ({DOC})")
-            out.notes.append(f"{key}={value!r}: accepted (the value changes nothing in offstep: {rule.why})")
+            out.notes.append(f"{key}={value!r}: accepted, no effect (other values are refused: {rule.why})")
         elif isinstance(rule, Note):
             out.notes.append(f"{key}: accepted, no effect ({rule.why})")
         elif isinstance(rule, Derived):
