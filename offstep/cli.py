@@ -90,8 +90,8 @@ def _report(argv: list[str]) -> int:
 
 def _eval(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="offstep eval", description="accuracy and reward per data source")
-    parser.add_argument("model", help="a local Hugging Face model folder, an alias (smollm2-135m-instruct, tiny), "
-                        "or a run directory / checkpoint (its latest policy)")
+    parser.add_argument("model", help="a local Hugging Face model folder, a peft adapter folder (merged onto its "
+                        "base), an alias (smollm2-135m-instruct, tiny), or a run directory / checkpoint (its latest policy)")
     parser.add_argument("--data", required=True, help="verl parquet or JSONL file")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (best@n is reported for n > 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -154,12 +154,14 @@ def _export(argv: list[str]) -> int:
                         "folder is in place)")
     parser.add_argument("--model", default=None, help="the base model folder or alias (default: the checkpoint's "
                         "model.path, which must be an alias or a local folder)")
+    parser.add_argument("--merge", action="store_true", help="a LoRA run: the base model with the adapters merged in "
+                        "(a plain Hugging Face folder) instead of a peft adapter folder")
     args = parser.parse_args(argv)
     from offstep.errors import OffstepError
     from offstep.pipeline.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.run, args.out, args.step, force=args.force, base=args.model)
+        out = export_checkpoint(args.run, args.out, args.step, force=args.force, base=args.model, merge=args.merge)
     except (OffstepError, FileNotFoundError, ValueError) as e:
         print(f"offstep: {e}", file=sys.stderr)
         return 2

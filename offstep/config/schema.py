@@ -201,6 +201,29 @@ class OptimConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685) on the actor, with ``peft``: the base
+    weights stay frozen, only the adapters train, travel to the rollout workers and are checkpointed;
+    the reference policy is the same model with its adapters switched off."""
+
+    rank: int = 0
+    """the adapters' rank r (0: full fine-tuning; e.g. 8, 16, 32)"""
+    alpha: float = 0.0
+    """the adapters' scale is alpha / rank (0: alpha = 2 x rank, a scale of 2)"""
+    dropout: float = 0.0
+    """dropout on the adapters' input during the update (never in log-prob passes or generation)"""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """the linear layers that get adapters, by name or name suffix (default: every attention and MLP projection of Llama/Qwen/Mistral-style models)"""
+
+    @property
+    def scale_alpha(self) -> float:
+        """peft's lora_alpha: the alpha key, or 2 x rank when it is 0."""
+        return self.alpha or 2.0 * self.rank
+
+
+@dataclass
 class ActorConfig:
     """With ``micro_token_budget > 0`` micro-batches are formed by tokens: samples sorted by length
     and grouped so that rows x (longest prompt + longest response) <= the budget, each cut to the
@@ -219,6 +242,8 @@ class ActorConfig:
     """an update whose loss or gradient norm is NaN/inf: skip (leave the weights and optimizer state untouched, counted in actor/skipped_steps) | stop (end the run with an error)"""
     micro_token_budget: int = 0
     """> 0: micro-batches of at most this many tokens (see ActorConfig; >= data.max_prompt_length + rollout.max_new_tokens), for the reference and critic too; 0: micro_batch_size rows"""
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    """low-rank adapters instead of full fine-tuning (lora.rank > 0)"""
 
 
 @dataclass

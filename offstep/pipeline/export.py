@@ -1,6 +1,10 @@
 """From a run checkpoint to a Hugging Face model folder (``offstep export``, and ``offstep eval``
 of a run directory): the actor's DCP shards are reassembled into the base model's architecture and
-saved as safetensors, with the tokenizer beside them.
+saved as safetensors, with the tokenizer beside them. A LoRA run's checkpoint holds the adapters
+only: it is written as a peft adapter folder (``adapter_config.json``,
+``adapter_model.safetensors``; ``PeftModel.from_pretrained`` loads it onto the base), or with
+``merge`` as the base model with the adapters merged in (a plain Hugging Face folder). ``offstep
+eval`` takes either; an adapter folder is merged once into the offstep cache.
 
 The folder is written next to its destination under a temporary name, fsynced, finished with the
 marker ``.offstep-export`` and then renamed into place, so a crash never leaves a half-written
@@ -12,16 +16,20 @@ or the one given as ``base``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 import time
+from dataclasses import fields
 from pathlib import Path
 
 from offstep.config.loader import ConfigError
+from offstep.config.schema import LoRAConfig
 from offstep.models.builtin import ALIASES, normalise_alias
 from offstep.models.forward import DTYPES
-from offstep.models.loading import ModelError, load_causal_lm, load_tokenizer, resolve_model
+from offstep.models.loading import ModelError, cache_dir, load_causal_lm, load_tokenizer, resolve_model
+from offstep.models.lora import adapter_base, adapter_parameters, add_adapters, is_adapter_folder, merged_model
 from offstep.pipeline.checkpoints import STATE_FILE, open_checkpoint, read_config, resolve_path, select
 from offstep.train.checkpoint import fsync_tree, load_model_weights, replace_dir, write_durably, write_failed
 
@@ -48,11 +56,21 @@ def _base_model(ckpt: Path, config_yaml: str, base: str | None) -> tuple[str, st
         raise ConfigError(f"{where} names the base model {name!r}: {e}") from None
 
 
+def _lora_of(config_yaml: str) -> LoRAConfig | None:
+    """The ``actor.lora`` a checkpoint was trained with (``None``: full fine-tuning)."""
+    saved = select(read_config(config_yaml), "actor.lora")
+    if not isinstance(saved, dict) or not saved.get("rank"):
+        return None
+    known = {f.name for f in fields(LoRAConfig)}
+    return LoRAConfig(**{k: v for k, v in saved.items() if k in known})
+
+
 def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int | None = None, force: bool = False,
-                      base: str | None = None) -> Path:
+                      base: str | None = None, merge: bool = False) -> Path:
     """Write the policy of a checkpoint (a run's latest, or ``step``) to ``out`` as a model
-    folder that ``AutoModelForCausalLM.from_pretrained`` loads. A non-empty ``out`` is refused
-    unless ``force``. Returns ``out``."""
+    folder that ``AutoModelForCausalLM.from_pretrained`` loads, or, for a LoRA run without
+    ``merge``, as a peft adapter folder. A non-empty ``out`` is refused unless ``force``.
+    Returns ``out``."""
     out = Path(out)
     if (out.exists() or out.is_symlink()) and not force and not (out.is_dir() and not any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; give another --out, or --force to replace it (the old "
@@ -60,13 +78,21 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
     loaded = open_checkpoint(resolve_path(run_or_checkpoint, step))
     folder, dtype = _base_model(loaded.path, loaded.config_yaml, base)
     model = load_causal_lm(folder, dtype=DTYPES[dtype])
-    load_model_weights(loaded.path / "actor", model)
+    lora = _lora_of(loaded.config_yaml)
+    if lora is None:
+        load_model_weights(loaded.path / "actor", model)
+    else:
+        model = add_adapters(model, lora, base_path=folder)
+        load_model_weights(loaded.path / "actor", model, names={n for n, _ in adapter_parameters(model)})
+        if merge:
+            model = model.merge_and_unload()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(folder).save_pretrained(tmp)
         done = {"checkpoint": str(loaded.path.resolve()), "step": loaded.state.step, "base_model": folder,
+                "form": "model" if lora is None else "merged" if merge else "adapter",
                 "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
         write_durably(tmp / DONE, json.dumps(done) + "\n")
         fsync_tree(tmp)
@@ -85,12 +111,47 @@ def is_run_or_checkpoint(path: str | Path) -> bool:
 
 def model_for_eval(path: str | Path) -> str:
     """A model folder for ``offstep eval``: run directories and checkpoints are exported once
-    into ``<checkpoint>/hf`` (a finished export: it has its marker); anything else is returned
-    as it is (a model folder or an alias)."""
+    into ``<checkpoint>/hf`` (a finished export: it has its marker; a LoRA run's merged); a peft
+    adapter folder is merged onto its base once, into the offstep cache; anything else is
+    returned as it is (a model folder or an alias)."""
+    if is_adapter_folder(path):
+        return str(merge_adapter_folder(path))
     if not is_run_or_checkpoint(path):
         return str(path)
     ckpt = resolve_path(path)
     hf = ckpt / "hf"
     if not (hf / DONE).is_file():
-        export_checkpoint(ckpt, hf, force=True)  # an unfinished earlier export is replaced
+        export_checkpoint(ckpt, hf, force=True, merge=True)  # an unfinished earlier export is replaced
     return str(hf)
+
+
+def merge_adapter_folder(path: str | Path) -> Path:
+    """The base model named by the adapter folder ``path`` with the adapters merged in, written
+    once under ``<offstep cache>/merged/<digest of the adapter files>`` (marker last, atomic rename)."""
+    path = Path(path).expanduser().resolve()
+    digest = hashlib.sha256(str(path).encode())
+    for f in sorted(path.glob("adapter_*")):
+        digest.update(f.name.encode() + f.read_bytes())
+    out = cache_dir() / "merged" / digest.hexdigest()[:16]
+    if (out / DONE).is_file():
+        return out
+    name = adapter_base(path)
+    if normalise_alias(name) is None and not Path(name).expanduser().is_dir():
+        raise ConfigError(f"the adapter folder {path} names the base model {name!r} (base_model_name_or_path in "
+                          f"adapter_config.json), which is neither a built-in alias ({', '.join(ALIASES)}) nor a local "
+                          f"folder; set it to the base model's folder")
+    folder = resolve_model(name)
+    model = merged_model(path, load_causal_lm(folder))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        (load_tokenizer(path) if (path / "tokenizer_config.json").is_file() else load_tokenizer(folder)).save_pretrained(tmp)
+        write_durably(tmp / DONE, json.dumps({"adapter": str(path), "base_model": folder}) + "\n")
+        fsync_tree(tmp)
+        replace_dir(tmp, out, out.with_name(f".{out.name}.old-{os.getpid()}"))
+    except OSError as e:
+        raise write_failed(tmp, e) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out

@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class Workers:
     """Handles to every worker of a run. ``rollout[i]`` is replica i; ``make_rollout(i)`` starts
-    a fresh replica i (the fleet replaces a dead one with it)."""
+    a fresh replica i (the fleet replaces a dead one with it). ``ref`` is the group whose
+    ``ref_method`` gives the reference log-probs on the trainer pool: the reference role, or
+    with LoRA the actor itself (its model with the adapters off)."""
 
     actor: RoleGroup
     rollout: list
@@ -45,10 +47,16 @@ class Workers:
     owns_ray: bool = False  # this run started Ray, so it stops it
     host: str | None = None  # the address the run's own stores listen on (None: each node's address)
     rendezvous: Rendezvous | None = None  # the store the trainer roles' process groups meet at
+    ref_method: str = "compute_logprobs"
 
     @property
     def groups(self) -> list[RoleGroup]:
-        return [g for g in (self.actor, self.ref, self.critic) if g is not None]
+        """Each role group once (with LoRA the reference is the actor's group)."""
+        out = []
+        for g in (self.actor, self.ref, self.critic):
+            if g is not None and all(g is not h for h in out):
+                out.append(g)
+        return out
 
     @property
     def stateful(self) -> list[RoleGroup]:
@@ -146,13 +154,15 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
     trainer_pool = Pool.create("trainer", res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker)
     rollout_pool = None if colocate else Pool.create("rollout", ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica)
     ref_on_trainer = cfg.algorithm.needs_reference and not cfg.pipeline.ref_on_rollout
+    lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
+    ref_role = ref_on_trainer and lora is None  # with LoRA the actor gives the reference log-probs
     ref_spec = (
         RefSpec(cfg.model.dtype, cfg.model.compute_dtype, ro.temperature, cfg.actor.micro_batch_size)
         if cfg.algorithm.needs_reference and cfg.pipeline.ref_on_rollout else None
     )
     use_critic = cfg.algorithm.adv_estimator == "gae"
     # Roles sharing a trainer bundle take turns on its cores; each takes an equal GPU share.
-    share = 1.0 / (1 + ref_on_trainer + use_critic + colocate)
+    share = 1.0 / (1 + ref_role + use_critic + colocate)
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OFFSTEP_CACHE": str(cache_dir())}
     model = (inputs.model_path, cfg.model.dtype, cfg.model.compute_dtype)
     seed, temperature = cfg.trainer.seed, ro.temperature
@@ -162,7 +172,7 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
     actor = RoleGroup.create("actor", ActorWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.actor,
                              cfg.algorithm, temperature, live.client("trainer"))
     ref = (RoleGroup.create("ref", RefWorker, trainer_pool, share, env, rendezvous, seed, *model, temperature, micro, budget)
-           if ref_on_trainer else None)
+           if ref_role else actor if ref_on_trainer else None)
     critic = (
         RoleGroup.create("critic", CriticWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.critic,
                          cfg.algorithm, micro, cfg.actor.mini_batch_size, budget)
@@ -175,11 +185,12 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
         opts = pool.options(i % pool.bundles, share if colocate else 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)})
         return rollout_cls.options(**opts).remote(
             inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
-            ro.max_batch_size, ref_spec, live.client(f"rollout/{i}"), ro.engine, cfg.trainer.seed,
+            ro.max_batch_size, ref_spec, live.client(f"rollout/{i}"), ro.engine, cfg.trainer.seed, lora,
         )
 
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,
-                      [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous)
+                      [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
+                      "compute_logprobs" if ref_role else "compute_ref_logprobs")
     try:
         workers.ready()
     except BaseException:

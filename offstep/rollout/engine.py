@@ -24,18 +24,19 @@ it shares, are ``offstep.rollout.sampling``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from offstep.models.lora import adapter_parameters, base_of, is_adapter_name
 from offstep.rollout.hf_runner import HFRunner
 from offstep.rollout.llama_runner import LlamaRunner, unsupported_reason
 from offstep.rollout.sampling import sample_tokens, sample_uniforms
-from offstep.rollout.types import Completion, SamplingParams, check_request
+from offstep.rollout.types import Completion, PromptFeed, SamplingParams, TurnFeed, check_request, serve_prompts
 
 _log = logging.getLogger(__name__)
 
@@ -82,13 +83,14 @@ def _shared_prefix(prompts: list[list[int]]) -> int:
 
 
 class _Row:
-    """Decoding state of one sample."""
+    """Decoding state of one sample (or one turn of an agent loop): at most ``limit`` tokens."""
 
-    __slots__ = ("index", "logprobs", "prompt_index", "tokens")
+    __slots__ = ("index", "limit", "logprobs", "prompt_index", "tokens")
 
-    def __init__(self, index: int, prompt_index: int):
+    def __init__(self, index: int, prompt_index: int, limit: int):
         self.index = index
         self.prompt_index = prompt_index
+        self.limit = limit
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
 
@@ -118,6 +120,7 @@ class TorchEngine:
         device: str | torch.device = "cpu",
         max_batch_size: int = 64,
         runner: str = "auto",
+        merge_adapters: bool = False,
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
@@ -136,9 +139,13 @@ class TorchEngine:
         self.max_batch_size = int(max_batch_size)
         self.version: int = 0
         self.vocab_size: int = int(self.model.get_input_embeddings().weight.shape[0])
+        # LoRA: ``model`` may be a peft model (offstep.models.lora); the runners call the
+        # transformers model inside it, whose target layers add the adapters' low-rank term.
         self._runner: LlamaRunner | None = self._pick_runner(runner)
         # The model's own forward, for models the slot runner does not serve.
-        self._fallback = HFRunner(self.model, self.pad_id, self.device) if self._runner is None else None
+        self._fallback = HFRunner(base_of(self.model), self.pad_id, self.device) if self._runner is None else None
+        self.merge_adapters = merge_adapters
+        self._merged = False
 
     @property
     def runner(self) -> str:
@@ -162,31 +169,33 @@ class TorchEngine:
         outputs.
         """
         self._check(prompts, params)
-        results: list[Completion | None] = [None] * (len(prompts) * params.n)
-        if not results:
-            return []
+        return serve_prompts(self.serve, prompts, params, seed, on_finish)
+
+    def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None]) -> None:
+        """Generate the requests of ``feed`` as they come, until it is exhausted; call
+        ``on_finish(request index, completion)`` as each finishes (from this thread: a request it
+        adds to the feed is taken at the next step). ``params.n`` is ignored (one completion per
+        request); each request has its own token limit and random stream (``TurnRequest``).
+        ``generate`` is this with the feed of its prompts."""
 
         def emit(row: _Row, reason: str) -> None:
-            c = self._finish(row, reason)
-            results[row.index] = c
-            if on_finish is not None:
-                on_finish(c)
+            on_finish(row.index, self._finish(row, reason))
 
         was_training = self.model.training
         self.model.eval()  # no dropout while sampling, even if someone switched the module to train()
         try:
             with torch.inference_mode():
                 if params.max_new_tokens == 0:
-                    for i in range(len(results)):
-                        emit(_Row(i, i // params.n), "length")
+                    while (new := feed.take(1 << 30, block=True)) is not None:
+                        for req in new:
+                            emit(_Row(req.index, req.group, 0), "length")
                 elif self._runner is not None:
-                    self._generate_continuous(prompts, params, seed, emit)
+                    self._generate_continuous(feed, params, seed, emit)
                 else:
-                    self._generate_static(prompts, params, seed, emit)
+                    self._generate_static(feed, params, seed, emit)
         finally:
             if was_training:
                 self.model.train()
-        return results  # type: ignore[return-value]
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Copy ``state_dict`` (names as in ``model.state_dict()``) into the model in place.
@@ -229,6 +238,62 @@ class TorchEngine:
         self.version = int(version)
         self.reset_cache()
 
+    # ---------------------------------------------------------------- LoRA adapters
+    def load_adapters(self, adapters: Mapping[str, Tensor], version: int) -> None:
+        """Copy LoRA A/B matrices (the peft model's names, ``offstep.models.lora``) into the
+        engine's adapters in place and record their version; the base weights stay as they are.
+
+        Every adapter of the engine's model must be given, under its exact name and shape, or
+        ``KeyError``/``ValueError`` says which are not, before anything is copied: an adapter that
+        silently failed to arrive would leave the rollout generating with an older policy while
+        every version tag said otherwise (verl issue 7495). With ``merge_adapters`` the adapters'
+        product is merged into the base weights (one GEMM per layer per load, none per token), and
+        unmerged before the next load; otherwise it is added at every forward as ``B(A x)``.
+        """
+        own = dict(adapter_parameters(self.model))
+        if not own:
+            raise KeyError("load_adapters: the rollout model has no LoRA adapters (actor.lora.rank > 0 needs the "
+                           "rollout worker to build them too)")
+        missing, unexpected = sorted(set(own) - set(adapters)), sorted(set(adapters) - set(own))
+        if missing or unexpected:
+            raise KeyError(f"load_adapters: the adapters do not match the rollout model's: missing {missing[:10]} "
+                           f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)})")
+        bad = [f"{k}: got {tuple(v.shape)}, model has {tuple(own[k].shape)}" for k, v in adapters.items()
+               if tuple(v.shape) != tuple(own[k].shape)]
+        if bad:
+            raise ValueError("load_adapters: shape mismatch: " + "; ".join(bad[:10]))
+        with torch.no_grad():
+            if self._merged:
+                self.model.unmerge_adapter()
+                self._merged = False
+            for k, v in adapters.items():
+                own[k].copy_(v.to(device=own[k].device, dtype=own[k].dtype))
+            if self.merge_adapters:
+                self.model.merge_adapter()
+                self._merged = True
+        self.version = int(version)
+        self.reset_cache()
+
+    def adapter_manifest(self) -> list:
+        """The adapters as the collective weight path lays them out (``offstep.sync.collective``)."""
+        from offstep.sync.collective import manifest
+
+        return manifest(self.model, is_adapter_name)
+
+    @contextlib.contextmanager
+    def adapters_disabled(self):
+        """The base model, for the reference policy: the adapters switched off (unmerged first
+        when merged) for the duration."""
+        merged = self._merged
+        if merged:
+            self.model.unmerge_adapter()
+        try:
+            with self.model.disable_adapter():
+                yield base_of(self.model)
+        finally:
+            if merged:
+                self.model.merge_adapter()
+
     def reset_cache(self) -> None:
         """No KV cache outlives a ``generate`` call (the slot runner reads the model's weights in
         place); this releases cached device memory on CUDA."""
@@ -240,9 +305,9 @@ class TorchEngine:
     def _pick_runner(self, runner: str) -> LlamaRunner | None:
         if runner == "hf":
             return None
-        reason = unsupported_reason(self.model)
+        reason = unsupported_reason(base_of(self.model))
         if reason is None:
-            slot_runner = LlamaRunner(self.model)
+            slot_runner = LlamaRunner(base_of(self.model))
             reason = self._verify_runner(slot_runner)
             if reason is None:
                 return slot_runner
@@ -261,7 +326,7 @@ class TorchEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            want = self.model(torch.tensor([ids], device=dev)).logits[0, -2:].float()
+            want = base_of(self.model)(torch.tensor([ids], device=dev)).logits[0, -2:].float()
             cache = slot_runner.new_cache(2, 8, 8)
             slot_runner.step(cache, none, none, [ids[:3]], [[1]])
             cache.move(torch.tensor([1], device=dev), torch.tensor([0], device=dev), 3)
@@ -306,26 +371,27 @@ class TorchEngine:
             tail = self.tokenizer.decode(row.tokens[-window:], skip_special_tokens=True)
             if any(s in tail for s in params.stop):
                 return "stop"
-        if len(row.tokens) == params.max_new_tokens:
+        if len(row.tokens) >= row.limit:
             return "length"
         return None
 
     # ---------------------------------------------------------------- continuous batching
 
-    def _generate_continuous(self, prompts, params: SamplingParams, seed: int, emit) -> None:
-        """Decode with slots freed by finished samples refilled from the queue at the next step.
+    def _generate_continuous(self, feed: TurnFeed, params: SamplingParams, seed: int, emit) -> None:
+        """Decode with slots freed by finished samples refilled from the feed at the next step.
 
         State of the ``B`` running samples lives in slots ``0..B-1`` (rows of the tensors below and
         of the KV cache): ``tok`` the next input token, ``pos`` its position (= cached length),
-        ``step`` how many tokens the sample has, ``sid`` its sample index (which random stream).
+        ``step`` how many tokens the sample has, ``uni`` the uniforms of its random stream.
         """
-        runner, dev, n = self._runner, self.device, params.n
-        total = len(prompts) * n
-        uniforms = sample_uniforms(range(total), params, seed, self.device)
+        runner, dev = self._runner, self.device
+        prompts = feed.prompts
+        # A plain call fills at most its samples' slots; an agent loop's feed may bring more later.
+        total = len(prompts) * params.n if isinstance(feed, PromptFeed) else self.max_batch_size
         slots = min(self.max_batch_size, total)
         plen = max(len(p) for p in prompts)
         shared = _shared_prefix(prompts)
-        if shared < self.min_shared_prefix or (len(prompts) == 1 and n <= slots):
+        if shared < self.min_shared_prefix or (len(prompts) == 1 and params.n <= slots and isinstance(feed, PromptFeed)):
             shared = 0  # nothing to reuse: every prompt is prefilled once anyway
         # One slot more holds the shared prefix; admitted prompts copy it and prefill the rest.
         cache = runner.new_cache(slots + (shared > 0), plen + min(params.max_new_tokens, 256), plen + params.max_new_tokens)
@@ -333,27 +399,33 @@ class TorchEngine:
         if shared:
             runner.step(cache, none, none, [prompts[0][:shared]], [[slots]])
         prefix_src = torch.full((slots,), slots, dtype=torch.long, device=dev)
-        tok, pos, step, sid = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(4))
+        tok, pos, step = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(3))
+        uni = torch.zeros((slots, max(1, params.max_new_tokens)), dtype=torch.float64, device=dev)
         window = 4 * max((len(s) for s in params.stop), default=0) + 4
-        queue = deque(range(total))  # prompt-major: the samples of a prompt are admitted together
         rows: list[_Row] = []
-        while queue or rows:
+        open_feed = True
+        while True:
             b = len(rows)
-            # ---- admit waiting samples into the free slots; each new prompt is prefilled once
+            # ---- admit waiting requests into the free slots; each new prompt is prefilled once
+            new = feed.take(slots - b, block=b == 0) if open_feed and b < slots else []
+            if new is None:
+                open_feed, new = False, []
+            if not new and not rows:
+                if open_feed:
+                    continue
+                break
             new_prompts: list[list[int]] = []
             new_slots: list[list[int]] = []
             logit_row = list(range(b))  # row of the step's logits that each slot samples from
-            last_pi = -1
-            while queue and len(rows) < slots:
-                i = queue.popleft()
-                pi = i // n
-                if pi != last_pi:
-                    new_prompts.append(prompts[pi][shared:])
+            last_group = None
+            for req in new:  # a plain call's are prompt-major: the samples of a prompt are admitted together
+                if req.group != last_group:
+                    new_prompts.append(req.prompt_ids[shared:])
                     new_slots.append([])
-                    last_pi = pi
+                    last_group = req.group
                 new_slots[-1].append(len(rows))
                 logit_row.append(b + len(new_prompts) - 1)
-                rows.append(_Row(i, pi))
+                rows.append(_Row(req.index, req.group, req.max_new_tokens))
             bt = len(rows)
             if shared and bt > b:
                 cache.move(prefix_src[: bt - b], torch.arange(b, bt, device=dev), shared)
@@ -362,11 +434,11 @@ class TorchEngine:
                 logits = logits[torch.tensor(logit_row, device=dev)]
             pos[:b] += 1
             if bt > b:
-                pos[b:bt] = torch.tensor([len(prompts[r.prompt_index]) for r in rows[b:]], device=dev)
-                sid[b:bt] = torch.tensor([r.index for r in rows[b:]], device=dev)
+                pos[b:bt] = torch.tensor([len(req.prompt_ids) for req in new], device=dev)
+                uni[b:bt] = sample_uniforms([req.stream for req in new], params, seed, dev)
                 step[b:bt] = 0
             # ---- sample every running slot at once, each from its own stream
-            tokens, logps = sample_tokens(logits, params, uniforms[sid[:bt], step[:bt]])
+            tokens, logps = sample_tokens(logits, params, uni[torch.arange(bt, device=dev), step[:bt]])
             tok[:bt] = tokens
             step[:bt] += 1
             done = []
@@ -376,7 +448,7 @@ class TorchEngine:
                     emit(rows[j], reason)
                     done.append(j)
             if done:
-                rows = self._compact(rows, done, cache, (tok, pos, step, sid))
+                rows = self._compact(rows, done, cache, (tok, pos, step, uni))
 
     @staticmethod
     def _compact(rows: list[_Row], done: list[int], cache, state: tuple[Tensor, ...]) -> list[_Row]:
@@ -398,18 +470,20 @@ class TorchEngine:
 
     # ---------------------------------------------------------------- fallback: static sub-batches
 
-    def _generate_static(self, prompts, params: SamplingParams, seed: int, emit) -> None:
-        n = params.n
-        order = [(pi * n + j, pi) for pi in range(len(prompts)) for j in range(n)]
-        # Group similar prompt lengths into the same sub-batch (less padding); stable, so each prompt's
-        # samples stay together.
-        order.sort(key=lambda item: len(prompts[item[1]]))
-        for start in range(0, len(order), self.max_batch_size):
-            rows = [_Row(i, pi) for i, pi in order[start : start + self.max_batch_size]]
-            uniforms = sample_uniforms([r.index for r in rows], params, seed, self.device)
-            self._generate_chunk(prompts, rows, params, uniforms, emit)
+    def _generate_static(self, feed: TurnFeed, params: SamplingParams, seed: int, emit) -> None:
+        """Static sub-batches of what the feed has (all of a plain call's samples at once; an agent
+        loop's requests in waves: each wave is what has arrived when the previous one ends)."""
+        while (requests := feed.take(1 << 30, block=True)) is not None:
+            # Group similar prompt lengths into the same sub-batch (less padding); stable, so each
+            # prompt's samples stay together.
+            order = sorted(requests, key=lambda req: len(req.prompt_ids))
+            for start in range(0, len(order), self.max_batch_size):
+                chunk = order[start : start + self.max_batch_size]
+                rows = [_Row(req.index, req.group, req.max_new_tokens) for req in chunk]
+                uniforms = sample_uniforms([req.stream for req in chunk], params, seed, self.device)
+                self._generate_chunk({req.group: req.prompt_ids for req in chunk}, rows, params, uniforms, emit)
 
-    def _generate_chunk(self, prompts, rows: list[_Row], params: SamplingParams, uniforms: Tensor, emit) -> None:
+    def _generate_chunk(self, prompts: dict[int, list[int]], rows: list[_Row], params: SamplingParams, uniforms: Tensor, emit) -> None:
         # ---- prefill the unique prompts of this chunk once; one cache row per sample
         unique: dict[int, int] = {}
         for row in rows:

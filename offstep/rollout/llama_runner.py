@@ -153,12 +153,31 @@ def _fused(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None] | Non
     return weight, bias
 
 
+def _lora_term(x: Tensor, m: torch.nn.Module) -> Tensor | None:
+    """The low-rank term ``scale * B(A x)`` of a peft LoRA layer ``m`` (``None``: a plain layer,
+    or its adapters off or merged into the weight). No dropout: generation is inference."""
+    if not hasattr(m, "lora_A") or m.disable_adapters or m.merged:
+        return None
+    out = None
+    for name in m.active_adapters:
+        if name in m.lora_A:
+            a, b = m.lora_A[name], m.lora_B[name]
+            term = b(a(x.to(a.weight.dtype))).to(x.dtype) * m.scaling[name]
+            out = term if out is None else out + term
+    return out
+
+
 def _grouped_linear(x: Tensor, linears: list[torch.nn.Linear]) -> Tensor:
-    """``cat([m(x) for m in linears], -1)``, as one GEMM when the weights are back to back."""
+    """``cat([m(x) for m in linears], -1)``, as one GEMM when the weights are back to back (a
+    LoRA layer's weight is its base layer's; its low-rank term is added after the GEMM)."""
     fused = _fused(linears)
     if fused is None:
         return torch.cat([m(x) for m in linears], dim=-1)
-    return torch.nn.functional.linear(x, *fused)
+    y = torch.nn.functional.linear(x, *fused)
+    terms = [_lora_term(x, m) for m in linears]
+    if any(t is not None for t in terms):
+        y = y + torch.cat([t if t is not None else x.new_zeros(x.shape[0], m.out_features) for t, m in zip(terms, linears)], -1)
+    return y
 
 
 def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

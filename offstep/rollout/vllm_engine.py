@@ -50,7 +50,15 @@ process whose threads it has pinned). In-process that would be the rollout worke
 The collective weight path (``pipeline.weight_sync=collective``) receives into buffers laid out by
 ``weight_manifest`` and then goes through ``load_weights`` like the object-store path.
 
-Not supported here (for the config check to refuse): LoRA adapters, and models whose attention
+LoRA (``lora``, ``actor.lora.rank > 0``): vLLM's own LoRA support (``enable_lora``, its punica
+kernels; on CPU ``PunicaWrapperCPU``). ``load_adapters`` writes the adapters as a peft folder into
+a temporary folder of this worker and registers them under a fresh adapter id per sync (the
+previous one removed), and every request of ``generate`` names that adapter: a new id, not an
+in-place reload, so no cache of vLLM's (the adapter cache, prefix-cache blocks keyed by adapter)
+can serve an older version's adapter (the trap of verl issue 7495). Before the first sync the
+requests name no adapter: the base model, which is what fresh adapters (B = 0) compute.
+
+Not supported here (for the config check to refuse): models whose attention
 head size the backend lacks (vLLM-CPU: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; a head
 of 16, as the ``tiny`` recipe v1 had, is refused: see ``attention_head_dim_problem``).
 """
@@ -62,6 +70,8 @@ import itertools
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -71,7 +81,7 @@ import torch
 from torch import Tensor
 
 from offstep.rollout.sampling import _mix_seed
-from offstep.rollout.types import Completion, SamplingParams, check_request
+from offstep.rollout.types import Completion, SamplingParams, TurnFeed, check_request, serve_prompts
 
 __all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "attention_head_dim_problem", "vllm_unavailable_reason"]
 
@@ -172,6 +182,7 @@ class VLLMEngine:
         kv_cache_gb: float = 1.0,
         gpu_memory_utilization: float = 0.5,
         seed: int = 0,
+        lora: Any = None,
         **llm_kwargs: Any,
     ):
         reason = vllm_unavailable_reason()
@@ -203,6 +214,17 @@ class VLLMEngine:
         self._tied = bool(cfg.get("tie_word_embeddings", False))
         self.vocab_size: int = int(cfg["vocab_size"])
         _quiet_expected_warnings(self._tied)
+        self.lora = lora
+        self._lora_request = None  # the adapter of the last sync (None: the base model)
+        if lora is not None:
+            from offstep.config.validate import VLLM_LORA_RANKS
+            from offstep.models.lora import adapter_shapes
+
+            self._adapter_shapes = adapter_shapes(self.model_path, lora)
+            self._lora_dir = tempfile.mkdtemp(prefix="offstep-vllm-lora-")
+            self._lora_ids = itertools.count(1)
+            llm_kwargs = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
+                          "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= lora.rank), **llm_kwargs}
 
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -270,27 +292,39 @@ class VLLMEngine:
                 if on_finish is not None:
                     on_finish(results[i])
             return results  # type: ignore[return-value]
+        return serve_prompts(self.serve, prompts, params, seed, on_finish)
 
+    def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None]) -> None:
+        """Generate the requests of ``feed`` as they come (each its own vLLM request, with its own
+        token limit and seed), until the feed is exhausted; ``on_finish(request index,
+        completion)`` as each finishes. A request that continues an earlier one (an agent loop's
+        next turn: the same tokens and more) finds their KV blocks in vLLM's prefix cache."""
         call = next(_CALLS)
-        pending: dict[str, int] = {}
+        pending: dict[str, tuple[int, int]] = {}
+        open_feed = True
         try:
-            for i in range(total):
-                rid = f"offstep-{call}-{i}"
-                self._engine.add_request(rid, {"prompt_token_ids": list(prompts[i // params.n])},
-                                         self._vllm_params(params, seed, i))
-                pending[rid] = i
-            while pending:
+            while True:
+                new = feed.take(1 << 30, block=not pending) if open_feed else []
+                if new is None:
+                    open_feed, new = False, []
+                for req in new:
+                    rid = f"offstep-{call}-{req.index}"
+                    self._engine.add_request(rid, {"prompt_token_ids": list(req.prompt_ids)},
+                                             self._vllm_params(params, seed, req.stream, req.max_new_tokens),
+                                             lora_request=self._lora_request)
+                    pending[rid] = (req.index, req.group)
+                if not pending:
+                    if open_feed:
+                        continue
+                    break
                 for out in self._engine.step():
                     if not out.finished or out.request_id not in pending:
                         continue
-                    i = pending.pop(out.request_id)
-                    results[i] = c = self._from_output(i // params.n, out.outputs[0])
-                    if on_finish is not None:
-                        on_finish(c)
+                    index, group = pending.pop(out.request_id)
+                    on_finish(index, self._from_output(group, out.outputs[0]))
         finally:
             if pending:  # an exception (a scorer, Ctrl-C): leave no request running in the engine
                 self._engine.abort_request(list(pending))
-        return results  # type: ignore[return-value]
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Load ``state_dict`` (Hugging Face names, as ``model.state_dict()``) into vLLM in place,
@@ -321,6 +355,46 @@ class VLLMEngine:
         self._engine.set_weight_version(str(self.version))
         self.reset_cache()
 
+    def load_adapters(self, adapters: Mapping[str, Tensor], version: int) -> None:
+        """Serve the LoRA adapters ``adapters`` (the trainer's peft names) from now on, tagged with
+        ``version``: checked against the adapters the trainer's model has (names and shapes, before
+        anything is loaded), written as a peft folder, registered under a new adapter id."""
+        from vllm.lora.request import LoRARequest
+
+        from offstep.models.lora import write_adapter_folder
+
+        if self.lora is None:
+            raise KeyError("load_adapters: this vLLM engine was built without LoRA (lora=None)")
+        missing = sorted(set(self._adapter_shapes) - set(adapters))
+        unexpected = sorted(set(adapters) - set(self._adapter_shapes))
+        if missing or unexpected:
+            raise KeyError(f"load_adapters: the adapters do not match the model's: missing {missing[:10]} "
+                           f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)})")
+        bad = [f"{k}: got {tuple(v.shape)}, expected {self._adapter_shapes[k]}" for k, v in adapters.items()
+               if tuple(v.shape) != self._adapter_shapes[k]]
+        if bad:
+            raise ValueError("load_adapters: shape mismatch: " + "; ".join(bad[:10]))
+        lora_id = next(self._lora_ids)
+        folder = Path(self._lora_dir) / f"adapter-{lora_id}"
+        write_adapter_folder(folder, {k: v.to(self.dtype) for k, v in adapters.items()}, self.lora, self.model_path)
+        request = LoRARequest(f"offstep-policy-{lora_id}", lora_id, str(folder))
+        if not self._engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapters of version {version} ({folder})")
+        old, self._lora_request = self._lora_request, request
+        if old is not None:
+            self._engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self.version = int(version)
+        self._engine.set_weight_version(str(self.version))
+        self.reset_cache()
+
+    def adapter_manifest(self) -> list:
+        """The collective weight path's layout of the adapters, in the engine's dtype."""
+        from offstep.sync.collective import TensorSpec
+
+        dtype = str(self.dtype).removeprefix("torch.")
+        return [TensorSpec(name, shape, dtype) for name, shape in self._adapter_shapes.items()]
+
     def reset_cache(self) -> None:
         """Drop vLLM's prefix cache (KV blocks computed with older weights)."""
         if not self.llm.reset_prefix_cache():
@@ -332,10 +406,12 @@ class VLLMEngine:
         if engine is not None:
             engine.engine_core.shutdown()
             self._engine = None
+        if getattr(self, "_lora_dir", None):
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     # ---------------------------------------------------------------- helpers
 
-    def _vllm_params(self, params: SamplingParams, seed: int, index: int):
+    def _vllm_params(self, params: SamplingParams, seed: int, index: int, max_tokens: int | None = None):
         from vllm import SamplingParams as VParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -345,7 +421,7 @@ class VLLMEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,  # 0 disables it in both
-            max_tokens=params.max_new_tokens,
+            max_tokens=params.max_new_tokens if max_tokens is None else max_tokens,
             seed=None if greedy else _mix_seed(seed, index),
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,

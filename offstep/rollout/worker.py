@@ -7,6 +7,7 @@ time), which is what orders generation and weight loads: a ``load_weights`` subm
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,8 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from offstep.batch import GenTiming, Sample, Span, collate
+from offstep.config.schema import LoRAConfig
 from offstep.models.forward import DTYPES, forward_response
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
+from offstep.models.lora import add_adapters
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.types import Completion, SamplingParams
@@ -60,6 +63,7 @@ class RolloutWorker:
         progress: ProgressClient | None = None,
         engine: str = "builtin",
         seed: int = 0,
+        lora: LoRAConfig | None = None,
     ):
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
@@ -69,13 +73,19 @@ class RolloutWorker:
             from offstep.rollout.vllm_engine import VLLMEngine
 
             self.engine = VLLMEngine(model_path, tok, eos, dtype=dtype, max_batch_size=max_batch_size,
-                                     num_threads=num_threads, seed=seed)
+                                     num_threads=num_threads, seed=seed, lora=lora)
         else:
             model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
+            if lora is not None:  # the actor's peft layout; every sync fills the adapters
+                model = add_adapters(model, lora)
             self.engine = TorchEngine(model, tok, eos, device=self.device, max_batch_size=max_batch_size)
+        self.lora = lora
         self.reward = reward
         self.ref = ref
-        if ref is not None:  # a frozen copy of the initial policy, for the KL term
+        self.ref_model = None
+        # The reference, for the KL term: with LoRA on the built-in engine, the engine's own model
+        # with its adapters off; otherwise a frozen copy of the initial policy.
+        if ref is not None and not (lora is not None and isinstance(self.engine, TorchEngine)):
             self.ref_model = load_causal_lm(model_path, dtype=DTYPES[ref.dtype]).to(self.device)
             self.ref_model.requires_grad_(False)
         self.pad_id = tok.pad_token_id
@@ -156,10 +166,11 @@ class RolloutWorker:
         """
         self.progress.start("ref")
         batch = collate(samples, self.pad_id).to(self.device)
-        parts = [
-            forward_response(self.ref_model, mb, self.ref.temperature, compute_dtype=self.ref.compute_dtype)[0]
-            for mb in batch.chunks(self.ref.micro_batch_size)
-        ]
+        with (contextlib.nullcontext(self.ref_model) if self.ref_model is not None else self.engine.adapters_disabled()) as model:
+            parts = [
+                forward_response(model, mb, self.ref.temperature, compute_dtype=self.ref.compute_dtype)[0]
+                for mb in batch.chunks(self.ref.micro_batch_size)
+            ]
         ref = torch.cat(parts).cpu()
         for i, s in enumerate(samples):
             s.ref_logprobs = ref[i, : len(s.response_ids)].tolist()
@@ -167,23 +178,29 @@ class RolloutWorker:
     def load_weights(self, packed: dict, version: int) -> Span:
         t0 = time.time()
         self.progress.start("load_weights", version=version)
-        self.engine.load_weights(unpack_state_dict(packed), version)
+        self._apply(unpack_state_dict(packed), version)
         return Span(t0, time.time(), version)
+
+    def _apply(self, tensors: dict, version: int) -> None:
+        """A sync's tensors into the engine: the adapters (LoRA) or every weight."""
+        (self.engine.load_adapters if self.lora is not None else self.engine.load_weights)(tensors, version)
 
     # Collective path (pipeline.weight_sync=collective): rank i + 1 of the weight-sync group, made
     # once by offstep.sync.collective.connect. The built-in engine receives into its parameters in
     # place; vLLM into buffers, then through its own loader (as load_weights).
     def weight_sync_manifest(self) -> list[TensorSpec]:
+        if self.lora is not None:  # the adapters only, into buffers of their own (they are small)
+            return self.engine.adapter_manifest()
         if isinstance(self.engine, TorchEngine):
             return manifest(self.engine.model)
         return self.engine.weight_manifest()
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list,
                          bucket_bytes: int, timeout_s: float) -> None:
-        if isinstance(self.engine, TorchEngine):
+        if isinstance(self.engine, TorchEngine) and self.lora is None:
             self._weight_receiver = WeightReceiver(self.engine.model, self.device)
         else:
-            self._weight_receiver = WeightReceiver(None, self.device, self.engine.weight_manifest())
+            self._weight_receiver = WeightReceiver(None, self.device, self.weight_sync_manifest())
         self._weight_receiver.connect(host, port, rank, world_size, backend, specs, bucket_bytes, timeout_s)
 
     def receive_weights(self, version: int) -> Span:
@@ -196,7 +213,7 @@ class RolloutWorker:
         self.progress.start("load_weights", version=version)
         t0 = receiver.receive(version)
         if receiver.model is None:
-            self.engine.load_weights(receiver.tensors(), version)
+            self._apply(receiver.tensors(), version)
         else:
             self.engine.version = int(version)
             self.engine.reset_cache()

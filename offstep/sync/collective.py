@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -90,9 +90,11 @@ def element_size(dtype: str) -> int:
     return torch.empty((), dtype=_dtype(dtype)).element_size()
 
 
-def manifest(model: torch.nn.Module) -> list[TensorSpec]:
-    """The unique parameters of ``model`` (a tied weight once, under its first name), in order."""
-    return [TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()]
+def manifest(model: torch.nn.Module, only: Callable[[str], bool] | None = None) -> list[TensorSpec]:
+    """The unique parameters of ``model`` (a tied weight once, under its first name), in order;
+    ``only``: those whose name it accepts (a LoRA model's adapters)."""
+    return [TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
+            if only is None or only(n)]
 
 
 def plan(specs: list[TensorSpec], bucket_bytes: int) -> tuple[dict[str, Slot], dict[str, int], list[Bucket]]:
@@ -263,11 +265,13 @@ class WeightSender:
             _wait(works, self.device)
 
 
-def full_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, full tensor)`` per unique parameter; FSDP2 shards are all-gathered, so every rank
-    of the actor's group must iterate (in the same order). On a one-rank mesh the local shard is
-    the full tensor: no gather, no copy."""
+def full_parameters(model: torch.nn.Module, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, full tensor)`` per unique parameter (``only``: those whose name it accepts); FSDP2
+    shards are all-gathered, so every rank of the actor's group must iterate (in the same order).
+    On a one-rank mesh the local shard is the full tensor: no gather, no copy."""
     for name, p in model.named_parameters():
+        if only is not None and not only(name):
+            continue
         if isinstance(p, DTensor):
             p = p.to_local() if p.device_mesh.size() == 1 else p.full_tensor()
         yield name, p.detach()

@@ -31,6 +31,7 @@ from offstep.batch import TrainBatch
 from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.forward import DTYPES, forward_response
 from offstep.models.loading import load_causal_lm
+from offstep.models.lora import add_adapters, is_adapter_name
 from offstep.sync.collective import WeightSender, full_parameters, manifest
 from offstep.sync.weights import pack_state_dict
 from offstep.telemetry.progress import ProgressClient, mini_batch_count
@@ -57,6 +58,12 @@ class ActorWorker(RoleWorker):
         self.cfg, self.algo, self.temperature = actor, algo, temperature
         self.compute_dtype = compute_dtype
         model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
+        # LoRA: the base frozen, adapters trained; the reference is this model with them off.
+        self.lora = actor.lora.rank > 0
+        if self.lora:
+            model = add_adapters(model, actor.lora)
+        # What a weight sync carries: every parameter, or the adapters only.
+        self._synced = is_adapter_name if self.lora else None
         model.train()
         self.model = shard_model(model, self.mesh)
         self.opt, self.sched = make_optimizer(self.model.parameters(), actor.optim)
@@ -71,6 +78,15 @@ class ActorWorker(RoleWorker):
         return self._logprobs(
             self.model, batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype, self.cfg.micro_token_budget
         )
+
+    @timed
+    def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """The reference policy's log-probs with LoRA: this model with its adapters switched off
+        (the base weights, which never train), so no reference model is loaded."""
+        with self.model.disable_adapter():
+            return self._logprobs(
+                self.model, batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype, self.cfg.micro_token_budget
+            )
 
     def _correction(self, mb: TrainBatch, logp: torch.Tensor):
         """The old log-probs of the ratio, the per-token weights on the policy loss (or None), and
@@ -208,8 +224,12 @@ class ActorWorker(RoleWorker):
         return all_mean(metrics, self.device)
 
     def export_weights(self) -> list:
-        """Full weights, put once into Ray's object store by rank 0: ``[ref]`` (or ``[]``)."""
-        sd = self.full_state_dict(self.model)
+        """Full weights (with LoRA: the adapters only), put once into Ray's object store by rank
+        0: ``[ref]`` (or ``[]``)."""
+        if self.lora:  # every rank gathers the adapters' shards; the frozen base never travels
+            sd = {name: t.cpu() for name, t in full_parameters(self.model, self._synced)}
+        else:
+            sd = self.full_state_dict(self.model)
         if self.rank != 0:
             return []
         return [ray.put(pack_state_dict(sd))]
@@ -224,13 +244,13 @@ class ActorWorker(RoleWorker):
 
     def join_weight_sync(self, world_size: int, backend: str, specs: list, bucket_bytes: int, max_in_flight: int) -> None:
         """Rank 0: join the group (blocks until every rollout worker has joined)."""
-        self._weight_sender.connect(world_size, backend, specs, bucket_bytes, manifest(self.model), max_in_flight)
+        self._weight_sender.connect(world_size, backend, specs, bucket_bytes, manifest(self.model, self._synced), max_in_flight)
 
     def send_weights(self, version: int) -> None:
         """Every rank gathers the full parameters (FSDP2); rank 0 broadcasts them to the rollout workers."""
         sender = getattr(self, "_weight_sender", None)
         if sender is None:
-            for _ in full_parameters(self.model):
+            for _ in full_parameters(self.model, self._synced):
                 pass
         else:
-            sender.send(full_parameters(self.model), version)
+            sender.send(full_parameters(self.model, self._synced), version)

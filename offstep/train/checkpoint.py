@@ -37,11 +37,14 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from offstep.errors import OffstepError
 
 RANK_FORMAT = 1
+# A checkpoint holds what trains: the frozen base weights of a LoRA model are the base model's,
+# which the run's config names, and are not written (a full model has no frozen parameters).
+_TRAINED = StateDictOptions(ignore_frozen_params=True)
 
 
 class CheckpointError(OffstepError, ValueError):
@@ -191,7 +194,9 @@ def save_role(path: str | Path, rank: int, model, opt=None, sched=None, extra: d
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(model, opt) if opt is not None else (get_state_dict(model, [])[0], None)
+        model_sd, optim_sd = get_state_dict(model, opt, options=_TRAINED) if opt is not None else (
+            get_state_dict(model, [], options=_TRAINED)[0], None)
+        model_sd = _trained_only(model, model_sd)
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         dcp.save(state, checkpoint_id=str(path))  # fsyncs its files (FileSystemWriter(sync_files=True))
         local = {"format": RANK_FORMAT, "rng": rng_state(), "sched": sched.state_dict() if sched is not None else None,
@@ -201,35 +206,46 @@ def save_role(path: str | Path, rank: int, model, opt=None, sched=None, extra: d
         raise write_failed(path, e) from None
 
 
+def _trained_only(model, model_sd: dict) -> dict:
+    """Drop what DCP's ``ignore_frozen_params`` keeps of a partly frozen model: a tied weight's
+    second name (``lm_head.weight`` tied to the frozen embeddings) is no parameter of its own, so
+    torch does not see it as frozen."""
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    if len(trained) == sum(1 for _ in model.parameters()):
+        return model_sd  # nothing frozen: every entry (tied names included) as before
+    return {k: v for k, v in model_sd.items() if k in trained}
+
+
 def load_role(path: str | Path, rank: int, model, opt=None, sched=None) -> dict:
     """Restore what ``save_role`` wrote into an identically built (and sharded) role; returns
     the ``extra`` dict."""
     path = Path(path)
     local = read_rank_file(path / f"rank{rank}.json")
     if opt is not None:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        state = {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_state_dict(model, opt, options=_TRAINED)
+        state = {"model": _trained_only(model, model_sd), "optim": optim_sd}
     else:
-        state = {"model": get_state_dict(model, [])[0]}
+        state = {"model": _trained_only(model, get_state_dict(model, [], options=_TRAINED)[0])}
     _dcp_load(state, path)
     if opt is not None:
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_TRAINED)
     else:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_TRAINED)
     set_rng_state(local["rng"])
     if sched is not None and local["sched"] is not None:
         sched.load_state_dict(local["sched"])
     return local["extra"]
 
 
-def load_model_weights(path: str | Path, model: torch.nn.Module) -> None:
+def load_model_weights(path: str | Path, model: torch.nn.Module, names=None) -> None:
     """Load only the model weights of a role checkpoint into a plain (unsharded) model, without a
-    process group: DCP reads the shards of every rank and reassembles full tensors."""
-    state = {"model": model.state_dict()}
+    process group: DCP reads the shards of every rank and reassembles full tensors. ``names``:
+    only these tensors (a LoRA checkpoint's adapters; the rest of ``model`` is the base's)."""
+    state = {"model": {n: t for n, t in model.state_dict().items() if names is None or n in names}}
     with warnings.catch_warnings():  # "no process group: assuming a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
         _dcp_load(state, Path(path), no_dist=True)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(state["model"], strict=names is None)
 
 
 def _dcp_load(state: dict, path: Path, **kw) -> None:

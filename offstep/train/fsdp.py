@@ -18,20 +18,24 @@ from offstep.batch import Span, TrainBatch, micro_batches, scatter_rows
 from offstep.config.schema import OptimConfig
 from offstep.errors import OffstepError
 from offstep.models.forward import forward_response
+from offstep.models.lora import base_of
 from offstep.train.distributed import GroupSpec, all_max, all_sum, setup
 
 
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
-    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head)."""
-    for layer in model.model.layers:
+    """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head). A peft model is
+    sharded the same way (its decoder layers hold the frozen base weights and the adapters side by
+    side; FSDP2 shards each parameter on its own, so frozen and trainable ones share a unit)."""
+    for layer in base_of(model).model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
 
 def make_optimizer(params, cfg: OptimConfig):
+    """AdamW over the parameters that train (all of them, or a LoRA model's adapters)."""
     opt = torch.optim.AdamW(
-        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        [p for p in params if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
     )
     warmup = max(0, cfg.warmup_steps)
     # Linear warm-up over the first `warmup` optimizer steps, then constant.
@@ -131,10 +135,15 @@ class RoleWorker:
     ) -> torch.Tensor:
         """Log-probs of the whole batch, gathered from every rank (rank 0 returns them)."""
         local = self._local(batch)
-        parts = [
-            (idx, forward_response(model, mb, temperature, compute_dtype=compute_dtype)[0])
-            for idx, mb in self._micro_batches(local, micro, token_budget)
-        ]
+        was_training = model.training
+        model.eval()  # no dropout (e.g. LoRA's) in a log-prob pass: the policy itself, not a sample of it
+        try:
+            parts = [
+                (idx, forward_response(model, mb, temperature, compute_dtype=compute_dtype)[0])
+                for idx, mb in self._micro_batches(local, micro, token_budget)
+            ]
+        finally:
+            model.train(was_training)
         return self._gather(scatter_rows(parts, len(local), local.response_mask.shape[1]))
 
     def _denominator(self, mb: TrainBatch, loss_agg_mode: str) -> float:
