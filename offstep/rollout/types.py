@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,73 @@ class Completion:
     finish_reason: str
     text: str = ""
     extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One sequence for an engine to continue, as an engine's ``serve`` takes them from a feed:
+    ``prompt_ids`` are all its tokens so far (a prompt; in an agent loop the prompt and the turns
+    before, token for token), to be continued by at most ``max_new_tokens`` tokens.
+
+    ``index`` names the request in ``on_finish(index, completion)``. ``stream`` picks the random
+    stream its tokens are sampled with (``offstep.rollout.sampling``): a sample's index in plain
+    generation, so a sample's first turn draws exactly what it draws in ``generate``. Requests of
+    one ``group`` taken together have the same ``prompt_ids`` (the samples of one prompt) and are
+    prefilled once; ``group`` is the completion's ``prompt_index``.
+    """
+
+    index: int
+    prompt_ids: list[int]
+    stream: int
+    max_new_tokens: int
+    group: int
+
+
+class TurnFeed(Protocol):
+    """Requests that arrive while an engine generates (``serve``). ``prompts`` are the first
+    requests' prompts: no request is longer than the longest of them plus the call's
+    ``max_new_tokens`` (its prompt and new tokens together), and a prefix all of them share is
+    shared by every request."""
+
+    prompts: list[list[int]]
+
+    def take(self, limit: int, block: bool) -> list[TurnRequest] | None:
+        """Up to ``limit`` requests to start now; ``block``: wait until there is at least one.
+        ``None``: no request will come any more."""
+        ...
+
+
+class PromptFeed:
+    """The feed of plain generation: ``n`` samples of each prompt, prompt-major, all at once."""
+
+    def __init__(self, prompts: list[list[int]], n: int, max_new_tokens: int):
+        self.prompts, self.n, self.max_new_tokens = prompts, n, max_new_tokens
+        self.next, self.total = 0, len(prompts) * n
+
+    def take(self, limit: int, block: bool) -> list[TurnRequest] | None:
+        if self.next >= self.total:
+            return None
+        out = []
+        while self.next < self.total and len(out) < limit:
+            i = self.next
+            out.append(TurnRequest(i, self.prompts[i // self.n], i, self.max_new_tokens, i // self.n))
+            self.next += 1
+        return out
+
+
+def serve_prompts(serve, prompts: list[list[int]], params: SamplingParams, seed: int, on_finish=None) -> list[Completion]:
+    """Plain generation through an engine's ``serve``: ``params.n`` completions per prompt,
+    prompt-major, ``on_finish(completion)`` called as each finishes."""
+    results: list[Completion | None] = [None] * (len(prompts) * params.n)
+
+    def store(index: int, c: Completion) -> None:
+        results[index] = c
+        if on_finish is not None:
+            on_finish(c)
+
+    if results:
+        serve(PromptFeed(prompts, params.n, params.max_new_tokens), params, seed, store)
+    return results  # type: ignore[return-value]
 
 
 def check_request(prompts: list[list[int]], params: SamplingParams, vocab_size: int) -> None:
