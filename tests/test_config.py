@@ -246,3 +246,23 @@ def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
         monkeypatch.setattr(v, "vllm_build", lambda: "gpu")
         with pytest.raises(ConfigError, match="a GPU build .* but rollout.gpus_per_replica=0; set it to 1"):
             validate(load_config(["preset=tiny", "rollout.engine=vllm"]), cpu_count=2, gpu_count=0)
+
+
+def test_compute_dtype_auto_follows_the_cpu(tmp_path, monkeypatch):
+    """``model.compute_dtype=auto`` (the default preset): bf16 autocast only where bf16 is native."""
+    import offstep.config.loader as loader
+
+    amx = tmp_path / "amx"
+    amx.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n")
+    avx512bf16 = tmp_path / "bf16"
+    avx512bf16.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16\n")
+    avx2 = tmp_path / "avx2"
+    avx2.write_text("flags\t\t: fpu sse avx2 fma\n")
+    assert loader.cpu_has_native_bf16(str(amx)) and loader.cpu_has_native_bf16(str(avx512bf16))
+    assert not loader.cpu_has_native_bf16(str(avx2)) and not loader.cpu_has_native_bf16(str(tmp_path / "none"))
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda native=native: native)
+        assert load_config([]).model.compute_dtype == want  # the default preset asks for auto
+        assert load_config(["model.compute_dtype=float32"]).model.compute_dtype == "float32"
+    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    assert load_config(["resources.gpus_per_trainer_worker=1"]).model.compute_dtype == "bfloat16"

@@ -19,7 +19,7 @@ class ModelConfig:
     dtype: str = "float32"
     """parameters and optimizer state of the trainer roles (the "master" weights): float32 | bfloat16"""
     compute_dtype: str = "float32"
-    """the trainer's forward/backward autocast dtype, weights staying in dtype (bfloat16 about halves the time on CPUs with AVX-512 BF16 and on GPUs): float32 | bfloat16"""
+    """the trainer's forward/backward autocast dtype, weights staying in dtype: float32 | bfloat16 | auto (bfloat16 on GPUs and on CPUs with native bf16 instructions, AVX-512 BF16 or AMX, where it about halves the time; float32 elsewhere: on an AVX2-only CPU bf16 autocast is about 15x slower)"""
 
 
 @dataclass
@@ -50,6 +50,37 @@ class DataConfig:
     """shuffle the training prompts every epoch"""
     val_max_samples: int = 0
     """validation prompts at most (0: the whole validation set)"""
+
+
+@dataclass
+class AgentConfig:
+    """Multi-turn rollouts with tools (``offstep/rollout/agent_loop.py``) for rows whose
+    ``agent_name`` is ``tool_agent``: generate, run the tool calls found, append the tool turn,
+    generate again, within rollout.max_new_tokens response tokens (model and tool tokens together);
+    tool tokens are masked out of the loss."""
+
+    default_agent: str = "single_turn_agent"
+    """the loop of rows without an agent_name column (verl's): single_turn_agent | tool_agent"""
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    """the tools: function names in tools_path, or built-in tools (calculator)"""
+    tools_path: Optional[str] = None
+    """a Python file defining the tool functions (sync or async; schema from the docstring, or fn.schema); null: built-in tools only"""
+    format: str = "tag"
+    """how the model calls a tool: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, Qwen2.5's templates) | tag (<calculator>47*86</calculator>, for templates without tool support)"""
+    max_turns: int = 4
+    """model turns per sample at most (verl: max_assistant_turns); the last turn's calls are not run"""
+    max_calls_per_turn: int = 1
+    """tool calls run per turn at most (verl: max_parallel_calls); they run concurrently"""
+    tool_timeout_s: float = 10.0
+    """a tool call running longer answers with an error text (counted in agent/tool_errors)"""
+    tool_role: str = "tool"
+    """the chat role of a tool's answer: tool | user (for templates that know no tool role)"""
+    max_tool_response_chars: int = 500
+    """a tool's answer is cut to this many characters"""
+    tool_threads: int = 4
+    """threads per rollout worker for sync tools"""
+    ordered: bool = True
+    """admit each tool turn's continuation at the engine's next step, waiting for its tool if needed: reproducible runs and exact resume, but a slow tool pauses every sample; false: continuations join as their tools finish (a slow tool holds back only its own sample; sampling then depends on timing at float rounding level)"""
 
 
 @dataclass
@@ -86,6 +117,8 @@ class RolloutConfig:
     """a generation not finished after this many seconds (a hung worker), or whose worker died, is generated again on a fresh worker"""
     max_restarts: int = 3
     """rollout workers replaced at most per run (see timeout_s); then the run stops"""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """multi-turn rollouts with tools, for rows with agent_name=tool_agent"""
 
 
 @dataclass
@@ -333,7 +366,7 @@ class TrainerConfig:
 @dataclass
 class Config:
     preset: str = "default"
-    """the preset of offstep/config/preset/: default | tiny"""
+    """the preset of offstep/config/preset/: default | tiny | calculator (SmolLM2 learning to call a calculator tool)"""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the policy model"""
     data: DataConfig = field(default_factory=DataConfig)
