@@ -138,7 +138,6 @@ NOTED = [
 REFUSED = [
     ("actor_rollout_ref.actor.strategy=megatron", "FSDP2"),
     ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "FSDP2"),
-    ("actor_rollout_ref.model.lora_rank=32", "LoRA"),
     ("reward_model.enable=True", "rule functions"),
     ("actor_rollout_ref.rollout.multi_turn.enable=True", "single-turn"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "sequence parallelism"),
@@ -174,9 +173,17 @@ def test_refused_keys_name_the_key_and_what_offstep_does(override, why):
 
 def test_default_valued_refused_keys_are_accepted():
     # a refused key set to the value that changes nothing (verl's default) is accepted with a note
-    cfg, notes = load(["preset=tiny", "actor_rollout_ref.model.lora_rank=0", "reward_model.enable=False",
-                       "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"])
-    assert sum("other values are refused" in n for n in notes) == 3
+    cfg, notes = load(["preset=tiny", "reward_model.enable=False", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1"])
+    assert sum("other values are refused" in n for n in notes) == 2
+
+
+def test_verl_lora_keys_are_translated():
+    cfg, _ = load(["preset=tiny", "actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=16",
+                   "actor_rollout_ref.model.target_modules=all-linear"])
+    assert (cfg.actor.lora.rank, cfg.actor.lora.alpha) == (32, 16)
+    assert cfg.actor.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    cfg, _ = load(["preset=tiny", "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"])
+    assert cfg.actor.lora.target_modules == ["q_proj", "v_proj"]
 
 
 def test_values_with_verl_conventions():

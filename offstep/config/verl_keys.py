@@ -93,6 +93,18 @@ def _int(key: str, v: Any) -> int:
     return int(v)
 
 
+def _target_modules(key: str, v: Any) -> list:
+    """verl's default "all-linear" (peft's: every linear layer but the LM head) is, on Llama/Qwen
+    models, the seven projections of offstep's default; a list is kept as it is."""
+    if v == "all-linear":
+        from offstep.config.schema import LoRAConfig
+
+        return list(LoRAConfig().target_modules)
+    if isinstance(v, str):
+        return [m.strip() for m in v.split(",") if m.strip()]
+    return list(v)
+
+
 def _top_k(key: str, v: Any) -> int:
     return max(0, _int(key, v))  # verl -1 (and 0) = off; offstep 0 = off
 
@@ -172,9 +184,10 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.model.use_liger": Note("kernel choice; offstep uses PyTorch's"),
     "actor_rollout_ref.model.use_shm": Note("loading tuning"),
     "actor_rollout_ref.model.trust_remote_code": Note("offstep loads models that transformers knows without remote code"),
-    "actor_rollout_ref.model.lora_rank": Refuse("offstep trains all weights (no LoRA)", allow=(0,)),
-    "actor_rollout_ref.model.lora_alpha": Note("used only with lora_rank > 0"),
-    "actor_rollout_ref.model.target_modules": Note("used only with lora_rank > 0"),
+    "actor_rollout_ref.model.lora_rank": To("actor.lora.rank", _int),
+    "actor_rollout_ref.model.lora_alpha": To("actor.lora.alpha"),
+    "actor_rollout_ref.model.target_modules": To("actor.lora.target_modules", _target_modules,
+                                                 "all-linear: the 7 attention and MLP projections"),
     "actor_rollout_ref.model.override_config": Refuse("offstep loads the model's config as it is", allow=({}, None)),
     "actor_rollout_ref.model.external_lib": Refuse("offstep imports no model libraries", allow=(None,)),
     "actor_rollout_ref.model.custom_chat_template": Refuse("offstep uses the tokenizer's chat template", allow=(None,)),
@@ -431,7 +444,7 @@ PREFIXES: list[tuple[str, To | Note | Refuse]] = [
     ("actor_rollout_ref.rollout.prometheus.", Note(_PROFILE)),
     ("actor_rollout_ref.rollout.agent.", Note("offstep's rollout workers run their samples themselves")),
     ("actor_rollout_ref.rollout.multi_turn.", Note("used only with multi_turn.enable=true")),
-    ("actor_rollout_ref.model.lora.", Note("used only with LoRA, which offstep refuses")),
+    ("actor_rollout_ref.model.lora.", Note("verl's LoRA internals (adapter path, merge mode); offstep's LoRA is actor.lora")),
     ("reward_model.", Note("used only with reward_model.enable=true, which offstep refuses")),
     ("reward_manager.", Note("offstep scores one response per call")),
     ("ray_kwargs.", Note("offstep starts Ray itself; resources.ray_address joins an existing cluster")),

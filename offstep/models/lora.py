@@ -94,7 +94,7 @@ def target_problems(model: torch.nn.Module, cfg: LoRAConfig) -> list[str]:
     return problems
 
 
-def _meta_model(folder: str, cfg: LoRAConfig | None = None) -> torch.nn.Module:
+def meta_model(folder: str, cfg: LoRAConfig | None = None) -> torch.nn.Module:
     """The model of ``folder`` on the meta device (no weights read), with adapters for ``cfg``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -108,13 +108,13 @@ def _meta_model(folder: str, cfg: LoRAConfig | None = None) -> torch.nn.Module:
 
 def check_for_model(folder: str, cfg: LoRAConfig) -> list[str]:
     """:func:`target_problems` for the model folder ``folder``."""
-    return target_problems(_meta_model(folder), cfg)
+    return target_problems(meta_model(folder), cfg)
 
 
 def adapter_shapes(folder: str, cfg: LoRAConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every adapter tensor the trainer's peft model of ``folder`` has (built on
     the meta device): what an engine that does not hold a peft model (vLLM) expects at a sync."""
-    return {n: tuple(p.shape) for n, p in adapter_parameters(_meta_model(folder, cfg))}
+    return {n: tuple(p.shape) for n, p in adapter_parameters(meta_model(folder, cfg))}
 
 
 def write_adapter_folder(out: str | Path, adapters: Mapping[str, torch.Tensor], cfg: LoRAConfig, base_path: str) -> None:
