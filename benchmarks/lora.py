@@ -89,7 +89,7 @@ from offstep.config.schema import ActorConfig, AlgorithmConfig, LoRAConfig, Opti
 from offstep.models.loading import resolve_model
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
-rank, model = int(sys.argv[1]), sys.argv[2]
+rank, model, compute = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 path = resolve_model(model)
 g = torch.Generator().manual_seed(0)
 vocab = json.load(open(f"{path}/config.json"))["vocab_size"]
@@ -99,7 +99,7 @@ samples = [Sample(uid=i // 4, prompt_ids=torch.randint(50, vocab, (40,), generat
 batch = collate(samples, 0)
 batch.advantages = torch.randn(len(batch), 1, generator=g) * batch.response_mask
 cfg = ActorConfig(micro_batch_size=8, optim=OptimConfig(lr=1e-5), lora=LoRAConfig(rank=rank))
-actor = ActorWorker(GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1), 0, path, "float32", "bfloat16", cfg, AlgorithmConfig(use_kl_loss=False), 1.0)
+actor = ActorWorker(GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1), 0, path, "float32", compute, cfg, AlgorithmConfig(use_kl_loss=False), 1.0)
 times = []
 for _ in range(3):
     t0 = time.perf_counter(); actor.update(batch); times.append(time.perf_counter() - t0)
@@ -109,16 +109,16 @@ print(json.dumps({"rank": rank, "rss_gb": resource.getrusage(resource.RUSAGE_SEL
 '''
 
 
-def part_memory(model: str) -> list[str]:
+def part_memory(model: str, compute: str) -> list[str]:
     rows = []
     for rank in (0, *RANKS):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        out = subprocess.run([sys.executable, "-c", _MEMORY, str(rank), model], capture_output=True, text=True, env=env,
+        out = subprocess.run([sys.executable, "-c", _MEMORY, str(rank), model, compute], capture_output=True, text=True, env=env,
                              check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     lines = ["## One actor: resident memory and update time", "",
-             f"`{model}`, float32 master weights, bfloat16 compute, one rank (1 thread), a fresh process each; "
+             f"`{model}`, float32 master weights, {compute} compute (the preset's), one rank (1 thread), a fresh process each; "
              "peak resident set after 3 updates of one batch (32 samples, 40 prompt + 32 response tokens, micro-batches "
              "of 8); update s: median of the 3.", "",
              "| actor | trainable parameters | peak RSS GB | update s/step |", "| --- | --- | --- | --- |"]
@@ -206,7 +206,7 @@ def main() -> None:
 
     sections = []
     for part in args.parts.split(","):
-        sections += [""] + (part_engine(model) if part == "engine" else part_memory(model) if part == "memory"
+        sections += [""] + (part_engine(model) if part == "engine" else part_memory(model, preset_cfg.model.compute_dtype) if part == "memory"
                             else part_runs(args.preset, steps))
     lines = ["# Full fine-tuning vs LoRA", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, peft {peft.__version__}, "

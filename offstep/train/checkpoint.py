@@ -216,6 +216,14 @@ def _trained_only(model, model_sd: dict) -> dict:
     return {k: v for k, v in model_sd.items() if k in trained}
 
 
+def _loading(model) -> StateDictOptions:
+    """How a role's state goes back in: strictly (every key) for a model that trains all of its
+    weights; for a partly frozen one (LoRA), what trains, the frozen base staying as loaded. A key
+    the checkpoint lacks fails in DCP's load before this either way."""
+    frozen = any(not p.requires_grad for p in model.parameters())
+    return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
+
 def load_role(path: str | Path, rank: int, model, opt=None, sched=None) -> dict:
     """Restore what ``save_role`` wrote into an identically built (and sharded) role; returns
     the ``extra`` dict."""
@@ -228,9 +236,9 @@ def load_role(path: str | Path, rank: int, model, opt=None, sched=None) -> dict:
         state = {"model": _trained_only(model, get_state_dict(model, [], options=_TRAINED)[0])}
     _dcp_load(state, path)
     if opt is not None:
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_TRAINED)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_loading(model))
     else:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_TRAINED)
+        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_loading(model))
     set_rng_state(local["rng"])
     if sched is not None and local["sched"] is not None:
         sched.load_state_dict(local["sched"])
