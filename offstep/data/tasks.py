@@ -13,6 +13,14 @@ Tasks
     ``digits`` (max digits per operand, default 2), ``min_value`` (smallest operand, default 0),
     ``ops`` (operators from ``"+-*"``, default ``"+-"``), ``num_operands`` (default 2),
     ``allow_negative`` (default False: results are never negative).
+``calculator``
+    Multiplications of multi-digit numbers ("What is 47 * 86?") that a small model cannot do in
+    its head, with a calculator tool described in the system prompt (``<calculator>47 * 86
+    </calculator>``, ``rollout.agent.format=tag``) and ``agent_name=tool_agent``; scored by the last
+    number of the model's final turn (data_source ``"calculator"``). Keyword arguments: ``digits``
+    (default 2), ``min_value`` (default 10), ``ops`` (default ``"*"``), ``num_operands`` (default 2),
+    ``example`` (default True: one worked call as a demonstration turn before the question),
+    ``tools`` (default True; False: the same problems as plain single-turn rows, the baseline).
 ``gsm8k_synthetic``
     Templated one- and two-step word problems (apples, coins, pages, ...) that ask for the final
     answer after ``"####"``; data_source ``"openai/gsm8k"`` so the GSM8K scorer applies. Keyword
@@ -125,6 +133,49 @@ def arithmetic(
 
 
 # --------------------------------------------------------------------------------------------------
+# calculator
+
+CALCULATOR_SYSTEM = (
+    "You have a calculator. To use it, write <calculator>expression</calculator>, for example "
+    "<calculator>12 * 34</calculator>, and stop: its result comes back to you. Then give the final answer "
+    "as a single number at the end of your reply."
+)
+# One worked call, as turns before the question (the smallest change that made SmolLM2-135M call
+# the tool: see the README's calculator section).
+CALCULATOR_EXAMPLE = [
+    {"role": "user", "content": "What is 23 * 19?"},
+    {"role": "assistant", "content": "<calculator>23 * 19</calculator>"},
+    {"role": "tool", "content": "437"},
+    {"role": "assistant", "content": "23 * 19 = 437. The answer is 437."},
+]
+
+
+def calculator(
+    n: int,
+    seed: int,
+    digits: int = 2,
+    min_value: int = 10,
+    ops: str | list[str] = "*",
+    num_operands: int = 2,
+    example: bool = True,
+    tools: bool = True,
+) -> list[dict]:
+    """``n`` distinct problems for the calculator tool (see the module docstring)."""
+    rows = arithmetic(n, seed, digits=digits, min_value=min_value, ops=ops, num_operands=num_operands)
+    out = []
+    for row in rows:
+        question = row["extra_info"]["question"]
+        if tools:
+            messages = [{"role": "system", "content": CALCULATOR_SYSTEM}, *(CALCULATOR_EXAMPLE if example else []),
+                        {"role": "user", "content": question}]
+        else:
+            messages = [{"role": "user", "content": f"{question} {ARITHMETIC_INSTRUCTION}"}]
+        out.append({**row, "data_source": "calculator", "prompt": messages,
+                    "agent_name": "tool_agent" if tools else "single_turn_agent"})
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
 # gsm8k_synthetic
 
 _NAMES = [
@@ -227,6 +278,7 @@ def gsm8k_synthetic(n: int, seed: int, max_value: int = 20, two_step: float = 0.
 
 TASKS: dict[str, Callable[..., list[dict]]] = {
     "arithmetic": arithmetic,
+    "calculator": calculator,
     "gsm8k_synthetic": gsm8k_synthetic,
 }
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from offstep.batch import Sample
+from offstep.pipeline.step_metrics import agent_metrics
 
 
 def is_correct(s: Sample) -> float:
@@ -26,6 +27,7 @@ def summarise(samples: list[Sample], prefix: str = "val/") -> dict[str, float]:
     m = {
         f"{prefix}acc": sum(map(is_correct, samples)) / len(samples),
         f"{prefix}reward/mean": sum(s.score for s in samples) / len(samples),
+        **agent_metrics(samples, f"{prefix}agent/"),
     }
     by_source: dict[str, list[Sample]] = defaultdict(list)
     for s in samples:

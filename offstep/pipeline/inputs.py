@@ -10,11 +10,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from offstep.config.schema import Config
-from offstep.data.dataset import EncodedPrompt, check_rule_ground_truths, encode_prompts, load_records
+from offstep.config.schema import AgentConfig, Config
+from offstep.data.dataset import TOOL_AGENT, EncodedPrompt, PromptRecord, check_rule_ground_truths, encode_prompts, load_records
 from offstep.data.tasks import write_task
 from offstep.models.loading import ModelError, load_tokenizer, resolve_model
 from offstep.rewards.registry import RewardFunction
+from offstep.rollout.tools import load_tools
 from offstep.rollout.worker import Request
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ class Inputs:
     train: list[EncodedPrompt]
     val: list[EncodedPrompt]
     reward: RewardFunction
+    agent: AgentConfig | None = None  # rollout.agent, set when some row is answered by a tool loop
 
 
 def _files(cfg: Config, out_dir: Path) -> tuple[list[str], list[str]]:
@@ -39,16 +41,29 @@ def _files(cfg: Config, out_dir: Path) -> tuple[list[str], list[str]]:
     return [train], [val]
 
 
-def _encode(files: list[str], cfg: Config, tok) -> list[EncodedPrompt]:
+def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
     records = []
     for f in files:
-        loaded = load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key)
+        loaded = load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
+                              default_agent=cfg.rollout.agent.default_agent)
         if not cfg.reward.custom_path:  # the built-in scorers compare with one string or number
             check_rule_ground_truths(loaded, f)
         records.extend(loaded)
     for i, r in enumerate(records):  # indices unique across files
         r.index = i
-    return encode_prompts(records, tok, cfg.data.max_prompt_length, overlong=cfg.data.overlong_prompts)
+    return records
+
+
+def _tools_for(records: list[PromptRecord], cfg: Config) -> tuple[AgentConfig | None, list[dict] | None]:
+    """The agent config and the tools' schemas when some row is a tool row (the tool file is
+    imported here, so that a bad file or name fails before any worker starts)."""
+    if not any(r.agent_name == TOOL_AGENT for r in records):
+        return None, None
+    if cfg.algorithm.adv_estimator == "remax":
+        raise ValueError("algorithm.adv_estimator=remax with tool rows (agent_name=tool_agent): its greedy baseline "
+                         "is a single-turn response; use grpo, rloo or another estimator with tools")
+    tools = load_tools(cfg.rollout.agent.tools_path, list(cfg.rollout.agent.tools))
+    return cfg.rollout.agent, [t.schema for t in tools]
 
 
 def check_safetensors(model_path: str) -> None:
@@ -90,8 +105,12 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
             raise ModelError(f"rollout.engine=vllm cannot serve model.path={cfg.model.path}: {problem}")
     tok = load_tokenizer(model_path)
     train_files, val_files = _files(cfg, out_dir)
-    train = _encode(train_files, cfg, tok)
-    val = _encode(val_files, cfg, tok) if val_files else []
+    train_records = _records(train_files, cfg)
+    val_records = _records(val_files, cfg) if val_files else []
+    agent, schemas = _tools_for(train_records + val_records, cfg)
+    d = cfg.data
+    train = encode_prompts(train_records, tok, d.max_prompt_length, overlong=d.overlong_prompts, tools=schemas)
+    val = encode_prompts(val_records, tok, d.max_prompt_length, overlong=d.overlong_prompts, tools=schemas) if val_records else []
     if cfg.data.val_max_samples:
         val = val[: cfg.data.val_max_samples]
     if len(train) < cfg.data.train_batch_size:
@@ -103,9 +122,10 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
     reward.check_sources({p.record.data_source for p in train + val})
     first = train[0].record
     reward.check_call(first.data_source, first.ground_truth, first.extra_info or {})
-    return Inputs(model_path, tok.pad_token_id, train, val, reward)
+    return Inputs(model_path, tok.pad_token_id, train, val, reward, agent)
 
 
 def to_request(p: EncodedPrompt, uid: int) -> Request:
     r = p.record
-    return Request(uid=uid, prompt_ids=p.prompt_ids, data_source=r.data_source, ground_truth=r.ground_truth, extra_info=r.extra_info or {})
+    return Request(uid=uid, prompt_ids=p.prompt_ids, data_source=r.data_source, ground_truth=r.ground_truth,
+                   extra_info=r.extra_info or {}, agent_name=r.agent_name)

@@ -1,6 +1,6 @@
 """A step's record: the rollout metrics of its batch, the rollout side's stages on the timeline,
 and the sample log (``samples.jsonl``). Metric names are grouped: ``rollout/``, ``reward/``,
-``response_length/``, ``timing_s/``, ``perf/``."""
+``response_length/``, ``agent/`` (tool loops), ``timing_s/``, ``perf/``."""
 
 from __future__ import annotations
 
@@ -22,11 +22,39 @@ def record_generation(timeline: Timeline, results: list[tuple[list[Sample], GenT
         if t.ref is not None:
             timeline.add(f"rollout/{i}", "ref", step, t.ref.start, t.ref.end)
             ref_s = max(ref_s, t.ref.seconds)
+        for span in t.tools:  # tools running (some sample's), inside the generation
+            timeline.add(f"rollout/{i}", "tool", step, span.start, span.end)
     return samples, gen_s, ref_s
 
 
+def agent_metrics(samples: list[Sample], prefix: str = "agent/") -> dict:
+    """The tool loops' figures over the samples that ran one (none: no metrics). ``tool_errors``
+    and ``tool_time_s`` are totals over the batch; ``well_formed_calls/frac`` is over the call
+    attempts; ``masked_token_frac`` is the share of response tokens that are tool tokens."""
+    looped = [s for s in samples if s.agent is not None]
+    if not looped:
+        return {}
+    n = len(looped)
+    turns = [s.agent.turns for s in looped]
+    attempts = sum(s.agent.attempts for s in looped)
+    tokens = sum(len(s.response_ids) for s in looped)
+    masked = sum(len(s.loss_mask) - sum(s.loss_mask) for s in looped if s.loss_mask is not None)
+    return {
+        f"{prefix}turns/mean": sum(turns) / n,
+        f"{prefix}turns/max": max(turns),
+        f"{prefix}tool_calls/mean": sum(s.agent.tool_calls for s in looped) / n,
+        f"{prefix}tool_errors": sum(s.agent.tool_errors for s in looped),
+        f"{prefix}tool_time_s": sum(s.agent.tool_time_s for s in looped),
+        f"{prefix}tool_use_frac": sum(s.agent.well_formed > 0 for s in looped) / n,
+        f"{prefix}well_formed_calls/frac": sum(s.agent.well_formed for s in looped) / attempts if attempts else 0.0,
+        f"{prefix}budget_cut_frac": sum(s.finish_reason == "length" for s in looped) / n,
+        f"{prefix}max_turns_frac": sum(s.agent.max_turns_hit for s in looped) / n,
+        f"{prefix}masked_token_frac": masked / tokens if tokens else 0.0,
+    }
+
+
 def batch_metrics(step: int, epoch: int, samples: list[Sample], batch: TrainBatch, staleness: torch.Tensor) -> dict:
-    lengths = batch.response_mask.sum(-1)
+    lengths = batch.attention_mask[:, batch.prompt_len :].sum(-1).float()  # tool turns included
     return {
         "step": step,
         "epoch": epoch,
@@ -39,6 +67,7 @@ def batch_metrics(step: int, epoch: int, samples: list[Sample], batch: TrainBatc
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        **agent_metrics(samples),
     }
 
 
@@ -48,6 +77,7 @@ def sample_rows(step: int, samples: list[Sample], prompt_text: dict[int, str], c
     every = max(1, len(samples) // max(1, count))
     return [
         {"step": step, "version": s.version, "data_source": s.data_source, "prompt": prompt_text[s.uid],
-         "response": s.text, "reward": s.score, "finish_reason": s.finish_reason}
+         "response": s.text, "reward": s.score, "finish_reason": s.finish_reason,
+         **({"turns": s.agent.turns, "tool_calls": s.agent.tool_calls} if s.agent is not None else {})}
         for s in samples[::every][:count]
     ]

@@ -56,13 +56,21 @@ def _last_number(data_source, solution_str, ground_truth, extra_info=None, **kwa
     return last_number_score(solution_str, ground_truth)
 
 
+def _final_turn_number(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """The last number of the model's final turn (a tool's answer before it does not count)."""
+    final = (extra_info or {}).get("final_text", solution_str)
+    return last_number_score(final if isinstance(final, str) else solution_str, ground_truth)
+
+
 _gsm8k.__qualname__ = _gsm8k.__name__ = "gsm8k_strict"
 _last_number.__qualname__ = _last_number.__name__ = "last_number"
+_final_turn_number.__qualname__ = _final_turn_number.__name__ = "final_turn_number"
 
 BUILTIN_SCORERS: dict[str, Scorer] = {
     "openai/gsm8k": _gsm8k,
     "gsm8k": _gsm8k,
     "arithmetic": _last_number,
+    "calculator": _final_turn_number,
 }
 
 

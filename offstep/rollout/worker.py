@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from offstep.batch import GenTiming, Sample, Span, collate
-from offstep.config.schema import LoRAConfig
+from offstep.config.schema import AgentConfig, LoRAConfig
 from offstep.models.forward import DTYPES, forward_response
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.models.lora import add_adapters
+from offstep.data.dataset import SINGLE_TURN, TOOL_AGENT
 from offstep.rewards.registry import RewardFunction
+from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sync.collective import TensorSpec, WeightReceiver, manifest
@@ -37,6 +39,7 @@ class Request:
     data_source: str
     ground_truth: object
     extra_info: dict = field(default_factory=dict)
+    agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agent_loop)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,7 @@ class RolloutWorker:
         engine: str = "builtin",
         seed: int = 0,
         lora: LoRAConfig | None = None,
+        agent: AgentConfig | None = None,
     ):
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
@@ -91,12 +95,17 @@ class RolloutWorker:
         self.pad_id = tok.pad_token_id
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
         self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
+        self.agent = agent  # the tool loops of tool_agent rows, started at their first call
+        self._agent_runner: AgentRunner | None = None
+        self._tok, self._eos = tok, eos
 
     def generate(
         self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool = True
     ) -> tuple[list[Sample], GenTiming]:
         """Sample ``params.n`` responses per request, scoring each as soon as it finishes; with a
         reference model here (``pipeline.ref_on_rollout``), attach its log-probs too."""
+        if self.agent is not None and any(r.agent_name == TOOL_AGENT for r in requests):
+            return self._generate_with_tools(requests, params, seed, with_ref)
         t0 = time.time()
         version = self.engine.version
         futures: dict[int, Future] = {}
@@ -137,12 +146,30 @@ class RolloutWorker:
             )
         if params.greedy_baseline:
             self._attach_greedy_baseline(requests, samples, params, seed)
-        gen = Span(t0, time.time(), version)
+        return self._finish(samples, Span(t0, time.time(), version), with_ref)
+
+    def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = ()) -> tuple[list[Sample], GenTiming]:
         ref = None
         if self.ref is not None and with_ref:
             self._attach_ref_logprobs(samples)
             ref = Span(gen.end, time.time())
-        return samples, GenTiming(gen, ref)
+        return samples, GenTiming(gen, ref, tools)
+
+    def _generate_with_tools(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool):
+        """A call with tool rows: those through their agent loops (``offstep.rollout.agent_loop``),
+        the others of the call as plain generation before them."""
+        t0 = time.time()
+        version = self.engine.version
+        plain = [r for r in requests if r.agent_name != TOOL_AGENT]
+        samples = self.generate(plain, params, seed, with_ref=False)[0] if plain else []
+        if self._agent_runner is None:
+            self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
+        tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
+        looped, spans = run_tool_rows(self._agent_runner, self.engine, tool_rows, params, seed, self.reward, self.pool,
+                                      self.progress)
+        order = {r.uid: k for k, r in enumerate(requests)}
+        samples = sorted(samples + looped, key=lambda s: order[s.uid])  # stable: a request's samples keep their order
+        return self._finish(samples, Span(t0, time.time(), version), with_ref, spans)
 
     def _attach_greedy_baseline(self, requests: list[Request], samples: list[Sample], params: SamplingParams, seed: int) -> None:
         """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): one greedy response per request

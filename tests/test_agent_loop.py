@@ -1,0 +1,424 @@
+"""Multi-turn agent rollouts with tools (offstep.rollout.agent_loop, tools, tool_parsers): the
+calculator, the call formats, the tool turn's tokens as the chat template renders them, the loop's
+token-in/token-out bookkeeping and stop rules against a scripted engine, tool failures, and the
+real engine continuing from given token ids. No Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from offstep.config.schema import AgentConfig
+from offstep.rollout.agent_loop import AgentFeed, AgentRunner, ToolTurnRenderer, merge_spans, run_tool_rows
+from offstep.rollout.tool_parsers import make_parser
+from offstep.rollout.tools import CalcError, ToolConfigError, calculator, evaluate, load_tools, make_tool, run_tool
+from offstep.rollout.types import Completion, SamplingParams, TurnRequest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from offstep.models.loading import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("tiny"))  # SmolLM2's tokenizer and chat template
+
+
+@pytest.fixture(scope="module")
+def eos(tok):
+    return [tok.convert_tokens_to_ids("<|im_end|>")]
+
+
+# ------------------------------------------------------------------ the calculator
+
+
+@pytest.mark.parametrize("expr,want", [
+    ("47 * 86", "4042"), ("(12 + 3) * 47", "705"), ("2 + 3 * 4", "14"), ("2^10", "1024"), ("2 ** 3 ** 2", "512"),
+    ("7 / 2", "3.5"), ("-3 * -2", "6"), ("10 % 3", "1"), ("1,234 * 2", "2468"), ("45*67=", "3015"), ("1/3", "0.3333333333"),
+])
+def test_calculator_values(expr, want):
+    assert calculator(expr) == want
+
+
+@pytest.mark.parametrize("expr", ["", "abc", "3 +", "((1)", "1/0", "2^1000", "2 ^ 0.5", "__import__('os')", "9" * 300,
+                                  "-" * 100 + "1"])
+def test_calculator_refuses_what_it_cannot_compute(expr):
+    with pytest.raises(CalcError):
+        evaluate(expr)
+
+
+def test_calculator_schema_comes_from_its_docstring():
+    (tool,) = load_tools(None, ["calculator"])
+    fn = tool.schema["function"]
+    assert fn["name"] == "calculator" and fn["parameters"]["required"] == ["expression"]
+
+
+# ------------------------------------------------------------------ loading and running tools
+
+TOOL_FILE = '''
+import asyncio, time
+
+def lookup(key: str, table: dict = None) -> str:
+    """Look a key up.
+
+    Args:
+        key: what to look up
+        table: the row's table (from tools_kwargs)
+    """
+    return str((table or {}).get(key, "missing"))
+
+async def slow_async(x: str) -> str:
+    """Sleep.
+
+    Args:
+        x: anything
+    """
+    await asyncio.sleep(5)
+    return x
+
+def slow_sync(x: str) -> str:
+    """Sleep.
+
+    Args:
+        x: anything
+    """
+    time.sleep(1)
+    return x
+
+def boom(x: str) -> str:
+    """Raise.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError("kaput")
+
+def number(x: str) -> str:
+    """Return a number, not a string.
+
+    Args:
+        x: anything
+    """
+    return 42
+
+number.schema = {"type": "function", "function": {"name": "number", "description": "n",
+                 "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+'''
+
+
+@pytest.fixture(scope="module")
+def tool_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tools") / "my_tools.py"
+    path.write_text(TOOL_FILE)
+    return str(path)
+
+
+def test_load_tools_from_a_file_and_builtins(tool_file):
+    tools = load_tools(tool_file, ["lookup", "number", "calculator"])
+    assert [t.name for t in tools] == ["lookup", "number", "calculator"]
+    assert tools[1].schema["function"]["description"] == "n"  # fn.schema wins over the docstring
+    with pytest.raises(ToolConfigError, match="no tool function 'nope'"):
+        load_tools(tool_file, ["nope"])
+    with pytest.raises(ToolConfigError, match="not found"):
+        load_tools("/no/such/file.py", ["x"])
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_tool_failures_become_error_text(tool_file):
+    tools = {t.name: t for t in load_tools(tool_file, ["lookup", "slow_async", "slow_sync", "boom", "number"])}
+    ok = _run(run_tool(tools["lookup"], {"key": "a"}, {"table": {"a": "1"}}, 5.0))
+    assert (ok.text, ok.error) == ("1", False)
+    # The row's arguments win over the model's of the same name.
+    assert _run(run_tool(tools["lookup"], {"key": "a", "table": {"a": "forged"}}, {"table": {"a": "1"}}, 5.0)).text == "1"
+    raised = _run(run_tool(tools["boom"], {"x": "1"}, {}, 5.0))
+    assert raised.error and raised.text == "Error: RuntimeError: kaput"
+    wrong_type = _run(run_tool(tools["number"], {"x": "1"}, {}, 5.0))
+    assert wrong_type.error and "returned a int, not a string" in wrong_type.text
+    t0 = time.time()
+    timed_out = _run(run_tool(tools["slow_async"], {"x": "1"}, {}, 0.2))
+    assert timed_out.error and "longer than 0.2 s" in timed_out.text and time.time() - t0 < 2
+    sync_timeout = _run(run_tool(tools["slow_sync"], {"x": "1"}, {}, 0.2))
+    assert sync_timeout.error and "longer than 0.2 s" in sync_timeout.text
+    bad_args = _run(run_tool(tools["lookup"], {"nope": 1}, {}, 5.0))
+    assert bad_args.error and "bad arguments for lookup" in bad_args.text
+
+
+# ------------------------------------------------------------------ call formats
+
+SCHEMAS = {t.name: t.schema for t in load_tools(None, ["calculator"])}
+
+
+def test_tag_format():
+    p = make_parser("tag", SCHEMAS)
+    assert p.stop_strings() == ("</calculator>",)
+    (call,) = p.parse("Let me compute. <calculator> 47 * 86 </calculator>")
+    assert call.well_formed and call.name == "calculator" and call.arguments == {"expression": "47 * 86"}
+    (json_args,) = p.parse('<calculator>{"expression": "1+1"}</calculator>')
+    assert json_args.arguments == {"expression": "1+1"}
+    (unclosed,) = p.parse("<calculator>47 * 86")
+    assert not unclosed.well_formed and "no closing" in unclosed.error
+    assert p.parse("The answer is 4042.") == []
+
+
+def test_hermes_format():
+    p = make_parser("hermes", SCHEMAS)
+    text = ('<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"4\\"}"}</tool_call>')
+    a, b = p.parse(text)
+    assert a.arguments == {"expression": "2*3"} and b.arguments == {"expression": "4"}
+    bad_json, unknown, no_args = p.parse('<tool_call>{"name": </tool_call><tool_call>{"name": "search", "arguments": {}}'
+                                         '</tool_call><tool_call>{"name": "calculator", "arguments": [1]}</tool_call>')
+    assert "not valid JSON" in bad_json.error and "no tool 'search'" in unknown.error and "JSON object" in no_args.error
+
+
+# ------------------------------------------------------------------ the tool turn's tokens
+
+
+def test_tool_turn_is_what_the_chat_template_renders(tok, eos):
+    """prompt + model turn + tool turn + model turn, as token ids, decodes to exactly the chat
+    template's rendering of those messages: the tool turn frames the model's turns as the template
+    does, whether the model ended its turn with <|im_end|> or at the stop string."""
+    r = ToolTurnRenderer(tok, "tool", eos)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 47 * 86?"}]
+    prompt = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+    for first, ended in (("<calculator>47 * 86</calculator>", False), ("<calculator>47 * 86</calculator><|im_end|>", True)):
+        turn1 = tok(first, add_special_tokens=False).input_ids
+        tool = r.tokens(["4042"], turn1[-1])
+        turn2 = tok("The answer is 4042.<|im_end|>", add_special_tokens=False).input_ids
+        got = tok.decode(prompt + turn1 + tool + turn2)
+        want = tok.apply_chat_template(msgs + [
+            {"role": "assistant", "content": "<calculator>47 * 86</calculator>"},
+            {"role": "tool", "content": "4042"},
+            {"role": "assistant", "content": "The answer is 4042."}], tokenize=False)
+        assert got == want.rstrip("\n"), (ended, got)  # the template's trailing newline follows the last eos
+    assert r.text(["4042"], model_ended_turn=True) == "\n<|im_start|>tool\n4042<|im_end|>\n<|im_start|>assistant\n"
+    assert ToolTurnRenderer(tok, "user", eos).text(["4042"], True).startswith("\n<|im_start|>user\n4042")
+
+
+# ------------------------------------------------------------------ the loop against a scripted engine
+
+
+class ScriptedEngine:
+    """An engine whose turns are given: ``script(request) -> text`` of that turn (cut to the
+    request's token limit, ``finish_reason="length"`` then). Records every request it serves."""
+
+    def __init__(self, tok, eos, script):
+        self.tok, self.eos, self.script, self.version = tok, eos, script, 3
+        self.requests: list[TurnRequest] = []
+
+    def serve(self, feed, params, seed, on_finish):
+        while (new := feed.take(8, block=True)) is not None:
+            for req in new:
+                self.requests.append(req)
+                ids = self.tok(self.script(req), add_special_tokens=False).input_ids
+                reason = "stop"
+                if len(ids) > req.max_new_tokens:
+                    ids, reason = ids[: req.max_new_tokens], "length"
+                lps = [-0.5 - 0.01 * k for k in range(len(ids))]
+                on_finish(req.index, Completion(req.group, ids, lps, reason, self.tok.decode(ids, skip_special_tokens=True)))
+
+
+def _calc_script(tok):
+    def script(req):
+        text = tok.decode(req.prompt_ids)
+        if "<|im_start|>tool" not in text.split("What is")[-1]:
+            return "<calculator>47 * 86</calculator>"
+        return "47 * 86 = 4042.<|im_end|>"
+    return script
+
+
+def _prompt(tok, q="What is 47 * 86?"):
+    msgs = [{"role": "system", "content": "calc"}, {"role": "user", "content": q}]
+    return tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+
+
+def test_loop_token_in_token_out_and_mask(tok, eos):
+    spec = AgentConfig(max_turns=4)
+    runner = AgentRunner(spec, tok, eos)
+    engine = ScriptedEngine(tok, eos, _calc_script(tok))
+    prompt = _prompt(tok)
+    (res,) = runner.run(engine, [prompt], [{}], SamplingParams(n=1, max_new_tokens=64), seed=0)
+    turn1 = tok("<calculator>47 * 86</calculator>", add_special_tokens=False).input_ids
+    tool = ToolTurnRenderer(tok, "tool", eos).tokens(["4042"], turn1[-1])
+    turn2 = tok("47 * 86 = 4042.<|im_end|>", add_special_tokens=False).input_ids
+    # The response is the model's ids as sampled, then the tool turn's, then the model's again.
+    assert res.response_ids == turn1 + tool + turn2
+    assert res.loss_mask == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
+    # Rollout log-probs: the engine's for model tokens, 0 placeholders on tool tokens.
+    assert res.logprobs == [-0.5 - 0.01 * k for k in range(len(turn1))] + [0.0] * len(tool) + \
+        [-0.5 - 0.01 * k for k in range(len(turn2))]
+    # The second turn continues from the given ids (never re-tokenized), within the budget left,
+    # on its own random stream; the first turn uses the sample's own (as plain generation does).
+    first, second = engine.requests
+    assert first.prompt_ids == prompt and first.stream == 0 and first.max_new_tokens == 64
+    assert second.prompt_ids == prompt + turn1 + tool and second.max_new_tokens == 64 - len(turn1) - len(tool)
+    assert second.stream == 0 + (1 << 32)
+    assert (res.turns, res.attempts, res.tool_errors, res.finish_reason) == (2, 1, 0, "stop")
+    assert res.final_text == "47 * 86 = 4042."
+    assert res.agent_info()["num_turns"] == 2 and res.agent_info()["tool_calls"][0]["arguments"] == {"expression": "47 * 86"}
+    runner.close()
+
+
+def test_loop_stops_at_max_turns_without_running_the_call(tok, eos):
+    runner = AgentRunner(AgentConfig(max_turns=1), tok, eos)
+    engine = ScriptedEngine(tok, eos, lambda req: "<calculator>1+1</calculator>")
+    (res,) = runner.run(engine, [_prompt(tok)], [{}], SamplingParams(max_new_tokens=64), seed=0)
+    assert res.turns == 1 and res.max_turns_hit and res.loss_mask == [1] * len(res.response_ids)
+    assert res.calls[0]["ran"] is False and len(engine.requests) == 1
+    runner.close()
+
+
+def test_loop_budget_cuts_the_tool_turn_and_ends(tok, eos):
+    turn1 = tok("<calculator>47 * 86</calculator>", add_special_tokens=False).input_ids
+    budget = len(turn1) + 3  # room for 3 of the tool turn's tokens, none for another model turn
+    runner = AgentRunner(AgentConfig(), tok, eos)
+    engine = ScriptedEngine(tok, eos, _calc_script(tok))
+    (res,) = runner.run(engine, [_prompt(tok)], [{}], SamplingParams(max_new_tokens=budget), seed=0)
+    assert len(res.response_ids) == budget and res.finish_reason == "length"
+    assert res.loss_mask == [1] * len(turn1) + [0, 0, 0] and len(engine.requests) == 1
+    runner.close()
+
+
+def test_tool_errors_go_back_to_the_model_and_the_loop_goes_on(tok, eos, tool_file):
+    spec = AgentConfig(tools=["boom"], tools_path=tool_file, max_turns=3)
+    runner = AgentRunner(spec, tok, eos)
+
+    def script(req):
+        return "ok<|im_end|>" if "Error" in tok.decode(req.prompt_ids) else "<boom>x</boom>"
+
+    engine = ScriptedEngine(tok, eos, script)
+    (res,) = runner.run(engine, [_prompt(tok)], [{}], SamplingParams(max_new_tokens=80), seed=0)
+    assert "Error: RuntimeError: kaput" in tok.decode(res.response_ids) and res.tool_errors == 1 and res.turns == 2
+    runner.close()
+
+
+def test_rows_tools_kwargs_reach_the_tool_and_extra_info_reaches_the_reward(tok, eos, tool_file):
+    """verl's extra_info.tools_kwargs: {tool: {"create_kwargs": {...}}} per row."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from offstep.rollout.worker import Request
+    from offstep.telemetry.progress import ProgressClient
+
+    runner = AgentRunner(AgentConfig(tools=["lookup"], tools_path=tool_file, max_turns=2), tok, eos)
+
+    def script(req):
+        return "<lookup>k</lookup>" if "tool" not in tok.decode(req.prompt_ids[-30:]) else "done<|im_end|>"
+
+    seen = []
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(extra_info)
+        return 1.0, {}
+
+    rows = [Request(uid=7, prompt_ids=_prompt(tok), data_source="d", ground_truth="g", agent_name="tool_agent",
+                    extra_info={"index": 3, "tools_kwargs": {"lookup": {"create_kwargs": {"table": {"k": "secret-7"}}}}})]
+    samples, spans = run_tool_rows(runner, ScriptedEngine(tok, eos, script), rows, SamplingParams(n=2, max_new_tokens=64),
+                                   0, reward, ThreadPoolExecutor(1), ProgressClient())
+    assert len(samples) == 2 and all("secret-7" in tok.decode(s.response_ids) for s in samples)
+    assert samples[0].agent.turns == 2 and samples[0].agent.tool_calls == 1 and samples[0].version == 3
+    assert seen[0]["index"] == 3 and seen[0]["num_turns"] == 2 and seen[0]["tool_calls"][0]["name"] == "lookup"
+    assert spans and all(s.end >= s.start for s in spans)
+    runner.close()
+
+
+def test_ordered_feed_admits_the_same_way_whatever_the_tools_latency(tok, eos):
+    """With ``ordered`` a continuation is admitted at the step after its turn ended, whatever its
+    tool's latency: the sequence of engine takes is the same run after run."""
+    import random
+
+    def slow_calc(expression: str) -> str:
+        """Calculator with a random latency.
+
+        Args:
+            expression: arithmetic
+        """
+        time.sleep(random.random() * 0.05)
+        return calculator(expression)
+
+    def takes():
+        runner = AgentRunner(AgentConfig(), tok, eos)
+        runner.tools = {"calculator": make_tool(slow_calc)}  # the parser knows it as "calculator"
+        engine = ScriptedEngine(tok, eos, _calc_script(tok))
+        log = []
+        original = engine.serve
+
+        def serve(feed, params, seed, on_finish):
+            take = feed.take
+
+            def logged(limit, block):
+                out = take(2, block)
+                log.append(None if out is None else [r.index for r in out])
+                return out
+
+            feed.take = logged
+            original(feed, params, seed, on_finish)
+
+        engine.serve = serve
+        runner.run(engine, [_prompt(tok, f"What is {a} * 7?") for a in range(5)], [{}] * 5, SamplingParams(n=2, max_new_tokens=64), 0)
+        runner.close()
+        return log
+
+    assert takes() == takes() == takes()
+
+
+def test_feed_error_reaches_the_engine():
+    feed = AgentFeed([[1]], [], ordered=True)
+    feed.active = 1
+    feed.tools_started()
+    threading.Timer(0.05, feed.fail, args=(RuntimeError("bug"),)).start()
+    with pytest.raises(RuntimeError, match="bug"):
+        feed.take(1, block=True)
+
+
+def test_merge_spans():
+    assert merge_spans([(3, 4), (0, 1), (0.5, 2), (4, 5)]) == [(0, 2), (3, 5)]
+
+
+# ------------------------------------------------------------------ the real engine continues from given ids
+
+
+def test_builtin_engine_serves_continuations_from_given_ids(tok, eos):
+    """A second turn is a new request whose prompt is the first turn's tokens and more: the
+    engine samples it with the log-probs of teacher forcing over the whole sequence, and a first
+    turn served through a feed equals plain generation (same stream)."""
+    from offstep.models.loading import load_causal_lm, resolve_model
+    from offstep.rollout.engine import TorchEngine
+    from offstep.rollout.types import PromptFeed
+
+    model = load_causal_lm(resolve_model("tiny"))
+    engine = TorchEngine(model, tok, eos)
+    prompt = _prompt(tok)
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    plain = engine.generate([prompt], p, seed=3)
+    extra = tok("<|im_start|>tool\n4042<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
+    cont = prompt + plain[0].response_ids + extra
+
+    class Feed(PromptFeed):
+        def __init__(self):
+            super().__init__([prompt], 2, 8)
+            self.more = [TurnRequest(99, cont, 5 + (1 << 32), 6, 99)]
+
+        def take(self, limit, block):
+            out = super().take(limit, block)
+            if out is None and self.more:
+                out, self.more = self.more, []
+            return out
+
+    got = {}
+    # Every request fits in the longest first prompt + the call's max_new_tokens (TurnFeed).
+    engine.serve(Feed(), SamplingParams(n=2, temperature=1.0, max_new_tokens=32), 3, lambda i, c: got.__setitem__(i, c))
+    assert got[0].response_ids == plain[0].response_ids and got[1].response_ids == plain[1].response_ids
+    c = got[99]
+    assert len(c.response_ids) <= 6
+    with torch.no_grad():
+        logits = model(torch.tensor([cont + c.response_ids])).logits[0, len(cont) - 1 : -1].float()
+    want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.response_ids)[:, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(c.logprobs), want, atol=1e-4)
