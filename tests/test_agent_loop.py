@@ -422,3 +422,40 @@ def test_builtin_engine_serves_continuations_from_given_ids(tok, eos):
         logits = model(torch.tensor([cont + c.response_ids])).logits[0, len(cont) - 1 : -1].float()
     want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.response_ids)[:, None]).squeeze(-1)
     assert torch.allclose(torch.tensor(c.logprobs), want, atol=1e-4)
+
+
+def test_a_loop_without_calls_is_the_single_turn_sample(tmp_path):
+    """A tool row whose model writes no call is the plain row's sample: the same tokens, log-probs,
+    score and text (the first turn draws from the sample's own stream); it only gains loop stats."""
+    from offstep.config.schema import AgentConfig
+    from offstep.models.loading import resolve_model
+    from offstep.rewards.registry import RewardFunction
+    from offstep.rollout.worker import Request, RolloutWorker
+
+    path = resolve_model("tiny")
+    worker = RolloutWorker(path, "float32", "cpu", 1, RewardFunction(), 1, 16, agent=AgentConfig())
+    prompts = [_prompt(worker._tok, q) for q in ("What is 3 + 4?", "What is 12 + 30?")]
+    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
+    rows = lambda agent: [Request(i, ids, "arithmetic", "7", {}, agent) for i, ids in enumerate(prompts)]  # noqa: E731
+    plain, _ = worker.generate(rows("single_turn_agent"), p, seed=11)
+    looped, _ = worker.generate(rows("tool_agent"), p, seed=11)
+    assert all(s.agent.turns == 1 and s.agent.attempts == 0 for s in looped)
+    for a, b in zip(plain, looped):
+        assert (a.uid, a.response_ids, a.rollout_logprobs, a.score, a.text) == (b.uid, b.response_ids, b.rollout_logprobs, b.score, b.text)
+        assert a.loss_mask is None and b.loss_mask == [1] * len(b.response_ids)
+    # A mixed call: plain rows as plain generation, tool rows through their loops, in request order.
+    mixed, _ = worker.generate([rows("single_turn_agent")[0], rows("tool_agent")[1]], p, seed=11)
+    assert [s.uid for s in mixed] == [0, 0, 1, 1] and mixed[0].agent is None and mixed[2].agent is not None
+
+
+def test_the_example_tool_file_works():
+    """examples/tools/shop_tools.py, the README's complete example: an async tool with a per-row
+    argument, a sync one whose error reaches the model, a hand-written schema."""
+    from pathlib import Path
+
+    example = str(Path(__file__).resolve().parent.parent / "examples" / "tools" / "shop_tools.py")
+    price, convert = load_tools(example, ["price", "convert"])
+    assert price.schema["function"]["parameters"]["required"] == ["item"]
+    assert _run(run_tool(price, {"item": "Mug"}, {"catalogue": {"mug": 12}}, 5.0)).text == "12 EUR"
+    assert _run(run_tool(convert, {"amount": 10, "currency": "usd"}, {}, 5.0)).text == "10.80 USD"
+    assert "unknown currency" in _run(run_tool(convert, {"amount": 1, "currency": "XYZ"}, {}, 5.0)).text

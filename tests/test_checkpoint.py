@@ -32,9 +32,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def _overrides(out: Path, reward: Path, k: int, steps: int = 6, engine: str = "builtin", lora: int = 0) -> list[str]:
+def _overrides(out: Path, reward: Path, k: int, steps: int = 6, engine: str = "builtin", lora: int = 0,
+               agent: str = "single_turn_agent") -> list[str]:
     return [
         "preset=tiny", f"rollout.engine={engine}", f"actor.lora.rank={lora}", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
+        f"rollout.agent.default_agent={agent}",
         "trainer.save_freq=3",
         f"pipeline.max_staleness={k}", "trainer.val_freq=0", "trainer.val_before_train=false",
         "trainer.progress=off", f"reward.custom_path={reward}", "reward.num_threads=1",
@@ -126,23 +128,26 @@ def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
 
 
 # ------------------------------------------------------------------ kill and resume
-@pytest.mark.parametrize("k,engine,lora", [(0, "builtin", 0), (1, "builtin", 0), pytest.param(1, "vllm", 0, marks=needs_vllm),
-                                            (1, "builtin", 8)],
-                         ids=["sync", "one-step", "one-step-vllm", "one-step-lora"])
-def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, engine, lora):
+@pytest.mark.parametrize("k,engine,lora,agent", [(0, "builtin", 0, "single_turn_agent"), (1, "builtin", 0, "single_turn_agent"),
+                                                  pytest.param(1, "vllm", 0, "single_turn_agent", marks=needs_vllm),
+                                                  (1, "builtin", 8, "single_turn_agent"), (1, "builtin", 0, "tool_agent")],
+                         ids=["sync", "one-step", "one-step-vllm", "one-step-lora", "one-step-tools"])
+def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, engine, lora, agent):
     """6 steps in one go == 3 steps, SIGKILL mid-step 4/5, resume for the rest: same prompts,
     rewards, losses, KL, entropy and gradient norms at every step, bit for bit (CPU, fixed seeds;
     in one-step mode the batch generating at save time is stored in the checkpoint). With vLLM the
     resumed replica is a new vLLM engine given the checkpoint's weights: its per-request seeds make
     the same samples. With LoRA the checkpoint holds the adapters and their optimizer state only
     (the frozen base is the model's): the resumed actor and replica start from the base again and
-    get the adapters."""
+    get the adapters. With tool rows (agent loops, ``rollout.agent.ordered``) the in-flight batch's
+    samples keep their masks and loop statistics, and the loops' engine admissions do not depend
+    on timing."""
     from offstep.pipeline.controller import train
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     full, killed = tmp_path / "full", tmp_path / "killed"
-    train(load_config(_overrides(full, reward, k, engine=engine, lora=lora)))
+    train(load_config(_overrides(full, reward, k, engine=engine, lora=lora, agent=agent)))
     if lora:  # adapters and their AdamW moments, nothing of the frozen base
         from offstep.train.checkpoint import SafeReader
 
@@ -152,14 +157,14 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, e
         assert any(".lora_" in k and "exp_avg" in k for k in keys)
 
     gate = killed / "checkpoints" / "step_000003" / "trainer_state.json"
-    proc = _cli(_overrides(killed, reward, k, engine=engine, lora=lora), env={**os.environ, "BLOCK_AFTER": str(gate)})
+    proc = _cli(_overrides(killed, reward, k, engine=engine, lora=lora, agent=agent), env={**os.environ, "BLOCK_AFTER": str(gate)})
     _wait_for(gate, proc)
     time.sleep(1.0)  # let it get into step 4, whose generation (k=0) or the next one (k=1) now blocks
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert max(_records(killed)) < 6, "the run was meant to be killed before it finished"
 
-    history = train(load_config(_overrides(killed, reward, k, engine=engine, lora=lora)))  # trainer.resume=auto is the default
+    history = train(load_config(_overrides(killed, reward, k, engine=engine, lora=lora, agent=agent)))  # trainer.resume=auto is the default
     assert [m["step"] for m in history] == [4, 5, 6]
     a, b = _records(full), _records(killed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]

@@ -133,13 +133,13 @@ NOTED = [
     "data.dataloader_num_workers=4", "trainer.balance_batch=True", "global_profiler.tool=nsys",
     "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16", "ray_kwargs.ray_init.num_cpus=8",
     "reward_model.micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.calculate_log_probs=True",
-    "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002", "actor_rollout_ref.rollout.multi_turn.enable=True",
 ]
 REFUSED = [
     ("actor_rollout_ref.actor.strategy=megatron", "FSDP2"),
     ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "FSDP2"),
     ("reward_model.enable=True", "rule functions"),
-    ("actor_rollout_ref.rollout.multi_turn.enable=True", "single-turn"),
+    ("actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml", "Python functions"),
     ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "sequence parallelism"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "surrogates"),
     ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "warm-up"),
@@ -289,3 +289,12 @@ def test_docs_page_holds_the_table_and_one_command():
     assert offstep.replace("offstep train \\", "python3 -m verl.experimental.one_step_off_policy.main_ppo \\") == verl
     keys = re.findall(r"^\s+([a-z_.+]+)=", verl, re.M)
     assert len(keys) >= 25
+
+
+def test_multi_turn_keys_become_the_agent_loops():
+    cfg, _ = load(["preset=tiny", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
+                   "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=2",
+                   "actor_rollout_ref.rollout.multi_turn.format=hermes",
+                   "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"])
+    ag = cfg.rollout.agent
+    assert (ag.max_turns, ag.max_calls_per_turn, ag.format, ag.default_agent) == (5, 2, "hermes", "tool_agent")

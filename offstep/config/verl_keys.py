@@ -174,6 +174,9 @@ _PROFILE = "profiling: offstep records its own stage timeline (timeline.jsonl, t
 _LOGPROB_MB = "offstep's log-prob passes use actor.micro_batch_size (or actor.micro_token_budget)"
 _MEGATRON = "offstep trains with FSDP2 only; drop the megatron keys (and use strategy=fsdp2)"
 
+_TOOLS = ("offstep's tools are Python functions: rollout.agent.tools_path=FILE.py rollout.agent.tools=[names] "
+          "(examples/tools/shop_tools.py); rows pick the loop with verl's agent_name column")
+
 TABLE: dict[str, To | Derived | Note | Refuse] = {
     # model
     "actor_rollout_ref.model.path": To("model.path"),
@@ -297,7 +300,14 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.rollout.val_kwargs.do_sample": Derived("rollout.val_temperature", "false: 0 (greedy)"),
     "actor_rollout_ref.rollout.val_kwargs.top_p": Refuse("offstep's validation samples with top_p=1", allow=(1, 1.0)),
     "actor_rollout_ref.rollout.val_kwargs.top_k": Refuse("offstep's validation samples without top_k", allow=(-1, 0)),
-    "actor_rollout_ref.rollout.multi_turn.enable": Refuse("offstep's rollouts are single-turn here (no tools or interactions)", allow=(False,)),
+    "actor_rollout_ref.rollout.multi_turn.enable": Note("offstep runs the tool loop for rows with agent_name=tool_agent (rollout.agent), and for every row with rollout.agent.default_agent=tool_agent"),
+    "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": To("rollout.agent.max_turns"),
+    "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": To("rollout.agent.max_calls_per_turn"),
+    "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": To("rollout.agent.max_tool_response_chars"),
+    "actor_rollout_ref.rollout.multi_turn.format": To("rollout.agent.format", note="offstep's formats: hermes | tag"),
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": Refuse(_TOOLS, allow=(None,)),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": Refuse("offstep has tools but no simulated-user interactions", allow=(None,)),
+    "actor_rollout_ref.rollout.agent.default_agent_loop": To("rollout.agent.default_agent"),
     # data
     "data.train_files": To("data.train_files", _files),
     "data.val_files": To("data.val_files", _files),
@@ -332,7 +342,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "data.sampler.class_name": Note("used only with data.sampler.class_path"),
     "data.datagen.path": Refuse("offstep's data are files or a built-in data.task", allow=(None,)),
     "data.datagen.name": Note("used only with data.datagen.path"),
-    "data.tool_config_path": Refuse("offstep's rollouts are single-turn here (no tools)", allow=(None,)),
+    "data.tool_config_path": Refuse(_TOOLS, allow=(None,)),
     "data.apply_chat_template_kwargs": Refuse("offstep applies the chat template with its defaults", allow=({}, None)),
     # reward
     "custom_reward_function.path": To("reward.custom_path"),
@@ -443,7 +453,7 @@ PREFIXES: list[tuple[str, To | Note | Refuse]] = [
     ("actor_rollout_ref.rollout.trace.", Note(_PROFILE)),
     ("actor_rollout_ref.rollout.prometheus.", Note(_PROFILE)),
     ("actor_rollout_ref.rollout.agent.", Note("offstep's rollout workers run their samples themselves")),
-    ("actor_rollout_ref.rollout.multi_turn.", Note("used only with multi_turn.enable=true")),
+    ("actor_rollout_ref.rollout.multi_turn.", Note("tool-loop settings offstep does not have (its own: rollout.agent)")),
     ("actor_rollout_ref.model.lora.", Note("verl's LoRA internals (adapter path, merge mode); offstep's LoRA is actor.lora")),
     ("reward_model.", Note("used only with reward_model.enable=true, which offstep refuses")),
     ("reward_manager.", Note("offstep scores one response per call")),
