@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 from offstep.config.schema import AgentConfig
 from offstep.rollout.agent_loop import AgentFeed, AgentRunner, ToolTurnRenderer, merge_spans, run_tool_rows
@@ -386,42 +385,13 @@ def test_merge_spans():
 
 
 def test_builtin_engine_serves_continuations_from_given_ids(tok, eos):
-    """A second turn is a new request whose prompt is the first turn's tokens and more: the
-    engine samples it with the log-probs of teacher forcing over the whole sequence, and a first
-    turn served through a feed equals plain generation (same stream)."""
+    from agent_helpers import check_serves_continuation
+
     from offstep.models.loading import load_causal_lm, resolve_model
     from offstep.rollout.engine import TorchEngine
-    from offstep.rollout.types import PromptFeed
 
     model = load_causal_lm(resolve_model("tiny"))
-    engine = TorchEngine(model, tok, eos)
-    prompt = _prompt(tok)
-    p = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
-    plain = engine.generate([prompt], p, seed=3)
-    extra = tok("<|im_start|>tool\n4042<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
-    cont = prompt + plain[0].response_ids + extra
-
-    class Feed(PromptFeed):
-        def __init__(self):
-            super().__init__([prompt], 2, 8)
-            self.more = [TurnRequest(99, cont, 5 + (1 << 32), 6, 99)]
-
-        def take(self, limit, block):
-            out = super().take(limit, block)
-            if out is None and self.more:
-                out, self.more = self.more, []
-            return out
-
-    got = {}
-    # Every request fits in the longest first prompt + the call's max_new_tokens (TurnFeed).
-    engine.serve(Feed(), SamplingParams(n=2, temperature=1.0, max_new_tokens=32), 3, lambda i, c: got.__setitem__(i, c))
-    assert got[0].response_ids == plain[0].response_ids and got[1].response_ids == plain[1].response_ids
-    c = got[99]
-    assert len(c.response_ids) <= 6
-    with torch.no_grad():
-        logits = model(torch.tensor([cont + c.response_ids])).logits[0, len(cont) - 1 : -1].float()
-    want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c.response_ids)[:, None]).squeeze(-1)
-    assert torch.allclose(torch.tensor(c.logprobs), want, atol=1e-4)
+    check_serves_continuation(TorchEngine(model, tok, eos), model, tok, atol=1e-4)
 
 
 def test_a_loop_without_calls_is_the_single_turn_sample(tmp_path):
