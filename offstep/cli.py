@@ -107,6 +107,12 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per generation call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="eval_results.json", help="results file (JSON)")
+    parser.add_argument("--tools", default=None, metavar="NAMES",
+                        help="answer the file's tool_agent rows with these tools (comma-separated; rollout.agent.tools), "
+                             "e.g. calculator; without it every row is answered in one turn")
+    parser.add_argument("--tools-path", default=None, help="the Python file defining the tools (rollout.agent.tools_path)")
+    parser.add_argument("--tool-format", default="tag", choices=["hermes", "tag"], help="rollout.agent.format")
+    parser.add_argument("--max-turns", type=int, default=4, help="rollout.agent.max_turns")
     args = parser.parse_args(argv)
     if args.reward_timeout < 0:
         parser.error(f"--reward-timeout {args.reward_timeout:g} must be >= 0 seconds (0: no limit)")
@@ -119,8 +125,13 @@ def _eval(argv: list[str]) -> int:
         print(f"offstep eval: {done}/{total} prompts", file=sys.stderr, flush=True)
 
     from offstep.config.loader import ConfigError
+    from offstep.config.schema import AgentConfig
     from offstep.pipeline.export import model_for_eval
 
+    agent = None
+    if args.tools:
+        agent = AgentConfig(tools=args.tools.split(","), tools_path=args.tools_path, format=args.tool_format,
+                            max_turns=args.max_turns)
     try:
         model = model_for_eval(args.model)
         metrics, samples = run_eval(
@@ -128,13 +139,16 @@ def _eval(argv: list[str]) -> int:
             max_new_tokens=args.max_new_tokens, prompt_key=args.prompt_key, answer_key=args.answer_key,
             max_prompt_length=args.max_prompt_length, reward_path=args.reward_path, reward_name=args.reward_name,
             reward_timeout=args.reward_timeout or None, batch_size=args.batch_size, seed=args.seed, on_progress=progress,
+            agent=agent,
         )
     except (ValueError, FileNotFoundError, RewardError, ConfigError) as e:
         print(f"offstep: {e}", file=sys.stderr)
         return 2
     result = {
         "model": args.model, "data": args.data, "n": args.n, "temperature": args.temperature, "metrics": metrics,
-        "samples": [{"uid": s.uid, "data_source": s.data_source, "response": s.text, "score": s.score} for s in samples],
+        "samples": [{"uid": s.uid, "data_source": s.data_source, "response": s.text, "score": s.score,
+                     **({"turns": s.agent.turns, "tool_calls": s.agent.tool_calls} if s.agent is not None else {})}
+                    for s in samples],
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -62,9 +62,12 @@ def run_eval(
     threads: int | None = None,
     seed: int = 0,
     on_progress=None,
+    agent=None,
 ) -> tuple[dict[str, float], list[Sample]]:
     """Generate with the built-in engine and score with the training scorers (no Ray). A scorer
-    call that takes over ``reward_timeout`` seconds (None: no limit) fails with the sample named."""
+    call that takes over ``reward_timeout`` seconds (None: no limit) fails with the sample named.
+    ``agent`` (an ``AgentConfig``): the tool loop that answers the file's tool_agent rows (their
+    prompts then carry the tools' schemas); without it every row is answered in one turn."""
     import os
 
     from offstep.data.dataset import check_rule_ground_truths, encode_prompts, load_records
@@ -83,8 +86,14 @@ def run_eval(
     reward.check_call(records[0].data_source, records[0].ground_truth, records[0].extra_info or {})
     path = resolve_model(model)
     check_safetensors(path)
-    prompts = encode_prompts(records, load_tokenizer(path), max_prompt_length)
-    worker = RolloutWorker(path, "float32", "cpu", threads or os.cpu_count() or 1, reward, 2, max(batch_size * n, 1))
+    schemas = None
+    if agent is not None:
+        from offstep.rollout.tools import load_tools
+
+        schemas = [t.schema for t in load_tools(agent.tools_path, list(agent.tools))]
+    prompts = encode_prompts(records, load_tokenizer(path), max_prompt_length, tools=schemas)
+    worker = RolloutWorker(path, "float32", "cpu", threads or os.cpu_count() or 1, reward, 2, max(batch_size * n, 1),
+                           agent=agent)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     samples: list[Sample] = []
     for start in range(0, len(prompts), batch_size):

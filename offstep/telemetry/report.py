@@ -39,7 +39,7 @@ STAGE_COLORS = {
     "gen": "tab:blue", "val": "tab:cyan", "ref": "tab:purple", "load_weights": "tab:gray",
     "wait_gen": "#dddddd", "old_logprobs": "tab:pink", "values": "tab:olive", "update_critic": "tab:brown",
     "update_actor": "tab:orange", "sync_export": "tab:red", "gen_more": "tab:blue", "checkpoint": "black",
-    "prepare": "goldenrod",
+    "prepare": "goldenrod", "tool": "limegreen",
 }
 
 
@@ -133,7 +133,9 @@ def plot_timeline(runs: list[Run], out: Path) -> Path:
                 color = STAGE_COLORS.get(e["stage"], "tab:green")
                 label = e["stage"] if e["stage"] not in seen else None
                 seen.add(e["stage"])
-                ax.barh(y, e["end"] - e["start"], left=e["start"], height=0.6, color=color, edgecolor="black", linewidth=0.3, label=label)
+                # tools run inside a generation: a thinner bar over it
+                ax.barh(y, e["end"] - e["start"], left=e["start"], height=0.3 if e["stage"] == "tool" else 0.6, color=color,
+                        edgecolor="black", linewidth=0.3, label=label)
                 if e["stage"] in ("gen", "update_actor") and e["end"] - e["start"] > 0:
                     ax.text((e["start"] + e["end"]) / 2, y, str(e["step"]), ha="center", va="center", fontsize=7)
         ax.set_yticks(range(len(lanes)), lanes)
