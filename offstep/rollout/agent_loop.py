@@ -102,6 +102,7 @@ class AgentFeed:
 
     def __init__(self, prompts: list[list[int]], first: list[TurnRequest], ordered: bool):
         self.prompts, self.ordered = prompts, ordered
+        self.concurrency = len(first)  # one turn per loop in flight at most
         self.queue: list[TurnRequest] = list(first)
         self.arrived: list[TurnRequest] = []  # next turns not yet in the queue
         self.active = len(first)  # loops not finished

@@ -386,9 +386,7 @@ class TorchEngine:
         """
         runner, dev = self._runner, self.device
         prompts = feed.prompts
-        # A plain call fills at most its samples' slots; an agent loop's feed may bring more later.
-        total = len(prompts) * params.n if isinstance(feed, PromptFeed) else self.max_batch_size
-        slots = min(self.max_batch_size, total)
+        slots = min(self.max_batch_size, feed.concurrency)
         plen = max(len(p) for p in prompts)
         shared = _shared_prefix(prompts)
         if shared < self.min_shared_prefix or (len(prompts) == 1 and params.n <= slots and isinstance(feed, PromptFeed)):

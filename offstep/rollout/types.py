@@ -69,9 +69,11 @@ class TurnFeed(Protocol):
     """Requests that arrive while an engine generates (``serve``). ``prompts`` are the first
     requests' prompts: no request is longer than the longest of them plus the call's
     ``max_new_tokens`` (its prompt and new tokens together), and a prefix all of them share is
-    shared by every request."""
+    shared by every request. At most ``concurrency`` requests are in flight at once (the engine
+    sizes its batch for that many)."""
 
     prompts: list[list[int]]
+    concurrency: int
 
     def take(self, limit: int, block: bool) -> list[TurnRequest] | None:
         """Up to ``limit`` requests to start now; ``block``: wait until there is at least one.
@@ -85,6 +87,7 @@ class PromptFeed:
     def __init__(self, prompts: list[list[int]], n: int, max_new_tokens: int):
         self.prompts, self.n, self.max_new_tokens = prompts, n, max_new_tokens
         self.next, self.total = 0, len(prompts) * n
+        self.concurrency = self.total
 
     def take(self, limit: int, block: bool) -> list[TurnRequest] | None:
         if self.next >= self.total:
