@@ -128,3 +128,38 @@ def test_train_batch_pickles_exactly():
             assert a == b, f.name
     back.input_ids += 1  # its own, writable memory
     assert not torch.equal(back.input_ids, batch.input_ids)
+
+
+def test_a_batch_is_submitted_to_the_replicas_before_its_launch_returns():
+    """A replica runs its calls in submission order, and the collective path submits the weight
+    receives as soon as the update is submitted. So a batch launched before an update must reach
+    the replicas before the launch returns, not whenever the event loop next runs a task: else, when
+    the trainer finds its batch ready and awaits nothing before the update (pipeline.ref_on_rollout),
+    the receive overtakes the next generation, which then waits for the update (staleness 0, no
+    overlap: seen as staleness 0, 1, 0, 1, ... on the default preset with weight_sync=collective)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from offstep.config.schema import AlgorithmConfig, RolloutConfig
+    from offstep.pipeline.batching import generate_batch
+    from offstep.pipeline.fleet import RolloutFleet
+
+    order = []
+
+    class Replica:
+        def __init__(self, i):
+            self.generate = SimpleNamespace(remote=lambda *args: order.append(("generate", i)) or asyncio.sleep(0, ([], None)))
+            self.receive_weights = SimpleNamespace(remote=lambda v: order.append(("receive", i)))
+
+    async def main():
+        replicas = [Replica(0), Replica(1)]
+        fleet = RolloutFleet(SimpleNamespace(rollout=replicas), RolloutConfig(), reload=None, log=print)
+        record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None)
+        prompts = [SimpleNamespace(prompt_ids=[1, 2], record=record) for _ in range(4)]
+        fut = generate_batch(fleet.submit, prompts, RolloutConfig(), AlgorithmConfig(), 0, 1, [0, 1, 2, 3])
+        for r in replicas:  # what WeightSync.queue does on the collective path, with no await between
+            r.receive_weights.remote(1)
+        assert order == [("generate", 0), ("generate", 1), ("receive", 0), ("receive", 1)]
+        await fut
+
+    asyncio.run(main())

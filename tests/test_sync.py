@@ -142,6 +142,29 @@ def test_collective_sync_gives_the_actors_weights(rollout_dtype, replicas):
     assert [p.data_ptr() for p in rollouts[0].parameters()] == before
 
 
+def test_collective_sync_into_buffers_in_another_order():
+    """A receiver with buffers of its own (the vLLM engine's path) laid out in another order than
+    the actor sends in (vLLM's checkpoint order, here reversed): the sender still posts buckets in
+    the receivers' order, so every tensor lands under its own name. (Before the fix, buckets went
+    out in the order they filled and collectives paired them with the wrong ones.)"""
+    actor = _perturbed(load_causal_lm("tiny", dtype=torch.float32), seed=3)
+    specs = list(reversed(manifest(actor)))
+    receiver = WeightReceiver(None, torch.device("cpu"), specs)
+    sender = WeightSender("127.0.0.1", torch.device("cpu"), timeout_s=60)
+    host, port = sender.endpoint
+    _run_threads([lambda: sender.connect(2, "gloo", specs, 10_000, manifest(actor)),
+                  lambda: receiver.connect(host, port, 1, 2, "gloo", specs, 10_000, 60)])
+    for version in (1, 2):
+        if version == 2:
+            _perturbed(actor, seed=4)
+        sender.send(actor.named_parameters(), version)
+        _run_threads([lambda v=version: receiver.receive(v)])
+        got = receiver.tensors()
+        assert list(got) == [s.name for s in specs]
+        for name, p in actor.named_parameters():
+            assert torch.equal(got[name], p.detach()), name
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["gloo", "nccl"])
 def test_collective_sync_on_gpus(backend):

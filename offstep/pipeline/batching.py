@@ -10,8 +10,9 @@ draws from one stream would depend on timing; this way a run, and a resumed run,
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,25 +62,37 @@ def assemble(samples: list[Sample], groups_needed: int) -> tuple[list[Sample], i
     return [s for u in uids if u in chosen for s in groups[u]], len(good), len(fill)
 
 
-async def generate_batch(submit: Callable[..., Awaitable], prompts: list, params, algo: AlgorithmConfig, seed: int,
-                         batch_idx: int, idx: list[int]) -> Generated:
+def generate_batch(submit: Callable[..., asyncio.Future], prompts: list, params, algo: AlgorithmConfig, seed: int,
+                   batch_idx: int, idx: list[int]) -> asyncio.Future:
     """One batch: its prompts ``idx`` once, or with dynamic sampling, more prompts until enough
-    groups have unequal rewards. ``submit(prompts, params, seed, key, uid0)`` is the fleet's."""
+    groups have unequal rewards. ``submit(prompts, params, seed, key, uid0)`` is the fleet's. The
+    first round is submitted before this returns (see ``RolloutFleet.submit``), so a weight load
+    queued after it is ordered after this batch's generation; the future gives the ``Generated``."""
     bs = len(idx)
     attempts = algo.dynamic_sampling_max_attempts if algo.dynamic_sampling else 1
     gen = Generated()
-    for attempt in range(attempts):
+
+    def submit_round(attempt: int) -> asyncio.Future:
         prompt_idx = idx if attempt == 0 else refill_indices(seed, batch_idx, attempt, len(prompts), bs)
         uid0 = (batch_idx * attempts + attempt) * bs
         gen.prompt_of.update({uid0 + j: i for j, i in enumerate(prompt_idx)})
         key = batch_idx + attempt * 1_000_003  # attempt 0 keeps the plain run's sampling seeds
-        results = await submit([prompts[i] for i in prompt_idx], params, seed, key, uid0)
-        gen.rounds.append(results)
-        gen.samples.extend(s for samples, _ in results for s in samples)
-        if not algo.dynamic_sampling:
-            return gen
-        chosen, gen.kept_groups, gen.filled_groups = assemble(gen.samples, bs)
-        if gen.kept_groups == bs:
-            break
-    gen.samples = chosen
-    return gen
+        return submit([prompts[i] for i in prompt_idx], params, seed, key, uid0)
+
+    first = submit_round(0)
+
+    async def collect() -> Generated:
+        chosen = []
+        for attempt in range(attempts):
+            results = await (first if attempt == 0 else submit_round(attempt))
+            gen.rounds.append(results)
+            gen.samples.extend(s for samples, _ in results for s in samples)
+            if not algo.dynamic_sampling:
+                return gen
+            chosen, gen.kept_groups, gen.filled_groups = assemble(gen.samples, bs)
+            if gen.kept_groups == bs:
+                break
+        gen.samples = chosen
+        return gen
+
+    return asyncio.ensure_future(collect())

@@ -195,8 +195,8 @@ class Controller:
     # ---------------------------------------------------------------- rollout
     def _launch(self, batch_idx: int) -> InFlight:
         epoch, idx = self.stream.next_batch()
-        return self._in_flight(batch_idx, epoch, idx, asyncio.ensure_future(
-            generate_batch(self.fleet.submit, self.inputs.train, self.params, self.cfg.algorithm, self.cfg.trainer.seed, batch_idx, idx)))
+        return self._in_flight(batch_idx, epoch, idx, generate_batch(  # submitted to the replicas now
+            self.fleet.submit, self.inputs.train, self.params, self.cfg.algorithm, self.cfg.trainer.seed, batch_idx, idx))
 
     def _in_flight(self, batch_idx: int, epoch: int, idx: list[int], generated: asyncio.Future) -> InFlight:
         cur = InFlight(batch_idx, epoch, idx, generated)

@@ -46,23 +46,28 @@ class RolloutFleet:
 
     def submit(self, prompts, params, seed_base: int, batch_idx: int, uid0: int, with_ref: bool = True) -> asyncio.Future:
         """Generate ``params.n`` samples of each prompt; the future gives one ``(samples,
-        GenTiming)`` per replica that had a share, in replica order."""
+        GenTiming)`` per replica that had a share, in replica order.
+
+        The replicas' calls are submitted before this returns, not when the event loop next runs
+        the future: a replica runs its calls in submission order, so a weight load (or a receive
+        on the collective path) submitted after this call is ordered after this generation."""
         requests = [to_request(p, uid0 + i) for i, p in enumerate(prompts)]
-        shares = [
-            self._generate_on(i, share, params, gen_seed(seed_base, batch_idx, i), with_ref)
-            for i, share in enumerate(split(requests, len(self.workers.rollout))) if share
-        ]
+        shares = []
+        for i, share in enumerate(split(requests, len(self.workers.rollout))):
+            if share:
+                args = (share, params, gen_seed(seed_base, batch_idx, i), with_ref)
+                shares.append(self._generate_on(i, args, self.workers.rollout[i].generate.remote(*args)))
         return asyncio.ensure_future(asyncio.gather(*shares))
 
-    async def _generate_on(self, i: int, requests, params, seed: int, with_ref: bool):
+    async def _generate_on(self, i: int, args: tuple, call):
         while True:
             try:
-                call = self.workers.rollout[i].generate.remote(requests, params, seed, with_ref)
                 return await asyncio.wait_for(_await(call), self.cfg.timeout_s)
             except asyncio.TimeoutError:
                 await self._restart(i, f"did not finish a generation within rollout.timeout_s={self.cfg.timeout_s:g}")
             except ray.exceptions.RayActorError as e:
                 await self._restart(i, f"died ({type(e).__name__})")
+            call = self.workers.rollout[i].generate.remote(*args)  # the same requests and seed, on the new replica
 
     async def _restart(self, i: int, why: str) -> None:
         if self.restarts >= self.cfg.max_restarts:

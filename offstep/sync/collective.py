@@ -246,6 +246,7 @@ class WeightSender:
         header = torch.tensor([version, sum(self.totals.values())], dtype=torch.int64, device=self.device)
         works = [_broadcast(self.group, header)]
         left = [b.end - b.start for b in self.buckets]
+        posted = 0  # buckets go out in index order, the order the receivers post theirs in
         seen = set()
         for name, t in named:
             slot = self.slots.get(name)
@@ -255,9 +256,13 @@ class WeightSender:
             snap.flat[slot.dtype][slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
             for i, n in self.touches[name]:
                 left[i] -= n
-                if left[i] == 0:
-                    b = self.buckets[i]
-                    works.append(_broadcast(self.group, snap.flat[b.dtype][b.start : b.end]))
+            # Collectives pair up by the order they are issued in, not by size or name: a bucket
+            # that fills before an earlier one (the manifest's order is not the actor's, as with
+            # vLLM's checkpoint order) waits for it.
+            while posted < len(self.buckets) and left[posted] == 0:
+                b = self.buckets[posted]
+                works.append(_broadcast(self.group, snap.flat[b.dtype][b.start : b.end]))
+                posted += 1
         if len(seen) != len(self.slots):
             raise KeyError(f"weight sync: the actor did not send {sorted(self.slots.keys() - seen)[:10]}")
         snap.works = works
