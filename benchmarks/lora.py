@@ -1,19 +1,20 @@
 """Full fine-tuning vs LoRA (actor.lora.rank 8 and 32) on the default model and preset.
 
-    .venv/bin/python benchmarks/lora.py [--steps 25] [--parts engine,memory,runs] [--preset default]
+    .venv/bin/python benchmarks/lora.py [--steps 0] [--parts engine,memory,runs] [--preset default]
+        [--updates 3] [--runs 0:,8:,8:1e-4,32:1e-4]
 
 Three parts, one after another on the same machine, written to ``benchmarks/results_lora.md``:
 
 * ``engine``: the built-in rollout engine with rank-8 adapters applied as a low-rank term at every
   forward (``B(A x)``, the default) vs merged into the weights at each load (``merge_adapters``):
   generation time of one default-preset batch (8 prompts x 4 samples, 32 new tokens) and the time
-  of one adapter load (with the merge). The reason for the engine's choice.
+  of one adapter load (with the merge). Merging is faster but not exact (see rollout/worker.py).
 * ``memory``: one actor (``ActorWorker``, one rank, in a fresh process each) for full fine-tuning
-  and each rank: resident memory after its first update (weights, gradients, AdamW moments) and
-  update seconds per step (median of 3, one batch of 32 samples of the default preset's size).
-* ``runs``: the default preset for ``--steps`` steps with each setting (full at the preset's lr;
-  LoRA at the same lr and at 10x): step time, actor update time, weight-sync bytes and seconds,
-  training reward, validation accuracy before and after.
+  and each rank: peak resident memory over ``--updates`` updates (weights, gradients, AdamW
+  moments) and update seconds per step (their median; one batch of 32 samples).
+* ``runs``: the default preset for ``--steps`` steps (0: the preset's) with each ``rank:lr`` of
+  ``--runs`` (default: full and LoRA r=8 at the preset's lr, r=8 and r=32 at 10x): step time, actor
+  update time, weight-sync bytes and seconds, training reward, validation accuracy before and after.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ from offstep.config.schema import ActorConfig, AlgorithmConfig, LoRAConfig, Opti
 from offstep.models.loading import resolve_model
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
-rank, model, compute = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+rank, model, compute, updates = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
 path = resolve_model(model)
 g = torch.Generator().manual_seed(0)
 vocab = json.load(open(f"{path}/config.json"))["vocab_size"]
@@ -101,7 +102,7 @@ batch.advantages = torch.randn(len(batch), 1, generator=g) * batch.response_mask
 cfg = ActorConfig(micro_batch_size=8, optim=OptimConfig(lr=1e-5), lora=LoRAConfig(rank=rank))
 actor = ActorWorker(GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1), 0, path, "float32", compute, cfg, AlgorithmConfig(use_kl_loss=False), 1.0)
 times = []
-for _ in range(3):
+for _ in range(updates):
     t0 = time.perf_counter(); actor.update(batch); times.append(time.perf_counter() - t0)
 trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
 print(json.dumps({"rank": rank, "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -109,18 +110,18 @@ print(json.dumps({"rank": rank, "rss_gb": resource.getrusage(resource.RUSAGE_SEL
 '''
 
 
-def part_memory(model: str, compute: str) -> list[str]:
+def part_memory(model: str, compute: str, updates: int) -> list[str]:
     rows = []
     for rank in (0, *RANKS):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        out = subprocess.run([sys.executable, "-c", _MEMORY, str(rank), model, compute], capture_output=True, text=True, env=env,
+        out = subprocess.run([sys.executable, "-c", _MEMORY, str(rank), model, compute, str(updates)], capture_output=True, text=True, env=env,
                              check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     lines = ["## One actor: resident memory and update time", "",
              f"`{model}`, float32 master weights, {compute} compute (the preset's), one rank (1 thread), a fresh process each; "
-             "peak resident set after 3 updates of one batch (32 samples, 40 prompt + 32 response tokens, micro-batches "
-             "of 8); update s: median of the 3.", "",
+             f"peak resident set after {updates} update(s) of one batch (32 samples, 40 prompt + 32 response tokens, micro-batches "
+             "of 8); update s: their median.", "",
              "| actor | trainable parameters | peak RSS GB | update s/step |", "| --- | --- | --- | --- |"]
     lines += [f"| {'full' if r['rank'] == 0 else 'LoRA r=' + str(r['rank'])} | {r['trainable'] / 1e6:.2f} M | "
               f"{r['rss_gb']:.2f} | {r['update_s']:.2f} |" for r in rows]
@@ -167,11 +168,12 @@ def run_one(preset: str, rank: int, lr: float | None, steps: int, out: Path) -> 
     }
 
 
-def part_runs(preset: str, steps: int) -> list[str]:
+def part_runs(preset: str, steps: int, runs: str) -> list[str]:
     from offstep.config.loader import load_config
 
     base_lr = load_config([f"preset={preset}"]).actor.optim.lr
-    plan = [(0, None), (8, None), (8, 10 * base_lr), (32, 10 * base_lr)]
+    # "rank:lr" pairs; an empty lr is the preset's
+    plan = [(int(r), float(lr) if lr else None) for r, lr in (item.split(":") for item in runs.split(","))]
     rows = []
     for rank, lr in plan:
         rows.append(run_one(preset, rank, lr, steps, Path("runs") / "bench_lora" / f"r{rank}-lr{lr or base_lr:g}"))
@@ -193,6 +195,8 @@ def main() -> None:
     ap.add_argument("--preset", default="default", help="tiny: a smoke run of this script")
     ap.add_argument("--steps", type=int, default=0, help="training steps per run (0: the preset's)")
     ap.add_argument("--parts", default="engine,memory,runs")
+    ap.add_argument("--updates", type=int, default=3, help="memory: updates per actor")
+    ap.add_argument("--runs", default="0:,8:,8:1e-4,32:1e-4", help="runs: rank:lr pairs (empty lr: the preset's)")
     ap.add_argument("--out", default=str(HERE / "results_lora.md"))
     args = ap.parse_args()
     from offstep.config.loader import load_config
@@ -206,12 +210,13 @@ def main() -> None:
 
     sections = []
     for part in args.parts.split(","):
-        sections += [""] + (part_engine(model) if part == "engine" else part_memory(model, preset_cfg.model.compute_dtype) if part == "memory"
-                            else part_runs(args.preset, steps))
+        sections += [""] + (part_engine(model) if part == "engine" else part_memory(model, preset_cfg.model.compute_dtype, args.updates) if part == "memory"
+                            else part_runs(args.preset, steps, args.runs))
     lines = ["# Full fine-tuning vs LoRA", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, peft {peft.__version__}, "
              f"Python {platform.python_version()}; {(time.time() - t0) / 60:.1f} minutes in all.", *sections, "",
-             f"Regenerate: `.venv/bin/python benchmarks/lora.py --preset {args.preset} --steps {steps} --parts {args.parts}`"]
+             f"Regenerate: `.venv/bin/python benchmarks/lora.py --preset {args.preset} --steps {steps} --parts {args.parts} "
+             f"--updates {args.updates} --runs {args.runs}`"]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
