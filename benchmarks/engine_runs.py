@@ -67,31 +67,17 @@ def run_one(preset: str, engine: str, seed: int, steps: int, extra: list[str], o
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="default", help="tiny: a smoke run of this script")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--out", default=str(HERE / "results_engine_runs.md"))
-    args = ap.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    plan = [(e, s, []) for s in seeds for e in ("builtin", "vllm")]
-    plan.append(("vllm", seeds[0], ["pipeline.weight_sync=collective"]))
-    t_start = time.time()
-    rows = []
-    for engine, seed, extra in plan:
-        out = Path("runs") / "bench_engine_runs" / f"{engine}{'-coll' if extra else ''}-seed{seed}"
-        rows.append(run_one(args.preset, engine, seed, args.steps, extra, out))
-        print(json.dumps(rows[-1]), flush=True)
+def write_table(rows: list[dict], args, minutes: float, remark: str = "") -> str:
     import torch
     import vllm
 
+    seeds = sorted({r["seed"] for r in rows})
     lines = [
         "# The default run with each rollout engine",
         "",
         f"Machine: {platform.machine()}, {__import__('os').cpu_count()} cores, torch {torch.__version__}, "
         f"vllm {vllm.__version__}, Python {platform.python_version()}. Runs one after another; "
-        f"{(time.time() - t_start) / 60:.1f} minutes in all.",
+        f"{minutes:.1f} minutes in all.{(' ' + remark) if remark else ''}",
         "",
         f"Preset `{args.preset}` (default: SmolLM2-135M, GRPO, one-step off-policy, 1 trainer core + 1 rollout core), {args.steps} "
         "steps, validation before and after. Medians over steps 2 and later; the weight load is the rollout "
@@ -107,15 +93,41 @@ def main() -> None:
                      f"{r['load_s']:.2f} ({r['load_gbs']:.2f}) | {r['r0']:.3f} / {r['r1']:.3f} | {r['v0']:.3f} / "
                      f"{r['v1']:.3f} | {r['mismatch']:.4f} | {r['wall_s']:.0f} |")
     lines += ["", "vLLM vs built-in, same seed (ratio of medians; below 1: vLLM takes less time):", "",
-              "| seed | step time | generation time |", "| --- | --- | --- |"]
+              "| seed | step time | generation time | weight load |", "| --- | --- | --- | --- |"]
     for s in seeds:
-        b = next(r for r in rows if r["engine"] == "builtin" and r["seed"] == s)
-        v = next(r for r in rows if r["engine"] == "vllm" and r["seed"] == s)
-        lines.append(f"| {s} | {v['step_s'] / b['step_s']:.2f} | {v['gen_s'] / b['gen_s']:.2f} |")
+        b = next((r for r in rows if r["engine"] == "builtin" and r["seed"] == s), None)
+        v = next((r for r in rows if r["engine"] == "vllm" and r["seed"] == s), None)
+        if b and v:
+            lines.append(f"| {s} | {v['step_s'] / b['step_s']:.2f} | {v['gen_s'] / b['gen_s']:.2f} | "
+                         f"{v['load_s'] / b['load_s']:.1f} |")
     lines += ["", f"Regenerate: `.venv/bin/python benchmarks/engine_runs.py --preset {args.preset} --steps {args.steps} "
               f"--seeds {args.seeds}`"]
     Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="default", help="tiny: a smoke run of this script")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--only", choices=("all", "engines", "collective"), default="all",
+                    help="engines: the builtin and vllm runs only; collective: the vLLM collective run only")
+    ap.add_argument("--rows", help="also read earlier runs' rows (the JSON lines this script prints) from this file")
+    ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran, what was rerun)")
+    ap.add_argument("--out", default=str(HERE / "results_engine_runs.md"))
+    args = ap.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    plan = [(e, s, []) for s in seeds for e in ("builtin", "vllm")] if args.only != "collective" else []
+    if args.only != "engines":
+        plan.append(("vllm", seeds[0], ["pipeline.weight_sync=collective"]))
+    t_start = time.time()
+    rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines()] if args.rows else []
+    for engine, seed, extra in plan:
+        out = Path("runs") / "bench_engine_runs" / f"{engine}{'-coll' if extra else ''}-seed{seed}"
+        rows.append(run_one(args.preset, engine, seed, args.steps, extra, out))
+        print(json.dumps(rows[-1]), flush=True)
+    print(write_table(rows, args, (time.time() - t_start) / 60, args.remark))
 
 
 if __name__ == "__main__":
