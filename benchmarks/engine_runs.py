@@ -26,12 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from offstep.config.loader import load_config  # noqa: E402
-from offstep.pipeline.controller import train  # noqa: E402
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from training_runs import train_and_read  # noqa: E402
 
 
 def _weight_bytes(model_path: str) -> int:
@@ -41,29 +36,15 @@ def _weight_bytes(model_path: str) -> int:
 
 
 def run_one(preset: str, engine: str, seed: int, steps: int, extra: list[str], out: Path) -> dict:
-    cfg = load_config([
-        f"preset={preset}", f"rollout.engine={engine}", f"trainer.total_steps={steps}", f"trainer.seed={seed}", f"trainer.output_dir={out}",
-        "trainer.overwrite=true", f"trainer.val_freq={steps}", "trainer.progress=plain", *extra,
-    ])
-    t0 = time.time()
-    train(cfg)
-    wall = time.time() - t0
-    metrics = _jsonl(out / "metrics.jsonl")
-    steps_m = [m for m in metrics if m["step"] >= 1]
-    later = steps_m[1:]  # step 1 includes the pipeline's fill
-    loads = [e["end"] - e["start"] for e in _jsonl(out / "timeline.jsonl") if e["stage"] == "load_weights"]
-    val = [m["val/acc"] for m in metrics if "val/acc" in m]
-    rewards = [m["reward/mean"] for m in steps_m]
+    run = train_and_read([f"preset={preset}", f"rollout.engine={engine}", f"trainer.seed={seed}", *extra], out, steps)
+    loads = [e["end"] - e["start"] for e in run.timeline() if e["stage"] == "load_weights"]
     load_s = statistics.median(loads) if loads else float("nan")
     return {
         "engine": engine + (" (collective)" if "pipeline.weight_sync=collective" in extra else ""), "seed": seed,
-        "step_s": statistics.median(m["timing_s/step"] for m in later),
-        "gen_s": statistics.median(m["timing_s/gen"] for m in later),
-        "wait_s": statistics.median(m["timing_s/wait_gen"] for m in later),
-        "load_s": load_s, "load_gbs": _weight_bytes(cfg.model.path) / load_s / 1e9,
-        "r0": statistics.mean(rewards[:3]), "r1": statistics.mean(rewards[-3:]),
-        "v0": val[0], "v1": val[-1], "mismatch": max(abs(m.get("actor/mismatch_kl_k1") or 0.0) for m in steps_m),
-        "wall_s": wall,
+        "step_s": run.median("timing_s/step"), "gen_s": run.median("timing_s/gen"), "wait_s": run.median("timing_s/wait_gen"),
+        "load_s": load_s, "load_gbs": _weight_bytes(run.cfg.model.path) / load_s / 1e9,
+        "r0": run.reward(first=True), "r1": run.reward(first=False), "v0": run.val[0], "v1": run.val[-1],
+        "mismatch": max(abs(m.get("actor/mismatch_kl_k1") or 0.0) for m in run.steps), "wall_s": run.wall_s,
     }
 
 

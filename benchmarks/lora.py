@@ -32,12 +32,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from training_runs import train_and_read  # noqa: E402
+
 RANKS = (8, 32)
-
-
-def _jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
 
 def _prompts(n: int, vocab: int, length: int = 40) -> list[list[int]]:
     return [[(37 * i + 11 * j) % (vocab - 100) + 50 for j in range(length)] for i in range(n)]
@@ -142,29 +139,14 @@ def _sync_bytes(model: str, rank: int) -> int:
 
 
 def run_one(preset: str, rank: int, lr: float | None, steps: int, out: Path) -> dict:
-    from offstep.config.loader import load_config
-    from offstep.pipeline.controller import train
-
     extra = [f"actor.optim.lr={lr}"] if lr is not None else []
-    cfg = load_config([f"preset={preset}", f"actor.lora.rank={rank}", f"trainer.total_steps={steps}",
-                       f"trainer.output_dir={out}", "trainer.overwrite=true", f"trainer.val_freq={steps}",
-                       "trainer.progress=plain", *extra])
-    t0 = time.time()
-    train(cfg)
-    wall = time.time() - t0
-    metrics = _jsonl(out / "metrics.jsonl")
-    steps_m = [m for m in metrics if m["step"] >= 1]
-    later = steps_m[1:]  # step 1 includes the pipeline's fill
-    val = [m["val/acc"] for m in metrics if "val/acc" in m]
-    rewards = [m["reward/mean"] for m in steps_m]
+    run = train_and_read([f"preset={preset}", f"actor.lora.rank={rank}", *extra], out, steps)
     return {
-        "setting": "full" if rank == 0 else f"LoRA r={rank}", "lr": cfg.actor.optim.lr,
-        "step_s": statistics.median(m["timing_s/step"] for m in later),
-        "update_s": statistics.median(m["timing_s/update_actor"] for m in later),
-        "sync_s": statistics.median(m["timing_s/sync_weights"] for m in later),
-        "sync_mb": _sync_bytes(cfg.model.path, rank) / 2**20,
-        "r0": statistics.mean(rewards[:3]), "r1": statistics.mean(rewards[-3:]), "v0": val[0], "v1": val[-1],
-        "wall_s": wall,
+        "setting": "full" if rank == 0 else f"LoRA r={rank}", "lr": run.cfg.actor.optim.lr,
+        "step_s": run.median("timing_s/step"), "update_s": run.median("timing_s/update_actor"),
+        "sync_s": run.median("timing_s/sync_weights"), "sync_mb": _sync_bytes(run.cfg.model.path, rank) / 2**20,
+        "r0": run.reward(first=True), "r1": run.reward(first=False), "v0": run.val[0], "v1": run.val[-1],
+        "wall_s": run.wall_s,
     }
 
 
