@@ -1,9 +1,12 @@
 """Full fine-tuning vs LoRA (actor.lora.rank 8 and 32) on the default model and preset.
 
-    .venv/bin/python benchmarks/lora.py [--steps 0] [--parts engine,memory,runs] [--preset default]
-        [--updates 3] [--runs 0:,8:,8:1e-4,32:1e-4]
+    .venv/bin/python benchmarks/lora.py [--parts engine,memory,runs] [--preset default] [--steps 0]
+        [--updates 3] [--runs 0::0+1+2,8:1e-4:0+1,32:1e-4:0+1] [--only NAME,...] [--list]
 
-Three parts, one after another on the same machine, written to ``benchmarks/results_lora.md``:
+Three parts, each merged into ``benchmarks/results_lora.json`` (what was measured, per part and
+per run) and rendered from it into ``benchmarks/results_lora.md``, so the runs can be made one at a
+time (``--parts runs --only r0-lr1e-05-s0``, e.g. each under the shared CPU lock) and the table
+still shows them side by side:
 
 * ``engine``: the built-in rollout engine with rank-8 adapters applied as a low-rank term at every
   forward (``B(A x)``, the default) vs merged into the weights at each load (``merge_adapters``):
@@ -12,9 +15,12 @@ Three parts, one after another on the same machine, written to ``benchmarks/resu
 * ``memory``: one actor (``ActorWorker``, one rank, in a fresh process each) for full fine-tuning
   and each rank: peak resident memory over ``--updates`` updates (weights, gradients, AdamW
   moments) and update seconds per step (their median; one batch of 32 samples).
-* ``runs``: the default preset for ``--steps`` steps (0: the preset's) with each ``rank:lr`` of
-  ``--runs`` (default: full and LoRA r=8 at the preset's lr, r=8 and r=32 at 10x): step time, actor
-  update time, weight-sync bytes and seconds, training reward, validation accuracy before and after.
+* ``runs``: the default preset for ``--steps`` steps (0: the preset's), validating at the preset's
+  ``val_freq``, for each ``rank:lr:seeds`` of ``--runs`` (rank 0: full fine-tuning; an empty lr:
+  the preset's; seeds joined by ``+``; each run is named ``r<rank>-lr<lr>-s<seed>``, ``--list``
+  prints them): step time, actor update time, weight-sync bytes and seconds, the training reward
+  of every step, validation accuracy at every validation, wall time, and the load average while
+  it ran (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ def _prompts(n: int, vocab: int, length: int = 40) -> list[list[int]]:
 
 
 # ------------------------------------------------------------------ engine: delta vs merged
-def part_engine(model: str) -> list[str]:
+def part_engine(model: str) -> dict:
     import torch
 
     from offstep.config.schema import LoRAConfig
@@ -68,15 +74,20 @@ def part_engine(model: str) -> list[str]:
             t0 = time.perf_counter()
             engine.generate(_prompts(8, engine.vocab_size), SamplingParams(n=4, temperature=1.0, max_new_tokens=32), seed=v)
             gens.append(time.perf_counter() - t0)
-        rows.append(("merged into the weights" if merge else "low-rank term B(A x) (default)",
-                     statistics.median(gens), statistics.median(loads)))
+        rows.append({"applied": "merged into the weights" if merge else "low-rank term B(A x) (default)",
+                     "generate_s": statistics.median(gens), "load_s": statistics.median(loads)})
         print(rows[-1], flush=True)
-    lines = ["## Built-in engine: adapters as a low-rank term vs merged", "",
-             f"`{model}`, rank 8 on the 7 projections, 1 thread; one batch of 8 prompts x 4 samples, 32 new tokens "
+    return {"model": model, "rows": rows}
+
+
+def render_engine(part: dict) -> list[str]:
+    lines = ["## Built-in engine: adapters as a low-rank term vs merged", "", _when(part),
+             f"`{part['model']}`, rank 8 on the 7 projections, 1 thread; one batch of 8 prompts x 4 samples, 32 new tokens "
              "(no EOS stop forced); medians of 3.", "",
              "| adapters applied | generate s | load_adapters s |", "| --- | --- | --- |"]
-    lines += [f"| {name} | {g:.2f} | {ld:.3f} |" for name, g, ld in rows]
-    return lines
+    lines += [f"| {r['applied']} | {r['generate_s']:.2f} | {r['load_s']:.3f} |" for r in part["rows"]]
+    return lines + ["", "Merged is faster per batch but not exact (unmerging rounds the base at every sync: the reference "
+                    "drifts and a resumed run differs from an uninterrupted one), so the engine keeps the low-rank term."]
 
 
 # ------------------------------------------------------------------ memory: one actor per process
@@ -107,7 +118,7 @@ print(json.dumps({"rank": rank, "rss_gb": resource.getrusage(resource.RUSAGE_SEL
 '''
 
 
-def part_memory(model: str, compute: str, updates: int) -> list[str]:
+def part_memory(model: str, compute: str, updates: int) -> dict:
     rows = []
     for rank in (0, *RANKS):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
@@ -115,13 +126,17 @@ def part_memory(model: str, compute: str, updates: int) -> list[str]:
                              check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
-    lines = ["## One actor: resident memory and update time", "",
-             f"`{model}`, float32 master weights, {compute} compute (the preset's), one rank (1 thread), a fresh process each; "
-             f"peak resident set after {updates} update(s) of one batch (32 samples, 40 prompt + 32 response tokens, micro-batches "
-             "of 8); update s: their median.", "",
+    return {"model": model, "compute": compute, "updates": updates, "rows": rows}
+
+
+def render_memory(part: dict) -> list[str]:
+    lines = ["## One actor: resident memory and update time", "", _when(part),
+             f"`{part['model']}`, float32 master weights, {part['compute']} compute (the preset's), one rank (1 thread), a "
+             f"fresh process each; peak resident set after {part['updates']} update(s) of one batch (32 samples, 40 prompt + "
+             "32 response tokens, micro-batches of 8); update s: their median.", "",
              "| actor | trainable parameters | peak RSS GB | update s/step |", "| --- | --- | --- | --- |"]
-    lines += [f"| {'full' if r['rank'] == 0 else 'LoRA r=' + str(r['rank'])} | {r['trainable'] / 1e6:.2f} M | "
-              f"{r['rss_gb']:.2f} | {r['update_s']:.2f} |" for r in rows]
+    lines += [f"| {_setting(r['rank'])} | {r['trainable'] / 1e6:.2f} M | {r['rss_gb']:.2f} | {r['update_s']:.2f} |"
+              for r in part["rows"]]
     return lines
 
 
@@ -131,76 +146,211 @@ def _sync_bytes(model: str, rank: int) -> int:
 
     from offstep.config.schema import LoRAConfig
     from offstep.models.loading import resolve_model
-    from offstep.models.lora import meta_model, adapter_parameters
+    from offstep.models.lora import adapter_parameters, meta_model
 
     m = meta_model(resolve_model(model), LoRAConfig(rank=rank) if rank else None)
     params = [p for _, p in adapter_parameters(m)] if rank else list(m.parameters())
     return sum(p.numel() * torch.finfo(torch.float32).bits // 8 for p in params)
 
 
-def run_one(preset: str, rank: int, lr: float | None, steps: int, out: Path) -> dict:
-    extra = [f"actor.optim.lr={lr}"] if lr is not None else []
-    run = train_and_read([f"preset={preset}", f"actor.lora.rank={rank}", *extra], out, steps)
+def plan_runs(runs: str, base_lr: float) -> dict[str, tuple[int, float, int]]:
+    """``rank:lr:seeds`` items (empty lr: ``base_lr``; seeds joined by ``+``, empty: 0) -> run name ->
+    (rank, lr, seed)."""
+    plan = {}
+    for item in runs.split(","):
+        rank, lr, seeds = (item.split(":") + ["", ""])[:3]
+        for seed in (seeds or "0").split("+"):
+            r, x, s = int(rank), float(lr) if lr else base_lr, int(seed)
+            plan[f"r{r}-lr{x:g}-s{s}"] = (r, x, s)
+    return plan
+
+
+def run_one(preset: str, rank: int, lr: float, seed: int, steps: int, val_freq: int, out: Path) -> dict:
+    run = train_and_read([f"preset={preset}", f"actor.lora.rank={rank}", f"actor.optim.lr={lr}", f"trainer.seed={seed}"],
+                         out, steps, val_freq)
     return {
-        "setting": "full" if rank == 0 else f"LoRA r={rank}", "lr": run.cfg.actor.optim.lr,
+        "rank": rank, "lr": lr, "seed": seed, "steps": steps,
         "step_s": run.median("timing_s/step"), "update_s": run.median("timing_s/update_actor"),
         "sync_s": run.median("timing_s/sync_weights"), "sync_mb": _sync_bytes(run.cfg.model.path, rank) / 2**20,
-        "r0": run.reward(first=True), "r1": run.reward(first=False), "v0": run.val[0], "v1": run.val[-1],
-        "wall_s": run.wall_s,
+        "rewards": run.rewards, "val": run.val_curve, "wall_s": run.wall_s,
     }
 
 
-def part_runs(preset: str, steps: int, runs: str) -> list[str]:
-    from offstep.config.loader import load_config
+def _setting(rank: int) -> str:
+    return "full fine-tuning" if rank == 0 else f"LoRA r={rank}"
 
-    base_lr = load_config([f"preset={preset}"]).actor.optim.lr
-    # "rank:lr" pairs; an empty lr is the preset's
-    plan = [(int(r), float(lr) if lr else None) for r, lr in (item.split(":") for item in runs.split(","))]
-    rows = []
-    for rank, lr in plan:
-        rows.append(run_one(preset, rank, lr, steps, Path("runs") / "bench_lora" / f"r{rank}-lr{lr or base_lr:g}"))
-        print(json.dumps(rows[-1]), flush=True)
-    lines = ["## The default run: full fine-tuning vs LoRA", "",
-             f"Preset `{preset}` (SmolLM2-135M-Instruct, GRPO, one-step off-policy, reference on the rollout core), "
-             f"{steps} steps, validation before and after. Medians over steps 2 and later. Sync MB: float32 bytes one "
-             "sync carries (the whole model, or the adapters); sync s: export + the replica's load.", "",
-             "| setting | lr | step s | update s | sync MB | sync s | reward first 3 / last 3 | val acc before / after "
-             "| wall s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['setting']} | {r['lr']:g} | {r['step_s']:.1f} | {r['update_s']:.1f} | {r['sync_mb']:.1f} | "
-              f"{r['sync_s']:.2f} | {r['r0']:.3f} / {r['r1']:.3f} | {r['v0']:.3f} / {r['v1']:.3f} | {r['wall_s']:.0f} |"
-              for r in rows]
+
+def _when(part: dict) -> str:
+    return (f"Measured {part['started']} UTC; load average (1 min) while it ran: mean {part['load_mean']:.1f}, max "
+            f"{part['load_max']:.1f} (2 cores; other engineers' jobs may share them).")
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """Mean, with the range where there is more than one value."""
+    mean = fmt.format(statistics.mean(values))
+    return mean if len(values) == 1 else f"{mean} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+def _mean(values: list[float], n: int, first: bool) -> float:
+    return statistics.mean(values[:n] if first else values[-n:])
+
+
+def render_runs(runs: dict[str, dict], memory: dict | None, preset: str) -> list[str]:
+    rss = {r["rank"]: r["rss_gb"] for r in (memory or {}).get("rows", [])}
+    groups: dict[tuple[int, float], list[dict]] = {}
+    for r in sorted(runs.values(), key=lambda r: (r["rank"], r["lr"], r["seed"])):
+        groups.setdefault((r["rank"], r["lr"]), []).append(r)
+    steps = sorted({r["steps"] for r in runs.values()})
+    lines = ["## The default run: full fine-tuning vs LoRA, side by side", "",
+             f"Preset `{preset}` (SmolLM2-135M-Instruct, GRPO, one-step off-policy, reference on the rollout core, float32 "
+             f"on this AVX2-only CPU), {'/'.join(map(str, steps))} steps. Mean over seeds, range in brackets. Step, update "
+             "and sync s: each run's median over steps 2 and later. Sync MB: float32 bytes one sync carries (the whole "
+             "model, or the adapters); sync s: export + the replica's load. Actor peak RSS: the memory part above (one "
+             "actor alone). Reward: mean training reward of the first 5 / last 5 steps.", "",
+             "| setting | lr | seeds | actor peak RSS GB | update s | sync MB | sync s | step s | reward first 5 / last 5 "
+             "| val acc before | val acc at the end |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for (rank, lr), rs in groups.items():
+        lines.append(
+            f"| {_setting(rank)} | {lr:g} | {'+'.join(str(r['seed']) for r in rs)} | "
+            f"{rss[rank]:.2f} |" if rank in rss else f"| {_setting(rank)} | {lr:g} | {'+'.join(str(r['seed']) for r in rs)} | – |")
+        lines[-1] += (f" {_spread([r['update_s'] for r in rs], '{:.1f}')} | {rs[0]['sync_mb']:.1f} | "
+                      f"{_spread([r['sync_s'] for r in rs], '{:.2f}')} | {_spread([r['step_s'] for r in rs], '{:.1f}')} | "
+                      f"{_spread([_mean(r['rewards'], 5, True) for r in rs], '{:.3f}')} / "
+                      f"{_spread([_mean(r['rewards'], 5, False) for r in rs], '{:.3f}')} | "
+                      f"{_spread([r['val'][0][1] for r in rs], '{:.3f}')} | {_spread([r['val'][-1][1] for r in rs], '{:.3f}')} |")
+    lines += ["", "Each run:", "",
+              "| run | setting | lr | seed | step s | update s | sync s | validation accuracy at steps | wall min | started "
+              "(UTC) | load average mean / max |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for name, r in sorted(runs.items(), key=lambda kv: (kv[1]["rank"], kv[1]["lr"], kv[1]["seed"])):
+        val = ", ".join(f"{s}: {a:.3f}" for s, a in r["val"])
+        lines.append(f"| {name} | {_setting(r['rank'])} | {r['lr']:g} | {r['seed']} | {r['step_s']:.1f} | {r['update_s']:.1f} | "
+                     f"{r['sync_s']:.2f} | {val} | {r['wall_s'] / 60:.1f} | {r['started']} | {r['load_mean']:.1f} / "
+                     f"{r['load_max']:.1f} |")
+    full = [r for r in runs.values() if r["rank"] == 0]
+    if full:
+        base = min(r["lr"] for r in full)
+        full = sorted((r for r in full if r["lr"] == base), key=lambda r: r["seed"])
+        val_steps = [s for s, _ in full[0]["val"]]
+        lines += ["", f"### The default run (full fine-tuning, lr {base:g}), per seed", "",
+                  "Validation accuracy (35 held-out problems, greedy) at every validation step, and the training reward "
+                  "(32 samples a step) of the first 5 and last 5 steps.", "",
+                  "| seed | " + " | ".join(f"val step {s}" for s in val_steps) + " | reward steps 1–5 | reward last 5 | "
+                  "median step s | wall min |", "| --- " * (len(val_steps) + 5) + "|"]
+        for r in full:
+            acc = dict(r["val"])
+            n = len(r["rewards"])
+            lines.append(f"| {r['seed']} | " + " | ".join(f"{acc[s]:.3f}" if s in acc else "–" for s in val_steps)
+                         + f" | {' '.join(f'{x:.2f}' for x in r['rewards'][:5])} (mean {_mean(r['rewards'], 5, True):.3f}) | "
+                         f"steps {n - 4}–{n}: {' '.join(f'{x:.2f}' for x in r['rewards'][-5:])} (mean "
+                         f"{_mean(r['rewards'], 5, False):.3f}) | {r['step_s']:.1f} | {r['wall_s'] / 60:.1f} |")
     return lines
+
+
+# ------------------------------------------------------------------ measuring, merging, rendering
+class LoadAverage:
+    """Samples the 1-minute load average every ``every`` seconds while in the ``with`` block."""
+
+    def __init__(self, every: float = 15.0):
+        import threading
+
+        self.every, self.samples, self._stop = every, [os.getloadavg()[0]], threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.every):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> LoadAverage:
+        self.started = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.samples.append(os.getloadavg()[0])
+
+    def record(self) -> dict:
+        return {"started": self.started, "load_mean": statistics.mean(self.samples), "load_max": max(self.samples)}
+
+
+def measured(fn, *args) -> dict:
+    with LoadAverage() as load:
+        result = fn(*args)
+    return {**result, **load.record()}
+
+
+def render(results: dict, preset: str, regenerate: str) -> str:
+    import peft
+    import torch
+
+    lines = ["# Full fine-tuning vs LoRA", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores (AVX2, no AVX-512 BF16), torch {torch.__version__}, "
+             f"peft {peft.__version__}, Python {platform.python_version()}. Each part and run below says when it ran and "
+             "the load average meanwhile: the 2 cores were shared with other engineers' jobs (tests, other benchmarks).",
+             "", f"Regenerate: `{regenerate}` (every part, one run after another), or one run at a time: "
+             "`.venv/bin/python benchmarks/lora.py --parts runs --only r0-lr1e-05-s0` (`--list` names them); each "
+             "invocation merges into `benchmarks/results_lora.json` and rewrites this file from it."]
+    if "engine" in results:
+        lines += [""] + render_engine(results["engine"])
+    if "memory" in results:
+        lines += [""] + render_memory(results["memory"])
+    if results.get("runs"):
+        lines += [""] + render_runs(results["runs"], results.get("memory"), preset)
+    return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="default", help="tiny: a smoke run of this script")
     ap.add_argument("--steps", type=int, default=0, help="training steps per run (0: the preset's)")
-    ap.add_argument("--parts", default="engine,memory,runs")
+    ap.add_argument("--parts", default="engine,memory,runs", help="empty: only render the stored results")
     ap.add_argument("--updates", type=int, default=3, help="memory: updates per actor")
-    ap.add_argument("--runs", default="0:,8:,8:1e-4,32:1e-4", help="runs: rank:lr pairs (empty lr: the preset's)")
-    ap.add_argument("--out", default=str(HERE / "results_lora.md"))
+    ap.add_argument("--runs", default="0::0+1+2,8:1e-4:0+1,32:1e-4:0+1",
+                    help="runs: rank:lr:seeds items (empty lr: the preset's; seeds joined by +)")
+    ap.add_argument("--only", default="", help="runs: only these run names (comma-separated; see --list)")
+    ap.add_argument("--list", action="store_true", help="print the run names of --runs and exit")
+    ap.add_argument("--out", default=str(HERE / "results_lora.md"), help="the table; its .json beside it holds the results")
     args = ap.parse_args()
     from offstep.config.loader import load_config
 
     preset_cfg = load_config([f"preset={args.preset}"])
     steps = args.steps or preset_cfg.trainer.total_steps
     model = preset_cfg.model.path
-    t0 = time.time()
-    import peft
-    import torch
+    plan = plan_runs(args.runs, preset_cfg.actor.optim.lr)
+    if args.list:
+        print("\n".join(f"{name}: {_setting(r)}, lr {lr:g}, seed {s}" for name, (r, lr, s) in plan.items()))
+        return
+    only = [n for n in args.only.split(",") if n]
+    unknown = sorted(set(only) - set(plan))
+    if unknown:
+        sys.exit(f"--only: {', '.join(unknown)} not in the plan of --runs (--list names them)")
+    store = Path(args.out).with_suffix(".json")
+    results = json.loads(store.read_text()) if store.exists() else {}
 
-    sections = []
-    for part in args.parts.split(","):
-        sections += [""] + (part_engine(model) if part == "engine" else part_memory(model, preset_cfg.model.compute_dtype, args.updates) if part == "memory"
-                            else part_runs(args.preset, steps, args.runs))
-    lines = ["# Full fine-tuning vs LoRA", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, peft {peft.__version__}, "
-             f"Python {platform.python_version()}; {(time.time() - t0) / 60:.1f} minutes in all.", *sections, "",
-             f"Regenerate: `.venv/bin/python benchmarks/lora.py --preset {args.preset} --steps {steps} --parts {args.parts} "
-             f"--updates {args.updates} --runs {args.runs}`"]
-    Path(args.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    def save() -> None:  # after every part and run: a stopped benchmark keeps what it measured
+        store.write_text(json.dumps(results, indent=1) + "\n")
+        Path(args.out).write_text(render(results, args.preset, f".venv/bin/python benchmarks/lora.py --preset {args.preset}"
+                                                                f" --steps {steps} --updates {args.updates} --runs {args.runs}"))
+
+    for part in (p for p in args.parts.split(",") if p):
+        if part == "engine":
+            results["engine"] = measured(part_engine, model)
+        elif part == "memory":
+            results["memory"] = measured(part_memory, model, preset_cfg.model.compute_dtype, args.updates)
+        elif part == "runs":
+            for name, (rank, lr, seed) in plan.items():
+                if only and name not in only:
+                    continue
+                out = Path("runs") / "bench_lora" / name
+                results.setdefault("runs", {})[name] = measured(run_one, args.preset, rank, lr, seed, steps,
+                                                                preset_cfg.trainer.val_freq, out)
+                print(name, json.dumps(results["runs"][name]), flush=True)
+                save()
+        else:
+            sys.exit(f"--parts: unknown part {part!r} (engine, memory, runs)")
+        save()
+    save()
+    print(Path(args.out).read_text())
 
 
 if __name__ == "__main__":

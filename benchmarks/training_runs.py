@@ -33,22 +33,32 @@ class Run:
     def val(self) -> list[float]:
         return [m["val/acc"] for m in self.metrics if "val/acc" in m]
 
+    @property
+    def val_curve(self) -> list[tuple[int, float]]:
+        """(step, validation accuracy) at every validation, step 0 (before training) first."""
+        return [(m["step"], m["val/acc"]) for m in self.metrics if "val/acc" in m]
+
+    @property
+    def rewards(self) -> list[float]:
+        """Training reward (mean over the batch) of every step, step 1 first."""
+        return [m["reward/mean"] for m in self.steps]
+
     def reward(self, first: bool, n: int = 3) -> float:
-        rewards = [m["reward/mean"] for m in self.steps]
-        return statistics.mean(rewards[:n] if first else rewards[-n:])
+        return statistics.mean(self.rewards[:n] if first else self.rewards[-n:])
 
     def timeline(self) -> list[dict]:
         return read_jsonl(self.out / "timeline.jsonl")
 
 
-def train_and_read(overrides: list[str], out: Path, steps: int) -> Run:
+def train_and_read(overrides: list[str], out: Path, steps: int, val_freq: int = 0) -> Run:
     """Train with ``overrides`` for ``steps`` steps into ``out`` (a rerun moves the previous run
-    aside), validating before and after, with plain progress; return what the run recorded."""
+    aside), validating before, after and every ``val_freq`` steps (0: before and after only), with
+    plain progress; return what the run recorded."""
     from offstep.config.loader import load_config
     from offstep.pipeline.controller import train
 
     cfg = load_config([*overrides, f"trainer.total_steps={steps}", f"trainer.output_dir={out}", "trainer.overwrite=true",
-                       f"trainer.val_freq={steps}", "trainer.progress=plain"])
+                       f"trainer.val_freq={val_freq or steps}", "trainer.progress=plain"])
     t0 = time.time()
     train(cfg)
     return Run(cfg, out, time.time() - t0, read_jsonl(out / "metrics.jsonl"))
