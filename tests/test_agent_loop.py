@@ -261,7 +261,7 @@ def test_loop_token_in_token_out_and_mask(tok, eos):
     assert second.prompt_ids == prompt + turn1 + tool and second.max_new_tokens == 64 - len(turn1) - len(tool)
     assert second.stream == 0 + (1 << 32)
     assert (res.turns, res.attempts, res.tool_errors, res.finish_reason) == (2, 1, 0, "stop")
-    assert res.final_text == "47 * 86 = 4042."
+    assert res.final_text == "47 * 86 = 4042." and res.ended_by == "answer"
     assert res.agent_info()["num_turns"] == 2 and res.agent_info()["tool_calls"][0]["arguments"] == {"expression": "47 * 86"}
     runner.close()
 
@@ -271,6 +271,7 @@ def test_loop_stops_at_max_turns_without_running_the_call(tok, eos):
     engine = ScriptedEngine(tok, eos, lambda req: "<calculator>1+1</calculator>")
     (res,) = runner.run(engine, [_prompt(tok)], [{}], SamplingParams(max_new_tokens=64), seed=0)
     assert res.turns == 1 and res.max_turns_hit and res.loss_mask == [1] * len(res.response_ids)
+    assert res.ended_by == "max_turns"
     assert res.calls[0]["ran"] is False and len(engine.requests) == 1
     runner.close()
 
@@ -283,6 +284,7 @@ def test_loop_budget_cuts_the_tool_turn_and_ends(tok, eos):
     (res,) = runner.run(engine, [_prompt(tok)], [{}], SamplingParams(max_new_tokens=budget), seed=0)
     assert len(res.response_ids) == budget and res.finish_reason == "length"
     assert res.loss_mask == [1] * len(turn1) + [0, 0, 0] and len(engine.requests) == 1
+    assert res.ended_by == "budget"
     runner.close()
 
 
@@ -328,6 +330,38 @@ def test_rows_tools_kwargs_reach_the_tool_and_extra_info_reaches_the_reward(tok,
     runner.close()
 
 
+def test_calculator_reward_counts_only_a_plain_final_answer(tok, eos):
+    """The calculator task's scorer (the same for training, validation and ``offstep eval``) on real
+    loops: the right number in a plain final turn scores 1, with or without a tool result before it;
+    the right number in a second call (run out of turns, or cut by the token budget) scores 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from offstep.rewards.registry import RewardFunction
+    from offstep.rollout.worker import Request
+    from offstep.telemetry.progress import ProgressClient
+
+    after_tool = _calc_script(tok)  # call, then "47 * 86 = 4042.<|im_end|>"
+
+    def call_again(req):
+        return "<calculator>4042</calculator>"
+
+    scripts = {"after_tool": after_tool, "no_tool": lambda req: "It is 4042.<|im_end|>", "max_turns": call_again,
+               "budget": call_again}
+    call = tok("<calculator>4042</calculator>", add_special_tokens=False).input_ids
+    first_two = len(call) + len(ToolTurnRenderer(tok, "tool", eos).tokens(["4042"], call[-1]))
+    got = {}
+    for case, script in scripts.items():
+        budget = first_two + 5 if case == "budget" else 128  # "budget": the call and its tool turn fit, not the next call
+        runner = AgentRunner(AgentConfig(max_turns=2), tok, eos)
+        rows = [Request(0, _prompt(tok), "calculator", "4042", {"index": 0}, "tool_agent")]
+        (s,), _ = run_tool_rows(runner, ScriptedEngine(tok, eos, script), rows, SamplingParams(max_new_tokens=budget), 0,
+                                RewardFunction(), ThreadPoolExecutor(1), ProgressClient())
+        runner.close()
+        got[case] = (s.score, s.agent.turns, s.finish_reason)
+    assert got == {"after_tool": (1.0, 2, "stop"), "no_tool": (1.0, 1, "stop"), "max_turns": (0.0, 2, "stop"),
+                   "budget": (0.0, 2, "length")}
+
+
 def test_ordered_feed_admits_the_same_way_whatever_the_tools_latency(tok, eos):
     """With ``ordered`` a continuation is admitted at the step after its turn ended, whatever its
     tool's latency: the sequence of engine takes is the same run after run."""
@@ -366,6 +400,51 @@ def test_ordered_feed_admits_the_same_way_whatever_the_tools_latency(tok, eos):
         return log
 
     assert takes() == takes() == takes()
+
+
+@pytest.mark.parametrize("ordered", [False, True])
+def test_unordered_feed_lets_fast_loops_pass_a_slow_tool(tok, eos, ordered):
+    """``ordered=false`` promises that a slow tool holds back only its own sample: the fast
+    sample's next turn is admitted (and here served) while the slow tool still runs; ``ordered``
+    waits for every running tool first. The loops' tokens are the same either way: only the
+    admission order differs."""
+    release, released = threading.Event(), []
+
+    def gated(expression: str) -> str:
+        """A tool whose "slow" call runs until the engine serves the fast sample's next turn.
+
+        Args:
+            expression: slow or fast
+        """
+        if expression == "slow":
+            released.append(release.wait(timeout=0.5 if ordered else 10))
+        return "7"
+
+    def script(req):
+        text = tok.decode(req.prompt_ids)
+        which = "slow" if "slow?" in text else "fast"
+        if "<|im_start|>tool" not in text.split("What is")[-1]:
+            return f"<calculator>{which}</calculator>"
+        if which == "fast":
+            release.set()
+        return f"{which} done.<|im_end|>"
+
+    runner = AgentRunner(AgentConfig(ordered=ordered), tok, eos)
+    runner.tools = {"calculator": make_tool(gated)}  # the parser knows it as "calculator"
+    engine = ScriptedEngine(tok, eos, script)
+    results = runner.run(engine, [_prompt(tok, "What is slow?"), _prompt(tok, "What is fast?")], [{}, {}],
+                         SamplingParams(max_new_tokens=64), 0)
+    runner.close()
+    served = [("slow" if "slow?" in tok.decode(r.prompt_ids) else "fast") for r in engine.requests]
+    # Unordered: the fast continuation goes first and releases the slow tool; ordered: the slow
+    # tool runs out its 0.5 s, then both continuations are admitted together, in request order.
+    assert served == (["slow", "fast", "slow", "fast"] if ordered else ["slow", "fast", "fast", "slow"])
+    assert released == [not ordered]
+    for r, which in zip(results, ("slow", "fast")):
+        call = tok(f"<calculator>{which}</calculator>", add_special_tokens=False).input_ids
+        tool = ToolTurnRenderer(tok, "tool", eos).tokens(["7"], call[-1])
+        assert r.response_ids == call + tool + tok(f"{which} done.<|im_end|>", add_special_tokens=False).input_ids
+        assert (r.turns, r.ended_by, r.loss_mask.count(0)) == (2, "answer", len(tool))
 
 
 def test_feed_error_reaches_the_engine():

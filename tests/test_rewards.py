@@ -20,6 +20,7 @@ from offstep.rewards.scorers import (
     gsm8k_score,
     last_number,
     last_number_score,
+    plain_answer_score,
 )
 
 # --------------------------------------------------------------------------------------------------
@@ -106,6 +107,50 @@ def test_last_number():
     assert last_number("a 1 b 2 c 3.5") == 3.5
     assert last_number("-12,000") == -12000.0
     assert last_number("nothing") is None
+
+
+# --------------------------------------------------------------------------------------------------
+# plain_answer_score: the calculator task (a number counts only in a plain final answer)
+
+
+@pytest.mark.parametrize(
+    "final_turn, ended_by, expected",
+    [
+        # The loop ended on a turn without a call whose last number is 47 * 86 = 4042: 1 (after a
+        # tool result, or with no tool at all: the final turn is all that is read).
+        ("The answer is 4042.", "answer", 1.0),
+        ("47 * 86 = 4042", "answer", 1.0),
+        ("The answer is 4041.", "answer", 0.0),
+        ("I do not know.", "answer", 0.0),
+        # The right number inside a call that was cut by the budget, or never run at max_turns: 0.
+        ("<calculator>4042", "budget", 0.0),
+        ("<calculator>4042</calculator>", "max_turns", 0.0),
+        # A plain answer cut by the budget before the model ended its turn: 0.
+        ("The answer is 4042", "budget", 0.0),
+        # No loop (one turn, the no-tool baseline): the answer counts unless it holds a call.
+        ("47 * 86 = 4042", None, 1.0),
+        ("<calculator>47 * 86</calculator> 4042", None, 0.0),
+    ],
+)
+def test_plain_answer_score(final_turn, ended_by, expected):
+    assert plain_answer_score(final_turn, "4042", ended_by, "<calculator>") == expected
+
+
+def test_calculator_scorer_reads_the_loop_not_the_whole_response():
+    """The built-in ``calculator`` scorer: the loop's ``final_text`` and ``ended_by`` decide; the tool's
+    answer 4042 earlier in the response never counts."""
+    calc = BUILTIN_SCORERS["calculator"]
+    whole = "<calculator>47 * 86</calculator>\ntool\n4042\nassistant\n"
+    after_tool = {"num_turns": 2, "final_text": "The answer is 4042.", "ended_by": "answer"}
+    assert calc("calculator", whole + "The answer is 4042.", "4042", extra_info=after_tool) == 1.0
+    no_tool = {"num_turns": 1, "final_text": "4042", "ended_by": "answer"}
+    assert calc("calculator", "4042", "4042", extra_info=no_tool) == 1.0
+    in_call = {"num_turns": 2, "final_text": "<calculator>4042</calculator>", "ended_by": "max_turns"}
+    assert calc("calculator", whole + "<calculator>4042</calculator>", "4042", extra_info=in_call) == 0.0
+    cut = {"num_turns": 2, "final_text": "<calculator>40", "ended_by": "budget"}
+    assert calc("calculator", whole + "<calculator>40", "4042", extra_info=cut) == 0.0
+    assert calc("calculator", whole, "4042", extra_info={"index": 0}) == 0.0  # one turn, a call nothing ran
+    assert calc("calculator", "47 * 86 = 4042", "4042", extra_info={"index": 0}) == 1.0
 
 
 # --------------------------------------------------------------------------------------------------

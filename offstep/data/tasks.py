@@ -17,7 +17,8 @@ Tasks
     Multiplications of multi-digit numbers ("What is 47 * 86?") that a small model cannot do in
     its head, with a calculator tool described in the system prompt (``<calculator>47 * 86
     </calculator>``, ``rollout.agent.format=tag``) and ``agent_name=tool_agent``; scored by the last
-    number of the model's final turn (data_source ``"calculator"``). Keyword arguments: ``digits``
+    number of the model's final turn, only when the loop ended because the model answered without a
+    call (data_source ``"calculator"``, ``rewards.scorers.plain_answer_score``). Keyword arguments: ``digits``
     (default 2), ``min_value`` (default 10), ``ops`` (default ``"*"``), ``num_operands`` (default 2),
     ``example`` (default True: one worked call as a demonstration turn before the question),
     ``tools`` (default True; False: the same problems as plain single-turn rows, the baseline).
@@ -141,12 +142,14 @@ CALCULATOR_SYSTEM = (
     "as a single number at the end of your reply."
 )
 # One worked call, as turns before the question (the smallest change that made SmolLM2-135M call
-# the tool: see the README's calculator section).
+# the tool: see the README's calculator section). Its final answer is short: call, tool turn and
+# "The answer is 9801.<|im_end|>" are 39 tokens, inside the preset's 48-token budget; the longer
+# "99 * 99 = 9801. The answer is 9801." took 52, so a model copying it was always cut off.
 CALCULATOR_EXAMPLE = [
     {"role": "user", "content": "What is 23 * 19?"},
     {"role": "assistant", "content": "<calculator>23 * 19</calculator>"},
     {"role": "tool", "content": "437"},
-    {"role": "assistant", "content": "23 * 19 = 437. The answer is 437."},
+    {"role": "assistant", "content": "The answer is 437."},
 ]
 
 

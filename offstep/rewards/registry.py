@@ -25,7 +25,7 @@ import threading
 from typing import Any, Callable, Iterable
 
 from offstep.errors import OffstepError
-from offstep.rewards.scorers import gsm8k_score, last_number_score
+from offstep.rewards.scorers import gsm8k_score, last_number_score, plain_answer_score
 
 Scorer = Callable[..., Any]
 SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
@@ -56,21 +56,27 @@ def _last_number(data_source, solution_str, ground_truth, extra_info=None, **kwa
     return last_number_score(solution_str, ground_truth)
 
 
-def _final_turn_number(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    """The last number of the model's final turn (a tool's answer before it does not count)."""
-    final = (extra_info or {}).get("final_text", solution_str)
-    return last_number_score(final if isinstance(final, str) else solution_str, ground_truth)
+CALCULATOR_CALL = "<calculator>"  # the call the calculator task's system prompt teaches (rollout.agent.format=tag)
+
+
+def _plain_final_answer(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
+    """The calculator task: the last number of the model's final turn, when the loop ended because
+    the model answered (a tool's answer before it, or a call holding the number, does not count)."""
+    info = extra_info or {}
+    ended_by = info.get("ended_by")
+    final = info.get("final_text") if ended_by is not None else solution_str
+    return plain_answer_score(final if isinstance(final, str) else "", ground_truth, ended_by, CALCULATOR_CALL)
 
 
 _gsm8k.__qualname__ = _gsm8k.__name__ = "gsm8k_strict"
 _last_number.__qualname__ = _last_number.__name__ = "last_number"
-_final_turn_number.__qualname__ = _final_turn_number.__name__ = "final_turn_number"
+_plain_final_answer.__qualname__ = _plain_final_answer.__name__ = "plain_final_answer"
 
 BUILTIN_SCORERS: dict[str, Scorer] = {
     "openai/gsm8k": _gsm8k,
     "gsm8k": _gsm8k,
     "arithmetic": _last_number,
-    "calculator": _final_turn_number,
+    "calculator": _plain_final_answer,
 }
 
 

@@ -95,3 +95,21 @@ def last_number_score(solution_str: str, ground_truth) -> float:
     if truth is None or not math.isfinite(truth):
         return 0.0
     return 1.0 if math.isclose(predicted, truth, rel_tol=1e-9, abs_tol=1e-9) else 0.0
+
+
+def plain_answer_score(final_turn: str, ground_truth, ended_by: str | None, call_marker: str) -> float:
+    """A tool task's score: ``last_number_score`` of the model's final turn, counted only when that
+    turn is a plain answer, else 0.0.
+
+    ``ended_by`` is why the tool loop ended (``offstep.rollout.agent_loop``): only ``"answer"`` (a
+    turn without a call) counts; ``"budget"`` (the token budget ran out, e.g. inside a call) and
+    ``"max_turns"`` (a call that was never run) score 0, whatever number they hold. ``None``: the
+    row was answered in one turn, without a loop (the no-tool baseline); it counts unless it
+    contains ``call_marker``, a call that nothing ran.
+    """
+    if ended_by is None:
+        answered = call_marker not in final_turn
+    else:
+        answered = ended_by == "answer"
+    return last_number_score(final_turn, ground_truth) if answered else 0.0
+

@@ -60,9 +60,18 @@ class AgentResult:
     max_turns_hit: bool = False
     spans: list[tuple[float, float]] = field(default_factory=list)  # when its tool turns ran
 
+    @property
+    def ended_by(self) -> str:
+        """Why the loop ended: ``"answer"`` (a model turn without a tool call), ``"budget"`` (the
+        response budget ran out) or ``"max_turns"`` (the last turn's calls were not run)."""
+        if self.finish_reason == "length":
+            return "budget"
+        return "max_turns" if self.max_turns_hit else "answer"
+
     def agent_info(self) -> dict:
         """What the reward function finds in ``extra_info`` besides the row's own."""
-        return {"num_turns": self.turns, "tool_calls": self.calls, "final_text": self.final_text}
+        return {"num_turns": self.turns, "tool_calls": self.calls, "final_text": self.final_text,
+                "ended_by": self.ended_by}
 
 
 class ToolTurnRenderer:
