@@ -43,6 +43,7 @@ import yaml
 from offstep.batch import GenTiming, Sample, Span
 from offstep.config.loader import ConfigError
 from offstep.pipeline.batching import Generated
+from offstep.pipeline.faults import pause_point
 from offstep.train.checkpoint import CheckpointError, check_role, fsync_tree, replace_dir, write_durably, write_failed
 
 _NAME = re.compile(r"^step_(\d+)(\.replaced)?$")
@@ -272,10 +273,12 @@ class Checkpoints:
             write_durably(staging / "config.yaml", config_yaml)
             write_durably(staging / STATE_FILE, encode_state(state, self.run_id))
             fsync_tree(staging)
+            pause_point("state", state.step)
             replace_dir(staging, final, final.with_name(final.name + ".replaced"))
         except OSError as e:
             shutil.rmtree(staging, ignore_errors=True)  # give the space back; the last commit stays
             raise write_failed(staging, e) from None
+        pause_point("published", state.step)
         self._prune(state.step)
         return final
 

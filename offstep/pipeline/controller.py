@@ -38,6 +38,7 @@ from offstep.pipeline.advantage import build_kl_controller, needs_old_logprobs
 from offstep.pipeline.batching import generate_batch
 from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints
 from offstep.pipeline.evaluation import summarise
+from offstep.pipeline.faults import pause_point
 from offstep.pipeline.fleet import RolloutFailed, RolloutFleet
 from offstep.pipeline.inputs import prepare_inputs
 from offstep.pipeline.pools import RoleGroup
@@ -298,7 +299,9 @@ class Controller:
         await finishing  # this step's metrics are on disk before the checkpoint that covers them
         in_flight = [(b.batch_idx, b.epoch, b.idx, await b.generated) for b in pending]
         staging = self.checkpoints.staging(step)
+        pause_point("staged", step)  # test hooks (faults.py): a kill timed inside the write
         await asyncio.gather(*(g.run("save_checkpoint", str(staging / g.name)) for g in self.workers.stateful))
+        pause_point("shards", step)
         state = TrainerState(step, self.version, self.timeline.t0, self.stream.state_dict(), in_flight, self.fleet.restarts,
                              self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None)
         path = self.checkpoints.commit(staging, state, to_yaml(self.cfg))

@@ -1,0 +1,560 @@
+"""Kills at random moments: a tiny run is SIGKILLed (its whole process group) again and again and
+resumed each time, until it completes; every record must equal an uninterrupted run's.
+
+    .venv/bin/python benchmarks/random_kills.py --only builtin-k0 builtin-k1 builtin-k2 [--kills 20] [--seed 0]
+
+Per configuration (``SETUPS``): one uninterrupted reference run, then runs of the same command
+(``offstep train``, in its own session, so the process group of the driver is what is killed)
+killed at moments drawn by a seeded RNG, each followed by a restart of the same command, until
+``--kills`` kills are done and the last run completes (a run that completes before its kill is due
+ends a round; the next round starts in a fresh folder). The kinds of moment (``KINDS``):
+
+``startup``    uniform over the reference's start-up (before the first record)
+``running``    uniform over the reference's training time, from this run's first new timeline line
+``partial``    uniform over the reference's checkpoint write, from when a new ``.partial`` appears
+``pause``      inside a checkpoint write on purpose: the driver pauses there (the test hook
+               ``OFFSTEP_TEST_PAUSE``, ``offstep/pipeline/faults.py``) at a drawn point and step
+``early``      as soon as the run's first new step record is on disk (in a fresh folder: before
+               the first checkpoint, so the restart cannot resume and starts afresh)
+
+Every command carries ``trainer.overwrite=true``: with an intact checkpoint it resumes; killed
+before the first checkpoint, with records already written, it moves them aside and starts afresh
+(without it the folder is refused: "a run with records but no intact checkpoint").
+
+After each kill: no process of the run's session (``pgrep -s``), nor any process that descended
+from the driver, is left once Ray's workers have noticed (within ``LEFTOVER_S``); where the kill
+landed, read off the folder (a new ``.partial`` or a paused write: during a checkpoint write; no
+complete checkpoint: before the first; else between); and the records so far must be the
+reference's (``check_records``). A resume is exact when the records after the run that follows it
+(killed again, or complete) pass. The last run's records must equal the reference's in full.
+
+Writes ``benchmarks/results_random_kills.json`` (every kill) and ``.md`` (per configuration:
+kills, where they landed, exact resumes, time); rows of other configurations are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from offstep.pipeline.faults import ENV as PAUSE_ENV, POINTS  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results_random_kills"
+# Wall-clock figures, the only fields of a metrics record not compared: their prefixes, and the
+# names ending in "_s" (seconds: sync/verify_s, agent/tool_time_s).
+EXCLUDED_PREFIXES = ("timing_s/", "perf/")
+EXCLUDED_SUFFIX = "_s"
+TIMELINE_CLOCK = ("start", "end")  # a timeline event's times; role, stage, step and the rest compared
+LEFTOVER_S = 30.0  # Ray's workers end when their raylet is gone (a few seconds here)
+KINDS = ("startup", "running", "partial", "pause")
+WEIGHTS = (0.15, 0.45, 0.15, 0.25)
+# A deterministic reward that is not constant (the tiny model earns nothing on arithmetic).
+REWARD = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    return (len(solution_str) % 3) / 2.0
+'''
+
+
+@dataclass
+class Setup:
+    name: str
+    k: int
+    kills: int  # the default count (--kills overrides)
+    engine: str = "builtin"
+    lora: int = 0
+    agent: str = "single_turn_agent"
+
+
+SETUPS = {s.name: s for s in [
+    Setup("builtin-k0", 0, 20), Setup("builtin-k1", 1, 20), Setup("builtin-k2", 2, 20),
+    # Fewer: a vLLM start takes about a minute here; LoRA and tool rows add state to a resume but
+    # no new kind of moment.
+    Setup("vllm-k1", 1, 3, engine="vllm"), Setup("lora-k1", 1, 5, lora=8), Setup("tools-k1", 1, 5, agent="tool_agent"),
+]}
+
+
+def overrides(s: Setup, out: Path, reward: Path, steps: int, save_freq: int) -> list[str]:
+    return ["preset=tiny", f"rollout.engine={s.engine}", f"actor.lora.rank={s.lora}", f"rollout.agent.default_agent={s.agent}",
+            f"pipeline.max_staleness={s.k}", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
+            f"trainer.save_freq={save_freq}", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress=plain",
+            f"reward.custom_path={reward}", "reward.num_threads=1", "trainer.overwrite=true"]
+
+
+# ------------------------------------------------------------------ the records
+def deterministic(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not (k.startswith(EXCLUDED_PREFIXES) or k.endswith(EXCLUDED_SUFFIX))}
+
+
+def read_lines(path: Path) -> tuple[list[dict], bool]:
+    """The records of a JSONL file, and whether its last line was torn (cut off by a kill)."""
+    if not path.exists():
+        return [], False
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    out = []
+    for i, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:
+                return out, True
+            raise
+    return out, False
+
+
+@dataclass
+class Records:
+    """What a run folder holds, keyed by step: metrics, timeline events, sample rows."""
+
+    metrics: list[dict]
+    timeline: dict[int, Counter]
+    samples: dict[int, Counter]
+    torn: list[str]
+
+    @classmethod
+    def read(cls, run: Path) -> Records:
+        metrics, t1 = read_lines(run / "metrics.jsonl")
+        events, t2 = read_lines(run / "timeline.jsonl")
+        rows, t3 = read_lines(run / "samples.jsonl")
+        timeline: dict[int, Counter] = {}
+        for e in events:
+            key = json.dumps({k: v for k, v in e.items() if k not in TIMELINE_CLOCK}, sort_keys=True)
+            timeline.setdefault(e["step"], Counter())[key] += 1
+        samples: dict[int, Counter] = {}
+        for r in rows:
+            samples.setdefault(r["step"], Counter())[json.dumps(r, sort_keys=True)] += 1
+        torn = [n for n, t in zip(("metrics.jsonl", "timeline.jsonl", "samples.jsonl"), (t1, t2, t3)) if t]
+        return cls([deterministic(m) for m in metrics], timeline, samples, torn)
+
+
+def check_records(run: Records, ref: Records, final: bool) -> list[str]:
+    """What in ``run`` differs from the reference ``ref``. ``final``: the run completed, so every
+    record must be there. Otherwise (a run just killed) the records so far: metrics of steps
+    1..m, each once and equal to the reference's; timeline events and sample rows of every step at
+    most the reference's (none repeated), and all of them for the steps a later record covers
+    (events of step m may still follow: its checkpoint's; rows up to m are written first)."""
+    problems = []
+    steps = [m["step"] for m in run.metrics]
+    want = [m["step"] for m in ref.metrics]
+    m = len(steps)
+    if steps != want[:m] or (final and steps != want):
+        problems.append(f"metrics.jsonl has steps {steps}, the reference {want}")
+    ref_by_step = {r["step"]: r for r in ref.metrics}
+    for rec in run.metrics:
+        other = ref_by_step.get(rec["step"])
+        if other is not None and rec != other:
+            diff = sorted(k for k in set(rec) | set(other) if rec.get(k) != other.get(k))
+            problems.append(f"step {rec['step']}'s metrics differ: {diff[:8]}")
+    last = steps[-1] if steps else 0
+    for name, got, exp, complete_to in (("timeline.jsonl", run.timeline, ref.timeline, last - 1),
+                                        ("samples.jsonl", run.samples, ref.samples, last)):
+        for step in sorted(set(got) | set(exp)):
+            g, e = got.get(step, Counter()), exp.get(step, Counter())
+            extra, missing = g - e, e - g
+            if extra:
+                problems.append(f"{name}: step {step} has {sum(extra.values())} record(s) the reference does not "
+                                f"(repeated or different): {list(extra)[:2]}")
+            if missing and (final or step <= complete_to):
+                problems.append(f"{name}: step {step} lacks {sum(missing.values())} record(s): {list(missing)[:2]}")
+    if final and run.torn:
+        problems.append(f"torn last lines in {run.torn}")
+    return problems
+
+
+# ------------------------------------------------------------------ one run, maybe killed
+@dataclass
+class Profile:
+    """The reference run's times: start-up (to its first timeline line), training (from there to
+    the end), a checkpoint write."""
+
+    startup_s: float
+    train_s: float
+    checkpoint_s: float
+    wall_s: float
+
+
+@dataclass
+class Kill:
+    round: int
+    kind: str  # what the moment was drawn as (KINDS, or early)
+    detail: str  # the delay drawn, or the paused point
+    landed: str = ""  # before first checkpoint / during checkpoint write / between checkpoints
+    at: str = ""  # the last step recorded and the last checkpoint at the kill
+    leftover_s: float = 0.0  # seconds until no process of the run was left
+    leftovers: list = field(default_factory=list)
+    resumed: str = ""  # how the run that followed started: "from step N" / "afresh"
+    problems: list = field(default_factory=list)  # after the run that followed
+
+    @property
+    def exact(self) -> bool:
+        return not self.problems and not self.leftovers
+
+
+def _spawn(args: list[str], env: dict, log: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "offstep.cli", "train", *args], cwd=ROOT, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env)
+
+
+def _lines(path: Path) -> int:
+    try:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+    except OSError:
+        return 0
+
+
+def _partials(run: Path) -> set[tuple]:
+    """The ``.partial`` folders there now, told apart by inode and change time (a new one: a
+    write begun since)."""
+    found = set()
+    for p in (run / "checkpoints").glob("*.partial"):
+        try:
+            st = p.stat()
+        except OSError:  # removed meanwhile
+            continue
+        found.add((p.name, st.st_ino, st.st_ctime_ns))
+    return found
+
+
+def _checkpoints(run: Path) -> list[int]:
+    root = run / "checkpoints"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name[5:]) for p in root.iterdir()
+                  if p.name.startswith("step_") and p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
+
+
+def _alive(pids) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{pid} {' '.join(p.cmdline())[:80]}")
+        except psutil.Error:
+            pass
+    return out
+
+
+def _session(sid: int) -> set[int]:
+    found = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
+    return {int(p) for p in found}
+
+
+def _wait_gone(sid: int, seen: set[int]) -> tuple[float, list[str]]:
+    """Seconds until no process of session ``sid`` nor of ``seen`` is alive; what was left after
+    ``LEFTOVER_S`` (then killed, so that the next run starts clean)."""
+    t0 = time.time()
+    while time.time() - t0 < LEFTOVER_S:
+        left = _alive(_session(sid) | seen)
+        if not left:
+            return time.time() - t0, []
+        time.sleep(0.1)
+    left = _alive(_session(sid) | seen)
+    for entry in left:
+        try:
+            os.kill(int(entry.split()[0]), signal.SIGKILL)
+        except OSError:
+            pass
+    return time.time() - t0, left
+
+
+class Attempt:
+    """One start of the command: ``wait_moment`` waits for the drawn moment (``True``: reached,
+    the run still going), ``kill`` kills its process group and checks what is left."""
+
+    def __init__(self, args: list[str], run: Path, log: Path, pause: str | None = None):
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
+        env.pop(PAUSE_ENV, None)
+        if pause:
+            env[PAUSE_ENV] = pause
+        self.run, self.log = run, log
+        self.partials0 = _partials(run)
+        self.timeline0 = _lines(run / "timeline.jsonl")
+        self.checkpoints0 = _checkpoints(run)
+        self.t0 = time.time()
+        self.proc = _spawn(args, env, log)
+
+    def _until(self, ready, timeout: float) -> bool:
+        t0 = time.time()
+        while not ready():
+            if self.proc.poll() is not None:
+                return False
+            if time.time() - t0 > timeout:
+                raise TimeoutError(f"the moment did not come within {timeout:.0f} s (log: {self.log})")
+            time.sleep(0.005)
+        return self.proc.poll() is None
+
+    def _training(self) -> bool:
+        """Training has begun: resumed (its log says so), or a fresh run's first timeline line
+        (after a folder with records was moved aside)."""
+        text = self.log.read_text()
+        if "offstep: resumed from" in text:
+            return True
+        if self.checkpoints0 or (self.timeline0 and "moved the previous contents" not in text):
+            return False
+        return _lines(self.run / "timeline.jsonl") > 0
+
+    def wait_moment(self, kind: str, arg, timeout: float) -> bool:
+        if kind == "startup":
+            return self._until(lambda: time.time() - self.t0 >= arg, timeout)
+        if kind == "running":
+            if not self._until(self._training, timeout):
+                return False
+            t = time.time()
+            return self._until(lambda: time.time() - t >= arg, timeout)
+        if kind == "partial":
+            if not self._until(lambda: bool(_partials(self.run) - self.partials0), timeout):
+                return False
+            t = time.time()
+            return self._until(lambda: time.time() - t >= arg, timeout)
+        if kind == "pause":
+            return self._until(lambda: Path(arg).exists(), timeout)
+        if kind == "early":
+            if not self._until(self._training, timeout):
+                return False
+            n = _lines(self.run / "metrics.jsonl")
+            return self._until(lambda: _lines(self.run / "metrics.jsonl") > n, timeout)
+        raise ValueError(kind)
+
+    def kill(self, marker: Path | None) -> tuple[str, str, float, list[str]]:
+        try:
+            seen = {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.Error:
+            seen = set()
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        seconds, left = _wait_gone(self.proc.pid, seen)
+        ckpts = _checkpoints(self.run)
+        if (marker is not None and marker.exists()) or (_partials(self.run) - self.partials0):
+            landed = "during checkpoint write"
+        elif not ckpts:
+            landed = "before first checkpoint"
+        else:
+            landed = "between checkpoints"
+        steps = [m.get("step") for m in read_lines(self.run / "metrics.jsonl")[0]]
+        at = f"step {max(steps, default=0)} recorded, checkpoint {max(ckpts, default=0)}"
+        return landed, at, seconds, left
+
+    def finish(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise TimeoutError(f"the run did not end within {timeout:.0f} s (log: {self.log})") from None
+
+    def started(self) -> str:
+        text = self.log.read_text()
+        for line in text.splitlines():
+            if "offstep: resumed from" in line:
+                return "from step " + line.split("(step ")[1].split(",")[0]
+        return "afresh"
+
+
+def reference_run(s: Setup, work: Path, reward: Path, steps: int, save_freq: int, timeout: float) -> tuple[Records, Profile]:
+    run = work / "reference"
+    a = Attempt(overrides(s, run, reward, steps, save_freq), run, work / "reference.log")
+    rc = a.finish(timeout)
+    wall = time.time() - a.t0
+    if rc != 0:
+        raise RuntimeError(f"the reference run of {s.name} failed (rc {rc}): {a.log.read_text()[-3000:]}")
+    events, _ = read_lines(run / "timeline.jsonl")
+    first = min(e["start"] for e in events)
+    last = max(e["end"] for e in events)
+    ckpt = [e["end"] - e["start"] for e in events if e["stage"] == "checkpoint"]
+    # The timeline's clock starts in the driver, a little after the process did: start-up is the
+    # process's wall time less the training time.
+    return Records.read(run), Profile(max(0.5, wall - (last - first)), last - first, sum(ckpt) / len(ckpt), wall)
+
+
+# ------------------------------------------------------------------ a configuration
+def draw(rng: random.Random, prof: Profile, run: Path, steps: int, save_freq: int, marker: Path,
+         forced: str | None) -> tuple[str, object, str | None, str]:
+    """A moment: (kind, its argument for ``wait_moment``, the pause hook's value, how to print it)."""
+    have = max(_checkpoints(run), default=0)
+    saves = [s for s in range(save_freq, steps + 1, save_freq) if s > have]
+    if steps % save_freq and steps > have:
+        saves.append(steps)
+    kind = forced or rng.choices(KINDS, WEIGHTS)[0]
+    if kind.startswith("pause"):
+        point = kind.split(":")[1] if ":" in kind else rng.choice(POINTS)
+        kind = "pause"
+        if saves:
+            step = rng.choice(saves)
+            marker.unlink(missing_ok=True)
+            return kind, str(marker), f"{point}:{step}:{marker}", f"{point} of step {step}"
+        kind = "running"  # every checkpoint is written: no write left to pause in
+    if kind == "partial" and not saves:
+        kind = "running"
+    if kind == "startup":
+        d = rng.uniform(0, prof.startup_s)
+    elif kind == "running":
+        d = rng.uniform(0, prof.train_s)
+    elif kind == "partial":
+        d = rng.uniform(0, prof.checkpoint_s)
+    else:
+        return kind, None, None, "a step recorded"
+    return kind, d, None, f"{d:.2f} s"
+
+
+def run_setup(s: Setup, kills: int, seed: int = 0, steps: int = 8, save_freq: int = 2, work: Path | None = None,
+              plan: list[str] | None = None, timeout: float = 900, log=print) -> dict:
+    """Reference, then ``kills`` kills (``plan``: the kinds of the first ones, in order; the rest
+    drawn), each followed by a restart, in rounds until the last run completes. Returns the
+    summary; stops at the first problem."""
+    work = Path(work or tempfile.mkdtemp(prefix=f"random-kills-{s.name}-"))
+    work.mkdir(parents=True, exist_ok=True)
+    reward = work / "reward.py"
+    reward.write_text(REWARD)
+    t_start = time.time()
+    ref, prof = reference_run(s, work, reward, steps, save_freq, timeout)
+    log(f"{s.name}: reference {prof.wall_s:.1f} s (start-up {prof.startup_s:.1f} s, training {prof.train_s:.1f} s, "
+        f"a checkpoint {prof.checkpoint_s:.2f} s)")
+    rng = random.Random(f"{seed}:{s.name}")
+    marker = work / "paused"
+    done: list[Kill] = []
+    starts = rounds = 0
+    failure = None
+    while failure is None and (rounds == 0 or len(done) < kills):
+        rounds += 1
+        run = work / f"round{rounds}"
+        pending: Kill | None = None  # the kill whose restart is the next start
+        while failure is None:
+            starts += 1
+            forced = plan[len(done)] if plan and len(done) < len(plan) else None
+            moment = draw(rng, prof, run, steps, save_freq, marker, forced) if len(done) < kills else None
+            a = Attempt(overrides(s, run, reward, steps, save_freq), run, work / f"start{starts}.log",
+                        moment and moment[2])
+            if moment is not None and a.wait_moment(moment[0], moment[1], timeout):
+                landed, at, secs, left = a.kill(marker if moment[2] else None)
+                problems = check_records(Records.read(run), ref, final=False)
+                if pending is not None:
+                    pending.resumed, pending.problems = a.started(), problems
+                elif problems:
+                    failure = f"the run before kill {len(done) + 1}: {problems}"
+                kill = Kill(rounds, moment[0], moment[3], landed, at, round(secs, 2), left)
+                done.append(kill)
+                log(f"  kill {len(done):2d}: {moment[0]:8s} {moment[3]:22s} -> {landed:24s} ({at}); gone in {secs:.1f} s"
+                    + (f"; LEFT: {left}" if left else "") + (f"; PROBLEMS: {problems}" if problems else ""))
+                if left or problems:
+                    failure = failure or f"kill {len(done)}"
+                pending = kill
+            else:
+                rc = a.finish(timeout)
+                problems = check_records(Records.read(run), ref, final=True) if rc == 0 else [
+                    f"the run failed (rc {rc}): {a.log.read_text()[-2000:]}"]
+                if pending is not None:
+                    pending.resumed, pending.problems = a.started(), problems
+                log(f"  round {rounds} complete after {sum(k.round == rounds for k in done)} kill(s)"
+                    + (f"; PROBLEMS: {problems}" if problems else ": every record equals the reference's"))
+                if problems:
+                    failure = f"round {rounds}"
+                break
+            for old in work.glob(f"round{rounds}.old-*"):  # what trainer.overwrite=true moved aside
+                shutil.rmtree(old, ignore_errors=True)
+    landed = Counter(k.landed for k in done)
+    summary = {
+        "setup": asdict(s), "kills": len(done), "exact": sum(k.exact for k in done), "rounds": rounds, "starts": starts,
+        "landed": dict(landed), "seconds": round(time.time() - t_start, 1), "reference_s": round(prof.wall_s, 1),
+        "steps": steps, "save_freq": save_freq, "seed": seed, "failure": failure,
+        "max_leftover_s": max((k.leftover_s for k in done), default=0.0),
+        "excluded": sorted({k for m in read_lines(work / "reference" / "metrics.jsonl")[0] for k in m} -
+                           {k for m in ref.metrics for k in m}),
+        "kill_list": [{**asdict(k), "exact": k.exact} for k in done],
+    }
+    log(f"{s.name}: {summary['exact']}/{summary['kills']} exact resumes, landed {dict(landed)}, "
+        f"{summary['seconds']:.0f} s" + (f"; FAILED at {failure}" if failure else ""))
+    return summary
+
+
+# ------------------------------------------------------------------ the report
+def write_report(results: dict, path: Path, command: str) -> None:
+    rows = ["| configuration | kills | before first checkpoint | during checkpoint write | between checkpoints | "
+            "exact resumes | starts (rounds) | slowest exit of all processes | run time |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        L = r["landed"]
+        rows.append(f"| {name} | {r['kills']} | {L.get('before first checkpoint', 0)} | {L.get('during checkpoint write', 0)} | "
+                    f"{L.get('between checkpoints', 0)} | **{r['exact']}/{r['kills']}** | {r['starts']} ({r['rounds']}) | "
+                    f"{r['max_leftover_s']:.1f} s | {r['seconds'] / 60:.1f} min (reference {r['reference_s']:.0f} s) |")
+    excluded = sorted({k for r in results.values() for k in r["excluded"]})
+    points = Counter(k["detail"].split(" of ")[0] for r in results.values() for k in r["kill_list"] if k["kind"] == "pause")
+    text = f"""# Kills at random moments (`benchmarks/random_kills.py`)
+
+Each configuration: the tiny preset, {next(iter(results.values()))['steps']} steps, a checkpoint every
+{next(iter(results.values()))['save_freq']} steps, run once uninterrupted, then SIGKILLed (the driver's
+process group) at seeded random moments and restarted with the same command after each kill,
+until the run completes. A resume is exact when every record that the run after it left
+(`metrics.jsonl`, `timeline.jsonl`, `samples.jsonl`) equals the uninterrupted run's, with no step
+missing or repeated, and no process of the killed run is left. Last command:
+
+    {command}
+
+{chr(10).join(rows)}
+
+Compared: every field of every metrics record except these wall-clock ones: {', '.join(f'`{k}`' for k in excluded)};
+every timeline event's role, stage, step and other fields except `start`/`end`; every sample row
+in full. Kills paused inside a checkpoint write on purpose (`OFFSTEP_TEST_PAUSE`), by point:
+{', '.join(f'{p} {n}' for p, n in sorted(points.items()))}. "Slowest exit": the longest a kill's Ray workers took to end
+on their own once the driver's process group was gone (they are in their own process groups).
+
+Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other sessions'
+work (one configuration at a time under the shared lock; others' runs waited, but editors and
+light jobs did not), so the times are indicative.
+
+## Every kill
+
+| configuration | # | drawn | moment | landed | at | gone in | resumed | exact |
+|---|---|---|---|---|---|---|---|---|
+"""
+    for name, r in results.items():
+        for i, k in enumerate(r["kill_list"], 1):
+            text += (f"| {name} | {i} | {k['kind']} | {k['detail']} | {k['landed']} | {k['at']} | {k['leftover_s']:.1f} s | "
+                     f"{k['resumed']} | {'yes' if k['exact'] else 'NO: ' + '; '.join(k['problems'] + k['leftovers'])[:200]} |\n")
+    path.write_text(text)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=sorted(SETUPS), default=["builtin-k0", "builtin-k1", "builtin-k2"])
+    p.add_argument("--kills", type=int, help="kills per configuration (default: its own count, SETUPS)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--save-freq", type=int, default=2)
+    p.add_argument("--work", type=Path, help="where the runs go (default: a temporary folder, deleted after)")
+    p.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results_random_kills.* as they are")
+    a = p.parse_args()
+    store = RESULTS.with_suffix(".json")
+    results = json.loads(store.read_text()) if store.exists() and not a.no_write else {}
+    ok = True
+    for name in a.only:
+        s = SETUPS[name]
+        work = a.work / name if a.work else Path(tempfile.mkdtemp(prefix=f"random-kills-{name}-"))
+        r = run_setup(s, a.kills or s.kills, a.seed, a.steps, a.save_freq, work)
+        ok &= r["failure"] is None and r["exact"] == r["kills"]
+        results[name] = r
+        if not a.work:
+            shutil.rmtree(work, ignore_errors=True)
+        if not a.no_write:
+            store.write_text(json.dumps(results, indent=1) + "\n")
+            write_report(results, RESULTS.with_suffix(".md"), "python benchmarks/random_kills.py " + " ".join(sys.argv[1:]))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
