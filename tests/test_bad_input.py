@@ -524,6 +524,26 @@ def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
     assert str(f) in caplog.text and "line 3" in caplog.text
 
 
+def test_truncation_replaces_the_file_whole(tmp_path, monkeypatch):
+    """A resumed run rewrites its records (a kill can land there): until the new file replaces the
+    old one in a single rename, the old one is there in full."""
+    import offstep.telemetry.metrics as metrics
+
+    f = tmp_path / "timeline.jsonl"
+    f.write_text('{"step": 1}\n{"step": 2}\n{"step": 3}\n')
+
+    def killed(src, dst):
+        assert Path(src).read_text() == '{"step": 1}\n'  # the kept records, written in full
+        raise KeyboardInterrupt  # the process dies here
+    monkeypatch.setattr(metrics.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        metrics.truncate_jsonl(f, 1)
+    assert f.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'
+    monkeypatch.undo()
+    metrics.truncate_jsonl(f, 1)  # the next start's truncation (its leftover .tmp written over)
+    assert f.read_text() == '{"step": 1}\n' and [p.name for p in tmp_path.iterdir()] == ["timeline.jsonl"]
+
+
 def test_corrupt_metrics_line_in_the_middle_is_an_error(tmp_path):
     from offstep.errors import OffstepError
     from offstep.telemetry.metrics import truncate_jsonl

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
@@ -79,4 +80,8 @@ def truncate_jsonl(path: str | Path, max_step: int) -> None:
                 f"resume without the earlier records") from None
         if record.get("step", 0) <= max_step:
             keep.append(line + "\n")
-    path.write_text("".join(keep))
+    # Into a new file that replaces the old one: a kill during the rewrite (the resumed run's
+    # start) leaves the old records or the kept ones, never a half-written file.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep))
+    os.replace(tmp, path)
