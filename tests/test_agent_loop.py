@@ -508,3 +508,9 @@ def test_the_example_tool_file_works():
     assert _run(run_tool(price, {"item": "Mug"}, {"catalogue": {"mug": 12}}, 5.0)).text == "12 EUR"
     assert _run(run_tool(convert, {"amount": 10, "currency": "usd"}, {}, 5.0)).text == "10.80 USD"
     assert "unknown currency" in _run(run_tool(convert, {"amount": 1, "currency": "XYZ"}, {}, 5.0)).text
+    from offstep.rewards.registry import load_custom_scorer
+
+    score = load_custom_scorer(example)
+    answered = {"final_text": "It costs 12 EUR.", "ended_by": "answer", "tool_calls": []}
+    assert score("shop", "", "12 EUR", extra_info=answered)["score"] == 1.0
+    assert score("shop", "", "12 EUR", extra_info={**answered, "ended_by": "budget"})["score"] == 0.0

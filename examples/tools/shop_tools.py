@@ -58,9 +58,10 @@ price.schema = {
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     """verl's reward signature. With tools, extra_info also holds num_turns, tool_calls (name,
-    arguments, well_formed, error, ran per call) and final_text (the model's last turn)."""
+    arguments, well_formed, error, ran per call), final_text (the model's last turn) and ended_by
+    (answer | budget | max_turns). Only a final answer counts: not a call, not a cut-off turn."""
     info = extra_info or {}
     final = info.get("final_text", solution_str)
-    correct = str(ground_truth) in final
+    correct = info.get("ended_by", "answer") == "answer" and str(ground_truth) in final
     used_tool = any(call["ran"] and not call["error"] for call in info.get("tool_calls", []))
     return {"score": float(correct), "acc": float(correct), "used_tool": float(used_tool)}
