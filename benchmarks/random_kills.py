@@ -207,7 +207,7 @@ class Kill:
 
 def _spawn(args: list[str], env: dict, log: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "offstep.cli", "train", *args], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env)
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
 def _lines(path: Path) -> int:

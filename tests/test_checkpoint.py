@@ -95,6 +95,25 @@ def test_commit_is_atomic_and_auto_skips_partial(tmp_path):
     assert ck.resolve("off") is None
 
 
+def test_what_must_outlive_a_kill_is_written_before_the_checkpoint_is_published(tmp_path):
+    """``before_publish`` (the controller's timeline entry of the step) runs once the checkpoint is
+    complete in its .partial folder and before the rename: a kill right after the rename found the
+    entry missing, and a resume from that checkpoint never writes it."""
+    from offstep.train.checkpoint import save_role
+
+    ck = Checkpoints(tmp_path)
+    staging = ck.staging(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        save_role(staging / "actor", 0, torch.nn.Linear(2, 2))
+    seen = []
+    final = ck.commit(staging, TrainerState(2, 2, 0.0, {}, [], 0), "a: 1\n",
+                      lambda: seen.append((staging.exists() and (staging / "trainer_state.json").is_file(),
+                                           (tmp_path / "checkpoints" / "step_000002").exists())))
+    assert seen == [(True, False)]
+    assert final.name == "step_000002" and complete_checkpoints(ck.root) == [(2, final)]
+
+
 def test_keep_checkpoints_prunes_oldest_complete(tmp_path):
     ck = Checkpoints(tmp_path, keep=2)
     for s in (2, 4, 6):

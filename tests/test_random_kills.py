@@ -107,10 +107,10 @@ def test_the_pause_hook_holds_the_named_point_only(tmp_path):
 def test_three_kills_at_k1_resume_exactly(tmp_path):
     """A reduced harness run: 4 steps, a checkpoint every 2; killed once as soon as step 1 is
     recorded (before the first checkpoint: the restart starts afresh), once paused inside a
-    checkpoint write after its state file is written, once at a random moment; each resume exact,
-    no process left."""
+    checkpoint write just after its rename (where a kill lost the step's timeline entry, before it
+    was written ahead of the rename), once at a random moment; each resume exact, no process left."""
     r = rk.run_setup(rk.SETUPS["builtin-k1"], 3, seed=0, steps=4, save_freq=2, work=tmp_path, timeout=300,
-                     plan=["early", "pause:state", "running"])
+                     plan=["early", "pause:published", "running"])
     assert r["failure"] is None, r["kill_list"]
     assert r["exact"] == r["kills"] == 3, r["kill_list"]
     landed = Counter(k["landed"] for k in r["kill_list"])

@@ -266,14 +266,18 @@ class Checkpoints:
             raise write_failed(path, e) from None
         return path
 
-    def commit(self, staging: Path, state: TrainerState, config_yaml: str) -> Path:
-        """Write the config and, last, the driver's state; fsync everything; rename into place."""
+    def commit(self, staging: Path, state: TrainerState, config_yaml: str, before_publish: Callable[[], None] = lambda: None) -> Path:
+        """Write the config and, last, the driver's state; fsync everything; rename into place.
+        ``before_publish`` runs just before the rename: what must be on disk whenever the
+        checkpoint is (the run's records of its step: a resume from it keeps them, and writes
+        none of that step again)."""
         final = step_dir(self.root, state.step)
         try:
             write_durably(staging / "config.yaml", config_yaml)
             write_durably(staging / STATE_FILE, encode_state(state, self.run_id))
             fsync_tree(staging)
             pause_point("state", state.step)
+            before_publish()
             replace_dir(staging, final, final.with_name(final.name + ".replaced"))
         except OSError as e:
             shutil.rmtree(staging, ignore_errors=True)  # give the space back; the last commit stays

@@ -304,8 +304,10 @@ class Controller:
         pause_point("shards", step)
         state = TrainerState(step, self.version, self.timeline.t0, self.stream.state_dict(), in_flight, self.fleet.restarts,
                              self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None)
-        path = self.checkpoints.commit(staging, state, to_yaml(self.cfg))
-        self.timeline.add("trainer", "checkpoint", step, t0, time.time())
+        # Its timeline entry goes in before the checkpoint is published: killed just after, a
+        # resume from this checkpoint would never write it.
+        path = self.checkpoints.commit(staging, state, to_yaml(self.cfg),
+                                       lambda: self.timeline.add("trainer", "checkpoint", step, t0, time.time()))
         self.console.log(f"offstep: checkpoint {path} ({time.time() - t0:.1f} s)")
 
     def close(self) -> None:

@@ -9,7 +9,7 @@ hour: until it is killed), holding what the write holds. The points, in the orde
 ``staged``     the ``step_<N>.partial`` folder is made, no shard written yet
 ``shards``     the trainer roles' shards are written, not yet ``config.yaml`` / ``trainer_state.json``
 ``state``      ``trainer_state.json`` is written and everything fsynced, not yet renamed
-``published``  renamed to ``step_<N>``; its timeline entry, pruning and log line not yet done
+``published``  renamed to ``step_<N>`` (its timeline entry written just before); pruning not yet done
 
 Unset (every real run), :func:`pause_point` is one environment lookup and does nothing.
 """
