@@ -17,6 +17,7 @@ ends a round; the next round starts in a fresh folder). The kinds of moment (``K
 ``early``      as soon as the run's first new step record is on disk (in a fresh folder: before
                the first checkpoint, so the restart cannot resume and starts afresh)
 
+The first two kills are ``PLAN``'s (an ``early`` one and a ``pause`` one), the rest drawn.
 Every command carries ``trainer.overwrite=true``: with an intact checkpoint it resumes; killed
 before the first checkpoint, with records already written, it moves them aside and starts afresh
 (without it the folder is refused: "a run with records but no intact checkpoint").
@@ -63,6 +64,9 @@ EXCLUDED_SUFFIX = "_s"
 TIMELINE_CLOCK = ("start", "end")  # a timeline event's times; role, stage, step and the rest compared
 LEFTOVER_S = 30.0  # Ray's workers end when their raylet is gone (a few seconds here)
 KINDS = ("startup", "running", "partial", "pause")
+# The first two kills of every configuration, so that each has one before the first checkpoint
+# (the restart starts afresh) and one paused inside a checkpoint write (a drawn point and step).
+PLAN = ["early", "pause"]
 WEIGHTS = (0.15, 0.45, 0.15, 0.25)
 # A deterministic reward that is not constant (the tiny model earns nothing on arithmetic).
 REWARD = '''
@@ -545,11 +549,14 @@ def main() -> int:
     for name in a.only:
         s = SETUPS[name]
         work = a.work / name if a.work else Path(tempfile.mkdtemp(prefix=f"random-kills-{name}-"))
-        r = run_setup(s, a.kills or s.kills, a.seed, a.steps, a.save_freq, work)
-        ok &= r["failure"] is None and r["exact"] == r["kills"]
+        r = run_setup(s, a.kills or s.kills, a.seed, a.steps, a.save_freq, work, plan=PLAN)
+        passed = r["failure"] is None and r["exact"] == r["kills"]
+        ok &= passed
         results[name] = r
-        if not a.work:
+        if not a.work and passed:
             shutil.rmtree(work, ignore_errors=True)
+        elif not passed:
+            print(f"{name}: the runs and their logs are in {work}")
         if not a.no_write:
             store.write_text(json.dumps(results, indent=1) + "\n")
             write_report(results, RESULTS.with_suffix(".md"), "python benchmarks/random_kills.py " + " ".join(sys.argv[1:]))
