@@ -13,7 +13,8 @@ One sync takes from the moment the actor starts exporting (a timestamp taken in 
 moment the last rollout worker has the weights in its engine (its own ``end`` timestamp): the
 rollout workers are idle, so nothing else is in the way. Reported: the median over repetitions,
 the best, and the model's size over that time (GB/s; every worker receives all of it). At the end,
-every rollout engine's weights are checked against the actor's.
+every rollout engine's weights are checked against the actor's, and every sync's digests
+(``offstep.sync.digest``) must match; their cost is reported beside the sync's.
 
     python benchmarks/weight_sync.py                      # SmolLM2-135M fp32, writes results_weight_sync.md
     python benchmarks/weight_sync.py --model tiny --reps 3 --out /tmp/ws.md
@@ -36,6 +37,7 @@ from offstep.models.loading import cache_dir, resolve_model
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.worker import RolloutWorker
 from offstep.sync.collective import connect
+from offstep.sync.digest import digest_of
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
 
@@ -51,15 +53,26 @@ def _checksums(self):
     return {k: float(v.double().sum()) for k, v in sd.items()}
 
 
-def sync_once(path: str, actor, rollouts, version: int) -> float:
+def _trainer_digest_s(self) -> float:
+    """Seconds the actor's digest of its exported weights takes (``offstep.sync.digest``)."""
+    sd = self.full_state_dict(self.model)
+    t0 = time.perf_counter()
+    digest_of(self._sync_specs, sd.__getitem__)
+    return time.perf_counter() - t0
+
+
+def sync_once(path: str, actor, rollouts, version: int) -> tuple[float, float]:
+    """One sync: its seconds, and the slowest worker's digest seconds (inside them). Every
+    worker's digest must equal the actor's."""
     if path == "collective":
         loads = [w.receive_weights.remote(version) for w in rollouts]
-        t0, _ = ray.get(actor.__ray_call__.remote(_timed_call, "send_weights", version))
+        t0, sent = ray.get(actor.__ray_call__.remote(_timed_call, "send_weights", version))
     else:
-        t0, refs = ray.get(actor.__ray_call__.remote(_timed_call, "export_weights"))
-        loads = [w.load_weights.remote(refs[0], version) for w in rollouts]
-    ends = [t.end for t in ray.get(loads)]
-    return max(ends) - t0
+        t0, (ref, sent) = ray.get(actor.__ray_call__.remote(_timed_call, "export_weights"))
+        loads = [w.load_weights.remote(ref, version) for w in rollouts]
+    reports = ray.get(loads)
+    assert all(r.digest == sent for r in reports), f"{path}: a rollout worker's digest differs from the actor's"
+    return max(r.span.end for r in reports) - t0, max(r.digest_s for r in reports)
 
 
 def bench(model: str, replicas: int, reps: int, bucket_mb: float, dtype: str) -> tuple[dict[str, list[float]], int]:
@@ -73,9 +86,11 @@ def bench(model: str, replicas: int, reps: int, bucket_mb: float, dtype: str) ->
         for _ in range(replicas)
     ]
     try:
+        specs = ray.get(rollouts[0].weight_sync_manifest.remote())
+        ray.get(actor.set_sync_manifest.remote(specs))
         connect([actor], rollouts, "gloo", bucket_mb, timeout_s=600)
         nbytes = ray.get(actor.__ray_call__.remote(lambda self: sum(p.numel() * p.element_size() for p in self.model.parameters())))
-        times: dict[str, list[float]] = {"object_store": [], "collective": []}
+        times: dict[str, list[tuple[float, float]]] = {"object_store": [], "collective": []}
         version = 0
         for rep in range(reps + 1):  # the first round warms both paths up and is not counted
             for path in ("object_store", "collective") if rep % 2 == 0 else ("collective", "object_store"):
@@ -83,6 +98,7 @@ def bench(model: str, replicas: int, reps: int, bucket_mb: float, dtype: str) ->
                 s = sync_once(path, actor, rollouts, version)
                 if rep:
                     times[path].append(s)
+        times["trainer_digest"] = [(ray.get(actor.__ray_call__.remote(_trainer_digest_s)), 0.0) for _ in range(reps)]
         if dtype == "float32":  # the last sync left exactly the actor's weights in every engine
             want = ray.get(actor.__ray_call__.remote(_checksums))
             for w in rollouts:
@@ -110,10 +126,13 @@ def main() -> None:
     rows, nbytes = [], 0
     for r in args.replicas:
         times, nbytes = bench(args.model, r, args.reps, args.bucket_mb, args.dtype)
-        for path, ts in times.items():
-            med = statistics.median(ts)
-            rows.append((r, path, med, min(ts), nbytes / 1e9 / med))
-            print(f"{r} worker(s) {path:13s} median {med:.3f} s  best {min(ts):.3f} s  {nbytes / 1e9 / med:.2f} GB/s", flush=True)
+        trainer_digest = statistics.median(t for t, _ in times.pop("trainer_digest"))
+        for path, pairs in times.items():
+            ts = [t for t, _ in pairs]
+            med, dig = statistics.median(ts), statistics.median(d for _, d in pairs)
+            rows.append((r, path, med, min(ts), nbytes / 1e9 / med, dig, trainer_digest))
+            print(f"{r} worker(s) {path:13s} median {med:.3f} s  best {min(ts):.3f} s  {nbytes / 1e9 / med:.2f} GB/s  "
+                  f"digest {dig:.3f} s (trainer {trainer_digest:.3f} s)", flush=True)
     ray.shutdown()
     lines = [
         "# Weight sync: object store vs collective",
@@ -125,11 +144,15 @@ def main() -> None:
         "alternating in one run (`python benchmarks/weight_sync.py`)."),
         "",
         ("Seconds from the actor starting its export to the last rollout worker having the weights in its engine; "
-         "GB/s = model size / median (every worker receives the whole model)."),
+         "GB/s = model size / median (every worker receives the whole model). Every sync is verified "
+         "(`offstep/sync/digest.py`): *rollout digest s* is the slowest worker's digest of what its engine holds after "
+         "the load (median; included in the sync's seconds), *trainer digest s* the actor's digest of its export "
+         "(median, measured on its own; on the collective path it is taken while packing). Every worker's digest "
+         "matched the actor's at every sync."),
         "",
-        "| rollout workers | path | median s | best s | GB/s |",
-        "| --- | --- | --- | --- | --- |",
-        *[f"| {r} | {p} | {m:.3f} | {b:.3f} | {g:.2f} |" for r, p, m, b, g in rows],
+        "| rollout workers | path | median s | best s | GB/s | rollout digest s | trainer digest s |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        *[f"| {r} | {p} | {m:.3f} | {b:.3f} | {g:.2f} | {d:.3f} | {t:.3f} |" for r, p, m, b, g, d, t in rows],
         "",
     ]
     Path(args.out).write_text("\n".join(lines))

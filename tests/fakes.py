@@ -4,9 +4,10 @@ its :class:`~offstep.pipeline.workers.Workers` (``train(cfg, start=fake_workers(
 
 * ``FakeRollout.generate`` -> ``(samples, GenTiming)``: ``rollout.n`` scored ``Sample`` s per
   request, a few random tokens each, tagged with the replica's policy version, after ``gen_s``;
-  ``load_weights`` takes ``load_s`` and sets the version;
+  ``load_weights`` takes ``load_s``, sets the version and reports the digest of its one "weight"
+  (the actor's update count, as exported);
 * ``FakeActor.update`` / ``compute_logprobs`` -> ``(result, Span)`` after ``train_s``;
-  ``export_weights`` -> ``[ObjectRef]`` after ``export_s``.
+  ``export_weights`` -> ``[ObjectRef, digest]`` after ``export_s``.
 
 Like the real workers, they push their progress to the live-status hub. Used by
 ``tests/test_controller_sim.py`` and ``benchmarks/controller_overhead.py``.
@@ -28,6 +29,8 @@ from offstep.config.schema import Config
 from offstep.pipeline.controller import train
 from offstep.pipeline.pools import RoleGroup
 from offstep.pipeline.workers import Workers
+from offstep.sync.collective import TensorSpec
+from offstep.sync.digest import Loaded, digest
 from offstep.telemetry.progress import LiveStatus, ProgressClient
 
 # Imported by path or as a test helper: Ray ships these classes by value.
@@ -55,11 +58,15 @@ class FakeRollout:
         self.progress.advance(len(samples))
         return samples, GenTiming(Span(t0, time.time(), self.version))
 
-    def load_weights(self, packed, version: int) -> Span:
+    def weight_sync_manifest(self) -> list:
+        return [TensorSpec("w", (1,), "float32")]
+
+    def load_weights(self, packed, version: int) -> Loaded:
         t0 = time.time()
         time.sleep(self.load_s)
         self.version = version
-        return Span(t0, time.time(), version)
+        held = torch.tensor([float(packed["version"])])  # the one "weight" the actor sent
+        return Loaded(Span(t0, time.time(), version), digest([("w", held)]), 0.0)
 
 
 class FakeActor:
@@ -81,9 +88,12 @@ class FakeActor:
     def compute_logprobs(self, batch) -> tuple[torch.Tensor, Span]:
         return torch.zeros_like(batch.rollout_logprobs), self._sleep(self.train_s)
 
+    def set_sync_manifest(self, specs: list) -> None:
+        pass
+
     def export_weights(self) -> list:
         time.sleep(self.export_s)
-        return [ray.put({"version": self.updates})]
+        return [ray.put({"version": self.updates}), digest([("w", torch.tensor([float(self.updates)]))])]
 
     def shutdown(self) -> None:
         pass

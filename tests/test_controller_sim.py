@@ -81,6 +81,8 @@ def test_records_stay_in_step_order_when_a_validation_is_slow(tmp_path):
     hide this; here the futures complete in the other order."""
     from offstep.batch import GenTiming, Span
     from offstep.pipeline.controller import Controller
+    from offstep.pipeline.weight_sync import SyncReport
+    from offstep.sync.digest import Loaded, digest
     from offstep.telemetry.metrics import Timeline
 
     class Records(list):
@@ -96,7 +98,7 @@ def test_records_stay_in_step_order_when_a_validation_is_slow(tmp_path):
     async def steps():
         val = [([Sample(uid=0, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0], finish_reason="stop",
                         score=1.0, version=2)], GenTiming(Span(0.0, 1.0, 2)))]
-        loaded = [Span(0.0, 0.1, 2)]
+        loaded = SyncReport([Loaded(Span(0.0, 0.1, 2), digest([]), 0.0)], verified=True, collective=False)
         s2 = asyncio.ensure_future(ctl._finish_step({"step": 2}, 0.0, later(loaded, 0), later(val, 0.3), None))
         s3 = asyncio.ensure_future(ctl._finish_step({"step": 3}, 0.0, later(loaded, 0), None, s2))
         await s3

@@ -201,7 +201,7 @@ def test_every_adapter_sync_reaches_the_rollout_engine(ray_session, tmp_path, ti
             else:
                 exported = ray.get(actor.export_weights.remote())
                 loads = [rollout.load_weights.remote(exported[0], version)]
-            assert [s.version for s in ray.get(loads)] == [version]
+            assert [s.span.version for s in ray.get(loads)] == [version]
 
             samples, _ = ray.get(rollout.generate.remote(requests, params, 100 + version))
             assert {s.version for s in samples} == {version}

@@ -274,7 +274,7 @@ def test_ray_workers_collective_and_object_store_agree(ray_session, tmp_path):
             else:
                 refs = ray.get(actor.export_weights.remote())
                 loads = [w.load_weights.remote(refs[0], version) for w in rollouts]
-            assert [t.version for t in ray.get(loads)] == [version, version]
+            assert [t.span.version for t in ray.get(loads)] == [version, version]
             for w in rollouts:
                 got = _rollout_state(w)
                 assert ray.get(w.__ray_call__.remote(lambda self: self.engine.version)) == version

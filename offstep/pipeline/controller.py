@@ -46,7 +46,7 @@ from offstep.pipeline.run_dir import open_run
 from offstep.pipeline.prepare import BatchPreparer, Prepared
 from offstep.pipeline.step_metrics import record_generation
 from offstep.pipeline.stop import StopRequest
-from offstep.pipeline.weight_sync import WeightSync
+from offstep.pipeline.weight_sync import SyncReport, WeightSync
 from offstep.pipeline.workers import Workers, start_workers, worker_failure
 from offstep.rollout.types import SamplingParams
 from offstep.telemetry.console import ConsoleProgress
@@ -68,6 +68,16 @@ class InFlight:
     idx: list[int]  # prompt indices into the training set
     generated: asyncio.Future
     prepared: asyncio.Future | None = None
+
+
+async def _unless_failed(fut: asyncio.Future, finishing: asyncio.Future | None):
+    """``await fut``, unless the records being finished fail first (a weight sync that did not
+    arrive): then that error, at once, rather than when the records are next awaited."""
+    if finishing is not None:
+        await asyncio.wait([fut, finishing], return_when=asyncio.FIRST_COMPLETED)
+        if finishing.done() and finishing.exception() is not None:
+            raise finishing.exception()
+    return await fut
 
 
 def _done(result) -> asyncio.Future:
@@ -161,7 +171,7 @@ class Controller:
             assert cur.batch_idx == step and self.version == step - 1, "batch b is trained at step b by policy b - 1"
             t_wait = time.time()
             self.live.note("trainer", "wait_gen", step=step)
-            ready: Prepared = await cur.prepared
+            ready: Prepared = await _unless_failed(cur.prepared, finishing)
             wait = time.time() - t_wait
             self.timeline.add("trainer", "wait_gen", step, t_wait, time.time())
             batch, m = ready.batch, ready.metrics
@@ -273,13 +283,16 @@ class Controller:
         on the metrics of the steps it covers being on disk."""
         if previous is not None:
             await previous
-        try:
-            spans: list[Span] = await loads
-        except ray.exceptions.RayActorError:  # that worker is replaced, with these weights, when next used
-            spans = []
-        for i, t in enumerate(spans):
-            self.timeline.add(f"rollout/{i}", "load_weights", m["step"], t.start, t.end, version=t.version)
-        m["timing_s/sync_weights"] = export_s + max((t.seconds for t in spans), default=0.0)
+        report: SyncReport = await loads  # raises if a replica does not hold what the trainer sent
+        transport = "collective" if report.collective else "object_store"
+        for i, r in enumerate(report.loads):
+            if r is not None:
+                self.timeline.add(f"rollout/{i}", "load_weights", m["step"], r.span.start, r.span.end,
+                                  version=r.span.version, transport=transport)
+        m["timing_s/sync_weights"] = export_s + max((r.span.seconds for r in report.loads if r is not None), default=0.0)
+        m["sync/verified"] = float(report.verified)
+        m["sync/verify_s"] = report.verify_s
+        m["sync/collective"] = float(report.collective)
         if val is not None:
             m.update(await self._finish_validation(val, m["step"]))
         self._emit(m)

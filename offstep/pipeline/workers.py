@@ -180,12 +180,14 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
     )
     pool = rollout_pool or trainer_pool
     rollout_cls = ray.remote(RolloutWorker)
+    fault = cfg.pipeline.sync_fault_at  # a test's injected sync fault: (kind, replica, version)
 
     def make_rollout(i: int):
         opts = pool.options(i % pool.bundles, share if colocate else 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)})
         return rollout_cls.options(**opts).remote(
             inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
             ro.max_batch_size, ref_spec, live.client(f"rollout/{i}"), ro.engine, cfg.trainer.seed, lora, inputs.agent,
+            (fault[0], fault[2]) if fault is not None and fault[1] == i else None,
         )
 
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,

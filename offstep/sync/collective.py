@@ -1,8 +1,11 @@
 """Collective weight sync: actor rank 0 broadcasts the policy to every rollout worker with
 ``torch.distributed``, in buckets, over a process group of its own (``pipeline.weight_sync=collective``).
 
-The group. Actor rank 0 is rank 0 and rollout worker i is rank i + 1. It is made once, at start-up
-(``connect``), on a ``TCPStore`` served by actor rank 0, as a ``ProcessGroupGloo`` (CPU) or
+The group. Actor rank 0 is rank 0 and rollout worker i is rank i + 1. It is made at start-up
+(``connect``), and made again, on a new store (a new port), whenever a rollout worker is replaced
+(``join``, from ``offstep.pipeline.weight_sync``): a group with a dead member cannot be repaired,
+so every member joins a new one, and the old one is left to finish (or fail) what it had in
+flight. It lives on a ``TCPStore`` served by actor rank 0, as a ``ProcessGroupGloo`` (CPU) or
 ``ProcessGroupNCCL`` (every member on a GPU) object built directly: the actor already belongs to
 its FSDP default group, and the rollout workers to none, so neither ``init_process_group`` nor
 ``new_group`` applies. This follows verl's weight sync for its one-step off-policy trainer (a
@@ -46,7 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from offstep.train.distributed import serve_store
+from offstep.sync.digest import tensor_sums
+from offstep.train.distributed import bind_gloo_to_route, serve_store
 
 _PREFIX = "offstep/weight_sync"
 
@@ -58,6 +62,9 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    # The weight digest's canonical form is the tensor times this (offstep.sync.digest): vLLM
+    # holds a LoRA B matrix already multiplied by the adapter's scale. The transfer ignores it.
+    digest_scale: float = 1.0
 
     @property
     def numel(self) -> int:
@@ -202,11 +209,16 @@ class WeightSender:
     def __init__(self, host: str, device: torch.device, timeout_s: float):
         self.host, self.device, self.timeout_s = host, device, timeout_s
         self.store, self._sock = serve_store(host, None, _timeout(timeout_s))
+        bind_gloo_to_route(host)  # a gloo group's own listeners go on the interface of this address
         self.group = None
 
     @property
     def endpoint(self) -> tuple[str, int]:
         return self.host, self._sock.getsockname()[1]
+
+    def idle(self) -> bool:
+        """No broadcast of this sender's is still in flight (failed ones count as done)."""
+        return all(w.is_completed() for s in getattr(self, "snapshots", []) for w in s.works)
 
     def connect(
         self, world_size: int, backend: str, specs: list[TensorSpec], bucket_bytes: int,
@@ -215,6 +227,7 @@ class WeightSender:
         check_manifest(specs, own, "actor")
         self.slots, self.totals, self.buckets = plan(specs, bucket_bytes)
         self.touches = {name: overlaps(slot, self.buckets) for name, slot in self.slots.items()}
+        self.scales = {s.name: s.digest_scale for s in specs if s.digest_scale != 1}
         self.blocking = backend == "nccl"
         self.max_in_flight = max(1, max_in_flight)
         self.snapshots = [self._new_snapshot()]  # allocated (and touched) now, not in the first sync
@@ -238,8 +251,10 @@ class WeightSender:
         return oldest
 
     @torch.no_grad()
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Pack ``named`` full tensors and broadcast each bucket once it is full."""
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, tuple[int, int]]:
+        """Pack ``named`` full tensors and broadcast each bucket once it is full. Returns each
+        tensor's checksum (``offstep.sync.digest.tensor_sums``) as packed, in the rollout's dtype,
+        taken while the copy is fresh in cache."""
         if self.group is None:
             raise RuntimeError("weight sync: send() before connect()")
         snap = self._free_snapshot()
@@ -248,12 +263,16 @@ class WeightSender:
         left = [b.end - b.start for b in self.buckets]
         posted = 0  # buckets go out in index order, the order the receivers post theirs in
         seen = set()
+        sums: dict[str, tuple[int, int]] = {}
         for name, t in named:
             slot = self.slots.get(name)
             if slot is None:  # connect() checked the names; this is a parameter added since
                 raise KeyError(f"weight sync: actor parameter {name!r} is not in the rollout manifest")
             seen.add(name)
-            snap.flat[slot.dtype][slot.offset : slot.offset + slot.numel].copy_(t.reshape(-1))
+            packed = snap.flat[slot.dtype][slot.offset : slot.offset + slot.numel]
+            packed.copy_(t.reshape(-1))
+            packed = packed.view(t.shape)
+            sums[name] = tensor_sums(packed * self.scales[name] if name in self.scales else packed)
             for i, n in self.touches[name]:
                 left[i] -= n
             # Collectives pair up by the order they are issued in, not by size or name: a bucket
@@ -268,6 +287,7 @@ class WeightSender:
         snap.works = works
         if self.blocking:
             _wait(works, self.device)
+        return sums
 
 
 def full_parameters(model: torch.nn.Module, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -325,6 +345,8 @@ class WeightReceiver:
             self.flat = flatten_parameters(self.model, list(specs), self.slots, self.totals, self.device)
         else:
             self.flat = {dt: torch.zeros(n, dtype=_dtype(dt), device=self.device) for dt, n in self.totals.items()}
+        if backend == "gloo":
+            bind_gloo_to_route(host)
         store = dist.TCPStore(host, port, None, False, _timeout(timeout_s))
         self.group = make_group(store, rank, world_size, backend, timeout_s)
 
@@ -353,20 +375,30 @@ class WeightReceiver:
         return t_header
 
 
-def connect(actor_handles: list, rollout_handles: list, backend: str, bucket_mb: float, timeout_s: float,
-            max_in_flight: int = 1, host: str | None = None) -> None:
-    """Driver side: make the weight-sync group once, between actor rank 0 and every rollout worker
-    (Ray actor handles of ``ActorWorker`` and ``RolloutWorker``); its store listens on ``host``
-    (None: actor rank 0's node address)."""
-    import ray
-
+def join(actor_handles: list, rollout_handles: list, endpoint: tuple[str, int], backend: str, specs: list[TensorSpec],
+         bucket_mb: float, timeout_s: float, max_in_flight: int = 1) -> list:
+    """The calls (Ray object refs) that make a weight-sync group between actor rank 0, whose store
+    serves ``endpoint`` (``ActorWorker.open_weight_sync``), and every rollout worker; all must
+    finish (each blocks until every member has joined)."""
     bucket_bytes = max(1, int(bucket_mb * 2**20))
-    specs = ray.get(rollout_handles[0].weight_sync_manifest.remote())
-    host, port = ray.get(actor_handles[0].open_weight_sync.remote(timeout_s, host))
+    host, port = endpoint
     world = 1 + len(rollout_handles)
     refs = [actor_handles[0].join_weight_sync.remote(world, backend, specs, bucket_bytes, max_in_flight)]
     refs += [
         w.join_weight_sync.remote(host, port, i + 1, world, backend, specs, bucket_bytes, timeout_s)
         for i, w in enumerate(rollout_handles)
     ]
-    ray.get(refs)
+    return refs
+
+
+def connect(actor_handles: list, rollout_handles: list, backend: str, bucket_mb: float, timeout_s: float,
+            max_in_flight: int = 1, host: str | None = None, specs: list[TensorSpec] | None = None) -> None:
+    """Driver side: make the weight-sync group between actor rank 0 and every rollout worker (Ray
+    actor handles of ``ActorWorker`` and ``RolloutWorker``); its store listens on ``host`` (None:
+    actor rank 0's node address). ``specs``: the rollout manifest (None: asked of worker 0)."""
+    import ray
+
+    if specs is None:
+        specs = ray.get(rollout_handles[0].weight_sync_manifest.remote())
+    endpoint = ray.get(actor_handles[0].open_weight_sync.remote(timeout_s, host))
+    ray.get(join(actor_handles, rollout_handles, endpoint, backend, specs, bucket_mb, timeout_s, max_in_flight))

@@ -33,6 +33,7 @@ from offstep.models.forward import DTYPES, forward_response
 from offstep.models.loading import load_causal_lm
 from offstep.models.lora import add_adapters, is_adapter_name
 from offstep.sync.collective import WeightSender, full_parameters, manifest
+from offstep.sync.digest import WeightDigest, digest_of
 from offstep.sync.weights import pack_state_dict
 from offstep.telemetry.progress import ProgressClient, mini_batch_count
 from offstep.train.distributed import GroupSpec, all_mean
@@ -223,22 +224,33 @@ class ActorWorker(RoleWorker):
         metrics.update(self._staleness_metrics())
         return all_mean(metrics, self.device)
 
+    def set_sync_manifest(self, specs: list) -> None:
+        """The rollout side's sync manifest (``RolloutWorker.weight_sync_manifest``): what every
+        export's digest covers, in the rollout's names, order and dtypes (``offstep.sync.digest``)."""
+        self._sync_specs = list(specs)
+
     def export_weights(self) -> list:
         """Full weights (with LoRA: the adapters only), put once into Ray's object store by rank
-        0: ``[ref]`` (or ``[]``)."""
+        0: ``[ref, digest]`` (or ``[]``); the digest of what was sent, over the rollout manifest
+        (``None`` before :meth:`set_sync_manifest`)."""
         if self.lora:  # every rank gathers the adapters' shards; the frozen base never travels
             sd = {name: t.cpu() for name, t in full_parameters(self.model, self._synced)}
         else:
             sd = self.full_state_dict(self.model)
         if self.rank != 0:
             return []
-        return [ray.put(pack_state_dict(sd))]
+        specs = getattr(self, "_sync_specs", None)
+        return [ray.put(pack_state_dict(sd)), digest_of(specs, sd.__getitem__) if specs is not None else None]
 
     # Collective path (pipeline.weight_sync=collective): rank 0 is rank 0 of a group of its own with
-    # every rollout worker, made once by offstep.sync.collective.connect.
+    # every rollout worker, made by offstep.sync.collective.connect and made again when a rollout
+    # worker is replaced.
     def open_weight_sync(self, timeout_s: float, host: str | None = None) -> tuple[str, int]:
-        """Rank 0: serve the weight-sync group's store on ``host`` (None: this node's address);
-        returns its (host, port)."""
+        """Rank 0: serve a new weight-sync group's store on ``host`` (None: this node's address);
+        returns its (host, port). A previous group's sender is kept until its broadcasts in flight
+        are done (dropping a gloo group with work pending blocks until that work ends)."""
+        old = getattr(self, "_weight_sender", None)
+        self._retired = [s for s in getattr(self, "_retired", []) if not s.idle()] + ([old] if old is not None else [])
         self._weight_sender = WeightSender(host or ray.util.get_node_ip_address(), self.device, timeout_s)
         return self._weight_sender.endpoint
 
@@ -246,11 +258,14 @@ class ActorWorker(RoleWorker):
         """Rank 0: join the group (blocks until every rollout worker has joined)."""
         self._weight_sender.connect(world_size, backend, specs, bucket_bytes, manifest(self.model, self._synced), max_in_flight)
 
-    def send_weights(self, version: int) -> None:
-        """Every rank gathers the full parameters (FSDP2); rank 0 broadcasts them to the rollout workers."""
+    def send_weights(self, version: int) -> WeightDigest | None:
+        """Every rank gathers the full parameters (FSDP2); rank 0 broadcasts them to the rollout
+        workers and returns the digest of what it sent (the snapshot, in the rollout's dtypes)."""
         sender = getattr(self, "_weight_sender", None)
         if sender is None:
             for _ in full_parameters(self.model, self._synced):
                 pass
-        else:
-            sender.send(full_parameters(self.model, self._synced), version)
+            return None
+        sums = sender.send(full_parameters(self.model, self._synced), version)
+        specs = getattr(self, "_sync_specs", None)
+        return None if specs is None else WeightDigest(tuple(s.name for s in specs), tuple(sums[s.name] for s in specs))
