@@ -39,6 +39,33 @@ def serve_store(host: str, world_size: int | None, timeout: timedelta = STORE_TI
     return store, sock
 
 
+def route_interface(peer: str) -> str | None:
+    """The name of this machine's network interface that packets to ``peer`` leave from (the
+    source address the kernel picks for that route), or None when it cannot tell."""
+    try:
+        import psutil  # Ray's dependency; not offstep's own
+
+        family = socket.AF_INET6 if ":" in peer else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((peer, 9))  # UDP: picks the route, sends nothing
+            local = s.getsockname()[0]
+        return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == local for a in addrs)), None)
+    except (ImportError, OSError):
+        return None
+
+
+def bind_gloo_to_route(peer: str) -> None:
+    """Make gloo (``GLOO_SOCKET_IFNAME``, read by every gloo group this process makes) use the
+    interface that reaches ``peer``, a group's store, unless the user set one. Left to itself,
+    gloo binds the address this machine's host name resolves to, which is often loopback
+    (``127.0.1.1`` in Debian's /etc/hosts): ranks on other machines could not reach it. For a
+    local run (``peer`` 127.0.0.1) this keeps gloo's listeners on loopback."""
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        iface = route_interface(peer)
+        if iface:
+            os.environ["GLOO_SOCKET_IFNAME"] = iface
+
+
 _own_store: list = []  # the store (and its socket) a one-rank group in this process serves itself
 
 
@@ -56,6 +83,8 @@ def setup(spec: GroupSpec) -> tuple[torch.device, DeviceMesh]:
         if dist.get_world_size() != spec.world_size:
             raise RuntimeError("a different process group is already initialised in this process")
         return device, init_device_mesh(device.type, (spec.world_size,))
+    if backend == "gloo" and spec.world_size > 1:  # a group of one rank has no peer to be reached by
+        bind_gloo_to_route(spec.master_addr)
     if spec.master_port == 0:
         if spec.world_size != 1:
             raise ValueError("GroupSpec.master_port=0 (a store of its own) is for a group of one rank")
