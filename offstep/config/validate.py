@@ -416,6 +416,14 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
         need = W * res.cpus_per_trainer_worker + (0 if colocated else r.replicas * r.cpus_per_replica)
         _need(need <= cpus, f"the run needs {need} CPU cores (resources.trainer_workers x "
               f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica) but this "
+    for key, custom in (("resources.custom_resources_per_trainer_worker", res.custom_resources_per_trainer_worker),
+                        ("rollout.custom_resources_per_replica", r.custom_resources_per_replica)):
+        bad = {name: v for name, v in custom.items() if not v > 0 or name in ("CPU", "GPU", "memory")}
+        _need(not bad, f"{key}: {bad} must be custom resources with amounts > 0 (cores and GPUs have keys of their "
+              f"own: cpus_per_* / gpus_per_*)", e)
+        _need(not custom or res.ray_address is not None,
+              f"{key}={custom} asks for custom Ray resources, and the local Ray this run would start has none; "
+              f"give resources.ray_address of a cluster whose nodes have them (ray start --resources), or drop {key}", e)
               f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
               f"to share cores, or give resources.ray_address of a larger Ray cluster", e)
         gpus_needed = W * res.gpus_per_trainer_worker + (0 if colocated else r.replicas * r.gpus_per_replica)

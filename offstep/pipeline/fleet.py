@@ -12,7 +12,7 @@ import ray
 from offstep.config.schema import RolloutConfig
 from offstep.errors import OffstepError
 from offstep.pipeline.inputs import to_request
-from offstep.pipeline.workers import Workers
+from offstep.pipeline.workers import Workers, node_of
 
 
 class RolloutFailed(OffstepError):
@@ -80,4 +80,22 @@ class RolloutFleet:
         self.log(f"offstep: rollout worker {i} {why}; starting a new one ({self.restarts}/{self.cfg.max_restarts})")
         ray.kill(self.workers.rollout[i], no_restart=True)
         self.workers.rollout[i] = self.workers.make_rollout(i)
+        await self._started(i, why)
         await self.reload(i)
+
+    async def _started(self, i: int, why: str) -> None:
+        """Wait until replica i's replacement is up, at most ``rollout.timeout_s``: one that no
+        node can hold (its node left the cluster and no other node has room for its bundle) would
+        otherwise wait for a node forever."""
+        new = self.workers.rollout[i]
+        try:
+            await asyncio.wait_for(_await(new.__ray_ready__.remote()), self.cfg.timeout_s)
+        except asyncio.TimeoutError:
+            raise RolloutFailed(
+                f"rollout worker {i} {why}, and its replacement did not start within rollout.timeout_s="
+                f"{self.cfg.timeout_s:g}: no node of the Ray cluster has room for it (when its node left the cluster, "
+                f"only a node with the rollout pool's resources, rollout.cpus_per_replica, gpus_per_replica and "
+                f"custom_resources_per_replica, can take it). Add such a node, and resume from the last checkpoint "
+                f"with trainer.resume=auto"
+            ) from None
+        self.log(f"offstep: rollout replica {i} restarted on {await new.__ray_call__.remote(node_of)}")

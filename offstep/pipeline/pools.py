@@ -4,22 +4,55 @@ On CPU a pool's "device" is a bundle of cores; on GPU a GPU. The trainer pool ho
 reference and critic groups (each an FSDP2 process group over the pool's bundles); the rollout
 pool hosts the rollout replicas. In synchronous mode the rollout replicas may be colocated on the
 trainer pool instead, taking turns with the trainer on the same cores.
+
+On a cluster, a pool is pinned to some nodes by a custom Ray resource that only those nodes have
+(``resources.custom_resources_per_trainer_worker``, ``rollout.custom_resources_per_replica``):
+each bundle takes that much of it, so ``{node_train: 1}`` on nodes given ``node_train: 1`` places
+one trainer rank per such node. ``check_placeable`` refuses a pool that no node can hold before
+Ray would wait for one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from offstep.errors import OffstepError
 from offstep.train.distributed import GroupSpec, serve_store
 
 # Actors take a token share of a bundle; the bundle itself reserves the cores, and each actor
 # sets its own thread count. This lets several roles share one bundle (they run in turn).
 _TOKEN_CPU = 0.01
+
+
+class PlacementFailed(OffstepError):
+    """A pool that the Ray cluster cannot hold (too few cores or GPUs, or no node with its custom resources)."""
+
+
+def check_placeable(nodes: list[dict], spec: dict[str, float], custom_key: str) -> str | None:
+    """Why no live node of ``nodes`` (``ray.nodes()``: "Alive", "NodeID", "Resources" totals)
+    could ever hold one bundle of ``spec``, or None. Checked for a bundle with custom resources
+    (asked for by the config key ``custom_key``) only: without them the placement's own wait
+    reports a shortage, including resources that other runs hold now."""
+    live = [n for n in nodes if n.get("Alive")]
+    standard = ("CPU", "GPU", "memory", "object_store_memory")
+    custom = {r: a for r, a in spec.items() if r not in standard}
+    if not custom:
+        return None
+    if any(all(n["Resources"].get(r, 0) >= a for r, a in spec.items()) for n in live):
+        return None
+    have = {n["NodeID"][:8]: {r: v for r, v in n["Resources"].items() if r not in standard and not r.startswith("node:")}
+            for n in live}
+    missing = [r for r in custom if not any(r in n["Resources"] for n in live)]
+    why = (f"no node of the Ray cluster has the resource {missing[0]!r}" if missing else
+           f"no single node of the Ray cluster has all of {spec} (each bundle is placed on one node)")
+    return (f"{custom_key}={custom}: {why}; the nodes' custom resources are {have}. Fix: start those nodes with "
+            f"the resource (ray start --resources='{json.dumps(custom)}'), or change {custom_key}")
 
 
 @dataclass
@@ -30,13 +63,19 @@ class Pool:
     gpus_per_bundle: int
 
     @classmethod
-    def create(cls, name: str, bundles: int, cpus: int, gpus: int, timeout_s: float = 60.0) -> "Pool":
-        spec = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    def create(cls, name: str, bundles: int, cpus: int, gpus: int, custom: dict[str, float] | None = None,
+               custom_key: str = "", timeout_s: float = 60.0) -> "Pool":
+        """Place ``bundles`` bundles of ``cpus`` cores, ``gpus`` GPUs and the ``custom`` Ray
+        resources (asked for by the config key ``custom_key``) each."""
+        spec = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **(custom or {})}
+        problem = check_placeable(ray.nodes(), spec, custom_key)
+        if problem:
+            raise PlacementFailed(f"the {name} pool cannot be placed: {problem}")
         pg = placement_group([dict(spec) for _ in range(bundles)], strategy="PACK", name=name)
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
             remove_placement_group(pg)
-            raise RuntimeError(
+            raise PlacementFailed(
                 f"the {name} pool ({bundles} x {spec}) could not be placed within {timeout_s:.0f} s; "
                 f"the Ray cluster has {ray.available_resources()}. Lower resources.* / rollout.replicas."
             )

@@ -68,19 +68,29 @@ class Workers:
         """The weight-sync collective's backend: NCCL when both sides are on GPUs, else gloo."""
         return "nccl" if self.pools and all(p.device == "cuda" for p in self.pools) else "gloo"
 
+    def roles(self) -> list[tuple[str, Any]]:
+        """``(role, handle)`` of every worker: "rollout replica 0", "actor rank 0", ..."""
+        roles = [(f"rollout replica {i}", w) for i, w in enumerate(self.rollout)]
+        return roles + [(f"{g.name} rank {rank}", h) for g in self.groups for rank, h in enumerate(g.handles)]
+
     def ready(self) -> None:
         """Wait until every worker is constructed: a worker that fails to start fails here, with
         its own error, rather than at the first step. The error's ``role`` attribute names the
         worker ("rollout replica 0", "actor rank 0") for the message of ``controller.train``."""
-        roles = [(f"rollout replica {i}", w) for i, w in enumerate(self.rollout)]
-        roles += [(f"{g.name} rank {rank}", h) for g in self.groups for rank, h in enumerate(g.handles)]
-        waits = [(role, h.__ray_ready__.remote()) for role, h in roles]  # all start at once
+        waits = [(role, h.__ray_ready__.remote()) for role, h in self.roles()]  # all start at once
         for role, started in waits:
             try:
                 ray.get(started)
             except ray.exceptions.RayActorError as e:
                 e.role = role
                 raise
+
+    def placement(self) -> str:
+        """Where each worker runs, as the worker itself reports it: "actor rank 0 on node
+        1a2b3c4d (10.0.0.5), rollout replica 0 on node ..." (the first 8 hex digits of Ray's node id)."""
+        roles = self.roles()
+        nodes = ray.get([h.__ray_call__.remote(node_of) for _, h in roles])
+        return ", ".join(f"{role} on {node}" for (role, _), node in zip(roles, nodes))
 
     def close(self) -> None:
         for g in self.groups:
@@ -97,6 +107,11 @@ class Workers:
             p.remove()
         if self.owns_ray:
             ray.shutdown()
+
+
+def node_of(_worker) -> str:
+    """Run inside a worker (``__ray_call__``): its Ray node, "node 1a2b3c4d (10.0.0.5)"."""
+    return f"node {ray.get_runtime_context().get_node_id()[:8]} ({ray.util.get_node_ip_address()})"
 
 
 _ROLES = {"ActorWorker": "actor", "RefWorker": "ref", "CriticWorker": "critic", "RolloutWorker": "rollout replica"}
@@ -151,8 +166,10 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
     owns_ray = init_ray(cfg)
     colocate = cfg.pipeline.colocate and k == 0
     live = LiveStatus.create(console)
-    trainer_pool = Pool.create("trainer", res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker)
-    rollout_pool = None if colocate else Pool.create("rollout", ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica)
+    trainer_pool = Pool.create("trainer", res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker,
+                               res.custom_resources_per_trainer_worker, "resources.custom_resources_per_trainer_worker")
+    rollout_pool = None if colocate else Pool.create("rollout", ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica,
+                                                     ro.custom_resources_per_replica, "rollout.custom_resources_per_replica")
     ref_on_trainer = cfg.algorithm.needs_reference and not cfg.pipeline.ref_on_rollout
     lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
     ref_role = ref_on_trainer and lora is None  # with LoRA the actor gives the reference log-probs
@@ -195,6 +212,8 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
                       "compute_logprobs" if ref_role else "compute_ref_logprobs")
     try:
         workers.ready()
+        if cfg.resources.ray_address:  # on a cluster, say which node each worker landed on
+            console.log(f"offstep: placement: {workers.placement()}")
     except BaseException:
         workers.close()
         raise
