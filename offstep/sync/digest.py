@@ -21,12 +21,14 @@ of every element enters ``s1``: changing one element changes its row's sum by a 
 mod 2^32. ``s2`` also changes when rows are moved or a square matrix is transposed. Integer sums
 do not depend on the order of addition, so threads, SIMD lanes and devices agree bit for bit.
 It is not a cryptographic hash: it guards against lost, stale, misrouted or corrupted loads, not
-against an adversary. Cost: one read of the weights at memory speed, about 0.04 s for the 0.54 GB
-of SmolLM2-135M in float32 on 2 CPU cores (``benchmarks/results_weight_sync.md``).
+against an adversary. Cost: one read of the weights at memory speed, on one thread (``one_thread``):
+0.06 s for the 0.54 GB of SmolLM2-135M in float32 on a busy 2-core machine, against 0.7 s for
+the load itself (README, "Every weight sync proves it arrived").
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -70,6 +72,19 @@ class Loaded:
     digest_s: float
 
 
+@contextlib.contextmanager
+def one_thread():
+    """Run the sums on one thread: they are memory-bound, and on a busy machine every parallel
+    region waits for descheduled threads (SmolLM2-135M on 2 busy cores: 0.06 s on one thread,
+    2 to 4 s on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as integers, one row per row of its last dimension."""
     t = t.detach().contiguous()
@@ -102,16 +117,20 @@ def sums_of_rows(rows: torch.Tensor) -> tuple[int, int]:
 
 def tensor_sums(t: torch.Tensor) -> tuple[int, int]:
     """``(s1, s2)`` of one tensor (see the module docstring)."""
-    return (0, 0) if t.numel() == 0 else sums_of_rows(row_sums(t))
+    if t.numel() == 0:
+        return (0, 0)
+    with one_thread():
+        return sums_of_rows(row_sums(t))
 
 
 def digest(named: Iterable[tuple[str, torch.Tensor]]) -> WeightDigest:
     """The digest of ``(name, tensor)`` pairs, in the order given (one transfer of the sums to
     the host at the end, not one per tensor)."""
     names, pairs = [], []
-    for name, t in named:
-        names.append(name)
-        pairs.append(_pair(row_sums(t)) if t.numel() else torch.zeros(2, dtype=torch.int64, device=t.device))
+    with one_thread():
+        for name, t in named:
+            names.append(name)
+            pairs.append(_pair(row_sums(t)) if t.numel() else torch.zeros(2, dtype=torch.int64, device=t.device))
     if not pairs:
         return WeightDigest((), ())
     sums = [(a & _MASK, b & _MASK) for a, b in torch.stack([p.cpu() for p in pairs]).tolist()]
