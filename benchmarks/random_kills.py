@@ -487,7 +487,7 @@ def run_setup(s: Setup, kills: int, seed: int = 0, steps: int = 8, save_freq: in
 
 
 # ------------------------------------------------------------------ the report
-def write_report(results: dict, path: Path, command: str) -> None:
+def write_report(results: dict, path: Path) -> None:
     rows = ["| configuration | kills | before first checkpoint | during checkpoint write | between checkpoints | "
             "exact resumes | starts (rounds) | slowest exit of all processes | run time |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -505,9 +505,10 @@ Each configuration: the tiny preset, {next(iter(results.values()))['steps']} ste
 process group) at seeded random moments and restarted with the same command after each kill,
 until the run completes. A resume is exact when every record that the run after it left
 (`metrics.jsonl`, `timeline.jsonl`, `samples.jsonl`) equals the uninterrupted run's, with no step
-missing or repeated, and no process of the killed run is left. Last command:
+missing or repeated, and no process of the killed run is left. Each row's command (from the
+checkout's root, with `.venv/bin/python`):
 
-    {command}
+{chr(10).join(f"    {r.get('command', '?')}" for r in results.values())}
 
 {chr(10).join(rows)}
 
@@ -552,6 +553,8 @@ def main() -> int:
         r = run_setup(s, a.kills or s.kills, a.seed, a.steps, a.save_freq, work, plan=PLAN)
         passed = r["failure"] is None and r["exact"] == r["kills"]
         ok &= passed
+        r["command"] = f"python benchmarks/random_kills.py --only {name}" + (f" --kills {a.kills}" if a.kills else "") + (
+            f" --seed {a.seed}" if a.seed else "")
         results[name] = r
         if not a.work and passed:
             shutil.rmtree(work, ignore_errors=True)
@@ -559,7 +562,7 @@ def main() -> int:
             print(f"{name}: the runs and their logs are in {work}")
         if not a.no_write:
             store.write_text(json.dumps(results, indent=1) + "\n")
-            write_report(results, RESULTS.with_suffix(".md"), "python benchmarks/random_kills.py " + " ".join(sys.argv[1:]))
+            write_report(results, RESULTS.with_suffix(".md"))
     return 0 if ok else 1
 
 
