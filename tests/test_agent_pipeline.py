@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import needs_vllm
+from reference_loop import assert_matches_in_process_reference
 
 from offstep.config.loader import load_config
 from offstep.pipeline.controller import train
@@ -15,12 +16,13 @@ AGENT_METRICS = ["agent/turns/mean", "agent/turns/max", "agent/tool_calls/mean",
 
 
 def _run(out, k: int, steps: int, *extra: str):
-    train(load_config([
+    cfg = load_config([
         "preset=tiny", f"pipeline.max_staleness={k}", f"trainer.total_steps={steps}", f"trainer.output_dir={out}",
         "trainer.progress=off", "data.task_val_size=8", "rollout.agent.default_agent=tool_agent", *extra,
-    ]))
+    ])
+    train(cfg)
     metrics = read_jsonl(out / "metrics.jsonl")
-    return [m for m in metrics if m["step"] >= 1], metrics, read_jsonl(out / "timeline.jsonl")
+    return cfg, [m for m in metrics if m["step"] >= 1], metrics, read_jsonl(out / "timeline.jsonl")
 
 
 @pytest.mark.parametrize("k,engine", [(0, "builtin"), (1, "builtin"), (2, "builtin"), pytest.param(1, "vllm", marks=needs_vllm)],
@@ -29,9 +31,10 @@ def test_tool_rows_train_at_every_staleness(tmp_path, ray_session, k, engine):
     """Every row a tool row (the tiny random model rarely writes a call, so most loops end after
     one turn: the pipeline's bookkeeping, not the tools, is under test here; the loop itself is
     tests/test_agent_loop.py's): agent/ metrics every step and in validation, the staleness
-    pattern of k, the versions per batch."""
+    pattern of k, the versions per batch; and k = 0 equals the synchronous loop run in one process
+    over the same parts (tool loops included), step for step."""
     steps = 3 if k < 2 else 4
-    metrics, everything, timeline = _run(tmp_path, k, steps, f"rollout.engine={engine}")
+    cfg, metrics, everything, timeline = _run(tmp_path, k, steps, f"rollout.engine={engine}")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:
         missing = [key for key in AGENT_METRICS if key not in m]
@@ -41,6 +44,8 @@ def test_tool_rows_train_at_every_staleness(tmp_path, ray_session, k, engine):
     gen = [e["version"] for e in timeline if e["stage"] == "gen"]
     assert gen == {0: [0, 1, 2], 1: [0, 0, 1], 2: [0, 0, 0, 1]}[k]
     assert everything[0]["step"] == 0 and "val/agent/turns/mean" in everything[0] and "val/agent/turns/mean" in everything[-1]
+    if k == 0 and engine == "builtin":
+        assert_matches_in_process_reference(cfg, metrics, tmp_path / "ref")
 
 
 @pytest.mark.slow

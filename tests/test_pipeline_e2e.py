@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import ENGINES
+from reference_loop import assert_matches_in_process_reference
 
 from offstep.config.loader import load_config
 from offstep.pipeline.controller import train
@@ -74,52 +75,9 @@ def sync_run(tmp_path_factory, ray_session):
 
 def test_synchronous_matches_in_process_reference(tmp_path, sync_run):
     """k = 0 through Ray equals a plain in-process loop over the same parts, step for step."""
-    import torch
-
-    from offstep.algos.advantages import grpo_outcome_advantage
-    from offstep.batch import collate
-    from offstep.data.stream import PromptStream
-    from offstep.pipeline.fleet import gen_seed
-    from offstep.pipeline.inputs import prepare_inputs, to_request
-    from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import RolloutWorker
-    from offstep.sync.weights import pack_state_dict
-    from offstep.train.actor import ActorWorker
-    from offstep.train.distributed import GroupSpec
-    from offstep.train.ref import RefWorker
-
-    steps = 3
     cfg, metrics, _ = sync_run
-    assert all(m["rollout/staleness_max"] == 0 for m in metrics)
-
-    # The reference: one process, no Ray, no asyncio, the obvious order.
-    inputs = prepare_inputs(cfg, tmp_path / "ref")
-    stream = PromptStream(len(inputs.train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
-    r = cfg.rollout
-    params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
-    rollout = RolloutWorker(inputs.model_path, "float32", "cpu", 1, inputs.reward, 1, r.max_batch_size)
-    spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
-    actor = ActorWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature)
-    ref = RefWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", r.temperature, cfg.actor.micro_batch_size)
-    try:
-        for step in range(1, steps + 1):
-            _, idx = stream.next_batch()
-            reqs = [to_request(inputs.train[i], step * len(idx) + j) for j, i in enumerate(idx)]
-            samples, _ = rollout.generate(reqs, params, gen_seed(cfg.trainer.seed, step, 0))
-            batch = collate(samples, inputs.pad_id)
-            batch.ref_logprobs, _ = ref.compute_logprobs(batch)
-            batch.advantages, batch.returns = grpo_outcome_advantage(batch.scores, batch.group_ids, batch.response_mask)
-            am, _ = actor.update(batch)
-            rollout.load_weights(pack_state_dict(actor.full_state_dict(actor.model)), step)
-            m = metrics[step - 1]
-            assert m["reward/mean"] == pytest.approx(float(batch.scores.mean()), abs=0)
-            assert m["response_length/mean"] == pytest.approx(float(batch.response_mask.sum(-1).mean()), abs=0)
-            assert m["actor/pg_loss"] == pytest.approx(am["pg_loss"], rel=1e-5, abs=1e-7)
-            assert m["actor/kl"] == pytest.approx(am["kl"], rel=1e-5, abs=1e-7)
-            assert m["actor/grad_norm"] == pytest.approx(am["grad_norm"], rel=1e-5)
-    finally:
-        actor.shutdown()
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+    assert len(metrics) == 3
+    assert_matches_in_process_reference(cfg, metrics, tmp_path / "ref")
 
 
 def test_fsdp_two_ranks_two_replicas_colocated(tmp_path, ray_session):
