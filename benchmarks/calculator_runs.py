@@ -63,7 +63,9 @@ def run_one(seed: int, out: Path, steps: int = STEPS, val_freq: int = VAL_FREQ, 
         "no_tools": no_tool_baseline(run.cfg, out),
         "reward_first3": run.reward(first=True), "reward_last3": run.reward(first=False),
         "rewards": [m["reward/mean"] for m in run.steps],
+        "train_budget_cut_first": run.steps[0].get("agent/budget_cut_frac", 0.0),
         "train_budget_cut_last": run.steps[-1].get("agent/budget_cut_frac", 0.0),
+        "train_tool_use_first": run.steps[0].get("agent/tool_use_frac", 0.0),
         "train_tool_use_last": run.steps[-1].get("agent/tool_use_frac", 0.0),
         "calls_per_sample_last": run.steps[-1].get("agent/tool_calls/mean", 0.0),
         "wall_s": run.wall_s, "step_s": run.median("timing_s/step"), "load": [round(load0, 1), round(load1, 1)],
@@ -91,6 +93,8 @@ def summary_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
          _spread(col("budget_cut", "end"), True)),
         ("training reward, first / last 3 steps", _spread([r["reward_first3"] for r in rows], False),
          _spread([r["reward_last3"] for r in rows], False)),
+        ("training samples with a well-formed call, step 1 / last", _spread([r["train_tool_use_first"] for r in rows], True),
+         _spread([r["train_tool_use_last"] for r in rows], True)),
     ]
 
 
@@ -119,20 +123,22 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
                      f"{pct(e['tool_use'])} | {pct(s['well_formed'])} → {pct(e['well_formed'])} | {pct(s['budget_cut'])} → "
                      f"{pct(e['budget_cut'])} | {' / '.join(pct(a) for _, a in r['val_curve'])} |")
     lines += ["", "Training (T = 1, 8 prompts x 4 samples a step):", "",
-              "| seed | reward, first 3 / last 3 steps | reward by step | last step: tool use, calls per sample, cut by budget "
-              "| wall s | median step s | load average, start / end | finished (UTC) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| seed | reward, first 3 / last 3 steps | reward by step | samples with a well-formed call, step 1 → last "
+              "| cut by budget, step 1 → last | calls per sample, last step | wall s | median step s "
+              "| load average, start / end | finished (UTC) |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['seed']} | {r['reward_first3']:.2f} / {r['reward_last3']:.2f} | "
-                     f"{' '.join(f'{v:.2f}' for v in r['rewards'])} | {pct(r['train_tool_use_last'])}, "
-                     f"{r['calls_per_sample_last']:.2f}, {pct(r['train_budget_cut_last'])} | {r['wall_s']:.0f} | "
+                     f"{' '.join(f'{v:.2f}' for v in r['rewards'])} | {pct(r['train_tool_use_first'])} → "
+                     f"{pct(r['train_tool_use_last'])} | {pct(r['train_budget_cut_first'])} → {pct(r['train_budget_cut_last'])} | "
+                     f"{r['calls_per_sample_last']:.2f} | {r['wall_s']:.0f} | "
                      f"{r['step_s']:.0f} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |")
     if len(rows) > 1:
         lines += ["", f"Mean (range) over seeds {', '.join(str(r['seed']) for r in rows)}:", "",
                   "| | before | after |", "| --- | --- | --- |"]
         lines += [f"| {what} | {a} | {b} |" for what, a, b in summary_rows(rows)]
-        lines += [f"| wall time, median step | {_spread([r['wall_s'] / 60 for r in rows], False)} min | "
-                  f"{_spread([r['step_s'] for r in rows], False)} s |"]
+        lines += ["", f"Wall time {_spread([r['wall_s'] / 60 for r in rows], False)} min, median step "
+                  f"{_spread([r['step_s'] for r in rows], False)} s."]
     lines += ["", "Regenerate: `.venv/bin/python benchmarks/calculator_runs.py --seeds 0`, then `--seeds 1`, `--seeds 2` "
               "(each run under `flock /tmp/offstep-heavy.lock` on a shared machine), then `--table`."]
     out.write_text("\n".join(lines) + "\n")
