@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ENGINES
+from conftest import ENGINES, needs_vllm
 
 pytest.importorskip("peft")  # a dependency of offstep from this change on; skipped until it is installed
 
@@ -53,6 +53,22 @@ def test_lora_config_errors_name_the_fix(overrides, match):
 
     with pytest.raises(ConfigError, match=match):
         validate(load_config(["preset=tiny", "actor.lora.rank=8", *overrides]), cpu_count=8, gpu_count=0)
+
+
+@needs_vllm
+def test_vllm_lora_reference_on_rollout_needs_an_untempered_reference():
+    """vLLM scores the reference (its base) with prompt log-probs, which it does not temper and its
+    LoRA LM head cannot give: at another temperature, or with lm_head adapted, the reference on the
+    rollout side is refused, with the ways out."""
+    from offstep.config.validate import validate
+
+    base = ["preset=tiny", "actor.lora.rank=8", "rollout.engine=vllm", "pipeline.ref_on_rollout=true"]
+    with pytest.raises(ConfigError, match="rollout.temperature=0.7.*pipeline.ref_on_rollout=false"):
+        validate(load_config([*base, "rollout.temperature=0.7"]), cpu_count=8, gpu_count=0)
+    with pytest.raises(ConfigError, match="adapted lm_head.*drop lm_head"):
+        validate(load_config([*base, "actor.lora.target_modules=[q_proj,lm_head]"]), cpu_count=8, gpu_count=0)
+    validate(load_config([*base, "rollout.temperature=1.0"]), cpu_count=8, gpu_count=0)
+    validate(load_config([*base, "rollout.temperature=0.7", "pipeline.ref_on_rollout=false"]), cpu_count=8, gpu_count=0)
 
 
 def test_lora_defaults_validate():
@@ -155,11 +171,54 @@ def test_export_peft_folder_and_merged_model(tiny, tmp_path):
             torch.testing.assert_close(m(ids).logits, want, atol=1e-4, rtol=0)
 
 
-# ------------------------------------------------------------------ every sync arrives (Ray)
 REWARD = '''
 def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
     return (len(solution_str) % 3) / 2.0
 '''
+
+
+# ------------------------------------------------------------------ the reference on the rollout side
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rollout_reference_is_the_engines_own_base(tmp_path, tiny, engine):
+    """``pipeline.ref_on_rollout`` with LoRA loads no second model: the rollout worker's reference
+    log-probs are the base model's (peft's forward with the adapters off), both before the first
+    adapter load and after each of two, while what it samples follows the adapters (peft's forward
+    with them on), which the reference then differs from."""
+    from offstep.rewards.registry import RewardFunction
+    from offstep.rollout.worker import RefSpec, Request, RolloutWorker
+
+    (tmp_path / "r.py").write_text(REWARD)
+    worker = RolloutWorker(tiny, "float32", "cpu", 1, RewardFunction(str(tmp_path / "r.py")), 1, 16,
+                           RefSpec("float32", "float32", 1.0, 8), None, engine, 0, LORA)
+    policy = add_adapters(load_causal_lm(tiny), LORA)  # the trainer's model
+    requests = [Request(i, p, "arithmetic", "0") for i, p in enumerate(PROMPTS)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
+    try:
+        assert worker.ref_model is None
+        for version in (0, 1, 2):
+            if version:  # an "update": new adapters on the trainer's model, synced to the worker
+                adapters = _random_adapters(policy, version)
+                with torch.no_grad():
+                    for name, p in adapter_parameters(policy):
+                        p.copy_(adapters[name])
+                worker.engine.load_adapters(adapters, version)  # what a sync's load does (RolloutWorker._apply)
+            samples, timing = worker.generate(requests, params, seed=10 + version)
+            assert timing.ref is not None and {s.version for s in samples} == {version}
+            for s in samples:
+                adapted = _teacher_forced(policy, s.prompt_ids, s.response_ids)
+                with policy.disable_adapter():
+                    base = _teacher_forced(policy, s.prompt_ids, s.response_ids)
+                torch.testing.assert_close(torch.tensor(s.ref_logprobs), base, atol=5e-4, rtol=0)
+                torch.testing.assert_close(torch.tensor(s.rollout_logprobs), adapted, atol=5e-4, rtol=0)
+                if version:
+                    assert float((base - adapted).abs().max()) > 1e-2, "the adapters do not change the policy"
+    finally:
+        close = getattr(worker.engine, "close", None)
+        if close is not None:
+            close()
+
+
+# ------------------------------------------------------------------ every sync arrives (Ray)
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -214,6 +273,8 @@ def test_every_adapter_sync_reaches_the_rollout_engine(ray_session, tmp_path, ti
             assert mismatch < 5e-4, f"sync {version}: rollout log-probs differ from the trainer's by {mismatch}"
             assert float((base[mask] - served).abs().max()) > 1e-2, f"sync {version}: the rollout still serves the base"
             torch.testing.assert_close(batch.ref_logprobs[mask], base[mask], atol=5e-4, rtol=0)
+            assert float((batch.ref_logprobs[mask] - trainer[mask]).abs().max()) > 1e-2, "the reference follows the policy"
+        assert ray.get(rollout.__ray_call__.remote(lambda w: w.ref_model is None)), "a second model for the reference"
     finally:
         for h in (actor, rollout):
             ray.kill(h)

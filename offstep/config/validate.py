@@ -264,6 +264,18 @@ def _check_lora(cfg: Config, e: list[str]) -> bool:
     if cfg.rollout.engine == "vllm":
         _need(lora.rank <= VLLM_LORA_RANKS[-1], f"actor.lora.rank={lora.rank}: vLLM serves adapters of rank "
               f"<= {VLLM_LORA_RANKS[-1]}; lower it, or use rollout.engine=builtin", e)
+        # The reference is vLLM's base scored with prompt log-probs, which vLLM does not temper and
+        # cannot compute through an adapted LM head.
+        ref = cfg.algorithm.needs_reference and cfg.pipeline.ref_on_rollout
+        fixes = "set pipeline.ref_on_rollout=false (the trainer gives it, adapters off) or rollout.engine=builtin"
+        _need(not (ref and cfg.rollout.temperature not in (0, 1)),
+              f"rollout.engine=vllm with actor.lora.rank > 0 and pipeline.ref_on_rollout=true scores the reference on "
+              f"vLLM's base model, untempered, but rollout.temperature={cfg.rollout.temperature}; use "
+              f"rollout.temperature=1, or {fixes}", e)
+        _need(not (ref and any(m.split(".")[-1] == "lm_head" for m in lora.target_modules)),
+              "rollout.engine=vllm with actor.lora.rank > 0 and pipeline.ref_on_rollout=true cannot score the reference "
+              "with an adapted lm_head (vLLM's LoRA logits path has no prompt log-probs); drop lm_head from "
+              f"actor.lora.target_modules, or {fixes}", e)
     return lora.rank > 0 and bool(lora.target_modules)
 
 

@@ -56,7 +56,9 @@ a temporary folder of this worker and registers them under a fresh adapter id pe
 previous one removed), and every request of ``generate`` names that adapter: a new id, not an
 in-place reload, so no cache of vLLM's (the adapter cache, prefix-cache blocks keyed by adapter)
 can serve an older version's adapter (the trap of verl issue 7495). Before the first sync the
-requests name no adapter: the base model, which is what fresh adapters (B = 0) compute.
+requests name no adapter: the base model, which is what fresh adapters (B = 0) compute. The
+reference of the KL term (``pipeline.ref_on_rollout``) is that same base: ``base_logprobs`` scores
+the samples with requests that name no adapter, so no second copy of the weights is loaded.
 
 Not supported here (for the config check to refuse): models whose attention
 head size the backend lacks (vLLM-CPU: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; a head
@@ -225,8 +227,11 @@ class VLLMEngine:
             self._adapter_shapes = adapter_shapes(self.model_path, lora)
             self._lora_dir = tempfile.mkdtemp(prefix="offstep-vllm-lora-")
             self._lora_ids = itertools.count(1)
+            # The adapted layers only (vLLM would wrap every supported one, its LM head too, whose LoRA
+            # logits path cannot score prompt tokens, which base_logprobs needs).
             llm_kwargs = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
-                          "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= lora.rank), **llm_kwargs}
+                          "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= lora.rank),
+                          "lora_target_modules": list(lora.target_modules), **llm_kwargs}
 
         if num_threads:
             torch.set_num_threads(int(num_threads))
@@ -389,6 +394,43 @@ class VLLMEngine:
         self.version = int(version)
         self._engine.set_weight_version(str(self.version))
         self.reset_cache()
+
+    def base_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float = 1.0) -> list[list[float]]:
+        """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under the base
+        model: requests that name no adapter (with LoRA: the adapters off, the reference policy),
+        one prefill each with ``prompt_logprobs`` (which reads no prefix cache) and one sampled
+        token, discarded. vLLM's sampling processors skip prompt tokens, so these log-probs are
+        untempered: they are the reference's at ``temperature`` 1 (and 0, which is scored
+        untempered too); other temperatures raise ``ValueError`` (the config check refuses them)."""
+        from vllm import SamplingParams as VParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if temperature not in (0.0, 1.0):
+            raise ValueError(f"base_logprobs: vLLM scores prompt tokens untempered, so temperature={temperature} "
+                             "(not 0 or 1) cannot be served")
+        params = VParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
+                         output_kind=RequestOutputKind.FINAL_ONLY)
+        call = next(_CALLS)
+        results: list[list[float]] = [[] for _ in sequences]
+        pending: dict[str, int] = {}
+        for i, (prompt, response) in enumerate(sequences):
+            if response:
+                rid = f"offstep-base-{call}-{i}"
+                self._engine.add_request(rid, {"prompt_token_ids": [*prompt, *response]}, params)  # no lora_request
+                pending[rid] = i
+        try:
+            while pending:
+                for out in self._engine.step():
+                    if out.finished and out.request_id in pending:
+                        i = pending.pop(out.request_id)
+                        prompt, response = sequences[i]
+                        # position j of the sequence holds {token j: its log-prob given tokens < j}
+                        scored = out.prompt_logprobs[len(prompt):]
+                        results[i] = [float(step[t].logprob) for t, step in zip(response, scored)]
+        finally:
+            if pending:
+                self._engine.abort_request(list(pending))
+        return results
 
     def weights_digest(self, specs: list):
         """The digest of the weights vLLM holds now (``offstep.sync.digest``), read back from its

@@ -94,9 +94,10 @@ class RolloutWorker:
         self.reward = reward
         self.ref = ref
         self.ref_model = None
-        # The reference, for the KL term: with LoRA on the built-in engine, the engine's own model
-        # with its adapters off; otherwise a frozen copy of the initial policy.
-        if ref is not None and not (lora is not None and isinstance(self.engine, TorchEngine)):
+        # The reference, for the KL term: with LoRA, the engine's own base with the adapters off
+        # (the built-in engine's model under disable_adapter, vLLM's requests that name no adapter);
+        # otherwise a frozen copy of the initial policy.
+        if ref is not None and lora is None:
             self.ref_model = load_causal_lm(model_path, dtype=DTYPES[ref.dtype]).to(self.device)
             self.ref_model.requires_grad_(False)
         self.pad_id = tok.pad_token_id
@@ -200,6 +201,11 @@ class RolloutWorker:
         and compute dtype), on this worker's share of the batch.
         """
         self.progress.start("ref")
+        if self.ref_model is None and not isinstance(self.engine, TorchEngine):  # vLLM with LoRA: its base
+            scored = self.engine.base_logprobs([(s.prompt_ids, s.response_ids) for s in samples], self.ref.temperature)
+            for s, lp in zip(samples, scored):
+                s.ref_logprobs = lp
+            return
         batch = collate(samples, self.pad_id).to(self.device)
         with (contextlib.nullcontext(self.ref_model) if self.ref_model is not None else self.engine.adapters_disabled()) as model:
             parts = [
