@@ -422,12 +422,6 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     res = cfg.resources
     for key, v in (("resources.cpus_per_trainer_worker", res.cpus_per_trainer_worker), ("rollout.cpus_per_replica", r.cpus_per_replica)):
         _need(v >= 1, f"{key}={v} must be >= 1", e)
-    if res.ray_address is None:
-        cpus = os.cpu_count() if cpu_count is None else cpu_count
-        colocated = cfg.pipeline.colocate and k == 0
-        need = W * res.cpus_per_trainer_worker + (0 if colocated else r.replicas * r.cpus_per_replica)
-        _need(need <= cpus, f"the run needs {need} CPU cores (resources.trainer_workers x "
-              f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica) but this "
     for key, custom in (("resources.custom_resources_per_trainer_worker", res.custom_resources_per_trainer_worker),
                         ("rollout.custom_resources_per_replica", r.custom_resources_per_replica)):
         bad = {name: v for name, v in custom.items() if not v > 0 or name in ("CPU", "GPU", "memory")}
@@ -436,6 +430,12 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
         _need(not custom or res.ray_address is not None,
               f"{key}={custom} asks for custom Ray resources, and the local Ray this run would start has none; "
               f"give resources.ray_address of a cluster whose nodes have them (ray start --resources), or drop {key}", e)
+    if res.ray_address is None:
+        cpus = os.cpu_count() if cpu_count is None else cpu_count
+        colocated = cfg.pipeline.colocate and k == 0
+        need = W * res.cpus_per_trainer_worker + (0 if colocated else r.replicas * r.cpus_per_replica)
+        _need(need <= cpus, f"the run needs {need} CPU cores (resources.trainer_workers x "
+              f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica) but this "
               f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
               f"to share cores, or give resources.ray_address of a larger Ray cluster", e)
         gpus_needed = W * res.gpus_per_trainer_worker + (0 if colocated else r.replicas * r.gpus_per_replica)
