@@ -182,7 +182,7 @@ def _setting(rank: int) -> str:
 
 def _when(part: dict) -> str:
     if "load_mean" not in part:  # kept from before the load average was recorded
-        return f"Measured {part['started']} UTC, by an earlier version of this script; load average not recorded."
+        return f"Measured {part['started']} UTC; load average not recorded. {part.get('note', '')}".rstrip()
     return (f"Measured {part['started']} UTC; load average (1 min) while it ran: mean {part['load_mean']:.1f}, max "
             f"{part['load_max']:.1f} (2 cores; other engineers' jobs may share them).")
 
