@@ -5,6 +5,7 @@ shares, each share with its own seed, and a replica that dies, or does not answe
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import ray
@@ -12,6 +13,7 @@ import ray
 from offstep.config.schema import RolloutConfig
 from offstep.errors import OffstepError
 from offstep.pipeline.inputs import to_request
+from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S
 from offstep.pipeline.workers import Workers, node_of
 
 
@@ -43,6 +45,7 @@ class RolloutFleet:
                  restarts: int = 0):
         self.workers, self.cfg, self.reload, self.log = workers, cfg, reload, log
         self.restarts = restarts  # replicas replaced so far in this run (a checkpoint carries it)
+        self._replacing: dict[int, asyncio.Lock] = {}  # one replacement of a replica at a time
 
     def submit(self, prompts, params, seed_base: int, batch_idx: int, uid0: int, with_ref: bool = True) -> asyncio.Future:
         """Generate ``params.n`` samples of each prompt; the future gives one ``(samples,
@@ -56,20 +59,31 @@ class RolloutFleet:
         for i, share in enumerate(split(requests, len(self.workers.rollout))):
             if share:
                 args = (share, params, gen_seed(seed_base, batch_idx, i), with_ref)
-                shares.append(self._generate_on(i, args, self.workers.rollout[i].generate.remote(*args)))
+                worker = self.workers.rollout[i]
+                shares.append(self._generate_on(i, args, worker, worker.generate.remote(*args)))
         return asyncio.ensure_future(asyncio.gather(*shares))
 
-    async def _generate_on(self, i: int, args: tuple, call):
+    async def _generate_on(self, i: int, args: tuple, worker, call):
+        """``call``, submitted to ``worker`` (replica i); on the replacement when the worker dies or hangs."""
         while True:
             try:
                 return await asyncio.wait_for(_await(call), self.cfg.timeout_s)
             except asyncio.TimeoutError:
-                await self._restart(i, f"did not finish a generation within rollout.timeout_s={self.cfg.timeout_s:g}")
+                await self._restart(i, worker, f"did not finish a generation within rollout.timeout_s={self.cfg.timeout_s:g}")
             except ray.exceptions.RayActorError as e:
-                await self._restart(i, f"died ({type(e).__name__})")
-            call = self.workers.rollout[i].generate.remote(*args)  # the same requests and seed, on the new replica
+                await self._restart(i, worker, f"died ({type(e).__name__})")
+            worker = self.workers.rollout[i]
+            call = worker.generate.remote(*args)  # the same requests and seed, on the new replica
 
-    async def _restart(self, i: int, why: str) -> None:
+    async def _restart(self, i: int, failed, why: str) -> None:
+        """Replace replica i, whose worker ``failed``, unless that worker was replaced already: the
+        calls queued on one worker fail together (its node left the cluster, say; with k >= 1 two
+        generations can be queued), and one replacement serves them all."""
+        async with self._replacing.setdefault(i, asyncio.Lock()):
+            if self.workers.rollout[i] is failed:
+                await self._replace(i, why)
+
+    async def _replace(self, i: int, why: str) -> None:
         if self.restarts >= self.cfg.max_restarts:
             raise RolloutFailed(
                 f"rollout worker {i} {why}, and rollout.max_restarts={self.cfg.max_restarts} restarts are used up; "
@@ -84,18 +98,29 @@ class RolloutFleet:
         await self.reload(i)
 
     async def _started(self, i: int, why: str) -> None:
-        """Wait until replica i's replacement is up, at most ``rollout.timeout_s``: one that no
-        node can hold (its node left the cluster and no other node has room for its bundle) would
-        otherwise wait for a node forever."""
-        new = self.workers.rollout[i]
-        try:
-            await asyncio.wait_for(_await(new.__ray_ready__.remote()), self.cfg.timeout_s)
-        except asyncio.TimeoutError:
-            raise RolloutFailed(
-                f"rollout worker {i} {why}, and its replacement did not start within rollout.timeout_s="
-                f"{self.cfg.timeout_s:g}: no node of the Ray cluster has room for it (when its node left the cluster, "
-                f"only a node with the rollout pool's resources, rollout.cpus_per_replica, gpus_per_replica and "
-                f"custom_resources_per_replica, can take it). Add such a node, and resume from the last checkpoint "
-                f"with trainer.resume=auto"
-            ) from None
+        """Wait until replica i's replacement is up. Its bundle may still be booked on the node that
+        just left (Ray declares a node dead only after missed heartbeats): a replacement that dies
+        with that node before it ran is started again. One whose bundle no node can hold stops the
+        run after the placement wait instead of waiting for a node forever."""
+        t0 = time.monotonic()
+        while True:
+            new = self.workers.rollout[i]
+            ready = asyncio.ensure_future(_await(new.__ray_ready__.remote()))
+            while not ready.done():
+                if time.monotonic() - t0 > PLACEMENT_TIMEOUT_S and not self.workers.rollout_placed(i):
+                    ready.cancel()
+                    raise RolloutFailed(
+                        f"rollout worker {i} {why}, and no node of the Ray cluster had room for its replacement within "
+                        f"{PLACEMENT_TIMEOUT_S:.0f} s (its node left the cluster; only a node with the rollout pool's "
+                        f"resources, rollout.cpus_per_replica, gpus_per_replica and custom_resources_per_replica, can "
+                        f"take it). Add such a node, and resume from the last checkpoint with trainer.resume=auto")
+                await asyncio.wait([ready], timeout=1.0)
+            try:
+                ready.result()
+                break
+            except ray.exceptions.RayActorError as e:
+                if getattr(e, "actor_init_failed", False) or time.monotonic() - t0 > PLACEMENT_TIMEOUT_S:
+                    raise  # its constructor failed (the error names the cause), or it keeps dying
+                await asyncio.sleep(1.0)
+                self.workers.rollout[i] = self.workers.make_rollout(i)  # it died with the lost node, before it ran
         self.log(f"offstep: rollout replica {i} restarted on {await new.__ray_call__.remote(node_of)}")

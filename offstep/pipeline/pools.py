@@ -28,6 +28,7 @@ from offstep.train.distributed import GroupSpec, serve_store
 # Actors take a token share of a bundle; the bundle itself reserves the cores, and each actor
 # sets its own thread count. This lets several roles share one bundle (they run in turn).
 _TOKEN_CPU = 0.01
+PLACEMENT_TIMEOUT_S = 60.0  # how long a pool, or a bundle whose node left, may wait for a node
 
 
 class PlacementFailed(OffstepError):
@@ -64,7 +65,7 @@ class Pool:
 
     @classmethod
     def create(cls, name: str, bundles: int, cpus: int, gpus: int, custom: dict[str, float] | None = None,
-               custom_key: str = "", timeout_s: float = 60.0) -> "Pool":
+               custom_key: str = "", timeout_s: float = PLACEMENT_TIMEOUT_S) -> "Pool":
         """Place ``bundles`` bundles of ``cpus`` cores, ``gpus`` GPUs and the ``custom`` Ray
         resources (asked for by the config key ``custom_key``) each."""
         spec = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **(custom or {})}
@@ -90,6 +91,12 @@ class Pool:
             ),
             runtime_env={"env_vars": env or {}},
         )
+
+    def placed(self, bundle: int) -> bool:
+        """Whether ``bundle`` sits on a live node now. When its node leaves the cluster, Ray places
+        it again as soon as a node has room for it."""
+        node = ray.util.placement_group_table(self.pg).get("bundles_to_node_id", {}).get(bundle)
+        return node is not None and any(n["NodeID"] == node and n.get("Alive") for n in ray.nodes())
 
     @property
     def device(self) -> str:

@@ -48,6 +48,7 @@ class Workers:
     host: str | None = None  # the address the run's own stores listen on (None: each node's address)
     rendezvous: Rendezvous | None = None  # the store the trainer roles' process groups meet at
     ref_method: str = "compute_logprobs"
+    rollout_pool: Pool | None = None  # the pool the replicas' bundles belong to (replica i: bundle i % bundles)
 
     @property
     def groups(self) -> list[RoleGroup]:
@@ -84,6 +85,11 @@ class Workers:
             except ray.exceptions.RayActorError as e:
                 e.role = role
                 raise
+
+    def rollout_placed(self, i: int) -> bool:
+        """Whether replica i's bundle sits on a live node (always, without a pool to ask)."""
+        pool = self.rollout_pool
+        return pool is None or pool.placed(i % pool.bundles)
 
     def placement(self) -> str:
         """Where each worker runs, as the worker itself reports it: "actor rank 0 on node
@@ -209,7 +215,7 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
 
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,
                       [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
-                      "compute_logprobs" if ref_role else "compute_ref_logprobs")
+                      "compute_logprobs" if ref_role else "compute_ref_logprobs", rollout_pool=pool)
     try:
         workers.ready()
         if cfg.resources.ray_address:  # on a cluster, say which node each worker landed on
