@@ -58,7 +58,7 @@ from offstep.pipeline.faults import ENV as PAUSE_ENV, POINTS  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results_random_kills"
 # Wall-clock figures, the only fields of a metrics record not compared: their prefixes, and the
-# names ending in "_s" (seconds: sync/verify_s, agent/tool_time_s).
+# names ending in "_s" (seconds: agent/tool_time_s).
 EXCLUDED_PREFIXES = ("timing_s/", "perf/")
 EXCLUDED_SUFFIX = "_s"
 TIMELINE_CLOCK = ("start", "end")  # a timeline event's times; role, stage, step and the rest compared

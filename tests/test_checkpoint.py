@@ -60,11 +60,12 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 
 def _records(run: Path) -> dict[int, dict]:
-    """Per step, everything but wall-clock figures."""
+    """Per step, everything but wall-clock figures (timing_s/, perf/, and seconds such as
+    agent/tool_time_s)."""
     out = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         m = json.loads(line)
-        out[m["step"]] = {k: v for k, v in m.items() if not k.startswith(("timing_s/", "perf/"))}
+        out[m["step"]] = {k: v for k, v in m.items() if not (k.startswith(("timing_s/", "perf/")) or k.endswith("_s"))}
     return out
 
 

@@ -28,8 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from test_checkpoint import REWARD
-from test_checkpoint import _records as _all_records
+from test_checkpoint import REWARD, _records  # _records: per step, everything but wall-clock figures
 
 from offstep.pipeline.checkpoints import complete_checkpoints
 
@@ -41,11 +40,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
     time.sleep(0.2)
     return (len(solution_str) % 3) / 2.0
 '''
-
-def _records(run: Path) -> dict[int, dict]:
-    """Per step, everything but wall-clock figures (timing_s/, perf/, and the digest's time)."""
-    return {step: {k: v for k, v in m.items() if k != "sync/verify_s"} for step, m in _all_records(run).items()}
-
 
 TRAIN = "resources.custom_resources_per_trainer_worker"
 ROLLOUT = "rollout.custom_resources_per_replica"

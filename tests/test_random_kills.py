@@ -28,7 +28,7 @@ def _write(run: Path, metrics: list[dict], events: list[dict], rows: list[dict],
 
 
 def _step(s: int, **extra) -> dict:
-    return {"step": s, "reward/mean": s / 10, "timing_s/step": 1.0 + s, "perf/tokens_per_s": 9.0, "sync/verify_s": 0.1, **extra}
+    return {"step": s, "reward/mean": s / 10, "timing_s/step": 1.0 + s, "perf/tokens_per_s": 9.0, "agent/tool_time_s": 0.1, **extra}
 
 
 def _events(s: int, t: float = 0.0) -> list[dict]:
@@ -45,7 +45,7 @@ def reference(tmp_path):
 
 def test_records_equal_but_for_wall_clock_pass(tmp_path, reference):
     # Other times, the same everything else: equal.
-    _write(tmp_path / "run", [{**_step(s), "timing_s/step": 99.0, "sync/verify_s": 7.0} for s in (1, 2, 3)],
+    _write(tmp_path / "run", [{**_step(s), "timing_s/step": 99.0, "agent/tool_time_s": 7.0} for s in (1, 2, 3)],
            [e for s in (1, 2, 3) for e in _events(s, t=50.0)], [{"step": s, "response": f"r{s}", "reward": 0.5} for s in (1, 2, 3)])
     assert rk.check_records(rk.Records.read(tmp_path / "run"), reference, final=True) == []
 
