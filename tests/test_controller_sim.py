@@ -165,3 +165,64 @@ def test_a_batch_is_submitted_to_the_replicas_before_its_launch_returns():
         await fut
 
     asyncio.run(main())
+
+
+def test_calls_queued_on_a_lost_replica_all_fail_when_no_replacement_can_start(monkeypatch):
+    """With k >= 1 two generations can be queued on a replica when its node leaves the cluster:
+    both fail, and the first to fail makes the one replacement. When no node can take it, the
+    call that made it fails after the placement wait, and so must the other, even when that other
+    is the batch the trainer waits for. (It used to be sent to the replacement that never
+    started, and waited for it forever: seen as a hung run in tests/test_multinode.py when the
+    later batch's call failed first.)"""
+    import asyncio
+    from types import SimpleNamespace
+
+    import ray
+
+    import offstep.pipeline.fleet as fleet_mod
+    from offstep.config.schema import RolloutConfig
+    from offstep.pipeline.fleet import RolloutFailed, RolloutFleet
+
+    monkeypatch.setattr(fleet_mod, "PLACEMENT_TIMEOUT_S", 0.5)
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        calls = []  # the old replica's generations, in submission order
+
+        def old_generate(*args):
+            calls.append(loop.create_future())
+            return calls[-1]
+
+        def never(*args):  # a replacement whose bundle no node can hold: nothing it is sent returns
+            return loop.create_future()
+
+        def pending_replica():
+            return SimpleNamespace(generate=SimpleNamespace(remote=never), __ray_ready__=SimpleNamespace(remote=never))
+
+        old = SimpleNamespace(generate=SimpleNamespace(remote=old_generate))
+        made = []
+        workers = SimpleNamespace(rollout=[old], make_rollout=lambda i: made.append(i) or pending_replica(),
+                                  rollout_placed=lambda i: False)
+        fleet = RolloutFleet(workers, RolloutConfig(), reload=None, log=print)
+        record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None)
+        prompts = [SimpleNamespace(prompt_ids=[1, 2], record=record)]
+        params = SimpleNamespace()
+        trained_next = fleet.submit(prompts, params, 0, 4, 0)  # the batch the trainer awaits
+        later = fleet.submit(prompts, params, 0, 5, 1)
+        lost = ray.exceptions.ActorUnavailableError("its node left the cluster", None)
+        calls[1].set_exception(lost)  # the later batch's call fails first and makes the replacement
+        await asyncio.sleep(0.05)
+        calls[0].set_exception(lost)
+        for fut in (trained_next, later):
+            try:
+                await asyncio.wait_for(fut, 10)
+            except RolloutFailed as e:
+                assert "no node of the Ray cluster had room for its replacement" in str(e)
+            else:
+                raise AssertionError("a generation succeeded on a replica that never started")
+        assert made == [0], made  # one replacement for both calls
+        assert killed == [old, workers.rollout[0]]  # the lost replica, then its replacement that never started
+
+    asyncio.run(main())

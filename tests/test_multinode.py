@@ -102,6 +102,8 @@ def _finish(proc: subprocess.Popen, log: Path, timeout: float) -> str:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGUSR1)  # the driver prints its threads' and tasks' stacks into the log
+        time.sleep(3)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         raise AssertionError(f"the run did not end within {timeout:.0f} s:\n{log.read_text()[-4000:]}") from None

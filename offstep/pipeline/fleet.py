@@ -46,6 +46,7 @@ class RolloutFleet:
         self.workers, self.cfg, self.reload, self.log = workers, cfg, reload, log
         self.restarts = restarts  # replicas replaced so far in this run (a checkpoint carries it)
         self._replacing: dict[int, asyncio.Lock] = {}  # one replacement of a replica at a time
+        self._failed: dict[int, Exception] = {}  # replica -> why its replacement could not be made
 
     def submit(self, prompts, params, seed_base: int, batch_idx: int, uid0: int, with_ref: bool = True) -> asyncio.Future:
         """Generate ``params.n`` samples of each prompt; the future gives one ``(samples,
@@ -78,10 +79,21 @@ class RolloutFleet:
     async def _restart(self, i: int, failed, why: str) -> None:
         """Replace replica i, whose worker ``failed``, unless that worker was replaced already: the
         calls queued on one worker fail together (its node left the cluster, say; with k >= 1 two
-        generations can be queued), and one replacement serves them all."""
+        generations can be queued), and one replacement serves them all. When it could not be
+        made, every one of those calls fails with its error: the call that made it may be for a
+        later batch than the one the trainer waits for, which would otherwise be sent to a
+        replacement that never starts, and wait for it forever. For the same reason the
+        replacement is killed: a weight load sent to it meanwhile fails instead of waiting."""
         async with self._replacing.setdefault(i, asyncio.Lock()):
+            if i in self._failed:
+                raise self._failed[i]
             if self.workers.rollout[i] is failed:
-                await self._replace(i, why)
+                try:
+                    await self._replace(i, why)
+                except Exception as e:
+                    self._failed[i] = e
+                    ray.kill(self.workers.rollout[i], no_restart=True)
+                    raise
 
     async def _replace(self, i: int, why: str) -> None:
         if self.restarts >= self.cfg.max_restarts:
