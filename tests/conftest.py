@@ -9,6 +9,16 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
+# wandb is imported here, while this process has one thread. Imported later, beside Ray's GC thread
+# and the threads earlier tests leave, it failed once in CI with CPython 3.11's "SystemError: AST
+# constructor recursion depth mismatch": pydantic runs ``ast.parse`` on the source of wandb's Settings
+# class, and 3.11 keeps the AST constructor's depth counter per interpreter, not per thread (see
+# python/cpython#106905). The half-imported module then failed every later wandb test too.
+try:
+    import wandb  # noqa: F401
+except ImportError:
+    pass
+
 
 # Shared by the algorithm tests: padding positions filled with values that must never leak into a
 # result (NaN, inf, huge, plausible).
@@ -37,6 +47,9 @@ def _vllm_skip():
 needs_vllm = _vllm_skip()
 # Pipeline tests that hold for every rollout engine take ``engine`` from this list.
 ENGINES = ["builtin", pytest.param("vllm", marks=needs_vllm)]
+# The same, where the vLLM case is a ``slow`` test (more than ~30 s: a vLLM engine starts in about a
+# minute on 2 cores) and the built-in one is not.
+ENGINES_SLOW_VLLM = ["builtin", pytest.param("vllm", marks=[needs_vllm, pytest.mark.slow])]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -25,7 +25,7 @@ def _run(out, k: int, steps: int, *extra: str):
     return cfg, [m for m in metrics if m["step"] >= 1], metrics, read_jsonl(out / "timeline.jsonl")
 
 
-@pytest.mark.parametrize("k,engine", [(0, "builtin"), (1, "builtin"), (2, "builtin"), pytest.param(1, "vllm", marks=needs_vllm)],
+@pytest.mark.parametrize("k,engine", [(0, "builtin"), (1, "builtin"), (2, "builtin"), pytest.param(1, "vllm", marks=[needs_vllm, pytest.mark.slow])],
                          ids=["sync", "one-step", "two-step", "one-step-vllm"])
 def test_tool_rows_train_at_every_staleness(tmp_path, ray_session, k, engine):
     """Every row a tool row (the tiny random model rarely writes a call, so most loops end after

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGINES, needs_vllm
+from conftest import ENGINES, ENGINES_SLOW_VLLM, needs_vllm
 
 from offstep.config.loader import ConfigError, load_config, to_yaml
 from offstep.pipeline.checkpoints import TrainerState, Checkpoints, check_compatible, complete_checkpoints, resolve_path
@@ -148,6 +148,7 @@ def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
 
 
 # ------------------------------------------------------------------ kill and resume
+@pytest.mark.slow
 @pytest.mark.parametrize("k,engine,lora,agent", [(0, "builtin", 0, "single_turn_agent"), (1, "builtin", 0, "single_turn_agent"),
                                                   pytest.param(1, "vllm", 0, "single_turn_agent", marks=needs_vllm),
                                                   (1, "builtin", 8, "single_turn_agent"), (1, "builtin", 0, "tool_agent")],
@@ -226,6 +227,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path, engine):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it): the step in progress
@@ -267,7 +269,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES_SLOW_VLLM)
 def test_rollout_worker_death_is_survived_by_a_restart(tmp_path, ray_session, engine):
     """The replica's process dies mid-generation: a new replica (a new vLLM engine, for vLLM) is
     started, given the current weights, and the lost requests are generated again."""
@@ -291,6 +293,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
+@pytest.mark.slow
 def test_hung_generation_fails_within_bounded_time(tmp_path, ray_session):
     from offstep.pipeline.controller import train
     from offstep.pipeline.fleet import RolloutFailed
@@ -306,6 +309,7 @@ def test_hung_generation_fails_within_bounded_time(tmp_path, ray_session):
     assert time.time() - t0 < 120
 
 
+@pytest.mark.slow
 def test_trainer_worker_death_ends_the_run_and_keeps_the_checkpoint(tmp_path):
     """SIGKILL the actor's process mid-run: the run ends (no hang) with a message naming the
     last checkpoint, which stays complete and exportable."""

@@ -116,3 +116,24 @@ def test_three_kills_at_k1_resume_exactly(tmp_path):
     landed = Counter(k["landed"] for k in r["kill_list"])
     assert landed["before first checkpoint"] >= 1 and landed["during checkpoint write"] >= 1, landed
     assert r["kill_list"][0]["resumed"] == "afresh" and r["kill_list"][1]["resumed"].startswith("from step")
+
+
+def test_no_kill_is_drawn_once_the_last_checkpoint_is_written(tmp_path):
+    """After the last step's checkpoint a restart only exits: no kill is drawn for it (the round
+    ends), and a kill while running is drawn over the training the start has left."""
+    import random
+
+    prof = rk.Profile(startup_s=30.0, train_s=8.0, checkpoint_s=0.2, wall_s=38.0)
+    run, marker = tmp_path / "run", tmp_path / "paused"
+    rng = random.Random(0)
+    assert rk.draw(rng, prof, run, 8, 2, marker, "running")[0] == "running"  # nothing saved yet
+    for step in (2, 4, 6):
+        (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (run / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text("{}")
+    drawn = [rk.draw(rng, prof, run, 8, 2, marker, "running")[1] for _ in range(200)]
+    assert max(drawn) <= 2.0 and max(drawn) > 1.5  # a quarter of the training is left
+    kind, _, hook, _ = rk.draw(rng, prof, run, 8, 2, marker, "pause")
+    assert kind == "pause" and hook.split(":")[1] == "8"  # the one write left
+    (run / "checkpoints" / "step_8").mkdir()
+    (run / "checkpoints" / "step_8" / "trainer_state.json").write_text("{}")
+    assert all(rk.draw(rng, prof, run, 8, 2, marker, kind) is None for kind in ("running", "startup", "pause", "early"))

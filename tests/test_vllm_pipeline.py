@@ -26,6 +26,7 @@ def _run(out, engine: str, k: int, steps: int, *extra: str):
     return [m for m in metrics if m["step"] >= 1], metrics, timeline
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k,extra", [(0, ("pipeline.ref_on_rollout=true",)), (1, ())], ids=["sync-ref-on-rollout", "one-step"])
 def test_vllm_pipeline_matches_builtin(tmp_path, ray_session, k, extra):
     steps = 3
@@ -55,6 +56,7 @@ def test_vllm_pipeline_matches_builtin(tmp_path, ray_session, k, extra):
         assert all("timing_s/ref_rollout" in m for m in v_steps)
 
 
+@pytest.mark.slow
 def test_vllm_collective_sync_equals_object_store(tmp_path, ray_session):
     """k = 0 with the weights broadcast over gloo into vLLM (received into buffers, then vLLM's
     reload): the same run as the object-store path, step for step, and every batch after the first
