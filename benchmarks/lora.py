@@ -197,15 +197,15 @@ def _mean(values: list[float], n: int, first: bool) -> float:
     return statistics.mean(values[:n] if first else values[-n:])
 
 
-def render_runs(runs: dict[str, dict], memory: dict | None, preset: str) -> list[str]:
+def render_runs(runs: dict[str, dict], memory: dict | None, preset: str, cpu: str) -> list[str]:
     rss = {r["rank"]: r["rss_gb"] for r in (memory or {}).get("rows", [])}
     groups: dict[tuple[int, float], list[dict]] = {}
     for r in sorted(runs.values(), key=lambda r: (r["rank"], r["lr"], r["seed"])):
         groups.setdefault((r["rank"], r["lr"]), []).append(r)
     steps = sorted({r["steps"] for r in runs.values()})
     lines = ["## The default run: full fine-tuning vs LoRA, side by side", "",
-             f"Preset `{preset}` (SmolLM2-135M-Instruct, GRPO, one-step off-policy, reference on the rollout core, float32 "
-             f"on this AVX2-only CPU), {'/'.join(map(str, steps))} steps. Mean over seeds, range in brackets. Step, update "
+             f"Preset `{preset}` (SmolLM2-135M-Instruct, GRPO, one-step off-policy, reference on the rollout core; CPU: "
+             f"{cpu}), {'/'.join(map(str, steps))} steps. Mean over seeds, range in brackets. Step, update "
              "and sync s: each run's median over steps 2 and later. Sync MB: float32 bytes one sync carries (the whole "
              "model, or the adapters); sync s: export + the replica's load. Actor peak RSS: the memory part above (one "
              "actor alone). Reward: mean training reward of the first 5 / last 5 steps.", "",
@@ -272,7 +272,25 @@ class LoadAverage:
         self.samples.append(os.getloadavg()[0])
 
     def record(self) -> dict:
-        return {"started": self.started, "load_mean": statistics.mean(self.samples), "load_max": max(self.samples)}
+        return {"started": self.started, "load_mean": statistics.mean(self.samples), "load_max": max(self.samples),
+                "cpu": cpu_kind()}
+
+
+# What the parts and runs recorded before they recorded their CPU: all ran on AVX2-only cores.
+AVX2 = "AVX2, no AVX-512 BF16: the trainer computes in float32"
+
+
+def cpu_kind() -> str:
+    """This CPU as far as the numbers depend on it: ``model.compute_dtype=auto`` trains in bf16
+    where the CPU has native bf16, else in float32 (see README, "Reproducibility")."""
+    from offstep.config.loader import cpu_has_native_bf16
+
+    return "AVX-512 BF16: the trainer computes in bf16" if cpu_has_native_bf16() else AVX2
+
+
+def recorded_cpus(results: dict) -> str:
+    parts = [results[k] for k in ("engine", "memory") if k in results] + list(results.get("runs", {}).values())
+    return "; ".join(sorted({p.get("cpu", AVX2) for p in parts})) or cpu_kind()
 
 
 def measured(fn, *args) -> dict:
@@ -281,23 +299,28 @@ def measured(fn, *args) -> dict:
     return {**result, **load.record()}
 
 
-def render(results: dict, preset: str, regenerate: str) -> str:
+def _out_arg(out: Path) -> str:
+    """The ``--out`` to name in a command, when it is not the default file."""
+    return "" if out.resolve() == (HERE / "results_lora.md").resolve() else f" --out benchmarks/{out.name}"
+
+
+def render(results: dict, preset: str, regenerate: str, out: Path = HERE / "results_lora.md") -> str:
     import peft
     import torch
 
     lines = ["# Full fine-tuning vs LoRA", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores (AVX2, no AVX-512 BF16), torch {torch.__version__}, "
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores ({recorded_cpus(results)}), torch {torch.__version__}, "
              f"peft {peft.__version__}, Python {platform.python_version()}. Each part and run below says when it ran and "
              "the load average meanwhile: the 2 cores were shared with other engineers' jobs (tests, other benchmarks).",
              "", f"Regenerate: `{regenerate}` (every part, one run after another), or one run at a time: "
-             "`.venv/bin/python benchmarks/lora.py --parts runs --only r0-lr1e-05-s0` (`--list` names them); each "
-             "invocation merges into `benchmarks/results_lora.json` and rewrites this file from it."]
+             f"`.venv/bin/python benchmarks/lora.py --parts runs --only r0-lr1e-05-s0{_out_arg(out)}` (`--list` names them); "
+             f"each invocation merges into `benchmarks/{out.with_suffix('.json').name}` and rewrites this file from it."]
     if "engine" in results:
         lines += [""] + render_engine(results["engine"])
     if "memory" in results:
         lines += [""] + render_memory(results["memory"])
     if results.get("runs"):
-        lines += [""] + render_runs(results["runs"], results.get("memory"), preset)
+        lines += [""] + render_runs(results["runs"], results.get("memory"), preset, recorded_cpus({"runs": results["runs"]}))
     return "\n".join(lines) + "\n"
 
 
@@ -331,8 +354,9 @@ def main() -> None:
 
     def save() -> None:  # after every part and run: a stopped benchmark keeps what it measured
         store.write_text(json.dumps(results, indent=1) + "\n")
-        Path(args.out).write_text(render(results, args.preset, f".venv/bin/python benchmarks/lora.py --preset {args.preset}"
-                                                                f" --steps {steps} --updates {args.updates} --runs {args.runs}"))
+        out = Path(args.out)
+        out.write_text(render(results, args.preset, f".venv/bin/python benchmarks/lora.py --preset {args.preset} --steps "
+                                                    f"{steps} --updates {args.updates} --runs {args.runs}{_out_arg(out)}", out))
 
     for part in (p for p in args.parts.split(",") if p):
         if part == "engine":

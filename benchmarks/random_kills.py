@@ -7,10 +7,13 @@ Per configuration (``SETUPS``): one uninterrupted reference run, then runs of th
 (``offstep train``, in its own session, so the process group of the driver is what is killed)
 killed at moments drawn by a seeded RNG, each followed by a restart of the same command, until
 ``--kills`` kills are done and the last run completes (a run that completes before its kill is due
-ends a round; the next round starts in a fresh folder). The kinds of moment (``KINDS``):
+ends a round, and so does the start after the last step's checkpoint is written, with no kill;
+the next round starts in a fresh folder). The kinds of moment (``KINDS``):
 
 ``startup``    uniform over the reference's start-up (before the first record)
-``running``    uniform over the reference's training time, from this run's first new timeline line
+``running``    uniform over the training this start has left (the reference's training time, in
+               proportion to the steps after the checkpoint it resumes from), from its first new
+               timeline line
 ``partial``    uniform over the reference's checkpoint write, from when a new ``.partial`` appears
 ``pause``      inside a checkpoint write on purpose: the driver pauses there (the test hook
                ``OFFSTEP_TEST_PAUSE``, ``offstep/pipeline/faults.py``) at a drawn point and step
@@ -388,9 +391,13 @@ def reference_run(s: Setup, work: Path, reward: Path, steps: int, save_freq: int
 
 # ------------------------------------------------------------------ a configuration
 def draw(rng: random.Random, prof: Profile, run: Path, steps: int, save_freq: int, marker: Path,
-         forced: str | None) -> tuple[str, object, str | None, str]:
-    """A moment: (kind, its argument for ``wait_moment``, the pause hook's value, how to print it)."""
+         forced: str | None) -> tuple[str, object, str | None, str] | None:
+    """A moment: (kind, its argument for ``wait_moment``, the pause hook's value, how to print it),
+    or ``None`` once the last step's checkpoint is written: the restart then has no step left and
+    only exits, so it runs to completion and ends the round (kills there tested the exit alone)."""
     have = max(_checkpoints(run), default=0)
+    if have >= steps:
+        return None
     saves = [s for s in range(save_freq, steps + 1, save_freq) if s > have]
     if steps % save_freq and steps > have:
         saves.append(steps)
@@ -407,8 +414,8 @@ def draw(rng: random.Random, prof: Profile, run: Path, steps: int, save_freq: in
         kind = "running"
     if kind == "startup":
         d = rng.uniform(0, prof.startup_s)
-    elif kind == "running":
-        d = rng.uniform(0, prof.train_s)
+    elif kind == "running":  # over the training this start has left (it resumes at ``have``)
+        d = rng.uniform(0, prof.train_s * (steps - have) / steps)
     elif kind == "partial":
         d = rng.uniform(0, prof.checkpoint_s)
     else:
@@ -503,7 +510,9 @@ def write_report(results: dict, path: Path) -> None:
 Each configuration: the tiny preset, {next(iter(results.values()))['steps']} steps, a checkpoint every
 {next(iter(results.values()))['save_freq']} steps, run once uninterrupted, then SIGKILLed (the driver's
 process group) at seeded random moments and restarted with the same command after each kill,
-until the run completes. A resume is exact when every record that the run after it left
+until the run completes (once the last step's checkpoint is written, the next start is left to
+complete: it has no step to do, and a kill there would test only the exit; further kills go to a
+new round in a fresh folder). A resume is exact when every record that the run after it left
 (`metrics.jsonl`, `timeline.jsonl`, `samples.jsonl`) equals the uninterrupted run's, with no step
 missing or repeated, and no process of the killed run is left. Each row's command (from the
 checkout's root, with `.venv/bin/python`):
