@@ -304,6 +304,14 @@ def _out_arg(out: Path) -> str:
     return "" if out.resolve() == (HERE / "results_lora.md").resolve() else f" --out benchmarks/{out.name}"
 
 
+def runs_arg(runs: dict) -> str:
+    """The ``--runs`` that remakes every stored run (``rank:lr:seeds``, in the plan's order)."""
+    groups: dict[tuple[int, float], list[int]] = {}
+    for r in runs.values():
+        groups.setdefault((r["rank"], r["lr"]), []).append(r["seed"])
+    return ",".join(f"{rank}:{lr:g}:{'+'.join(map(str, sorted(seeds)))}" for (rank, lr), seeds in sorted(groups.items()))
+
+
 def render(results: dict, preset: str, regenerate: str, out: Path = HERE / "results_lora.md") -> str:
     import peft
     import torch
@@ -356,7 +364,8 @@ def main() -> None:
         store.write_text(json.dumps(results, indent=1) + "\n")
         out = Path(args.out)
         out.write_text(render(results, args.preset, f".venv/bin/python benchmarks/lora.py --preset {args.preset} --steps "
-                                                    f"{steps} --updates {args.updates} --runs {args.runs}{_out_arg(out)}", out))
+                                                    f"{steps} --updates {args.updates} --runs {runs_arg(results.get('runs', {})) or args.runs}"
+                                                    f"{_out_arg(out)}", out))
 
     for part in (p for p in args.parts.split(",") if p):
         if part == "engine":
