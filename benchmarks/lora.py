@@ -305,7 +305,7 @@ def _out_arg(out: Path) -> str:
 
 
 def runs_arg(runs: dict) -> str:
-    """The ``--runs`` that remakes every stored run (``rank:lr:seeds``, in the plan's order)."""
+    """The ``--runs`` that remakes every stored run (``rank:lr:seeds`` items, by rank, then lr)."""
     groups: dict[tuple[int, float], list[int]] = {}
     for r in runs.values():
         groups.setdefault((r["rank"], r["lr"]), []).append(r["seed"])
