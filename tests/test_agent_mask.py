@@ -144,9 +144,9 @@ def test_multi_turn_samples_survive_a_checkpoint_whole():
 
     samples = _samples()
     gen = Generated(rounds=[[(samples, GenTiming(Span(0.0, 1.0, 0)))]], samples=samples, prompt_of={0: 3})
-    text = encode_state(TrainerState(3, 3, 0.0, {}, [(4, 0, [3], gen)], 0), "run")
+    text = encode_state(TrainerState(3, 3, 0.0, {"epoch": 0, "position": 4}, [(4, 0, [3], gen)], 0), "run")
     json.loads(text)  # plain JSON: no pickles
-    state, _ = decode_state(text)
+    state, _, _ = decode_state(text)
     back = state.in_flight[0][3].samples
     assert back[0] == samples[0] and back[1] == samples[1]
     assert isinstance(back[0].agent, AgentStats) and back[0].agent.turns == 2 and back[0].loss_mask == [1, 1, 0, 0, 1]

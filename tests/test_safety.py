@@ -20,7 +20,7 @@ from offstep.batch import GenTiming, Sample, Span
 from offstep.config.loader import ConfigError, load_config, to_yaml
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.checkpoints import (
-    STATE_FILE, Checkpoints, TrainerState, check_compatible, complete_checkpoints, decode_state, encode_state,
+    STATE_FILE, Checkpoints, TrainerState, check_compatible, complete_checkpoints, decode_state, encode_state, file_digests,
     open_checkpoint, read_run_id,
 )
 from offstep.pipeline.run_dir import MARKER, open_run, read_marker
@@ -81,7 +81,7 @@ def test_trainer_state_round_trips_exactly():
     stream = {"epoch": 1, "position": 8, "num_items": 40, "batch_size": 4, "seed": 0, "shuffle": True}
     state = TrainerState(4, 4, 1717171717.123456789, stream, [(5, 1, [4, 9], gen)], 2, {"value": 0.1 + 0.2})
 
-    back, run_id = decode_state(encode_state(state, "run-a"))
+    back, run_id, _ = decode_state(encode_state(state, "run-a"))
     assert run_id == "run-a"
     assert (back.step, back.version, back.stream, back.restarts, back.kl_ctrl) == (4, 4, stream, 2, {"value": 0.1 + 0.2})
     assert _bits(back.t0) == _bits(state.t0)
@@ -138,8 +138,9 @@ def test_crafted_non_tensor_item_in_shards_is_refused(tmp_path):
     import torch.distributed.checkpoint as dcp
 
     dcp.save({"model": {"weight": torch.ones(2), "evil": Payload(marker)}}, checkpoint_id=str(tmp_path / "actor"))
-    with pytest.raises(CheckpointError, match="'model.evil' is refused"):
+    with pytest.raises(CheckpointError, match="'model.evil' holds a pickled object .*refused") as e:
         _dcp_load({"model": {"weight": torch.zeros(2), "evil": None}}, tmp_path / "actor")
+    assert "weights_only=False" not in str(e.value)  # never torch's advice to load it unrestricted
     assert not marker.exists()
 
 
@@ -159,7 +160,7 @@ def test_crafted_rank_and_state_files_are_refused_unread(tmp_path):
     assert complete_checkpoints(legacy.parent) == []
     cfg = load_config(["preset=tiny", f"trainer.output_dir={tmp_path / 'legacy'}"])
     with pytest.raises(ConfigError, match="older offstep.*trainer.overwrite=true"):
-        open_run(cfg, lambda _: None)
+        _ended_run(cfg, lambda _: None)
     (path / STATE_FILE).write_bytes(pickle.dumps(Payload(marker)))
     with pytest.raises(CheckpointError, match="trainer_state.json cannot be read"):
         open_checkpoint(path)
@@ -178,6 +179,13 @@ def test_saved_config_is_data_never_interpolated(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ run folders
+def _ended_run(cfg, log):
+    """``open_run`` of a run that then ends (its folder's lock released)."""
+    run = open_run(cfg, log)
+    run.lock.release()
+    return run
+
+
 def _cfg(out: Path, *extra: str):
     return load_config(["preset=tiny", f"trainer.output_dir={out}", "trainer.keep_checkpoints=1", *extra])
 
@@ -187,7 +195,7 @@ def test_the_audit_scenario_cannot_happen(tmp_path):
     keep_checkpoints=1 used to replace A's step 1, prune its own, and the next resume=auto took
     A's step 2 with mixed metrics. Now B is refused, or with overwrite moves A aside."""
     out, logs = tmp_path / "run", []
-    a = open_run(_cfg(out), logs.append)
+    a = _ended_run(_cfg(out), logs.append)
     ck_a = Checkpoints(out, 0, a.run_id)
     for s in (1, 2):
         _commit(ck_a, s, to_yaml(_cfg(out)))
@@ -196,10 +204,10 @@ def test_the_audit_scenario_cannot_happen(tmp_path):
 
     with pytest.raises(ConfigError, match="holds run .* trainer.resume=off would write over it; give a new "
                                           "trainer.output_dir, or trainer.overwrite=true to move"):
-        open_run(_cfg(out, "trainer.resume=off"), logs.append)
+        _ended_run(_cfg(out, "trainer.resume=off"), logs.append)
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing touched
 
-    b = open_run(_cfg(out, "trainer.resume=off", "trainer.overwrite=true"), logs.append)
+    b = _ended_run(_cfg(out, "trainer.resume=off", "trainer.overwrite=true"), logs.append)
     assert b.run_id != a.run_id and b.resume is None
     (old,) = tmp_path.glob("run.old-*")
     assert [s for s, _ in complete_checkpoints(old / "checkpoints")] == [1, 2]
@@ -210,7 +218,7 @@ def test_the_audit_scenario_cannot_happen(tmp_path):
     for s in (1, 2):
         _commit(ck_b, s, to_yaml(_cfg(out)))
     assert [s for s, _ in complete_checkpoints(ck_b.root)] == [2]
-    resumed = open_run(_cfg(out), logs.append)
+    resumed = _ended_run(_cfg(out), logs.append)
     assert resumed.run_id == b.run_id and resumed.resume.run_id == b.run_id and resumed.resume.state.step == 2
 
 
@@ -231,23 +239,23 @@ def test_folders_that_are_not_this_runs_are_refused(tmp_path):
     (other / "notes.txt").write_text("mine")
     for resume in ("auto", "off"):
         with pytest.raises(ConfigError, match=f"not an offstep run folder \\(it has no {MARKER}; it holds notes.txt"):
-            open_run(_cfg(other, f"trainer.resume={resume}"), log)
-    open_run(_cfg(other, "trainer.overwrite=true"), log)
+            _ended_run(_cfg(other, f"trainer.resume={resume}"), log)
+    _ended_run(_cfg(other, "trainer.overwrite=true"), log)
     assert (next(tmp_path.glob("other.old-*")) / "notes.txt").read_text() == "mine"
     # A run with metrics but no checkpoint (save_freq=0): resume=auto cannot continue it and would
     # write over its metrics, so it is refused too.
     run = tmp_path / "run"
-    first = open_run(_cfg(run), log)
+    first = _ended_run(_cfg(run), log)
     (run / "metrics.jsonl").write_text("")  # a start that crashed before step 1: nothing to keep
-    assert open_run(_cfg(run), log).run_id == first.run_id
+    assert _ended_run(_cfg(run), log).run_id == first.run_id
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
     with pytest.raises(ConfigError, match="holds run .*metrics.jsonl.* but no intact checkpoint"):
-        open_run(_cfg(run), log)
+        _ended_run(_cfg(run), log)
     # Missing and empty folders become new runs.
     (tmp_path / "empty").mkdir()
-    assert open_run(_cfg(tmp_path / "empty"), log).resume is None
+    assert _ended_run(_cfg(tmp_path / "empty"), log).resume is None
     assert read_marker(tmp_path / "new" / "deep") is None
-    assert open_run(_cfg(tmp_path / "new" / "deep"), log).run_id == read_marker(tmp_path / "new" / "deep")
+    assert _ended_run(_cfg(tmp_path / "new" / "deep"), log).run_id == read_marker(tmp_path / "new" / "deep")
 
 
 def _damage(kind: str, path: Path) -> None:
@@ -271,7 +279,7 @@ def _damage(kind: str, path: Path) -> None:
                                   "truncated metadata"])
 def test_damaged_latest_is_named_and_auto_falls_back(tmp_path, kind):
     out, logs = tmp_path / "run", []
-    run = open_run(_cfg(out), logs.append)
+    run = _ended_run(_cfg(out), logs.append)
     ck = Checkpoints(out, 0, run.run_id)
     for s in (1, 2):
         _commit(ck, s, to_yaml(_cfg(out)))
@@ -280,8 +288,8 @@ def test_damaged_latest_is_named_and_auto_falls_back(tmp_path, kind):
     with pytest.raises(CheckpointError, match=f"checkpoint of step 2 at {latest} is damaged"):
         open_checkpoint(latest)
     with pytest.raises(CheckpointError, match="step 2"):
-        open_run(_cfg(out, "trainer.resume_step=2"), logs.append)
-    resumed = open_run(_cfg(out), logs.append)
+        _ended_run(_cfg(out, "trainer.resume_step=2"), logs.append)
+    resumed = _ended_run(_cfg(out), logs.append)
     assert resumed.resume.state.step == 1
     assert any("step 2" in line and "damaged" in line for line in logs)
     assert any("resuming from the previous complete checkpoint instead: step 1" in line for line in logs)
@@ -292,20 +300,20 @@ def test_damaged_latest_is_named_and_auto_falls_back(tmp_path, kind):
 
 def test_resume_step_continues_from_that_step_and_sets_later_ones_aside(tmp_path):
     out, log = tmp_path / "run", (lambda _: None)
-    run = open_run(_cfg(out), log)
+    run = _ended_run(_cfg(out), log)
     ck = Checkpoints(out, 0, run.run_id)
     for s in (1, 2, 3):
         _commit(ck, s, to_yaml(_cfg(out)))
     with pytest.raises(ConfigError, match=r"no checkpoint of step 4.*steps \[1, 2, 3\]"):
-        open_run(_cfg(out, "trainer.resume_step=4"), log)
-    resumed = open_run(_cfg(out, "trainer.resume_step=2"), log)
+        _ended_run(_cfg(out, "trainer.resume_step=4"), log)
+    resumed = _ended_run(_cfg(out, "trainer.resume_step=2"), log)
     assert resumed.run_id == run.run_id and resumed.resume.state.step == 2
     assert [s for s, _ in complete_checkpoints(ck.root)] == [1, 2]
     assert (ck.root / "step_000003.superseded").is_dir()
     with pytest.raises(ConfigError, match="trainer.resume_step=2 needs trainer.resume=auto"):
-        open_run(_cfg(out, "trainer.resume=off", "trainer.resume_step=2"), log)
+        _ended_run(_cfg(out, "trainer.resume=off", "trainer.resume_step=2"), log)
     # A checkpoint path of another folder starts a new run from it in an empty folder.
-    fork = open_run(_cfg(tmp_path / "fork", f"trainer.resume={ck.root / 'step_000001'}"), log)
+    fork = _ended_run(_cfg(tmp_path / "fork", f"trainer.resume={ck.root / 'step_000001'}"), log)
     assert fork.run_id != run.run_id and fork.resume.state.step == 1
 
 
@@ -324,7 +332,7 @@ def test_recommit_leaves_a_complete_copy_at_every_moment(tmp_path):
     assert sorted(p.name for p in ck.root.iterdir()) == ["step_000003"]
 
 
-def test_a_full_disk_is_a_message_with_the_path_and_free_space(tmp_path):
+def test_a_full_disk_is_a_message_with_the_path_and_free_space(tmp_path, monkeypatch):
     if not Path("/dev/full").exists():
         pytest.skip("needs /dev/full")
     role = tmp_path / "actor"
@@ -337,7 +345,17 @@ def test_a_full_disk_is_a_message_with_the_path_and_free_space(tmp_path):
     _commit(ck, 1)
     staging = ck.staging(2)
     _role(staging / "actor")
-    (staging / "config.yaml").symlink_to("/dev/full")
+    (staging / "config.yaml").symlink_to(tmp_path / "outside")  # never written through
+    with pytest.raises(CheckpointError, match=r"step_000002.partial failed .*Too many levels of symbolic links"):
+        ck.commit(staging, TrainerState(2, 2, 0.0, {}, [], 0), "a: 1\n")
+    assert not (tmp_path / "outside").exists()
+    staging = ck.staging(2)
+    _role(staging / "actor")
+
+    def full(path, text):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("offstep.pipeline.checkpoints.write_durably", full)
     with pytest.raises(CheckpointError, match=r"step_000002.partial failed .*No space left"):
         ck.commit(staging, TrainerState(2, 2, 0.0, {}, [], 0), "a: 1\n")
     assert not staging.exists() and [s for s, _ in complete_checkpoints(ck.root)] == [1]
@@ -353,14 +371,21 @@ def tiny_run(tmp_path_factory):
         warnings.simplefilter("ignore", UserWarning)
         out = tmp_path_factory.mktemp("tiny") / "run"
         cfg = load_config(["preset=tiny", f"trainer.output_dir={out}"])
-        ck = Checkpoints(out, 0, open_run(cfg, lambda _: None).run_id)
+        ck = Checkpoints(out, 0, _ended_run(cfg, lambda _: None).run_id)
         model = load_causal_lm(resolve_model("tiny"))
         with torch.no_grad():
             next(model.parameters()).add_(1.0)  # a "trained" policy, unlike the base model
         staging = ck.staging(1)
         save_role(staging / "actor", 0, model)
-        ck.commit(staging, TrainerState(1, 1, 0.0, {}, [], 0), to_yaml(cfg))
+        ck.commit(staging, TrainerState(1, 1, 0.0, {"epoch": 0, "position": 1}, [], 0), to_yaml(cfg))
     return out, model
+
+
+def _recraft(ckpt: Path) -> None:
+    """What a crafter does after editing a checkpoint's files: list their new digests in its state."""
+    doc = json.loads((ckpt / STATE_FILE).read_text())
+    doc["files"] = file_digests(ckpt)
+    (ckpt / STATE_FILE).write_text(json.dumps(doc))
 
 
 def test_export_is_atomic_refuses_a_full_out_and_forces(tiny_run, tmp_path):
@@ -393,20 +418,35 @@ def test_export_trusts_the_saved_model_path_only_as_an_alias_or_folder(tiny_run,
     cfg_file = copy / "checkpoints" / "step_000001" / "config.yaml"
     cfg_file.write_text(cfg_file.read_text().replace("path: tiny", "path: ${oc.env:HOME}/model"))
     assert main(["export", str(copy), "--out", str(tmp_path / "hf")]) == 2
+    assert "config.yaml is not the file that was written" in capsys.readouterr().err  # edited after the write
+    _recraft(cfg_file.parent)
+    assert main(["export", str(copy), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "${oc.env:HOME}/model" in err and "neither a built-in alias" in err and "--model" in err
     assert main(["export", str(copy), "--out", str(tmp_path / "hf"), "--model", "tiny"]) == 0
 
 
-def test_eval_cache_counts_only_a_finished_export(tiny_run):
+def test_eval_exports_a_run_once_into_the_cache_and_never_trusts_a_shipped_hf(tiny_run, tmp_path, monkeypatch):
+    import shutil
+
     from offstep.pipeline.export import model_for_eval
 
-    run, _ = tiny_run
-    hf = run / "checkpoints" / "step_000001" / "hf"
-    hf.mkdir(exist_ok=True)
-    (hf / "config.json").write_text("{}")  # what an interrupted export could leave
-    assert model_for_eval(run) == str(hf)
-    assert (hf / ".offstep-export").is_file() and (hf / "model.safetensors").is_file()
-    stamp = (hf / ".offstep-export").stat().st_mtime_ns
-    model_for_eval(run)
-    assert (hf / ".offstep-export").stat().st_mtime_ns == stamp  # exported once
+    monkeypatch.setenv("OFFSTEP_CACHE", str(tmp_path / "cache"))
+    run, model = tiny_run
+    copy = tmp_path / "received"
+    shutil.copytree(run, copy)
+    shipped = copy / "checkpoints" / "step_000001" / "hf"  # a marked "export" of other weights
+    shipped.mkdir()
+    (shipped / "config.json").write_text("{}")
+    (shipped / ".offstep-export").write_text("{}")
+    before = sorted(str(p.relative_to(copy)) for p in copy.rglob("*"))
+    got = Path(model_for_eval(copy))
+    assert got.parent == tmp_path / "cache" / "exports" and (got / "model.safetensors").is_file()
+    assert sorted(str(p.relative_to(copy)) for p in copy.rglob("*")) == before  # nothing written into the run
+    from transformers import AutoModelForCausalLM
+
+    weights = AutoModelForCausalLM.from_pretrained(got).state_dict()
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())  # the checkpoint's weights
+    stamp = (got / ".offstep-export").stat().st_mtime_ns
+    assert model_for_eval(run) == str(got)  # the same files: the same export, made once
+    assert (got / ".offstep-export").stat().st_mtime_ns == stamp

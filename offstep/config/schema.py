@@ -368,7 +368,9 @@ class TrainerConfig:
     log_samples_count: int = 4
     """generations written each time (see log_samples_freq)"""
     save_freq: int = 0
-    """a checkpoint under <output_dir>/checkpoints/step_<N> every save_freq steps and at the last step (0: never; with > 0 a stopped run (Ctrl-C, SIGTERM) still writes one)"""
+    """a checkpoint under <output_dir>/checkpoints/step_<N> every save_freq steps and at the last step (0: none as the run goes; with > 0 a stopped run (Ctrl-C, SIGTERM) still writes one)"""
+    save_last: bool = True
+    """a checkpoint of the last step (and of a stopped run's step) even with save_freq=0, so a run keeps what it trained: offstep export / eval read it, and a resume continues it exactly"""
     resume: str = "auto"
     """auto (the latest checkpoint in output_dir, if any) | off | a checkpoint path"""
     keep_checkpoints: int = 0

@@ -18,17 +18,21 @@ it up). A crash while writing leaves at most a ``.partial`` folder, which no res
 next save clears away. Pruning (``trainer.keep_checkpoints``) deletes only checkpoints whose
 ``trainer_state.json`` carries this run's id, never the one just written.
 
-Reading runs no code of the checkpoint's: ``trainer_state.json`` is JSON decoded field by field
-(floats round-trip exactly; NaN and infinities are written as Python's json writes them),
-``config.yaml`` is read with ``yaml.safe_load`` as plain data (an OmegaConf interpolation such as
-``${oc.env:...}`` stays a string and is never expanded), and the role folders are read by
-``offstep/train/checkpoint.py``'s restricted reader. :func:`open_checkpoint` checks all of it before
-a resume or an export uses a checkpoint, and names the step and path of a damaged one.
+Reading runs no code of the checkpoint's: ``trainer_state.json`` is JSON decoded field by field,
+each value's type checked (floats round-trip exactly; NaN and infinities are written as Python's
+json writes them), ``config.yaml`` is read as plain YAML data with no aliases (an OmegaConf
+interpolation such as ``${oc.env:...}`` stays a string and is never expanded), and the role folders
+are read by ``offstep/train/checkpoint.py``'s restricted reader. The state lists every other file
+of the checkpoint with its size and SHA-256 (``files``), so bytes garbled after the write are
+caught before a worker loads them. No file of a checkpoint is read through a symbolic link.
+:func:`open_checkpoint` checks all of it before a resume or an export uses a checkpoint, and names
+the step and path of a damaged one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -38,10 +42,10 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-import yaml
 
-from offstep.batch import GenTiming, Sample, Span
+from offstep.batch import AgentStats, GenTiming, Sample, Span
 from offstep.config.loader import ConfigError
+from offstep.files import MAX_CONFIG_BYTES, LinkRefused, loads_json, loads_yaml, read_text, refuse_links_under, short
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.faults import pause_point
 from offstep.train.checkpoint import CheckpointError, check_role, fsync_tree, replace_dir, write_durably, write_failed
@@ -49,7 +53,7 @@ from offstep.train.checkpoint import CheckpointError, check_role, fsync_tree, re
 _NAME = re.compile(r"^step_(\d+)(\.replaced)?$")
 STATE_FILE = "trainer_state.json"
 LEGACY_STATE_FILE = "trainer_state.pt"  # offstep before the JSON format: a pickle, never loaded
-FORMAT = 1
+FORMAT = 2  # 2: with the files' digests (format 1, without them, is still read)
 ROLES = ("actor", "critic")
 # Keys a resumed run must share with the run that wrote the checkpoint, or it would not be the
 # same run continued (the rest, e.g. total_steps, logging, may change).
@@ -88,15 +92,56 @@ def _span(s: Span | None) -> list | None:
 
 
 def _unspan(v: list | None) -> Span | None:
-    return None if v is None else Span(float(v[0]), float(v[1]), v[2])
+    if v is None:
+        return None
+    if not (isinstance(v, list) and len(v) == 3 and _num(v[0]) and _num(v[1]) and (v[2] is None or _int(v[2]))):
+        raise ValueError(f"a span {short(v)} is not [start, end, version]")
+    return Span(float(v[0]), float(v[1]), v[2])
 
 
-_SAMPLE_FIELDS = {f.name for f in fields(Sample)}
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _ints(v) -> bool:
+    return isinstance(v, list) and all(_int(x) for x in v)
+
+
+def _nums(v) -> bool:
+    return isinstance(v, list) and all(_num(x) for x in v)
+
+
+def _get_int(doc: dict, key: str) -> int:
+    v = doc.get(key)
+    if not _int(v):
+        raise ValueError(f"{key} is {short(v)}, not an integer")
+    return v
+
+
+# What each field of a stored sample must be (None allowed for the optional ones).
+_SAMPLE_CHECKS: dict[str, Callable] = {
+    "uid": _int, "prompt_ids": _ints, "response_ids": _ints, "rollout_logprobs": _nums,
+    "finish_reason": lambda v: isinstance(v, str), "score": _num, "version": _int,
+    "data_source": lambda v: isinstance(v, str), "text": lambda v: isinstance(v, str),
+    "reward_extra": lambda v: isinstance(v, dict), "ref_logprobs": lambda v: v is None or _nums(v),
+    "baseline_score": lambda v: v is None or _num(v), "baseline_length": lambda v: v is None or _int(v),
+    "loss_mask": lambda v: v is None or _ints(v),
+    "agent": lambda v: v is None or (isinstance(v, dict) and set(v) <= {f.name for f in fields(AgentStats)}
+                                     and all(isinstance(x, (int, float)) for x in v.values())),  # max_turns_hit a bool
+}
+_REQUIRED = {f.name for f in fields(Sample) if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
 
 
 def _sample(d: dict) -> Sample:
-    if not isinstance(d, dict) or not set(d) <= _SAMPLE_FIELDS:
+    if not isinstance(d, dict) or not set(d) <= set(_SAMPLE_CHECKS) or not _REQUIRED <= set(d):
         raise ValueError(f"a sample with fields {sorted(d) if isinstance(d, dict) else type(d).__name__}")
+    bad = [k for k, v in d.items() if not _SAMPLE_CHECKS[k](v)]
+    if bad:
+        raise ValueError(f"a sample whose {bad[0]} is {short(d[bad[0]])}")
     return Sample(**d)
 
 
@@ -125,14 +170,18 @@ def _decode_generated(d: dict) -> Generated:
     for per_replica in d["rounds"]:
         results = []
         for n, gen, ref in per_replica:
+            if not _int(n) or n < 0:
+                raise ValueError(f"a round holds {short(n)} samples")
             results.append((flat[pos : pos + n], GenTiming(_unspan(gen), _unspan(ref))))
             pos += n
         rounds.append(results)
     if pos != len(flat):
         raise ValueError(f"the rounds hold {pos} samples, the file {len(flat)}")
-    samples = [flat[x] if isinstance(x, int) else _sample(x) for x in d["samples"]]
-    return Generated(rounds, samples, {int(u): int(i) for u, i in d["prompt_of"]}, int(d["kept_groups"]),
-                     int(d["filled_groups"]))
+    samples = [flat[x] if _int(x) and 0 <= x < len(flat) else _sample(x) for x in d["samples"]]
+    if not all(isinstance(p, list) and len(p) == 2 and _int(p[0]) and _int(p[1]) for p in d["prompt_of"]):
+        raise ValueError("prompt_of is not a list of [uid, prompt index] pairs")
+    return Generated(rounds, samples, {u: i for u, i in d["prompt_of"]}, _get_int(d, "kept_groups"),
+                     _get_int(d, "filled_groups"))
 
 
 def _plain(o):
@@ -144,45 +193,86 @@ def _plain(o):
     raise TypeError(f"a {type(o).__name__} cannot be stored in {STATE_FILE}")
 
 
-def encode_state(state: TrainerState, run_id: str) -> str:
+def encode_state(state: TrainerState, run_id: str, files: dict[str, list] | None = None) -> str:
     in_flight = [{"batch": b, "epoch": e, "prompts": list(idx), "generated": _encode_generated(g)}
                  for b, e, idx, g in state.in_flight]
     doc = {"format": FORMAT, "run_id": run_id, "step": state.step, "version": state.version, "t0": state.t0,
-           "restarts": state.restarts, "stream": state.stream, "kl_ctrl": state.kl_ctrl, "in_flight": in_flight}
+           "restarts": state.restarts, "stream": state.stream, "kl_ctrl": state.kl_ctrl, "in_flight": in_flight,
+           "files": files or {}}
     return json.dumps(doc, default=_plain)
 
 
-def decode_state(text: str) -> tuple[TrainerState, str]:
-    """(state, run id) from ``trainer_state.json``; ``ValueError`` (or ``KeyError``/``TypeError``)
-    for anything that is not what :func:`encode_state` writes."""
-    doc = json.loads(text)
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+def _check_stream(stream) -> None:
+    if not isinstance(stream, dict) or not _int(stream.get("epoch")) or not _int(stream.get("position")):
+        raise ValueError(f"stream is {short(stream)}, not a prompt stream state with integer epoch and position")
+    for key, ok in (("num_items", _int), ("batch_size", _int), ("seed", _int), ("shuffle", lambda v: isinstance(v, bool))):
+        if stream.get(key) is not None and not ok(stream[key]):
+            raise ValueError(f"stream.{key} is {short(stream[key])}")
+
+
+def decode_state(text: str) -> tuple[TrainerState, str, dict[str, list]]:
+    """(state, run id, files' digests) from ``trainer_state.json``; ``ValueError`` (or
+    ``KeyError``/``TypeError``) for anything that is not what :func:`encode_state` writes."""
+    doc = loads_json(text)
+    if not isinstance(doc, dict) or doc.get("format") not in (1, FORMAT):
         raise ValueError(f"not a trainer state of format {FORMAT}")
-    in_flight = [(int(b["batch"]), int(b["epoch"]), [int(i) for i in b["prompts"]], _decode_generated(b["generated"]))
-                 for b in doc["in_flight"]]
+    if not isinstance(doc.get("in_flight"), list) or not all(isinstance(b, dict) for b in doc["in_flight"]):
+        raise ValueError("in_flight is not a list of objects")
+    in_flight = []
+    for b in doc["in_flight"]:
+        if not _ints(b.get("prompts")) or not isinstance(b.get("generated"), dict):
+            raise ValueError("an in-flight batch without integer prompts or its samples")
+        in_flight.append((_get_int(b, "batch"), _get_int(b, "epoch"), list(b["prompts"]), _decode_generated(b["generated"])))
     stream, kl = doc["stream"], doc["kl_ctrl"]
-    if not isinstance(stream, dict) or not (kl is None or isinstance(kl, dict)):
-        raise ValueError("stream / kl_ctrl are not objects")
-    state = TrainerState(int(doc["step"]), int(doc["version"]), float(doc["t0"]), stream, in_flight,
-                         int(doc["restarts"]), kl)
-    return state, str(doc["run_id"])
+    _check_stream(stream)
+    if not (kl is None or (isinstance(kl, dict) and all(_num(v) for v in kl.values()))):
+        raise ValueError(f"kl_ctrl is {short(kl)}, not an object of numbers")
+    if not _num(doc.get("t0")) or not isinstance(doc.get("run_id"), str):
+        raise ValueError("t0 is not a number or run_id not a string")
+    files = doc.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, list) and len(v) == 2 and _int(v[0]) and isinstance(v[1], str)
+                                              for v in files.values()):
+        raise ValueError("files is not an object of [size, sha256] pairs")
+    state = TrainerState(_get_int(doc, "step"), _get_int(doc, "version"), float(doc["t0"]), stream, in_flight,
+                         _get_int(doc, "restarts"), kl)
+    return state, doc["run_id"], files
 
 
 def read_run_id(path: Path) -> str | None:
     """The run id in a checkpoint's state, or ``None`` when it cannot be read."""
     try:
-        doc = json.loads((path / STATE_FILE).read_text())
-        return str(doc["run_id"]) if isinstance(doc, dict) else None
+        doc = loads_json(read_text(path / STATE_FILE))
+        return doc["run_id"] if isinstance(doc, dict) and isinstance(doc.get("run_id"), str) else None
     except (OSError, ValueError, KeyError):
         return None
 
 
 def read_config(text: str) -> dict:
-    """A saved ``config.yaml`` as plain data: no YAML tags, no OmegaConf interpolation."""
-    saved = yaml.safe_load(text)
+    """A saved ``config.yaml`` as plain data: no YAML tags, no aliases, no OmegaConf
+    interpolation (``ValueError`` otherwise)."""
+    saved = loads_yaml(text)
     if not isinstance(saved, dict):
         raise ValueError("not a YAML mapping")
     return saved
+
+
+def file_digests(root: Path, skip: tuple[str, ...] = (STATE_FILE,)) -> dict[str, list]:
+    """{relative path: [size, sha256]} of every file under ``root`` but ``skip`` (links refused)."""
+    refuse_links_under(root)
+    out = {}
+    for folder, dirs, files in os.walk(root):
+        dirs.sort()
+        for name in sorted(files):
+            f = Path(folder, name)
+            rel = f.relative_to(root).as_posix()
+            if rel in skip:
+                continue
+            h = hashlib.sha256()
+            with open(f, "rb") as fh:
+                while chunk := fh.read(1 << 22):
+                    h.update(chunk)
+            out[rel] = [f.stat().st_size, h.hexdigest()]
+    return out
 
 
 def select(tree: dict, key: str):
@@ -221,22 +311,52 @@ def open_checkpoint(path: Path) -> Loaded:
         return CheckpointError(f"the checkpoint of step {step} at {path} is damaged or incomplete: {why}")
 
     try:
-        state, run_id = decode_state((path / STATE_FILE).read_text())
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-        raise damaged(f"{STATE_FILE} cannot be read ({type(e).__name__}: {e})") from None
+        refuse_links_under(path)
+    except LinkRefused as e:
+        raise damaged(str(e)) from None
+    try:
+        state, run_id, files = decode_state(read_text(path / STATE_FILE))
+    except (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError) as e:
+        raise damaged(f"{STATE_FILE} cannot be read ({type(e).__name__}: {short(str(e), 300)})") from None
     if step is not None and state.step != step:
         raise damaged(f"{STATE_FILE} is of step {state.step}")
     try:
-        config_yaml = (path / "config.yaml").read_text()
-        read_config(config_yaml)
-    except (OSError, ValueError, yaml.YAMLError) as e:
-        raise damaged(f"config.yaml cannot be read ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        config_yaml = read_text(path / "config.yaml", limit=MAX_CONFIG_BYTES)
+        check_saved_config(read_config(config_yaml))
+    except (OSError, ValueError) as e:
+        raise damaged(f"config.yaml cannot be read ({type(e).__name__}: {short(str(e), 300)})") from None
     if not (path / "actor").is_dir():
         raise damaged("it has no actor/ folder")
     for role in ROLES:
         if (path / role).is_dir() and (problem := check_role(path / role)):
             raise damaged(problem)
+    if files:  # format 2: every file as it was written
+        found = file_digests(path)  # a file added since is not read by a resume or an export
+        changed = sorted(f for f in files if found.get(f) != files[f])
+        if changed:
+            raise damaged(f"{changed[0]} is not the file that was written (its size or SHA-256 differs, or it is "
+                          f"missing{f'; {len(changed)} files differ' if len(changed) > 1 else ''})")
     return Loaded(path, state, run_id, config_yaml)
+
+
+# What the saved config's fields that offstep reads back must be (resume compares them; export
+# builds the model from them).
+_SAVED_TYPES = {
+    "model.path": (str,), "model.dtype": (str,), "actor.lora.rank": (int,), "actor.lora.alpha": (int, float),
+    "actor.lora.dropout": (int, float), "trainer.seed": (int,), "data.train_batch_size": (int,), "rollout.n": (int,),
+    "pipeline.max_staleness": (int,), "algorithm.adv_estimator": (str,),
+}
+
+
+def check_saved_config(saved: dict) -> None:
+    """``ValueError`` naming a field of a saved config whose value has the wrong type."""
+    for key, types in _SAVED_TYPES.items():
+        v = select(saved, key)
+        if v is not None and (not isinstance(v, types) or isinstance(v, bool)):
+            raise ValueError(f"{key} is {short(v)}, not a {' or '.join(t.__name__ for t in types)}")
+    modules = select(saved, "actor.lora.target_modules")
+    if modules is not None and not (isinstance(modules, list) and all(isinstance(m, str) for m in modules)):
+        raise ValueError(f"actor.lora.target_modules is {short(modules)}, not a list of module names")
 
 
 class Checkpoints:
@@ -274,7 +394,7 @@ class Checkpoints:
         final = step_dir(self.root, state.step)
         try:
             write_durably(staging / "config.yaml", config_yaml)
-            write_durably(staging / STATE_FILE, encode_state(state, self.run_id))
+            write_durably(staging / STATE_FILE, encode_state(state, self.run_id, file_digests(staging)))
             fsync_tree(staging)
             pause_point("state", state.step)
             before_publish()
@@ -370,6 +490,24 @@ def resolve_path(path: str | Path, step: int | None = None) -> Path:
     return found[step]
 
 
+def load_failed(path: Path, cause: BaseException) -> CheckpointError:
+    """The error for a checkpoint that passed :func:`open_checkpoint` but that a worker could not
+    load (bytes that only a load reveals): names the resume step to fall back to."""
+    m = _NAME.match(path.name)
+    step = int(m.group(1)) if m else None
+    earlier = []
+    for s, p in complete_checkpoints(path.parent):
+        if step is not None and s < step:
+            try:
+                open_checkpoint(p)
+                earlier.append(s)
+            except CheckpointError:
+                pass
+    fix = (f"resume from the intact checkpoint before it with trainer.resume_step={earlier[-1]}" if earlier else
+           "there is no earlier intact checkpoint: start afresh with another trainer.output_dir")
+    return CheckpointError(f"the checkpoint {path} could not be loaded ({short(str(cause), 400)}); {fix}")
+
+
 def load_state(path: Path) -> TrainerState:
     return open_checkpoint(path).state
 
@@ -378,7 +516,7 @@ def check_compatible(saved_yaml: str, cfg) -> None:
     """Refuse to resume a checkpoint written by a run that differs in a key that changes what
     the continued run would compute."""
     saved, now = read_config(saved_yaml), dataclasses.asdict(cfg)
-    diffs = [f"{key}: checkpoint {select(saved, key)!r}, now {select(now, key)!r}"
+    diffs = [f"{key}: checkpoint {short(select(saved, key))}, now {short(select(now, key))}"
              for key in MUST_MATCH if select(saved, key) != select(now, key)]
     if diffs:
         raise ConfigError(

@@ -34,9 +34,10 @@ from offstep.config.loader import to_yaml
 from offstep.config.schema import Config
 from offstep.data.stream import PromptStream
 from offstep.errors import OffstepError
+from offstep.files import write_file
 from offstep.pipeline.advantage import build_kl_controller, needs_old_logprobs
 from offstep.pipeline.batching import generate_batch
-from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints
+from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints, load_failed
 from offstep.pipeline.evaluation import summarise
 from offstep.pipeline.faults import pause_point
 from offstep.pipeline.fleet import RolloutFailed, RolloutFleet
@@ -98,13 +99,25 @@ class Controller:
         # Refuses a folder this run does not own (or moves it aside: trainer.overwrite) and picks
         # the intact checkpoint to resume from, before anything is written.
         run = open_run(cfg, self.console.log)
+        self.lock = run.lock  # one run per folder, until close()
+        try:
+            self._prepare_run(run)
+        except BaseException:
+            self.lock.release()
+            raise
+        self.workers: Workers | None = None  # set by start()
+        self.sync: WeightSync | None = None
+        self.fleet: RolloutFleet | None = None
+
+    def _prepare_run(self, run) -> None:
+        cfg = self.cfg
         self.checkpoints = Checkpoints(self.out, cfg.trainer.keep_checkpoints, run.run_id)
         self.resume_from = run.resume.path if run.resume is not None else None
         self.resumed: TrainerState | None = run.resume.state if run.resume is not None else None
         if self.resumed is not None:
             for name in ("metrics.jsonl", "timeline.jsonl", "samples.jsonl"):
                 truncate_jsonl(self.out / name, self.resumed.step)
-        (self.out / "config.yaml").write_text(to_yaml(cfg))
+        write_file(self.out / "config.yaml", to_yaml(cfg))
         self.console.log(f"offstep: preparing data and model ({cfg.model.path})")
         self.inputs = prepare_inputs(cfg, self.out)
         self.stream = PromptStream(len(self.inputs.train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
@@ -124,9 +137,6 @@ class Controller:
         self.start_step = 0  # the last step already done (> 0 when resuming)
         self.restored: list = []  # batches that were generating when the checkpoint was written
         self.history: list[dict] = []
-        self.workers: Workers | None = None  # set by start()
-        self.sync: WeightSync | None = None
-        self.fleet: RolloutFleet | None = None
 
     def start(self, start=None) -> None:
         """Start the workers (``start(cfg, inputs, console) -> Workers``; the real ones by default)."""
@@ -135,7 +145,10 @@ class Controller:
         self.fleet = RolloutFleet(self.workers, self.cfg.rollout, self.sync.reload, self.console.log)
         if self.resumed is not None:
             st, roles = self.resumed, self.workers.stateful
-            ray.get([h for g in roles for h in g.submit("load_checkpoint", str(self.resume_from / g.name))])
+            try:
+                ray.get([h for g in roles for h in g.submit("load_checkpoint", str(self.resume_from / g.name))])
+            except ray.exceptions.RayTaskError as e:  # damage only a load reveals (garbled, pickled items)
+                raise load_failed(self.resume_from, getattr(e, "cause", None) or e) from None
             self.start_step, self.version, self.fleet.restarts = st.step, st.version, st.restarts
             self.stream.load_state_dict(st.stream)
             if st.kl_ctrl is not None and self.kl_ctrl is not None:
@@ -191,12 +204,13 @@ class Controller:
             m["perf/samples_per_s"] = len(batch) / m["timing_s/step"]
             m["policy_version"] = self.version
             finishing = asyncio.ensure_future(self._finish_step(m, export.seconds, loads, val, finishing))
-            save_freq = cfg.trainer.save_freq
-            if save_freq and (step % save_freq == 0 or step == N or self.stop.requested):
+            save_freq, saves = cfg.trainer.save_freq, cfg.trainer.save_freq or cfg.trainer.save_last
+            if (save_freq and step % save_freq == 0) or (saves and (step == N or self.stop.requested)):
                 await self._save_checkpoint(step, pending, finishing)
                 t_step = time.time()  # a save is not part of the next step's time
             if self.stop.requested:
-                self.console.log(f"offstep: stopped after step {step}" + ("" if save_freq else " (no checkpoint: trainer.save_freq=0)"))
+                self.console.log(f"offstep: stopped after step {step}" + (
+                    "" if saves else " (no checkpoint: trainer.save_freq=0 and trainer.save_last=false)"))
                 break
         if finishing is not None:
             await finishing
@@ -329,6 +343,7 @@ class Controller:
         self.timeline.close()
         if self.workers is not None:
             self.workers.close()
+        self.lock.release()
 
 
 def train(cfg: Config, start=None) -> list[dict]:
@@ -348,7 +363,7 @@ def train(cfg: Config, start=None) -> list[dict]:
         else:
             found = complete_checkpoints(ctl.checkpoints.root)
             last = f"the last checkpoint, {found[-1][1]}, is intact: continue with trainer.resume=auto" if found else (
-                "no checkpoint was written (set trainer.save_freq to write them)")
+                "no checkpoint was written (set trainer.save_freq to write them as the run goes)")
             problem = f"the {role} worker died: {cause}; {last}"
         raise (RolloutFailed if role.startswith("rollout") else TrainerFailed)(problem) from e
     finally:

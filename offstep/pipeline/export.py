@@ -9,7 +9,10 @@ eval`` takes either; an adapter folder is merged once into the offstep cache.
 The folder is written next to its destination under a temporary name, fsynced, finished with the
 marker ``.offstep-export`` and then renamed into place, so a crash never leaves a half-written
 model under the destination's name; an existing destination is replaced only with ``force``, and
-deleted only after the new folder is in place. The base model is the checkpoint's ``model.path``
+deleted only after the new folder is in place. A destination that is, holds or lies inside the
+checkpoint read, or that holds a run (its marker or checkpoints), is refused even with ``force``.
+``offstep eval`` of a run exports into the offstep cache under the digest of the checkpoint's
+files, so it never trusts an ``hf/`` folder that came with a run, and never writes into the run. The base model is the checkpoint's ``model.path``
 (read as plain data from its ``config.yaml``) only if that is a built-in alias or a local folder,
 or the one given as ``base``.
 """
@@ -30,7 +33,7 @@ from offstep.models.builtin import ALIASES, normalise_alias
 from offstep.models.forward import DTYPES
 from offstep.models.loading import ModelError, cache_dir, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_base, adapter_parameters, add_adapters, is_adapter_folder, merged_model
-from offstep.pipeline.checkpoints import STATE_FILE, open_checkpoint, read_config, resolve_path, select
+from offstep.pipeline.checkpoints import STATE_FILE, complete_checkpoints, file_digests, open_checkpoint, read_config, resolve_path, select
 from offstep.train.checkpoint import fsync_tree, load_model_weights, replace_dir, write_durably, write_failed
 
 DONE = ".offstep-export"  # written last: an export folder without it is incomplete
@@ -41,7 +44,7 @@ def _base_model(ckpt: Path, config_yaml: str, base: str | None) -> tuple[str, st
     built-in alias or a local folder that exists."""
     saved = read_config(config_yaml)
     dtype = select(saved, "model.dtype") or "float32"
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:
         raise ConfigError(f"{ckpt / 'config.yaml'} names model.dtype {dtype!r}; it must be one of {sorted(DTYPES)}")
     name = base or select(saved, "model.path")
     where = "--model" if base else f"the checkpoint's config.yaml ({ckpt / 'config.yaml'})"
@@ -72,10 +75,11 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
     ``merge``, as a peft adapter folder. A non-empty ``out`` is refused unless ``force``.
     Returns ``out``."""
     out = Path(out)
+    loaded = open_checkpoint(resolve_path(run_or_checkpoint, step))
+    _check_destination(out, loaded.path)
     if (out.exists() or out.is_symlink()) and not force and not (out.is_dir() and not any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; give another --out, or --force to replace it (the old "
                           f"folder is deleted only once the new one is in place)")
-    loaded = open_checkpoint(resolve_path(run_or_checkpoint, step))
     folder, dtype = _base_model(loaded.path, loaded.config_yaml, base)
     model = load_causal_lm(folder, dtype=DTYPES[dtype])
     lora = _lora_of(loaded.config_yaml)
@@ -104,6 +108,20 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
     return out
 
 
+def _check_destination(out: Path, ckpt: Path) -> None:
+    """Refuse an ``--out`` whose replacement would destroy what is read or a run: the checkpoint
+    itself, a folder inside it or holding it, or any folder holding a run (even with ``--force``)."""
+    dest, src = out.absolute().resolve(), ckpt.resolve()
+    if dest == src or src in dest.parents or dest in src.parents:
+        raise ConfigError(f"--out {out} is, holds or lies inside the checkpoint being exported ({ckpt}); replacing it "
+                          f"would destroy that checkpoint, even with --force. Give an --out outside it, e.g. "
+                          f"{src.parents[1] / 'hf'}")
+    if dest.is_dir() and ((dest / ".offstep-run").exists() or (dest / "checkpoints").is_dir() or
+                          (dest / STATE_FILE).exists()):
+        raise ConfigError(f"--out {out} holds an offstep run or checkpoint; export never replaces one, even with "
+                          f"--force. Give another --out")
+
+
 def is_run_or_checkpoint(path: str | Path) -> bool:
     p = Path(path)
     return (p / STATE_FILE).is_file() or (p / "checkpoints").is_dir()
@@ -111,18 +129,27 @@ def is_run_or_checkpoint(path: str | Path) -> bool:
 
 def model_for_eval(path: str | Path) -> str:
     """A model folder for ``offstep eval``: run directories and checkpoints are exported once
-    into ``<checkpoint>/hf`` (a finished export: it has its marker; a LoRA run's merged); a peft
-    adapter folder is merged onto its base once, into the offstep cache; anything else is
-    returned as it is (a model folder or an alias)."""
+    into the offstep cache, under the digest of the checkpoint's files (a LoRA run's merged), and
+    that export is reused while the files are the same; a peft adapter folder is merged onto its
+    base once, into the offstep cache; anything else is returned as it is (a model folder or an
+    alias)."""
     if is_adapter_folder(path):
         return str(merge_adapter_folder(path))
     if not is_run_or_checkpoint(path):
         return str(path)
-    ckpt = resolve_path(path)
-    hf = ckpt / "hf"
-    if not (hf / DONE).is_file():
-        export_checkpoint(ckpt, hf, force=True, merge=True)  # an unfinished earlier export is replaced
-    return str(hf)
+    p = Path(path)
+    if not (p / STATE_FILE).is_file() and not complete_checkpoints(p / "checkpoints"):
+        raise ConfigError(f"the run {path} has no checkpoint, so it kept no trained policy to evaluate: it ran with "
+                          f"trainer.save_last=false and trainer.save_freq=0. Train with trainer.save_last=true (the "
+                          f"default) or trainer.save_freq=N, or give a model folder")
+    loaded = open_checkpoint(resolve_path(path))
+    digest = hashlib.sha256(loaded.config_yaml.encode())
+    for name, (size, sha) in sorted(file_digests(loaded.path / "actor", skip=()).items()):
+        digest.update(f"{name} {size} {sha}\n".encode())
+    out = cache_dir() / "exports" / digest.hexdigest()[:24]
+    if not (out / DONE).is_file():
+        export_checkpoint(loaded.path, out, force=True, merge=True)  # an unfinished earlier export is replaced
+    return str(out)
 
 
 def merge_adapter_folder(path: str | Path) -> Path:

@@ -13,6 +13,7 @@ from pathlib import Path
 from offstep.config.schema import AgentConfig, Config
 from offstep.data.dataset import TOOL_AGENT, EncodedPrompt, PromptRecord, check_rule_ground_truths, encode_prompts, load_records
 from offstep.data.tasks import write_task
+from offstep.files import refuse_links_under
 from offstep.models.loading import ModelError, load_tokenizer, resolve_model
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.tools import load_tools
@@ -34,6 +35,7 @@ class Inputs:
 def _files(cfg: Config, out_dir: Path) -> tuple[list[str], list[str]]:
     if cfg.data.train_files:
         return list(cfg.data.train_files), list(cfg.data.val_files)
+    refuse_links_under(out_dir / "data")  # the task is written there: through no link
     train, val = write_task(
         cfg.data.task, str(out_dir / "data"), cfg.data.task_train_size, cfg.data.task_val_size, cfg.trainer.seed,
         **cfg.data.task_options,

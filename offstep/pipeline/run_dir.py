@@ -18,6 +18,12 @@ a run with records but no intact checkpoint  refused (the run cannot be continue
 not an offstep run, and not empty            refused
 ===========================================  ==================================================
 
+One run at a time: a start takes an exclusive lock (``fcntl.flock`` on ``.offstep-lock``) for the
+run's whole life, and a second start into the folder is refused naming the holder. The folder
+holds no symbolic links among its own files (``config.yaml``, ``data/``, the records, the marker,
+``checkpoints/``): each is refused by name, since writing or reading through one would leave the
+folder; what a run writes goes through a temporary name and ``os.replace`` (``offstep/files.py``).
+
 A resume from a checkpoint of this folder continues its run (checkpoints of later steps are then
 renamed ``.superseded``, so no later resume picks them); a resume from elsewhere starts a new run
 in the folder. Where the table says refused, ``trainer.overwrite=true`` moves the folder aside to
@@ -26,8 +32,10 @@ in the folder. Where the table says refused, ``trainer.overwrite=true`` moves th
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -36,31 +44,79 @@ from typing import Callable
 
 from offstep.config.loader import ConfigError
 from offstep.config.schema import Config
+from offstep.files import loads_json, read_text, refuse_links, refuse_links_under, short, write_file
 from offstep.pipeline.checkpoints import LEGACY_STATE_FILE, Checkpoints, Loaded, check_compatible, open_checkpoint, resolve_path
-from offstep.train.checkpoint import fsync_dir, write_durably
+from offstep.train.checkpoint import fsync_dir
 
 MARKER = ".offstep-run"
-# What a run writes that does not make the folder worth keeping: the marker, the config it
-# rewrites at every start, and the built-in task's data, which it regenerates.
-_NOT_RECORDS = {MARKER, "config.yaml", "data"}
+LOCK = ".offstep-lock"
+# What a run writes that does not make the folder worth keeping: the marker, the lock, the config
+# it rewrites at every start, and the built-in task's data, which it regenerates.
+_NOT_RECORDS = {MARKER, LOCK, "config.yaml", "data"}
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<output_dir>/.offstep-lock``, held until :meth:`release` (or
+    the process's end: the kernel drops it with the file descriptor)."""
+
+    def __init__(self, fd: int):
+        self.fd: int | None = fd
+
+    @classmethod
+    def acquire(cls, out: Path) -> "RunLock":
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / LOCK
+        refuse_links(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 300, 0).decode("utf-8", errors="replace").strip() or "a run still starting"
+            os.close(fd)
+            raise ConfigError(f"trainer.output_dir={out} is in use by another offstep run ({holder}); one run per "
+                              f"folder: wait for it to end or stop it, or give another trainer.output_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
+                  .encode(), 0)
+        return cls(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 @dataclass
 class Run:
     run_id: str
     resume: Loaded | None  # the checkpoint to continue from
+    lock: RunLock | None = None  # held for the run's life
 
 
 def read_marker(out: Path) -> str | None:
     path = out / MARKER
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return None
     try:
-        doc = json.loads(path.read_text())
-        return str(doc["run_id"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        doc = loads_json(read_text(path, limit=4096))
+        if not isinstance(doc, dict) or not isinstance(doc.get("run_id"), str):
+            raise ValueError(f"it is not an object with a string run_id: {short(doc)}")
+        return doc["run_id"]
+    except (OSError, ValueError) as e:
         raise ConfigError(f"{path} cannot be read ({e}); if {out} is yours, delete that file, or give "
                           f"trainer.overwrite=true to move the folder aside, or another trainer.output_dir") from None
+
+
+def check_links(out: Path) -> None:
+    """Refuse a symbolic link among the run's own files: any entry of the folder itself, and
+    anything under ``data/`` and ``checkpoints/`` (a link there would be written or read through)."""
+    if not out.is_dir():
+        return
+    for p in out.iterdir():
+        refuse_links(p)
+    for sub in ("data", "checkpoints"):
+        if (out / sub).is_dir():
+            refuse_links_under(out / sub)
 
 
 def records(out: Path) -> list[str]:
@@ -99,11 +155,16 @@ def _claim(out: Path, run_id: str | None = None) -> str:
     """Make ``out`` (missing or empty, or this run's) the folder of run ``run_id`` (a new one)."""
     run_id = run_id or uuid.uuid4().hex
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{MARKER}.tmp"
-    write_durably(tmp, json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
-    os.replace(tmp, out / MARKER)
+    write_file(out / MARKER, json.dumps({"run_id": run_id, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
     fsync_dir(out)
     return run_id
+
+
+def _foreign(out: Path) -> list[str]:
+    """What a folder that no offstep run ever claimed holds (empty: it may be claimed)."""
+    if not out.is_dir() or (out / MARKER).exists() or (out / LOCK).exists():
+        return []
+    return sorted(p.name for p in out.iterdir())
 
 
 def _refusal(out: Path, marker: str | None, held: list[str], resume: str) -> str:
@@ -139,6 +200,29 @@ def open_run(cfg: Config, log: Callable[[str], None] = print) -> Run:
         raise ConfigError(f"trainer.output_dir={out} is a file, not a folder; give a folder")
     if t.resume == "off" and t.resume_step:
         raise ConfigError(f"trainer.resume_step={t.resume_step} needs trainer.resume=auto or a run directory")
+    if held := _foreign(out):  # decided before anything is written into it
+        if not t.overwrite:
+            raise ConfigError(_refusal(out, None, held, t.resume))
+        if t.resume not in ("auto", "off") and out.resolve() in (Path(t.resume).resolve(), *Path(t.resume).resolve().parents):
+            raise ConfigError(f"trainer.overwrite=true would move aside {out}, which holds the checkpoint to resume "
+                              f"from ({t.resume}); give another trainer.output_dir")
+        _move_aside(out, log)
+    check_links(out)
+    lock = RunLock.acquire(out)
+    try:
+        run = _open_locked(cfg, out, log)
+    except BaseException:
+        lock.release()
+        raise
+    if run.lock is None:
+        run.lock = lock
+    else:  # the folder was moved aside (with its lock) and a new one claimed
+        lock.release()
+    return run
+
+
+def _open_locked(cfg: Config, out: Path, log: Callable[[str], None]) -> Run:
+    t = cfg.trainer
     marker = read_marker(out)
     loaded, continues = None, False
     if t.resume not in ("auto", "off"):
@@ -160,7 +244,8 @@ def open_run(cfg: Config, log: Callable[[str], None] = print) -> Run:
         return Run(marker, loaded)
     if loaded is not None:
         check_compatible(loaded.config_yaml, cfg)
-    held = records(out) if marker is not None else sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    held = records(out) if marker is not None else sorted(p.name for p in out.iterdir() if p.name != LOCK)
+    lock = None
     if held:
         if not t.overwrite:
             raise ConfigError(_refusal(out, marker, held, t.resume))
@@ -168,9 +253,9 @@ def open_run(cfg: Config, log: Callable[[str], None] = print) -> Run:
             raise ConfigError(f"trainer.overwrite=true would move aside {out}, which holds the checkpoint to resume "
                               f"from ({loaded.path}); give another trainer.output_dir")
         _move_aside(out, log)
-        marker = None
+        lock, marker = RunLock.acquire(out), None
     # A run of this folder that wrote nothing worth keeping continues under its id with resume=auto.
-    return Run(_claim(out, marker if t.resume == "auto" else None), loaded)
+    return Run(_claim(out, marker if t.resume == "auto" else None), loaded, lock)
 
 
 def _from_path(path: Path, step: int, log: Callable[[str], None]) -> tuple[Loaded, list[Path]]:

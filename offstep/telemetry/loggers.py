@@ -15,6 +15,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from offstep.files import open_record
 from offstep.telemetry.metrics import JsonlWriter
 
 KNOWN = ("console", "jsonl", "tensorboard", "wandb")
@@ -109,7 +110,7 @@ class SampleLog:
     """``samples.jsonl``: a few prompts, responses and rewards every N steps."""
 
     def __init__(self, path: Path, append: bool = False):
-        self._f = open(path, "a" if append else "w", buffering=1)
+        self._f = open_record(path, append)
 
     def write(self, rows: list[dict]) -> None:
         for r in rows:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
+
+from offstep.files import loads_json, open_record, read_text, write_file
 
 
 def _clean(v):
@@ -21,7 +22,7 @@ class JsonlWriter:
     def __init__(self, path: Path, append: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = open(self.path, "a" if append else "w", buffering=1)
+        self._f = open_record(self.path, append)
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
@@ -46,8 +47,18 @@ class Timeline:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a JSONL file; ``ValueError`` naming the line that is not a JSON object."""
+    records = []
+    for n, line in enumerate(read_text(path).splitlines(), start=1):
+        if line.strip():
+            try:
+                record = loads_json(line)
+            except ValueError as e:
+                raise ValueError(f"{path}: line {n} cannot be read ({e})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: line {n} is a JSON {type(record).__name__}, not an object")
+            records.append(record)
+    return records
 
 
 def truncate_jsonl(path: str | Path, max_step: int) -> None:
@@ -62,11 +73,11 @@ def truncate_jsonl(path: str | Path, max_step: int) -> None:
     path = Path(path)
     if not path.exists():
         return
-    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
+    lines = [(n, line) for n, line in enumerate(read_text(path).splitlines(), start=1) if line.strip()]
     keep = []
     for i, (n, line) in enumerate(lines):
         try:
-            record = json.loads(line)
+            record = loads_json(line)
             if not isinstance(record, dict):
                 raise ValueError(f"a JSON {type(record).__name__}, not an object")
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
@@ -82,6 +93,4 @@ def truncate_jsonl(path: str | Path, max_step: int) -> None:
             keep.append(line + "\n")
     # Into a new file that replaces the old one: a kill during the rewrite (the resumed run's
     # start) leaves the old records or the kept ones, never a half-written file.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(keep))
-    os.replace(tmp, path)
+    write_file(path, "".join(keep))

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from offstep.errors import OffstepError
+from offstep.files import loads_json, read_text
 
 RANK_FORMAT = 1
 # A checkpoint holds what trains: the frozen base weights of a LoRA model are the base model's,
@@ -82,12 +83,40 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
 
 
+def _rng_problem(rng) -> str | None:
+    """What is wrong with a stored RNG state (None: it has the shapes :func:`rng_state` writes)."""
+    if not isinstance(rng, dict):
+        return "rng is not an object"
+    py, npy = rng.get("python"), rng.get("numpy")
+    ints = lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)  # noqa: E731
+    if not (isinstance(py, list) and len(py) == 3 and isinstance(py[0], int) and ints(py[1]) and len(py[1]) == 625
+            and (py[2] is None or isinstance(py[2], (int, float)))):
+        return "rng.python is not Python's RNG state"
+    if not (isinstance(npy, list) and len(npy) == 5 and npy[0] == "MT19937" and ints(npy[1]) and len(npy[1]) == 624
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in npy[2:])):
+        return "rng.numpy is not NumPy's RNG state"
+    states = [rng.get("torch")] + (rng.get("cuda") or [])
+    if not isinstance(rng.get("cuda", []), list) or not all(isinstance(t, str) for t in states):
+        return "rng.torch is not torch's RNG state"
+    try:
+        for t in states:
+            base64.b64decode(t, validate=True)
+    except ValueError:
+        return "rng.torch is not base64"
+    return None
+
+
 def read_rank_file(path: Path) -> dict:
     """``rank<i>.json``: {rng, sched, extra}; a damaged file is a :class:`CheckpointError`."""
     try:
-        local = json.loads(path.read_text())
+        local = loads_json(read_text(path))
         if not isinstance(local, dict) or local.get("format") != RANK_FORMAT or not {"rng", "sched", "extra"} <= set(local):
             raise ValueError("not a rank state of this offstep version")
+        problem = _rng_problem(local["rng"]) or (
+            None if local["sched"] is None or isinstance(local["sched"], dict) else "sched is not an object") or (
+            None if isinstance(local["extra"], dict) else "extra is not an object")
+        if problem:
+            raise ValueError(problem)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path} cannot be read ({e})") from None
     return local
@@ -156,8 +185,10 @@ class SafePlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise CheckpointError(f"the checkpoint item {read_item.dest_index.fqn!r} is refused: {e}") from None
+        except pickle.UnpicklingError:
+            # Not torch's advice to load it with weights_only=False: that would run the pickle's code.
+            raise CheckpointError(f"the checkpoint item {read_item.dest_index.fqn!r} holds a pickled object that is not "
+                                  f"plain data: refused (loading it could run code)") from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -235,13 +266,16 @@ def load_role(path: str | Path, rank: int, model, opt=None, sched=None) -> dict:
     else:
         state = {"model": _trained_only(model, get_state_dict(model, [], options=_TRAINED)[0])}
     _dcp_load(state, path)
-    if opt is not None:
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_loading(model))
-    else:
-        set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_loading(model))
-    set_rng_state(local["rng"])
-    if sched is not None and local["sched"] is not None:
-        sched.load_state_dict(local["sched"])
+    try:
+        if opt is not None:
+            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_loading(model))
+        else:
+            set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_loading(model))
+        set_rng_state(local["rng"])
+        if sched is not None and local["sched"] is not None:
+            sched.load_state_dict(local["sched"])
+    except (RuntimeError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        raise CheckpointError(f"the checkpoint {path} cannot be loaded ({_cause(e)})") from None
     return local["extra"]
 
 
@@ -303,8 +337,10 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_durably(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` and fsync it (not its folder: the caller renames that)."""
-    with open(path, "w") as f:
+    """Write ``text`` to ``path`` (never through a link) and fsync it (not its folder: the caller
+    renames that)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -181,8 +181,9 @@ class RoleWorker:
         from offstep.train.checkpoint import load_role
 
         extra = load_role(path, self.rank, self.model, getattr(self, "opt", None), getattr(self, "sched", None))
-        for a, v in extra.items():
-            setattr(self, a, v)
+        for a in self._checkpointed_attrs:  # only the counters this role writes, whatever the file holds
+            if a in extra:
+                setattr(self, a, extra[a])
 
     def shutdown(self) -> None:
         if dist.is_initialized():
