@@ -78,7 +78,7 @@ def _fake_commit(ck: Checkpoints, step: int, cfg_yaml: str = "a: 1\n") -> Path:
     with warnings.catch_warnings():  # DCP: "no process group, assuming a single process" is the intent
         warnings.simplefilter("ignore", UserWarning)
         save_role(staging / "actor", 0, torch.nn.Linear(2, 2))
-    return ck.commit(staging, TrainerState(step, step, 0.0, {}, [], 0), cfg_yaml)
+    return ck.commit(staging, TrainerState(step, step, 0.0, {"epoch": 0, "position": 0}, [], 0), cfg_yaml)
 
 
 def test_commit_is_atomic_and_auto_skips_partial(tmp_path):
@@ -108,7 +108,7 @@ def test_what_must_outlive_a_kill_is_written_before_the_checkpoint_is_published(
         warnings.simplefilter("ignore", UserWarning)
         save_role(staging / "actor", 0, torch.nn.Linear(2, 2))
     seen = []
-    final = ck.commit(staging, TrainerState(2, 2, 0.0, {}, [], 0), "a: 1\n",
+    final = ck.commit(staging, TrainerState(2, 2, 0.0, {"epoch": 0, "position": 0}, [], 0), "a: 1\n",
                       lambda: seen.append((staging.exists() and (staging / "trainer_state.json").is_file(),
                                            (tmp_path / "checkpoints" / "step_000002").exists())))
     assert seen == [(True, False)]

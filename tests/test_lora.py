@@ -152,7 +152,7 @@ def test_export_peft_folder_and_merged_model(tiny, tmp_path):
     with warnings.catch_warnings():  # DCP: "no process group, assuming a single process"
         warnings.simplefilter("ignore", UserWarning)
         save_role(staging / "actor", 0, model)
-    ck.commit(staging, TrainerState(2, 2, 0.0, {}, [], 0), to_yaml(cfg))
+    ck.commit(staging, TrainerState(2, 2, 0.0, {"epoch": 0, "position": 0}, [], 0), to_yaml(cfg))
     shards = sum(f.stat().st_size for f in (tmp_path / "run/checkpoints/step_000002/actor").glob("*.distcp"))
     adapters = adapter_parameters(model)
     # the adapters (plus DCP's framing of each tensor), not the frozen base (nor its tied head)

@@ -317,14 +317,14 @@ def open_checkpoint(path: Path) -> Loaded:
     try:
         state, run_id, files = decode_state(read_text(path / STATE_FILE))
     except (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError) as e:
-        raise damaged(f"{STATE_FILE} cannot be read ({type(e).__name__}: {short(str(e), 300)})") from None
+        raise damaged(f"{STATE_FILE} cannot be read ({type(e).__name__}: {str(e)[:300]})") from None
     if step is not None and state.step != step:
         raise damaged(f"{STATE_FILE} is of step {state.step}")
     try:
         config_yaml = read_text(path / "config.yaml", limit=MAX_CONFIG_BYTES)
         check_saved_config(read_config(config_yaml))
     except (OSError, ValueError) as e:
-        raise damaged(f"config.yaml cannot be read ({type(e).__name__}: {short(str(e), 300)})") from None
+        raise damaged(f"config.yaml cannot be read ({type(e).__name__}: {str(e)[:300]})") from None
     if not (path / "actor").is_dir():
         raise damaged("it has no actor/ folder")
     for role in ROLES:
@@ -505,7 +505,7 @@ def load_failed(path: Path, cause: BaseException) -> CheckpointError:
                 pass
     fix = (f"resume from the intact checkpoint before it with trainer.resume_step={earlier[-1]}" if earlier else
            "there is no earlier intact checkpoint: start afresh with another trainer.output_dir")
-    return CheckpointError(f"the checkpoint {path} could not be loaded ({short(str(cause), 400)}); {fix}")
+    return CheckpointError(f"the checkpoint {path} could not be loaded ({str(cause)[:400]}); {fix}")
 
 
 def load_state(path: Path) -> TrainerState:
