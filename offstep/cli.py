@@ -77,11 +77,12 @@ def _report(argv: list[str]) -> int:
     parser.add_argument("runs", nargs="+", help="trainer.output_dir of one or more runs")
     parser.add_argument("--out", default=None, help="where to write (default: <first run>/report)")
     args = parser.parse_args(argv)
+    from offstep.errors import OffstepError
     from offstep.telemetry.report import write_report
 
     try:
         out = write_report(args.runs, args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, OffstepError) as e:
         print(f"offstep: {e}", file=sys.stderr)
         return 2
     print(f"offstep: report in {out}")
@@ -113,9 +114,33 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--tools-path", default=None, help="the Python file defining the tools (rollout.agent.tools_path)")
     parser.add_argument("--tool-format", default="tag", choices=["hermes", "tag"], help="rollout.agent.format")
     parser.add_argument("--max-turns", type=int, default=4, help="rollout.agent.max_turns")
+    parser.add_argument("--tool-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="seconds a tool call (and the import of --tools-path) may take (rollout.agent.tool_timeout_s)")
     args = parser.parse_args(argv)
-    if args.reward_timeout < 0:
-        parser.error(f"--reward-timeout {args.reward_timeout:g} must be >= 0 seconds (0: no limit)")
+    # The flags are checked here, before anything loads (the engine refuses them only after the model has).
+    import math
+
+    from offstep.config.validate import temperature_problem
+
+    at_least_one = {
+        "--n": (args.n, "samples per prompt"),
+        "--batch-size": (args.batch_size, "prompts per generation call, e.g. 32"),
+        "--max-new-tokens": (args.max_new_tokens, "response tokens at most, e.g. 64"),
+        "--max-prompt-length": (args.max_prompt_length, "prompt tokens at most, e.g. 1024"),
+        "--max-turns": (args.max_turns, "model turns per sample at most, e.g. 4"),
+    }
+    for flag, (value, what) in at_least_one.items():
+        if value < 1:
+            parser.error(f"{flag} {value} must be >= 1 ({what})")
+    if problem := temperature_problem(args.temperature, "--temperature"):
+        parser.error(problem)
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p {args.top_p:g} must be in (0, 1]: the probability mass sampled from (1: all of it), "
+                     "e.g. --top-p 0.9")
+    if not (math.isfinite(args.reward_timeout) and args.reward_timeout >= 0):
+        parser.error(f"--reward-timeout {args.reward_timeout:g} must be a number of seconds >= 0 (0: no limit)")
+    if not (math.isfinite(args.tool_timeout) and args.tool_timeout > 0):
+        parser.error(f"--tool-timeout {args.tool_timeout:g} must be a number of seconds > 0, e.g. 10")
     import json
 
     from offstep.pipeline.evaluation import run_eval
@@ -131,7 +156,7 @@ def _eval(argv: list[str]) -> int:
     agent = None
     if args.tools:
         agent = AgentConfig(tools=args.tools.split(","), tools_path=args.tools_path, format=args.tool_format,
-                            max_turns=args.max_turns)
+                            max_turns=args.max_turns, tool_timeout_s=args.tool_timeout)
     try:
         model = model_for_eval(args.model)
         metrics, samples = run_eval(

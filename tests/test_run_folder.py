@@ -147,6 +147,20 @@ def test_report_of_damaged_metrics_is_a_message(tmp_path, capsys):
     assert "line 2 cannot be read (the JSON is nested too deeply)" in capsys.readouterr().err
 
 
+def test_report_never_writes_through_a_linked_report_folder(tmp_path, capsys):
+    from offstep.cli import main
+
+    run, outside = tmp_path / "run", tmp_path / "outside"
+    run.mkdir()
+    outside.mkdir()
+    (outside / "summary.md").write_text("theirs")
+    (run / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5, "timing_s/step": 1.0}\n')
+    (run / "report").symlink_to(outside)
+    assert main(["report", str(run)]) == 2
+    assert f"{run / 'report'} is a symbolic link" in capsys.readouterr().err
+    assert sorted(p.name for p in outside.iterdir()) == ["summary.md"] and (outside / "summary.md").read_text() == "theirs"
+
+
 def test_eval_of_a_run_without_a_checkpoint_names_the_key(tmp_path, capsys):
     from offstep.cli import main
 

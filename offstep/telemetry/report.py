@@ -14,6 +14,7 @@ Several runs (e.g. synchronous vs one-step) share the line plots and get a panel
 
 from __future__ import annotations
 
+import io
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from offstep.files import refuse_links, write_file  # noqa: E402
 from offstep.telemetry.metrics import read_jsonl  # noqa: E402
 
 # Trainer-side stages stacked in timing.png, in execution order.
@@ -82,8 +84,10 @@ class Run:
 
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    write_file(path, buf.getvalue(), durable=False)  # replaces a link at path, never writes through it
     return path
 
 
@@ -194,9 +198,11 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     if not any(r.steps for r in runs):
         raise ValueError(f"no training steps in {', '.join(str(d) for d in run_dirs)}: metrics.jsonl has none yet")
     out = Path(out_dir) if out_dir else runs[0].path / "report"
+    if not out_dir:
+        refuse_links(out)  # the run's own report folder: not a link out of it
     out.mkdir(parents=True, exist_ok=True)
     plots = [plot_reward(runs, out), plot_timing(runs, out), plot_timeline(runs, out), plot_offpolicy(runs, out)]
     text = ["# offstep report", "", summary(runs), ""]
     text += [f"![{p.stem}]({p.name})" for p in plots]
-    (out / "summary.md").write_text("\n".join(text) + "\n")
+    write_file(out / "summary.md", "\n".join(text) + "\n", durable=False)
     return out
