@@ -126,13 +126,43 @@ def _check_algorithm(cfg: Config, e: list[str]) -> None:
               f"algorithm.dynamic_sampling_max_attempts={a.dynamic_sampling_max_attempts} must be >= 1", e)
 
 
+# Below this a positive temperature is refused: logits / temperature magnify the trainer's and the
+# rollout's rounding differences into log-prob differences of many nats (bfloat16 logits are off by
+# ~0.1), and below ~1e-37 they overflow float32 (NaN loss, KL, entropy). vLLM raises temperatures
+# under 0.01 to 0.01 for the same reason, which the trainer's log-probs would then not match.
+MIN_TEMPERATURE = 0.01
+
+
+def temperature_problem(value: float, key: str) -> str | None:
+    """What is wrong with a sampling temperature (``key`` names its setting), or None: 0 is greedy
+    decoding, anything else must be a finite number >= ``MIN_TEMPERATURE``."""
+    fix = f"use 0 for greedy decoding (0 means greedy), or a temperature >= {MIN_TEMPERATURE:g}, e.g. 1.0"
+    if value == 0 or (math.isfinite(value) and value >= MIN_TEMPERATURE):
+        return None
+    if math.isnan(value):
+        return f"{key}={value} is not a number; {fix}"
+    if value < 0:
+        return f"{key}={value} must be >= 0; {fix}"
+    if math.isinf(value):
+        return (f"{key}={value}: an infinite temperature divides every logit to 0, so generation samples uniform "
+                f"noise; {fix}")
+    return (f"{key}={value:g} is a positive temperature below {MIN_TEMPERATURE:g}: dividing the logits by it "
+            f"magnifies the rounding differences between the trainer's and the rollout's logits into large log-prob "
+            f"differences, and near 1e-37 and below overflows float32 (NaN loss, KL and entropy); vLLM raises such "
+            f"temperatures to {MIN_TEMPERATURE:g}; {fix}")
+
+
 def _check_optim(o: OptimConfig, key: str, e: list[str]) -> None:
     """AdamW's settings (torch.optim.AdamW refuses these only when the first step runs)."""
-    _need(o.lr >= 0, f"{key}.lr={o.lr} must be >= 0 (a negative learning rate ascends the loss), e.g. 1e-6", e)
-    _need(o.weight_decay >= 0, f"{key}.weight_decay={o.weight_decay} must be >= 0 (0: none)", e)
+    # NaN fails every comparison: one message per key says "finite" (the loop over all floats in
+    # validate() then skips the key).
+    _need(math.isfinite(o.lr) and o.lr >= 0, f"{key}.lr={o.lr} must be a finite number >= 0, e.g. 1e-6"
+          + (" (a negative learning rate ascends the loss)" if o.lr < 0 else ""), e)
+    _need(math.isfinite(o.weight_decay) and o.weight_decay >= 0,
+          f"{key}.weight_decay={o.weight_decay} must be a finite number >= 0 (0: none)", e)
     _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
           f"{key}.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]", e)
-    _need(o.grad_clip > 0, f"{key}.grad_clip={o.grad_clip} must be > 0 (inf: no clipping)", e)
+    _need(o.grad_clip > 0, f"{key}.grad_clip={o.grad_clip} must be a number > 0 (inf: no clipping)", e)
     _need(o.warmup_steps >= 0, f"{key}.warmup_steps={o.warmup_steps} must be >= 0 (0: no warm-up)", e)
 
 
@@ -144,6 +174,12 @@ def _check_task(cfg: Config, e: list[str]) -> None:
     from offstep.data.tasks import TASKS
 
     d = cfg.data
+    _need(d.task_train_size >= 1, f"data.task_train_size={d.task_train_size} must be >= 1: it is the number of "
+          f"training problems the built-in data.task={d.task} writes (e.g. 4000); or give your own data with "
+          f"data.train_files=[...]", e)
+    _need(d.task_val_size >= 1, f"data.task_val_size={d.task_val_size} must be >= 1: the built-in task always "
+          f"writes a validation set, which runs before and after training (and every trainer.val_freq steps); "
+          f"set it to e.g. 200 (data.val_max_samples caps how many of them a validation uses)", e)
     if d.task not in TASKS:
         e.append(f"data.task={d.task!r} is not one of the built-in tasks {sorted(TASKS)}; pick one, or give your "
                  f"own data with data.train_files=[...]")
@@ -376,14 +412,20 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
 
     r, d, a = cfg.rollout, cfg.data, cfg.actor
     _need(r.n >= 1, f"rollout.n={r.n} must be >= 1", e)
-    _need(r.temperature >= 0, f"rollout.temperature={r.temperature} must be >= 0", e)
+    for key, t in (("rollout.temperature", r.temperature), ("rollout.val_temperature", r.val_temperature)):
+        problem = temperature_problem(t, key)
+        if problem:
+            e.append(problem)
     _need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]", e)
     _need(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)", e)
     _need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1", e)
+    if "" in r.stop:
+        e.append(f"rollout.stop={list(r.stop)!r} holds an empty string (entry {list(r.stop).index('')}), which matches "
+                 f"at every position (the rollout engines refuse it once started); remove it (rollout.stop=[] for no "
+                 f"stop strings)")
     _need(r.max_batch_size >= 1, f"rollout.max_batch_size={r.max_batch_size} must be >= 1 (sequences one engine "
           f"decodes together, e.g. 64)", e)
     _need(r.val_n >= 1, f"rollout.val_n={r.val_n} must be >= 1 (validation samples per prompt)", e)
-    _need(r.val_temperature >= 0, f"rollout.val_temperature={r.val_temperature} must be >= 0 (0: greedy)", e)
     _need(r.replicas >= 1, f"rollout.replicas={r.replicas} must be >= 1", e)
     _need(d.train_batch_size >= r.replicas,
           f"data.train_batch_size={d.train_batch_size} must be >= rollout.replicas={r.replicas} "
@@ -404,6 +446,8 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     _check_optim(a.optim, "actor.optim", e)
     _check_optim(cfg.critic.optim, "critic.optim", e)
     for key, v in _floats(cfg, ("algorithm", "actor", "critic")):
+        if any(msg.startswith(f"{key}=") for msg in e):
+            continue  # a check above already says what is wrong with it
         limit = "clip" in key or "cap" in key  # inf is a meaningful "no limit" there
         _need(math.isfinite(v) or (limit and not math.isnan(v)), f"{key}={v} must be a finite number", e)
     rw = cfg.reward

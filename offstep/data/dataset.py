@@ -23,7 +23,8 @@ For both formats:
 * the ground truth is ``reward_model["ground_truth"]``, or the ``answer_key`` column when one is
   given (then ``reward_model`` is not needed);
 * ``data_source`` defaults to the file's stem (``"train"`` for ``/data/train.jsonl``) when the
-  column is absent or a row's value is empty;
+  column is absent or a row's value is empty (null or ``""``); with the built-in scorers, which
+  ``data_source`` picks, such a row is refused unless the stem names one (:func:`check_rule_ground_truths`);
 * ``ability`` defaults to ``""`` and ``extra_info`` to ``{}``.
 
 ``PromptRecord.index`` is the row's 0-based position in the file.
@@ -46,6 +47,15 @@ SUPPORTED_EXTENSIONS = (".parquet", ".jsonl", ".json")
 SINGLE_TURN, TOOL_AGENT = "single_turn_agent", "tool_agent"
 AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT)  # verl's agent_name values that offstep runs
 OVERLONG_MODES = ("filter", "error")
+# The settings that messages name: offstep train's config keys; offstep eval passes its flags.
+TRAIN_KEYS = {
+    "files": "data.train_files / data.val_files",
+    "prompt_key": "data.prompt_key",
+    "answer_key": "data.answer_key",
+    "max_prompt_length": "data.max_prompt_length",
+    "tools": "rollout.agent.tools",
+    "reward_path": "reward.custom_path",
+}
 
 
 class DatasetError(OffstepError, ValueError):
@@ -63,6 +73,7 @@ class PromptRecord:
     ability: str = ""
     extra_info: dict = field(default_factory=dict)
     agent_name: str = SINGLE_TURN
+    data_source_missing: bool = False  # the row had none: data_source is the file's stem
 
 
 @dataclass
@@ -180,16 +191,22 @@ def _read_json(path: str) -> tuple[list[dict], list[str]]:
     return rows, columns
 
 
-def _normalize_messages(path: str, row_index: int, prompt_key: str, value: Any) -> list[dict]:
+def _normalize_messages(path: str, row_index: int, prompt_key: str, value: Any, keys: dict = TRAIN_KEYS) -> list[dict]:
     value = _to_plain(value)
     example = '[{"role": "user", "content": "..."}]'
     if isinstance(value, str):
+        if not value.strip():  # as empty as an empty list: the model would answer nothing
+            what = "an empty string" if not value else f"only whitespace ({_short(value)})"
+            raise DatasetError(
+                f"{path}: row {row_index}: column '{prompt_key}' is {what}: there is no question to answer. "
+                "Fix: write the prompt's text there, or drop the row."
+            )
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise DatasetError(
             f"{path}: row {row_index}: column '{prompt_key}' must be a non-empty list of chat "
             f"messages or a string, got {type(value).__name__} {_short(value)}. "
-            f"Fix: store prompts as {example} or plain strings, or set data.prompt_key to the "
+            f"Fix: store prompts as {example} or plain strings, or set {keys['prompt_key']} to the "
             "column that holds them."
         )
     messages: list[dict] = []
@@ -214,6 +231,11 @@ def _normalize_messages(path: str, row_index: int, prompt_key: str, value: Any) 
         # keep other fields (e.g. "name") but drop the None padding that parquet structs add
         clean = {k: v for k, v in msg.items() if k in ("role", "content") or v is not None}
         messages.append(clean)
+    if not any(m["content"].strip() for m in messages):
+        raise DatasetError(
+            f"{path}: row {row_index}: every message of '{prompt_key}' has empty (or whitespace-only) "
+            "content: there is no question to answer. Fix: write the prompt's text into its 'content', or drop the row."
+        )
     return messages
 
 
@@ -223,19 +245,20 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def load_records(
-    path: str, prompt_key: str = "prompt", answer_key: str | None = None, default_agent: str = SINGLE_TURN
+    path: str, prompt_key: str = "prompt", answer_key: str | None = None, default_agent: str = SINGLE_TURN,
+    keys: dict = TRAIN_KEYS,
 ) -> list[PromptRecord]:
     """Read a verl-format ``.parquet`` or a ``.jsonl``/``.json`` file into :class:`PromptRecord` s.
 
     See the module docstring for the expected fields. ``data_source`` defaults to the file's stem
     when absent. Raises :class:`DatasetError` for a missing, unsupported, unreadable or empty file,
-    missing columns and malformed prompts.
+    missing columns and malformed (or empty) prompts; its messages name the settings in ``keys``
+    (``TRAIN_KEYS``'s names).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
         raise DatasetError(
-            f"{path}: file not found. Fix: check data.train_files / data.val_files, or generate a "
-            "built-in task dataset first (offstep.data.tasks.write_task)."
+            f"{path}: file not found. Fix: check {keys['files']}: give the path of a verl parquet or JSONL file."
         )
     if os.path.isdir(path):
         raise DatasetError(
@@ -264,26 +287,26 @@ def load_records(
     if prompt_key not in column_set:
         raise DatasetError(
             f"{path}: missing prompt column '{prompt_key}'; the file has columns {columns}. "
-            "Fix: set data.prompt_key to the column that holds the prompts."
+            f"Fix: set {keys['prompt_key']} to the column that holds the prompts."
         )
     if answer_key is not None:
         if answer_key not in column_set:
             raise DatasetError(
                 f"{path}: missing answer column '{answer_key}'; the file has columns {columns}. "
-                "Fix: set data.answer_key to the column that holds the ground truth, or unset it "
+                f"Fix: set {keys['answer_key']} to the column that holds the ground truth, or unset it "
                 "to use reward_model.ground_truth."
             )
     elif "reward_model" not in column_set:
         raise DatasetError(
             f"{path}: missing column 'reward_model' (with a 'ground_truth' field); the file has "
             f"columns {columns}. Fix: add reward_model={{'style': 'rule', 'ground_truth': ...}} "
-            "to every row, or set data.answer_key to the column that holds the ground truth."
+            f"to every row, or set {keys['answer_key']} to the column that holds the ground truth."
         )
 
     stem = os.path.splitext(os.path.basename(path))[0]
     records: list[PromptRecord] = []
     for i, row in enumerate(rows):
-        messages = _normalize_messages(path, i, prompt_key, row.get(prompt_key))
+        messages = _normalize_messages(path, i, prompt_key, row.get(prompt_key), keys)
 
         if answer_key is not None:
             ground_truth = _to_plain(row.get(answer_key))
@@ -293,13 +316,14 @@ def load_records(
                 raise DatasetError(
                     f"{path}: row {i}: 'reward_model' must be a dict with a 'ground_truth' field, "
                     f"got {_short(reward_model)}. Fix: store reward_model={{'style': 'rule', "
-                    "'ground_truth': ...}, or set data.answer_key to the column that holds the "
+                    f"'ground_truth': ...}}, or set {keys['answer_key']} to the column that holds the "
                     "ground truth."
                 )
             ground_truth = reward_model["ground_truth"]
 
         data_source = row.get("data_source")
-        data_source = stem if _is_missing(data_source) or data_source == "" else str(data_source)
+        source_missing = _is_missing(data_source) or data_source == ""
+        data_source = stem if source_missing else str(data_source)
 
         ability = row.get("ability")
         ability = "" if _is_missing(ability) else str(ability)
@@ -319,7 +343,7 @@ def load_records(
         if agent_name not in AGENT_NAMES:
             raise DatasetError(
                 f"{path}: row {i}: agent_name {agent_name!r} is not one of {list(AGENT_NAMES)}. Fix: use "
-                f"{TOOL_AGENT} for rows answered with tools (rollout.agent.tools), {SINGLE_TURN} (or no "
+                f"{TOOL_AGENT} for rows answered with tools ({keys['tools']}), {SINGLE_TURN} (or no "
                 "value) for plain ones."
             )
 
@@ -332,15 +356,31 @@ def load_records(
                 ability=ability,
                 extra_info=extra_info,
                 agent_name=agent_name,
+                data_source_missing=source_missing,
             )
         )
     return records
 
 
-def check_rule_ground_truths(records: list[PromptRecord], path: str) -> None:
-    """Refuse ground truths that the built-in rule scorers cannot compare with: they read the
-    ground truth as one string or number, so a list, a dict, a bool or a missing value would score
-    every response 0 without an error. (A custom reward function may take any ground truth.)"""
+def check_rule_ground_truths(records: list[PromptRecord], path: str, keys: dict = TRAIN_KEYS) -> None:
+    """Refuse rows that the built-in rule scorers cannot score: a row without a data_source (which
+    picks the scorer) in a file whose stem names no scorer, and ground truths they cannot compare
+    with: they read the ground truth as one string or number, so a list, a dict, a bool or a missing
+    value would score every response 0 without an error. (A custom reward function may take any
+    data_source and ground truth.)"""
+    from offstep.rewards.registry import BUILTIN_SCORERS
+
+    custom = (f"score with your own function: {keys['reward_path']}=FILE.py defining compute_score(data_source, "
+              "solution_str, ground_truth, extra_info=None)")
+    unnamed = [r for r in records if r.data_source_missing and r.data_source not in BUILTIN_SCORERS]
+    if unnamed:
+        first = unnamed[0]
+        raise DatasetError(
+            f"{path}: row {first.index} has no data_source ({len(unnamed)} of {len(records)} rows have none), and "
+            f"the built-in scorers are picked by it (offstep would use the file's name {first.data_source!r}, "
+            f"for which there is none). Fix: set data_source in every row to one of {sorted(BUILTIN_SCORERS)}, "
+            f"or {custom}."
+        )
 
     def usable(truth: Any) -> bool:
         if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
@@ -355,8 +395,7 @@ def check_rule_ground_truths(records: list[PromptRecord], path: str) -> None:
             f"{path}: row {first.index}: the ground truth is {what} ({len(bad)} of {len(records)} rows have no "
             f"string or number ground truth); the built-in scorer for data source {first.data_source!r} compares "
             "the response with one string or number, so every reward would be 0. Fix: store the ground truth "
-            "as a string or number (e.g. \"42\"), or score with your own function: reward.custom_path=FILE.py "
-            "defining compute_score(data_source, solution_str, ground_truth, extra_info=None)."
+            f"as a string or number (e.g. \"42\"), or {custom}."
         )
 
 
@@ -393,6 +432,7 @@ def encode_prompts(
     max_prompt_length: int,
     overlong: str = "filter",
     tools: list[dict] | None = None,
+    keys: dict = TRAIN_KEYS,
 ) -> list[EncodedPrompt]:
     """Chat-template and tokenize each record's messages.
 
@@ -410,7 +450,7 @@ def encode_prompts(
     if int(max_prompt_length) <= 0:
         raise ValueError(
             f"max_prompt_length must be positive, got {max_prompt_length}. "
-            "Fix: set data.max_prompt_length to a positive number of tokens."
+            f"Fix: set {keys['max_prompt_length']} to a positive number of tokens."
         )
     records = list(records)
     if not records:
@@ -431,8 +471,8 @@ def encode_prompts(
             if overlong == "error":
                 raise DatasetError(
                     f"data_source {record.data_source!r} row {record.index}: the prompt is "
-                    f"{len(ids)} tokens long, over data.max_prompt_length={max_prompt_length}. "
-                    f"Fix: raise data.max_prompt_length (to at least {len(ids)}) or set "
+                    f"{len(ids)} tokens long, over {keys['max_prompt_length']}={max_prompt_length}. "
+                    f"Fix: raise {keys['max_prompt_length']} (to at least {len(ids)}) or set "
                     "data.overlong_prompts=filter to drop overlong prompts."
                 )
             dropped += 1
@@ -451,7 +491,7 @@ def encode_prompts(
     if not out:
         raise DatasetError(
             f"all {len(records)} prompts (data_source {records[0].data_source!r}) are longer than "
-            f"data.max_prompt_length={max_prompt_length} tokens (longest: {longest}). "
-            "Fix: raise data.max_prompt_length."
+            f"{keys['max_prompt_length']}={max_prompt_length} tokens (longest: {longest}). "
+            f"Fix: raise {keys['max_prompt_length']}."
         )
     return out

@@ -299,7 +299,8 @@ def write_task(
     n_train, n_val = int(n_train), int(n_val)
     if n_train < 1 or n_val < 1:
         raise ValueError(
-            f"write_task needs n_train >= 1 and n_val >= 1, got n_train={n_train}, n_val={n_val}."
+            f"write_task needs n_train >= 1 and n_val >= 1, got n_train={n_train}, n_val={n_val}. "
+            "Fix: set data.task_train_size and data.task_val_size to at least 1."
         )
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -45,6 +45,9 @@ _WEIGHT_FILES = (
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
+# A folder with none of these has no tokenizer (one with only some of them may still fail to load).
+_TOKENIZER_GLOBS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "*.tiktoken", "vocab.json",
+                    "vocab.txt", "spiece.model", "sentencepiece*.model")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -164,8 +167,18 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     folder = _as_folder(path)
-    with quiet_transformers():
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+    fix = (f"Fix: copy the tokenizer files of the model it was saved from (tokenizer.json, tokenizer_config.json, "
+           f"...) into {folder}, e.g. with AutoTokenizer.from_pretrained(<that model>).save_pretrained({folder!r})")
+    if Path(folder).is_dir() and not any(any(Path(folder).glob(g)) for g in _TOKENIZER_GLOBS):
+        raise ModelError(f"the model folder {folder} has no tokenizer (none of {', '.join(_TOKENIZER_GLOBS)}), so "
+                         f"prompts cannot be tokenized. {fix}")
+    try:
+        with quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:  # transformers' ValueError / OSError / ... texts name no offstep fix
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ModelError(f"the tokenizer of the model folder {folder} cannot be loaded ({type(exc).__name__}: "
+                         f"{first}). {fix}") from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelError(

@@ -13,6 +13,12 @@ from collections import defaultdict
 from offstep.batch import Sample
 from offstep.pipeline.step_metrics import agent_metrics
 
+# What messages call the settings: offstep eval's flags (offstep.data.dataset.TRAIN_KEYS and
+# offstep.rollout.tools.TRAIN_KEYS name the config keys of offstep train).
+DATA_FLAGS = {"files": "--data", "prompt_key": "--prompt-key", "answer_key": "--answer-key",
+              "max_prompt_length": "--max-prompt-length", "tools": "--tools", "reward_path": "--reward-path"}
+TOOL_FLAGS = {"path": "--tools-path", "names": "--tools", "timeout": "--tool-timeout"}
+
 
 def is_correct(s: Sample) -> float:
     return float(s.reward_extra.get("acc", s.score >= 1.0))
@@ -78,11 +84,12 @@ def run_eval(
     from offstep.rollout.worker import RolloutWorker
 
     check_model_path(model)
-    reward = RewardFunction(reward_path, reward_name, reward_timeout, timeout_key="--reward-timeout")
-    records = load_records(data, prompt_key=prompt_key, answer_key=answer_key)
-    reward.check_sources({r.data_source for r in records})
+    reward = RewardFunction(reward_path, reward_name, reward_timeout, timeout_key="--reward-timeout",
+                            path_key="--reward-path", name_key="--reward-name")
+    records = load_records(data, prompt_key=prompt_key, answer_key=answer_key, keys=DATA_FLAGS)
     if not reward_path:
-        check_rule_ground_truths(records, data)
+        check_rule_ground_truths(records, data, DATA_FLAGS)
+    reward.check_sources({r.data_source for r in records})
     reward.check_call(records[0].data_source, records[0].ground_truth, records[0].extra_info or {})
     path = resolve_model(model)
     check_safetensors(path)
@@ -90,8 +97,8 @@ def run_eval(
     if agent is not None:
         from offstep.rollout.tools import load_tools
 
-        schemas = [t.schema for t in load_tools(agent.tools_path, list(agent.tools))]
-    prompts = encode_prompts(records, load_tokenizer(path), max_prompt_length, tools=schemas)
+        schemas = [t.schema for t in load_tools(agent.tools_path, list(agent.tools), agent.tool_timeout_s, TOOL_FLAGS)]
+    prompts = encode_prompts(records, load_tokenizer(path), max_prompt_length, tools=schemas, keys=DATA_FLAGS)
     worker = RolloutWorker(path, "float32", "cpu", threads or os.cpu_count() or 1, reward, 2, max(batch_size * n, 1),
                            agent=agent)
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)

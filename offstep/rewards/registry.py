@@ -84,16 +84,25 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
 # custom scorers
 
 
-def load_custom_scorer(path: str, name: str = "compute_score") -> Scorer:
+def load_custom_scorer(
+    path: str,
+    name: str = "compute_score",
+    timeout_s: float | None = None,
+    path_key: str = "reward.custom_path",
+    name_key: str = "reward.custom_name",
+    timeout_key: str = "reward.timeout_s",
+) -> Scorer:
     """Import the Python file at ``path`` and return its function ``name``.
 
     Raises :class:`RewardConfigError` (a RewardError and a ValueError) if the file is missing,
-    fails to import (the original exception is chained and quoted), or has no callable ``name``.
+    fails to import (the original exception is chained and quoted), does not finish importing
+    within ``timeout_s`` seconds (None: no limit), or has no callable ``name``. The ``*_key``
+    arguments name the settings in messages (``offstep eval`` has flags).
     """
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if not os.path.isfile(path):
         raise RewardConfigError(
-            f"custom reward file {path} not found. Fix: set reward.custom_path to an existing "
+            f"custom reward file {path} not found. Fix: set {path_key} to an existing "
             "Python file that defines the scorer."
         )
     digest = hashlib.sha1(path.encode()).hexdigest()[:12]
@@ -102,18 +111,28 @@ def load_custom_scorer(path: str, name: str = "compute_score") -> Scorer:
     if spec is None or spec.loader is None:
         raise RewardConfigError(
             f"custom reward file {path} cannot be imported as a Python module. "
-            "Fix: set reward.custom_path to a .py file."
+            f"Fix: set {path_key} to a .py file."
         )
     module = importlib.util.module_from_spec(spec)
     previous = sys.modules.get(module_name)
     sys.modules[module_name] = module  # lets dataclasses / pickle inside the file resolve
     try:
-        spec.loader.exec_module(module)
+        if timeout_s is None:
+            spec.loader.exec_module(module)
+        else:  # a file whose top-level code never ends (a sleep, a loop, a download) must not hang the run
+            call_with_timeout(lambda: spec.loader.exec_module(module), timeout_s)
     except BaseException as exc:
         if previous is None:
             sys.modules.pop(module_name, None)
         else:
             sys.modules[module_name] = previous
+        if isinstance(exc, CallTimeout):
+            raise RewardConfigError(
+                f"{path_key}={path} did not finish importing within {timeout_s:g} s ({timeout_key}): its top-level "
+                "code is still running (a sleep, a loop, a download, a lock?). Fix: make importing the file only "
+                "define the scorer (move slow set-up into the function, or under `if __name__ == \"__main__\":`), "
+                f"or raise {timeout_key}."
+            ) from None
         if isinstance(exc, SystemExit):  # it would end the run, with exit code 0 for sys.exit(0)
             raise RewardConfigError(
                 f"custom reward file {path} called sys.exit({exc.code!r}) while being imported"
@@ -137,7 +156,7 @@ def load_custom_scorer(path: str, name: str = "compute_score") -> Scorer:
         what = "has no function" if fn is None else "has a non-callable"
         raise RewardConfigError(
             f"custom reward file {path} {what} {name!r}; its callables are {available}. "
-            f"Fix: set reward.custom_name to one of them, or define {name}(data_source, "
+            f"Fix: set {name_key} to one of them, or define {name}(data_source, "
             "solution_str, ground_truth, extra_info=None, **kwargs) in the file."
         )
     return fn
@@ -147,8 +166,8 @@ def load_custom_scorer(path: str, name: str = "compute_score") -> Scorer:
 # timeouts
 
 
-class _ScorerTimeout(Exception):
-    pass
+class CallTimeout(Exception):
+    """A call (a scorer's, or the import of a user's file) ran past its time limit."""
 
 
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -174,11 +193,13 @@ def _where(exc: BaseException, prefer: str | None = None) -> str:
     return f" at {found[0]}:{found[1]}" if found else ""
 
 
-def _call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
-    """Run ``fn()``; raise :class:`_ScorerTimeout` after ``timeout_s`` seconds.
+def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
+    """Run ``fn()``; raise :class:`CallTimeout` after ``timeout_s`` seconds.
 
-    In the main thread of a Unix process a SIGALRM interval timer interrupts the scorer. Elsewhere
-    (e.g. in a worker thread) the scorer runs in a daemon thread that is abandoned on timeout.
+    In the main thread of a Unix process a SIGALRM interval timer interrupts ``fn``. Elsewhere
+    (e.g. in a worker thread) ``fn`` runs in a daemon thread that is abandoned on timeout: Python
+    cannot stop a thread, so it runs on (holding whatever it holds) until it returns, but being a
+    daemon it does not keep the process from exiting.
     """
     use_signal = (
         hasattr(signal, "setitimer")
@@ -188,7 +209,7 @@ def _call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     if use_signal:
 
         def _on_alarm(signum, frame):
-            raise _ScorerTimeout()
+            raise CallTimeout()
 
         old_handler = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
@@ -210,7 +231,7 @@ def _call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     thread.start()
     thread.join(timeout_s)
     if thread.is_alive():
-        raise _ScorerTimeout()
+        raise CallTimeout()
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -254,8 +275,11 @@ class RewardFunction:
         custom_name: str = "compute_score",
         timeout_s: float | None = None,
         timeout_key: str = "reward.timeout_s",
+        path_key: str = "reward.custom_path",
+        name_key: str = "reward.custom_name",
     ):
-        """``timeout_key`` names the setting of ``timeout_s`` in messages (``offstep eval`` has a flag)."""
+        """``timeout_s`` bounds each scorer call and the import of ``custom_path``. The ``*_key``
+        arguments name the settings in messages (``offstep eval`` has flags)."""
         if timeout_s is not None and not float(timeout_s) > 0:
             raise ValueError(
                 f"reward timeout must be positive or None, got {timeout_s}. "
@@ -264,7 +288,7 @@ class RewardFunction:
         self.custom_path = os.fspath(custom_path) if custom_path else None
         self.custom_name = custom_name
         self.timeout_s = float(timeout_s) if timeout_s is not None else None
-        self.timeout_key = timeout_key
+        self.timeout_key, self.path_key, self.name_key = timeout_key, path_key, name_key
         self._custom_fn: Scorer | None = None
 
     # pickling: never ship the imported function (its module may not exist on the worker)
@@ -286,7 +310,8 @@ class RewardFunction:
 
     def _custom(self) -> Scorer:
         if self._custom_fn is None:
-            self._custom_fn = load_custom_scorer(self.custom_path, self.custom_name)
+            self._custom_fn = load_custom_scorer(self.custom_path, self.custom_name, self.timeout_s, self.path_key,
+                                                 self.name_key, self.timeout_key)
         return self._custom_fn
 
     def scorer_for(self, data_source: str) -> Scorer:
@@ -316,8 +341,8 @@ class RewardFunction:
         if unknown:
             raise RewardConfigError(
                 f"no reward scorer for data source(s) {unknown}; built-in scorers exist for "
-                f"{sorted(BUILTIN_SCORERS)}. Fix: set reward.custom_path=/path/to/scorer.py "
-                "reward.custom_name=compute_score (a function compute_score(data_source, "
+                f"{sorted(BUILTIN_SCORERS)}. Fix: set {self.path_key}=/path/to/scorer.py "
+                f"{self.name_key}=compute_score (a function compute_score(data_source, "
                 "solution_str, ground_truth, extra_info=None)), or relabel the data_source column."
             )
 
@@ -391,8 +416,8 @@ class RewardFunction:
             if timeout_s is None:
                 result = invoke()
             else:
-                result = _call_with_timeout(invoke, timeout_s)
-        except _ScorerTimeout as exc:
+                result = call_with_timeout(invoke, timeout_s)
+        except CallTimeout as exc:
             fix = f"make the scorer faster, or raise {self.timeout_key} (null disables the limit)."
             raise fail(f"timed out after {timeout_s:g} s ({self.timeout_key})", exc, fix) from exc
         except (Exception, SystemExit, KeyboardInterrupt) as exc:

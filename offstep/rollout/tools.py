@@ -34,7 +34,9 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
+from offstep.config.schema import AgentConfig
 from offstep.errors import OffstepError
+from offstep.rewards.registry import CallTimeout, call_with_timeout
 
 
 class ToolConfigError(OffstepError, ValueError):
@@ -84,10 +86,15 @@ def make_tool(fn: Callable[..., Any]) -> Tool:
     return Tool(schema["function"]["name"], fn, schema)
 
 
-def _import_file(path: str) -> Any:
+# The settings that messages name: offstep train's config keys; offstep eval passes its flags.
+TRAIN_KEYS = {"path": "rollout.agent.tools_path", "names": "rollout.agent.tools", "timeout": "rollout.agent.tool_timeout_s"}
+IMPORT_TIMEOUT_S = AgentConfig.tool_timeout_s  # its default, for callers that give none
+
+
+def _import_file(path: str, timeout_s: float | None, keys: dict) -> Any:
     path = str(Path(path).expanduser().resolve())
     if not Path(path).is_file():
-        raise ToolConfigError(f"tool file {path} not found. Fix: set rollout.agent.tools_path to a Python file "
+        raise ToolConfigError(f"tool file {path} not found. Fix: set {keys['path']} to a Python file "
                               "that defines the tool functions")
     name = f"offstep_tools_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
     if name in sys.modules:
@@ -98,9 +105,19 @@ def _import_file(path: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        if timeout_s is None:
+            spec.loader.exec_module(module)
+        else:  # a file whose top-level code never ends must not hang the run (see call_with_timeout)
+            call_with_timeout(lambda: spec.loader.exec_module(module), timeout_s)
     except BaseException as exc:
         sys.modules.pop(name, None)
+        if isinstance(exc, CallTimeout):
+            raise ToolConfigError(
+                f"{keys['path']}={path} did not finish importing within {timeout_s:g} s ({keys['timeout']}, the "
+                "time limit of the tools' calls): its top-level code is still running (a sleep, a loop, a download, "
+                "a lock?). Fix: make importing the file only define the tools (move slow set-up into the functions, "
+                f"or under `if __name__ == \"__main__\":`), or raise {keys['timeout']}"
+            ) from None
         if not isinstance(exc, (Exception, SystemExit)):
             raise
         raise ToolConfigError(f"tool file {path} failed to import: {type(exc).__name__}: {exc}. Fix: make it "
@@ -108,12 +125,17 @@ def _import_file(path: str) -> Any:
     return module
 
 
-def load_tools(path: str | None, names: list[str] | tuple[str, ...]) -> list[Tool]:
-    """The tools ``names``: functions of the file ``path``, or, without a file, built-in tools
-    (``BUILTIN_TOOLS``). Raises :class:`ToolConfigError` naming what is wrong."""
+def load_tools(
+    path: str | None, names: list[str] | tuple[str, ...], timeout_s: float | None = IMPORT_TIMEOUT_S,
+    keys: dict = TRAIN_KEYS,
+) -> list[Tool]:
+    """The tools ``names``: functions of the file ``path`` (imported within ``timeout_s`` seconds,
+    rollout.agent.tool_timeout_s; None: no limit), or, without a file, built-in tools
+    (``BUILTIN_TOOLS``). Raises :class:`ToolConfigError` naming what is wrong, and the settings by
+    the names in ``keys`` (``TRAIN_KEYS``'s)."""
     if not names:
-        raise ToolConfigError("rollout.agent.tools is empty: name at least one tool (e.g. [calculator])")
-    module = _import_file(path) if path else None
+        raise ToolConfigError(f"{keys['names']} is empty: name at least one tool (e.g. calculator)")
+    module = _import_file(path, timeout_s, keys) if path else None
     tools = []
     for n in names:
         fn = getattr(module, n, None) if module is not None else BUILTIN_TOOLS.get(n)
@@ -121,11 +143,11 @@ def load_tools(path: str | None, names: list[str] | tuple[str, ...]) -> list[Too
             fn = BUILTIN_TOOLS.get(n)  # a file may be used beside the built-in calculator
         if fn is None or not callable(fn):
             where = f"in {path}" if path else f"among the built-in tools {sorted(BUILTIN_TOOLS)}"
-            raise ToolConfigError(f"no tool function {n!r} {where}. Fix: define it there, or correct rollout.agent.tools")
+            raise ToolConfigError(f"no tool function {n!r} {where}. Fix: define it there, or correct {keys['names']}")
         tools.append(make_tool(fn))
     dup = sorted({t.name for t in tools if [u.name for u in tools].count(t.name) > 1})
     if dup:
-        raise ToolConfigError(f"tools {dup} are named twice in rollout.agent.tools")
+        raise ToolConfigError(f"tools {dup} are named twice in {keys['names']}")
     return tools
 
 
