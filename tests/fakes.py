@@ -123,10 +123,11 @@ def fake_workers(gen_s: float, train_s: float, export_s: float, load_s: float):
 
 
 def sim_config(out: Path, k: int, steps: int, *extra: str) -> Config:
-    """The tiny preset's data (prompts tokenised, no model run), no KL term, no validation."""
+    """The tiny preset's data (prompts tokenised, no model run), no KL term, no validation, no checkpoint."""
     return load_config([
         "preset=tiny", f"pipeline.max_staleness={k}", f"trainer.total_steps={steps}", f"trainer.output_dir={out}",
         "trainer.progress=off", "trainer.val_before_train=false", "trainer.val_freq=0", "trainer.log_samples_freq=0",
+        "trainer.save_last=false",  # fake workers write no checkpoints
         "algorithm.use_kl_loss=false", "data.task_val_size=4", "data.train_batch_size=8", "rollout.n=4", *extra,
     ])
 

@@ -527,6 +527,7 @@ def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
 def test_truncation_replaces_the_file_whole(tmp_path, monkeypatch):
     """A resumed run rewrites its records (a kill can land there): until the new file replaces the
     old one in a single rename, the old one is there in full."""
+    import offstep.files as files
     import offstep.telemetry.metrics as metrics
 
     f = tmp_path / "timeline.jsonl"
@@ -535,7 +536,7 @@ def test_truncation_replaces_the_file_whole(tmp_path, monkeypatch):
     def killed(src, dst):
         assert Path(src).read_text() == '{"step": 1}\n'  # the kept records, written in full
         raise KeyboardInterrupt  # the process dies here
-    monkeypatch.setattr(metrics.os, "replace", killed)
+    monkeypatch.setattr(files.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         metrics.truncate_jsonl(f, 1)
     assert f.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3}\n'

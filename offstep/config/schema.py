@@ -31,7 +31,7 @@ class DataConfig:
     task_train_size: int = 4000
     """training problems of the built-in task"""
     task_val_size: int = 200
-    """validation problems of the built-in task"""
+    """validation problems of the built-in task (>= 1; data.val_max_samples validates on fewer)"""
     train_files: list[str] = field(default_factory=list)
     """training data: verl parquet or JSONL files (empty: the built-in task)"""
     val_files: list[str] = field(default_factory=list)
@@ -72,7 +72,7 @@ class AgentConfig:
     max_calls_per_turn: int = 1
     """tool calls run per turn at most (verl: max_parallel_calls); they run concurrently"""
     tool_timeout_s: float = 10.0
-    """a tool call running longer answers with an error text (counted in agent/tool_errors)"""
+    """a tool call running longer answers with an error text (counted in agent/tool_errors); also the limit on importing rollout.agent.tools_path"""
     tool_role: str = "tool"
     """the chat role of a tool's answer: tool | user (for templates that know no tool role)"""
     max_tool_response_chars: int = 500
@@ -88,7 +88,7 @@ class RolloutConfig:
     n: int = 4
     """samples generated per prompt (the group of GRPO, RLOO, ...)"""
     temperature: float = 1.0
-    """sampling temperature of the training rollouts"""
+    """sampling temperature of the training rollouts (0: greedy; otherwise finite and >= 0.01)"""
     top_p: float = 1.0
     """nucleus sampling: keep the smallest set of tokens with this much probability (1: off)"""
     top_k: int = 0
@@ -112,7 +112,7 @@ class RolloutConfig:
     dtype: str = "float32"
     """the rollout engine's weights: float32 | bfloat16"""
     val_temperature: float = 0.0
-    """validation sampling temperature (0: greedy)"""
+    """validation sampling temperature (0: greedy; otherwise finite and >= 0.01)"""
     val_n: int = 1
     """validation samples per prompt"""
     timeout_s: float = 1800.0
@@ -132,7 +132,7 @@ class RewardConfig:
     num_threads: int = 2
     """scoring threads per rollout worker (samples are scored as they finish)"""
     timeout_s: Optional[float] = 60.0
-    """seconds one scorer call may take; a scorer that hangs fails the run with a RewardError naming the scorer and the sample (as verl fails on a scorer error); null: no limit"""
+    """seconds one scorer call (and the import of reward.custom_path) may take; a scorer that hangs fails the run with a RewardError naming the scorer and the sample (as verl fails on a scorer error); null: no limit"""
 
 
 @dataclass

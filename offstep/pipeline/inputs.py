@@ -64,7 +64,7 @@ def _tools_for(records: list[PromptRecord], cfg: Config) -> tuple[AgentConfig | 
     if cfg.algorithm.adv_estimator == "remax":
         raise ValueError("algorithm.adv_estimator=remax with tool rows (agent_name=tool_agent): its greedy baseline "
                          "is a single-turn response; use grpo, rloo or another estimator with tools")
-    tools = load_tools(cfg.rollout.agent.tools_path, list(cfg.rollout.agent.tools))
+    tools = load_tools(cfg.rollout.agent.tools_path, list(cfg.rollout.agent.tools), cfg.rollout.agent.tool_timeout_s)
     return cfg.rollout.agent, [t.schema for t in tools]
 
 

@@ -169,7 +169,7 @@ class AgentRunner:
     def __init__(self, spec: AgentConfig, tokenizer: Any, eos_ids: list[int]):
         self.spec = spec
         self.tok = tokenizer
-        self.tools: dict[str, Tool] = {t.name: t for t in load_tools(spec.tools_path, list(spec.tools))}
+        self.tools: dict[str, Tool] = {t.name: t for t in load_tools(spec.tools_path, list(spec.tools), spec.tool_timeout_s)}
         self.parser = make_parser(spec.format, {n: t.schema for n, t in self.tools.items()})
         self.renderer = ToolTurnRenderer(tokenizer, spec.tool_role, list(eos_ids))
         self.executor = ThreadPoolExecutor(max_workers=max(1, spec.tool_threads), thread_name_prefix="tool")
