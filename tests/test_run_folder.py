@@ -197,3 +197,34 @@ def test_two_runs_started_together_into_one_folder_one_runs_and_keeps_its_policy
     from offstep.pipeline.export import model_for_eval
 
     assert (Path(model_for_eval(out)) / "model.safetensors").is_file()
+
+
+class _Payload:
+    """Unpickling this creates ``marker``: what a hostile pickle would do instead."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return Path.touch, (self.marker,)
+
+
+def test_eval_of_a_model_folder_with_a_pickled_bin_is_refused_unread(tmp_path, capsys):
+    import shutil
+
+    import torch
+
+    from offstep.cli import main
+    from offstep.models.loading import resolve_model
+
+    folder, marker = tmp_path / "model", tmp_path / "pwned"
+    shutil.copytree(resolve_model("tiny"), folder)
+    for f in folder.glob("*.safetensors"):
+        f.unlink()
+    torch.save({"model.embed_tokens.weight": _Payload(marker)}, folder / "pytorch_model.bin")
+    (tmp_path / "d.jsonl").write_text('{"prompt": "1+1?", "answer": "2", "data_source": "arithmetic"}\n')
+    assert main(["eval", str(folder), "--data", str(tmp_path / "d.jsonl"), "--answer-key", "answer",
+                 "--out", str(tmp_path / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert "holds a pickled object that is not plain tensors: refused" in err and "weights_only=False" not in err
+    assert not marker.exists()

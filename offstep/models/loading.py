@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -196,10 +197,17 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | None = None) ->
     from transformers import AutoModelForCausalLM
 
     folder = _as_folder(path)
-    with quiet_transformers():
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.float32 if dtype is None else dtype, attn_implementation="sdpa"
-        )
+    try:
+        with quiet_transformers():
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=torch.float32 if dtype is None else dtype, attn_implementation="sdpa"
+            )
+    except pickle.UnpicklingError:
+        # transformers reads .bin weights with weights_only=True; a file it refuses holds more than
+        # tensors. Never torch's advice to retry with weights_only=False: that would run its code.
+        raise ModelError(f"the model folder {folder} has a weights file (pytorch_model*.bin) that holds a pickled "
+                         f"object that is not plain tensors: refused (loading it could run code). Use a model "
+                         f"saved as safetensors, from a source you trust") from None
     return model.eval()
 
 
