@@ -1,6 +1,6 @@
 """What a run listens on: its own rendezvous stores bind the address they are given (127.0.0.1
-for a local run), on a port held from the start. Ray's own listeners are Ray's (see the README's
-network paragraph)."""
+for a local run), on a port held from the start. Every listener of a whole local run, Ray's
+included: tests/test_listeners.py."""
 
 from __future__ import annotations
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import logging
 import os
 import re
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -144,8 +146,59 @@ def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
     return role, cause, init_failed or hasattr(e, "role")
 
 
+LOOPBACK = "127.0.0.1"
+
+
+def ray_token_path() -> Path:
+    """Ray's default token file: what a local cluster's token authentication reads when neither
+    ``RAY_AUTH_TOKEN`` nor ``RAY_AUTH_TOKEN_PATH`` is set (``ray get-auth-token --generate`` writes it too)."""
+    return Path.home() / ".ray" / "auth_token"
+
+
+def keep_token_private(create: bool) -> None:
+    """Ray writes ``~/.ray/auth_token`` with a plain ``open(path, "w")``: mode 0644 under the usual
+    umask, so every user of the machine could read the token. Ray keeps a token file that already
+    exists, so when ``create`` (a local cluster that will use it) one is created first, mode 0600,
+    with a token like Ray's own (256 random bits, hex); an existing one is made 0600."""
+    path = ray_token_path()
+    if create and not path.exists() and os.environ.get("RAY_AUTH_MODE", "").lower() != "disabled" \
+            and not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process wrote it first: tightened below
+            pass
+        else:
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+    try:
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+    except FileNotFoundError:
+        pass
+
+
+def listen_summary(node_ip: str) -> str:
+    """What a run on a cluster listens on, for its start-up log: the run's rendezvous stores bind the
+    node's address; Ray's core workers (this driver's too) and the node's Ray processes bind every
+    interface unless the node's address is a loopback one."""
+    ray_side = "127.0.0.1" if node_ip in (LOOPBACK, "::1", "localhost") else "every interface (0.0.0.0)"
+    return f"node address {node_ip}: this run's stores listen on {node_ip}, Ray's workers and processes on {ray_side}"
+
+
 def init_ray(cfg: Config) -> bool:
-    """Connect to ``resources.ray_address`` or start a local Ray; True when this run started it."""
+    """Connect to ``resources.ray_address`` or start a local Ray; True when this run started it.
+
+    A local cluster listens on 127.0.0.1 only. Every Ray listener follows the node's IP address:
+    the GCS, the raylet's node-manager and object-manager ports and each core worker's gRPC server
+    (the driver's too) bind loopback instead of every interface when it is a loopback address, and
+    so do the dashboard agent (gRPC and HTTP), the runtime-env agent and the metrics servers of
+    the autoscaler monitor and of the dashboard process (started even with include_dashboard=False).
+    ``ray.init(_node_ip_address="127.0.0.1")`` alone is not enough: ``ray.init`` maps a loopback
+    address to the machine's address (``services.resolve_ip_for_localhost``) unless
+    ``ray_constants.ENABLE_RAY_CLUSTER`` is off, the local-only mode Ray uses on macOS and Windows
+    (env ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read when ``ray`` is imported, so here it is set
+    on the imported module, for the ``ray.init`` call only)."""
     if ray.is_initialized():
         return False
     kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level="WARNING")
@@ -153,6 +206,7 @@ def init_ray(cfg: Config) -> bool:
         from offstep.config.validate import check_ray_address
 
         check_ray_address(cfg.resources.ray_address)  # Ray would retry for 25 s, then raise with no fix
+        keep_token_private(create=False)
         ray.init(address=cfg.resources.ray_address, **kwargs)
     else:
         # A local cluster: no metrics exporter (an unauthenticated listener on every interface),
@@ -161,7 +215,16 @@ def init_ray(cfg: Config) -> bool:
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
             log.warning("RAY_AUTH_MODE=disabled: anyone who can reach this machine's Ray ports can run code in "
                         "this run's cluster; unset it to keep Ray's token authentication on")
-        ray.init(num_cpus=os.cpu_count(), **kwargs)
+        keep_token_private(create=True)
+        from ray._private import ray_constants
+
+        cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+        ray_constants.ENABLE_RAY_CLUSTER = False  # keep 127.0.0.1 as the node address (see above)
+        try:
+            ray.init(num_cpus=os.cpu_count(), _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
+    keep_token_private(create=False)  # in case Ray wrote it after all
     return True
 
 
@@ -170,6 +233,8 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
     res, ro, k = cfg.resources, cfg.rollout, cfg.pipeline.max_staleness
     console.log("offstep: starting Ray and the worker pools")
     owns_ray = init_ray(cfg)
+    if cfg.resources.ray_address:  # the cluster's own settings decide what Ray listens on: say what they are
+        console.log(f"offstep: {listen_summary(ray.util.get_node_ip_address())}")
     colocate = cfg.pipeline.colocate and k == 0
     live = LiveStatus.create(console)
     trainer_pool = Pool.create("trainer", res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker,
