@@ -79,7 +79,7 @@ def _spread(values: list[float], pct: bool) -> str:
 
 
 def summary_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
-    """(what, start, end) with the mean and range over the seeds: the README's table."""
+    """(what, start, end) with the mean and range over the seeds: the table in benchmarks/README.md."""
     def col(key: str, at: str) -> list[float]:
         return [r[at][key] for r in rows]
 

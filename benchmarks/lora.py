@@ -282,7 +282,7 @@ AVX2 = "AVX2, no AVX-512 BF16: the trainer computes in float32"
 
 def cpu_kind() -> str:
     """This CPU as far as the numbers depend on it: ``model.compute_dtype=auto`` trains in bf16
-    where the CPU has native bf16, else in float32 (see README, "Reproducibility")."""
+    where the CPU has native bf16, else in float32 (see docs/running.md, "Reproducibility")."""
     from offstep.config.loader import cpu_has_native_bf16
 
     return "AVX-512 BF16: the trainer computes in bf16" if cpu_has_native_bf16() else AVX2

@@ -498,7 +498,7 @@ def test_a_loop_without_calls_is_the_single_turn_sample(tmp_path):
 
 
 def test_the_example_tool_file_works():
-    """examples/tools/shop_tools.py, the README's complete example: an async tool with a per-row
+    """examples/tools/shop_tools.py, the complete example of docs/tools-and-agents.md: an async tool with a per-row
     argument, a sync one whose error reaches the model, a hand-written schema."""
     from pathlib import Path
 

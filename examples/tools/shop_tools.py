@@ -1,4 +1,4 @@
-"""Tools for offstep's agent loop: a complete example file (README: "Writing a tool").
+"""Tools for offstep's agent loop: a complete example file (docs/tools-and-agents.md: "Writing a tool").
 
 Run with, e.g. (Qwen2.5-style templates use the hermes format; SmolLM2 the tag format):
 

@@ -142,7 +142,7 @@ CALCULATOR_SYSTEM = (
     "as a single number at the end of your reply."
 )
 # One worked call, as turns before the question (the smallest change that made SmolLM2-135M call
-# the tool: see the README's calculator section). Its final answer is short: call, tool turn and
+# the tool: see docs/tools-and-agents.md, the calculator preset). Its final answer is short: call, tool turn and
 # "The answer is 9801.<|im_end|>" are 39 tokens, inside the preset's 48-token budget; the longer
 # "99 * 99 = 9801. The answer is 9801." took 52, so a model copying it was always cut off.
 CALCULATOR_EXAMPLE = [
