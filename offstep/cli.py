@@ -31,8 +31,9 @@ def _train(argv: list[str]) -> int:
         from offstep.config.help import print_help
 
         return print_help(argv)
-    from offstep.config.loader import ConfigError, load_config, to_yaml
-    from offstep.config.validate import check_ray_address, validate
+    from offstep.config.loader import load_config, to_yaml
+    from offstep.errors import ConfigError
+    from offstep.pipeline.preflight import check_ray_address, validate
 
     show = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
@@ -90,6 +91,8 @@ def _report(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
+    from offstep.config.choices import TOOL_FORMATS
+
     parser = argparse.ArgumentParser(prog="offstep eval", description="accuracy and reward per data source")
     parser.add_argument("model", help="a local Hugging Face model folder, a peft adapter folder (merged onto its "
                         "base), an alias (smollm2-135m-instruct, tiny), or a run directory / checkpoint (its latest policy)")
@@ -112,7 +115,7 @@ def _eval(argv: list[str]) -> int:
                         help="answer the file's tool_agent rows with these tools (comma-separated; rollout.agent.tools), "
                              "e.g. calculator; without it every row is answered in one turn")
     parser.add_argument("--tools-path", default=None, help="the Python file defining the tools (rollout.agent.tools_path)")
-    parser.add_argument("--tool-format", default="tag", choices=["hermes", "tag"], help="rollout.agent.format")
+    parser.add_argument("--tool-format", default="tag", choices=list(TOOL_FORMATS), help="rollout.agent.format")
     parser.add_argument("--max-turns", type=int, default=4, help="rollout.agent.max_turns")
     parser.add_argument("--tool-timeout", type=float, default=10.0, metavar="SECONDS",
                         help="seconds a tool call (and the import of --tools-path) may take (rollout.agent.tool_timeout_s)")
@@ -144,12 +147,12 @@ def _eval(argv: list[str]) -> int:
     import json
 
     from offstep.pipeline.evaluation import run_eval
-    from offstep.rewards.registry import RewardError
+    from offstep.errors import RewardError
 
     def progress(done: int, total: int) -> None:
         print(f"offstep eval: {done}/{total} prompts", file=sys.stderr, flush=True)
 
-    from offstep.config.loader import ConfigError
+    from offstep.errors import ConfigError
     from offstep.config.schema import AgentConfig
     from offstep.pipeline.export import model_for_eval
 

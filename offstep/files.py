@@ -17,13 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from offstep.errors import OffstepError
+from offstep.errors import LinkRefused
 
 MAX_CONFIG_BYTES = 4 * 2**20  # a saved config.yaml is a few KB
-
-
-class LinkRefused(OffstepError):
-    """A path among a run's own files (or a checkpoint's) is a symbolic link."""
 
 
 def link_refused(path: Path) -> LinkRefused:

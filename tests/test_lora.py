@@ -49,7 +49,7 @@ def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tens
     (["actor.lora.dropout=1.5"], "actor.lora.dropout=1.5 must be in"),
 ])
 def test_lora_config_errors_name_the_fix(overrides, match):
-    from offstep.config.validate import validate
+    from offstep.pipeline.preflight import validate
 
     with pytest.raises(ConfigError, match=match):
         validate(load_config(["preset=tiny", "actor.lora.rank=8", *overrides]), cpu_count=8, gpu_count=0)
@@ -60,7 +60,7 @@ def test_vllm_lora_reference_on_rollout_needs_an_untempered_reference():
     """vLLM scores the reference (its base) with prompt log-probs, which it does not temper and its
     LoRA LM head cannot give: at another temperature, or with lm_head adapted, the reference on the
     rollout side is refused, with the ways out."""
-    from offstep.config.validate import validate
+    from offstep.pipeline.preflight import validate
 
     base = ["preset=tiny", "actor.lora.rank=8", "rollout.engine=vllm", "pipeline.ref_on_rollout=true"]
     with pytest.raises(ConfigError, match="rollout.temperature=0.7.*pipeline.ref_on_rollout=false"):
@@ -72,7 +72,7 @@ def test_vllm_lora_reference_on_rollout_needs_an_untempered_reference():
 
 
 def test_lora_defaults_validate():
-    from offstep.config.validate import validate
+    from offstep.pipeline.preflight import validate
 
     cfg = load_config(["preset=tiny", "actor.lora.rank=16"])
     validate(cfg, cpu_count=8, gpu_count=0)

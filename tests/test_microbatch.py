@@ -11,7 +11,7 @@ import torch
 from offstep.batch import Sample, collate, micro_batches, plan_micro_batches, sample_lengths, scatter_rows, trim_padding
 from offstep.config.loader import ConfigError, load_config
 from offstep.config.schema import ActorConfig, AlgorithmConfig
-from offstep.config.validate import validate
+from offstep.pipeline.preflight import validate
 
 # ---------------------------------------------------------------- the planner (pure)
 

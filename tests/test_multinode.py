@@ -274,7 +274,7 @@ def test_check_placeable_names_the_key_and_what_nodes_have():
 
 def test_custom_resources_need_a_cluster_and_positive_amounts():
     from offstep.config.loader import ConfigError, load_config
-    from offstep.config.validate import validate
+    from offstep.pipeline.preflight import validate
 
     with pytest.raises(ConfigError, match=rf"{TRAIN}=\{{'node_train': 1.0\}} asks for custom Ray resources.*resources.ray_address"):
         validate(load_config(["preset=tiny", f"+{TRAIN}.node_train=1"]))
@@ -290,7 +290,7 @@ def test_gloo_binds_the_interface_that_reaches_the_store(monkeypatch):
 
     import psutil
 
-    from offstep.train.distributed import bind_gloo_to_route, route_interface
+    from offstep.dist import bind_gloo_to_route, route_interface
 
     def addresses(iface):
         return {a.address for a in psutil.net_if_addrs()[iface]}

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from offstep.train.distributed import serve_store
+from offstep.dist import serve_store
 
 
 def _listeners(port: int) -> list[str]:

@@ -67,7 +67,7 @@ def test_manifest_lists_tied_weights_once():
 )
 def test_invalid_weight_sync_config_names_the_key(overrides, key):
     from offstep.config.loader import ConfigError, load_config
-    from offstep.config.validate import validate
+    from offstep.pipeline.preflight import validate
 
     validate(load_config(["preset=tiny", "pipeline.weight_sync=collective"]), cpu_count=2, gpu_count=0)
     with pytest.raises(ConfigError, match=key):

@@ -183,7 +183,7 @@ def test_lora_adapter_syncs_are_verified_and_a_corrupted_one_is_caught(tmp_path,
 
 def test_malformed_sync_fault_is_refused():
     from offstep.config.loader import ConfigError, load_config
-    from offstep.config.validate import validate
+    from offstep.pipeline.preflight import validate
 
     with pytest.raises(ConfigError, match="pipeline.sync_fault"):
         validate(load_config(["preset=tiny", "pipeline.sync_fault=drop:1"]), cpu_count=2, gpu_count=0)

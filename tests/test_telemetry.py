@@ -211,7 +211,7 @@ def test_run_loggers_fan_out(tmp_path, monkeypatch):
 
 
 def test_config_checks_for_telemetry_keys():
-    from offstep.config.validate import validate
+    from offstep.pipeline.preflight import validate
 
     for override, key in (("trainer.wandb_mode=sometimes", "trainer.wandb_mode"),
                           ("trainer.status_interval_s=-1", "trainer.status_interval_s"),

@@ -13,7 +13,7 @@ import torch
 from offstep.algos.correction import rejection_mask
 from offstep.config import verl_keys
 from offstep.config.loader import ConfigError, load_config
-from offstep.config.validate import validate
+from offstep.pipeline.preflight import validate
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "from-verl.md"
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+from offstep.config.choices import LOSS_AGG_MODES as AGG_MODES
 
 
 def _valid(mask: torch.Tensor) -> torch.Tensor:

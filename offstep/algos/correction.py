@@ -37,8 +37,7 @@ import torch
 
 from offstep.algos.common import masked_mean
 from offstep.algos.losses import LOG_RATIO_CLAMP
-
-TIS_LEVELS = ("token", "sequence")
+from offstep.config.choices import REJECTION_LEVELS, TIS_LEVELS
 
 
 def truncated_importance_weights(
@@ -102,9 +101,6 @@ def mismatch_kl_terms(
     d = torch.where(valid, old_logprob - rollout_logprob, zero).detach()
     dc = d.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return -d, torch.where(valid, torch.exp(dc) - dc - 1.0, zero)
-
-
-REJECTION_LEVELS = ("off", "token", "sequence", "geometric")
 
 
 def rejection_mask(

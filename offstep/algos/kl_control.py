@@ -17,8 +17,7 @@ import torch
 
 from offstep.algos.common import masked_mean
 from offstep.algos.losses import kl_penalty
-
-KL_CONTROLLERS = ("fixed", "adaptive")
+from offstep.config.choices import KL_CONTROLLERS
 
 
 class FixedKLController:

@@ -1,4 +1,5 @@
-"""Policy, value and KL losses, and log-prob/entropy helpers for LLM RL.
+"""Policy, value and KL losses for LLM RL (the log-probs and entropy they take are
+``offstep.models.forward``'s).
 
 * ``clipped_policy_loss``: PPO's clipped surrogate objective (Schulman et al. 2017, "Proximal
   Policy Optimization Algorithms", arXiv:1707.06347, eq. 7), with the asymmetric clip range
@@ -18,10 +19,6 @@
   with k2's gradient. k1's and k3's values are unbiased estimates of the KL, but their expected
   gradients are not the KL's gradient (k1's is 0 on samples of pi); k2's gradient,
   ``(logprob - ref) * grad logprob``, is (verl PR 2953's argument).
-* ``entropy_from_logits`` / ``logprobs_from_logits``: softmax entropy
-  ``H = logsumexp(z) - sum_v softmax(z)_v z_v`` and label log-probs
-  ``log p_y = z_y - logsumexp(z)``, both stable for large logits; half-precision logits are
-  upcast to float32 (row by row for the log-probs, so no float32 copy of the whole tensor).
 """
 
 from __future__ import annotations
@@ -29,10 +26,9 @@ from __future__ import annotations
 import torch
 
 from offstep.algos.common import aggregate_loss, masked_mean
+from offstep.config.choices import KL_ESTIMATORS  # "kl" is verl's name for k1; "+": straight-through
 
 LOG_RATIO_CLAMP = 20.0
-# The kinds of kl_penalty: "kl" is verl's name for k1; "+" marks the straight-through variants.
-KL_ESTIMATORS = ("k1", "kl", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "kl+", "abs+", "low_var_kl+", "k3+")
 
 
 def _where_valid(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -102,30 +98,6 @@ def kl_penalty(
         neg = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
     raise ValueError(f"unknown kl_penalty kind {kind!r}; expected one of {KL_ESTIMATORS}")
-
-
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of ``softmax(logits)`` over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``."""
-    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
-
-
-def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``log softmax(logits)[..., labels]``: ``logits`` ``[..., V]``, ``labels`` ``[...]``.
-
-    float32/float64 logits use ``z_y - logsumexp(z)`` (no ``[..., V]`` log-softmax output). Half
-    precision logits are processed one leading row at a time in float32, so only one row's upcast
-    copy exists at once; the result is float32.
-    """
-    if logits.dtype in (torch.float32, torch.float64):
-        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
-    rows = [
-        torch.log_softmax(row.float(), dim=-1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
-        for row, lab in zip(logits, labels)
-    ]
-    return torch.stack(rows) if rows else logits.new_zeros(labels.shape, dtype=torch.float32)
 
 
 def value_loss(

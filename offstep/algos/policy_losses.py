@@ -31,8 +31,7 @@ import torch
 
 from offstep.algos.common import masked_mean
 from offstep.algos.losses import LOG_RATIO_CLAMP, _where_valid, clipped_policy_loss
-
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "pg")
+from offstep.config.choices import POLICY_LOSSES
 
 
 def _ratio(logprob, old_logprob, response_mask):

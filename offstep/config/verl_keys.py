@@ -27,17 +27,13 @@ from typing import Any, Callable
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from offstep.config.schema import Config
-from offstep.errors import OffstepError
+from offstep.errors import OffstepError, VerlKeyError
 
 DOC = "docs/from-verl.md"
 # First parts of verl's keys that offstep's schema does not have: such a key is verl's, and one the
 # table does not know is refused. (data, algorithm, trainer, critic, rollout are shared.)
 VERL_ONLY_ROOTS = ("actor_rollout_ref", "reward_model", "reward_manager", "custom_reward_function",
                    "global_profiler", "ray_kwargs", "transfer_queue")
-
-
-class VerlKeyError(OffstepError, ValueError):
-    """A verl key that offstep refuses, or a verl value it cannot translate."""
 
 
 # ------------------------------------------------------------------ the kinds of entry
@@ -580,7 +576,7 @@ def _claim(out: Translation, target: str, verl_key: str) -> None:
 def _gpu_visible(cfg: Config) -> bool:
     if cfg.trainer.device == "cpu":
         return False
-    from offstep.config.validate import available_gpus
+    from offstep.config.machine import available_gpus
 
     return cfg.trainer.device == "cuda" or available_gpus() > 0
 

@@ -39,14 +39,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from offstep.errors import OffstepError
+from offstep.config.choices import AGENT_NAMES, OVERLONG_MODES, SINGLE_TURN, TOOL_AGENT
+from offstep.errors import DatasetError
 
 logger = logging.getLogger(__name__)
 
 SUPPORTED_EXTENSIONS = (".parquet", ".jsonl", ".json")
-SINGLE_TURN, TOOL_AGENT = "single_turn_agent", "tool_agent"
-AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT)  # verl's agent_name values that offstep runs
-OVERLONG_MODES = ("filter", "error")
 # The settings that messages name: offstep train's config keys; offstep eval passes its flags.
 TRAIN_KEYS = {
     "files": "data.train_files / data.val_files",
@@ -56,10 +54,6 @@ TRAIN_KEYS = {
     "tools": "rollout.agent.tools",
     "reward_path": "reward.custom_path",
 }
-
-
-class DatasetError(OffstepError, ValueError):
-    """A dataset file cannot be used. The message names the file, the problem and the fix."""
 
 
 @dataclass

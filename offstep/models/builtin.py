@@ -9,7 +9,8 @@ folders (float32 safetensors + tokenizer):
 An alias is built under ``<root>/models`` (``root``: the cache root, ``offstep.models.loading.cache_dir``)
 while holding a file lock, and published with an atomic rename, so parallel processes convert it
 only once. ``offstep.models.loading`` resolves names with this module; this module imports nothing
-from it (``ModelError`` and ``quiet_transformers``, which both use, are defined here).
+from it (``quiet_transformers``, which both use, is defined here; ``ModelError`` is in
+``offstep.errors``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from offstep.errors import OffstepError
+from offstep.errors import ModelError
 
 try:  # POSIX only; elsewhere the lock degrades to "no lock" (atomic rename still prevents torn folders).
     import fcntl
@@ -60,10 +61,6 @@ CHATML_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-
-
-class ModelError(OffstepError, ValueError):
-    """A model name or folder that cannot be used; the message says what is wrong and how to fix it."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -4,7 +4,12 @@ response tokens under a causal LM.
 
 The rollout workers' in-engine reference scores with this same function as the trainer's
 reference role, so both give the same numbers; it needs no FSDP (a sharded model is called the
-same way)."""
+same way).
+
+``entropy_from_logits`` / ``logprobs_from_logits``: softmax entropy
+``H = logsumexp(z) - sum_v softmax(z)_v z_v`` and label log-probs ``log p_y = z_y - logsumexp(z)``,
+both stable for large logits; half-precision logits are upcast to float32 (row by row for the
+log-probs, so no float32 copy of the whole tensor)."""
 
 from __future__ import annotations
 
@@ -12,10 +17,33 @@ import contextlib
 
 import torch
 
-from offstep.algos.losses import entropy_from_logits, logprobs_from_logits
 from offstep.batch import TrainBatch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``."""
+    logits = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[..., labels]``: ``logits`` ``[..., V]``, ``labels`` ``[...]``.
+
+    float32/float64 logits use ``z_y - logsumexp(z)`` (no ``[..., V]`` log-softmax output). Half
+    precision logits are processed one leading row at a time in float32, so only one row's upcast
+    copy exists at once; the result is float32.
+    """
+    if logits.dtype in (torch.float32, torch.float64):
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    rows = [
+        torch.log_softmax(row.float(), dim=-1).gather(-1, lab.unsqueeze(-1)).squeeze(-1)
+        for row, lab in zip(logits, labels)
+    ]
+    return torch.stack(rows) if rows else logits.new_zeros(labels.shape, dtype=torch.float32)
 
 
 def autocast(device: torch.device, compute_dtype: str):

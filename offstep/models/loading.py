@@ -14,10 +14,10 @@ import pickle
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from offstep.errors import ModelError
 from offstep.models.builtin import (
     ALIASES,
     DEFAULT_MODEL,
-    ModelError,
     build_alias,
     check_alias,
     normalise_alias,

@@ -25,11 +25,8 @@ from offstep.algos.kl_control import (
     kl_penalized_rewards,
 )
 from offstep.batch import TrainBatch
+from offstep.config.choices import ADV_ESTIMATORS
 from offstep.config.schema import AlgorithmConfig, Config
-
-# Estimators that compare the responses to one prompt with each other: they need rollout.n >= 2.
-GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
-ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")
 
 
 def needs_old_logprobs(cfg: Config, batch_size: int, actor_frozen: bool = False) -> bool:

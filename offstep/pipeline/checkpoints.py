@@ -44,11 +44,11 @@ from typing import Callable
 import numpy as np
 
 from offstep.batch import AgentStats, GenTiming, Sample, Span
-from offstep.config.loader import ConfigError
-from offstep.files import MAX_CONFIG_BYTES, LinkRefused, loads_json, loads_yaml, read_text, refuse_links_under, short
+from offstep.errors import CheckpointError, ConfigError, LinkRefused
+from offstep.files import MAX_CONFIG_BYTES, loads_json, loads_yaml, read_text, refuse_links_under, short
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.faults import pause_point
-from offstep.train.checkpoint import CheckpointError, check_role, fsync_tree, replace_dir, write_durably, write_failed
+from offstep.train.checkpoint import check_role, fsync_tree, replace_dir, write_durably, write_failed
 
 _NAME = re.compile(r"^step_(\d+)(\.replaced)?$")
 STATE_FILE = "trainer_state.json"

@@ -33,14 +33,14 @@ from offstep.batch import Span, TrainBatch
 from offstep.config.loader import to_yaml
 from offstep.config.schema import Config
 from offstep.data.stream import PromptStream
-from offstep.errors import OffstepError
+from offstep.errors import RolloutFailed, TrainerFailed
 from offstep.files import write_file
 from offstep.pipeline.advantage import build_kl_controller, needs_old_logprobs
 from offstep.pipeline.batching import generate_batch
 from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints, load_failed
 from offstep.pipeline.evaluation import summarise
 from offstep.pipeline.faults import pause_point
-from offstep.pipeline.fleet import RolloutFailed, RolloutFleet
+from offstep.pipeline.fleet import RolloutFleet
 from offstep.pipeline.inputs import prepare_inputs
 from offstep.pipeline.pools import RoleGroup
 from offstep.pipeline.run_dir import open_run
@@ -53,10 +53,6 @@ from offstep.rollout.types import SamplingParams
 from offstep.telemetry.console import ConsoleProgress
 from offstep.telemetry.loggers import RunLoggers
 from offstep.telemetry.metrics import Timeline, truncate_jsonl
-
-
-class TrainerFailed(OffstepError):
-    """A trainer worker (actor, reference or critic) died."""
 
 
 @dataclass
@@ -349,7 +345,7 @@ class Controller:
 def train(cfg: Config, start=None) -> list[dict]:
     """Validate, set up, run the loop, clean up. Returns the per-step metrics. ``start`` starts
     the workers (see :meth:`Controller.start`)."""
-    from offstep.config.validate import validate
+    from offstep.pipeline.preflight import validate
 
     validate(cfg)
     ctl = Controller(cfg)

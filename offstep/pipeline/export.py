@@ -27,11 +27,11 @@ import time
 from dataclasses import fields
 from pathlib import Path
 
-from offstep.config.loader import ConfigError
 from offstep.config.schema import LoRAConfig
+from offstep.errors import ConfigError, ModelError
 from offstep.models.builtin import ALIASES, normalise_alias
 from offstep.models.forward import DTYPES
-from offstep.models.loading import ModelError, cache_dir, load_causal_lm, load_tokenizer, resolve_model
+from offstep.models.loading import cache_dir, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_base, adapter_parameters, add_adapters, is_adapter_folder, merged_model
 from offstep.pipeline.checkpoints import STATE_FILE, complete_checkpoints, file_digests, open_checkpoint, read_config, resolve_path, select
 from offstep.train.checkpoint import fsync_tree, load_model_weights, replace_dir, write_durably, write_failed

@@ -11,14 +11,10 @@ from collections.abc import Awaitable, Callable
 import ray
 
 from offstep.config.schema import RolloutConfig
-from offstep.errors import OffstepError
+from offstep.errors import RolloutFailed
 from offstep.pipeline.inputs import to_request
 from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S
 from offstep.pipeline.workers import Workers, node_of
-
-
-class RolloutFailed(OffstepError):
-    """Generation could not be completed (rollout workers died or hung too often)."""
 
 
 def gen_seed(seed: int, batch: int, replica: int) -> int:

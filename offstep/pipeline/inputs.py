@@ -10,11 +10,13 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from offstep.config.choices import TOOL_AGENT
 from offstep.config.schema import AgentConfig, Config
-from offstep.data.dataset import TOOL_AGENT, EncodedPrompt, PromptRecord, check_rule_ground_truths, encode_prompts, load_records
+from offstep.data.dataset import EncodedPrompt, PromptRecord, check_rule_ground_truths, encode_prompts, load_records
 from offstep.data.tasks import write_task
+from offstep.errors import ModelError
 from offstep.files import refuse_links_under
-from offstep.models.loading import ModelError, load_tokenizer, resolve_model
+from offstep.models.loading import load_tokenizer, resolve_model
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.tools import load_tools
 from offstep.rollout.worker import Request

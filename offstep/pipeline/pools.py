@@ -22,17 +22,14 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from offstep.errors import OffstepError
-from offstep.train.distributed import GroupSpec, serve_store
+from offstep.dist import serve_store
+from offstep.errors import PlacementFailed
+from offstep.train.distributed import GroupSpec
 
 # Actors take a token share of a bundle; the bundle itself reserves the cores, and each actor
 # sets its own thread count. This lets several roles share one bundle (they run in turn).
 _TOKEN_CPU = 0.01
 PLACEMENT_TIMEOUT_S = 60.0  # how long a pool, or a bundle whose node left, may wait for a node
-
-
-class PlacementFailed(OffstepError):
-    """A pool that the Ray cluster cannot hold (too few cores or GPUs, or no node with its custom resources)."""
 
 
 def check_placeable(nodes: list[dict], spec: dict[str, float], custom_key: str) -> str | None:

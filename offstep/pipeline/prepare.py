@@ -19,17 +19,13 @@ import torch
 
 from offstep.batch import TrainBatch, collate
 from offstep.config.schema import Config
-from offstep.errors import OffstepError
+from offstep.errors import StalenessError
 from offstep.pipeline.advantage import compute_advantages, needs_old_logprobs
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.step_metrics import batch_metrics, record_generation, sample_rows
 from offstep.telemetry.loggers import RunLoggers
 from offstep.telemetry.metrics import Timeline
-
-
-class StalenessError(OffstepError):
-    pass
 
 
 def check_staleness(versions: torch.Tensor, trainer_version: int, max_staleness: int) -> torch.Tensor:

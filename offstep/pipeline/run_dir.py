@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from offstep.config.loader import ConfigError
 from offstep.config.schema import Config
+from offstep.errors import ConfigError
 from offstep.files import loads_json, read_text, refuse_links, refuse_links_under, short, write_file
 from offstep.pipeline.checkpoints import LEGACY_STATE_FILE, Checkpoints, Loaded, check_compatible, open_checkpoint, resolve_path
 from offstep.train.checkpoint import fsync_dir

@@ -203,7 +203,7 @@ def init_ray(cfg: Config) -> bool:
         return False
     kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level="WARNING")
     if cfg.resources.ray_address:
-        from offstep.config.validate import check_ray_address
+        from offstep.pipeline.preflight import check_ray_address
 
         check_ray_address(cfg.resources.ray_address)  # Ray would retry for 25 s, then raise with no fix
         keep_token_private(create=False)

@@ -24,24 +24,13 @@ import sys
 import threading
 from typing import Any, Callable, Iterable
 
-from offstep.errors import OffstepError
+from offstep.errors import RewardConfigError, RewardError
 from offstep.rewards.scorers import gsm8k_score, last_number_score, plain_answer_score
 
 Scorer = Callable[..., Any]
 SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
 
 log = logging.getLogger(__name__)
-
-
-class RewardError(OffstepError, RuntimeError):
-    """A reward scorer failed or is misconfigured."""
-
-
-class RewardConfigError(RewardError, ValueError):
-    """The reward configuration is wrong (bad custom scorer path/name, unknown data source).
-
-    Both a :class:`RewardError` and a ``ValueError``.
-    """
 
 
 # --------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from offstep.rollout.types import SamplingParams
+from offstep.rollout.types import SamplingParams, mix_seed
 
 __all__ = ["sample_tokens", "sample_uniforms"]
 
@@ -80,15 +80,6 @@ def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     return (bidx * _CDF_BLOCK + j).squeeze(-1).clamp_(max=v - 1)
 
 
-def _mix_seed(seed: int, index: int) -> int:
-    """SplitMix64 of (seed, index): well-spread 63-bit seeds for per-sample generators."""
-    mask = (1 << 64) - 1
-    z = (int(seed) * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
 def sample_uniforms(indices: Sequence[int], params: SamplingParams, seed: int, device: torch.device) -> Tensor:
     """``[len(indices), max_new_tokens]`` float64 uniforms on ``device``, row ``r`` from sample
     ``indices[r]``'s own stream (all zeros for greedy decoding, which ignores them)."""
@@ -98,6 +89,6 @@ def sample_uniforms(indices: Sequence[int], params: SamplingParams, seed: int, d
     out = torch.empty((len(indices), steps), dtype=torch.float64)
     gen = torch.Generator()
     for r, index in enumerate(indices):
-        gen.manual_seed(_mix_seed(seed, index))
+        gen.manual_seed(mix_seed(seed, index))
         out[r] = torch.rand(steps, generator=gen, dtype=torch.float64)
     return out.to(device)

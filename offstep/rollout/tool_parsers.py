@@ -22,7 +22,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-FORMATS = ("hermes", "tag")
+from offstep.config.choices import TOOL_FORMATS as FORMATS
 
 
 @dataclass

@@ -35,12 +35,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from offstep.config.schema import AgentConfig
-from offstep.errors import OffstepError
+from offstep.errors import ToolConfigError
 from offstep.rewards.registry import CallTimeout, call_with_timeout
-
-
-class ToolConfigError(OffstepError, ValueError):
-    """The tool configuration is wrong (a missing file, an unknown name, a schema that cannot be read)."""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,20 @@
-"""Types exchanged between the controller, rollout workers and engines."""
+"""Types exchanged between the controller, rollout workers and engines, and the per-sample seed
+both engines derive (``mix_seed``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
+
+
+def mix_seed(seed: int, index: int) -> int:
+    """SplitMix64 of (seed, index): well-spread 63-bit seeds for per-sample generators (sample
+    ``index``'s own random stream in both engines: ``offstep.rollout.sampling`` and vLLM's per-request seed)."""
+    mask = (1 << 64) - 1
+    z = (int(seed) * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
 @dataclass(frozen=True)

@@ -83,8 +83,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offstep.rollout.sampling import _mix_seed
-from offstep.rollout.types import Completion, SamplingParams, TurnFeed, check_request, serve_prompts
+from offstep.rollout.types import Completion, SamplingParams, TurnFeed, check_request, mix_seed, serve_prompts
 
 __all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "attention_head_dim_problem", "vllm_unavailable_reason"]
 
@@ -221,7 +220,7 @@ class VLLMEngine:
         self.lora = lora
         self._lora_request = None  # the adapter of the last sync (None: the base model)
         if lora is not None:
-            from offstep.config.validate import VLLM_LORA_RANKS
+            from offstep.config.choices import VLLM_LORA_RANKS
             from offstep.models.lora import adapter_shapes
 
             self._adapter_shapes = adapter_shapes(self.model_path, lora)
@@ -483,7 +482,7 @@ class VLLMEngine:
             top_p=params.top_p,
             top_k=params.top_k,  # 0 disables it in both
             max_tokens=params.max_new_tokens if max_tokens is None else max_tokens,
-            seed=None if greedy else _mix_seed(seed, index),
+            seed=None if greedy else mix_seed(seed, index),
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,
             stop_token_ids=self.eos_ids,

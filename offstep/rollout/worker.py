@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from offstep.batch import GenTiming, Sample, Span, collate
+from offstep.config.choices import SINGLE_TURN, TOOL_AGENT
 from offstep.config.schema import AgentConfig, LoRAConfig
 from offstep.models.forward import DTYPES, forward_response
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.models.lora import add_adapters
-from offstep.data.dataset import SINGLE_TURN, TOOL_AGENT
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine

@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from offstep.dist import bind_gloo_to_route, serve_store
 from offstep.sync.digest import tensor_sums
-from offstep.train.distributed import bind_gloo_to_route, serve_store
 
 _PREFIX = "offstep/weight_sync"
 

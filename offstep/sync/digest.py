@@ -35,13 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from offstep.batch import Span
-from offstep.errors import OffstepError
+from offstep.errors import SyncNotVerified
 
 _MASK = (1 << 64) - 1
-
-
-class SyncNotVerified(OffstepError):
-    """A rollout worker does not hold the weights the trainer sent (a lost, stale or corrupted sync)."""
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,9 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from offstep.config.choices import WANDB_MODES
 from offstep.files import open_record
 from offstep.telemetry.metrics import JsonlWriter
-
-KNOWN = ("console", "jsonl", "tensorboard", "wandb")
-WANDB_MODES = ("offline", "online", "disabled")
 
 
 def _scalars(m: dict) -> dict[str, float]:

@@ -39,18 +39,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from offstep.errors import OffstepError
+from offstep.errors import CheckpointError
 from offstep.files import loads_json, read_text
 
 RANK_FORMAT = 1
 # A checkpoint holds what trains: the frozen base weights of a LoRA model are the base model's,
 # which the run's config names, and are not written (a full model has no frozen parameters).
 _TRAINED = StateDictOptions(ignore_frozen_params=True)
-
-
-class CheckpointError(OffstepError, ValueError):
-    """A checkpoint that cannot be written (e.g. a full disk) or read (damaged, or holding
-    something a checkpoint never holds); the message names the path and what to do."""
 
 
 # ------------------------------------------------------------------ per-rank state (JSON)

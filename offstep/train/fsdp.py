@@ -15,8 +15,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 from offstep.batch import Span, TrainBatch, micro_batches, scatter_rows
+from offstep.config.choices import NONFINITE_POLICIES
 from offstep.config.schema import OptimConfig
-from offstep.errors import OffstepError
+from offstep.errors import NonFiniteError
 from offstep.models.forward import forward_response
 from offstep.models.lora import base_of
 from offstep.train.distributed import GroupSpec, all_max, all_sum, setup
@@ -43,15 +44,6 @@ def make_optimizer(params, cfg: OptimConfig):
         opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
     )
     return opt, sched
-
-
-NONFINITE_POLICIES = ("skip", "stop")
-
-
-class NonFiniteError(OffstepError, FloatingPointError):
-    """An update's loss or gradient norm was NaN/inf under ``actor.nonfinite=stop`` (or ``critic.``)."""
-
-    exit_code = 1  # the input was fine; the run stopped as asked
 
 
 def clip_and_step(

@@ -1,0 +1,40 @@
+"""The allowed values of the configuration's choice keys, defined once.
+
+The config checks (``offstep.config.validate``) and the code that dispatches on the same names
+(the algorithms, the rollout engines and agents, the loggers, the trainer) both read them from
+here. This module imports nothing, so validating a config loads no torch; the import-linter
+contract in pyproject.toml keeps it at the bottom layer.
+"""
+
+from __future__ import annotations
+
+# algorithm.* (offstep.pipeline.advantage and offstep.algos dispatch on these). GROUP_ESTIMATORS compare
+# the responses to one prompt with each other: they need rollout.n >= 2.
+GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
+ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "pg")
+# The kinds of kl_penalty: "kl" is verl's name for k1; "+" marks the straight-through variants.
+KL_ESTIMATORS = ("k1", "kl", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "kl+", "abs+", "low_var_kl+", "k3+")
+KL_CONTROLLERS = ("fixed", "adaptive")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+TIS_LEVELS = ("token", "sequence")
+REJECTION_LEVELS = ("off", "token", "sequence", "geometric")
+CORRECTION_MODES = ("decoupled", "bypass", "off")  # no table: the actor and the controller compare with each name
+
+# rollout.*
+ROLLOUT_ENGINES = ("builtin", "vllm")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (v0.32)
+SINGLE_TURN, TOOL_AGENT = "single_turn_agent", "tool_agent"
+AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT)  # verl's agent_name values that offstep runs (rollout.agent.default_agent)
+TOOL_FORMATS = ("hermes", "tag")  # rollout.agent.format: how tool calls are written (offstep.rollout.tool_parsers)
+TOOL_ROLES = ("tool", "user")  # rollout.agent.tool_role
+
+# pipeline.*, trainer.*, model.*, data.*, actor.* / critic.*
+WEIGHT_SYNC_PATHS = ("object_store", "collective")
+DEVICES = ("auto", "cpu", "cuda")
+PROGRESS_MODES = ("auto", "bar", "plain", "off")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+WANDB_MODES = ("offline", "online", "disabled")  # trainer.wandb_mode also takes "" ($WANDB_MODE, else offline)
+DTYPE_NAMES = ("float32", "bfloat16")  # model.dtype, model.compute_dtype, rollout.dtype
+OVERLONG_MODES = ("filter", "error")  # data.overlong_prompts
+NONFINITE_POLICIES = ("skip", "stop")  # actor.nonfinite, critic.nonfinite

