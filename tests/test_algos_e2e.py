@@ -15,6 +15,8 @@ from offstep.config.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 
+pytestmark = pytest.mark.ray  # every test here starts Ray
+
 REWARD = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
     "    return (len(solution_str) % 3) / 2.0\n"

@@ -367,6 +367,7 @@ def alive(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(REWARD_CASES))
 def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path):
@@ -391,6 +392,7 @@ def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path):
     assert not alive(procs), alive(procs)
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_worker_that_fails_to_start_is_named_with_its_cause(tmp_path):
     """Weights that do not fit the model's config pass every check in the driver (which reads no

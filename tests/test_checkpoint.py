@@ -150,6 +150,7 @@ def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
 # ------------------------------------------------------------------ kill and resume
 # The k = 0 and k = 1 cases (about 70 s each) stay in CI's tier although they are over 30 s: they
 # are the check that a resume equals no interruption.
+@pytest.mark.ray
 @pytest.mark.parametrize("k,engine,lora,agent", [(0, "builtin", 0, "single_turn_agent"), (1, "builtin", 0, "single_turn_agent"),
                                                   pytest.param(1, "vllm", 0, "single_turn_agent", marks=[needs_vllm, pytest.mark.slow]),
                                                   pytest.param(1, "builtin", 8, "single_turn_agent", marks=pytest.mark.slow),
@@ -195,6 +196,7 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, e
         assert a[step] == b[step], f"step {step} differs after resume"
 
 
+@pytest.mark.ray
 def test_export_writes_a_loadable_model_equal_to_the_checkpoint(tmp_path, ray_session):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers import AutoModelForCausalLM
@@ -229,6 +231,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path, engine):
@@ -271,6 +274,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("engine", ENGINES_SLOW_VLLM)
 def test_rollout_worker_death_is_survived_by_a_restart(tmp_path, ray_session, engine):
     """The replica's process dies mid-generation: a new replica (a new vLLM engine, for vLLM) is
@@ -295,6 +299,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_hung_generation_fails_within_bounded_time(tmp_path, ray_session):
     from offstep.pipeline.controller import train
@@ -311,6 +316,7 @@ def test_hung_generation_fails_within_bounded_time(tmp_path, ray_session):
     assert time.time() - t0 < 120
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_trainer_worker_death_ends_the_run_and_keeps_the_checkpoint(tmp_path):
     """SIGKILL the actor's process mid-run: the run ends (no hang) with a message naming the

@@ -125,6 +125,7 @@ def test_unknown_data_source_fails_before_ray(tmp_path, monkeypatch):
         train(cfg)
 
 
+@pytest.mark.heavy
 def test_cli_rejects_bad_config_in_seconds():
     t0 = time.time()
     p = subprocess.run(

@@ -45,6 +45,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("engine", ENGINES)
 def test_dynamic_sampling_run_fills_every_batch(tmp_path, ray_session, engine):
     from offstep.pipeline.controller import train

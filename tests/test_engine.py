@@ -7,6 +7,7 @@ import os
 
 import pytest
 import torch
+from conftest import assert_implements
 
 from offstep.models.loading import (
     eos_token_ids,
@@ -82,7 +83,10 @@ def _key(cs):
 
 
 def test_protocol_and_order(engine, prompts):
-    assert isinstance(engine, RolloutEngine) and engine.version == 0
+    # Every method of the interface, with a signature its callers can use (isinstance against the
+    # Protocol only checks that the names exist).
+    assert_implements(engine, RolloutEngine)
+    assert engine.version == 0
     out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=8), seed=1)
     assert [c.prompt_index for c in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for c in out:
@@ -92,6 +96,7 @@ def test_protocol_and_order(engine, prompts):
         assert c.text == engine.tokenizer.decode(c.response_ids, skip_special_tokens=True)
 
 
+@pytest.mark.heavy
 def test_same_seed_same_output_different_seed_differs(engine, prompts):
     p = SamplingParams(n=4, temperature=1.0, max_new_tokens=16)
     a = engine.generate(prompts, p, seed=123)
@@ -104,6 +109,7 @@ def test_same_seed_same_output_different_seed_differs(engine, prompts):
     assert len({tuple(x.response_ids) for x in a[:4]}) > 1
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("runner", ["slots", "hf"])
 def test_sub_batching_does_not_change_samples(tiny, prompts, runner):
     _, tok, model, eos = tiny
@@ -115,6 +121,7 @@ def test_sub_batching_does_not_change_samples(tiny, prompts, runner):
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 1.6])
 def test_logprobs_match_teacher_forcing(engine, model, prompts, temperature):
     out = engine.generate(prompts, SamplingParams(n=2, temperature=temperature, max_new_tokens=16), seed=7)
@@ -123,6 +130,7 @@ def test_logprobs_match_teacher_forcing(engine, model, prompts, temperature):
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
 
 
+@pytest.mark.heavy
 def test_hf_fallback_gives_same_results(tiny, prompts):
     # Models the slot runner does not cover use the model's own forward (DynamicCache, static
     # sub-batches); both paths must agree.
@@ -137,6 +145,7 @@ def test_hf_fallback_gives_same_results(tiny, prompts):
         assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-5)
 
 
+@pytest.mark.heavy
 def test_long_generation_grows_the_cache(tiny, prompts):
     # The slot KV cache starts at prompt + 256 positions and grows: past that, results must stay exact.
     _, tok, model, _ = tiny
@@ -148,6 +157,7 @@ def test_long_generation_grows_the_cache(tiny, prompts):
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (20, 0.6)])
 def test_logprobs_with_top_k_top_p(engine, model, prompts, top_k, top_p):
     from transformers.generation.logits_process import (
@@ -184,6 +194,7 @@ def test_sample_tokens_inverse_cdf():
     assert tok.item() == 2 and abs(lp.item() - torch.log(torch.tensor(3 / 7)).item()) < 1e-6
 
 
+@pytest.mark.heavy
 def test_sample_tokens_quantiles_match_distribution():
     # Evenly spaced uniforms through the inverse CDF hit every token in proportion to its probability
     # (a vocabulary of 700: several CDF blocks, the last one partial).
@@ -204,6 +215,7 @@ def test_sample_tokens_quantiles_match_distribution():
 # ------------------------------------------------------------------ greedy
 
 
+@pytest.mark.heavy
 def test_greedy_matches_hf_generate(engine, model, tok, prompts):
     p = SamplingParams(temperature=0.0, max_new_tokens=24)
     for i, prompt in enumerate(prompts):
@@ -220,6 +232,7 @@ def test_greedy_matches_hf_generate(engine, model, tok, prompts):
     assert _key(engine.generate(prompts, p, seed=1)) == _key(engine.generate(prompts, p, seed=2))
 
 
+@pytest.mark.heavy
 def test_greedy_alone_equals_inside_padded_batch(engine, prompts):
     p = SamplingParams(temperature=0.0, max_new_tokens=20)
     short = min(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -280,6 +293,7 @@ def _stop_string_completed_at(tok, ids, k):
     return None if stop in prefix else stop
 
 
+@pytest.mark.heavy
 def test_stop_string_and_other_rows_unaffected(engine, tok, prompts):
     p = SamplingParams(n=2, temperature=1.0, max_new_tokens=24)
     base = engine.generate(prompts, p, seed=21)
@@ -303,6 +317,7 @@ def test_stop_string_and_other_rows_unaffected(engine, tok, prompts):
     assert any(c.finish_reason == "length" for c in out)
 
 
+@pytest.mark.heavy
 def test_on_finish_called_once_per_sample_as_they_finish(tiny, prompts):
     _, tok, model, eos = tiny
     p = SamplingParams(n=3, temperature=1.0, max_new_tokens=24)
@@ -335,6 +350,7 @@ def _early_eos(tok, base, sample, at):
     return None if any(t in c.response_ids for c in others) or t in base[sample].response_ids[:at] else t
 
 
+@pytest.mark.heavy
 def test_samples_do_not_depend_on_admission_time(tiny, prompts):
     # Samples finish at different steps (an extra eos id), so with few slots the later samples are
     # admitted into freed slots mid-flight, next to others at other positions. Every sample must
@@ -351,6 +367,7 @@ def test_samples_do_not_depend_on_admission_time(tiny, prompts):
             assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=1e-4)
 
 
+@pytest.mark.heavy
 def test_freed_slot_is_refilled_at_the_next_step(tiny, prompts):
     # Two slots, three prompts: sample 0 ends after k tokens; prompt 2 must be prefilled in the very
     # next forward pass, together with sample 1's decode token, and nothing waits for sample 1.
@@ -378,6 +395,7 @@ def test_freed_slot_is_refilled_at_the_next_step(tiny, prompts):
     assert len(tokens_per_forward) == k + 10  # prompt 2 ran its 10 tokens right behind sample 0
 
 
+@pytest.mark.heavy
 def test_shared_prompt_prefix_is_prefilled_once(tiny):
     # Prompts that share a system message: the common prefix is prefilled once, each prompt only
     # prefills the rest, and the samples are those of an engine that prefills every prompt whole.
@@ -476,6 +494,7 @@ def _random_lm(kind, vocab):
     return model.eval()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind,runner", [("qwen2", "slots"), ("qwen3", "hf")])
 def test_other_architectures(tok, prompts, kind, runner):
     model = _random_lm(kind, len(tok))
@@ -495,6 +514,7 @@ def test_other_architectures(tok, prompts, kind, runner):
 # ------------------------------------------------------------------ weights
 
 
+@pytest.mark.heavy
 def test_load_weights_changes_outputs_and_version(tiny, prompts):
     path, tok, _, eos = tiny
     model = load_causal_lm(path)  # a private copy: this test edits weights
@@ -520,6 +540,7 @@ def test_load_weights_changes_outputs_and_version(tiny, prompts):
     assert _key(engine.generate(prompts, p, seed=0)) == _key(before)
 
 
+@pytest.mark.heavy
 def test_runner_follows_repointed_parameters(tiny, prompts):
     # The slot runner reads q/k/v and gate/up through fused views of the model's parameters; if a
     # parameter is replaced (not copied into), the next step must use the new values, not stale ones
@@ -543,6 +564,7 @@ def test_runner_follows_repointed_parameters(tiny, prompts):
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("kind", ["tiny", "qwen2"])
 def test_runner_reads_weights_a_collective_receiver_repointed(tiny, prompts, kind):
     # The collective weight receiver moves every parameter into one flat buffer (in parameter order)

@@ -127,6 +127,7 @@ def run_and_sample(args: list[str], env: dict, log: Path, timeout_s: float = 240
     return proc.returncode, log.read_text(), seen
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
 def test_local_run_listens_on_loopback_only(weight_sync, tmp_path):
     home = tmp_path / "home"  # Ray's token file goes to $HOME/.ray/auth_token: this test's own

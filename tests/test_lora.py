@@ -81,6 +81,7 @@ def test_lora_defaults_validate():
 
 
 # ------------------------------------------------------------------ the built-in engine's adapters
+@pytest.mark.heavy
 @pytest.mark.parametrize("runner,merge", [("slots", False), ("hf", False), ("slots", True)])
 def test_engine_adapters_equal_peft_forward(tiny, runner, merge):
     """The engine's log-probs with adapters (added as B(A x) in the slot runner, through peft's
@@ -128,6 +129,7 @@ def test_engine_refuses_adapters_that_do_not_match(tiny):
 
 
 # ------------------------------------------------------------------ export and eval, no Ray
+@pytest.mark.heavy
 def test_export_peft_folder_and_merged_model(tiny, tmp_path):
     """A LoRA checkpoint (adapters only) exports as a peft folder that ``PeftModel.from_pretrained``
     loads, and with merge=True as a plain model with the same outputs; ``offstep eval``'s loader
@@ -221,6 +223,7 @@ def test_rollout_reference_is_the_engines_own_base(tmp_path, tiny, engine):
 # ------------------------------------------------------------------ every sync arrives (Ray)
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("engine", ENGINES)
 def test_every_adapter_sync_reaches_the_rollout_engine(ray_session, tmp_path, tiny, engine):
     """verl issue 7495: after each of several syncs (object store and collective, alternating),
@@ -281,6 +284,7 @@ def test_every_adapter_sync_reaches_the_rollout_engine(ray_session, tmp_path, ti
 
 
 # ------------------------------------------------------------------ a run end to end
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("ref_on_rollout", [False, True], ids=["ref-on-trainer", "ref-on-rollout"])
 def test_tiny_lora_run(tmp_path, ray_session, ref_on_rollout):

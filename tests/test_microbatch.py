@@ -214,6 +214,7 @@ def test_budget_must_hold_the_longest_sample():
     validate(load_config(["preset=tiny", "actor.micro_token_budget=108"]), cpu_count=2, gpu_count=0)
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_two_ranks_with_token_budget_run(tmp_path, ray_session):
     """FSDP2 over 2 ranks: each plans its own micro-batches; the counts are equalised so the

@@ -251,6 +251,7 @@ def test_smollm2_gguf_found_without_import():
 # ------------------------------------------------------------------ SmolLM2 (slow: ~30 s conversion)
 
 
+@pytest.mark.model
 @pytest.mark.slow
 def test_smollm2_converts_and_answers(request, tmp_path_factory):
     # Part of the default suite (about 30 s): the real default model's path from the PyPI

@@ -154,6 +154,7 @@ def _same_run_on_one_and_on_split_nodes(cluster, tmp_path, *extra: str) -> tuple
     return on_one, on_split
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["object_store", "collective"])
 def test_trainer_and_rollout_pools_on_different_nodes(cluster, tmp_path, sync):
@@ -166,6 +167,7 @@ def test_trainer_and_rollout_pools_on_different_nodes(cluster, tmp_path, sync):
     assert split["actor rank 0"] != split["rollout replica 0"]
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_fsdp_across_two_nodes(cluster, tmp_path):
     """FSDP2 with 2 trainer ranks, one per trainer node: the process group meets at the driver's
@@ -199,6 +201,7 @@ def _kill_rollout_node_mid_run(c, nodes: dict, tmp_path: Path, *extra: str) -> t
     return proc, log, where
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("sync", ["object_store", "collective"])
 def test_rollout_node_lost_with_a_spare_node_the_run_goes_on(tmp_path, sync):
@@ -221,6 +224,7 @@ def test_rollout_node_lost_with_a_spare_node_the_run_goes_on(tmp_path, sync):
     assert records[6]["sync/collective"] == float(sync == "collective"), records[6]
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_rollout_node_lost_without_a_spare_stops_cleanly_and_resumes(tmp_path):
     """Only one node can hold the rollout replica, and it is removed mid-run: the run stops once

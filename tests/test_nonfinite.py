@@ -110,6 +110,7 @@ def huge_reward_run(tmp_path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_run_skips_and_counts_nonfinite_updates(tmp_path, ray_session):
     history = train(load_config(huge_reward_run(tmp_path, "actor.nonfinite=skip")))
@@ -120,6 +121,7 @@ def test_run_skips_and_counts_nonfinite_updates(tmp_path, ray_session):
     assert all(math.isfinite(m["response_length/mean"]) for m in metrics)  # weights stayed finite
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_run_stops_on_nonfinite_update(tmp_path, ray_session, capsys):
     capsys.readouterr()
@@ -132,6 +134,7 @@ def test_run_stops_on_nonfinite_update(tmp_path, ray_session, capsys):
     assert not [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if m.get("step", 0) >= 1]
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_critic_skips_or_stops_on_nonfinite_value_loss(tmp_path, ray_session, capsys):
     # With GAE the returns are ~3e38, so the critic's squared value error overflows to inf.

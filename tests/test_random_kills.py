@@ -103,6 +103,7 @@ def test_the_pause_hook_holds_the_named_point_only(tmp_path):
     assert proc.stdout.read() == "passed\n"  # the other points (and steps) went by
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_three_kills_at_k1_resume_exactly(tmp_path):
     """A reduced harness run: 4 steps, a checkpoint every 2; killed once as soon as step 1 is

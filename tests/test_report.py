@@ -22,6 +22,7 @@ def two_runs(tmp_path_factory, ray_session):
     return dirs
 
 
+@pytest.mark.ray
 def test_report_files_and_numbers(two_runs, tmp_path):
     out = write_report(two_runs, tmp_path / "rep")
     for name in ("reward.png", "timing.png", "timeline.png", "offpolicy.png"):
@@ -44,6 +45,7 @@ def test_report_files_and_numbers(two_runs, tmp_path):
         assert int(cells[8]) == max(m["rollout/staleness_max"] for m in steps)
 
 
+@pytest.mark.ray
 def test_report_cli(two_runs, capsys):
     assert main(["report", str(two_runs[1])]) == 0
     assert (two_runs[1] / "report" / "summary.md").exists()

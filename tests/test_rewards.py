@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 import textwrap
 import threading
@@ -255,12 +256,23 @@ def test_reward_function_is_picklable_and_lazy(tmp_path):
         bad("s", "1", "1")
 
 
-def test_load_custom_scorer_missing_file(tmp_path):
+def test_load_custom_scorer_missing_file(tmp_path, capsys):
     path = str(tmp_path / "nope.py")
     with pytest.raises(RewardError) as ei:
         load_custom_scorer(path)
-    assert isinstance(ei.value, ValueError)
     assert path in str(ei.value) and "reward.custom_path" in str(ei.value)
+    # Bad input, reported as such: the command prints the message alone (naming its own flag) and
+    # exits with code 2, before any model loads.
+    from offstep.cli import main
+
+    data = tmp_path / "val.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "data_source": "mine",
+                                "reward_model": {"ground_truth": "2"}}) + "\n")
+    capsys.readouterr()
+    rc = main(["eval", "tiny", "--data", str(data), "--reward-path", path, "--out", str(tmp_path / "out.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"offstep: custom reward file {path} not found. Fix: set --reward-path" in err, err
+    assert "Traceback" not in err and not (tmp_path / "out.json").exists(), err
 
 
 def test_load_custom_scorer_import_error(tmp_path):

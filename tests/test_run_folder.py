@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import quick_cases
 
 os.environ.setdefault("OFFSTEP_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "offstep"))
 
@@ -57,8 +58,9 @@ def run_and_outside(tmp_path):
     return out, outside
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "data", ".offstep-run.tmp", "metrics.jsonl", "timeline.jsonl",
-                                  "checkpoints/step_000002/actor/__0_0.distcp", "data/train.parquet.tmp", LOCK])
+@pytest.mark.parametrize("name", quick_cases(  # the quick tier: a file, a folder, a checkpoint shard, the lock
+    ["config.yaml", "data", ".offstep-run.tmp", "metrics.jsonl", "timeline.jsonl", "checkpoints/step_000002/actor/__0_0.distcp",
+     "data/train.parquet.tmp", LOCK], ["config.yaml", "data", "checkpoints/step_000002/actor/__0_0.distcp", LOCK]))
 def test_a_link_among_the_run_files_is_refused_by_name_and_nothing_outside_changes(run_and_outside, name):
     out, outside = run_and_outside
     target = outside if name == "data" else outside / "notes.txt"
@@ -179,6 +181,7 @@ def _train(out: Path) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.ray
 def test_two_runs_started_together_into_one_folder_one_runs_and_keeps_its_policy(tmp_path):
     """Both started at the same moment: one trains to the end and keeps its last step's policy
     (trainer.save_last, the default), the other is refused at once naming the first."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import quick_cases
 
 from offstep.batch import GenTiming, Sample, Span
 from offstep.config.loader import ConfigError, load_config, to_yaml
@@ -317,7 +318,9 @@ _DAMAGE = ["truncated state", "empty state", "invalid config", "missing shard", 
            "rank types", "alias bomb config", "dtype type", "target_modules type"]
 
 
-@pytest.mark.parametrize("kind", _DAMAGE)
+# The quick tier: one case of each way in (state, shard, link, crafted config); the default tier: all.
+@pytest.mark.parametrize("kind", quick_cases(_DAMAGE, ["truncated state", "missing shard", "garbled shard", "linked shard",
+                                                       "alias bomb config"]))
 def test_damaged_latest_is_named_and_auto_falls_back(tmp_path, kind):
     out, logs = tmp_path / "run", []
     run = _ended_run(_cfg(out), logs.append)

@@ -234,6 +234,7 @@ def _rollout_state(w):
     return ray.get(w.__ray_call__.remote(lambda self: {k: v.clone() for k, v in self.engine.model.state_dict().items()}))
 
 
+@pytest.mark.ray
 def test_ray_workers_collective_and_object_store_agree(ray_session, tmp_path):
     """ActorWorker (FSDP2 over gloo) -> two RolloutWorkers, collective and object-store syncs
     interleaved: after each, both engines hold exactly the actor's full weights and the version."""
@@ -298,6 +299,7 @@ def _run(out, *extra):
     return [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1], read_jsonl(out / "timeline.jsonl")
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_tiny_run_collective_equals_object_store(tmp_path, ray_session):
     """k = 0: the collective path gives the same run as the object-store path, step for step."""
@@ -311,6 +313,7 @@ def test_tiny_run_collective_equals_object_store(tmp_path, ray_session):
     assert sorted(e["version"] for e in tl if e["stage"] == "load_weights") == [1, 2, 3]
 
 
+@pytest.mark.ray
 def test_tiny_run_collective_one_step_off_policy(tmp_path, ray_session):
     """k = 1 over the collective path: loads queue behind generation; versions as in the object-store path."""
     m, tl = _run(tmp_path, "pipeline.max_staleness=1", "pipeline.weight_sync=collective")
@@ -320,6 +323,7 @@ def test_tiny_run_collective_one_step_off_policy(tmp_path, ray_session):
     assert sorted(e["version"] for e in tl if e["stage"] == "load_weights") == [1, 2, 3]
 
 
+@pytest.mark.ray
 @pytest.mark.slow
 def test_fsdp_two_ranks_two_replicas_collective_equals_object_store(tmp_path, ray_session):
     """FSDP2 over 2 trainer ranks (the full tensors are all-gathered) broadcasting to 2 replicas."""

@@ -143,6 +143,7 @@ def _run(tmp_path, *extra):
     return metrics, read_jsonl(out / "timeline.jsonl")
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 def test_every_sync_is_verified(tmp_path, ray_session, engine, transport):
@@ -155,6 +156,7 @@ def test_every_sync_is_verified(tmp_path, ray_session, engine, transport):
     assert sorted(e["version"] for e in loads) == [1, 2, 3] and {e["transport"] for e in loads} == {transport}
 
 
+@pytest.mark.ray
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 @pytest.mark.parametrize("fault, message", [
     ("drop", r"version 2: rollout worker 1's weights did not change"),
@@ -172,6 +174,7 @@ def test_a_dropped_or_corrupted_sync_stops_the_run_at_that_step(tmp_path, ray_se
     assert [(m["step"], m["sync/verified"]) for m in metrics] == [(1, 1.0)]
 
 
+@pytest.mark.ray
 def test_lora_adapter_syncs_are_verified_and_a_corrupted_one_is_caught(tmp_path, ray_session):
     """LoRA: a sync carries the adapters only, and their digest is checked the same way."""
     lora = ("actor.lora.rank=4", "actor.optim.lr=1e-3")
@@ -209,6 +212,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
+@pytest.mark.ray
 def test_a_replaced_replica_rejoins_a_rebuilt_collective_group(tmp_path, ray_session):
     """Two replicas over the collective path; one dies in the third batch's generation, after the
     first sync went over the group. It is replaced, every replica joins a new group, and the later

@@ -174,6 +174,7 @@ def _wandb_run_dir(out):
     return runs[0]
 
 
+@pytest.mark.heavy
 def test_wandb_offline_writes_run_with_metrics_and_samples(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)
@@ -195,6 +196,7 @@ def test_wandb_offline_writes_run_with_metrics_and_samples(tmp_path, monkeypatch
     assert "What is 2+3?" in tables[0].read_text()
 
 
+@pytest.mark.heavy
 def test_run_loggers_fan_out(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
@@ -222,6 +224,7 @@ def test_config_checks_for_telemetry_keys():
 
 
 # ---------------------------------------------------------------- the hub, with real Ray actors
+@pytest.mark.ray
 def test_hub_counts_and_rate_limits(ray_session):
     import ray
 
@@ -256,6 +259,7 @@ def tiny_inputs(tmp_path):
     return cfg, prepare_inputs(cfg, tmp_path)
 
 
+@pytest.mark.ray
 def test_worker_hooks_report_samples_and_micro_batches(tiny_inputs, ray_session):
     """A real rollout worker and actor, in this process, pushing to a real hub actor."""
     import ray
@@ -300,6 +304,7 @@ def test_worker_hooks_report_samples_and_micro_batches(tiny_inputs, ray_session)
 
 
 # ---------------------------------------------------------------- a whole run, as CI sees it
+@pytest.mark.ray
 def test_plain_run_has_status_throughput_eta_and_wandb(tmp_path, ray_session, capsys, monkeypatch):
     """A tiny run with stdout captured (not a terminal): plain lines only, the driver's stage
     notes as status lines, throughput and ETA in the step lines, an offline W&B run."""

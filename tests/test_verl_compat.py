@@ -269,6 +269,7 @@ def test_conflicts_and_errors_name_the_verl_key():
         load(["preset=tiny", "data.task_train_size=3", "trainer.total_epochs=1"])
 
 
+@pytest.mark.heavy
 def test_every_table_entry_is_a_known_kind_and_targets_exist():
     from offstep.config.verl_keys import PREFIXES, TABLE, Derived, Note, Refuse, To, _is_offstep_key
 

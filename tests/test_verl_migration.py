@@ -9,8 +9,12 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from offstep.cli import main
 from offstep.telemetry.metrics import read_jsonl
+
+pytestmark = pytest.mark.ray  # every test here starts Ray
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "from-verl.md"
 
