@@ -135,7 +135,7 @@ def test_received_json_and_yaml_decode_to_messages_not_tracebacks():
         loads_yaml(bomb)
     with pytest.raises(ValueError, match="nested too deeply"):
         loads_yaml("a: " + "[" * 100000 + "]" * 100000)
-    assert time.time() - t0 < 20  # a bomb would not finish at all
+    assert time.time() - t0 < 5  # about 1 s alone; a bomb would not finish at all
     assert loads_yaml("model: {path: tiny}\n") == {"model": {"path": "tiny"}}
 
 

@@ -204,7 +204,7 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | None = None) ->
             )
     except pickle.UnpicklingError:
         # transformers reads .bin weights with weights_only=True; a file it refuses holds more than
-        # tensors. Never torch's advice to retry with weights_only=False: that would run its code.
+        # tensors. Never torch's advice to retry it unrestricted: that would run its code.
         raise ModelError(f"the model folder {folder} has a weights file (pytorch_model*.bin) that holds a pickled "
                          f"object that is not plain tensors: refused (loading it could run code). Use a model "
                          f"saved as safetensors, from a source you trust") from None

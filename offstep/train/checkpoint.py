@@ -181,7 +181,7 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError:
-            # Not torch's advice to load it with weights_only=False: that would run the pickle's code.
+            # Not torch's advice to load it unrestricted: that would run the pickle's code.
             raise CheckpointError(f"the checkpoint item {read_item.dest_index.fqn!r} holds a pickled object that is not "
                                   f"plain data: refused (loading it could run code)") from None
         if self.flatten_state_dict:
