@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from agent_helpers import check_serves_continuation
 from conftest import needs_vllm
 
-pytestmark = needs_vllm
+pytestmark = [needs_vllm, pytest.mark.own_process]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 

@@ -21,7 +21,7 @@ import torch
 
 from conftest import assert_implements, needs_vllm
 
-pytestmark = needs_vllm
+pytestmark = [needs_vllm, pytest.mark.own_process]
 
 from offstep.batch import Sample, collate  # noqa: E402
 from offstep.models.forward import forward_response  # noqa: E402
