@@ -23,6 +23,10 @@ CORRECTION_MODES = ("decoupled", "bypass", "off")  # no table: the actor and the
 
 # rollout.*
 ROLLOUT_ENGINES = ("builtin", "vllm")
+# rollout.partial: how a replica continues its in-flight samples across a weight load
+# (pipeline.mode=fully_async): keep their KV cache (computed under the old weights), recompute it
+# under the new weights, or off (finish them before the load; no sample crosses a load)
+PARTIAL_MODES = ("keep", "recompute", "off")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (v0.32)
 SINGLE_TURN, TOOL_AGENT = "single_turn_agent", "tool_agent"
 AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT)  # verl's agent_name values that offstep runs (rollout.agent.default_agent)
@@ -31,6 +35,7 @@ TOOL_ROLES = ("tool", "user")  # rollout.agent.tool_role
 
 # pipeline.*, trainer.*, model.*, data.*, actor.* / critic.*
 WEIGHT_SYNC_PATHS = ("object_store", "collective")
+PIPELINE_MODES = ("batch", "fully_async")  # pipeline.mode
 DEVICES = ("auto", "cpu", "cuda")
 PROGRESS_MODES = ("auto", "bar", "plain", "off")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")

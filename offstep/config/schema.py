@@ -111,6 +111,8 @@ class RolloutConfig:
     """sequences decoded together by one engine"""
     dtype: str = "float32"
     """the rollout engine's weights: float32 | bfloat16"""
+    partial: str = "keep"
+    """pipeline.mode=fully_async: how in-flight samples continue across a weight load: keep (their KV cache, computed under the old weights, stays; no extra work) | recompute (their prompt and tokens so far are prefilled again under the new weights) | off (they finish under the old weights before the load; no sample crosses a load)"""
     val_temperature: float = 0.0
     """validation sampling temperature (0: greedy; otherwise finite and >= 0.01)"""
     val_n: int = 1
@@ -311,8 +313,10 @@ class ResourcesConfig:
 
 @dataclass
 class PipelineConfig:
+    mode: str = "batch"
+    """batch: whole batches are generated, then trained, weights load between batches | fully_async: replicas generate continuously, finished prompt groups queue, the trainer takes a batch as soon as it is there, and weights load between decode steps (rollout.partial; docs/fully-async.md)"""
     max_staleness: int = 1
-    """0: synchronous loop; 1: one-step off-policy; k: generation runs up to k batches ahead"""
+    """0: synchronous loop; 1: one-step off-policy; k: generation runs up to k batches ahead (fully_async: a sample's oldest token is at most k policy versions behind the trainer that updates on it)"""
     colocate: bool = False
     """synchronous mode only: rollout workers share the trainer's cores (colocated) instead of a pool of their own; ignored (pools are always disjoint) when max_staleness >= 1"""
     ref_on_rollout: bool = False

@@ -22,11 +22,14 @@ from offstep.config.choices import (
     LOSS_AGG_MODES,
     NONFINITE_POLICIES,
     OVERLONG_MODES,
+    PARTIAL_MODES,
+    PIPELINE_MODES,
     POLICY_LOSSES,
     PROGRESS_MODES,
     REJECTION_LEVELS,
     ROLLOUT_ENGINES,
     TIS_LEVELS,
+    TOOL_AGENT,
     TOOL_FORMATS,
     TOOL_ROLES,
     VLLM_LORA_RANKS,
@@ -206,6 +209,38 @@ def _check_engine(cfg: Config, e: list[str]) -> None:
     _choice(cfg.rollout.engine, "rollout.engine", ROLLOUT_ENGINES, e)
 
 
+def _check_mode(cfg: Config, e: list[str]) -> None:
+    """``pipeline.mode`` and ``rollout.partial``: what the fully asynchronous mode runs with
+    (``offstep.pipeline.stream``); a combination it does not run is refused here, before start."""
+    p = cfg.pipeline
+    _choice(p.mode, "pipeline.mode", PIPELINE_MODES, e)
+    _choice(cfg.rollout.partial, "rollout.partial", PARTIAL_MODES, e)
+    if p.mode != "fully_async":
+        return
+    why = "pipeline.mode=fully_async"
+    _need(cfg.rollout.engine == "builtin",
+          f"{why} with rollout.engine={cfg.rollout.engine}: weights loaded between decode steps are built for the "
+          f"built-in engine so far; use rollout.engine=builtin, or pipeline.mode=batch for vLLM", e)
+    _need(p.weight_sync == "object_store",
+          f"{why} with pipeline.weight_sync={p.weight_sync}: a load lands while the replica generates, which the "
+          f"collective path (a broadcast every replica joins) cannot do yet; use pipeline.weight_sync=object_store", e)
+    _need(not p.colocate, f"{why} with pipeline.colocate=true: the trainer and the replicas run at the same time, "
+          f"so their pools must be disjoint; set pipeline.colocate=false", e)
+    _need(not (p.ref_on_rollout and cfg.actor.lora.rank > 0),
+          f"{why} with pipeline.ref_on_rollout=true and actor.lora.rank > 0: the reference is the engine's own model "
+          f"with its adapters off, which a replica that never stops generating cannot switch; set "
+          f"pipeline.ref_on_rollout=false (the trainer's reference role computes it)", e)
+    _need(not cfg.algorithm.dynamic_sampling,
+          f"{why} with algorithm.dynamic_sampling=true: DAPO's refill rounds are per batch; use pipeline.mode=batch "
+          f"for dynamic sampling", e)
+    _need(cfg.algorithm.adv_estimator != "remax",
+          f"{why} with algorithm.adv_estimator=remax: its greedy baseline is decoded per batch; use pipeline.mode=batch, "
+          f"or a group estimator such as grpo", e)
+    _need(cfg.rollout.agent.default_agent != TOOL_AGENT,
+          f"{why} with rollout.agent.default_agent={TOOL_AGENT}: tool loops run in batch mode only so far; use "
+          f"pipeline.mode=batch", e)
+
+
 def _check_lora(cfg: Config, e: list[str]) -> None:
     """``actor.lora`` (the peft package and the model's own layers: ``offstep.pipeline.preflight``)."""
     lora = cfg.actor.lora
@@ -296,6 +331,7 @@ def problems(cfg: Config) -> list[str]:
         _choice(v, key, DTYPE_NAMES, e)
     _choice(cfg.data.overlong_prompts, "data.overlong_prompts", OVERLONG_MODES, e)
     _check_engine(cfg, e)
+    _check_mode(cfg, e)
     _check_agent(cfg, e)
     _check_task(cfg, e)
     _check_algorithm(cfg, e)
