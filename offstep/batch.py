@@ -53,6 +53,9 @@ class Sample:
     baseline_length: Optional[int] = None
     loss_mask: Optional[list[int]] = None  # [len(response_ids)]: 1 the model's token, 0 a tool turn's
     agent: Optional[AgentStats] = None  # set by a tool loop
+    # the weight version that sampled each response token (pipeline.mode=fully_async, where a load can land
+    # inside a sample: a partial rollout); None: every token is of ``version``
+    token_versions: Optional[list[int]] = None
 
     def __post_init__(self):
         if isinstance(self.agent, dict):  # from a checkpoint's JSON

@@ -74,6 +74,7 @@ class TrainerState:
     in_flight: list  # (batch index, epoch, prompt indices, Generated) of each batch generating ahead
     restarts: int  # rollout replicas replaced so far
     kl_ctrl: dict | None = None  # the KL-in-reward controller's state
+    stream_groups: dict | None = None  # pipeline.mode=fully_async: SampleStream.state()
 
 
 @dataclass
@@ -129,7 +130,7 @@ _SAMPLE_CHECKS: dict[str, Callable] = {
     "data_source": lambda v: isinstance(v, str), "text": lambda v: isinstance(v, str),
     "reward_extra": lambda v: isinstance(v, dict), "ref_logprobs": lambda v: v is None or _nums(v),
     "baseline_score": lambda v: v is None or _num(v), "baseline_length": lambda v: v is None or _int(v),
-    "loss_mask": lambda v: v is None or _ints(v),
+    "loss_mask": lambda v: v is None or _ints(v), "token_versions": lambda v: v is None or _ints(v),
     "agent": lambda v: v is None or (isinstance(v, dict) and set(v) <= {f.name for f in fields(AgentStats)}
                                      and all(isinstance(x, (int, float)) for x in v.values())),  # max_turns_hit a bool
 }
@@ -184,6 +185,43 @@ def _decode_generated(d: dict) -> Generated:
                      _get_int(d, "filled_groups"))
 
 
+_STATE_CHECKS: dict[str, Callable] = {
+    "tokens": _ints, "logprobs": _nums, "versions": _ints, "finish_reason": lambda v: isinstance(v, str),
+    "score": lambda v: v is None or _num(v), "extra": lambda v: isinstance(v, dict), "text": lambda v: isinstance(v, str),
+}
+
+
+def decode_stream_groups(d, num_items: int | None = None, replicas: int | None = None) -> list[dict]:
+    """The fully asynchronous stream's groups from a checkpoint (``SampleStream.state``), checked:
+    each group's admission number, prompt and version, and either its samples' states (unfinished;
+    tokens, log-probs and versions of equal length) or its finished samples."""
+    if not isinstance(d, dict) or not _int(d.get("admitted")) or not _ints(d.get("drawn")) or not _int(d.get("epoch")):
+        raise ValueError("stream_groups is not an object with integer admitted, drawn and epoch")
+    if not isinstance(d.get("groups"), list):
+        raise ValueError("stream_groups.groups is not a list")
+    out = []
+    for grp in d["groups"]:
+        if not isinstance(grp, dict) or not all(_int(grp.get(k)) for k in ("g", "epoch", "prompt", "replica", "version")):
+            raise ValueError(f"a stream group {short(grp)} without integer g, epoch, prompt, replica and version")
+        if num_items is not None and not 0 <= grp["prompt"] < num_items:
+            raise ValueError(f"a stream group's prompt {grp['prompt']} is outside the training set ({num_items} prompts)")
+        states, samples = grp.get("states"), grp.get("samples")
+        if (states is None) == (samples is None):
+            raise ValueError("a stream group needs exactly one of states (unfinished) and samples (finished)")
+        if states is not None:
+            if not isinstance(states, list) or not all(
+                    isinstance(s, dict) and set(s) <= set(_STATE_CHECKS) and all(_STATE_CHECKS[k](v) for k, v in s.items())
+                    and len(s.get("tokens", [])) == len(s.get("logprobs", [])) == len(s.get("versions", []))
+                    for s in states):
+                raise ValueError(f"stream group {grp['g']}: a sample state that is not tokens, log-probs and versions of one length")
+            out.append({**grp, "states": states})
+        else:
+            if not isinstance(samples, list):
+                raise ValueError(f"stream group {grp['g']}: samples is not a list")
+            out.append({**grp, "samples": [_sample(s) for s in samples]})
+    return out
+
+
 def _plain(o):
     """json's hook for what it cannot write: NumPy scalars and arrays (e.g. in reward_extra)."""
     if isinstance(o, np.generic):
@@ -199,6 +237,8 @@ def encode_state(state: TrainerState, run_id: str, files: dict[str, list] | None
     doc = {"format": FORMAT, "run_id": run_id, "step": state.step, "version": state.version, "t0": state.t0,
            "restarts": state.restarts, "stream": state.stream, "kl_ctrl": state.kl_ctrl, "in_flight": in_flight,
            "files": files or {}}
+    if state.stream_groups is not None:
+        doc["stream_groups"] = state.stream_groups
     return json.dumps(doc, default=_plain)
 
 
@@ -233,8 +273,11 @@ def decode_state(text: str) -> tuple[TrainerState, str, dict[str, list]]:
     if not isinstance(files, dict) or not all(isinstance(v, list) and len(v) == 2 and _int(v[0]) and isinstance(v[1], str)
                                               for v in files.values()):
         raise ValueError("files is not an object of [size, sha256] pairs")
+    groups = doc.get("stream_groups")
+    if groups is not None:
+        decode_stream_groups(groups)  # checked now: a damaged checkpoint is refused before any worker starts
     state = TrainerState(_get_int(doc, "step"), _get_int(doc, "version"), float(doc["t0"]), stream, in_flight,
-                         _get_int(doc, "restarts"), kl)
+                         _get_int(doc, "restarts"), kl, groups)
     return state, doc["run_id"], files
 
 

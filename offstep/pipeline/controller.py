@@ -47,6 +47,7 @@ from offstep.pipeline.run_dir import open_run
 from offstep.pipeline.prepare import BatchPreparer, Prepared
 from offstep.pipeline.step_metrics import record_generation
 from offstep.pipeline.stop import StopRequest
+from offstep.pipeline.stream import SampleStream
 from offstep.pipeline.weight_sync import SyncReport, WeightSync
 from offstep.pipeline.workers import Workers, start_workers, worker_failure
 from offstep.rollout.types import SamplingParams
@@ -86,6 +87,8 @@ def _done(result) -> asyncio.Future:
 class Controller:
     """Everything that needs no worker is prepared here (config, data, resume point, logs);
     :meth:`start` starts the workers, :meth:`fit` runs the loop, :meth:`close` cleans up."""
+
+    samples: SampleStream | None = None  # pipeline.mode=fully_async: where the batches come from (start())
 
     def __init__(self, cfg: Config):
         self.cfg, self.k = cfg, cfg.pipeline.max_staleness
@@ -139,6 +142,8 @@ class Controller:
         self.workers = (start or start_workers)(self.cfg, self.inputs, self.console)
         self.sync = WeightSync(self.cfg.pipeline, self.workers)
         self.fleet = RolloutFleet(self.workers, self.cfg.rollout, self.sync.reload, self.console.log)
+        if self.cfg.pipeline.mode == "fully_async":
+            self.samples = SampleStream(self.cfg, self.inputs, self.stream, self.workers, self.params, self.timeline)
         if self.resumed is not None:
             st, roles = self.resumed, self.workers.stateful
             try:
@@ -170,17 +175,26 @@ class Controller:
         pending: deque[InFlight] = deque(self._in_flight(b, e, idx, _done(gen)) for b, e, idx, gen in self.restored)
         finishing: asyncio.Future | None = None
         launched = self.start_step + len(pending)
+        if self.samples is not None:  # fully_async: the replicas start generating from the prompt stream
+            saved = self.resumed.stream_groups if self.resumed is not None else None
+            await self.samples.start(self.version, self.start_step * cfg.data.train_batch_size, saved)
         t_step = time.time()
         for step in range(self.start_step + 1, N + 1):
-            # Keep k batches generating ahead of the one this step consumes.
-            while len(pending) <= k and launched < N:
+            # Keep k batches generating ahead of the one this step consumes (batch mode), or take
+            # the step's groups from the stream as they finish (fully_async).
+            while self.samples is None and len(pending) <= k and launched < N:
                 launched += 1
                 pending.append(self._launch(launched))
-            cur = pending.popleft()
-            assert cur.batch_idx == step and self.version == step - 1, "batch b is trained at step b by policy b - 1"
+            assert self.version == step - 1, "batch b is trained at step b by policy b - 1"
+            if self.samples is None:
+                cur = pending.popleft()
+                assert cur.batch_idx == step
+                next_ready = cur.prepared
+            else:
+                next_ready = asyncio.ensure_future(self._take(step))
             t_wait = time.time()
             self.live.note("trainer", "wait_gen", step=step)
-            ready: Prepared = await _unless_failed(cur.prepared, finishing)
+            ready: Prepared = await _unless_failed(next_ready, finishing)
             wait = time.time() - t_wait
             self.timeline.add("trainer", "wait_gen", step, t_wait, time.time())
             batch, m = ready.batch, ready.metrics
@@ -210,6 +224,8 @@ class Controller:
                 break
         if finishing is not None:
             await finishing
+        if self.samples is not None:
+            self.samples.close()
         await self.live.stop()
         return self.history
 
@@ -223,6 +239,15 @@ class Controller:
         cur = InFlight(batch_idx, epoch, idx, generated)
         cur.prepared = asyncio.ensure_future(self._prepare(cur))
         return cur
+
+    async def _take(self, step: int) -> Prepared:
+        """fully_async: the step's groups from the stream, prepared as a batch mode's batch is."""
+        w = self.workers
+        gen, epoch, idx, m = await self.samples.next_batch(step)
+        ready = self.preparer.prepare(gen, step, epoch, idx, w.ref is not None or w.critic is not None)
+        ready.metrics.update(m)
+        ready.metrics["perf/gen_tokens_per_s"] = float(ready.batch.response_mask.sum()) / max(m["timing_s/gen"], 1e-9)
+        return ready
 
     async def _prepare(self, cur: InFlight) -> Prepared:
         """The driver's work on a batch as soon as its samples arrive (``prepare.py``); for k >= 1
@@ -303,6 +328,8 @@ class Controller:
         m["sync/verified"] = float(report.verified)
         m["timing_s/sync_verify"] = report.verify_s  # wall clock: with the other timings, not compared on resume
         m["sync/collective"] = float(report.collective)
+        if self.samples is not None:  # every replica holds the new version: the stream may admit more
+            self.samples.loaded(m["policy_version"])
         if val is not None:
             m.update(await self._finish_validation(val, m["step"]))
         self._emit(m)
@@ -321,17 +348,22 @@ class Controller:
         self.console.status(f"step {step}: writing checkpoint")
         await finishing  # this step's metrics are on disk before the checkpoint that covers them
         in_flight = [(b.batch_idx, b.epoch, b.idx, await b.generated) for b in pending]
+        if self.samples is not None:  # every in-flight sample stops where it is, to be stored
+            await self.samples.suspend()
         staging = self.checkpoints.staging(step)
         pause_point("staged", step)  # test hooks (faults.py): a kill timed inside the write
         await asyncio.gather(*(g.run("save_checkpoint", str(staging / g.name)) for g in self.workers.stateful))
         pause_point("shards", step)
         state = TrainerState(step, self.version, self.timeline.t0, self.stream.state_dict(), in_flight, self.fleet.restarts,
-                             self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None)
+                             self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+                             self.samples.state() if self.samples is not None else None)
         # Its timeline entry goes in before the checkpoint is published: killed just after, a
         # resume from this checkpoint would never write it.
         path = self.checkpoints.commit(staging, state, to_yaml(self.cfg),
                                        lambda: self.timeline.add("trainer", "checkpoint", step, t0, time.time()))
         self.console.log(f"offstep: checkpoint {path} ({time.time() - t0:.1f} s)")
+        if self.samples is not None:  # the stored samples continue where they stopped
+            self.samples.resubmit()
 
     def close(self) -> None:
         self.console.close()

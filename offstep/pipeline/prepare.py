@@ -71,10 +71,11 @@ class BatchPreparer:
         if self.cfg.algorithm.dynamic_sampling:
             m["rollout/dynamic_sampling_attempts"] = len(gen.rounds)
             m["rollout/dynamic_sampling_filled_groups"] = gen.filled_groups
-        m["timing_s/gen"] = gen_s
+        if gen.rounds:  # the fully asynchronous mode's stream gives its own (offstep.pipeline.stream)
+            m["timing_s/gen"] = gen_s
+            m["perf/gen_tokens_per_s"] = float(batch.response_mask.sum()) / max(gen_s, 1e-9)
         if ref_s:
             m["timing_s/ref_rollout"] = ref_s
-        m["perf/gen_tokens_per_s"] = float(batch.response_mask.sum()) / max(gen_s, 1e-9)
         ready = Prepared(batch, m)
         if not trainer_first and not needs_old_logprobs(self.cfg, len(batch)):
             ready.stored = self.advantages_and_put(batch, m)  # nothing needed from the trainer

@@ -272,6 +272,8 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
 
     def make_rollout(i: int):
         opts = pool.options(i % pool.bundles, share if colocate else 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)})
+        if cfg.pipeline.mode == "fully_async":  # loads and takes are served while the engine generates
+            opts["max_concurrency"] = 4
         return rollout_cls.options(**opts).remote(
             inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
             ro.max_batch_size, ref_spec, live.client(f"rollout/{i}"), ro.engine, cfg.trainer.seed, lora, inputs.agent,

@@ -36,7 +36,8 @@ from offstep.models.lora import adapter_parameters, base_of, is_adapter_name
 from offstep.rollout.hf_runner import HFRunner
 from offstep.rollout.llama_runner import LlamaRunner, unsupported_reason
 from offstep.rollout.sampling import sample_tokens, sample_uniforms
-from offstep.rollout.types import Completion, PromptFeed, SamplingParams, TurnFeed, check_request, serve_prompts
+from offstep.rollout.control import SUSPENDED, StepControl
+from offstep.rollout.types import Completion, PromptFeed, SamplingParams, TurnFeed, TurnRequest, check_request, serve_prompts
 from offstep.sync.digest import WeightDigest, digest_of
 
 _log = logging.getLogger(__name__)
@@ -91,14 +92,22 @@ def _shared_prefix(prompts: list[list[int]]) -> int:
 class _Row:
     """Decoding state of one sample (or one turn of an agent loop): at most ``limit`` tokens."""
 
-    __slots__ = ("index", "limit", "logprobs", "prompt_index", "tokens")
+    __slots__ = ("index", "limit", "logprobs", "prompt", "prompt_index", "tokens", "versions")
 
-    def __init__(self, index: int, prompt_index: int, limit: int):
+    def __init__(self, index: int, prompt_index: int, limit: int, prompt: list[int] = ()):
         self.index = index
         self.prompt_index = prompt_index
         self.limit = limit
+        self.prompt = prompt  # its tokens before the first it samples (a recompute prefills them again)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] = []  # the weight version that sampled each token
+
+
+def _uniforms(requests: list[TurnRequest], params: SamplingParams, seed: int, device) -> Tensor:
+    """The uniforms of each request's own random stream, from its seed and offset."""
+    return sample_uniforms([r.stream for r in requests], params, seed, device,
+                           seeds=[r.seed for r in requests], offsets=[r.offset for r in requests])
 
 
 RUNNERS = ("auto", "slots", "hf")
@@ -177,12 +186,15 @@ class TorchEngine:
         self._check(prompts, params)
         return serve_prompts(self.serve, prompts, params, seed, on_finish)
 
-    def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None]) -> None:
+    def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None],
+              control: StepControl | None = None) -> None:
         """Generate the requests of ``feed`` as they come, until it is exhausted; call
         ``on_finish(request index, completion)`` as each finishes (from this thread: a request it
         adds to the feed is taken at the next step). ``params.n`` is ignored (one completion per
         request); each request has its own token limit and random stream (``TurnRequest``).
-        ``generate`` is this with the feed of its prompts."""
+        ``generate`` is this with the feed of its prompts. ``control``: weight loads and
+        suspensions posted from other threads, carried out between two decode steps
+        (``offstep.rollout.control``); a feed that blocks must wake up when one is posted."""
 
         def emit(row: _Row, reason: str) -> None:
             on_finish(row.index, self._finish(row, reason))
@@ -193,13 +205,18 @@ class TorchEngine:
             with torch.inference_mode():
                 if params.max_new_tokens == 0:
                     while (new := feed.take(1 << 30, block=True)) is not None:
+                        if control is not None:
+                            control.run_suspend()
+                            control.run_load()
                         for req in new:
                             emit(_Row(req.index, req.group, 0), "length")
                 elif self._runner is not None:
-                    self._generate_continuous(feed, params, seed, emit)
+                    self._generate_continuous(feed, params, seed, emit, control)
                 else:
-                    self._generate_static(feed, params, seed, emit)
+                    self._generate_static(feed, params, seed, emit, control)
         finally:
+            if control is not None:
+                control.detach()
             if was_training:
                 self.model.train()
 
@@ -367,12 +384,14 @@ class TorchEngine:
             finish_reason=reason,
             text=text,
             extra={"weight_version": self.version},
+            versions=row.versions,
         )
 
     def _append(self, row: _Row, token: int, logprob: float, params: SamplingParams, window: int) -> str | None:
         """Record one sampled token; return the finish reason if the sample ends here."""
         row.tokens.append(token)
         row.logprobs.append(logprob)
+        row.versions.append(self.version)
         if token in self._eos_set:
             return "stop"
         if params.stop:
@@ -388,7 +407,7 @@ class TorchEngine:
 
     # ---------------------------------------------------------------- continuous batching
 
-    def _generate_continuous(self, feed: TurnFeed, params: SamplingParams, seed: int, emit) -> None:
+    def _generate_continuous(self, feed: TurnFeed, params: SamplingParams, seed: int, emit, control: StepControl | None) -> None:
         """Decode with slots freed by finished samples refilled from the feed at the next step.
 
         State of the ``B`` running samples lives in slots ``0..B-1`` (rows of the tensors below and
@@ -414,9 +433,26 @@ class TorchEngine:
         rows: list[_Row] = []
         open_feed = True
         while True:
+            admit = True
+            if control is not None and (act := control.pending()) is not None:
+                if act == "suspend":  # every running sample ends here, its tokens so far kept
+                    for row in rows:
+                        emit(row, SUSPENDED)
+                    rows = []
+                    control.run_suspend()
+                elif control.partial == "off" and rows:
+                    admit = False  # the running samples finish under the old weights first
+                else:
+                    control.run_load()
+                    if shared:  # the shared prefix's K/V, which admitted prompts copy
+                        runner.step(cache, none, none, [prompts[0][:shared]], [[slots]])
+                    if control.partial == "recompute" and rows:
+                        # Every running sample's K/V again under the new weights: its prompt and its
+                        # tokens but the last, which is the next step's input as before.
+                        runner.step(cache, none, none, [r.prompt + r.tokens[:-1] for r in rows], [[j] for j in range(len(rows))])
             b = len(rows)
             # ---- admit waiting requests into the free slots; each new prompt is prefilled once
-            new = feed.take(slots - b, block=b == 0) if open_feed and b < slots else []
+            new = feed.take(slots - b, block=b == 0) if admit and open_feed and b < slots else []
             if new is None:
                 open_feed, new = False, []
             if not new and not rows:
@@ -434,7 +470,7 @@ class TorchEngine:
                     last_group = req.group
                 new_slots[-1].append(len(rows))
                 logit_row.append(b + len(new_prompts) - 1)
-                rows.append(_Row(req.index, req.group, req.max_new_tokens))
+                rows.append(_Row(req.index, req.group, req.max_new_tokens, req.prompt_ids))
             bt = len(rows)
             if shared and bt > b:
                 cache.move(prefix_src[: bt - b], torch.arange(b, bt, device=dev), shared)
@@ -444,7 +480,7 @@ class TorchEngine:
             pos[:b] += 1
             if bt > b:
                 pos[b:bt] = torch.tensor([len(req.prompt_ids) for req in new], device=dev)
-                uni[b:bt] = sample_uniforms([req.stream for req in new], params, seed, dev)
+                uni[b:bt] = _uniforms(new, params, seed, dev)
                 step[b:bt] = 0
             # ---- sample every running slot at once, each from its own stream
             tokens, logps = sample_tokens(logits, params, uni[torch.arange(bt, device=dev), step[:bt]])
@@ -479,20 +515,31 @@ class TorchEngine:
 
     # ---------------------------------------------------------------- fallback: static sub-batches
 
-    def _generate_static(self, feed: TurnFeed, params: SamplingParams, seed: int, emit) -> None:
+    def _generate_static(self, feed: TurnFeed, params: SamplingParams, seed: int, emit, control: StepControl | None) -> None:
         """Static sub-batches of what the feed has (all of a plain call's samples at once; an agent
-        loop's requests in waves: each wave is what has arrived when the previous one ends)."""
+        loop's requests in waves: each wave is what has arrived when the previous one ends). Between
+        two sub-batches nothing runs, so a posted weight load lands there whatever ``partial`` says."""
         while (requests := feed.take(1 << 30, block=True)) is not None:
             # Group similar prompt lengths into the same sub-batch (less padding); stable, so each
             # prompt's samples stay together.
             order = sorted(requests, key=lambda req: len(req.prompt_ids))
             for start in range(0, len(order), self.max_batch_size):
                 chunk = order[start : start + self.max_batch_size]
-                rows = [_Row(req.index, req.group, req.max_new_tokens) for req in chunk]
-                uniforms = sample_uniforms([req.stream for req in chunk], params, seed, self.device)
-                self._generate_chunk({req.group: req.prompt_ids for req in chunk}, rows, params, uniforms, emit)
+                rows = [_Row(req.index, req.group, req.max_new_tokens, req.prompt_ids) for req in chunk]
+                if control is not None:
+                    if control.pending() == "suspend":  # not started: emitted with no tokens
+                        for row in rows:
+                            emit(row, SUSPENDED)
+                        continue
+                    control.run_load()
+                uniforms = _uniforms(chunk, params, seed, self.device)
+                self._generate_chunk({req.group: req.prompt_ids for req in chunk}, rows, params, uniforms, emit, control)
+            if control is not None:
+                control.run_suspend()
+                control.run_load()
 
-    def _generate_chunk(self, prompts: dict[int, list[int]], rows: list[_Row], params: SamplingParams, uniforms: Tensor, emit) -> None:
+    def _generate_chunk(self, prompts: dict[int, list[int]], rows: list[_Row], params: SamplingParams, uniforms: Tensor, emit,
+                        control: StepControl | None = None) -> None:
         # ---- prefill the unique prompts of this chunk once; one cache row per sample
         unique: dict[int, int] = {}
         for row in rows:
@@ -518,4 +565,13 @@ class TorchEngine:
                 batch.select(sel)
                 tokens = tokens[sel]
                 active = [active[b] for b in keep]
+            if control is not None and (act := control.pending()) is not None:
+                if act == "suspend":  # the running rows end here, their tokens so far kept
+                    for i in active:
+                        emit(rows[i], SUSPENDED)
+                    return
+                if control.partial != "off":  # off: the load waits for the end of this sub-batch
+                    control.run_load()
+                    if control.partial == "recompute":  # each row's K/V again, under the new weights
+                        _, batch = runner.prefill([rows[i].prompt + rows[i].tokens[:-1] for i in active], list(range(len(active))))
             logits = runner.decode(batch, tokens)

@@ -80,15 +80,21 @@ def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     return (bidx * _CDF_BLOCK + j).squeeze(-1).clamp_(max=v - 1)
 
 
-def sample_uniforms(indices: Sequence[int], params: SamplingParams, seed: int, device: torch.device) -> Tensor:
+def sample_uniforms(indices: Sequence[int], params: SamplingParams, seed: int, device: torch.device,
+                    seeds: Sequence[int | None] | None = None, offsets: Sequence[int] | None = None) -> Tensor:
     """``[len(indices), max_new_tokens]`` float64 uniforms on ``device``, row ``r`` from sample
-    ``indices[r]``'s own stream (all zeros for greedy decoding, which ignores them)."""
+    ``indices[r]``'s own stream (all zeros for greedy decoding, which ignores them): seeded from
+    ``(seeds[r], indices[r])`` where ``seeds[r]`` is given, else ``(seed, indices[r])``, and starting
+    ``offsets[r]`` draws in (a continued sample: the stream is sequential, so a sample suspended
+    after t tokens and continued with offset t draws what it would have drawn)."""
     steps = max(1, params.max_new_tokens)
     if params.temperature == 0:
         return torch.zeros((len(indices), steps), dtype=torch.float64, device=device)
     out = torch.empty((len(indices), steps), dtype=torch.float64)
     gen = torch.Generator()
     for r, index in enumerate(indices):
-        gen.manual_seed(mix_seed(seed, index))
-        out[r] = torch.rand(steps, generator=gen, dtype=torch.float64)
+        own = seeds[r] if seeds is not None and seeds[r] is not None else seed
+        skip = offsets[r] if offsets is not None else 0
+        gen.manual_seed(mix_seed(own, index))
+        out[r] = torch.rand(skip + steps, generator=gen, dtype=torch.float64)[skip:]
     return out.to(device)

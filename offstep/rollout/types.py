@@ -54,6 +54,7 @@ class Completion:
     finish_reason: str
     text: str = ""
     extra: dict = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)  # the weight version that sampled each token
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,8 @@ class TurnRequest:
 
     ``index`` names the request in ``on_finish(index, completion)``. ``stream`` picks the random
     stream its tokens are sampled with (``offstep.rollout.sampling``): a sample's index in plain
-    generation, so a sample's first turn draws exactly what it draws in ``generate``. Requests of
+    generation, so a sample's first turn draws exactly what it draws in ``generate``; ``seed`` and
+    ``offset`` let a request continue a stream begun elsewhere (a suspended sample, resumed). Requests of
     one ``group`` taken together have the same ``prompt_ids`` (the samples of one prompt) and are
     prefilled once; ``group`` is the completion's ``prompt_index``.
     """
@@ -74,6 +76,8 @@ class TurnRequest:
     stream: int
     max_new_tokens: int
     group: int
+    seed: int | None = None  # the seed of its random stream; None: the serve call's
+    offset: int = 0  # tokens of its stream already sampled (a continued sample): its uniforms start there
 
 
 class TurnFeed(Protocol):

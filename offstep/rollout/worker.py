@@ -216,10 +216,43 @@ class RolloutWorker:
         for i, s in enumerate(samples):
             s.ref_logprobs = ref[i, : len(s.response_ids)].tolist()
 
+    # ---------------------------------------------------------------- fully asynchronous mode
+    # (pipeline.mode=fully_async, offstep.rollout.stream): the actor runs these on several threads
+    # (max_concurrency), so a load or a take is served while the engine generates.
+    def stream_start(self, prompts: list[list[int]], params: SamplingParams, partial: str) -> None:
+        """Start generating from a stream of prompt groups (``prompts``: every prompt that may come,
+        for the engine's cache and shared prefix)."""
+        from offstep.rollout.stream import StreamServer
+
+        def score(r: Request, text: str):
+            return self.reward(r.data_source, text, r.ground_truth, r.extra_info)
+
+        self.progress.start("gen", total=0, version=self.engine.version)
+        self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, score, self.pool,
+                                    self._tok, self.progress.advance)
+
+    def stream_submit(self, groups: list) -> None:
+        self._stream.submit(groups)
+
+    def stream_take(self, wait_s: float) -> list:
+        """The groups finished since the last take (reference log-probs attached when this replica
+        holds the reference), waiting up to ``wait_s`` seconds for one."""
+        out = self._stream.take(wait_s)
+        if out and self.ref is not None:
+            self._attach_ref_logprobs([s for g in out for s in g.samples])
+        return out
+
+    def stream_suspend(self) -> list:
+        return self._stream.suspend()
+
     def load_weights(self, packed: dict, version: int) -> Loaded:
         t0 = time.time()
         self.progress.start("load_weights", version=version)
-        self._apply(unpack_state_dict(packed), version)
+        tensors = unpack_state_dict(packed)
+        if getattr(self, "_stream", None) is not None:  # between two decode steps of the running engine
+            self._stream.load(lambda: self._apply(tensors, version))
+        else:
+            self._apply(tensors, version)
         return self._loaded(t0, version)
 
     def _apply(self, tensors: dict, version: int) -> None:

@@ -1,0 +1,239 @@
+"""The fully asynchronous mode's source of batches (``pipeline.mode=fully_async``): prompt groups
+are admitted into the replicas as the staleness bound allows, finished groups queue in the driver,
+and a step takes ``data.train_batch_size`` of them as soon as they are there. The loop, the
+trainer, the weight sync and the checkpoints are the batch mode's (``controller.py``).
+
+**Admission** (backpressure, no dropping). Group ``g`` (0, 1, ... in admission order; prompts in
+the prompt stream's order) goes to a replica that holds policy version ``h`` only while
+``g < (h + k + 1) * B`` (``k = pipeline.max_staleness``, ``B`` groups a step). Its samples' oldest
+tokens are then of version ``>= h``.
+
+**Taking a batch** at trainer version ``V`` (the step that makes ``V + 1``): every group admitted
+at a version ``<= V - k`` must be in it (one step later it would break the bound); the admission
+rule keeps those at most ``B``. The trainer waits for them if they are still generating (a long
+sample is waited for, never dropped: no bias against long samples), and fills the batch with the
+oldest other finished groups. The batch is ordered by admission number.
+
+With ``k = 0`` exactly ``B`` groups are admitted at each version and all of them are taken, with
+the batch mode's seeds and replica shares: the synchronous loop.
+
+Each group's place, seeds and replica are a function of its admission number ``g``: batch
+``g // B + 1``, position ``g % B``, the replica whose contiguous share of that batch holds the
+position (as ``RolloutFleet.split``), and that replica's generation seed for the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import ray
+
+from offstep.errors import RolloutFailed
+from offstep.pipeline.batching import Generated
+from offstep.pipeline.fleet import gen_seed, split
+from offstep.pipeline.inputs import to_request
+from offstep.rollout.stream import GroupWork, SampleState
+
+POLL_S = 0.5  # how long one take waits on a replica for a finished group
+
+
+@dataclass
+class Admitted:
+    """A group in the stream: its admission number, where it came from, which replica runs it, the
+    version that replica held when it was admitted, and its work (finished: its samples)."""
+
+    g: int
+    epoch: int
+    prompt: int  # index into the training set
+    replica: int
+    version: int
+    work: GroupWork
+    finished: object = None  # the replica's FinishedGroup
+
+
+class SampleStream:
+    def __init__(self, cfg, inputs, prompt_stream, workers, params, timeline):
+        self.cfg, self.inputs, self.stream, self.workers, self.params = cfg, inputs, prompt_stream, workers, params
+        self.timeline = timeline
+        self.B, self.k, self.N = cfg.data.train_batch_size, cfg.pipeline.max_staleness, cfg.trainer.total_steps
+        self.R = len(workers.rollout)
+        self.shares = [(r, i) for r, part in enumerate(split(list(range(self.B)), self.R)) for i in range(len(part))]
+        self.admitted = 0  # groups admitted since the run began (resumed: since its first step)
+        self.drawn: list[int] = []  # prompts of the current batch of the prompt stream not admitted yet
+        self.epoch = 0
+        self.groups: dict[int, Admitted] = {}  # admitted, not yet trained
+        self.held = 0  # the policy version every replica holds
+        self.generated_lengths: list[int] = []  # lengths of the samples finished since the last batch
+        self._changed = asyncio.Event()
+        self._error: BaseException | None = None
+        self._pollers: list[asyncio.Task] = []
+
+    # ---------------------------------------------------------------- start, admission, polling
+    async def start(self, version: int, consumed: int, saved: dict | None) -> None:
+        """Start every replica's stream at ``version`` with ``consumed`` groups trained so far;
+        ``saved``: the groups a checkpoint stored (:meth:`state`), continued where they stopped."""
+        self.held, self.admitted = version, consumed
+        prompts = [p.prompt_ids for p in self.inputs.train]
+        await asyncio.gather(*(w.stream_start.remote(prompts, self.params, self.cfg.rollout.partial)
+                               for w in self.workers.rollout))
+        if saved is not None:
+            self._restore(saved)
+        self._pollers = [asyncio.ensure_future(self._poll(r)) for r in range(self.R)]
+        self.admit()
+
+    def _place(self, g: int) -> tuple[int, int, int]:
+        """(replica, seed, first stream) of group ``g``: the batch mode's for its batch and position."""
+        batch, pos = g // self.B + 1, g % self.B
+        r, i = self.shares[pos]
+        return r, gen_seed(self.cfg.trainer.seed, batch, r), i * self.params.n
+
+    def admit(self) -> None:
+        """Admit every group the staleness bound allows now (see the module's docstring)."""
+        limit = min(self.N * self.B, (self.held + self.k + 1) * self.B)
+        per_replica: dict[int, list[GroupWork]] = {}
+        while self.admitted < limit:
+            if not self.drawn:
+                self.epoch, self.drawn = self.stream.next_batch()
+                self.drawn = list(self.drawn)
+            g, prompt = self.admitted, self.drawn.pop(0)
+            r, seed, stream0 = self._place(g)
+            work = GroupWork(to_request(self.inputs.train[prompt], g + self.B), seed, stream0)
+            self.groups[g] = Admitted(g, self.epoch, prompt, r, self.held, work)
+            per_replica.setdefault(r, []).append(work)
+            self.admitted += 1
+        for r, works in per_replica.items():
+            self.workers.rollout[r].stream_submit.remote(works)
+
+    async def _poll(self, r: int) -> None:
+        worker = self.workers.rollout[r]
+        try:
+            while True:
+                for f in await worker.stream_take.remote(POLL_S):
+                    a = self.groups[f.uid - self.B]
+                    a.finished = f
+                    self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
+                    self._changed.set()
+        except asyncio.CancelledError:
+            raise
+        except ray.exceptions.RayActorError as e:
+            self._fail(RolloutFailed(f"rollout worker {r} died while generating in pipeline.mode=fully_async "
+                                     f"({type(e).__name__}); resume from the last checkpoint with trainer.resume=auto"))
+        except BaseException as e:
+            self._fail(e)
+
+    def _fail(self, e: BaseException) -> None:
+        self._error = e
+        self._changed.set()
+
+    def loaded(self, version: int) -> None:
+        """Every replica now holds ``version`` (its sync was checked): admit what that allows."""
+        self.held = max(self.held, version)
+        self.admit()
+
+    # ---------------------------------------------------------------- taking a batch
+    async def next_batch(self, step: int) -> tuple[Generated, int, list[int], dict]:
+        """The ``B`` groups step ``step`` trains on (trainer version ``step - 1``), as the batch
+        mode's :class:`Generated`, with their epoch, prompts and the stream's metrics."""
+        version = step - 1
+        while True:
+            if self._error is not None:
+                raise self._error
+            waiting = sorted(self.groups.values(), key=lambda a: a.g)
+            must = [a for a in waiting if a.version <= version - self.k]
+            done = [a for a in waiting if a.finished is not None]
+            if len(done) >= self.B and all(a.finished is not None for a in must):
+                break
+            self._changed.clear()
+            await self._changed.wait()
+        chosen = must + [a for a in done if a.version > version - self.k][: self.B - len(must)]
+        chosen.sort(key=lambda a: a.g)
+        for a in chosen:
+            del self.groups[a.g]
+        samples = [s for a in chosen for s in a.finished.samples]
+        gen = Generated(samples=samples, prompt_of={a.work.request.uid: a.prompt for a in chosen})
+        m = self._metrics(chosen, samples, step)
+        return gen, max(a.epoch for a in chosen), [a.prompt for a in chosen], m
+
+    def _metrics(self, chosen: list[Admitted], samples: list, step: int) -> dict:
+        spans = [len(set(s.token_versions or [s.version])) for s in samples]
+        trained = [len(s.response_ids) for s in samples]
+        generated, self.generated_lengths = self.generated_lengths or trained, []
+        mean_gen = sum(generated) / len(generated)
+        for r in range(self.R):  # each replica's generation of this batch's groups, on the timeline
+            mine = [a for a in chosen if a.replica == r]
+            if mine:
+                self.timeline.add(f"rollout/{r}", "gen", step, min(a.finished.start for a in mine),
+                                  max(a.finished.end for a in mine), version=min(a.version for a in mine))
+        gen_s = max(a.finished.end for a in chosen) - min(a.finished.start for a in chosen)
+        return {
+            "rollout/version_span_max": max(spans),
+            "rollout/partial_samples": sum(n > 1 for n in spans),
+            "rollout/queue_depth": sum(a.finished is not None for a in self.groups.values()),
+            "rollout/in_flight_groups": sum(a.finished is None for a in self.groups.values()),
+            "rollout/dropped_stale": 0,  # admission holds back instead (see the module's docstring)
+            # mean trained length over mean generated length, minus 1: 0 when the batch is not biased
+            # towards short (negative) or long (positive) samples
+            "rollout/length_bias": (sum(trained) / len(trained)) / max(mean_gen, 1e-9) - 1.0,
+            "response_length/generated_mean": mean_gen,
+            "timing_s/gen": gen_s,
+        }
+
+    # ---------------------------------------------------------------- checkpoints
+    async def suspend(self) -> None:
+        """Stop every replica's in-flight samples where they are and collect every finished group,
+        so that :meth:`state` holds all of them; :meth:`resubmit` continues them."""
+        suspended = await asyncio.gather(*(w.stream_suspend.remote() for w in self.workers.rollout))
+        for works in suspended:
+            for work in works:
+                self.groups[work.request.uid - self.B].work = work
+        finished = await asyncio.gather(*(w.stream_take.remote(0.0) for w in self.workers.rollout))
+        for f in (f for fs in finished for f in fs):
+            self.groups[f.uid - self.B].finished = f
+            self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
+
+    def resubmit(self) -> None:
+        """Continue the suspended groups on their replicas."""
+        per_replica: dict[int, list[GroupWork]] = {}
+        for a in sorted(self.groups.values(), key=lambda a: a.g):
+            if a.finished is None:
+                per_replica.setdefault(a.replica, []).append(a.work)
+        for r, works in per_replica.items():
+            self.workers.rollout[r].stream_submit.remote(works)
+
+    def state(self) -> dict:
+        """The stream's share of a checkpoint (JSON): the prompts drawn but not admitted, and every
+        admitted group not yet trained with its samples as far as they got."""
+        groups = []
+        for a in sorted(self.groups.values(), key=lambda a: a.g):
+            if a.finished is not None:
+                samples = [dataclasses.asdict(s) for s in a.finished.samples]
+                states = None
+            else:
+                samples = None
+                states = [dataclasses.asdict(s) for s in a.work.samples]
+            groups.append({"g": a.g, "epoch": a.epoch, "prompt": a.prompt, "replica": a.replica, "version": a.version,
+                           "states": states, "samples": samples})
+        return {"admitted": self.admitted, "drawn": list(self.drawn), "epoch": self.epoch, "groups": groups}
+
+    def _restore(self, saved: dict) -> None:
+        from offstep.pipeline.checkpoints import decode_stream_groups
+        from offstep.rollout.stream import FinishedGroup
+
+        self.admitted, self.drawn, self.epoch = saved["admitted"], list(saved["drawn"]), saved["epoch"]
+        for d in decode_stream_groups(saved, len(self.inputs.train), self.R):
+            r, seed, stream0 = self._place(d["g"])
+            work = GroupWork(to_request(self.inputs.train[d["prompt"]], d["g"] + self.B), seed, stream0,
+                             [SampleState(**s) for s in d["states"]] if d["states"] is not None else [])
+            a = Admitted(d["g"], d["epoch"], d["prompt"], r, d["version"], work)
+            if d["samples"] is not None:
+                a.finished = FinishedGroup(d["g"] + self.B, d["samples"], time.time(), time.time())
+            self.groups[a.g] = a
+        self.resubmit()
+
+    def close(self) -> None:
+        for t in self._pollers:
+            t.cancel()
+

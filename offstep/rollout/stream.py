@@ -1,0 +1,264 @@
+"""A rollout replica generating without pause (``pipeline.mode=fully_async``): prompt groups come
+in whenever the controller admits them, finished groups go out as soon as all their samples are
+scored, and weight loads land between decode steps (``offstep.rollout.control``).
+
+The engine's ``serve`` runs on a thread of its own over a :class:`StreamFeed`. A group is ``n``
+samples of one prompt; each sample has its own random stream ``(seed, stream0 + j)``, so where and
+when it runs does not change what it draws. A sample carries the weight version of each of its
+tokens. A suspension (for a checkpoint) hands back every unfinished group with its samples as far
+as they got (:class:`SampleState`); submitted again, each continues where it stopped: its prompt
+and tokens so far are prefilled, and its stream goes on from the draw it had reached.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from offstep.batch import Sample
+from offstep.rollout.control import SUSPENDED, StepControl
+from offstep.rollout.types import Completion, SamplingParams, TurnRequest
+
+
+@dataclass
+class SampleState:
+    """One sample of a group as far as it got: its tokens with their log-probs and versions, and,
+    once it finished, why and its score."""
+
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # "": not finished
+    score: float | None = None
+    extra: dict = field(default_factory=dict)
+    text: str = ""
+
+
+@dataclass
+class GroupWork:
+    """A prompt group for a replica: the request (``offstep.rollout.worker.Request``), the seed and
+    first stream of its samples' random streams, and its samples' states (empty: not started)."""
+
+    request: object
+    seed: int
+    stream0: int
+    samples: list[SampleState] = field(default_factory=list)
+    started: float = 0.0  # when the replica first took it (time.time())
+
+
+@dataclass
+class FinishedGroup:
+    uid: int
+    samples: list[Sample]
+    start: float  # the group's generation span on the replica
+    end: float
+
+
+class StreamFeed:
+    """The feed of a serving engine that never runs dry: ``take`` blocks until requests arrive, a
+    weight load or suspension is posted (it then returns ``[]``, so the engine can act), or the
+    feed is closed (``None``). ``pause`` holds back the queued requests (for a suspension)."""
+
+    def __init__(self, prompts: list[list[int]], concurrency: int):
+        self.prompts, self.concurrency = prompts, concurrency
+        self._cond = threading.Condition()
+        self._queue: list[TurnRequest] = []
+        self._closed = self._paused = self._woken = False
+
+    def put(self, requests: list[TurnRequest]) -> None:
+        with self._cond:
+            self._queue.extend(requests)
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def pause(self, paused: bool) -> None:
+        with self._cond:
+            self._paused = paused
+            self._cond.notify_all()
+
+    def drain(self) -> list[TurnRequest]:
+        """The queued requests no engine step has taken, removed."""
+        with self._cond:
+            out, self._queue = self._queue, []
+            return out
+
+    def take(self, limit: int, block: bool) -> list[TurnRequest] | None:
+        with self._cond:
+            while block and not self._closed and not self._woken and (self._paused or not self._queue):
+                self._cond.wait()
+            self._woken = False
+            if self._closed:
+                return None
+            if self._paused:
+                return []
+            out, self._queue = self._queue[:limit], self._queue[limit:]
+            return out
+
+
+class StreamServer:
+    """The replica's side of the fully asynchronous mode (see the module's docstring).
+    ``score(request, text) -> (score, extra)`` runs on ``pool``; ``tokenizer`` decodes texts."""
+
+    def __init__(self, engine, prompts: list[list[int]], params: SamplingParams, partial: str, concurrency: int,
+                 score: Callable, pool: ThreadPoolExecutor, tokenizer, on_sample: Callable[[], None] = lambda: None):
+        self.engine, self.params, self.score, self.pool, self.tok = engine, params, score, pool, tokenizer
+        self.on_sample = on_sample
+        self.feed = StreamFeed(prompts, concurrency)
+        self.control = StepControl(partial)
+        self._lock = threading.Condition()
+        self._groups: dict[int, GroupWork] = {}  # uid -> unfinished group
+        self._owner: dict[int, tuple[int, int]] = {}  # request index -> (uid, sample)
+        self._scoring: dict[int, int] = {}  # uid -> samples whose score is pending
+        self._finished: list[FinishedGroup] = []
+        self._next = 0  # request indices (and engine groups) handed out
+        self._error: BaseException | None = None
+        self.control.attach(self.feed.wake)
+        self._thread = threading.Thread(target=self._serve, name="stream-serve", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.engine.serve(self.feed, self.params, 0, self._on_finish, self.control)
+        except BaseException as e:  # handed to the controller by the next take
+            with self._lock:
+                self._error = e
+                self._lock.notify_all()
+
+    # ---------------------------------------------------------------- submitting
+    def submit(self, groups: list[GroupWork]) -> None:
+        """Queue ``groups``; a group with sample states continues them (finished samples stay)."""
+        requests = []
+        now = time.time()
+        with self._lock:
+            for g in groups:
+                uid = g.request.uid
+                if not g.samples:
+                    g.samples = [SampleState() for _ in range(self.params.n)]
+                g.started = g.started or now
+                self._groups[uid] = g
+                fresh_key = None  # the fresh samples of one prompt share an engine group: prefilled once
+                for j, s in enumerate(g.samples):
+                    if s.finish_reason:
+                        continue
+                    index = self._next
+                    self._next += 1
+                    if s.tokens:  # a continued sample: its own prompt, the tokens it has
+                        group = index
+                    else:
+                        fresh_key = index if fresh_key is None else fresh_key
+                        group = fresh_key
+                    self._owner[index] = (uid, j)
+                    requests.append(TurnRequest(index, list(g.request.prompt_ids) + s.tokens, g.stream0 + j,
+                                                self.params.max_new_tokens - len(s.tokens), group, seed=g.seed,
+                                                offset=len(s.tokens)))
+                self._scoring[uid] = sum(1 for s in g.samples if s.finish_reason and s.score is None)
+                for j, s in enumerate(g.samples):
+                    if s.finish_reason and s.score is None:
+                        self._score(uid, j)
+                self._maybe_done(uid)
+        self.feed.put(requests)
+
+    # ---------------------------------------------------------------- the engine thread
+    def _on_finish(self, index: int, c: Completion) -> None:
+        with self._lock:
+            uid, j = self._owner.pop(index)
+            g = self._groups[uid]
+            s = g.samples[j]
+            s.tokens = s.tokens + list(c.response_ids)
+            s.logprobs = s.logprobs + list(c.logprobs)
+            s.versions = s.versions + list(c.versions)
+            if c.finish_reason == SUSPENDED:
+                return
+            s.finish_reason = c.finish_reason
+            self._scoring[uid] += 1
+            self._score(uid, j)
+        self.on_sample()
+
+    def _score(self, uid: int, j: int) -> None:
+        g = self._groups[uid]
+        s = g.samples[j]
+        s.text = self.tok.decode(s.tokens, skip_special_tokens=True)
+        fut: Future = self.pool.submit(self.score, g.request, s.text)
+        fut.add_done_callback(lambda f: self._scored(uid, j, f))
+
+    def _scored(self, uid: int, j: int, fut: Future) -> None:
+        with self._lock:
+            if uid not in self._groups:
+                return
+            try:
+                value, extra = fut.result()
+            except BaseException as e:
+                self._error = e
+                self._lock.notify_all()
+                return
+            s = self._groups[uid].samples[j]
+            s.score, s.extra = value, extra
+            self._scoring[uid] -= 1
+            self._maybe_done(uid)
+
+    def _maybe_done(self, uid: int) -> None:
+        """(Under the lock.) A group whose samples all finished and are scored goes out."""
+        g = self._groups[uid]
+        if self._scoring[uid] or not all(s.finish_reason and s.score is not None for s in g.samples):
+            return
+        del self._groups[uid], self._scoring[uid]
+        r = g.request
+        samples = [Sample(uid=uid, prompt_ids=list(r.prompt_ids), response_ids=s.tokens, rollout_logprobs=s.logprobs,
+                          finish_reason=s.finish_reason, score=s.score,
+                          version=s.versions[0] if s.versions else self.engine.version, data_source=r.data_source,
+                          text=s.text, reward_extra=s.extra, token_versions=s.versions)
+                   for s in g.samples]
+        self._finished.append(FinishedGroup(uid, samples, g.started, time.time()))
+        self._lock.notify_all()
+
+    # ---------------------------------------------------------------- the controller's calls
+    def take(self, wait_s: float) -> list[FinishedGroup]:
+        """The groups finished since the last call, waiting up to ``wait_s`` for one."""
+        deadline = time.monotonic() + wait_s
+        with self._lock:
+            while not self._finished and self._error is None and (left := deadline - time.monotonic()) > 0:
+                self._lock.wait(left)
+            if self._error is not None:
+                raise self._error
+            out, self._finished = self._finished, []
+            return out
+
+    def load(self, apply: Callable[[], None]) -> None:
+        """Weights into the engine between two decode steps (``apply`` loads them); returns when done."""
+        self.control.post_load(apply).result()
+
+    def suspend(self) -> list[GroupWork]:
+        """End every in-flight sample where it is and hand back every unfinished group (removed
+        from this replica; submit them again to continue). Finished groups stay for ``take``."""
+        self.feed.pause(True)
+        try:
+            self.control.post_suspend().result()
+            self.feed.drain()  # their samples' states say where each stands
+            with self._lock:
+                while any(self._scoring.values()) and self._error is None:
+                    self._lock.wait(0.1)
+                if self._error is not None:
+                    raise self._error
+                out = list(self._groups.values())
+                self._groups.clear()
+                self._scoring.clear()
+                self._owner.clear()
+                return out
+        finally:
+            self.feed.pause(False)
+
+    def close(self) -> None:
+        self.feed.close()
+        self._thread.join(timeout=30)
