@@ -77,6 +77,11 @@ SLOW = [
                  ["reward/overlong_penalty", "actor/rejected_frac", "actor/is_truncated_frac", "timing_s/old_logprobs",
                   "actor/clipfrac"], [],
                  id="overlong-sequence-tis-token-rejection"),
+    pytest.param(["algorithm.m2po_threshold=0.04", "algorithm.m2po_tokens=trust_region", "algorithm.rejection_level=token"],
+                 # one mini-batch, one epoch, yet a separate old-log-prob pass: M2PO masks the whole mini-batch
+                 ["actor/m2po_masked_frac", "actor/m2po_m2", "actor/m2po_m2_kept", "actor/m2po_masked_frac/staleness_1",
+                  "timing_s/old_logprobs"], [],
+                 id="m2po-trust-region-token-rejection"),
     pytest.param(["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl", "algorithm.kl_ctrl.kl_coef=0.01",
                   "pipeline.ref_on_rollout=true"], ["reward/kl_coef", "reward/kl_penalty", "actor/kl"], [],
                  id="grpo-kl-in-reward-fixed-ref-on-rollout"),

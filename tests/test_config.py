@@ -70,6 +70,9 @@ def test_invalid_configs_name_the_key(overrides, key):
         (["algorithm.correction_mode=bypass", "rollout.top_p=0.9"], "rollout.top_p=1"),
         (["algorithm.rejection_level=median"], "algorithm.rejection_level"),
         (["algorithm.rejection_ratio_high=0.5"], "algorithm.rejection_ratio_low/high"),
+        (["algorithm.m2po_threshold=-0.04"], "algorithm.m2po_threshold"),
+        (["algorithm.correction_mode=bypass", "algorithm.m2po_threshold=0.04"], "algorithm.m2po_threshold"),
+        (["algorithm.m2po_threshold=0.04", "algorithm.m2po_tokens=harmful"], "algorithm.m2po_tokens"),
         (["algorithm.kl_penalty=k7"], "algorithm.kl_penalty"),
         (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], "algorithm.kl_ctrl.target_kl"),
         (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type"),
@@ -96,6 +99,10 @@ def test_incompatible_algorithm_options_name_the_key(overrides, key):
         ["algorithm.policy_loss=ppo", "algorithm.clip_ratio_c=3.0", "algorithm.correction_mode=bypass"],
         ["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std=false", "algorithm.loss_agg_mode=seq-mean-token-sum-norm"],
         ["algorithm.rejection_level=geometric", "algorithm.rejection_kl=0.1", "algorithm.tis_level=sequence"],
+        ["algorithm.m2po_threshold=0.04", "algorithm.m2po_tokens=trust_region", "algorithm.rejection_level=token"],
+        # IcePop: token weights pi_old / pi_rollout inside [0.5, 5], 0 outside
+        ["algorithm.tis_cap=5", "algorithm.rejection_level=token", "algorithm.rejection_ratio_low=0.5",
+         "algorithm.rejection_ratio_high=5"],
         ["algorithm.overlong_penalty=true", "algorithm.dynamic_sampling=true"],
     ],
 )

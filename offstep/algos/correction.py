@@ -24,6 +24,13 @@ It departs from verl in one way: a rejected token keeps its place in the loss no
 weight is 0 rather than being removed from the mask), so the normaliser of a mini-batch can be
 fixed before the forward pass that produces the trainer's log-probs.
 
+``icepop_weights`` is IcePop's two-sided token mask (Ring-1T, "Every Step Evolves", arXiv:2510.18855):
+the token ratio where it lies in ``[low, high]``, 0 elsewhere — the product of the token-level
+truncated weights capped at ``high`` and the token-level rejection mask on ``[low, high]``.
+``m2po_mask`` is the second-moment mask of M2PO (Zheng et al. 2025, "Prosperity before Collapse",
+arXiv:2510.01161, Algorithm 1): drop the tokens with the largest squared log-ratio until the
+mean over the rest is at most a threshold.
+
 Mismatch diagnostics estimate KL(pi_rollout || pi_old) from the rollout's own samples with the
 k1 and k3 estimators of J. Schulman, http://joschu.net/blog/kl-approx.html. ``GroupedTokenStats``
 accumulates per-token diagnostics per group label (the staleness of each sample).
@@ -32,6 +39,7 @@ accumulates per-token diagnostics per group label (the staleness of each sample)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -161,6 +169,86 @@ def truncated_flags(
     log_ratio = torch.where(valid, old_logprob - rollout_logprob, zero).detach()
     units = log_ratio if level == "token" else log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
     return (valid & (units > math.log(cap))).to(old_logprob.dtype)
+
+
+def icepop_weights(
+    old_logprob: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    low: float = 0.5,
+    high: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """IcePop's per-token weight ``M(k) = k if low <= k <= high else 0``, ``k = pi_old / pi_rollout``
+    (the paper's defaults ``[0.5, 5]``); detached, 0 on padding. It equals
+    ``truncated_importance_weights(cap=high) * rejection_mask(level="token", [low, high])``, which
+    is how the actor applies it (``tis_level=token tis_cap=high rejection_level=token
+    rejection_ratio_low=low rejection_ratio_high=high``); metrics: those of both."""
+    weights, metrics = truncated_importance_weights(old_logprob, rollout_logprob, response_mask, cap=high)
+    keep, rej = rejection_mask(old_logprob, rollout_logprob, response_mask, "token", ratio_high=high, ratio_low=low)
+    return weights * keep, {**metrics, **rej}
+
+
+def second_moment_keep(m2: torch.Tensor, threshold: float) -> torch.Tensor:
+    """M2PO's masking on a flat tensor of per-token second moments ``m2 >= 0``: while the mean of
+    the tokens left exceeds ``threshold``, drop the largest. Returns bool ``keep`` (same shape).
+    Equal values are dropped in index order (a stable sort); if even the smallest value exceeds
+    ``threshold`` every token is dropped."""
+    keep = torch.ones(m2.shape, dtype=torch.bool, device=m2.device)
+    n = m2.numel()
+    if n == 0:
+        return keep
+    vals = m2.detach().reshape(-1).to(torch.float64)
+    order = torch.sort(vals, descending=True, stable=True).indices
+    # mean of the tokens left after dropping the i largest, i = 0 .. n-1 (non-increasing in i)
+    left_mean = vals[order].flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=torch.float64, device=m2.device)
+    first_ok = torch.nonzero(left_mean <= threshold)
+    dropped = int(first_ok[0]) if first_ok.numel() else n
+    keep.view(-1)[order[:dropped]] = False
+    return keep
+
+
+def m2po_mask(
+    old_logprob: torch.Tensor,
+    rollout_logprob: torch.Tensor,
+    response_mask: torch.Tensor,
+    threshold: float = 0.04,
+    advantages: torch.Tensor | None = None,
+    gather: Callable[[torch.Tensor], tuple[torch.Tensor, int]] | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """M2PO's second-moment mask: which tokens to keep (1.0) or drop (0.0).
+
+    Each valid token's second moment is ``(log pi_old / pi_rollout)^2``; ``second_moment_keep``
+    drops the largest until their mean over the candidates left is at most ``threshold`` (the
+    paper's tau_M2 = 0.04). Candidates: every valid token (``advantages=None``, as AReaL's
+    ``m2_threshold``), or, given per-token ``advantages``, the paper's trust-region tokens only
+    (advantage > 0 with ratio > 1, or advantage < 0 with ratio < 1); other tokens are kept.
+    ``gather`` (data parallelism) maps this rank's flat candidate values to every rank's, in rank
+    order, and this rank's offset in them, so that each rank masks as the whole batch would.
+    Returns ``(keep [B, R], metrics)``, keep 0 on padding and detached; metrics: ``m2po_masked_frac``
+    (this rank's valid tokens dropped), ``m2po_m2`` and ``m2po_m2_kept`` (the candidates' mean
+    second moment before and after, over every rank).
+    """
+    valid = response_mask.bool()
+    zero = torch.zeros((), dtype=old_logprob.dtype, device=old_logprob.device)
+    d = torch.where(valid, old_logprob - rollout_logprob, zero).detach()
+    candidate = valid
+    if advantages is not None:
+        candidate = valid & (((advantages > 0) & (d > 0)) | ((advantages < 0) & (d < 0)))
+    local = (d * d)[candidate]
+    values, offset = (local, 0) if gather is None else gather(local)
+    kept_all = second_moment_keep(values, threshold)
+    keep = valid.clone()
+    keep[candidate] = kept_all[offset : offset + local.numel()].to(keep.device)
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return x.to(old_logprob.dtype).mean() if x.numel() else zero
+
+    metrics = {
+        "m2po_masked_frac": masked_mean((valid & ~keep).to(old_logprob.dtype), valid),
+        "m2po_m2": mean(values),
+        "m2po_m2_kept": mean(values[kept_all]),
+    }
+    return keep.to(old_logprob.dtype), metrics
 
 
 class GroupedTokenStats:

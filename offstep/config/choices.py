@@ -19,6 +19,7 @@ KL_CONTROLLERS = ("fixed", "adaptive")
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 TIS_LEVELS = ("token", "sequence")
 REJECTION_LEVELS = ("off", "token", "sequence", "geometric")
+M2PO_TOKENS = ("all", "trust_region")  # algorithm.m2po_tokens
 CORRECTION_MODES = ("decoupled", "bypass", "off")  # no table: the actor and the controller compare with each name
 
 # rollout.*

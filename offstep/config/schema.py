@@ -206,6 +206,10 @@ class AlgorithmConfig:
     """decoupled: the lower bound of pi_old / pi_rollout before a token/response is rejected (0: 1 / rejection_ratio_high)"""
     rejection_kl: float = 0.0
     """decoupled: > 0: also reject responses whose mean mismatch KL (k3) exceeds it (verl seq_mean_k3)"""
+    m2po_threshold: float = 0.0
+    """decoupled: > 0: M2PO's second-moment mask (arXiv:2510.01161): in each mini-batch (over all ranks) drop (weight 0) the tokens with the largest (log pi_old / pi_rollout)^2 until the mean over the rest is <= this (the paper's 0.04); 0: off"""
+    m2po_tokens: str = "all"
+    """m2po_threshold > 0: the tokens it may drop and averages over: all (AReaL's m2_threshold) | trust_region (the paper's: advantage > 0 with ratio > 1, or advantage < 0 with ratio < 1)"""
     overlong_penalty: bool = False
     """DAPO's soft overlong punishment, added to the reward before advantages: responses longer than rollout.max_new_tokens - overlong_buffer_len lose up to overlong_penalty_factor"""
     overlong_buffer_len: int = 4

@@ -20,6 +20,7 @@ from offstep.config.choices import (
     KL_ESTIMATORS,
     LOGGERS,
     LOSS_AGG_MODES,
+    M2PO_TOKENS,
     NONFINITE_POLICIES,
     OVERLONG_MODES,
     PARTIAL_MODES,
@@ -75,6 +76,7 @@ def _check_algorithm(cfg: Config, e: list[str]) -> None:
     _choice(a.correction_mode, "algorithm.correction_mode", CORRECTION_MODES, e)
     _choice(a.tis_level, "algorithm.tis_level", TIS_LEVELS, e)
     _choice(a.rejection_level, "algorithm.rejection_level", REJECTION_LEVELS, e)
+    _choice(a.m2po_tokens, "algorithm.m2po_tokens", M2PO_TOKENS, e)
     est = a.adv_estimator
     _need(not (est in GROUP_ESTIMATORS and r.n == 1),  # n < 1 is refused on its own
           f"algorithm.adv_estimator={est} compares the rewards of the samples of one prompt with each other, so it "
@@ -115,6 +117,11 @@ def _check_algorithm(cfg: Config, e: list[str]) -> None:
           f"algorithm.rejection_ratio_low/high = {a.rejection_ratio_low}/{a.rejection_ratio_high}: need high > 1 and "
           f"0 <= low < 1 (low 0: 1 / high)", e)
     _need(a.rejection_kl >= 0, f"algorithm.rejection_kl={a.rejection_kl} must be >= 0 (0: off)", e)
+    _need(a.m2po_threshold >= 0, f"algorithm.m2po_threshold={a.m2po_threshold} must be >= 0 (0: off; M2PO's paper uses 0.04)", e)
+    _need(not (a.m2po_threshold > 0 and mode != "decoupled"),
+          f"algorithm.m2po_threshold={a.m2po_threshold} masks tokens by the log-ratio of the trainer's to the rollout's "
+          f"log-probs, which only algorithm.correction_mode=decoupled computes (got {mode}); set correction_mode=decoupled "
+          f"or m2po_threshold=0", e)
     # Critic
     w = cfg.critic.warmup_steps
     _need(w >= 0, f"critic.warmup_steps={w} must be >= 0", e)

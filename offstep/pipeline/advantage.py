@@ -33,12 +33,14 @@ def needs_old_logprobs(cfg: Config, batch_size: int, actor_frozen: bool = False)
     """Whether the actor must compute the pre-update log-probs in a pass of their own: the PPO
     ratio needs them for every mini-batch after the first, and the KL penalty in the reward
     before the advantages; otherwise the actor takes them from its own forward pass (one epoch,
-    one mini-batch), and in bypass mode the rollout's log-probs are the old policy."""
+    one mini-batch), and in bypass mode the rollout's log-probs are the old policy. The M2PO mask
+    (``algorithm.m2po_threshold``) needs them first too: it is chosen over a whole mini-batch."""
     algo = cfg.algorithm
     if algo.correction_mode == "bypass":
         return False
     one_pass = cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size in (0, batch_size)
-    return algo.use_kl_in_reward or (not one_pass and not actor_frozen)
+    m2po = algo.correction_mode == "decoupled" and algo.m2po_threshold > 0
+    return algo.use_kl_in_reward or (not actor_frozen and (m2po or not one_pass))
 
 
 def build_kl_controller(algo: AlgorithmConfig) -> FixedKLController:

@@ -7,7 +7,8 @@ when the batch is consumed in one mini-batch and one epoch they come from the sa
 (detached), which saves a forward pass; else the controller asks for them first
 (``compute_logprobs``). In ``decoupled`` mode the gap between the trainer's and the rollout's
 log-probs is corrected by truncated importance weights and rejection masks
-(``offstep.algos.correction``), with their metrics overall and per staleness.
+(``offstep.algos.correction``), and optionally M2PO's second-moment mask, chosen over each whole
+mini-batch, with their metrics overall and per staleness.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from offstep.algos.common import aggregate_loss, masked_mean
 from offstep.algos.correction import (
     GroupedTokenStats,
+    m2po_mask,
     mismatch_kl_terms,
     rejection_mask,
     truncated_flags,
@@ -89,9 +91,11 @@ class ActorWorker(RoleWorker):
                 self.model, batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype, self.cfg.micro_token_budget
             )
 
-    def _correction(self, mb: TrainBatch, logp: torch.Tensor):
+    def _correction(self, mb: TrainBatch, logp: torch.Tensor, m2po: tuple | None = None):
         """The old log-probs of the ratio, the per-token weights on the policy loss (or None), and
-        the correction metrics, per ``algorithm.correction_mode`` (see ``AlgorithmConfig``)."""
+        the correction metrics, per ``algorithm.correction_mode`` (see ``AlgorithmConfig``).
+        ``m2po``: this micro-batch's rows of its mini-batch's M2PO mask and that mask's metrics
+        (``_m2po``); None with M2PO on: the micro-batch is masked alone."""
         algo, mask = self.algo, mb.response_mask
         if algo.correction_mode == "bypass":
             # the rollout's log-probs are the old policy; the diagnostics compare the policy of
@@ -122,9 +126,39 @@ class ActorWorker(RoleWorker):
                 weights = keep if weights is None else weights * keep
                 metrics.update(rej_metrics)
                 per_token["rejected_frac"] = mask - keep
+            if algo.m2po_threshold > 0:
+                if m2po is None:
+                    adv = mb.advantages if algo.m2po_tokens == "trust_region" else None
+                    keep, m2_metrics = m2po_mask(old, mb.rollout_logprobs, mask, algo.m2po_threshold, adv)
+                else:
+                    keep, m2_metrics = m2po
+                    m2_metrics = {**m2_metrics, "m2po_masked_frac": masked_mean(mask - keep, mask)}
+                weights = keep if weights is None else weights * keep
+                metrics.update(m2_metrics)
+                per_token["m2po_masked_frac"] = mask - keep
         if mb.staleness is not None and self._by_staleness is not None:
             self._by_staleness.add(per_token, mask, mb.staleness)
         return old, weights, metrics
+
+    def _m2po(self, mini: TrainBatch) -> tuple | None:
+        """M2PO's keep mask [b, R] for this rank's rows of a mini-batch, chosen over every rank's
+        tokens of it, and its metrics; None when off, or when the old log-probs come from each
+        micro-batch's own forward pass (``needs_old_logprobs`` asks for them first with M2PO on)."""
+        algo = self.algo
+        if algo.correction_mode != "decoupled" or algo.m2po_threshold <= 0 or mini.old_logprobs is None:
+            return None
+        adv = mini.advantages if algo.m2po_tokens == "trust_region" else None
+        gather = self._gather_flat if dist.is_initialized() and dist.get_world_size() > 1 else None
+        keep, metrics = m2po_mask(mini.old_logprobs, mini.rollout_logprobs, mini.response_mask, algo.m2po_threshold,
+                                  adv, gather=gather)
+        return keep, {k: metrics[k] for k in ("m2po_m2", "m2po_m2_kept")}
+
+    @staticmethod
+    def _gather_flat(local: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Every rank's flat tensor, concatenated in rank order, and this rank's offset in it."""
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, local.detach().cpu())
+        return torch.cat(parts), sum(p.numel() for p in parts[: dist.get_rank()])
 
     @staticmethod
     def _staleness_stats(batch: TrainBatch) -> GroupedTokenStats | None:
@@ -150,10 +184,10 @@ class ActorWorker(RoleWorker):
                 maxes = t.tolist()
         return stats.metrics(sums, maxes)
 
-    def _micro_step(self, mb: TrainBatch, denom: float) -> dict[str, float]:
+    def _micro_step(self, mb: TrainBatch, denom: float, m2po: tuple | None = None) -> dict[str, float]:
         algo, mask = self.algo, mb.response_mask
         logp, ent = forward_response(self.model, mb, self.temperature, True, self.compute_dtype)
-        old, weights, metrics = self._correction(mb, logp)
+        old, weights, metrics = self._correction(mb, logp, m2po)
         horizon = algo.loss_agg_horizon or None  # Dr. GRPO's constant (load_config resolves 0 to rollout.max_new_tokens)
 
         def reduce(per_token: torch.Tensor, is_weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -195,9 +229,15 @@ class ActorWorker(RoleWorker):
         for epoch in range(self.cfg.ppo_epochs):
             for j, mini_batch in enumerate(local.chunks(mini)):
                 denom = self._denominator(mini_batch, self.algo.loss_agg_mode)
-                micros = [mb for _, mb in self._micro_batches(mini_batch, self.cfg.micro_batch_size, self.cfg.micro_token_budget)]
+                m2po = self._m2po(mini_batch)
+                parts = self._micro_batches(mini_batch, self.cfg.micro_batch_size, self.cfg.micro_token_budget)
+                micros = [mb for _, mb in parts]
                 self.progress.plan(len(micros))
-                micro_metrics = [self._micro_step(mb, denom) for mb in micros]
+                micro_metrics = [
+                    self._micro_step(mb, denom, None if m2po is None else (
+                        m2po[0][idx.to(m2po[0].device), : mb.response_mask.shape[1]], m2po[1]))
+                    for idx, mb in parts
+                ]
                 n_tok = [float(mb.response_mask.sum()) for mb in micros]
                 for key in micro_metrics[0]:
                     vals = [m[key] for m in micro_metrics]
