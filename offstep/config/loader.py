@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, InterpolationResolutionError, OmegaConfBaseException
 
 from offstep.config.schema import Config
-from offstep.config.verl_keys import apply_derived, translate
+from offstep.config.verl_keys import apply_derived, is_entry_flag, refusals, translate
 from offstep.errors import ConfigError, VerlKeyError
 
 _registered = False
@@ -119,8 +119,8 @@ def load_config(overrides: list[str] | None = None, notes: list[str] | None = No
     _register()
     overrides = list(overrides or [])
     try:
-        _refuse_hydra_overrides(overrides)
-        verl = translate(overrides)
+        _refuse_hydra_overrides([o for o in overrides if not is_entry_flag(o)])  # verl's --config-name: translate
+        verl = translate(overrides, collect=True)  # its refusals are reported with the derivations'
     except (HydraException, VerlKeyError) as e:
         raise ConfigError(str(e) if isinstance(e, VerlKeyError) else _explain(e, overrides)) from None
     try:
@@ -128,10 +128,10 @@ def load_config(overrides: list[str] | None = None, notes: list[str] | None = No
             cfg = compose(config_name="train", overrides=verl.overrides)
         typed = OmegaConf.to_object(cfg)  # resolves interpolations such as ${oc.env:VAR}
     except (HydraException, OmegaConfBaseException) as e:
-        raise ConfigError(_explain(e, overrides, verl.origin)) from None
+        raise ConfigError(refusals([*verl.errors, _explain(e, overrides, verl.origin)])) from None
     added = _added_keys(typed)
     if added:
-        raise ConfigError(_unknown_key(added[0]))
+        raise ConfigError(refusals([*verl.errors, _unknown_key(added[0])]))
     try:
         said = verl.notes + apply_derived(typed, verl)
     except VerlKeyError as e:

@@ -1,7 +1,11 @@
 """verl's command-line keys in offstep: the one translation table.
 
 A verl user's script (``python3 -m verl.experimental.one_step_off_policy.main_ppo key=value ...``)
-runs as ``offstep train key=value ...``. Each verl key is, in ``TABLE`` (exact keys) or
+runs as ``offstep train key=value ...``; so does a fully-async one
+(``python3 -m verl.experimental.fully_async_policy.fully_async_main``): its ``async_training.*``
+keys, verl's ``rollout.total_rollout_steps`` / ``total_epochs`` / ``test_freq``, or its config
+(``--config-name=fully_async_ppo_trainer``) make it one, and ``_fully_async`` sets
+``pipeline.mode=fully_async``. Each verl key is, in ``TABLE`` (exact keys) or
 ``PREFIXES`` (groups of keys), one of:
 
 * ``To(key)``: translated to an offstep key, its value converted where the conventions differ
@@ -14,13 +18,15 @@ runs as ``offstep train key=value ...``. Each verl key is, in ``TABLE`` (exact k
   ``allow`` lists the values that change nothing (the default: accepted with a note).
 
 A key with a verl-only first part (``actor_rollout_ref``, ``reward_model``, ...) that the table
-does not know is refused; nothing is silently ignored. ``translate`` runs before Hydra composes
+does not know is refused; nothing is silently ignored. Every refusal of a command line is
+reported at once, in one message. ``translate`` runs before Hydra composes
 the config, ``apply_derived`` after; ``offstep.config.loader.load_config`` calls both and prints
 the notes. ``markdown_table`` renders the table for docs/from-verl.md (a test keeps them equal).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,7 +39,7 @@ DOC = "docs/from-verl.md"
 # First parts of verl's keys that offstep's schema does not have: such a key is verl's, and one the
 # table does not know is refused. (data, algorithm, trainer, critic, rollout are shared.)
 VERL_ONLY_ROOTS = ("actor_rollout_ref", "reward_model", "reward_manager", "custom_reward_function",
-                   "global_profiler", "ray_kwargs", "transfer_queue")
+                   "global_profiler", "ray_kwargs", "transfer_queue", "async_training")
 
 
 # ------------------------------------------------------------------ the kinds of entry
@@ -397,7 +403,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "critic.ulysses_sequence_parallel_size": Refuse("offstep has no sequence parallelism", allow=(1,)),
     # trainer
     "trainer.total_training_steps": Derived("trainer.total_steps", "the same number; null: from total_epochs"),
-    "trainer.total_epochs": Derived("trainer.total_steps", "epochs x floor(training rows / data.train_batch_size), as verl's dataloader (unless total_training_steps)"),
+    "trainer.total_epochs": Derived("trainer.total_steps", "epochs x floor(training rows / data.train_batch_size), as verl's dataloader (unless total_training_steps; fully-async: caps rollout.total_rollout_steps)"),
     "trainer.n_gpus_per_node": Derived("resources.trainer_workers, gpus_per_trainer_worker", "x trainer.nnodes workers, one GPU each (CPU workers where no GPU is visible)"),
     "trainer.nnodes": Derived("resources.trainer_workers", "x trainer.n_gpus_per_node"),
     "rollout.n_gpus_per_node": Derived("rollout.replicas, rollout.gpus_per_replica", "x rollout.nnodes replicas, one GPU each (CPU replicas where no GPU is visible)"),
@@ -425,6 +431,22 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "trainer.ray_wait_register_center_timeout": Note("offstep starts its workers itself"),
     "trainer.use_legacy_worker_impl": Note("offstep has one worker implementation"),
     "trainer.device": To("trainer.device"),
+    # verl's fully-async trainer (verl/experimental/fully_async_policy): any of the async_training
+    # and fully-async rollout.* keys makes the command verl's fully-async one (_fully_async)
+    "async_training.staleness_threshold": Derived("pipeline.max_staleness", "ceil(threshold): verl lets that fraction of a step's prompts be generated ahead, so a sample ends at most ceil(threshold) versions behind; offstep bounds the version of a sample's oldest token"),
+    "async_training.trigger_parameter_sync_step": Derived("data.train_batch_size", "trigger_parameter_sync_step x require_batches x ppo_mini_batch_size prompts: the trainer updates between two weight syncs, one offstep step"),
+    "async_training.require_batches": Derived("data.train_batch_size", "with trigger_parameter_sync_step (verl's default 1)"),
+    "async_training.partial_rollout": Derived("rollout.partial", "true: recompute (verl aborts in-flight requests at a load and resubmits prompt + tokens so far under the new weights); false: off"),
+    "async_training.use_rollout_log_probs": Derived("algorithm.correction_mode", "true: bypass (the rollout's log-probs are PPO's old ones), unless compute_prox_log_prob; false: decoupled"),
+    "async_training.compute_prox_log_prob": Derived("algorithm.correction_mode", "true: decoupled (the trainer's log-probs with the weights the step starts from, as verl's)"),
+    "async_training.use_trainer_do_validate": Note("where verl validates (on the trainer's devices too); offstep validates every trainer.val_freq steps itself"),
+    "rollout.total_rollout_steps": Derived("trainer.total_steps", "floor(min(prompts, rows x total_epochs) / data.train_batch_size): verl's weight versions"),
+    "rollout.total_epochs": Derived("trainer.total_steps", "caps rollout.total_rollout_steps at rows x epochs, with trainer.total_epochs"),
+    "rollout.test_freq": Derived("trainer.val_freq", "every N weight versions = N offstep steps (verl's fully-async trainer reads it, not trainer.test_freq); -1: never"),
+    "data.gen_batch_size": Refuse("offstep generates data.train_batch_size prompts a step (algorithm.dynamic_sampling draws more when groups are uninformative); verl's fully-async mode streams prompts one by one, gen_batch_size=1", allow=(1,)),
+    "actor_rollout_ref.rollout.enable_sleep_mode": Note(_ENGINE),
+    "actor_rollout_ref.actor.optim.lr_decay_style": Refuse("offstep's schedule is a linear warm-up, then constant", allow=("constant",)),
+    "actor_rollout_ref.actor.optim.lr_decay_steps": Note("used only by verl's decaying schedules"),
 }
 
 PREFIXES: list[tuple[str, To | Note | Refuse]] = [
@@ -455,6 +477,9 @@ PREFIXES: list[tuple[str, To | Note | Refuse]] = [
     ("reward_manager.", Note("offstep scores one response per call")),
     ("ray_kwargs.", Note("offstep starts Ray itself; resources.ray_address joins an existing cluster")),
     ("transfer_queue.", Note("offstep passes batches through Ray's object store")),
+    ("async_training.checkpoint_engine.", Note("weight-transfer tuning: pipeline.mode=fully_async sends the weights by pipeline.weight_sync=object_store, each load checked by its digest")),
+    ("actor_rollout_ref.model.override_config.", Refuse("offstep loads the model's config as it is")),
+    ("actor_rollout_ref.actor.optim.override_optimizer_config.", Refuse("offstep's AdamW takes only lr, betas, weight_decay")),
 ]
 
 
@@ -479,6 +504,7 @@ class Translation:
     given: set[str] = field(default_factory=set)  # every verl key of the command line
     origin: dict[str, str] = field(default_factory=dict)  # offstep key -> the verl key that set it
     notes: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # every refusal, reported together (refusals())
 
     @property
     def used(self) -> bool:
@@ -513,10 +539,50 @@ def _is_offstep_key(key: str) -> bool:
     return True
 
 
-def translate(overrides: list[str]) -> Translation:
+def refusals(errors: list[str]) -> str:
+    """Every refusal of a command line as one message (one refusal: its own message)."""
+    if len(errors) == 1:
+        return errors[0]
+    return f"{len(errors)} verl keys cannot run as given (each with its fix):\n  - " + "\n  - ".join(errors)
+
+
+# verl's Hydra flags on its launch line: the config folder, and the config, which for
+# verl's fully-async entry point (fully_async_main) is fully_async_ppo_trainer (or _megatron_).
+ENTRY_FLAGS = ("--config-path=", "--config-dir=", "--config-name=")
+ASYNC_CONFIG = "fully_async_"
+
+
+def is_entry_flag(arg: str) -> bool:
+    return arg.startswith(ENTRY_FLAGS)
+
+
+def _entry_flag(out: Translation, arg: str) -> None:
+    flag, value = arg.split("=", 1)
+    name = value.strip("'\"")
+    if flag != "--config-name":
+        out.notes.append(f"{flag}={name}: accepted, no effect (verl's config folder; offstep's configuration is its "
+                         f"schema, which `offstep train --cfg` prints)")
+        return
+    name = name.removesuffix(".yaml")
+    if "megatron" in name:
+        out.errors.append(f"verl's {flag}={name} is refused: {_MEGATRON} ({DOC})")
+    elif name.startswith(ASYNC_CONFIG):
+        out.given.add(flag)
+        out.verl[flag] = name
+    else:
+        out.notes.append(f"{flag}={name}: accepted (verl's trainer config; offstep composes its own, and "
+                         f"translates the keys given)")
+
+
+def translate(overrides: list[str], collect: bool = False) -> Translation:
     """Split ``overrides`` into offstep overrides (verl keys translated) and the verl values left
-    for ``apply_derived``. Raises ``VerlKeyError`` for a refused key or value."""
+    for ``apply_derived``. Raises ``VerlKeyError`` listing every refused key or value, unless
+    ``collect``: then they are in ``errors`` (``apply_derived`` reports them with its own)."""
     out = Translation()
+    for arg in overrides:
+        if is_entry_flag(arg):
+            _entry_flag(out, arg)
+    overrides = [a for a in overrides if not is_entry_flag(a)]
     parsed = OverridesParser.create().parse_overrides(overrides)
     for line, o in zip(overrides, parsed):
         key = o.key_or_group
@@ -529,24 +595,29 @@ def translate(overrides: list[str]) -> Translation:
         rule = rule_for(key)
         out.given.add(key)
         if rule is None:
-            raise VerlKeyError(f"{key}: a verl key that offstep does not know; it is neither translated nor "
-                               f"noted, so it is refused rather than ignored. Fix: drop it ({DOC} lists the verl "
-                               f"keys offstep translates, notes and refuses)")
-        if isinstance(rule, Refuse):
+            out.errors.append(f"{key}: a verl key that offstep does not know; it is neither translated nor "
+                              f"noted, so it is refused rather than ignored. Fix: drop it ({DOC} lists the verl "
+                              f"keys offstep translates, notes and refuses)")
+        elif isinstance(rule, Refuse):
             if value not in rule.allow:
-                raise VerlKeyError(f"verl key {key}={value!r} is refused: {rule.why}. Fix: drop it"
-                                   + (f" or set {rule.allow[0]!r}" if rule.allow else "") + f" ({DOC})")
-            out.notes.append(f"{key}={value!r}: accepted, no effect (other values are refused: {rule.why})")
+                out.errors.append(f"verl key {key}={value!r} is refused: {rule.why}. Fix: drop it"
+                                  + (f" or set {rule.allow[0]!r}" if rule.allow else "") + f" ({DOC})")
+            else:
+                out.notes.append(f"{key}={value!r}: accepted, no effect (other values are refused: {rule.why})")
         elif isinstance(rule, Note):
             out.notes.append(f"{key}: accepted, no effect ({rule.why})")
         elif isinstance(rule, Derived):
             out.verl[key] = value
         else:
-            _claim(out, rule.key, key)
+            try:
+                _claim(out, rule.key, key)
+                converted = value if rule.convert is None else rule.convert(key, value)
+            except VerlKeyError as e:
+                out.errors.append(str(e))
+                continue
             if rule.convert is None:
                 out.overrides.append(f"{rule.key}={line.split('=', 1)[1]}")
             else:
-                converted = rule.convert(key, value)
                 out.overrides.append(f"{rule.key}={_literal(converted)}")
                 if converted != value and converted != [value]:
                     out.notes.append(f"{key}={value!r} -> {rule.key}={converted!r}")
@@ -557,7 +628,9 @@ def translate(overrides: list[str]) -> Translation:
     claims += [(target, verl_key) for verl_key in out.verl for target in DERIVED_TARGETS.get(verl_key, ())]
     for target, verl_key in claims:
         if target in given and target != verl_key:
-            raise VerlKeyError(f"{target} is given twice: directly and as verl's {verl_key}. Fix: keep one of them")
+            out.errors.append(f"{target} is given twice: directly and as verl's {verl_key}. Fix: keep one of them")
+    if out.errors and not collect:
+        raise VerlKeyError(refusals(out.errors))
     return out
 
 
@@ -653,7 +726,9 @@ def _steps(cfg: Config, t: Translation) -> list[str]:
     v = t.verl
     notes = []
     steps, epochs = "trainer.total_training_steps", "trainer.total_epochs"
-    if v.get(steps) is not None:
+    if async_signals(t):
+        pass  # verl's fully-async trainer counts rollout.total_rollout_steps (_fully_async)
+    elif v.get(steps) is not None:
         cfg.trainer.total_steps = _int(steps, v[steps])
         if epochs in v:
             notes.append(f"{epochs}: accepted, no effect ({steps} is given, and wins as in verl)")
@@ -818,10 +893,174 @@ def _critic_model(cfg: Config, t: Translation) -> list[str]:
     return [f"{key}: accepted (the policy's model, with a value head)"] if key in v else []
 
 
+# ------------------------------------------------------------------ verl's fully-async trainer
+
+# verl's keys that only its fully-async trainer has (besides async_training.*)
+ASYNC_ONLY = ("rollout.total_rollout_steps", "rollout.total_epochs", "rollout.test_freq")
+# The engines pipeline.mode=fully_async runs on (offstep.config.validate._check_mode): verl's
+# fully-async scripts all name vllm, which becomes the built-in engine, with a note, until offstep's
+# vLLM engine loads weights between decode steps.
+FULLY_ASYNC_ENGINES = ("builtin",)
+# verl's fully-async defaults (fully_async_ppo_trainer.yaml, ppo_trainer.yaml) for the keys that
+# a derivation needs beside the one given
+VERL_ASYNC_DEFAULTS = {"async_training.trigger_parameter_sync_step": 4, "async_training.require_batches": 1,
+                       "rollout.total_rollout_steps": 100, "trainer.total_epochs": 30, "rollout.total_epochs": 10,
+                       "async_training.use_rollout_log_probs": True, "async_training.compute_prox_log_prob": False}
+
+
+def async_signals(t: Translation) -> list[str]:
+    """The keys of the command line that make it verl's fully-async one (none: not one)."""
+    return sorted(k for k in t.given if k.startswith("async_training.") or k in ASYNC_ONLY or k == "--config-name")
+
+
+def _direct(t: Translation) -> dict[str, str]:
+    """The offstep keys given on the command line themselves (not as a verl key), with their text."""
+    out = {}
+    for line in t.overrides:
+        key, _, value = line.partition("=")
+        key = key.lstrip("+~")
+        if key not in t.origin:
+            out[key] = value.strip("'\"")
+    return out
+
+
+def _bool(key: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise _fail(key, v, "expected true or false")
+    return v
+
+
+def _at_least_one(key: str, v: Any) -> int:
+    n = _int(key, v)
+    if n < 1:
+        raise _fail(key, v, "must be >= 1, as in verl")
+    return n
+
+
+def _fully_async(cfg: Config, t: Translation) -> list[str]:
+    """verl's fully-async command line as ``pipeline.mode=fully_async``. One offstep step is what
+    verl's trainer does between two weight syncs (trigger_parameter_sync_step updates of
+    require_batches x ppo_mini_batch_size prompts), so verl's weight versions are offstep's steps."""
+    by = async_signals(t)
+    if not by:
+        return []
+    v, notes, direct = t.verl, [], _direct(t)
+
+    def d(key: str) -> Any:  # a verl key's value, or verl's default
+        return v.get(key, VERL_ASYNC_DEFAULTS.get(key))
+
+    given_mode = direct.get("pipeline.mode", "fully_async")
+    if given_mode != "fully_async":
+        raise VerlKeyError(f"pipeline.mode={given_mode} with verl's fully-async keys ({', '.join(by[:3])}): they run "
+                           f"pipeline.mode=fully_async. Fix: drop pipeline.mode, or drop verl's fully-async keys for "
+                           f"pipeline.mode=batch ({DOC})")
+    cfg.pipeline.mode = "fully_async"
+    notes.append(f"{', '.join(by[:3])}{', ...' if len(by) > 3 else ''}: verl's fully-async trainer -> pipeline.mode=fully_async")
+    # a step: the trainer updates between two weight syncs
+    trig_key, req_key = "async_training.trigger_parameter_sync_step", "async_training.require_batches"
+    trig, req = _at_least_one(trig_key, d(trig_key)), _at_least_one(req_key, d(req_key))
+    mini_key = "actor_rollout_ref.actor.ppo_mini_batch_size"
+    mini = _int(mini_key, v[mini_key]) if mini_key in v else max(1, cfg.actor.mini_batch_size // cfg.rollout.n)
+    batch = trig * req * mini
+    if "data.train_batch_size" in t.given and cfg.data.train_batch_size not in (0, batch):
+        raise _fail("data.train_batch_size", cfg.data.train_batch_size,
+                    f"verl's fully-async mode takes 0 (it refuses others): a step there is trigger_parameter_sync_step "
+                    f"x require_batches x ppo_mini_batch_size = {trig} x {req} x {mini} = {batch} prompts, which "
+                    f"becomes data.train_batch_size. Fix: drop it or set 0")
+    cfg.data.train_batch_size = batch
+    notes.append(f"{trig_key}={trig} x {req_key}={req} x ppo_mini_batch_size={mini} -> data.train_batch_size={batch} "
+                 f"prompts (one step per weight sync; actor.mini_batch_size={cfg.actor.mini_batch_size} sequences, "
+                 f"{batch * cfg.rollout.n // max(1, cfg.actor.mini_batch_size)} updates a step)")
+    if trig > 1 and cfg.actor.ppo_epochs > 1:
+        notes.append(f"actor.ppo_epochs={cfg.actor.ppo_epochs}: verl runs the epochs over each of its {trig} local "
+                     f"batches in turn, offstep over the step's whole batch (the same updates when ppo_epochs=1)")
+    # staleness
+    key = "async_training.staleness_threshold"
+    stale = None
+    if key in v:
+        stale = v[key]
+        if isinstance(stale, bool) or not isinstance(stale, (int, float)) or not 0 <= stale < math.inf:
+            raise _fail(key, stale, "expected a number >= 0 (a fraction of a step's prompts)")
+        cfg.pipeline.max_staleness = math.ceil(stale)
+        notes.append(f"{key}={stale} -> pipeline.max_staleness={cfg.pipeline.max_staleness} (ceil: verl generates at "
+                     f"most {stale} x {batch} prompts ahead of a step, so a sample ends at most "
+                     f"{cfg.pipeline.max_staleness} weight versions behind; offstep bounds its oldest token's version, "
+                     f"and lets up to whole steps run ahead within that bound)")
+    # partial rollouts
+    key = "async_training.partial_rollout"
+    if key in v:
+        on = _bool(key, v[key])
+        cfg.rollout.partial = "recompute" if on else "off"
+        why = ("verl aborts in-flight requests at a weight load, frees the KV cache and resubmits prompt + tokens so "
+               "far, prefilled again under the new weights; rollout.partial=keep would keep the old KV instead"
+               if on else "verl lets in-flight samples finish under the old weights before the load")
+        notes.append(f"{key}={on} -> rollout.partial={cfg.rollout.partial} ({why})")
+        if on and stale == 0:
+            notes.append(f"{key}: no sample crosses a load at staleness_threshold=0 (pipeline.max_staleness=0), as in verl")
+    # PPO's old log-probs
+    use, prox = "async_training.use_rollout_log_probs", "async_training.compute_prox_log_prob"
+    if use in v or prox in v:
+        from_rollout, recompute = _bool(use, d(use)), _bool(prox, d(prox))
+        mode = "bypass" if from_rollout and not recompute else "decoupled"
+        bypass = "algorithm.rollout_correction.bypass_mode"
+        if bypass in v and bool(v[bypass]) != (mode == "bypass"):
+            raise _fail(bypass, v[bypass], f"{use}={from_rollout} with {prox}={recompute} is algorithm.correction_mode="
+                        f"{mode}. Fix: drop {bypass}")
+        cfg.algorithm.correction_mode = mode
+        why = {(True, False): "PPO's old log-probs are the rollout's, from the version that sampled each token",
+               (True, True): "the trainer's log-probs with the weights the step starts from, as verl's proximal "
+                             "policy; importance weights and rejection as algorithm.rollout_correction.* say",
+               }.get((from_rollout, recompute), "the trainer's log-probs, computed once per step (verl: before each "
+                     "of its local updates, so they match only when trigger_parameter_sync_step=1)")
+        notes.append(f"{use}={from_rollout}, {prox}={recompute} -> algorithm.correction_mode={mode} ({why})")
+    # the run's length: verl's weight versions
+    total, te, re_ = "rollout.total_rollout_steps", "trainer.total_epochs", "rollout.total_epochs"
+    if any(k in v for k in (total, te, re_)):
+        prompts = d(total)
+        prompts = None if prompts is None else _int(total, prompts)
+        epochs = min(_int(te, d(te)), _int(re_, d(re_)))
+        try:
+            rows = _training_rows(cfg)
+        except (OffstepError, ValueError, OSError) as err:
+            raise VerlKeyError(f"verl key {total} is capped at rows x epochs of data.train_files, whose rows could "
+                               f"not be counted: {err}") from None
+        count = rows * epochs if prompts is None else min(prompts, rows * epochs)
+        if count // batch < 1:
+            raise _fail(total, prompts, f"{count} prompts (capped at {rows} rows x {epochs} epochs) do not fill one "
+                        f"step of {batch}; raise rollout.total_rollout_steps or lower the step's keys")
+        cfg.trainer.total_steps = count // batch
+        notes.append(f"{total}={prompts}{'' if total in v else ' (verl default)'}, capped at {rows} rows x {epochs} "
+                     f"epochs -> trainer.total_steps={cfg.trainer.total_steps} (floor({count} / {batch}): verl's weight "
+                     f"versions; rows counted before data.filter_overlong_prompts)")
+    if "trainer.total_training_steps" in t.given:
+        notes.append("trainer.total_training_steps: accepted, no effect (verl's fully-async trainer counts "
+                     "rollout.total_rollout_steps)")
+    # validation
+    key = "rollout.test_freq"
+    if key in v:
+        cfg.trainer.val_freq = _never(key, v[key])
+        notes.append(f"{key}={v[key]} -> trainer.val_freq={cfg.trainer.val_freq} (every N weight versions = N steps)")
+        if "trainer.test_freq" in t.given:
+            notes.append("trainer.test_freq: accepted, no effect (verl's fully-async trainer validates every rollout.test_freq versions)")
+    elif "trainer.test_freq" in t.given:
+        notes.append(f"trainer.test_freq -> trainer.val_freq={cfg.trainer.val_freq}: verl's fully-async trainer reads "
+                     f"rollout.test_freq instead (its default 1: every version); add rollout.test_freq to say which")
+    # the engine
+    key = "actor_rollout_ref.rollout.name"
+    if key in v and cfg.rollout.engine not in FULLY_ASYNC_ENGINES:
+        was, cfg.rollout.engine = cfg.rollout.engine, FULLY_ASYNC_ENGINES[0]
+        notes.append(f"{key}={v[key]}: rollout.engine={was} -> {cfg.rollout.engine} (pipeline.mode=fully_async loads "
+                     f"weights between decode steps on the built-in engine so far; rollout.engine={was} runs "
+                     f"pipeline.mode=batch)")
+    return notes
+
+
 # Run in this order: the resources before the mini-batches (ppo_micro_batch_size divides by the
-# trainer workers), the step count before the warm-up ratio.
+# trainer workers), the engine and the fully-async step (data.train_batch_size) before the step
+# count, the step count before the warm-up ratio.
 DERIVATIONS: list[Callable[[Config, Translation], list[str]]] = [
-    _resources, _mini_batches, _clip_ratio, _steps, _sampling, _prompts, _correction, _resume, _critic_model,
+    _resources, _mini_batches, _clip_ratio, _sampling, _fully_async, _steps, _prompts, _correction, _resume,
+    _critic_model,
 ]
 
 # The offstep keys each derivation may set (a direct offstep override of one of them conflicts).
@@ -843,14 +1082,28 @@ DERIVED_TARGETS = {
     "data.filter_overlong_prompts": ("data.overlong_prompts",),
     "data.truncation": ("data.overlong_prompts",),
     "trainer.resume_mode": ("trainer.resume",),
+    "async_training.staleness_threshold": ("pipeline.max_staleness",),
+    "async_training.partial_rollout": ("rollout.partial",),
+    "async_training.use_rollout_log_probs": ("algorithm.correction_mode",),
+    "async_training.compute_prox_log_prob": ("algorithm.correction_mode",),
+    "rollout.total_rollout_steps": ("trainer.total_steps",),
+    "rollout.total_epochs": ("trainer.total_steps",),
+    "rollout.test_freq": ("trainer.val_freq",),
 }
 
 
 def apply_derived(cfg: Config, t: Translation) -> list[str]:
-    """Set the offstep keys that verl keys derive (``Derived`` entries), in place; return notes."""
-    notes = []
+    """Set the offstep keys that verl keys derive (``Derived`` entries), in place; return notes.
+    Raises ``VerlKeyError`` listing every refusal: the translation's (``t.errors``) and the
+    derivations' together."""
+    notes, errors = [], list(t.errors)
     for derive in DERIVATIONS:
-        notes += derive(cfg, t)
+        try:
+            notes += derive(cfg, t)
+        except VerlKeyError as e:
+            errors.append(str(e))
+    if errors:
+        raise VerlKeyError(refusals(errors))
     return notes
 
 
