@@ -213,9 +213,12 @@ class Controller:
             m["perf/tokens_per_s"] = float(batch.attention_mask.sum()) / m["timing_s/step"]
             m["perf/samples_per_s"] = len(batch) / m["timing_s/step"]
             m["policy_version"] = self.version
-            finishing = asyncio.ensure_future(self._finish_step(m, export.seconds, loads, val, finishing))
             save_freq, saves = cfg.trainer.save_freq, cfg.trainer.save_freq or cfg.trainer.save_last
-            if (save_freq and step % save_freq == 0) or (saves and (step == N or self.stop.requested)):
+            saving = (save_freq and step % save_freq == 0) or (saves and (step == N or self.stop.requested))
+            if saving and self.samples is not None:
+                self.samples.hold()  # nothing admitted between this step's sync and its checkpoint
+            finishing = asyncio.ensure_future(self._finish_step(m, export.seconds, loads, val, finishing))
+            if saving:
                 await self._save_checkpoint(step, pending, finishing)
                 t_step = time.time()  # a save is not part of the next step's time
             if self.stop.requested:
@@ -364,6 +367,7 @@ class Controller:
         self.console.log(f"offstep: checkpoint {path} ({time.time() - t0:.1f} s)")
         if self.samples is not None:  # the stored samples continue where they stopped
             self.samples.resubmit()
+            self.samples.release()
 
     def close(self) -> None:
         self.console.close()

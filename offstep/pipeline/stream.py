@@ -70,6 +70,7 @@ class SampleStream:
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
         self._pollers: list[asyncio.Task] = []
+        self.holding = False  # admission paused until a checkpoint is written (hold / release)
 
     # ---------------------------------------------------------------- start, admission, polling
     async def start(self, version: int, consumed: int, saved: dict | None) -> None:
@@ -92,6 +93,8 @@ class SampleStream:
 
     def admit(self) -> None:
         """Admit every group the staleness bound allows now (see the module's docstring)."""
+        if self.holding:
+            return
         limit = min(self.N * self.B, (self.held + self.k + 1) * self.B)
         per_replica: dict[int, list[GroupWork]] = {}
         while self.admitted < limit:
@@ -182,6 +185,16 @@ class SampleStream:
         }
 
     # ---------------------------------------------------------------- checkpoints
+    def hold(self) -> None:
+        """Admit nothing until :meth:`release`: a step whose checkpoint is due stores the groups
+        admitted before it, so that with ``k = 0`` (nothing generating between two steps) a
+        checkpoint holds no partial sample and a resume is exact."""
+        self.holding = True
+
+    def release(self) -> None:
+        self.holding = False
+        self.admit()
+
     async def suspend(self) -> None:
         """Stop every replica's in-flight samples where they are and collect every finished group,
         so that :meth:`state` holds all of them; :meth:`resubmit` continues them."""

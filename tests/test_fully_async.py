@@ -1,0 +1,101 @@
+"""The fully asynchronous mode (``pipeline.mode=fully_async``) through Ray on the tiny preset: k = 0
+is the synchronous loop step for step; k >= 1 logs the stream's metrics and keeps the bound; a
+checkpoint stores the stream's groups and a resume trains each of them once; the combinations the
+mode does not run are refused before start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from reference_loop import assert_matches_in_process_reference
+
+from offstep.config.loader import load_config
+from offstep.config.validate import problems
+from offstep.pipeline.controller import train
+from offstep.telemetry.metrics import read_jsonl
+
+STREAM_METRICS = ["rollout/staleness_max", "rollout/staleness_mean", "rollout/version_span_max", "rollout/partial_samples",
+                  "rollout/queue_depth", "rollout/dropped_stale", "rollout/length_bias"]
+
+
+def _cfg(out, k: int, steps: int, *extra: str):
+    return load_config(["preset=tiny", "pipeline.mode=fully_async", f"pipeline.max_staleness={k}", f"trainer.total_steps={steps}",
+                        f"trainer.output_dir={out}", "trainer.progress=off", *extra])
+
+
+def _steps(out) -> list[dict]:
+    return [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
+
+
+@pytest.mark.ray
+def test_staleness_zero_equals_the_synchronous_loop(tmp_path, ray_session):
+    """k = 0: every step trains the batch mode's batch, generated with its seeds by the policy of
+    the step before, and its losses equal an in-process synchronous loop's (verl issue 6780)."""
+    cfg = _cfg(tmp_path / "run", 0, 3, "trainer.val_before_train=false")
+    train(cfg)
+    metrics = _steps(tmp_path / "run")
+    assert [m["rollout/partial_samples"] for m in metrics] == [0, 0, 0]
+    assert_matches_in_process_reference(cfg, metrics, tmp_path / "ref")
+
+
+@pytest.mark.ray
+def test_one_step_stream_logs_its_metrics_and_keeps_the_bound(tmp_path, ray_session):
+    out = tmp_path / "run"
+    train(_cfg(out, 1, 5, "trainer.val_before_train=false", "rollout.max_new_tokens=24"))
+    metrics = _steps(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
+    assert [m["policy_version"] for m in metrics] == [1, 2, 3, 4, 5]
+    for m in metrics:
+        assert all(k in m for k in STREAM_METRICS), [k for k in STREAM_METRICS if k not in m]
+        assert 0 <= m["rollout/staleness_max"] <= 1 and m["rollout/dropped_stale"] == 0
+        assert 1 <= m["rollout/version_span_max"] <= 2
+        assert m["rollout/partial_samples"] <= 8  # the batch's 4 groups x 2 samples
+    assert metrics[0]["rollout/staleness_max"] == 0
+    timeline = read_jsonl(out / "timeline.jsonl")
+    assert {e["step"] for e in timeline if e["stage"] == "gen"} == {1, 2, 3, 4, 5}
+    assert len([e for e in timeline if e["stage"] == "load_weights"]) == 5
+
+
+@pytest.mark.ray
+def test_a_resume_trains_every_stored_group_once(tmp_path, ray_session):
+    """k = 2, a checkpoint at step 2 holds the groups admitted beyond it (finished or partial);
+    resumed from it, steps 3 and 4 train exactly those: none lost, none generated again, no
+    prompt used twice (admission is capped at total_steps x train_batch_size)."""
+    run, again = tmp_path / "run", tmp_path / "again"
+    cfg = _cfg(run, 2, 4, "trainer.val_before_train=false", "trainer.save_freq=2", "rollout.max_new_tokens=24")
+    train(cfg)
+    shutil.copytree(run, again)
+    shutil.rmtree(again / "checkpoints" / "step_000004")
+    state = json.loads((again / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    stored = state["stream_groups"]
+    B = cfg.data.train_batch_size
+    assert stored["admitted"] == 4 * B and [g["g"] for g in stored["groups"]] == list(range(2 * B, 4 * B))
+    for g in stored["groups"]:
+        states = g["states"] or []
+        assert all(len(s["tokens"]) == len(s["logprobs"]) == len(s["versions"]) for s in states)
+    history = train(_cfg(again, 2, 4, "trainer.val_before_train=false", "trainer.save_freq=2", "rollout.max_new_tokens=24"))
+    assert [m["step"] for m in history] == [3, 4]
+    final = json.loads((again / "checkpoints" / "step_000004" / "trainer_state.json").read_text())["stream_groups"]
+    assert final["admitted"] == 4 * B and final["groups"] == [], "every stored group trained, none admitted anew"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("rollout.engine=vllm", "rollout.engine=builtin"),
+    ("pipeline.weight_sync=collective", "pipeline.weight_sync=object_store"),
+    ("algorithm.dynamic_sampling=true", "pipeline.mode=batch"),
+    ("rollout.agent.default_agent=tool_agent", "pipeline.mode=batch"),
+    ("rollout.partial=sometimes", "rollout.partial='sometimes' is not one of"),
+])
+def test_combinations_it_does_not_run_are_refused_before_start(override, needle):
+    msgs = problems(load_config(["preset=tiny", "pipeline.mode=fully_async", override]))
+    assert any(needle in m for m in msgs), msgs
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_lora_runs_in_the_mode(tmp_path, ray_session):
+    out = tmp_path / "run"
+    train(_cfg(out, 1, 3, "trainer.val_before_train=false", "actor.lora.rank=8"))
+    assert [m["step"] for m in _steps(out)] == [1, 2, 3]
