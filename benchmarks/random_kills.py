@@ -58,10 +58,11 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from offstep.pipeline.faults import ENV as PAUSE_ENV, POINTS  # noqa: E402
+from offstep.pipeline.stream import WHEN_FINISHED  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results_random_kills"
 # Wall-clock figures, the only fields of a metrics record not compared: their prefixes, and the
-# names ending in "_s" (seconds: agent/tool_time_s).
+# names ending in "_s" (seconds: agent/tool_time_s); and the fully asynchronous stream's WHEN_FINISHED.
 EXCLUDED_PREFIXES = ("timing_s/", "perf/")
 EXCLUDED_SUFFIX = "_s"
 TIMELINE_CLOCK = ("start", "end")  # a timeline event's times; role, stage, step and the rest compared
@@ -86,6 +87,7 @@ class Setup:
     engine: str = "builtin"
     lora: int = 0
     agent: str = "single_turn_agent"
+    mode: str = "batch"  # pipeline.mode
 
 
 SETUPS = {s.name: s for s in [
@@ -93,11 +95,15 @@ SETUPS = {s.name: s for s in [
     # Fewer: a vLLM start takes about a minute here; LoRA and tool rows add state to a resume but
     # no new kind of moment.
     Setup("vllm-k1", 1, 3, engine="vllm"), Setup("lora-k1", 1, 5, lora=8), Setup("tools-k1", 1, 5, agent="tool_agent"),
+    # The fully asynchronous mode with k = 0, the setting in which its records are reproducible (with
+    # k >= 1 where a load lands inside a sample depends on timing; tests/test_fully_async.py checks
+    # that a resume there trains every stored group once).
+    Setup("fully-async-k0", 0, 10, mode="fully_async"),
 ]}
 
 
 def overrides(s: Setup, out: Path, reward: Path, steps: int, save_freq: int) -> list[str]:
-    return ["preset=tiny", f"rollout.engine={s.engine}", f"actor.lora.rank={s.lora}", f"rollout.agent.default_agent={s.agent}",
+    return ["preset=tiny", f"pipeline.mode={s.mode}", f"rollout.engine={s.engine}", f"actor.lora.rank={s.lora}", f"rollout.agent.default_agent={s.agent}",
             f"pipeline.max_staleness={s.k}", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
             f"trainer.save_freq={save_freq}", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress=plain",
             f"reward.custom_path={reward}", "reward.num_threads=1", "trainer.overwrite=true"]
@@ -105,7 +111,8 @@ def overrides(s: Setup, out: Path, reward: Path, steps: int, save_freq: int) -> 
 
 # ------------------------------------------------------------------ the records
 def deterministic(m: dict) -> dict:
-    return {k: v for k, v in m.items() if not (k.startswith(EXCLUDED_PREFIXES) or k.endswith(EXCLUDED_SUFFIX))}
+    return {k: v for k, v in m.items()
+            if not (k.startswith(EXCLUDED_PREFIXES) or k.endswith(EXCLUDED_SUFFIX) or k in WHEN_FINISHED)}
 
 
 def read_lines(path: Path) -> tuple[list[dict], bool]:

@@ -18,6 +18,7 @@ from conftest import ENGINES, ENGINES_SLOW_VLLM, needs_vllm
 
 from offstep.config.loader import ConfigError, load_config, to_yaml
 from offstep.pipeline.checkpoints import TrainerState, Checkpoints, check_compatible, complete_checkpoints, resolve_path
+from offstep.pipeline.stream import WHEN_FINISHED
 
 # A reward that is deterministic and not constant (the tiny model earns nothing on arithmetic), and
 # that blocks forever once the file named by $BLOCK_AFTER exists: the run is then stuck mid-step
@@ -57,11 +58,6 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             raise AssertionError(f"{path} did not appear within {timeout} s")
         time.sleep(0.1)
-
-
-# The fully asynchronous stream's figures of when groups finished (how many wait, how many generate,
-# the lengths of those that finished since the last step): like wall-clock figures, not compared.
-WHEN_FINISHED = ("rollout/queue_depth", "rollout/in_flight_groups", "rollout/length_bias", "response_length/generated_mean")
 
 
 def _records(run: Path) -> dict[int, dict]:

@@ -38,6 +38,9 @@ from offstep.pipeline.inputs import to_request
 from offstep.rollout.stream import GroupWork, SampleState
 
 POLL_S = 0.5  # how long one take waits on a replica for a finished group
+# The stream's figures of when groups finished (how many wait, how many generate, the lengths of those
+# finished since the last step): like wall-clock times, they differ between two runs of one config.
+WHEN_FINISHED = ("rollout/queue_depth", "rollout/in_flight_groups", "rollout/length_bias", "response_length/generated_mean")
 
 
 @dataclass
