@@ -156,3 +156,37 @@ def test_suspend_then_continue_draws_what_an_uninterrupted_sample_draws(setup, p
         assert cut[i].response_ids + cont[i].response_ids == whole[i].response_ids
         got = torch.tensor(cut[i].logprobs + cont[i].logprobs)
         assert torch.allclose(got, torch.tensor(whole[i].logprobs), atol=TOL)
+
+
+def test_posted_work_runs_on_the_engine_thread_between_steps(setup, prompts):  # noqa: F811
+    """A reference pass posted by a take (``StreamServer.between_steps``) runs on the serving
+    thread, so the replica's engine and that work take turns on its one core."""
+    engine, _, old, _ = setup
+    engine.load_weights(old, 0)
+    control, ran = StepControl("keep"), []
+    serving = {}
+    append = engine._append
+
+    def counting(row, token, lp, params, window):
+        serving.setdefault("thread", threading.get_ident())
+        if len(serving) == 1:
+            serving["posted"] = control.post_work(lambda: ran.append(threading.get_ident()) or "done")
+        return append(row, token, lp, params, window)
+
+    engine._append = counting
+    feed = StreamFeed(prompts, 8)
+    control.attach(feed.wake)
+    done = {}
+
+    def on_finish(i, c):
+        done[i] = c
+        if len(done) == len(prompts):
+            feed.close()
+
+    feed.put(_requests(prompts))
+    t = threading.Thread(target=engine.serve, args=(feed, PARAMS, 5, on_finish, control))
+    t.start()
+    t.join(60)
+    del engine._append
+    assert serving["posted"].result(timeout=1) == "done"
+    assert ran == [serving["thread"]]

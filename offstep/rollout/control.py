@@ -16,6 +16,8 @@ weights (a partial rollout). ``partial`` says how they continue (``rollout.parti
 
 A suspension ends every in-flight sample at the next step boundary with finish reason
 ``suspended`` (its tokens so far), for a checkpoint to store and a later request to continue.
+Other work (a reference pass over finished samples) can be posted to run between two steps too,
+so that the replica's engine and that work take turns on its cores instead of competing for them.
 
 The poster blocks on the returned future until the engine did it. An engine that is not serving
 (no :meth:`attach`) has nothing in flight: a post then runs at once in the poster's thread.
@@ -41,6 +43,7 @@ class StepControl:
         self._serving = False
         self._load: tuple[Callable[[], None], Future] | None = None
         self._suspend: Future | None = None
+        self._work: list[tuple[Callable[[], object], Future]] = []
         self._wake: Callable[[], None] = lambda: None
 
     # ---------------------------------------------------------------- the engine's side
@@ -53,6 +56,7 @@ class StepControl:
         """The engine stopped serving: what is still posted runs now, in this thread."""
         with self._lock:
             self._serving = False
+        self.run_work()
         self.run_load()
         self.run_suspend()
 
@@ -60,6 +64,16 @@ class StepControl:
         """``"suspend"``, ``"load"`` (in that order of precedence) or None."""
         with self._lock:
             return "suspend" if self._suspend is not None else "load" if self._load is not None else None
+
+    def run_work(self) -> None:
+        """Run the posted work (in the calling thread), each poster getting its result or error."""
+        with self._lock:
+            work, self._work = self._work, []
+        for fn, fut in work:
+            try:
+                fut.set_result(fn())
+            except BaseException as e:
+                fut.set_exception(e)
 
     def run_load(self) -> bool:
         """Carry out the posted load (in the calling thread); False when none was posted."""
@@ -97,6 +111,19 @@ class StepControl:
             wake()
         else:
             self.run_load()
+        return fut
+
+    def post_work(self, fn: Callable[[], object]) -> Future:
+        """``fn()`` at the next step boundary (at once when the engine is not serving); the
+        future gives its result."""
+        fut: Future = Future()
+        with self._lock:
+            self._work.append((fn, fut))
+            serving, wake = self._serving, self._wake
+        if serving:
+            wake()
+        else:
+            self.run_work()
         return fut
 
     def post_suspend(self) -> Future:

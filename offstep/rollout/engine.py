@@ -206,6 +206,7 @@ class TorchEngine:
                 if params.max_new_tokens == 0:
                     while (new := feed.take(1 << 30, block=True)) is not None:
                         if control is not None:
+                            control.run_work()
                             control.run_suspend()
                             control.run_load()
                         for req in new:
@@ -434,6 +435,8 @@ class TorchEngine:
         open_feed = True
         while True:
             admit = True
+            if control is not None:
+                control.run_work()
             if control is not None and (act := control.pending()) is not None:
                 if act == "suspend":  # every running sample ends here, its tokens so far kept
                     for row in rows:
@@ -527,6 +530,7 @@ class TorchEngine:
                 chunk = order[start : start + self.max_batch_size]
                 rows = [_Row(req.index, req.group, req.max_new_tokens, req.prompt_ids) for req in chunk]
                 if control is not None:
+                    control.run_work()
                     if control.pending() == "suspend":  # not started: emitted with no tokens
                         for row in rows:
                             emit(row, SUSPENDED)
@@ -535,6 +539,7 @@ class TorchEngine:
                 uniforms = _uniforms(chunk, params, seed, self.device)
                 self._generate_chunk({req.group: req.prompt_ids for req in chunk}, rows, params, uniforms, emit, control)
             if control is not None:
+                control.run_work()
                 control.run_suspend()
                 control.run_load()
 
@@ -565,6 +570,8 @@ class TorchEngine:
                 batch.select(sel)
                 tokens = tokens[sel]
                 active = [active[b] for b in keep]
+            if control is not None:
+                control.run_work()
             if control is not None and (act := control.pending()) is not None:
                 if act == "suspend":  # the running rows end here, their tokens so far kept
                     for i in active:

@@ -239,6 +239,10 @@ class StreamServer:
         """Weights into the engine between two decode steps (``apply`` loads them); returns when done."""
         self.control.post_load(apply).result()
 
+    def between_steps(self, fn: Callable[[], object]):
+        """``fn()`` run by the engine's thread between two decode steps; returns its result."""
+        return self.control.post_work(fn).result()
+
     def suspend(self) -> list[GroupWork]:
         """End every in-flight sample where it is and hand back every unfinished group (removed
         from this replica; submit them again to continue). Finished groups stay for ``take``."""

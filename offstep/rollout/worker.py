@@ -238,8 +238,8 @@ class RolloutWorker:
         """The groups finished since the last take (reference log-probs attached when this replica
         holds the reference), waiting up to ``wait_s`` seconds for one."""
         out = self._stream.take(wait_s)
-        if out and self.ref is not None:
-            self._attach_ref_logprobs([s for g in out for s in g.samples])
+        if out and self.ref is not None:  # on the engine's thread, between two decode steps: one core
+            self._stream.between_steps(lambda: self._attach_ref_logprobs([s for g in out for s in g.samples]))
         return out
 
     def stream_suspend(self) -> list:
