@@ -207,7 +207,9 @@ class Controller:
                 self.timeline.add("trainer", "sync_export", step, export.start, export.end)
             val = None
             if step == N or (cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0):
-                val = self._start_validation()
+                # Batch mode: queued now, behind the load on every replica. fully_async: a replica
+                # serves calls at once, so the validation starts once the loads are checked.
+                val = self._start_validation if self.samples is not None else self._start_validation()
             now = time.time()
             m["timing_s/step"], t_step = now - t_step, now
             m["perf/tokens_per_s"] = float(batch.attention_mask.sum()) / m["timing_s/step"]
@@ -333,6 +335,8 @@ class Controller:
         m["sync/collective"] = float(report.collective)
         if self.samples is not None:  # every replica holds the new version: the stream may admit more
             self.samples.loaded(m["policy_version"])
+        if callable(val):
+            val = val()
         if val is not None:
             m.update(await self._finish_validation(val, m["step"]))
         self._emit(m)

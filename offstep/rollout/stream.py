@@ -240,7 +240,10 @@ class StreamServer:
         self.control.post_load(apply).result()
 
     def between_steps(self, fn: Callable[[], object]):
-        """``fn()`` run by the engine's thread between two decode steps; returns its result."""
+        """``fn()`` run by the engine's thread between two decode steps (now, when called from
+        that thread); returns its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
         return self.control.post_work(fn).result()
 
     def suspend(self) -> list[GroupWork]:

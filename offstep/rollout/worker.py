@@ -112,7 +112,13 @@ class RolloutWorker:
         self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool = True
     ) -> tuple[list[Sample], GenTiming]:
         """Sample ``params.n`` responses per request, scoring each as soon as it finishes; with a
-        reference model here (``pipeline.ref_on_rollout``), attach its log-probs too."""
+        reference model here (``pipeline.ref_on_rollout``), attach its log-probs too. While the
+        replica streams (fully_async; a validation), on the engine's thread between two decode steps."""
+        if getattr(self, "_stream", None) is not None:
+            return self._stream.between_steps(lambda: self._generate(requests, params, seed, with_ref))
+        return self._generate(requests, params, seed, with_ref)
+
+    def _generate(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool) -> tuple[list[Sample], GenTiming]:
         if self.agent is not None and any(r.agent_name == TOOL_AGENT for r in requests):
             return self._generate_with_tools(requests, params, seed, with_ref)
         t0 = time.time()
@@ -170,7 +176,7 @@ class RolloutWorker:
         t0 = time.time()
         version = self.engine.version
         plain = [r for r in requests if r.agent_name != TOOL_AGENT]
-        samples = self.generate(plain, params, seed, with_ref=False)[0] if plain else []
+        samples = self._generate(plain, params, seed, with_ref=False)[0] if plain else []
         if self._agent_runner is None:
             self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
         tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
