@@ -98,6 +98,16 @@ class StepControl:
             fut.set_result(None)
 
     # ---------------------------------------------------------------- the poster's side
+    def _carry_out(self, run: Callable[[], object]) -> None:
+        """After a post: wake the serving engine, which carries it out at its next step boundary,
+        or ``run`` it now when no engine is serving."""
+        with self._lock:
+            serving, wake = self._serving, self._wake
+        if serving:
+            wake()
+        else:
+            run()
+
     def post_load(self, apply: Callable[[], None]) -> Future:
         """``apply()`` (which loads the weights into the engine and sets its version) at the next
         step boundary; at once when the engine is not serving. One load at a time."""
@@ -106,11 +116,7 @@ class StepControl:
             if self._load is not None:
                 raise RuntimeError("a weight load is already waiting for the engine; post the next one after it")
             self._load = (apply, fut)
-            serving, wake = self._serving, self._wake
-        if serving:
-            wake()
-        else:
-            self.run_load()
+        self._carry_out(self.run_load)
         return fut
 
     def post_work(self, fn: Callable[[], object]) -> Future:
@@ -119,11 +125,7 @@ class StepControl:
         fut: Future = Future()
         with self._lock:
             self._work.append((fn, fut))
-            serving, wake = self._serving, self._wake
-        if serving:
-            wake()
-        else:
-            self.run_work()
+        self._carry_out(self.run_work)
         return fut
 
     def post_suspend(self) -> Future:
@@ -134,9 +136,5 @@ class StepControl:
                 self._suspend = fut
             else:
                 fut = self._suspend
-            serving, wake = self._serving, self._wake
-        if serving:
-            wake()
-        else:
-            self.run_suspend()
+        self._carry_out(self.run_suspend)
         return fut
