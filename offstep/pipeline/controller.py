@@ -33,7 +33,7 @@ from offstep.batch import Span, TrainBatch
 from offstep.config.loader import to_yaml
 from offstep.config.schema import Config
 from offstep.data.stream import PromptStream
-from offstep.errors import RolloutFailed, TrainerFailed
+from offstep.errors import ConfigError, RolloutFailed, TrainerFailed
 from offstep.files import write_file
 from offstep.pipeline.advantage import build_kl_controller, needs_old_logprobs
 from offstep.pipeline.batching import generate_batch
@@ -78,6 +78,18 @@ async def _unless_failed(fut: asyncio.Future, finishing: asyncio.Future | None):
     return await fut
 
 
+def _check_mode_of(state: TrainerState, cfg: Config, path) -> None:
+    """A checkpoint that holds samples generated ahead resumes in the mode that stored them: the
+    other mode would not train them, and their prompts would be skipped."""
+    stream = state.stream_groups is not None and bool(state.stream_groups.get("groups"))
+    stored = "fully_async" if stream else "batch" if state.in_flight else None
+    if stored is not None and stored != cfg.pipeline.mode:
+        raise ConfigError(f"{path} holds samples generated ahead in pipeline.mode={stored}, which "
+                          f"pipeline.mode={cfg.pipeline.mode} would not train (their prompts would be skipped); "
+                          f"resume with pipeline.mode={stored}; a checkpoint written with pipeline.max_staleness=0 holds none and "
+                          f"resumes in either mode")
+
+
 def _done(result) -> asyncio.Future:
     fut = asyncio.get_running_loop().create_future()
     fut.set_result(result)
@@ -114,6 +126,7 @@ class Controller:
         self.resume_from = run.resume.path if run.resume is not None else None
         self.resumed: TrainerState | None = run.resume.state if run.resume is not None else None
         if self.resumed is not None:
+            _check_mode_of(self.resumed, cfg, self.resume_from)
             for name in ("metrics.jsonl", "timeline.jsonl", "samples.jsonl"):
                 truncate_jsonl(self.out / name, self.resumed.step)
         write_file(self.out / "config.yaml", to_yaml(cfg))
