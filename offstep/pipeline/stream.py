@@ -70,6 +70,9 @@ class SampleStream:
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
         self._pollers: list[asyncio.Task] = []
+        self._polling = asyncio.Event()  # cleared while suspended: no take goes out
+        self._polling.set()
+        self._takes: dict[int, asyncio.Future] = {}  # each replica's take in flight, with its handling
 
     # ---------------------------------------------------------------- start, admission, polling
     async def start(self, version: int, consumed: int, saved: dict | None) -> None:
@@ -108,14 +111,11 @@ class SampleStream:
             self.workers.rollout[r].stream_submit.remote(works)
 
     async def _poll(self, r: int) -> None:
-        worker = self.workers.rollout[r]
         try:
             while True:
-                for f in await worker.stream_take.remote(POLL_S):
-                    a = self.groups[f.uid - self.B]
-                    a.finished = f
-                    self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
-                    self._changed.set()
+                await self._polling.wait()
+                self._takes[r] = asyncio.ensure_future(self._take(r, POLL_S))
+                await self._takes[r]
         except asyncio.CancelledError:
             raise
         except ray.exceptions.RayActorError as e:
@@ -123,6 +123,12 @@ class SampleStream:
                                      f"({type(e).__name__}); resume from the last checkpoint with trainer.resume=auto"))
         except BaseException as e:
             self._fail(e)
+
+    async def _take(self, r: int, wait_s: float) -> None:
+        for f in await self.workers.rollout[r].stream_take.remote(wait_s):
+            self.groups[f.uid - self.B].finished = f
+            self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
+            self._changed.set()
 
     def _fail(self, e: BaseException) -> None:
         self._error = e
@@ -184,15 +190,16 @@ class SampleStream:
     # ---------------------------------------------------------------- checkpoints
     async def suspend(self) -> None:
         """Stop every replica's in-flight samples where they are and collect every finished group,
-        so that :meth:`state` holds all of them; :meth:`resubmit` continues them."""
+        so that :meth:`state` holds all of them; :meth:`resubmit` continues them. The polls stop
+        until then, and the takes they have out are waited for: a take may be carrying finished
+        groups that are no longer on the replica (still attaching their reference log-probs)."""
+        self._polling.clear()
         suspended = await asyncio.gather(*(w.stream_suspend.remote() for w in self.workers.rollout))
         for works in suspended:
             for work in works:
                 self.groups[work.request.uid - self.B].work = work
-        finished = await asyncio.gather(*(w.stream_take.remote(0.0) for w in self.workers.rollout))
-        for f in (f for fs in finished for f in fs):
-            self.groups[f.uid - self.B].finished = f
-            self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
+        await asyncio.gather(*self._takes.values(), return_exceptions=True)  # a failed one: its poll reports it
+        await asyncio.gather(*(self._take(r, 0.0) for r in range(self.R)))
 
     def resubmit(self) -> None:
         """Continue the suspended groups on their replicas."""
@@ -202,6 +209,7 @@ class SampleStream:
                 per_replica.setdefault(a.replica, []).append(a.work)
         for r, works in per_replica.items():
             self.workers.rollout[r].stream_submit.remote(works)
+        self._polling.set()
 
     def state(self) -> dict:
         """The stream's share of a checkpoint (JSON): the prompts drawn but not admitted, and every
