@@ -442,8 +442,9 @@ def fake_workers(gen_s: float, train_s: float, export_s: float, load_s: float, p
 class FakePool:
     """Simulated workers made once and reset for each run (a benchmark of many short runs: Ray
     starts a process per actor, seconds each on a busy machine). Replicas for batch mode run one
-    call at a time (a generation and the load queued behind it keep their order), those for
-    ``fully_async`` four (as :func:`fake_workers`). Progress goes nowhere."""
+    call at a time (a generation and the load queued behind it keep their order); those for
+    ``fully_async`` run four (as :func:`fake_workers`) and are made afresh for each run. Progress
+    goes nowhere."""
 
     def __init__(self, replicas: int):
         self.replicas = replicas
@@ -451,7 +452,11 @@ class FakePool:
         self.rollout: dict[str, list] = {}
 
     def _replicas(self, mode: str) -> list:
-        if mode not in self.rollout:
+        # fully_async: fresh replicas for every run. A poll's take sent by the run before may still
+        # be waiting for a thread of a reused replica, and would take the next run's groups.
+        if mode not in self.rollout or mode == "fully_async":
+            for old in self.rollout.get(mode, []):
+                ray.kill(old)
             cls = ray.remote(num_cpus=0, max_concurrency=4 if mode == "fully_async" else 1)(FakeRollout)
             self.rollout[mode] = [cls.remote(0.0, 0.0, ProgressClient()) for _ in range(self.replicas)]
         return self.rollout[mode]
