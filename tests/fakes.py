@@ -6,20 +6,52 @@ its :class:`~offstep.pipeline.workers.Workers` (``train(cfg, start=fake_workers(
   request, a few random tokens each, tagged with the replica's policy version, after ``gen_s``;
   ``load_weights`` takes ``load_s``, sets the version and reports the digest of its one "weight"
   (the actor's update count, as exported);
-* ``FakeActor.update`` / ``compute_logprobs`` -> ``(result, Span)`` after ``train_s``;
-  ``export_weights`` -> ``[ObjectRef, digest]`` after ``export_s``.
+* ``FakeActor.update`` / ``compute_logprobs`` -> ``(result, Span)`` after ``train_s`` (plus
+  ``train_s_per_token`` per real token of the batch, when set); ``export_weights`` ->
+  ``[ObjectRef, digest]`` after ``export_s``; ``save_checkpoint`` / ``load_checkpoint`` write and
+  read a real (one-number) role checkpoint holding the update count.
+
+**A GPU-like profile** (``profile=GpuProfile(...)``): the replica simulates a serving engine with
+continuous batching. A decode step takes ``step_s`` whatever the number of running samples (up to
+``slots`` of them; more wait in a queue), and gives every running sample one token tagged with the
+replica's version at that step. A sample's length is drawn from a lognormal (``len_median``,
+``len_sigma``; at least ``len_min``, at most ``rollout.max_new_tokens``) by its own random stream
+``(seed, stream)``, as the real engine's sampling is (``TurnRequest``): the same sample is as long
+in batch mode as in the fully asynchronous mode, and after a suspension, whatever the timing. Its
+score is drawn from the same stream. Batch mode (``generate``) runs the request's samples through
+the same decode steps. A token's id is ``3 + version`` of the step that made it, so whoever holds
+the trained batch can read every token's version back (``FakeActor``'s ``record``).
+
+**The fully asynchronous mode** (``pipeline.mode=fully_async``): ``stream_start``,
+``stream_submit`` (``GroupWork`` s), ``stream_take`` (``FinishedGroup`` s whose ``Sample`` s have
+``token_versions``) and ``stream_suspend`` (the unfinished ``GroupWork`` s with their
+``SampleState`` s), with the real worker's signatures and the real types
+(``offstep.rollout.stream``). A background thread runs the decode steps; a ``load_weights``
+posted meanwhile lands between two steps and takes ``load_s`` (no step runs during it), and the
+in-flight samples continue under the new version (a partial rollout); ``rollout.partial=off``
+admits no new sample until the running ones finish, then loads; ``recompute`` adds one step (the
+prefill of the running samples) to a load that finds samples running. A suspended sample keeps its
+tokens and, submitted again, its target length.
 
 Like the real workers, they push their progress to the live-status hub. Used by
-``tests/test_controller_sim.py`` and ``benchmarks/controller_overhead.py``.
+``tests/test_controller_sim.py``, ``tests/test_fully_async_sim.py``,
+``benchmarks/controller_overhead.py`` and ``benchmarks/async_sim.py``.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import sys
+import threading
 import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import ray
 import torch
 
@@ -29,6 +61,7 @@ from offstep.config.schema import Config
 from offstep.pipeline.controller import train
 from offstep.pipeline.pools import RoleGroup
 from offstep.pipeline.workers import Workers
+from offstep.rollout.stream import FinishedGroup, GroupWork, SampleState
 from offstep.sync.collective import TensorSpec
 from offstep.sync.digest import Loaded, digest
 from offstep.telemetry.progress import LiveStatus, ProgressClient
@@ -36,14 +69,207 @@ from offstep.telemetry.progress import LiveStatus, ProgressClient
 # Imported by path or as a test helper: Ray ships these classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+TOKEN0 = 3  # a simulated token's id is TOKEN0 + the version that sampled it
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """A replica's simulated serving engine (see the module's docstring)."""
+
+    step_s: float = 0.004  # one decode step, for any number of running samples up to `slots`
+    slots: int = 64  # samples decoded at once (continuous batching); the others wait
+    len_median: float = 40.0  # lognormal lengths: the median ...
+    len_sigma: float = 1.0  # ... and the log-space spread (the tail's heaviness)
+    len_min: int = 2
+    # what a take spends on the groups it hands over (the real worker attaches their reference
+    # log-probs there with pipeline.ref_on_rollout): the groups are off the replica meanwhile
+    take_s: float = 0.0
+
+    def length(self, seed: int, stream: int, cap: int) -> tuple[int, float]:
+        """The target length and the score of the sample with random stream ``(seed, stream)``."""
+        rng = np.random.default_rng([int(seed), int(stream)])
+        n = int(round(rng.lognormal(math.log(self.len_median), self.len_sigma)))
+        return max(self.len_min, min(n, cap)), float(rng.integers(0, 2))
+
+
+def _logprob(position: int) -> float:
+    return -0.1 * (1 + position % 7)
+
+
+class _Pacer:
+    """Decode steps of ``step_s`` each against the clock: a step that ran late is made up by the
+    next ones (so many short steps do not accumulate sleep overhead), but an idle engine does not
+    bank time."""
+
+    def __init__(self, step_s: float):
+        self.step_s, self.next = step_s, None
+
+    def idle(self) -> None:
+        self.next = None
+
+    def step(self) -> None:
+        now = time.monotonic()
+        if self.next is None or now - self.next > 20 * self.step_s:
+            self.next = now
+        self.next += self.step_s
+        if self.next > now:
+            time.sleep(self.next - now)
+
+
+class _SimStream:
+    """The replica's side of the fully asynchronous mode, simulated (``offstep.rollout.stream``'s
+    ``StreamServer``): a thread of decode steps over the submitted groups' samples."""
+
+    def __init__(self, owner: "FakeRollout", params, partial: str):
+        self.owner, self.params, self.partial, self.profile = owner, params, partial, owner.profile
+        self.cond = threading.Condition()
+        self.groups: dict[int, GroupWork] = {}  # uid -> unfinished group
+        self.targets: dict[tuple[int, int], tuple[int, float]] = {}  # (uid, j) -> (length, score)
+        self.queue: deque[tuple[int, int]] = deque()
+        self.running: list[tuple[int, int]] = []
+        self.finished: list[FinishedGroup] = []
+        self.load: tuple[int, Future] | None = None
+        self.suspending: Future | None = None
+        self.closed = False
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._serve, name="sim-serve", daemon=True)
+        self.thread.start()
+
+    def submit(self, groups: list[GroupWork]) -> None:
+        with self.cond:
+            now = time.time()
+            for g in groups:
+                uid = g.request.uid
+                if not g.samples:
+                    g.samples = [SampleState() for _ in range(self.params.n)]
+                g.started = g.started or now
+                self.groups[uid] = g
+                for j, s in enumerate(g.samples):
+                    self.targets[uid, j] = self.profile.length(g.seed, g.stream0 + j, self.params.max_new_tokens)
+                    if not s.finish_reason:
+                        self.queue.append((uid, j))
+                self._maybe_done(uid)
+            self.cond.notify_all()
+
+    def _serve(self) -> None:
+        pacer = _Pacer(self.profile.step_s)
+        try:
+            while True:
+                with self.cond:
+                    while not (self.closed or self.suspending or self.load or self.queue or self.running):
+                        pacer.idle()
+                        self.cond.wait()
+                    if self.closed:
+                        return
+                    if self.suspending is not None:  # every in-flight sample stops where it is
+                        self.queue.clear()
+                        self.running.clear()
+                        out, self.groups = list(self.groups.values()), {}
+                        fut, self.suspending = self.suspending, None
+                        fut.set_result(out)
+                        continue
+                    load = self.load if self.load is not None and (self.partial != "off" or not self.running) else None
+                    if load is not None:
+                        self.load = None
+                    hold = self.load is not None  # partial=off: drain the running samples first
+                    while not hold and self.queue and len(self.running) < self.profile.slots:
+                        self.running.append(self.queue.popleft())
+                    running = bool(self.running)
+                if load is not None:  # between two decode steps; the engine does nothing else meanwhile
+                    version, fut = load
+                    time.sleep(self.owner.load_s + (self.profile.step_s if self.partial == "recompute" and running else 0.0))
+                    self.owner.version = version
+                    pacer.idle()
+                    fut.set_result(None)
+                    continue
+                if not running:
+                    continue
+                pacer.step()
+                self._decoded()
+        except BaseException as e:  # handed to the controller by the next take
+            with self.cond:
+                self.error = e
+                self.cond.notify_all()
+
+    def _decoded(self) -> None:
+        """One token for every running sample, of the version held now."""
+        with self.cond:
+            v = self.owner.version
+            still = []
+            for uid, j in self.running:
+                s = self.groups[uid].samples[j]
+                s.tokens.append(TOKEN0 + v)
+                s.logprobs.append(_logprob(len(s.tokens)))
+                s.versions.append(v)
+                length, score = self.targets[uid, j]
+                if len(s.tokens) >= length:
+                    s.finish_reason = "length" if length >= self.params.max_new_tokens else "stop"
+                    s.score = score
+                    self.owner.progress.advance()
+                    self._maybe_done(uid)
+                else:
+                    still.append((uid, j))
+            self.running = still
+            self.cond.notify_all()
+
+    def _maybe_done(self, uid: int) -> None:
+        g = self.groups[uid]
+        if not all(s.finish_reason for s in g.samples):
+            return
+        del self.groups[uid]
+        r = g.request
+        samples = [Sample(uid=uid, prompt_ids=list(r.prompt_ids), response_ids=list(s.tokens), rollout_logprobs=list(s.logprobs),
+                          finish_reason=s.finish_reason, score=s.score, version=s.versions[0] if s.versions else self.owner.version,
+                          data_source=r.data_source, token_versions=list(s.versions))
+                   for s in g.samples]
+        self.finished.append(FinishedGroup(uid, samples, g.started, time.time()))
+
+    def take(self, wait_s: float) -> list[FinishedGroup]:
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while not self.finished and self.error is None and (left := deadline - time.monotonic()) > 0:
+                self.cond.wait(left)
+            if self.error is not None:
+                raise self.error
+            out, self.finished = self.finished, []
+        if out and self.profile.take_s:
+            time.sleep(self.profile.take_s)
+        return out
+
+    def post_load(self, version: int) -> None:
+        fut: Future = Future()
+        with self.cond:
+            if self.load is not None:
+                raise RuntimeError("a weight load is already waiting for the engine")
+            self.load = (version, fut)
+            self.cond.notify_all()
+        fut.result()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.thread.join(timeout=10)
+
+    def suspend(self) -> list[GroupWork]:
+        fut: Future = Future()
+        with self.cond:
+            self.suspending = fut
+            self.cond.notify_all()
+        return fut.result()
+
 
 class FakeRollout:
-    def __init__(self, gen_s: float, load_s: float, progress: ProgressClient):
+    def __init__(self, gen_s: float, load_s: float, progress: ProgressClient, profile: GpuProfile | None = None):
         self.gen_s, self.load_s, self.version, self.progress = gen_s, load_s, 0, progress
+        self.profile = profile
+        self._stream: _SimStream | None = None
 
     def generate(self, requests, params, seed: int, with_ref: bool = True):
         t0 = time.time()
         self.progress.start("gen", len(requests) * params.n, version=self.version)
+        if self.profile is not None:
+            return self._generate_profiled(requests, params, seed, t0)
         g = torch.Generator().manual_seed(seed)
         samples = []
         for r in requests:
@@ -58,35 +284,109 @@ class FakeRollout:
         self.progress.advance(len(samples))
         return samples, GenTiming(Span(t0, time.time(), self.version))
 
+    def _generate_profiled(self, requests, params, seed: int, t0: float):
+        """Batch mode on the GPU-like profile: the call's samples (request i's sample j has stream
+        ``i * n + j``, as the real engine's) through continuous batching; the call lasts as many
+        decode steps as the schedule needs (the longest sample sets it when all fit the slots)."""
+        p = self.profile
+        drawn = [p.length(seed, i * params.n + j, params.max_new_tokens) for i in range(len(requests)) for j in range(params.n)]
+        waiting, running, steps = deque(n for n, _ in drawn), [], 0
+        while waiting or running:
+            while waiting and len(running) < p.slots:
+                running.append(waiting.popleft())
+            steps += 1
+            running = [n - 1 for n in running if n > 1]
+        time.sleep(max(0.0, steps * p.step_s - (time.time() - t0)))
+        samples = []
+        for k, (n, score) in enumerate(drawn):
+            r = requests[k // params.n]
+            samples.append(Sample(uid=r.uid, prompt_ids=list(r.prompt_ids), response_ids=[TOKEN0 + self.version] * n,
+                                  rollout_logprobs=[_logprob(i + 1) for i in range(n)],
+                                  finish_reason="length" if n >= params.max_new_tokens else "stop", score=score,
+                                  version=self.version, data_source=r.data_source))
+        self.progress.advance(len(samples))
+        return samples, GenTiming(Span(t0, time.time(), self.version))
+
+    def reset(self, gen_s: float, load_s: float, profile: GpuProfile | None) -> None:
+        """A fresh replica of these settings (:class:`FakePool`: one actor for many runs)."""
+        if self._stream is not None:
+            self._stream.close()
+        self.__init__(gen_s, load_s, self.progress, profile)
+
+    # The fully asynchronous mode (the real worker's methods; see the module's docstring).
+    def stream_start(self, prompts: list[list[int]], params, partial: str) -> None:
+        if self.profile is None:
+            raise ValueError("FakeRollout streams only with a GpuProfile")
+        self.progress.start("gen", total=0, version=self.version)
+        self._stream = _SimStream(self, params, partial)
+
+    def stream_submit(self, groups: list) -> None:
+        self._stream.submit(groups)
+
+    def stream_take(self, wait_s: float) -> list:
+        return self._stream.take(wait_s)
+
+    def stream_suspend(self) -> list:
+        return self._stream.suspend()
+
     def weight_sync_manifest(self) -> list:
         return [TensorSpec("w", (1,), "float32")]
 
     def load_weights(self, packed, version: int) -> Loaded:
         t0 = time.time()
-        time.sleep(self.load_s)
-        self.version = version
+        self.progress.start("load_weights", version=version)
+        if self._stream is not None:  # lands between two decode steps of the running stream
+            self._stream.post_load(version)
+        else:
+            time.sleep(self.load_s)
+            self.version = version
         held = torch.tensor([float(packed["version"])])  # the one "weight" the actor sent
         return Loaded(Span(t0, time.time(), version), digest([("w", held)]), 0.0)
 
 
 class FakeActor:
-    def __init__(self, train_s: float, export_s: float, progress: ProgressClient):
+    """``record``: a JSON-lines file that gets one line per update: the trainer's version before
+    it, and per sample its group uid, ``Sample.version``, the oldest version among its response
+    tokens (read from the token ids, see ``TOKEN0``), its length, its score and its prompt's tokens."""
+
+    def __init__(self, train_s: float, export_s: float, progress: ProgressClient, train_s_per_token: float = 0.0,
+                 record: str | None = None):
         self.train_s, self.export_s, self.updates, self.progress = train_s, export_s, 0, progress
+        self.train_s_per_token, self.record = train_s_per_token, record
+
+    def reset(self, train_s: float, export_s: float, train_s_per_token: float = 0.0, record: str | None = None) -> None:
+        self.__init__(train_s, export_s, self.progress, train_s_per_token, record)
 
     def _sleep(self, s: float) -> Span:
         t0 = time.time()
         time.sleep(s)
         return Span(t0, time.time())
 
+    def _work_s(self, batch) -> float:
+        return self.train_s + self.train_s_per_token * float(batch.attention_mask.sum())
+
     def update(self, batch) -> tuple[dict, Span]:
         self.progress.start("update_actor", 1)
-        span = self._sleep(self.train_s)
+        if self.record:
+            self._record(batch)
+        span = self._sleep(self._work_s(batch))
         self.progress.advance()
         self.updates += 1
         return {"pg_loss": 0.0, "grad_norm": 1.0, "entropy": 1.0, "lr": 1e-6, "skipped_steps": 0.0}, span
 
+    def _record(self, batch) -> None:
+        P, rows = batch.prompt_len, []
+        for i in range(len(batch)):
+            resp = batch.input_ids[i, P:][batch.response_mask[i] > 0]
+            rows.append({"uid": int(batch.group_ids[i]), "version": int(batch.versions[i]),
+                         "oldest": int(resp.min()) - TOKEN0 if len(resp) else None, "length": len(resp),
+                         "score": float(batch.scores[i]),
+                         "prompt": batch.input_ids[i, :P][batch.attention_mask[i, :P] > 0].tolist()})
+        with open(self.record, "a") as f:
+            f.write(json.dumps({"trainer_version": self.updates, "samples": rows}) + "\n")
+
     def compute_logprobs(self, batch) -> tuple[torch.Tensor, Span]:
-        return torch.zeros_like(batch.rollout_logprobs), self._sleep(self.train_s)
+        return torch.zeros_like(batch.rollout_logprobs), self._sleep(self._work_s(batch))
 
     def set_sync_manifest(self, specs: list) -> None:
         pass
@@ -95,24 +395,41 @@ class FakeActor:
         time.sleep(self.export_s)
         return [ray.put({"version": self.updates}), digest([("w", torch.tensor([float(self.updates)]))])]
 
+    # A real role checkpoint (DCP shards and rank0.json) of a one-number model: the update count.
+    def save_checkpoint(self, path: str) -> None:
+        from offstep.train.checkpoint import save_role
+
+        save_role(path, 0, torch.nn.Linear(1, 1, bias=False), extra={"updates": self.updates})
+
+    def load_checkpoint(self, path: str) -> None:
+        from offstep.train.checkpoint import load_role
+
+        self.updates = int(load_role(path, 0, torch.nn.Linear(1, 1, bias=False))["updates"])
+
     def shutdown(self) -> None:
         pass
 
 
-def fake_workers(gen_s: float, train_s: float, export_s: float, load_s: float):
+def fake_workers(gen_s: float, train_s: float, export_s: float, load_s: float, profile: GpuProfile | None = None,
+                 train_s_per_token: float = 0.0, record: str | None = None):
     """A ``start(cfg, inputs, console) -> Workers`` for the loop: one simulated actor rank and
-    ``rollout.replicas`` simulated replicas, needing no resources."""
+    ``rollout.replicas`` simulated replicas, needing no resources. ``profile``: the replicas'
+    GPU-like engine (needed for ``pipeline.mode=fully_async``); ``train_s_per_token``: update
+    time per real token of the batch, on top of ``train_s``; ``record``: the actor's record file."""
 
     def start(cfg: Config, inputs, console) -> Workers:
         owns_ray = not ray.is_initialized()
         if owns_ray:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
         live = LiveStatus.create(console)
-        actor = ray.remote(num_cpus=0)(FakeActor).remote(train_s, export_s, live.client("trainer"))
-        rollout_cls = ray.remote(num_cpus=0)(FakeRollout)
+        actor = ray.remote(num_cpus=0)(FakeActor).remote(train_s, export_s, live.client("trainer"), train_s_per_token, record)
+        # fully_async: a take, a load and a suspension are served while the replica generates (as
+        # the real workers, offstep/pipeline/workers.py)
+        concurrency = 4 if cfg.pipeline.mode == "fully_async" else 1
+        rollout_cls = ray.remote(num_cpus=0, max_concurrency=concurrency)(FakeRollout)
 
         def make_rollout(i: int):
-            return rollout_cls.remote(gen_s, load_s, live.client(f"rollout/{i}"))
+            return rollout_cls.remote(gen_s, load_s, live.client(f"rollout/{i}"), profile)
 
         workers = Workers(RoleGroup("actor", [actor]), [make_rollout(i) for i in range(cfg.rollout.replicas)],
                           make_rollout, live, owns_ray=owns_ray)
@@ -122,20 +439,76 @@ def fake_workers(gen_s: float, train_s: float, export_s: float, load_s: float):
     return start
 
 
+class FakePool:
+    """Simulated workers made once and reset for each run (a benchmark of many short runs: Ray
+    starts a process per actor, seconds each on a busy machine). Replicas for batch mode run one
+    call at a time (a generation and the load queued behind it keep their order); those for
+    ``fully_async`` run four (as :func:`fake_workers`) and are made afresh for each run. Progress
+    goes nowhere."""
+
+    def __init__(self, replicas: int):
+        self.replicas = replicas
+        self.actor = ray.remote(num_cpus=0)(FakeActor).remote(0.0, 0.0, ProgressClient())
+        self.rollout: dict[str, list] = {}
+
+    def _replicas(self, mode: str) -> list:
+        # fully_async: fresh replicas for every run. A poll's take sent by the run before may still
+        # be waiting for a thread of a reused replica, and would take the next run's groups.
+        if mode not in self.rollout or mode == "fully_async":
+            for old in self.rollout.get(mode, []):
+                ray.kill(old)
+            cls = ray.remote(num_cpus=0, max_concurrency=4 if mode == "fully_async" else 1)(FakeRollout)
+            self.rollout[mode] = [cls.remote(0.0, 0.0, ProgressClient()) for _ in range(self.replicas)]
+        return self.rollout[mode]
+
+    def start(self, gen_s: float, train_s: float, export_s: float, load_s: float, profile: GpuProfile | None = None,
+              train_s_per_token: float = 0.0):
+        """A ``start(cfg, inputs, console) -> Workers`` (as :func:`fake_workers`) over the pooled actors."""
+
+        def start(cfg: Config, inputs, console) -> Workers:
+            assert cfg.rollout.replicas == self.replicas
+            rollout = self._replicas(cfg.pipeline.mode)
+            ray.get([self.actor.reset.remote(train_s, export_s, train_s_per_token)]
+                    + [r.reset.remote(gen_s, load_s, profile) for r in rollout])
+            return _Pooled(RoleGroup("actor", [self.actor]), list(rollout), None, LiveStatus.create(console))
+
+        return start
+
+
+class _Pooled(Workers):
+    def close(self) -> None:  # the actors stay for the next run
+        self.live.close()
+
+
 def sim_config(out: Path, k: int, steps: int, *extra: str) -> Config:
     """The tiny preset's data (prompts tokenised, no model run), no KL term, no validation, no checkpoint."""
     return load_config([
         "preset=tiny", f"pipeline.max_staleness={k}", f"trainer.total_steps={steps}", f"trainer.output_dir={out}",
         "trainer.progress=off", "trainer.val_before_train=false", "trainer.val_freq=0", "trainer.log_samples_freq=0",
-        "trainer.save_last=false",  # fake workers write no checkpoints
+        "trainer.save_last=false",  # fake workers write no model, only the actor's update count
         "algorithm.use_kl_loss=false", "data.task_val_size=4", "data.train_batch_size=8", "rollout.n=4", *extra,
     ])
 
 
-def run_sim(cfg: Config, gen_s: float, train_s: float, export_s: float, load_s: float) -> list[dict]:
-    """``train(cfg)`` on simulated workers with these stage durations (seconds). No other options:
-    the simulated workers take none."""
-    return train(cfg, start=fake_workers(gen_s, train_s, export_s, load_s))
+def run_sim(cfg: Config, gen_s: float, train_s: float, export_s: float, load_s: float, **kw) -> list[dict]:
+    """``train(cfg)`` on simulated workers with these stage durations (seconds); ``kw``: the
+    options of :func:`fake_workers` (``profile``, ``train_s_per_token``, ``record``). The
+    simulated workers take no cores, so the check that the run's cores fit this machine is left
+    out (two replicas beside the trainer on 2 cores)."""
+    return train_on(cfg, fake_workers(gen_s, train_s, export_s, load_s, **kw))
+
+
+def train_on(cfg: Config, start) -> list[dict]:
+    """``train(cfg, start)`` without the check that the run's cores fit this machine (simulated
+    workers take none)."""
+    from offstep.pipeline import preflight
+
+    check = preflight._check_devices
+    preflight._check_devices = lambda *args: None
+    try:
+        return train(cfg, start=start)
+    finally:
+        preflight._check_devices = check
 
 
 def ideal_step(k: int, gen_s: float, train_s: float, export_s: float, load_s: float) -> float:

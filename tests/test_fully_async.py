@@ -114,3 +114,24 @@ def test_a_checkpoint_with_samples_ahead_resumes_in_its_own_mode(mode, stored):
     with pytest.raises(ConfigError, match=f"resume with pipeline.mode={stored}"):
         _check_mode_of(state, load_config(["preset=tiny", f"pipeline.mode={mode}"]), "ckpt")
     _check_mode_of(state, load_config(["preset=tiny", f"pipeline.mode={stored}"]), "ckpt")  # its own mode: fine
+
+
+def test_must_take_counts_the_groups_later_steps_could_not_fit():
+    """Earliest deadline first (a group admitted at version a is due by a + k), B = 2, k = 1."""
+    from types import SimpleNamespace
+
+    from offstep.pipeline.stream import must_take
+
+    def groups(*versions):
+        return [SimpleNamespace(version=v) for v in versions]
+
+    # Trainer version 3: two groups of version 2 are due now (deadline 3), the rest can wait.
+    assert must_take(groups(2, 2, 3, 3), 3, 1, 2) == 2
+    # Four groups due by version 4: two now, two at the next step.
+    assert must_take(groups(3, 3, 3, 3), 3, 1, 2) == 2
+    # Three due by 4 and one more due by 5: one now (two fit the next step), nothing forced after.
+    assert must_take(groups(3, 3, 3, 4), 3, 1, 2) == 1
+    # Nothing due soon: nothing forced; the batch takes whatever finished.
+    assert must_take(groups(3, 4), 3, 1, 2) == 0 and must_take([], 3, 1, 2) == 0
+    # k = 0: every group waiting is due now (the synchronous loop).
+    assert must_take(groups(3, 3), 3, 0, 2) == 2

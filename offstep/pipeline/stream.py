@@ -8,11 +8,13 @@ the prompt stream's order) goes to a replica that holds policy version ``h`` onl
 ``g < (h + k + 1) * B`` (``k = pipeline.max_staleness``, ``B`` groups a step). Its samples' oldest
 tokens are then of version ``>= h``.
 
-**Taking a batch** at trainer version ``V`` (the step that makes ``V + 1``): every group admitted
-at a version ``<= V - k`` must be in it (one step later it would break the bound); the admission
-rule keeps those at most ``B``. The trainer waits for them if they are still generating (a long
-sample is waited for, never dropped: no bias against long samples), and fills the batch with the
-oldest other finished groups. The batch is ordered by admission number.
+**Taking a batch** at trainer version ``V`` (the step that makes ``V + 1``): a group admitted at
+version ``a`` must be trained by version ``a + k`` (its deadline). The batch takes, earliest
+deadline first, as many groups as the later steps could not fit (``must_take``): every group whose
+deadline is ``V``, and more where later deadlines crowd. The trainer waits for those if they are
+still generating (a long sample is waited for, never dropped: no bias against long samples), and
+fills the batch with other finished groups, earliest deadline first. The batch is ordered by
+admission number.
 
 With ``k = 0`` exactly ``B`` groups are admitted at each version and all of them are taken, with
 the batch mode's seeds and replica shares: the synchronous loop.
@@ -41,6 +43,24 @@ POLL_S = 0.5  # how long one take waits on a replica for a finished group
 # The stream's figures of when groups finished (how many wait, how many generate, the lengths of those
 # finished since the last step): like wall-clock times, they differ between two runs of one config.
 WHEN_FINISHED = ("rollout/queue_depth", "rollout/in_flight_groups", "rollout/length_bias", "response_length/generated_mean")
+
+
+def must_take(waiting: list, version: int, k: int, B: int) -> int:
+    """How many of ``waiting`` (admitted groups not yet trained, in earliest-deadline order: by
+    admission version) the batch trained at ``version`` must take, the first ones, so that no
+    group ever breaks the bound. Group ``a`` must be trained by version ``a.version + k`` (its
+    deadline); the steps after this one, at versions ``version + 1 .. W``, take ``B`` groups each,
+    so at most ``(W - version) * B`` groups with a deadline ``<= W`` may be left after it, for every
+    ``W``. The answer is at most ``B``: taking this many at every step, and admitting only while
+    ``admitted < (held + k + 1) * B`` (every group waiting then has a deadline ``<= held + k``), keep
+    the groups waiting with a deadline ``<= W`` at most ``(W - version + 1) * B`` when a batch is
+    taken."""
+    need = 0
+    for i, a in enumerate(waiting):
+        last = i + 1 == len(waiting) or waiting[i + 1].version != a.version
+        if last:  # the groups with a deadline <= a.version + k: the first i + 1
+            need = max(need, i + 1 - (a.version + k - version) * B)
+    return need
 
 
 @dataclass
@@ -74,6 +94,9 @@ class SampleStream:
         self._error: BaseException | None = None
         self._pollers: list[asyncio.Task] = []
         self.holding = False  # admission paused until a checkpoint is written (hold / release)
+        self._polling = asyncio.Event()  # cleared while suspended: no take goes out
+        self._polling.set()
+        self._takes: dict[int, asyncio.Future] = {}  # each replica's take in flight, with its handling
 
     # ---------------------------------------------------------------- start, admission, polling
     async def start(self, version: int, consumed: int, saved: dict | None) -> None:
@@ -114,14 +137,11 @@ class SampleStream:
             self.workers.rollout[r].stream_submit.remote(works)
 
     async def _poll(self, r: int) -> None:
-        worker = self.workers.rollout[r]
         try:
             while True:
-                for f in await worker.stream_take.remote(POLL_S):
-                    a = self.groups[f.uid - self.B]
-                    a.finished = f
-                    self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
-                    self._changed.set()
+                await self._polling.wait()
+                self._takes[r] = asyncio.ensure_future(self._take(r, POLL_S))
+                await self._takes[r]
         except asyncio.CancelledError:
             raise
         except ray.exceptions.RayActorError as e:
@@ -129,6 +149,12 @@ class SampleStream:
                                      f"({type(e).__name__}); resume from the last checkpoint with trainer.resume=auto"))
         except BaseException as e:
             self._fail(e)
+
+    async def _take(self, r: int, wait_s: float) -> None:
+        for f in await self.workers.rollout[r].stream_take.remote(wait_s):
+            self.groups[f.uid - self.B].finished = f
+            self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
+            self._changed.set()
 
     def _fail(self, e: BaseException) -> None:
         self._error = e
@@ -147,14 +173,16 @@ class SampleStream:
         while True:
             if self._error is not None:
                 raise self._error
-            waiting = sorted(self.groups.values(), key=lambda a: a.g)
-            must = [a for a in waiting if a.version <= version - self.k]
-            done = [a for a in waiting if a.finished is not None]
-            if len(done) >= self.B and all(a.finished is not None for a in must):
+            waiting = sorted(self.groups.values(), key=lambda a: (a.version, a.g))  # earliest deadline first
+            must = waiting[: must_take(waiting, version, self.k, self.B)]
+            if len(must) > self.B:  # the invariant of must_take's docstring broke: a bug, not a state to train on
+                raise RuntimeError(f"step {step}: {len(must)} groups are due, more than data.train_batch_size={self.B}")
+            fill = [a for a in waiting[len(must):] if a.finished is not None][: self.B - len(must)]
+            if len(must) + len(fill) == self.B and all(a.finished is not None for a in must):
                 break
             self._changed.clear()
             await self._changed.wait()
-        chosen = must + [a for a in done if a.version > version - self.k][: self.B - len(must)]
+        chosen = must + fill
         chosen.sort(key=lambda a: a.g)
         for a in chosen:
             del self.groups[a.g]
@@ -200,15 +228,16 @@ class SampleStream:
 
     async def suspend(self) -> None:
         """Stop every replica's in-flight samples where they are and collect every finished group,
-        so that :meth:`state` holds all of them; :meth:`resubmit` continues them."""
+        so that :meth:`state` holds all of them; :meth:`resubmit` continues them. The polls stop
+        until then, and the takes they have out are waited for: a take may be carrying finished
+        groups that are no longer on the replica (still attaching their reference log-probs)."""
+        self._polling.clear()
         suspended = await asyncio.gather(*(w.stream_suspend.remote() for w in self.workers.rollout))
         for works in suspended:
             for work in works:
                 self.groups[work.request.uid - self.B].work = work
-        finished = await asyncio.gather(*(w.stream_take.remote(0.0) for w in self.workers.rollout))
-        for f in (f for fs in finished for f in fs):
-            self.groups[f.uid - self.B].finished = f
-            self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
+        await asyncio.gather(*self._takes.values(), return_exceptions=True)  # a failed one: its poll reports it
+        await asyncio.gather(*(self._take(r, 0.0) for r in range(self.R)))
 
     def resubmit(self) -> None:
         """Continue the suspended groups on their replicas."""
@@ -218,6 +247,7 @@ class SampleStream:
                 per_replica.setdefault(a.replica, []).append(a.work)
         for r, works in per_replica.items():
             self.workers.rollout[r].stream_submit.remote(works)
+        self._polling.set()
 
     def state(self) -> dict:
         """The stream's share of a checkpoint (JSON): the prompts drawn but not admitted, and every
