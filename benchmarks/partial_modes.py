@@ -118,8 +118,10 @@ def main() -> None:
             diffs_new.append(lp[cut:] - teacher_new[i][cut:])
             diffs_old.append(lp[:cut] - _teacher(model, prompts[i // PARAMS.n], c.response_ids)[:cut])
         after, before = torch.cat(diffs_new), torch.cat(diffs_old)
-        rows.append((partial, crossed, len(completions), int(after.numel()), float(after.mean()), float(after.abs().max()),
-                     float(before.abs().max()), statistics.median(walls), statistics.median(waits)))
+        nan = float("nan")  # off: no token is sampled after the load in a sample that began before it
+        rows.append((partial, crossed, len(completions), int(after.numel()), float(after.mean()) if after.numel() else nan,
+                     float(after.abs().max()) if after.numel() else nan, float(before.abs().max()),
+                     statistics.median(walls), statistics.median(waits)))
         print(rows[-1], flush=True)
     base = rows[0][7]
     lines = [
