@@ -64,6 +64,7 @@ from offstep.pipeline.workers import Workers
 from offstep.rollout.stream import FinishedGroup, GroupWork, SampleState
 from offstep.sync.collective import TensorSpec
 from offstep.sync.digest import Loaded, digest
+from offstep.telemetry.names import Role, Stage, replica
 from offstep.telemetry.progress import LiveStatus, ProgressClient
 
 # Imported by path or as a test helper: Ray ships these classes by value.
@@ -267,7 +268,7 @@ class FakeRollout:
 
     def generate(self, requests, params, seed: int, with_ref: bool = True):
         t0 = time.time()
-        self.progress.start("gen", len(requests) * params.n, version=self.version)
+        self.progress.start(Stage.GEN, len(requests) * params.n, version=self.version)
         if self.profile is not None:
             return self._generate_profiled(requests, params, seed, t0)
         g = torch.Generator().manual_seed(seed)
@@ -317,7 +318,7 @@ class FakeRollout:
     def stream_start(self, prompts: list[list[int]], params, partial: str) -> None:
         if self.profile is None:
             raise ValueError("FakeRollout streams only with a GpuProfile")
-        self.progress.start("gen", total=0, version=self.version)
+        self.progress.start(Stage.GEN, total=0, version=self.version)
         self._stream = _SimStream(self, params, partial)
 
     def stream_submit(self, groups: list) -> None:
@@ -334,7 +335,7 @@ class FakeRollout:
 
     def load_weights(self, packed, version: int) -> Loaded:
         t0 = time.time()
-        self.progress.start("load_weights", version=version)
+        self.progress.start(Stage.LOAD_WEIGHTS, version=version)
         if self._stream is not None:  # lands between two decode steps of the running stream
             self._stream.post_load(version)
         else:
@@ -366,7 +367,7 @@ class FakeActor:
         return self.train_s + self.train_s_per_token * float(batch.attention_mask.sum())
 
     def update(self, batch) -> tuple[dict, Span]:
-        self.progress.start("update_actor", 1)
+        self.progress.start(Stage.UPDATE_ACTOR, 1)
         if self.record:
             self._record(batch)
         span = self._sleep(self._work_s(batch))
@@ -422,16 +423,16 @@ def fake_workers(gen_s: float, train_s: float, export_s: float, load_s: float, p
         if owns_ray:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
         live = LiveStatus.create(console)
-        actor = ray.remote(num_cpus=0)(FakeActor).remote(train_s, export_s, live.client("trainer"), train_s_per_token, record)
+        actor = ray.remote(num_cpus=0)(FakeActor).remote(train_s, export_s, live.client(Role.TRAINER), train_s_per_token, record)
         # fully_async: a take, a load and a suspension are served while the replica generates (as
         # the real workers, offstep/pipeline/workers.py)
         concurrency = 4 if cfg.pipeline.mode == "fully_async" else 1
         rollout_cls = ray.remote(num_cpus=0, max_concurrency=concurrency)(FakeRollout)
 
         def make_rollout(i: int):
-            return rollout_cls.remote(gen_s, load_s, live.client(f"rollout/{i}"), profile)
+            return rollout_cls.remote(gen_s, load_s, live.client(replica(i)), profile)
 
-        workers = Workers(RoleGroup("actor", [actor]), [make_rollout(i) for i in range(cfg.rollout.replicas)],
+        workers = Workers(RoleGroup(Role.ACTOR, [actor]), [make_rollout(i) for i in range(cfg.rollout.replicas)],
                           make_rollout, live, owns_ray=owns_ray)
         workers.ready()
         return workers
@@ -470,7 +471,7 @@ class FakePool:
             rollout = self._replicas(cfg.pipeline.mode)
             ray.get([self.actor.reset.remote(train_s, export_s, train_s_per_token)]
                     + [r.reset.remote(gen_s, load_s, profile) for r in rollout])
-            return _Pooled(RoleGroup("actor", [self.actor]), list(rollout), None, LiveStatus.create(console))
+            return _Pooled(RoleGroup(Role.ACTOR, [self.actor]), list(rollout), None, LiveStatus.create(console))
 
         return start
 

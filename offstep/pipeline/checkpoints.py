@@ -48,13 +48,14 @@ from offstep.errors import CheckpointError, ConfigError, LinkRefused
 from offstep.files import MAX_CONFIG_BYTES, loads_json, loads_yaml, read_text, refuse_links_under, short
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.faults import pause_point
+from offstep.telemetry.names import Role
 from offstep.train.checkpoint import check_role, fsync_tree, replace_dir, write_durably, write_failed
 
 _NAME = re.compile(r"^step_(\d+)(\.replaced)?$")
 STATE_FILE = "trainer_state.json"
 LEGACY_STATE_FILE = "trainer_state.pt"  # offstep before the JSON format: a pickle, never loaded
 FORMAT = 2  # 2: with the files' digests (format 1, without them, is still read)
-ROLES = ("actor", "critic")
+ROLES = (Role.ACTOR, Role.CRITIC)  # a checkpoint's role folders, named after the role groups
 # Keys a resumed run must share with the run that wrote the checkpoint, or it would not be the
 # same run continued (the rest, e.g. total_steps, logging, may change).
 MUST_MATCH = (
@@ -368,7 +369,7 @@ def open_checkpoint(path: Path) -> Loaded:
         check_saved_config(read_config(config_yaml))
     except (OSError, ValueError) as e:
         raise damaged(f"config.yaml cannot be read ({type(e).__name__}: {str(e)[:300]})") from None
-    if not (path / "actor").is_dir():
+    if not (path / Role.ACTOR).is_dir():
         raise damaged("it has no actor/ folder")
     for role in ROLES:
         if (path / role).is_dir() and (problem := check_role(path / role)):

@@ -28,6 +28,7 @@ from offstep.rollout.types import Completion, SamplingParams
 from offstep.sync.collective import TensorSpec, WeightReceiver, manifest
 from offstep.sync.digest import Loaded
 from offstep.sync.weights import unpack_state_dict
+from offstep.telemetry.names import Stage
 from offstep.telemetry.progress import ProgressClient
 
 
@@ -133,7 +134,7 @@ class RolloutWorker:
             futures[id(c)] = self.pool.submit(score, c)
             self.progress.advance()
 
-        self.progress.start("gen", total=len(requests) * params.n, version=version)
+        self.progress.start(Stage.GEN, total=len(requests) * params.n, version=version)
         completions = self.engine.generate([r.prompt_ids for r in requests], params, seed, on_finish=on_finish)
         samples = []
         for c in completions:
@@ -206,7 +207,7 @@ class RolloutWorker:
         The same forward as the trainer's reference role (``forward_response``, same temperature
         and compute dtype), on this worker's share of the batch.
         """
-        self.progress.start("ref")
+        self.progress.start(Stage.REF)
         if self.ref_model is None and not isinstance(self.engine, TorchEngine):  # vLLM with LoRA: its base
             scored = self.engine.base_logprobs([(s.prompt_ids, s.response_ids) for s in samples], self.ref.temperature)
             for s, lp in zip(samples, scored):
@@ -233,7 +234,7 @@ class RolloutWorker:
         def score(r: Request, text: str):
             return self.reward(r.data_source, text, r.ground_truth, r.extra_info)
 
-        self.progress.start("gen", total=0, version=self.engine.version)
+        self.progress.start(Stage.GEN, total=0, version=self.engine.version)
         self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, score, self.pool,
                                     self._tok, self.progress.advance)
 
@@ -253,7 +254,7 @@ class RolloutWorker:
 
     def load_weights(self, packed: dict, version: int) -> Loaded:
         t0 = time.time()
-        self.progress.start("load_weights", version=version)
+        self.progress.start(Stage.LOAD_WEIGHTS, version=version)
         tensors = unpack_state_dict(packed)
         if getattr(self, "_stream", None) is not None:  # between two decode steps of the running engine
             self._stream.load(lambda: self._apply(tensors, version))
@@ -315,7 +316,7 @@ class RolloutWorker:
         if receiver is None:
             raise RuntimeError("receive_weights: this rollout worker has not joined the weight-sync group "
                                "(offstep.sync.collective.connect; a replaced worker needs a new group)")
-        self.progress.start("load_weights", version=version)
+        self.progress.start(Stage.LOAD_WEIGHTS, version=version)
         fault = self._fault(version)
         # A test's dropped load into the live weights (the built-in engine) puts back what they held.
         before = ({n: p.detach().clone() for n, p in self.engine.model.named_parameters()}
