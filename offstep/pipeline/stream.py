@@ -266,7 +266,7 @@ class SampleStream:
         return {"admitted": self.admitted, "drawn": list(self.drawn), "epoch": self.epoch, "groups": groups}
 
     def _restore(self, saved: dict) -> None:
-        from offstep.pipeline.checkpoints import decode_stream_groups
+        from offstep.pipeline.trainer_state import decode_stream_groups
         from offstep.rollout.stream import FinishedGroup
 
         self.admitted, self.drawn, self.epoch = saved["admitted"], list(saved["drawn"]), saved["epoch"]
