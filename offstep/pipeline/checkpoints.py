@@ -42,21 +42,13 @@ from typing import Callable
 from offstep.errors import CheckpointError, ConfigError, LinkRefused
 from offstep.files import MAX_CONFIG_BYTES, loads_json, loads_yaml, read_text, refuse_links_under, short
 from offstep.pipeline.faults import pause_point
-<<<<<<< HEAD
-from offstep.telemetry.names import Role
-=======
 from offstep.pipeline.trainer_state import STATE_FILE, TrainerState, decode_state, encode_state
->>>>>>> split
+from offstep.telemetry.names import Role
 from offstep.train.checkpoint import check_role, fsync_tree, replace_dir, write_durably, write_failed
 
 _NAME = re.compile(r"^step_(\d+)(\.replaced)?$")
 LEGACY_STATE_FILE = "trainer_state.pt"  # offstep before the JSON format: a pickle, never loaded
-<<<<<<< HEAD
-FORMAT = 2  # 2: with the files' digests (format 1, without them, is still read)
 ROLES = (Role.ACTOR, Role.CRITIC)  # a checkpoint's role folders, named after the role groups
-=======
-ROLES = ("actor", "critic")
->>>>>>> split
 # Keys a resumed run must share with the run that wrote the checkpoint, or it would not be the
 # same run continued (the rest, e.g. total_steps, logging, may change).
 MUST_MATCH = (
