@@ -194,3 +194,42 @@ def test_search_r1_rows_take_a_target_dict():
     with pytest.raises(DatasetError, match="target"):
         check_rule_ground_truths([_record("searchR1_nq", "Paris")], "d.parquet")
     check_rule_ground_truths([_record("aime24", "42", missing=True)], "aime24.parquet")  # the stem routes it
+
+
+def _parquet(path, sources):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = {"prompt": [[{"role": "user", "content": "q"}]] * len(sources),
+            "reward_model": [{"style": "rule", "ground_truth": "1"}] * len(sources)}
+    if sources is not None:
+        rows["data_source"] = sources
+    pq.write_table(pa.table(rows), path)
+    return str(path)
+
+
+def test_cfg_refuses_data_sources_without_a_scorer(tmp_path):
+    # `offstep train --cfg` and training both call validate, before any worker starts
+    from offstep.config.loader import ConfigError, load_config
+    from offstep.pipeline.preflight import read_data_sources, validate
+
+    train = _parquet(tmp_path / "train.parquet", ["lighteval/MATH", "math_dapo", "my/task", None])
+    val = tmp_path / "val.jsonl"
+    val.write_text('{"data_source": "aime24"}\n{"data_source": "codecontests"}\n')
+    assert read_data_sources(train) == {"lighteval/MATH", "math_dapo", "my/task", "train"}
+    assert read_data_sources(str(val)) == {"aime24", "codecontests"}
+    cfg = load_config(["preset=tiny", f"data.train_files=[{train}]", f"data.val_files=[{val}]"])
+    with pytest.raises(ConfigError) as info:
+        validate(cfg, cpu_count=2, gpu_count=0)
+    msg = str(info.value)
+    for source in ("'my/task'", "'train'", "'codecontests'"):  # a row with no data_source is the file's stem
+        assert source in msg
+    assert "'math_dapo'" not in msg and "'aime24'" not in msg and "'lighteval/MATH'" not in msg
+    assert msg.count("reward.custom_path=") == 3 and "compute_score" in msg
+
+    scorer = tmp_path / "score.py"
+    scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    validate(load_config(["preset=tiny", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
+                          f"reward.custom_path={scorer}"]), cpu_count=2, gpu_count=0)
+    ok = _parquet(tmp_path / "ok.parquet", ["openai/gsm8k", "numina_olympiads"])
+    validate(load_config(["preset=tiny", f"data.train_files=[{ok}]"]), cpu_count=2, gpu_count=0)
