@@ -216,16 +216,17 @@ def test_cfg_refuses_data_sources_without_a_scorer(tmp_path):
     train = _parquet(tmp_path / "train.parquet", ["lighteval/MATH", "math_dapo", "my/task", None])
     val = tmp_path / "val.jsonl"
     val.write_text('{"data_source": "aime24"}\n{"data_source": "codecontests"}\n')
-    assert read_data_sources(train) == {"lighteval/MATH", "math_dapo", "my/task", "train"}
+    # a row without a data_source is left to data preparation, which names the row and the fix
+    assert read_data_sources(train) == {"lighteval/MATH", "math_dapo", "my/task"}
     assert read_data_sources(str(val)) == {"aime24", "codecontests"}
     cfg = load_config(["preset=tiny", f"data.train_files=[{train}]", f"data.val_files=[{val}]"])
     with pytest.raises(ConfigError) as info:
         validate(cfg, cpu_count=2, gpu_count=0)
     msg = str(info.value)
-    for source in ("'my/task'", "'train'", "'codecontests'"):  # a row with no data_source is the file's stem
+    for source in ("'my/task'", "'codecontests'"):
         assert source in msg
     assert "'math_dapo'" not in msg and "'aime24'" not in msg and "'lighteval/MATH'" not in msg
-    assert msg.count("reward.custom_path=") == 3 and "compute_score" in msg
+    assert msg.count("reward.custom_path=") == 2 and "compute_score" in msg
 
     scorer = tmp_path / "score.py"
     scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")

@@ -151,21 +151,20 @@ def _check_model(cfg: Config, e: list[str]) -> None:
 
 
 def read_data_sources(path: str) -> set[str]:
-    """The ``data_source`` values of a dataset file, a missing one as the file's stem (as the data
-    loader labels it): of a parquet file its one column only, so that this is cheap. Raises
-    ValueError (or OSError) for a file it cannot read; data preparation says why in detail."""
-    stem = Path(path).stem
+    """The ``data_source`` values a dataset file names (rows without one are left to data
+    preparation, which says what it does with them): of a parquet file its one column only, so
+    that this is cheap. Raises ValueError (or OSError) for a file it cannot read."""
     if Path(path).suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
         if "data_source" not in pq.read_schema(path).names:
-            return {stem}
+            return set()
         values = pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist()
     else:
         text = Path(path).read_text(encoding="utf-8")
         rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
         values = [row.get("data_source") if isinstance(row, dict) else None for row in rows]
-    return {stem if v is None or v == "" or (isinstance(v, float) and math.isnan(v)) else str(v) for v in values}
+    return {str(v) for v in values if not (v is None or v == "" or (isinstance(v, float) and math.isnan(v)))}
 
 
 def _check_data_sources(cfg: Config, e: list[str]) -> None:
