@@ -42,5 +42,6 @@ PROGRESS_MODES = ("auto", "bar", "plain", "off")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 WANDB_MODES = ("offline", "online", "disabled")  # trainer.wandb_mode also takes "" ($WANDB_MODE, else offline)
 DTYPE_NAMES = ("float32", "bfloat16")  # model.dtype, model.compute_dtype, rollout.dtype
-OVERLONG_MODES = ("filter", "error")  # data.overlong_prompts
+OVERLONG_MODES = ("filter", "error", "left", "right", "middle")  # data.overlong_prompts
+TRUNCATIONS = ("left", "right", "middle")  # the OVERLONG_MODES that cut a prompt (verl's data.truncation)
 NONFINITE_POLICIES = ("skip", "stop")  # actor.nonfinite, critic.nonfinite

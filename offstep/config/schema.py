@@ -20,6 +20,8 @@ class ModelConfig:
     """parameters and optimizer state of the trainer roles (the "master" weights): float32 | bfloat16"""
     compute_dtype: str = "float32"
     """the trainer's forward/backward autocast dtype, weights staying in dtype: float32 | bfloat16 | auto (bfloat16 on GPUs and on CPUs with native bf16 instructions, AVX-512 BF16 or AMX, where it about halves the time; float32 elsewhere: on an AVX2-only CPU bf16 autocast is about 15x slower)"""
+    override_config: dict[str, Any] = field(default_factory=dict)
+    """attributes of the model's transformers config to set at load, e.g. {attention_dropout: 0.0, rope_theta: 1e6} (verl's actor_rollout_ref.model.override_config); a name the config does not have is refused"""
 
 
 @dataclass
@@ -43,7 +45,7 @@ class DataConfig:
     max_prompt_length: int = 256
     """prompt tokens at most (see overlong_prompts)"""
     overlong_prompts: str = "filter"
-    """prompts longer than max_prompt_length: filter | error"""
+    """prompts longer than max_prompt_length: filter (dropped) | error | left (keep their last max_prompt_length tokens) | right (their first) | middle (their first and last halves): verl's data.truncation"""
     train_batch_size: int = 16
     """prompts per step; each yields rollout.n samples"""
     shuffle: bool = True
@@ -117,6 +119,10 @@ class RolloutConfig:
     """validation sampling temperature (0: greedy; otherwise finite and >= 0.01)"""
     val_n: int = 1
     """validation samples per prompt"""
+    val_top_p: float = 1.0
+    """validation nucleus sampling (1: off; with val_temperature > 0)"""
+    val_top_k: int = 0
+    """validation: sample from the k most likely tokens only (0: off; with val_temperature > 0)"""
     timeout_s: float = 1800.0
     """a generation not finished after this many seconds (a hung worker), or whose worker died, is generated again on a fresh worker"""
     max_restarts: int = 3

@@ -351,6 +351,8 @@ def problems(cfg: Config) -> list[str]:
             e.append(problem)
     _need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]", e)
     _need(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)", e)
+    _need(0 < r.val_top_p <= 1, f"rollout.val_top_p={r.val_top_p} must be in (0, 1]", e)
+    _need(r.val_top_k >= 0, f"rollout.val_top_k={r.val_top_k} must be >= 0 (0 disables it)", e)
     _need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1", e)
     if "" in r.stop:
         e.append(f"rollout.stop={list(r.stop)!r} holds an empty string (entry {list(r.stop).index('')}), which matches "

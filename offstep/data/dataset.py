@@ -39,8 +39,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from offstep.config.choices import AGENT_NAMES, OVERLONG_MODES, SINGLE_TURN, TOOL_AGENT
+from offstep.config.choices import AGENT_NAMES, OVERLONG_MODES, SINGLE_TURN, TOOL_AGENT, TRUNCATIONS
 from offstep.errors import DatasetError
+from offstep.data.truncate import truncate_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -435,18 +436,16 @@ def encode_prompts(
     tools: list[dict] | None = None,
     keys: dict = TRAIN_KEYS,
 ) -> list[EncodedPrompt]:
-    """Chat-template and tokenize each record's messages.
-
-    Each prompt is rendered with ``tokenizer.apply_chat_template(messages,
-    add_generation_prompt=True, tokenize=False)`` and then tokenized without adding special tokens
-    (the template already contains them); a ``tool_agent`` row with the ``tools`` schemas. Prompts longer than ``max_prompt_length`` tokens are
-    dropped (``overlong="filter"``, the count is logged) or raise :class:`DatasetError`
-    (``overlong="error"``). Raises :class:`DatasetError` if nothing is left.
+    """Chat-template (``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``;
+    a ``tool_agent`` row with the ``tools`` schemas) and tokenize each record's messages, without
+    special tokens (the template has them). Prompts longer than ``max_prompt_length`` tokens are
+    dropped (``overlong="filter"``, the count is logged), raise :class:`DatasetError` (``"error"``)
+    or are cut (``left``, ``right``, ``middle``: ``truncate_prompt``). Raises if nothing is left.
     """
     if overlong not in OVERLONG_MODES:
         raise ValueError(
             f"overlong={overlong!r} is not one of {OVERLONG_MODES}. "
-            "Fix: set data.overlong_prompts=filter or data.overlong_prompts=error."
+            f"Fix: set data.overlong_prompts to one of {', '.join(OVERLONG_MODES)}."
         )
     if int(max_prompt_length) <= 0:
         raise ValueError(
@@ -468,6 +467,8 @@ def encode_prompts(
     longest = 0
     for record, ids in zip(records, all_ids):
         ids = [int(t) for t in ids]
+        if len(ids) > max_prompt_length and overlong in TRUNCATIONS:
+            ids = truncate_prompt(ids, max_prompt_length, overlong)
         if len(ids) > max_prompt_length:
             if overlong == "error":
                 raise DatasetError(

@@ -38,6 +38,7 @@ __all__ = [
     "load_causal_lm",
     "load_tokenizer",
     "resolve_model",
+    "with_config_overrides",
 ]
 
 _WEIGHT_FILES = (
@@ -238,3 +239,33 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str | os.PathL
             "generation_config.json"
         )
     return ids
+
+
+def with_config_overrides(folder: str, overrides: dict, out_dir: Path) -> str:
+    """``folder`` with ``model.override_config`` applied: a folder under ``out_dir`` whose
+    config.json has the overrides set (a dict value is merged into a dict attribute, such as
+    ``rope_scaling``) and whose other files link to ``folder``'s; ``folder`` itself with none.
+    Every role, and vLLM, then loads the same config. A name the model's transformers config does
+    not have is refused by name."""
+    if not overrides:
+        return folder
+    from transformers import AutoConfig
+
+    with quiet_transformers():
+        known = AutoConfig.from_pretrained(folder)
+    unknown = sorted(k for k in overrides if not hasattr(known, k))
+    if unknown:
+        raise ModelError(f"model.override_config sets {', '.join(unknown)}, which the config of {folder} "
+                         f"({type(known).__name__}) does not have. Fix: drop them, or use that config's attribute names")
+    src = Path(folder)
+    config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    for k, v in overrides.items():
+        config[k] = {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
+    dest = Path(out_dir) / "model_override_config"
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        link = dest / f.name
+        if f.name != "config.json" and not link.exists():
+            link.symlink_to(f.resolve())
+    (dest / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return str(dest)

@@ -141,7 +141,7 @@ class Controller:
         self.params = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
                                      max_new_tokens=ro.max_new_tokens, stop=tuple(ro.stop),
                                      greedy_baseline=cfg.algorithm.adv_estimator == "remax")
-        self.val_params = SamplingParams(n=ro.val_n, temperature=ro.val_temperature, top_p=1.0, top_k=0,
+        self.val_params = SamplingParams(n=ro.val_n, temperature=ro.val_temperature, top_p=ro.val_top_p, top_k=ro.val_top_k,
                                          max_new_tokens=ro.max_new_tokens, stop=tuple(ro.stop))
         self.kl_ctrl = build_kl_controller(cfg.algorithm)  # the KL-in-reward coefficient (checkpointed)
         self.loggers = RunLoggers(self.out, cfg, append=self.resumed is not None)

@@ -16,7 +16,7 @@ from offstep.data.dataset import EncodedPrompt, PromptRecord, check_rule_ground_
 from offstep.data.tasks import write_task
 from offstep.errors import ModelError
 from offstep.files import refuse_links_under
-from offstep.models.loading import load_tokenizer, resolve_model
+from offstep.models.loading import load_tokenizer, resolve_model, with_config_overrides
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.tools import load_tools
 from offstep.rollout.worker import Request
@@ -99,7 +99,7 @@ def check_safetensors(model_path: str) -> None:
 
 
 def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
-    model_path = resolve_model(cfg.model.path)
+    model_path = with_config_overrides(resolve_model(cfg.model.path), cfg.model.override_config, out_dir)
     check_safetensors(model_path)
     if cfg.rollout.engine == "vllm":  # a model vLLM's backend cannot serve fails here, not in a worker
         from offstep.rollout.vllm_engine import attention_head_dim_problem
