@@ -55,6 +55,15 @@ def zero_if_null(key: str, v: Any) -> Any:
     return 0 if v is None else v
 
 
+def dict_or_empty(key: str, v: Any) -> dict:
+    """verl's null for "no overrides" is offstep's empty dict."""
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise fail(key, v, "expected a mapping of names to values, e.g. {attention_dropout: 0.0}")
+    return v
+
+
 def files(key: str, v: Any) -> Any:
     """A path where verl takes a string as well as a list (``data.train_files=/data/train.parquet``)."""
     return [v] if isinstance(v, str) else v

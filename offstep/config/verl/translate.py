@@ -13,7 +13,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from offstep.config.schema import Config
 from offstep.config.verl.convert import DOC
 from offstep.config.verl.table import (DERIVED_TARGETS, MEGATRON, TABLE, VERL_ONLY_ROOTS, Derived, Note, Refuse,
-                                       rule_for)
+                                       prefix_of, rule_for)
 from offstep.errors import VerlKeyError
 
 
@@ -128,9 +128,14 @@ def translate(overrides: list[str], collect: bool = False) -> Translation:
             else:
                 out.notes.append(f"{key}={value!r}: accepted, no effect (other values are refused: {rule.why})")
         elif isinstance(rule, Note):
-            out.notes.append(f"{key}: accepted, no effect ({rule.why})")
+            _note_once(out, key, rule.why)
         elif isinstance(rule, Derived):
             out.verl[key] = value
+        elif rule.key.endswith("."):  # a group of keys under one offstep dict (override_config.*)
+            target = rule.key + key[len(prefix_of(key)):]
+            out.origin[target] = key
+            out.overrides.append(f"+{target}={line.split('=', 1)[1]}")
+            out.notes.append(f"{key} -> {target}" + (f" ({rule.note})" if rule.note else ""))
         else:
             try:
                 _claim(out, rule.key, key)
@@ -155,6 +160,17 @@ def translate(overrides: list[str], collect: bool = False) -> Translation:
     if out.errors and not collect:
         raise VerlKeyError(refusals(out.errors))
     return out
+
+
+def _note_once(out: Translation, key: str, why: str, what: str = "accepted, no effect") -> None:
+    """One note per cause: verl's keys of the same name for other roles (actor, ref, critic), or
+    of one group, given for the same reason, join the first one's note."""
+    for i, note in enumerate(out.notes):
+        keys, sep, rest = note.partition(": ")
+        if sep and rest.endswith(f"({why})") and keys.split(", ")[0].rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]:
+            out.notes[i] = f"{keys}, {key}: {rest}"
+            return
+    out.notes.append(f"{key}: {what} ({why})")
 
 
 def _claim(out: Translation, target: str, verl_key: str) -> None:
