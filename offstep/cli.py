@@ -38,8 +38,9 @@ def _train(argv: list[str]) -> int:
     show = "--cfg" in argv
     overrides = [a for a in argv if a != "--cfg"]
     try:
-        cfg = load_config(overrides)
-        validate(cfg)
+        errors: list[str] = []  # verl's refusals, reported with offstep's own checks in one pass
+        cfg = load_config(overrides, errors=errors)
+        validate(cfg, earlier=errors)
         if not show:
             check_ray_address(cfg.resources.ray_address)  # seconds, not the minutes of data preparation
     except ConfigError as e:

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, InterpolationResolutionError, OmegaConfBaseException
 
 from offstep.config.schema import Config
+from offstep.config.verl.command_line import command_line
 from offstep.config.verl.derive import apply_derived
 from offstep.config.verl.translate import is_entry_flag, refusals, translate
 from offstep.errors import ConfigError, VerlKeyError
@@ -113,13 +114,16 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def load_config(overrides: list[str] | None = None, notes: list[str] | None = None) -> Config:
+def load_config(overrides: list[str] | None = None, notes: list[str] | None = None,
+                errors: list[str] | None = None) -> Config:
     """Return the typed, resolved config for ``offstep train`` with ``overrides`` (``key=value``)
     applied. verl's key names are translated (``offstep.config.verl``); what the translation
-    says about them goes to ``notes`` when a list is given, else to stderr."""
+    says about them goes to ``notes`` when a list is given, else to stderr. With ``errors``, the
+    refusals of verl keys go there and the config is returned (the caller reports them with its own
+    checks, in one pass); without, they raise ``ConfigError``."""
     _register()
-    overrides = list(overrides or [])
     try:
+        overrides, said_first = command_line(list(overrides or []))  # verl's config files, ~key
         _refuse_hydra_overrides([o for o in overrides if not is_entry_flag(o)])  # verl's --config-name: translate
         verl = translate(overrides, collect=True)  # its refusals are reported with the derivations'
     except (HydraException, VerlKeyError) as e:
@@ -132,9 +136,10 @@ def load_config(overrides: list[str] | None = None, notes: list[str] | None = No
         raise ConfigError(refusals([*verl.errors, _explain(e, overrides, verl.origin)])) from None
     added = _added_keys(typed)
     if added:
-        raise ConfigError(refusals([*verl.errors, _unknown_key(added[0])]))
+        raise ConfigError(refusals([*verl.errors, *(_unknown_key(k) for k in added)]))
+    said = said_first + verl.notes
     try:
-        said = verl.notes + apply_derived(typed, verl)
+        said += apply_derived(typed, verl, collect=errors)
     except VerlKeyError as e:
         raise ConfigError(str(e)) from None
     if notes is not None:

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from offstep.config.machine import available_gpus
 from offstep.config.schema import Config
 from offstep.config.validate import problems
+from offstep.config.verl.translate import refusals
 from offstep.errors import ConfigError, ModelError
 
 
@@ -217,10 +218,16 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
     return e
 
 
-def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None) -> None:
-    """Raise ``ConfigError`` listing every problem found: the config's own (``problems``), then what
-    stops it from running here (``environment_problems``). Cheap: nothing is loaded (but the model's
-    config, for ``actor.lora``)."""
+def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None, earlier: list[str] = ()) -> None:
+    """Raise ``ConfigError`` listing every problem found: ``earlier`` ones (the refusals of verl
+    keys, ``load_config(errors=...)``), the config's own (``problems``), then what stops it from
+    running here (``environment_problems``), all in one message. Cheap: nothing is loaded (but the
+    model's config, for ``actor.lora``)."""
     e = problems(cfg) + environment_problems(cfg, cpu_count, gpu_count)
+    if earlier and not e:
+        raise ConfigError(refusals(list(earlier)))
+    if earlier:
+        raise ConfigError(f"{len(earlier) + len(e)} problems, each with its fix (verl keys, then offstep's checks):\n  - "
+                          + "\n  - ".join([*earlier, *e]))
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))

@@ -264,16 +264,18 @@ DERIVATIONS: list[Callable[[Config, Translation], list[str]]] = [
 ]
 
 
-def apply_derived(cfg: Config, t: Translation) -> list[str]:
+def apply_derived(cfg: Config, t: Translation, collect: list[str] | None = None) -> list[str]:
     """Set the offstep keys that verl keys derive (``Derived`` entries), in place; return notes.
     Raises ``VerlKeyError`` listing every refusal: the translation's (``t.errors``) and the
-    derivations' together."""
+    derivations' together; with ``collect``, they are appended to it instead."""
     notes, errors = [], list(t.errors)
     for derive in DERIVATIONS:
         try:
             notes += derive(cfg, t)
         except VerlKeyError as e:
             errors.append(str(e))
-    if errors:
+    if errors and collect is None:
         raise VerlKeyError(refusals(errors))
+    if collect is not None:
+        collect.extend(errors)
     return notes
