@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 
 from offstep.config.schema import Config
-from offstep.config.verl.convert import fail, whole
+from offstep.config.verl.convert import DOC, fail, whole
 from offstep.config.verl.translate import Translation
+from offstep.errors import VerlKeyError
 
 FG = "algorithm.filter_groups."
 GEN = "data.gen_batch_size"
@@ -41,9 +42,9 @@ def dapo_recipe(cfg: Config, t: Translation) -> list[str]:
         notes = [f"{FG}{k}: accepted, no effect (filter_groups.enable is false)" for k in ("metric", "max_num_gen_batches")
                  if FG + k in v]
         if GEN in v and v[GEN] not in (None, batch, 1):
-            raise fail(GEN, v[GEN], f"without algorithm.filter_groups.enable=true offstep generates and trains on "
-                       f"data.train_batch_size={batch} prompts a step; set data.train_batch_size={v[GEN]} and drop "
-                       f"{GEN}, or enable filter_groups")
+            raise VerlKeyError(f"verl key {GEN}={v[GEN]} is refused: without algorithm.filter_groups.enable=true offstep "
+                               f"generates and trains on data.train_batch_size={batch} prompts a step. Fix: set "
+                               f"data.train_batch_size={v[GEN]} and drop {GEN}, or enable filter_groups ({DOC})")
         if GEN in v:
             notes.append(f"{GEN}={v[GEN]}: accepted, no effect (without filter_groups every generated prompt is trained on)")
         return notes

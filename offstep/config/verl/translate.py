@@ -173,11 +173,17 @@ def _note_once(out: Translation, key: str, why: str, what: str = "accepted, no e
     out.notes.append(f"{key}: {what} ({why})")
 
 
+# offstep keys that verl spells two ways for one thing: clip_grad / grad_clip, and the DAPO
+# recipe's reward_model.overlong_buffer.* / its reward manager's reward_kwargs.overlong_buffer_cfg.*
+SAME_THING = ("actor.optim.grad_clip", "critic.optim.grad_clip", "algorithm.overlong_penalty",
+              "algorithm.overlong_buffer_len", "algorithm.overlong_penalty_factor")
+
+
 def _claim(out: Translation, target: str, verl_key: str) -> None:
     """Record that ``verl_key`` sets ``target``; two verl keys for one target is a conflict, except
-    verl's own pairs for the same thing (clip_grad / grad_clip)."""
+    verl's own pairs for the same thing (``SAME_THING``)."""
     other = out.origin.get(target)
-    if other is not None and other != verl_key and target != "actor.optim.grad_clip" and target != "critic.optim.grad_clip":
+    if other is not None and other != verl_key and target not in SAME_THING:
         raise VerlKeyError(f"{other} and {verl_key} both set {target}. Fix: keep one of them")
     out.origin[target] = verl_key
 
