@@ -350,6 +350,29 @@ def test_encode_prompts_error_mode():
     assert len(encode_prompts(records[:1], tok, max_prompt_length=9, overlong="error")) == 1
 
 
+def test_truncate_prompt_as_verl():
+    from offstep.data.truncate import truncate_prompt
+
+    ids = list(range(10))
+    assert truncate_prompt(ids, 4, "left") == [6, 7, 8, 9]  # the last tokens
+    assert truncate_prompt(ids, 4, "right") == [0, 1, 2, 3]  # the first
+    assert truncate_prompt(ids, 5, "middle") == [0, 1, 7, 8, 9]  # first 5 // 2 = 2, last 3
+    assert truncate_prompt(ids, 10, "left") is ids  # fits: unchanged
+    with pytest.raises(ValueError, match="left, right, middle"):
+        truncate_prompt(ids, 4, "sideways")
+
+
+def test_encode_prompts_truncates_overlong_prompts():
+    tok = make_tokenizer()
+    records = [rec(0, "a"), rec(1, "a b c d e f g h")]  # 6 and 13 tokens
+    full = encode_prompts(records, tok, max_prompt_length=20)[1].prompt_ids
+    for how, want in (("left", full[-9:]), ("right", full[:9]), ("middle", full[:4] + full[-5:])):
+        out = encode_prompts(records, tok, max_prompt_length=9, overlong=how)
+        assert [e.record.index for e in out] == [0, 1]  # nothing dropped
+        assert out[1].prompt_ids == want, how
+        assert len(out[0].prompt_ids) == 6
+
+
 def test_encode_prompts_everything_filtered():
     tok = make_tokenizer()
     with pytest.raises(DatasetError, match="data.max_prompt_length"):
