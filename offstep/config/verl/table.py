@@ -215,7 +215,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "data.prompt_key": To("data.prompt_key"),
     "data.shuffle": To("data.shuffle"),
     "data.val_max_samples": To("data.val_max_samples", val_max_samples),
-    "data.filter_overlong_prompts": Derived("data.overlong_prompts", "true: filter; false: truncation must be error"),
+    "data.filter_overlong_prompts": Derived("data.overlong_prompts", "true: filter; false: data.truncation (error, left, right or middle)"),
     "data.truncation": Derived("data.overlong_prompts", "with filter_overlong_prompts=false: error, left, right or middle (verl cuts the prompt's tokens: left keeps the last, right the first, middle both ends)"),
     "data.train_max_samples": Refuse("offstep trains on every row of data.train_files; cut the file instead", allow=(-1, None)),
     "data.reward_fn_key": Refuse("offstep picks the scorer by each row's data_source", allow=("data_source",)),
