@@ -83,6 +83,10 @@ def test_override_config_reaches_the_models_config(tmp_path):
                        "+actor_rollout_ref.model.override_config.rope_scaling.type=linear"])
     assert cfg.model.override_config == {"attention_dropout": 0.1, "rope_scaling": {"type": "linear"}}
     assert any("-> model.override_config.attention_dropout" in n for n in notes)
+    cfg, _ = load([*TINY, "actor_rollout_ref.model.override_config={attention_dropout: 0.2}"])  # verl's whole-dict form
+    assert cfg.model.override_config == {"attention_dropout": 0.2}
+    cfg, _ = load([*TINY, "actor_rollout_ref.model.override_config={}"])
+    assert cfg.model.override_config == {}
     folder = resolve_model("tiny")
     assert with_config_overrides(folder, {}, tmp_path) == folder
     out = with_config_overrides(folder, {"attention_dropout": 0.1}, tmp_path)

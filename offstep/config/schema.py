@@ -21,7 +21,7 @@ class ModelConfig:
     compute_dtype: str = "float32"
     """the trainer's forward/backward autocast dtype, weights staying in dtype: float32 | bfloat16 | auto (bfloat16 on GPUs and on CPUs with native bf16 instructions, AVX-512 BF16 or AMX, where it about halves the time; float32 elsewhere: on an AVX2-only CPU bf16 autocast is about 15x slower)"""
     override_config: dict[str, Any] = field(default_factory=dict)
-    """attributes of the model's transformers config to set at load, e.g. {attention_dropout: 0.0, rope_theta: 1e6} (verl's actor_rollout_ref.model.override_config); a name the config does not have is refused"""
+    """attributes of the model's transformers config to set at load, given as +model.override_config.NAME=VALUE, e.g. +model.override_config.attention_dropout=0.0 (verl's actor_rollout_ref.model.override_config); a name the config does not have is refused"""
 
 
 @dataclass

@@ -143,7 +143,9 @@ def translate(overrides: list[str], collect: bool = False) -> Translation:
             except VerlKeyError as e:
                 out.errors.append(str(e))
                 continue
-            if rule.convert is None:
+            if isinstance(converted, dict):  # one +key per entry: Hydra adds keys to a dict field only so
+                out.overrides += [f"+{rule.key}.{k}={_literal(x)}" for k, x in converted.items()]
+            elif rule.convert is None:
                 out.overrides.append(f"{rule.key}={line.split('=', 1)[1]}")
             else:
                 out.overrides.append(f"{rule.key}={_literal(converted)}")
