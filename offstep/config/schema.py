@@ -331,18 +331,6 @@ class PipelineConfig:
     """collective: bytes per broadcast, in MB (a bucket may split a tensor)"""
     weight_sync_timeout_s: float = 1800.0
     """collective: how long a transfer may wait for the other end, e.g. the actor for a rollout worker still generating up to max_staleness batches"""
-    sync_fault: str = ""
-    """fault-injection hook for tests, never for runs: "drop:R:V" makes rollout replica R load the weights it already holds instead of version V (a silently dropped sync), "corrupt:R:V" changes one element of what it loads; the sync's digest check must stop the run"""
-
-    @property
-    def sync_fault_at(self) -> tuple[str, int, int] | None:
-        """``sync_fault`` as ``(kind, replica, version)``; None when empty. Raises ValueError if malformed."""
-        if not self.sync_fault:
-            return None
-        kind, replica, version = self.sync_fault.split(":")
-        if kind not in ("drop", "corrupt"):
-            raise ValueError(f"{kind!r} is not drop or corrupt")
-        return kind, int(replica), int(version)
 
 
 @dataclass

@@ -309,10 +309,6 @@ def problems(cfg: Config) -> list[str]:
                and cfg.resources.gpus_per_trainer_worker > 0),
           "pipeline.weight_sync=collective cannot use NCCL between an actor and a rollout worker colocated on "
           "one GPU (pipeline.colocate=true); use pipeline.weight_sync=object_store there", e)
-    try:
-        cfg.pipeline.sync_fault_at
-    except ValueError as exc:
-        e.append(f"pipeline.sync_fault={cfg.pipeline.sync_fault!r} is not '<drop|corrupt>:<replica>:<version>' ({exc})")
     _need(not (cfg.pipeline.colocate and k > 0), "pipeline.colocate=true needs pipeline.max_staleness=0: "
           "overlapping generation with training needs disjoint pools", e)
     _need(cfg.trainer.total_steps >= 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1", e)

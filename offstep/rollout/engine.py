@@ -1,5 +1,5 @@
-"""Rollout engines: the protocol, and the scheduler of the built-in PyTorch engine over a
-transformers causal LM.
+"""The built-in rollout engine: the scheduler of a PyTorch engine over a transformers causal LM,
+implementing ``offstep.rollout.interface.RolloutEngine``.
 
 ``TorchEngine`` schedules with **continuous batching** (Orca, Yu et al., OSDI 2022; vLLM, Kwon et
 al., SOSP 2023) on Llama-family models: up to ``max_batch_size`` samples occupy the slots of a
@@ -27,52 +27,25 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from offstep.models.forward import sequence_logprobs
 from offstep.models.lora import adapter_parameters, base_of, is_adapter_name
 from offstep.rollout.hf_runner import HFRunner
+from offstep.rollout.interface import RolloutEngine
 from offstep.rollout.llama_runner import LlamaRunner, unsupported_reason
 from offstep.rollout.sampling import sample_tokens, sample_uniforms
 from offstep.rollout.control import SUSPENDED, StepControl
 from offstep.rollout.types import Completion, PromptFeed, SamplingParams, TurnFeed, TurnRequest, check_request, serve_prompts
+from offstep.sync.collective import manifest
 from offstep.sync.digest import WeightDigest, digest_of
 
 _log = logging.getLogger(__name__)
 
 __all__ = ["RolloutEngine", "TorchEngine"]
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the rollout worker needs from an inference engine."""
-
-    version: int
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        seed: int,
-        on_finish: Callable[[Completion], None] | None = None,
-    ) -> list[Completion]:
-        """Sample ``params.n`` completions per prompt, prompt-major; call ``on_finish`` as each finishes."""
-        ...
-
-    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Copy new policy weights in place and record their version (resets any cache)."""
-        ...
-
-    def reset_cache(self) -> None:
-        """Drop any cached state (KV / prefix cache) that depends on the weights."""
-        ...
-
-    def weights_digest(self, specs: list) -> WeightDigest:
-        """The digest of the weights the engine now computes with, read back from it, over the
-        sync manifest ``specs`` (``offstep.sync.digest``): what proves a sync arrived."""
-        ...
 
 
 # --------------------------------------------------------------------------------------------------
@@ -267,6 +240,21 @@ class TorchEngine:
         adapters included) by the manifest's names (``offstep.sync.digest``)."""
         return digest_of(specs, self.model.get_parameter)
 
+    def weight_manifest(self) -> list:
+        """Every parameter of the model, as the collective weight path lays them out."""
+        return manifest(self.model)
+
+    def receive_in_place(self) -> torch.nn.Module:
+        """The model: a collective receive writes into its parameters, which the runners read."""
+        return self.model
+
+    def base_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float,
+                      compute_dtype: str = "float32", micro_batch_size: int = 8) -> list[list[float]]:
+        """The base model's teacher-forced log-probs (the adapters off), as the trainer's forward."""
+        with self.adapters_disabled() as model:
+            return sequence_logprobs(model, sequences, self.pad_id, self.device, temperature, compute_dtype,
+                                     micro_batch_size)
+
     # ---------------------------------------------------------------- LoRA adapters
     def load_adapters(self, adapters: Mapping[str, Tensor], version: int) -> None:
         """Copy LoRA A/B matrices (the peft model's names, ``offstep.models.lora``) into the
@@ -305,14 +293,15 @@ class TorchEngine:
 
     def adapter_manifest(self) -> list:
         """The adapters as the collective weight path lays them out (``offstep.sync.collective``)."""
-        from offstep.sync.collective import manifest
-
         return manifest(self.model, is_adapter_name)
 
     @contextlib.contextmanager
     def adapters_disabled(self):
         """The base model, for the reference policy: the adapters switched off (unmerged first
-        when merged) for the duration."""
+        when merged) for the duration; a model without adapters is its own base."""
+        if not hasattr(self.model, "disable_adapter"):
+            yield self.model
+            return
         merged = self._merged
         if merged:
             self.model.unmerge_adapter()
@@ -328,6 +317,10 @@ class TorchEngine:
         place); this releases cached device memory on CUDA."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        """Nothing outlives a call but the model, which the caller owns; releases cached device memory."""
+        self.reset_cache()
 
     # ---------------------------------------------------------------- checks
 
