@@ -329,7 +329,7 @@ def test_freed_slot_is_refilled_at_the_next_step(tiny, prompts):
 def test_shared_prompt_prefix_is_prefilled_once(tiny):
     # Prompts that share a system message: the common prefix is prefilled once, each prompt only
     # prefills the rest, and the samples are those of an engine that prefills every prompt whole.
-    from offstep.rollout.engine import _shared_prefix
+    from offstep.rollout.schedule import shared_prefix
 
     _, tok, model, eos = tiny
     system = "You are a helpful assistant. Answer the question step by step."
@@ -338,7 +338,7 @@ def test_shared_prompt_prefix_is_prefilled_once(tiny):
                                     tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
         for q in QUESTIONS
     ]
-    shared = _shared_prefix(prompts)
+    shared = shared_prefix(prompts)
     assert shared >= TorchEngine.min_shared_prefix
     p = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
     whole = TorchEngine(model, tok, eos)
@@ -360,12 +360,12 @@ def test_shared_prompt_prefix_is_prefilled_once(tiny):
 
 
 def test_shared_prefix_length():
-    from offstep.rollout.engine import _shared_prefix
+    from offstep.rollout.schedule import shared_prefix
 
-    assert _shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
-    assert _shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # each prompt keeps one token of its own
-    assert _shared_prefix([[7], [7, 8]]) == 0
-    assert _shared_prefix([[1, 2], [3, 2]]) == 0
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # each prompt keeps one token of its own
+    assert shared_prefix([[7], [7, 8]]) == 0
+    assert shared_prefix([[1, 2], [3, 2]]) == 0
 
 
 def test_runner_mixed_step_matches_model_forward(model):
