@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import cpu_kind  # noqa: E402
+from readme import provenance, refresh  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).resolve().parent / "results_async_real.md"
@@ -72,6 +73,8 @@ def main() -> None:
     lines = [
         "# The default preset: fully asynchronous against one-step",
         "",
+        provenance(),
+        "",
         f"`.venv/bin/python benchmarks/async_real.py --steps {a.steps} --seeds {' '.join(map(str, a.seeds))}` on "
         f"{cpu_kind()}; {time.strftime('%Y-%m-%d')}; {time.time() - t0:.0f} s in all, one run after another. The default "
         f"preset, {a.steps} steps, validation (35 held-out problems, greedy) before the first step and after the last. "
@@ -93,6 +96,7 @@ def main() -> None:
                          f"{r['reward_first3']:.3f} | {r['reward_last3']:.3f} | {r['val_before']:.3f} | {r['val_after']:.3f} |")
     OUT.write_text("\n".join(lines) + "\n")
     print(OUT.read_text())
+    refresh("async-real")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ larger of the two); the fully asynchronous one can approach the ideal.
 Measured: samples/s = 32 / the mean ``timing_s/step`` over steps 3..N (steps 1 and 2 fill the
 pipeline). Each row is one run; run-to-run noise on a shared 2-core machine is a few percent.
 
-    python benchmarks/async_sim.py              # writes its section of benchmarks/README.md
+    python benchmarks/async_sim.py              # writes results_async_sim.md and its section of README.md
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fakes import FakePool, GpuProfile, sim_config, train_on  # noqa: E402  (the simulated workers are a test helper)
+from readme import cpu_kind, provenance, refresh  # noqa: E402
 
-README = Path(__file__).with_name("README.md")
-BEGIN, END = "<!-- async_sim.py: begin (written by benchmarks/async_sim.py) -->", "<!-- async_sim.py: end -->"
+OUT = Path(__file__).with_name("results_async_sim.md")
 B, N, R = 8, 4, 2  # groups a step, samples a group, replicas
 SLOTS = B * N // R
 MODES = [("batch", 0, "sync (batch, k=0)"), ("batch", 1, "one-step (batch, k=1)"), ("batch", 4, "batch, k=4"),
@@ -55,11 +55,6 @@ PEERS = [
     ("AReaL asynchronous, against synchronous", "2.77x"),
     ("ROLL Flash, RLVR, against synchronous", "2.24x"),
 ]
-
-
-def cpu_kind() -> str:
-    flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    return "AVX-512 BF16" if "avx512_bf16" in flags.split() else "AVX2-only" if "avx2" in flags.split() else "other"
 
 
 def expected(profile: GpuProfile, cap: int, prompt_len: float) -> tuple[float, float]:
@@ -78,7 +73,7 @@ def main() -> None:
     ap.add_argument("--sigmas", type=float, nargs="+", default=[0.5, 1.0, 1.5], help="lognormal sigmas (the tail)")
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 1.0, 2.0],
                     help="trainer time / ideal rollout time a step")
-    ap.add_argument("--no-readme", action="store_true", help="print the section, leave README.md alone")
+    ap.add_argument("--no-readme", action="store_true", help="print the table only: leave results_async_sim.md and README.md alone")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -122,17 +117,19 @@ def main() -> None:
     section = render(rows, args, time.time() - t_start)
     print(section)
     if not args.no_readme:
-        write_section(section)
+        OUT.write_text(section + "\n")
+        refresh("async-sim")
 
 
 def render(rows: list[dict], args, took: float) -> str:
     cmd = "python benchmarks/async_sim.py" + (f" --steps {args.steps}" if args.steps != 9 else "")
     sync = {(r["sigma"], r["ratio"]): r["sps"] for r in rows if r["mode"] == "batch" and r["k"] == 0}
     lines = [
-        BEGIN,
-        "## Fully asynchronous against batch, simulated",
+        "# Fully asynchronous against batch, simulated",
         "",
-        f"`{cmd}` (writes this section; {took / 60:.1f} minutes). The real controller loop on the simulated "
+        provenance(),
+        "",
+        f"`{cmd}` ({took / 60:.1f} minutes). The real controller loop on the simulated "
         f"workers of `tests/fakes.py` with a GPU-like profile: a decode step takes {args.step_ms:g} ms whatever the "
         f"number of running samples (continuous batching, {SLOTS} slots a replica: one step's share), lengths are "
         f"lognormal (median {args.median:g} tokens, cap {args.cap}; sigma is the tail), the actor's update time is "
@@ -157,19 +154,7 @@ def render(rows: list[dict], args, took: float) -> str:
     lines += ["", "Published speed-ups of peers, **theirs, not ours** (real models on GPUs, their own baselines):", "",
               "| system | speed-up |", "| --- | --- |"]
     lines += [f"| {name} | {x} |" for name, x in PEERS]
-    lines += ["", END]
     return "\n".join(lines)
-
-
-def write_section(section: str) -> None:
-    text = README.read_text()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    README.write_text(text)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from readme import NOT_RECORDED, cpu_kind, refresh  # noqa: E402
 from training_runs import train_and_read  # noqa: E402
 
 STEPS, VAL_FREQ = 12, 6  # the preset's own (offstep/config/preset/calculator.yaml)
@@ -69,7 +70,7 @@ def run_one(seed: int, out: Path, steps: int = STEPS, val_freq: int = VAL_FREQ, 
         "train_tool_use_last": run.steps[-1].get("agent/tool_use_frac", 0.0),
         "calls_per_sample_last": run.steps[-1].get("agent/tool_calls/mean", 0.0),
         "wall_s": run.wall_s, "step_s": run.median("timing_s/step"), "load": [round(load0, 1), round(load1, 1)],
-        "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": cpu_kind(),
     }
 
 
@@ -108,6 +109,7 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python "
         f"{platform.python_version()}. The preset as it ships ({STEPS} steps, validation at 0, {VAL_FREQ} and {STEPS}: "
         "32 held-out problems, greedy); one run at a time.",
+        "CPU of each seed's run: " + "; ".join(f"{r['seed']}: {r.get('cpu', NOT_RECORDED)}" for r in rows) + ".",
         *([f"", remark] if remark else []),
         "",
         "Held-out, before → after training (with tools; the scorer counts a number only in a plain final answer, "
@@ -164,6 +166,7 @@ def main() -> None:
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["seed"])))
         print(json.dumps(row), flush=True)
     print(write_table(sorted(rows, key=lambda r: r["seed"]), Path(args.out), args.remark))
+    refresh("calculator", args.out)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fakes import ideal_step, run_sim, sim_config  # noqa: E402  (the simulated workers are a test helper)
+from readme import provenance, refresh  # noqa: E402
 
 
 def main() -> None:
@@ -64,6 +65,8 @@ def main() -> None:
     lines = [
         "# Controller overhead with simulated workers",
         "",
+        provenance(),
+        "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, Ray {ray.__version__}. "
         f"The real `Controller.fit` with sleeping Ray actors (`benchmarks/controller_overhead.py`); 1 rollout replica, "
         f"1 actor rank; 8 prompts x 4 samples per step; export {args.export_s:g} s (trainer side), load {args.load_s:g} s "
@@ -80,6 +83,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)
     print(text)
+    refresh("controller", args.out)
 
 
 if __name__ == "__main__":

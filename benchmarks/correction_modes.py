@@ -22,6 +22,7 @@ sys.path.insert(0, str(HERE.parent))
 
 from offstep.config.loader import load_config  # noqa: E402
 from offstep.pipeline.controller import train  # noqa: E402
+from readme import provenance, refresh  # noqa: E402
 
 RUNS = [
     ("synchronous (k=0)", ["pipeline.max_staleness=0", "algorithm.correction_mode=decoupled"]),
@@ -54,6 +55,8 @@ def main() -> None:
                      val[-1] if val else float("nan"), max(mism), statistics.median(m["timing_s/step"] for m in steps[1:]),
                      time.time() - t0))
     lines = [
+        provenance(),
+        "",
         f"Preset `{args.preset}`, {args.steps} steps, seed {args.seed}; one run per row, one after another.",
         "",
         "| run | reward, first 5 steps | reward, last 5 steps | val acc before | val acc after | max mismatch KL (k1) | median step s |",
@@ -63,6 +66,7 @@ def main() -> None:
         lines.append(f"| {name} | {r0:.3f} | {r1:.3f} | {v0:.3f} | {v1:.3f} | {mk:.4f} | {st:.1f} |")
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    refresh("correction", args.out)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from offstep.models.loading import (
 )
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.types import SamplingParams
+from readme import provenance, refresh
 
 NEVER = 10**9  # an eos id outside the vocabulary: never sampled
 
@@ -249,6 +250,8 @@ def main() -> None:
     lines = [
         "# Rollout engine vs transformers `generate`",
         "",
+        provenance(),
+        "",
         f"Machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
         f"transformers {__import__('transformers').__version__}, Python {platform.python_version()}; "
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after (other processes share these cores).",
@@ -313,6 +316,7 @@ def main() -> None:
     ]
     Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
+    refresh("engine", args.out)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from readme import provenance, refresh  # noqa: E402
 from training_runs import train_and_read  # noqa: E402
 
 
@@ -55,6 +56,8 @@ def write_table(rows: list[dict], args, minutes: float, remark: str = "") -> str
     seeds = sorted({r["seed"] for r in rows})
     lines = [
         "# The default run with each rollout engine",
+        "",
+        provenance(),
         "",
         f"Machine: {platform.machine()}, {__import__('os').cpu_count()} cores, torch {torch.__version__}, "
         f"vllm {vllm.__version__}, Python {platform.python_version()}. Runs one after another; "
@@ -109,6 +112,7 @@ def main() -> None:
         rows.append(run_one(args.preset, engine, seed, args.steps, extra, out))
         print(json.dumps(rows[-1]), flush=True)
     print(write_table(rows, args, (time.time() - t_start) / 60, args.remark))
+    refresh("engine-runs", args.out)
 
 
 if __name__ == "__main__":

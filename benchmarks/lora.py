@@ -38,6 +38,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from readme import command, refresh  # noqa: E402
 from training_runs import train_and_read  # noqa: E402
 
 RANKS = (8, 32)
@@ -273,7 +274,7 @@ class LoadAverage:
 
     def record(self) -> dict:
         return {"started": self.started, "load_mean": statistics.mean(self.samples), "load_max": max(self.samples),
-                "cpu": cpu_kind()}
+                "cpu": cpu_kind(), "command": command()}
 
 
 # What the parts and runs recorded before they recorded their CPU: all ran on AVX2-only cores.
@@ -386,6 +387,9 @@ def main() -> None:
         save()
     save()
     print(Path(args.out).read_text())
+    if args.parts:
+        refresh("default-run", store)
+        refresh("lora", args.out)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from readme import provenance, refresh
+
 MODES = {
     "sync-colocated": ["pipeline.max_staleness=0", "pipeline.colocate=true", "resources.cpus_per_trainer_worker={cores}", "pipeline.ref_on_rollout=false"],
     "sync-disjoint": ["pipeline.max_staleness=0", "pipeline.ref_on_rollout=false"],
@@ -90,6 +92,8 @@ def main() -> None:
                     f"{base / r['step']:.2f}x | {r['efficiency']:.2f} |"
                 )
     table = "\n".join([
+        provenance(),
+        "",
         f"Machine: {platform.machine()}, {cores} cores, {platform.python_version()}; medians over steps 2..N of one run each, "
         f"run one after another by `python benchmarks/overlap.py`.",
         "",
@@ -99,6 +103,7 @@ def main() -> None:
     ])
     Path(args.out).write_text(table + "\n")
     print(table)
+    refresh("overlap", args.out)
 
 
 if __name__ == "__main__":

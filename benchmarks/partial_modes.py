@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lora import cpu_kind  # noqa: E402
+from readme import refresh  # noqa: E402
 
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
 from offstep.rollout.control import StepControl  # noqa: E402
@@ -142,6 +143,7 @@ def main() -> None:
                      f"{wall / base:.2f} | {wait:.3f} |")
     OUT.write_text("\n".join(lines) + "\n")
     print(OUT.read_text())
+    refresh("partial")
 
 
 if __name__ == "__main__":

@@ -59,6 +59,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from offstep.pipeline.faults import ENV as PAUSE_ENV, POINTS  # noqa: E402
 from offstep.pipeline.stream import WHEN_FINISHED  # noqa: E402
+from readme import cpu_kind, refresh  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results_random_kills"
 # Wall-clock figures, the only fields of a metrics record not compared: their prefixes, and the
@@ -528,6 +529,9 @@ checkout's root, with `.venv/bin/python`):
 
 {chr(10).join(rows)}
 
+CPU and date of each configuration's run: {'; '.join(f"{n}: {r.get('cpu', 'not recorded')}, {r.get('date', 'not recorded')}"
+                                                     for n, r in results.items())}.
+
 Compared: every field of every metrics record except these wall-clock ones: {', '.join(f'`{k}`' for k in excluded)};
 every timeline event's role, stage, step and other fields except `start`/`end`; every sample row
 in full. Kills paused inside a checkpoint write on purpose (`OFFSTEP_TEST_PAUSE`), by point:
@@ -571,6 +575,7 @@ def main() -> int:
         ok &= passed
         r["command"] = f"python benchmarks/random_kills.py --only {name}" + (f" --kills {a.kills}" if a.kills else "") + (
             f" --seed {a.seed}" if a.seed else "")
+        r["cpu"], r["date"] = cpu_kind(), time.strftime("%Y-%m-%d")
         results[name] = r
         if not a.work and passed:
             shutil.rmtree(work, ignore_errors=True)
@@ -579,6 +584,8 @@ def main() -> int:
         if not a.no_write:
             store.write_text(json.dumps(results, indent=1) + "\n")
             write_report(results, RESULTS.with_suffix(".md"))
+    if not a.no_write:
+        refresh("random-kills")
     return 0 if ok else 1
 
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from readme import provenance, refresh
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,10 +73,11 @@ def main() -> int:
         if rc:
             failed.append(name)
         sections.append(f"## {name}\n\n`python benchmarks/{script} {' '.join(cmd[2:])}` ({took / 60:.1f} min{status})\n\n{demote(body.strip())}\n")
-    text = (f"# offstep benchmarks\n\nRegenerate: `.venv/bin/python benchmarks/run_all.py`{' --quick' if args.quick else ''}."
+    text = (f"# offstep benchmarks\n\n{provenance()}\n\nRegenerate: `.venv/bin/python benchmarks/run_all.py`{' --quick' if args.quick else ''}."
             f"\n\nMachine: {machine()}.\n\n" + "\n".join(sections))
     Path(args.out).write_text(text)
     print(f"wrote {args.out}" + (f"; failed: {failed}" if failed else ""))
+    refresh("benchmarks", args.out)
     return 1 if failed else 0
 
 

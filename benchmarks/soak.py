@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from readme import provenance, refresh
 
 ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
@@ -184,9 +185,8 @@ def main() -> int:
     text = "\n".join([
         "# Soak: the tiny preset, one-step off-policy",
         "",
-        (f"Command: `.venv/bin/python benchmarks/soak.py --steps {args.steps} --every {args.every} --warmup {args.warmup}"
-         + (" " + " ".join(args.overrides) if args.overrides else "") + "`"),
-        f"(runs `offstep train {' '.join(o for o in overrides if not o.startswith('trainer.output_dir'))}`).",
+        provenance(),
+        f"(It runs `offstep train {' '.join(o for o in overrides if not o.startswith('trainer.output_dir'))}`).",
         "",
         (f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
          f"wall time {wall:.0f} s; samples at steps {', '.join(map(str, steps_sampled))}."),
@@ -207,6 +207,7 @@ def main() -> int:
     ])
     Path(args.out).write_text(text)
     print(text)
+    refresh("soak", args.out)
     return 0 if not failures else 1
 
 

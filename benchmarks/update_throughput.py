@@ -33,6 +33,7 @@ from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.loading import load_tokenizer, resolve_model
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
+from readme import provenance, refresh
 
 
 def make_batch(n: int, group: int, vocab: int, pad_id: int, seed: int, prompt_range, resp_median: float, resp_sigma: float, resp_range):
@@ -124,6 +125,8 @@ def main() -> None:
     lines = [
         "# Update throughput: padded fixed-count vs token-budget micro-batches (padding trimmed)",
         "",
+        provenance(),
+        "",
         f"Machine: {device}, torch {torch.__version__}, Python {platform.python_version()}. Model {args.model}, "
         f"fp32 weights, {args.compute_dtype} compute. One forward + backward pass of the actor over {args.samples} samples "
         f"(no optimizer step); medians of {args.reps} repetitions, settings interleaved, in one process.",
@@ -152,6 +155,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)
     print(text)
+    refresh("update", args.out)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.types import SamplingParams
 from offstep.sync.weights import pack_state_dict, unpack_state_dict
+from readme import provenance, refresh
 
 CASES = {  # name: (prompts, samples per prompt, max new tokens)
     "grpo": (8, 4, 64),
@@ -175,6 +176,8 @@ def main() -> None:
     lines = [
         "# Rollout engine: built-in vs vLLM",
         "",
+        provenance(),
+        "",
         f"Machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} ({args.threads} threads for every "
         f"engine), vllm {vllm.__version__}, transformers {__import__('transformers').__version__}, Python "
         f"{platform.python_version()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
@@ -211,6 +214,7 @@ def main() -> None:
               f"{' --compiled' if args.compiled else ''} --dtypes {args.dtypes}`."]
     Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
+    refresh("vllm", args.out)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from offstep.sync.collective import connect
 from offstep.sync.digest import digest_of
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
+from readme import provenance, refresh
 
 
 def _timed_call(self, method: str, *args):
@@ -137,6 +138,8 @@ def main() -> None:
     lines = [
         "# Weight sync: object store vs collective",
         "",
+        provenance(),
+        "",
         (f"Machine: {platform.machine()}, {os.cpu_count()} cores (1-minute load average {load0:.1f} at the start, "
         f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, Python {platform.python_version()}; "
         f"model `{args.model}`, actor fp32, rollout {args.dtype}, {nbytes / 1e9:.3f} GB of parameters (fp32); "
@@ -157,6 +160,7 @@ def main() -> None:
     ]
     Path(args.out).write_text("\n".join(lines))
     print(f"wrote {args.out}")
+    refresh("weight-sync", args.out)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def _train(argv: list[str]) -> int:
         return 0
     from offstep.errors import OffstepError
     from offstep.pipeline.controller import train
+    from offstep.telemetry.names import Reward
 
     try:
         history = train(cfg)
@@ -63,7 +64,7 @@ def _train(argv: list[str]) -> int:
         cause = _unwrap(e)
         print(f"offstep: {cause}", file=sys.stderr)
         return getattr(cause, "exit_code", 2)
-    steps = [m["step"] for m in history if "reward/mean" in m]
+    steps = [m["step"] for m in history if Reward.MEAN in m]
     if steps and steps[-1] < cfg.trainer.total_steps:  # stopped by Ctrl-C / SIGTERM between steps
         print(f"offstep: stopped at step {steps[-1]} of {cfg.trainer.total_steps}; continue with the same command "
               f"(trainer.resume=auto picks up the last checkpoint)", file=sys.stderr)

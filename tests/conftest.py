@@ -164,10 +164,14 @@ def tiny():
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """One local Ray instance for every end-to-end test (starting Ray costs seconds)."""
+    """One local Ray instance for every end-to-end test (starting Ray costs seconds), started the way
+    a run starts it (`init_ray`: every listener on 127.0.0.1, token authentication on)."""
     import ray
 
-    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
+    from offstep.config.loader import load_config
+    from offstep.pipeline.workers import init_ray
+
+    assert init_ray(load_config(["preset=tiny"])), "Ray was already running before the session's fixture"
     yield
     ray.shutdown()
 

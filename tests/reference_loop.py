@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from offstep.telemetry.names import Actor, ResponseLength, Reward, Rollout
+
 
 def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> None:
     """Rerun ``cfg`` (a k = 0 run whose per-step ``metrics`` were logged) as a plain loop over the
@@ -24,7 +26,7 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
     from offstep.train.distributed import GroupSpec
     from offstep.train.ref import RefWorker
 
-    assert all(m["rollout/staleness_max"] == 0 for m in metrics)
+    assert all(m[Rollout.STALENESS_MAX] == 0 for m in metrics)
     inputs = prepare_inputs(cfg, ref_dir)
     stream = PromptStream(len(inputs.train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     r = cfg.rollout
@@ -44,11 +46,11 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
             am, _ = actor.update(batch)
             rollout.load_weights(pack_state_dict(actor.full_state_dict(actor.model)), step)
             m = metrics[step - 1]
-            assert m["reward/mean"] == pytest.approx(float(batch.scores.mean()), abs=0)
-            assert m["response_length/mean"] == pytest.approx(float(batch.attention_mask[:, batch.prompt_len:].sum(-1).float().mean()), abs=0)
-            assert m["actor/pg_loss"] == pytest.approx(am["pg_loss"], rel=1e-5, abs=1e-7)
-            assert m["actor/kl"] == pytest.approx(am["kl"], rel=1e-5, abs=1e-7)
-            assert m["actor/grad_norm"] == pytest.approx(am["grad_norm"], rel=1e-5)
+            assert m[Reward.MEAN] == pytest.approx(float(batch.scores.mean()), abs=0)
+            assert m[ResponseLength.MEAN] == pytest.approx(float(batch.attention_mask[:, batch.prompt_len:].sum(-1).float().mean()), abs=0)
+            assert m[Actor.PG_LOSS] == pytest.approx(am["pg_loss"], rel=1e-5, abs=1e-7)
+            assert m[Actor.KL] == pytest.approx(am["kl"], rel=1e-5, abs=1e-7)
+            assert m[Actor.GRAD_NORM] == pytest.approx(am["grad_norm"], rel=1e-5)
     finally:
         actor.shutdown()
         torch.set_num_threads(max(1, torch.get_num_threads()))

@@ -140,7 +140,7 @@ def test_multi_turn_samples_survive_a_checkpoint_whole():
     back with their mask and loop statistics."""
     from offstep.batch import GenTiming, Span
     from offstep.pipeline.batching import Generated
-    from offstep.pipeline.checkpoints import TrainerState, decode_state, encode_state
+    from offstep.pipeline.trainer_state import TrainerState, decode_state, encode_state
 
     samples = _samples()
     gen = Generated(rounds=[[(samples, GenTiming(Span(0.0, 1.0, 0)))]], samples=samples, prompt_of={0: 3})

@@ -15,6 +15,7 @@ import torch
 from offstep.batch import Sample, collate
 from offstep.pipeline.prepare import StalenessError, check_staleness
 from offstep.telemetry.metrics import read_jsonl
+from offstep.telemetry.names import Role, Rollout, Stage, Timing, replica
 
 
 def _run(sim, tmp_path, k: int, steps: int):
@@ -36,16 +37,16 @@ def test_ideal_step():
 def test_one_step_off_policy_overlaps(tmp_path, ray_session):
     metrics, ev = _run(sim, tmp_path, 1, 4)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
-    assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 1, 1]
+    assert [m[Rollout.STALENESS_MAX] for m in metrics] == [0, 1, 1, 1]
     assert [m["policy_version"] for m in metrics] == [1, 2, 3, 4]
     # Batches 1 and 2 come from v0, batch s > 2 from v(s-2): one version behind the trainer (v(s-1)).
-    assert [ev[("rollout/0", "gen", s)]["version"] for s in range(1, 5)] == [0, 0, 1, 2]
+    assert [ev[(replica(0), Stage.GEN, s)]["version"] for s in range(1, 5)] == [0, 0, 1, 2]
     for s in range(1, 4):
         # Generation of batch s+1 starts before the update on batch s ends.
-        assert ev[("rollout/0", "gen", s + 1)]["start"] < ev[("trainer", "update_actor", s)]["end"], s
+        assert ev[(replica(0), Stage.GEN, s + 1)]["start"] < ev[(Role.TRAINER, Stage.UPDATE_ACTOR, s)]["end"], s
         # Weights v(s) are loaded only after the update that made them.
-        assert ev[("rollout/0", "load_weights", s)]["start"] >= ev[("trainer", "update_actor", s)]["end"]
-    assert all("timing_s/sync_weights" in m and "timing_s/step" in m for m in metrics)
+        assert ev[(replica(0), Stage.LOAD_WEIGHTS, s)]["start"] >= ev[(Role.TRAINER, Stage.UPDATE_ACTOR, s)]["end"]
+    assert all(Timing.SYNC_WEIGHTS in m and Timing.STEP in m for m in metrics)
 
 
 @pytest.mark.ray
@@ -57,25 +58,25 @@ def test_next_batch_is_prepared_while_the_trainer_updates(tmp_path, ray_session)
     sim.run_sim(cfg, gen_s=0.02, train_s=0.4, export_s=0.01, load_s=0.01)
     ev = {(e["role"], e["stage"], e["step"]): e for e in read_jsonl(tmp_path / "timeline.jsonl")}
     for s in range(1, 4):
-        assert ev[("driver", "prepare", s + 1)]["end"] < ev[("trainer", "update_actor", s)]["end"], s
-        assert ev[("driver", "prepare", s + 1)]["start"] >= ev[("rollout/0", "gen", s + 1)]["end"], s
+        assert ev[(Role.DRIVER, Stage.PREPARE, s + 1)]["end"] < ev[(Role.TRAINER, Stage.UPDATE_ACTOR, s)]["end"], s
+        assert ev[(Role.DRIVER, Stage.PREPARE, s + 1)]["start"] >= ev[(replica(0), Stage.GEN, s + 1)]["end"], s
 
 
 @pytest.mark.ray
 def test_synchronous_does_not_overlap(tmp_path, ray_session):
     metrics, ev = _run(sim, tmp_path, 0, 3)
-    assert [m["rollout/staleness_max"] for m in metrics] == [0, 0, 0]
-    assert [ev[("rollout/0", "gen", s)]["version"] for s in range(1, 4)] == [0, 1, 2]
+    assert [m[Rollout.STALENESS_MAX] for m in metrics] == [0, 0, 0]
+    assert [ev[(replica(0), Stage.GEN, s)]["version"] for s in range(1, 4)] == [0, 1, 2]
     for s in range(1, 3):
         # The next generation starts after this step's weights are loaded.
-        assert ev[("rollout/0", "gen", s + 1)]["start"] >= ev[("rollout/0", "load_weights", s)]["end"], s
+        assert ev[(replica(0), Stage.GEN, s + 1)]["start"] >= ev[(replica(0), Stage.LOAD_WEIGHTS, s)]["end"], s
 
 
 @pytest.mark.ray
 def test_staleness_two_never_exceeded(tmp_path, ray_session):
     metrics, ev = _run(sim, tmp_path, 2, 5)
-    assert [m["rollout/staleness_max"] for m in metrics] == [0, 1, 2, 2, 2]
-    assert [ev[("rollout/0", "gen", s)]["version"] for s in range(1, 6)] == [0, 0, 0, 1, 2]
+    assert [m[Rollout.STALENESS_MAX] for m in metrics] == [0, 1, 2, 2, 2]
+    assert [ev[(replica(0), Stage.GEN, s)]["version"] for s in range(1, 6)] == [0, 0, 0, 1, 2]
     # The loop's schedule keeps to the bound; ``check_staleness``, where each batch is prepared, is
     # what enforces it: a batch one version staler than k is refused, not trained on.
     with pytest.raises(StalenessError, match="max_staleness=2"):

@@ -32,6 +32,7 @@ import pytest
 from offstep.data.stream import PromptStream
 from offstep.pipeline.inputs import prepare_inputs
 from offstep.telemetry.metrics import read_jsonl
+from offstep.telemetry.names import Data, Rollout, Stage, replica_index
 
 B, N_SAMPLES = 8, 4  # sim_config's data.train_batch_size and rollout.n
 TRAIN_SIZE = 44  # 5 batches an epoch (4 prompts dropped at each epoch's end): the runs cross epochs
@@ -71,7 +72,7 @@ def _check_run(cfg, out, records, k: int, steps: int, tmp_path) -> None:
     assert [m["policy_version"] for m in metrics] == list(range(1, steps + 1))
     assert [r["trainer_version"] for r in records] == list(range(steps))
     # (a) the staleness bound, by the metric and by the trained tokens themselves
-    assert all(0 <= m["rollout/staleness_max"] <= k for m in metrics), [m["rollout/staleness_max"] for m in metrics]
+    assert all(0 <= m[Rollout.STALENESS_MAX] <= k for m in metrics), [m[Rollout.STALENESS_MAX] for m in metrics]
     for r in records:
         V = r["trainer_version"]
         for s in r["samples"]:
@@ -93,15 +94,15 @@ def _check_run(cfg, out, records, k: int, steps: int, tmp_path) -> None:
     train_set = prepare_inputs(cfg, tmp_path / "inputs").train
     for r, m in zip(records, metrics):
         gs = sorted({s["uid"] - B for s in r["samples"]})
-        assert m["data/prompts_crc32"] == zlib.crc32(",".join(str(order[g][1]) for g in gs).encode()), m["step"]
+        assert m[Data.PROMPTS_CRC32] == zlib.crc32(",".join(str(order[g][1]) for g in gs).encode()), m["step"]
         for s in r["samples"]:  # the sample answers its group's prompt
             assert s["prompt"] == list(train_set[order[s["uid"] - B][1]].prompt_ids)
 
 
 def _loads_inside_gen(out) -> int:
     tl = read_jsonl(out / "timeline.jsonl")
-    gens = [e for e in tl if e["stage"] == "gen" and e["role"].startswith("rollout/")]
-    loads = [e for e in tl if e["stage"] == "load_weights"]
+    gens = [e for e in tl if e["stage"] == Stage.GEN and replica_index(e["role"]) is not None]
+    loads = [e for e in tl if e["stage"] == Stage.LOAD_WEIGHTS]
     return sum(any(g["role"] == ld["role"] and g["start"] < ld["start"] and ld["end"] < g["end"] for g in gens)
                for ld in loads)
 
@@ -116,11 +117,11 @@ def test_bound_prompts_and_records(tmp_path, ray_session, k):
     _check_run(cfg, out, records, k, steps, tmp_path)
     metrics = _metrics(out)
     if k == 0:
-        assert all(m["rollout/partial_samples"] == 0 and m["rollout/version_span_max"] == 1 for m in metrics)
+        assert all(m[Rollout.PARTIAL_SAMPLES] == 0 and m[Rollout.VERSION_SPAN_MAX] == 1 for m in metrics)
         return
     # (d) partial rollouts: samples that crossed a load, with tokens of two versions
-    assert max(m["rollout/partial_samples"] for m in metrics) > 0
-    assert max(m["rollout/version_span_max"] for m in metrics) >= 2
+    assert max(m[Rollout.PARTIAL_SAMPLES] for m in metrics) > 0
+    assert max(m[Rollout.VERSION_SPAN_MAX] for m in metrics) >= 2
     partial = [s for r in records for s in r["samples"] if s["oldest"] < r["trainer_version"]]
     assert partial  # trained samples older than the trainer
     assert _loads_inside_gen(out) > 0, "no weight load landed inside a replica's generation span"
@@ -139,10 +140,10 @@ def test_k0_trains_the_batch_modes_batches(tmp_path, ray_session):
     sim.run_sim(cfg_b, 0.0, 0.05, 0.01, 0.02, profile=PROFILE, record=str(rec_path))
     rec_b = [json.loads(line) for line in rec_path.read_text().splitlines()]
     ma, mb = _metrics(out_a), _metrics(tmp_path / "batch")
-    assert [m["data/prompts_crc32"] for m in ma] == [m["data/prompts_crc32"] for m in mb]
+    assert [m[Data.PROMPTS_CRC32] for m in ma] == [m[Data.PROMPTS_CRC32] for m in mb]
     key = lambda r: [(s["uid"], s["length"], s["score"], s["prompt"]) for s in r["samples"]]  # noqa: E731
     assert [key(r) for r in rec_a] == [key(r) for r in rec_b]
-    assert all(m["rollout/partial_samples"] == 0 and m["rollout/staleness_max"] == 0 for m in ma)
+    assert all(m[Rollout.PARTIAL_SAMPLES] == 0 and m[Rollout.STALENESS_MAX] == 0 for m in ma)
 
 
 @pytest.mark.ray

@@ -9,6 +9,7 @@ from offstep.cli import main
 from offstep.config.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
+from offstep.telemetry.names import Reward, Rollout, Val
 from offstep.telemetry.report import write_report
 
 
@@ -36,13 +37,13 @@ def test_report_files_and_numbers(two_runs, tmp_path):
     for row, run_dir in zip(rows, two_runs):
         cells = [c.strip() for c in row]
         steps = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m["step"] >= 1]
-        rewards = [m["reward/mean"] for m in steps]
-        val = [m for m in read_jsonl(run_dir / "metrics.jsonl") if "val/acc" in m]
+        rewards = [m[Reward.MEAN] for m in steps]
+        val = [m for m in read_jsonl(run_dir / "metrics.jsonl") if Val.ACC in m]
         assert cells[0] == run_dir.name and int(cells[1]) == 3
         assert float(cells[2]) == pytest.approx(sum(rewards) / 3, abs=1e-3)
-        assert float(cells[4]) == pytest.approx(val[0]["val/acc"], abs=1e-3)
-        assert float(cells[5]) == pytest.approx(val[-1]["val/acc"], abs=1e-3)
-        assert int(cells[8]) == max(m["rollout/staleness_max"] for m in steps)
+        assert float(cells[4]) == pytest.approx(val[0][Val.ACC], abs=1e-3)
+        assert float(cells[5]) == pytest.approx(val[-1][Val.ACC], abs=1e-3)
+        assert int(cells[8]) == max(m[Rollout.STALENESS_MAX] for m in steps)
 
 
 @pytest.mark.ray

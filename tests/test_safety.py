@@ -22,9 +22,9 @@ from offstep.batch import GenTiming, Sample, Span
 from offstep.config.loader import ConfigError, load_config, to_yaml
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.checkpoints import (
-    STATE_FILE, Checkpoints, TrainerState, check_compatible, complete_checkpoints, decode_state, encode_state, file_digests,
-    open_checkpoint, read_run_id,
+    Checkpoints, check_compatible, complete_checkpoints, file_digests, open_checkpoint, read_run_id,
 )
+from offstep.pipeline.trainer_state import STATE_FILE, TrainerState, decode_state, encode_state
 from offstep.pipeline.run_dir import MARKER, open_run, read_marker
 from offstep.train.checkpoint import CheckpointError, _dcp_load, check_role, load_model_weights, load_role, save_role
 

@@ -13,6 +13,7 @@ from offstep.config.loader import ConfigError, load_config
 from offstep.telemetry.console import ConsoleProgress, auto_mode, eta_seconds, format_duration, plain_text, step_line
 from offstep.telemetry.loggers import RunLoggers, WandbLogger, resolve_wandb_mode
 from offstep.telemetry.metrics import read_jsonl
+from offstep.telemetry.names import Actor, Perf, Reward, Role, Stage, Timing, Val, replica
 from offstep.telemetry.progress import (
     LiveStatus,
     ProgressClient,
@@ -54,7 +55,7 @@ def test_format_duration():
 
 
 def test_step_line_has_throughput_and_eta():
-    m = {"step": 2, "reward/mean": 0.5, "timing_s/step": 4.0, "perf/tokens_per_s": 812.3, "perf/samples_per_s": 8.0}
+    m = {"step": 2, Reward.MEAN: 0.5, Timing.STEP: 4.0, Perf.TOKENS_PER_S: 812.3, Perf.SAMPLES_PER_S: 8.0}
     assert step_line(m, 45.0) == "step    2 | reward 0.500 | step 4.0s | tok/s 812 | smp/s 8.00 | eta 45s"
 
 
@@ -67,9 +68,9 @@ def test_mini_batch_count():
 
 def test_format_status_orders_roles_and_shows_counts():
     states = {
-        "rollout/10": {"stage": "gen", "done": 1, "total": 2, "version": 3},
-        "rollout/2": {"stage": "load_weights", "version": 4},
-        "trainer": {"stage": "update_actor", "done": 3, "total": 8, "mini": 2, "minis": 3},
+        replica(10): {"stage": Stage.GEN, "done": 1, "total": 2, "version": 3},
+        replica(2): {"stage": Stage.LOAD_WEIGHTS, "version": 4},
+        Role.TRAINER: {"stage": Stage.UPDATE_ACTOR, "done": 3, "total": 8, "mini": 2, "minis": 3},
     }
     assert format_status(states, step=5) == (
         "step 5 | trainer update_actor 3/8 (mini-batch 2/3) | rollout/2 load_weights v4 | rollout/10 gen v3 1/2"
@@ -78,10 +79,10 @@ def test_format_status_orders_roles_and_shows_counts():
 
 
 def test_latest_keeps_newest_record_per_role():
-    hub = {"trainer": {"stage": "update_actor", "t": 10.0}, "rollout/0": {"stage": "gen", "t": 9.0}}
-    notes = {"trainer": {"stage": "sync", "t": 11.0}, "rollout/0": {"stage": "wait", "t": 8.0}}
+    hub = {Role.TRAINER: {"stage": Stage.UPDATE_ACTOR, "t": 10.0}, replica(0): {"stage": Stage.GEN, "t": 9.0}}
+    notes = {Role.TRAINER: {"stage": Stage.SYNC, "t": 11.0}, replica(0): {"stage": "wait", "t": 8.0}}
     merged = latest(hub, notes)
-    assert merged["trainer"]["stage"] == "sync" and merged["rollout/0"]["stage"] == "gen"
+    assert merged[Role.TRAINER]["stage"] == Stage.SYNC and merged[replica(0)]["stage"] == Stage.GEN
 
 
 # ---------------------------------------------------------------- console
@@ -91,8 +92,8 @@ def test_plain_console_prints_no_control_characters():
     assert con.mode == "plain" and con.progress is None
     con.log("offstep: \x1b[31mred\x1b[0m\rback")
     con.status("step 1 | trainer update_actor 1/2")
-    con.step({"step": 1, "reward/mean": 0.25, "timing_s/step": 10.0})
-    con.step({"step": 2, "reward/mean": 0.5, "timing_s/step": 20.0})
+    con.step({"step": 1, Reward.MEAN: 0.25, Timing.STEP: 10.0})
+    con.step({"step": 2, Reward.MEAN: 0.5, Timing.STEP: 20.0})
     con.close()
     text = out.getvalue()
     assert not CONTROL.search(text), repr(text)
@@ -109,7 +110,7 @@ def test_plain_status_lines_are_rate_limited():
     for i in range(20):
         con.status(f"step 1 | rollout/0 gen v0 {i}/20")
     assert out.getvalue() == ""  # nothing printed within the interval
-    con.step({"step": 1, "timing_s/step": 1.0})
+    con.step({"step": 1, Timing.STEP: 1.0})
     assert len(out.getvalue().splitlines()) == 1
 
 
@@ -118,7 +119,7 @@ def test_off_prints_nothing():
     con = ConsoleProgress(total=2, mode="off", stream=out)
     con.log("x")
     con.status("y")
-    con.step({"step": 1, "timing_s/step": 1.0})
+    con.step({"step": 1, Timing.STEP: 1.0})
     assert out.getvalue() == ""
 
 
@@ -138,7 +139,7 @@ def test_bar_mode_shows_live_status_and_eta():
     out = _Stream(tty=True)
     con = ConsoleProgress(total=4, mode="bar", stream=out)
     con.console.width = 60
-    con.step({"step": 1, "timing_s/step": 10.0})
+    con.step({"step": 1, Timing.STEP: 10.0})
     con.status("step 2 | trainer update_actor 3/8 | rollout/0 gen v1 17/32 | rollout/1 gen v1 9/32")
     task = con.progress.tasks[0]
     assert task.completed == 1 and task.fields["eta"] == "30s"  # 10 s x 3 steps left
@@ -181,14 +182,14 @@ def test_wandb_offline_writes_run_with_metrics_and_samples(tmp_path, monkeypatch
     logger = WandbLogger(tmp_path, {"trainer": {"total_steps": 2}}, "offstep-test", "unit", "")
     rows = [{"step": 2, "version": 1, "prompt": "What is 2+3?", "response": "5", "reward": 1.0}]
     logger.log_samples(2, rows)  # the controller logs step 2's samples before step 1's metrics
-    logger.log({"step": 1, "actor/pg_loss": 0.123456, "reward/mean": 0.25, "val/policy_version": 0})
+    logger.log({"step": 1, Actor.PG_LOSS: 0.123456, Reward.MEAN: 0.25, Val.POLICY_VERSION: 0})
     assert list(logger._samples) == [2]  # held back until step 2's metrics
-    logger.log({"step": 2, "actor/pg_loss": 0.654321, "reward/mean": 0.75})
+    logger.log({"step": 2, Actor.PG_LOSS: 0.654321, Reward.MEAN: 0.75})
     assert not logger._samples
     logger.close()
     run = _wandb_run_dir(tmp_path)
     data = next(run.glob("run-*.wandb")).read_bytes()
-    for key in (b"actor/pg_loss", b"reward/mean", b"0.123456", b"0.654321"):
+    for key in (Actor.PG_LOSS.encode(), Reward.MEAN.encode(), b"0.123456", b"0.654321"):
         assert key in data, key
     # W&B drops a record logged at a lower step than one before it: both steps' values are there
     tables = list(run.glob("files/media/table/samples_*.table.json"))
@@ -204,12 +205,12 @@ def test_run_loggers_fan_out(tmp_path, monkeypatch):
     cfg = load_config(["preset=tiny", f"trainer.output_dir={tmp_path}", "trainer.loggers=[console,jsonl,tensorboard,wandb]"])
     logs = RunLoggers(tmp_path, cfg)
     logs.log_samples(1, [{"step": 1, "version": 0, "prompt": "p", "response": "r", "reward": 0.0}])
-    logs.log({"step": 1, "reward/mean": 0.5})
+    logs.log({"step": 1, Reward.MEAN: 0.5})
     logs.close()
-    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.5}]
+    assert read_jsonl(tmp_path / "metrics.jsonl") == [{"step": 1, Reward.MEAN: 0.5}]
     assert read_jsonl(tmp_path / "samples.jsonl")[0]["prompt"] == "p"
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert b"reward/mean" in next(_wandb_run_dir(tmp_path).glob("run-*.wandb")).read_bytes()
+    assert Reward.MEAN.encode() in next(_wandb_run_dir(tmp_path).glob("run-*.wandb")).read_bytes()
 
 
 def test_config_checks_for_telemetry_keys():
@@ -231,20 +232,20 @@ def test_hub_counts_and_rate_limits(ray_session):
     hub = launch_hub()
     try:
         # This process is the only caller: its calls reach the hub in submission order.
-        client = ProgressClient(hub, "rollout/0", min_interval_s=3600)
-        client.start("gen", total=5, version=2)
+        client = ProgressClient(hub, replica(0), min_interval_s=3600)
+        client.start(Stage.GEN, total=5, version=2)
         for _ in range(3):
             client.advance()
         snap = ray.get(hub.snapshot.remote())
-        assert snap["rollout/0"]["done"] == 0  # rate-limited: only the start went out
+        assert snap[replica(0)]["done"] == 0  # rate-limited: only the start went out
         client.advance(2)  # completes the stage: always sent
-        st = ray.get(hub.snapshot.remote())["rollout/0"]
-        assert (st["stage"], st["done"], st["total"], st["version"]) == ("gen", 5, 5, 2)
-        ProgressClient(None, "trainer").start("update_actor", total=3)  # no hub: a no-op
+        st = ray.get(hub.snapshot.remote())[replica(0)]
+        assert (st["stage"], st["done"], st["total"], st["version"]) == (Stage.GEN, 5, 5, 2)
+        ProgressClient(None, Role.TRAINER).start(Stage.UPDATE_ACTOR, total=3)  # no hub: a no-op
 
         out = _Stream(tty=False)
         live = LiveStatus(ConsoleProgress(total=10, mode="plain", status_interval_s=1e-9, stream=out), hub)
-        live.note("trainer", "sync", step=4)
+        live.note(Role.TRAINER, Stage.SYNC, step=4)
         asyncio.run(live.poll_once())
         assert out.getvalue().splitlines()[-1].startswith("status | step 4 | trainer sync | rollout/0 gen v2 5/5 |")
     finally:
@@ -279,23 +280,23 @@ def test_worker_hooks_report_samples_and_micro_batches(tiny_inputs, ray_session)
     actor = None
     try:
         rollout = RolloutWorker(inputs.model_path, "float32", "cpu", 1, inputs.reward, 1, r.max_batch_size,
-                                progress=ProgressClient(hub, "rollout/0"))
+                                progress=ProgressClient(hub, replica(0)))
         reqs = [to_request(p, i) for i, p in enumerate(inputs.train[:8])]
         params = SamplingParams(n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=r.max_new_tokens)
         samples, _ = rollout.generate(reqs, params, 0)
-        st = ray.get(hub.snapshot.remote())["rollout/0"]
-        assert (st["stage"], st["done"], st["total"], st["version"]) == ("gen", 32, 32, 0)
+        st = ray.get(hub.snapshot.remote())[replica(0)]
+        assert (st["stage"], st["done"], st["total"], st["version"]) == (Stage.GEN, 32, 32, 0)
 
         spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
         actor = ActorWorker(spec, 0, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature,
-                            ProgressClient(hub, "trainer"))
+                            ProgressClient(hub, Role.TRAINER))
         batch = collate(samples, inputs.pad_id)
         batch.advantages, batch.returns = grpo_outcome_advantage(batch.scores, batch.group_ids, batch.response_mask)
         actor.update(batch)
-        st = ray.get(hub.snapshot.remote())["trainer"]
+        st = ray.get(hub.snapshot.remote())[Role.TRAINER]
         # 32 samples in mini-batches of 16: 2 mini-batches; micro-batches of 4 rows: 4 + 4 = 8
         # (with actor.micro_token_budget=0, the default).
-        assert (st["stage"], st["done"], st["total"], st["mini"], st["minis"]) == ("update_actor", 8, 8, 2, 2)
+        assert (st["stage"], st["done"], st["total"], st["mini"], st["minis"]) == (Stage.UPDATE_ACTOR, 8, 8, 2, 2)
     finally:
         if actor is not None:
             actor.shutdown()
@@ -324,5 +325,5 @@ def test_plain_run_has_status_throughput_eta_and_wandb(tmp_path, ray_session, ca
     assert all("tok/s" in s and "smp/s" in s for s in steps)
     assert "eta" in steps[0] and "eta" in steps[1] and "eta" not in steps[2]  # nothing left after the last
     metrics = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["step"] >= 1]
-    assert all(m["perf/samples_per_s"] > 0 for m in metrics)
-    assert b"perf/samples_per_s" in next(_wandb_run_dir(tmp_path).glob("run-*.wandb")).read_bytes()
+    assert all(m[Perf.SAMPLES_PER_S] > 0 for m in metrics)
+    assert Perf.SAMPLES_PER_S.encode() in next(_wandb_run_dir(tmp_path).glob("run-*.wandb")).read_bytes()

@@ -1,18 +1,22 @@
-"""verl's command lines in offstep (offstep/config/verl_keys.py): a verl one-step GRPO command of
+"""verl's command lines in offstep (offstep/config/verl/): a verl one-step GRPO command of
 45 keys translated key by key, every unsupported key's documented treatment, verl's meaning for the
 rejection thresholds (a hand-worked case), strings for data files, conflicts, and the docs table."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from offstep.algos.correction import rejection_mask
-from offstep.config import verl_keys
 from offstep.config.loader import ConfigError, load_config
+from offstep.config.verl.derive import verl_k1_bounds
+from offstep.config.verl.table import DERIVED_TARGETS
 from offstep.pipeline.preflight import validate
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "from-verl.md"
@@ -244,7 +248,7 @@ def test_rejection_thresholds_keep_verl_meaning_hand():
     keep, _ = rejection_mask(torch.zeros_like(r), r, torch.ones_like(r), "sequence",
                              ratio_high=a.rejection_ratio_high, ratio_low=a.rejection_ratio_low)
     assert keep.tolist() == [[1.0, 1.0], [0.0, 0.0]]
-    assert verl_keys.verl_k1_bounds(2.0) == pytest.approx((0.5, 2.0))  # upper alone: [1/2, 2] both ways
+    assert verl_k1_bounds(2.0) == pytest.approx((0.5, 2.0))  # upper alone: [1/2, 2] both ways
     with pytest.raises(ConfigError, match="rollout_rs_threshold"):
         load(["preset=tiny", "algorithm.rollout_correction.rollout_rs=token_k1"])
 
@@ -271,20 +275,28 @@ def test_conflicts_and_errors_name_the_verl_key():
 
 @pytest.mark.heavy
 def test_every_table_entry_is_a_known_kind_and_targets_exist():
-    from offstep.config.verl_keys import PREFIXES, TABLE, Derived, Note, Refuse, To, _is_offstep_key
+    from offstep.config.verl.table import PREFIXES, TABLE, Derived, Note, Refuse, To
+    from offstep.config.verl.translate import is_offstep_key
 
     for key, rule in [*TABLE.items(), *PREFIXES]:
         assert isinstance(rule, (To, Derived, Note, Refuse)), key
         if isinstance(rule, To):
-            assert _is_offstep_key(rule.key), (key, rule.key)
-    for targets in verl_keys.DERIVED_TARGETS.values():
-        assert all(_is_offstep_key(t) for t in targets), targets
+            assert is_offstep_key(rule.key), (key, rule.key)
+    for targets in DERIVED_TARGETS.values():
+        assert all(is_offstep_key(t) for t in targets), targets
 
 
 def test_docs_page_holds_the_table_and_one_command():
+    spec = importlib.util.spec_from_file_location("verl_keys_table", DOCS.parents[1] / "scripts" / "verl_keys_table.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
     page = DOCS.read_text()
     table = re.search(r"<!-- key-table -->\n(.*)\n<!-- /key-table -->", page, re.S).group(1)
-    assert table == verl_keys.markdown_table(), "docs/from-verl.md's key table is stale: paste markdown_table()"
+    stale = "docs/from-verl.md's key table is stale: run python scripts/verl_keys_table.py"
+    assert table == render.markdown_table(), stale
+    assert render.summary_line() in page.splitlines(), stale
+    check = subprocess.run([sys.executable, str(spec.origin), "--check"], capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0 and "current" in check.stdout, check.stdout + check.stderr
     scripts = re.findall(r"```bash\n(.*?)```", page, re.S)
     verl, offstep = scripts[0], scripts[1]
     assert offstep.replace("offstep train \\", "python3 -m verl.experimental.one_step_off_policy.main_ppo \\") == verl

@@ -1,4 +1,4 @@
-"""verl's fully-async command lines in offstep (offstep/config/verl_keys.py, ``_fully_async``):
+"""verl's fully-async command lines in offstep (offstep/config/verl/fully_async.py):
 verl's twelve scripts of verl/experimental/fully_async_policy/shell/ (their arguments are the
 fixtures in tests/verl_fully_async/) each fail in one message listing all their refusals, none
 of them an async key; without the refused keys each resolves to pipeline.mode=fully_async with

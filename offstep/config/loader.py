@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, InterpolationResolutionError, OmegaConfBaseException
 
 from offstep.config.schema import Config
-from offstep.config.verl_keys import apply_derived, is_entry_flag, refusals, translate
+from offstep.config.verl.derive import apply_derived
+from offstep.config.verl.translate import is_entry_flag, refusals, translate
 from offstep.errors import ConfigError, VerlKeyError
 
 _registered = False
@@ -114,7 +115,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 
 def load_config(overrides: list[str] | None = None, notes: list[str] | None = None) -> Config:
     """Return the typed, resolved config for ``offstep train`` with ``overrides`` (``key=value``)
-    applied. verl's key names are translated (``offstep.config.verl_keys``); what the translation
+    applied. verl's key names are translated (``offstep.config.verl``); what the translation
     says about them goes to ``notes`` when a list is given, else to stderr."""
     _register()
     overrides = list(overrides or [])

@@ -1,5 +1,5 @@
 """What this machine has, read where a config's derived defaults follow from it (verl's GPU counts,
-``offstep.config.verl_keys``) and by the checks before a run starts (``offstep.pipeline.preflight``)."""
+``offstep.config.verl.derive``) and by the checks before a run starts (``offstep.pipeline.preflight``)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ from offstep.algos.kl_control import (
 from offstep.batch import TrainBatch
 from offstep.config.choices import ADV_ESTIMATORS
 from offstep.config.schema import AlgorithmConfig, Config
+from offstep.telemetry.names import Adv, Reward
 
 
 def needs_old_logprobs(cfg: Config, batch_size: int, actor_frozen: bool = False) -> bool:
@@ -71,7 +72,7 @@ def compute_advantages(
             raise ValueError("the overlong penalty needs max_response_length (rollout.max_new_tokens)")
         pen = overlong_penalty(mask.sum(-1), max_response_length, algo.overlong_buffer_len, algo.overlong_penalty_factor)
         scores = scores + pen
-        m["reward/overlong_penalty"] = float(pen.mean())
+        m[Reward.OVERLONG_PENALTY] = float(pen.mean())
         if baseline is not None and batch.baseline_lengths is not None:
             baseline = baseline + overlong_penalty(
                 batch.baseline_lengths, max_response_length, algo.overlong_buffer_len, algo.overlong_penalty_factor
@@ -87,7 +88,7 @@ def compute_advantages(
         seq_scores = seq_scores + (penalised - token_rewards).sum(-1)  # score - beta * sum_t kl_t
         token_rewards = penalised
         kl_ctrl.update(float(kl), n_steps=len(batch))
-        m.update({"reward/kl_penalty": float(kl), "reward/kl_coef": beta})
+        m.update({Reward.KL_PENALTY: float(kl), Reward.KL_COEF: beta})
 
     est = algo.adv_estimator
     if est == "grpo":
@@ -108,7 +109,7 @@ def compute_advantages(
         if baseline is None:
             raise ValueError("adv_estimator=remax needs the greedy baseline's scores (SamplingParams.greedy_baseline)")
         adv, ret = remax_advantage(token_rewards, baseline, mask)
-        m["reward/greedy_baseline"] = float(baseline.mean())
+        m[Reward.GREEDY_BASELINE] = float(baseline.mean())
     elif est == "gae":
         adv, ret = gae_advantage(token_rewards, batch.values, mask, gamma=algo.gamma, lam=algo.lam)
     else:
@@ -117,9 +118,9 @@ def compute_advantages(
     valid = mask.bool()
     if valid.any():
         m.update({
-            "adv/mean": float(masked_mean(adv, valid)),
-            "adv/abs_mean": float(masked_mean(adv.abs(), valid)),
-            "adv/max": float(adv[valid].max()),
-            "adv/min": float(adv[valid].min()),
+            Adv.MEAN: float(masked_mean(adv, valid)),
+            Adv.ABS_MEAN: float(masked_mean(adv.abs(), valid)),
+            Adv.MAX: float(adv[valid].max()),
+            Adv.MIN: float(adv[valid].min()),
         })
     return m

@@ -54,6 +54,10 @@ from offstep.rollout.types import SamplingParams
 from offstep.telemetry.console import ConsoleProgress
 from offstep.telemetry.loggers import RunLoggers
 from offstep.telemetry.metrics import Timeline, truncate_jsonl
+from offstep.telemetry.names import Actor, Perf, Role, Stage, Sync, Timing, Val, actor, critic, replica
+from offstep.train.actor import ActorWorker
+from offstep.train.critic import CriticWorker
+from offstep.train.fsdp import RoleWorker
 
 
 @dataclass
@@ -160,7 +164,7 @@ class Controller:
         if self.resumed is not None:
             st, roles = self.resumed, self.workers.stateful
             try:
-                ray.get([h for g in roles for h in g.submit("load_checkpoint", str(self.resume_from / g.name))])
+                ray.get([h for g in roles for h in g.submit(RoleWorker.load_checkpoint, str(self.resume_from / g.name))])
             except ray.exceptions.RayTaskError as e:  # damage only a load reveals (garbled, pickled items)
                 raise load_failed(self.resume_from, getattr(e, "cause", None) or e) from None
             self.start_step, self.version, self.fleet.restarts = st.step, st.version, st.restarts
@@ -206,27 +210,27 @@ class Controller:
             else:
                 next_ready = asyncio.ensure_future(self._take(step))
             t_wait = time.time()
-            self.live.note("trainer", "wait_gen", step=step)
+            self.live.note(Role.TRAINER, Stage.WAIT_GEN, step=step)
             ready: Prepared = await _unless_failed(next_ready, finishing)
             wait = time.time() - t_wait
-            self.timeline.add("trainer", "wait_gen", step, t_wait, time.time())
+            self.timeline.add(Role.TRAINER, Stage.WAIT_GEN, step, t_wait, time.time())
             batch, m = ready.batch, ready.metrics
-            m["timing_s/wait_gen"] = wait
+            m[Timing.WAIT_GEN] = wait
             async with self.sync.lock:  # from the update until its weights are exported
                 update_end = await self._train(ready, step, m)
                 self.version += 1
-                self.live.note("trainer", "sync", step=step)
+                self.live.note(Role.TRAINER, Stage.SYNC, step=step)
                 export, loads = await self.sync.finish(self.version, update_end)
-                self.timeline.add("trainer", "sync_export", step, export.start, export.end)
+                self.timeline.add(Role.TRAINER, Stage.SYNC_EXPORT, step, export.start, export.end)
             val = None
             if step == N or (cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0):
                 # Batch mode: queued now, behind the load on every replica. fully_async: a replica
                 # serves calls at once, so the validation starts once the loads are checked.
                 val = self._start_validation if self.samples is not None else self._start_validation()
             now = time.time()
-            m["timing_s/step"], t_step = now - t_step, now
-            m["perf/tokens_per_s"] = float(batch.attention_mask.sum()) / m["timing_s/step"]
-            m["perf/samples_per_s"] = len(batch) / m["timing_s/step"]
+            m[Timing.STEP], t_step = now - t_step, now
+            m[Perf.TOKENS_PER_S] = float(batch.attention_mask.sum()) / m[Timing.STEP]
+            m[Perf.SAMPLES_PER_S] = len(batch) / m[Timing.STEP]
             m["policy_version"] = self.version
             save_freq, saves = cfg.trainer.save_freq, cfg.trainer.save_freq or cfg.trainer.save_last
             saving = (save_freq and step % save_freq == 0) or (saves and (step == N or self.stop.requested))
@@ -264,7 +268,7 @@ class Controller:
         gen, epoch, idx, m = await self.samples.next_batch(step)
         ready = self.preparer.prepare(gen, step, epoch, idx, w.ref is not None or w.critic is not None)
         ready.metrics.update(m)
-        ready.metrics["perf/gen_tokens_per_s"] = float(ready.batch.response_mask.sum()) / max(m["timing_s/gen"], 1e-9)
+        ready.metrics[Perf.GEN_TOKENS_PER_S] = float(ready.batch.response_mask.sum()) / max(m[Timing.GEN], 1e-9)
         return ready
 
     async def _prepare(self, cur: InFlight) -> Prepared:
@@ -283,17 +287,17 @@ class Controller:
         actor_frozen = w.critic is not None and step <= cfg.critic.warmup_steps
         stored = ready.stored if ready.stored is not None else await self._trainer_inputs(ready.batch, step, m, actor_frozen)
         if w.critic is not None:
-            cm, span = await self._stage(w.critic, "update", "update_critic", step, stored)
-            m["timing_s/update_critic"] = span.seconds
-            m.update({f"critic/{k}": v for k, v in cm.items()})
-            m["actor/frozen"] = float(actor_frozen)
+            cm, span = await self._stage(w.critic, CriticWorker.update, Stage.UPDATE_CRITIC, step, stored)
+            m[Timing.UPDATE_CRITIC] = span.seconds
+            m.update({critic(k): v for k, v in cm.items()})
+            m[Actor.FROZEN] = float(actor_frozen)
         if actor_frozen:
             return None
-        update = w.actor.submit("update", stored)
+        update = w.actor.submit(ActorWorker.update, stored)
         self.sync.queue(step)  # the update makes version `step`; its export starts as the update ends
-        am, span = await self._stage(w.actor, update, "update_actor", step)
-        m["timing_s/update_actor"] = span.seconds
-        m.update({f"actor/{k}": v for k, v in am.items()})
+        am, span = await self._stage(w.actor, update, Stage.UPDATE_ACTOR, step)
+        m[Timing.UPDATE_ACTOR] = span.seconds
+        m.update({actor(k): v for k, v in am.items()})
         return span.end
 
     async def _trainer_inputs(self, batch: TrainBatch, step: int, m: dict, actor_frozen: bool) -> ray.ObjectRef:
@@ -301,23 +305,23 @@ class Controller:
         critic values, pre-update log-probs), then the advantages; returns the batch's object-store ref."""
         w = self.workers
         if w.ref is not None:
-            batch.ref_logprobs, span = await self._stage(w.ref, w.ref_method, "ref", step, batch)
-            m["timing_s/ref"] = span.seconds
+            batch.ref_logprobs, span = await self._stage(w.ref, w.ref_method, Stage.REF, step, batch)
+            m[Timing.REF] = span.seconds
         if w.critic is not None:
-            batch.values, span = await self._stage(w.critic, "compute_values", "values", step, batch)
-            m["timing_s/values"] = span.seconds
+            batch.values, span = await self._stage(w.critic, CriticWorker.compute_values, Stage.VALUES, step, batch)
+            m[Timing.VALUES] = span.seconds
         if needs_old_logprobs(self.cfg, len(batch), actor_frozen):
-            batch.old_logprobs, span = await self._stage(w.actor, "compute_logprobs", "old_logprobs", step, batch)
-            m["timing_s/old_logprobs"] = span.seconds
+            batch.old_logprobs, span = await self._stage(w.actor, ActorWorker.compute_logprobs, Stage.OLD_LOGPROBS, step, batch)
+            m[Timing.OLD_LOGPROBS] = span.seconds
         return self.preparer.advantages_and_put(batch, m)
 
     async def _stage(self, group: RoleGroup, call, stage: str, step: int, *args) -> tuple[object, Span]:
-        """Run a method on every rank of ``group`` (``call``: its name, or the calls already
-        submitted); rank 0's result and :class:`Span` (also put on the timeline)."""
-        self.live.note("trainer", stage, step=step)
-        refs = group.submit(call, *args) if isinstance(call, str) else call
+        """Run a method on every rank of ``group`` (``call``: the worker class's method, or the
+        calls already submitted); rank 0's result and :class:`Span` (also put on the timeline)."""
+        self.live.note(Role.TRAINER, stage, step=step)
+        refs = call if isinstance(call, list) else group.submit(call, *args)
         result, span = (await asyncio.gather(*refs))[0]
-        self.timeline.add("trainer", stage, step, span.start, span.end)
+        self.timeline.add(Role.TRAINER, stage, step, span.start, span.end)
         return result, span
 
     # ---------------------------------------------------------------- validation and records
@@ -327,8 +331,8 @@ class Controller:
         return self.fleet.submit(self.inputs.val, self.val_params, self.cfg.trainer.seed + 1, 0, 10**9, with_ref=False)
 
     async def _finish_validation(self, fut, step: int = 0) -> dict:
-        samples, _, _ = record_generation(self.timeline, await fut, step, stage="val")
-        return {**summarise(samples), "val/policy_version": samples[0].version}
+        samples, _, _ = record_generation(self.timeline, await fut, step, stage=Stage.VAL)
+        return {**summarise(samples), Val.POLICY_VERSION: samples[0].version}
 
     async def _finish_step(self, m: dict, export_s: float, loads, val, previous) -> None:
         """Complete a step's record once its weight sync (and validation) are done. Records are
@@ -340,12 +344,12 @@ class Controller:
         transport = "collective" if report.collective else "object_store"
         for i, r in enumerate(report.loads):
             if r is not None:
-                self.timeline.add(f"rollout/{i}", "load_weights", m["step"], r.span.start, r.span.end,
+                self.timeline.add(replica(i), Stage.LOAD_WEIGHTS, m["step"], r.span.start, r.span.end,
                                   version=r.span.version, transport=transport)
-        m["timing_s/sync_weights"] = export_s + max((r.span.seconds for r in report.loads if r is not None), default=0.0)
-        m["sync/verified"] = float(report.verified)
-        m["timing_s/sync_verify"] = report.verify_s  # wall clock: with the other timings, not compared on resume
-        m["sync/collective"] = float(report.collective)
+        m[Timing.SYNC_WEIGHTS] = export_s + max((r.span.seconds for r in report.loads if r is not None), default=0.0)
+        m[Sync.VERIFIED] = float(report.verified)
+        m[Timing.SYNC_VERIFY] = report.verify_s  # wall clock: with the other timings, not compared on resume
+        m[Sync.COLLECTIVE] = float(report.collective)
         if self.samples is not None:  # every replica holds the new version: the stream may admit more
             self.samples.loaded(m["policy_version"])
         if callable(val):
@@ -372,7 +376,7 @@ class Controller:
             await self.samples.suspend()
         staging = self.checkpoints.staging(step)
         pause_point("staged", step)  # test hooks (faults.py): a kill timed inside the write
-        await asyncio.gather(*(g.run("save_checkpoint", str(staging / g.name)) for g in self.workers.stateful))
+        await asyncio.gather(*(g.run(RoleWorker.save_checkpoint, str(staging / g.name)) for g in self.workers.stateful))
         pause_point("shards", step)
         state = TrainerState(step, self.version, self.timeline.t0, self.stream.state_dict(), in_flight, self.fleet.restarts,
                              self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
@@ -380,7 +384,7 @@ class Controller:
         # Its timeline entry goes in before the checkpoint is published: killed just after, a
         # resume from this checkpoint would never write it.
         path = self.checkpoints.commit(staging, state, to_yaml(self.cfg),
-                                       lambda: self.timeline.add("trainer", "checkpoint", step, t0, time.time()))
+                                       lambda: self.timeline.add(Role.TRAINER, Stage.CHECKPOINT, step, t0, time.time()))
         self.console.log(f"offstep: checkpoint {path} ({time.time() - t0:.1f} s)")
         if self.samples is not None:  # the stored samples continue where they stopped
             self.samples.resubmit()
@@ -414,6 +418,6 @@ def train(cfg: Config, start=None) -> list[dict]:
             last = f"the last checkpoint, {found[-1][1]}, is intact: continue with trainer.resume=auto" if found else (
                 "no checkpoint was written (set trainer.save_freq to write them as the run goes)")
             problem = f"the {role} worker died: {cause}; {last}"
-        raise (RolloutFailed if role.startswith("rollout") else TrainerFailed)(problem) from e
+        raise (RolloutFailed if role.startswith(Role.ROLLOUT) else TrainerFailed)(problem) from e
     finally:
         ctl.close()

@@ -12,6 +12,7 @@ from collections import defaultdict
 
 from offstep.batch import Sample
 from offstep.pipeline.step_metrics import agent_metrics
+from offstep.telemetry.names import Val, per_source
 
 # What messages call the settings: offstep eval's flags (offstep.data.dataset.TRAIN_KEYS and
 # offstep.rollout.tools.TRAIN_KEYS name the config keys of offstep train).
@@ -24,7 +25,7 @@ def is_correct(s: Sample) -> float:
     return float(s.reward_extra.get("acc", s.score >= 1.0))
 
 
-def summarise(samples: list[Sample], prefix: str = "val/") -> dict[str, float]:
+def summarise(samples: list[Sample], prefix: str = Val.PREFIX) -> dict[str, float]:
     """Metrics named ``{prefix}acc``, ``{prefix}reward/mean``, ``{prefix}<source>/acc``,
     ``{prefix}<source>/reward/mean``, and with several samples per prompt
     ``{prefix}<source>/acc/best@n``."""
@@ -39,15 +40,15 @@ def summarise(samples: list[Sample], prefix: str = "val/") -> dict[str, float]:
     for s in samples:
         by_source[s.data_source].append(s)
     for src, group in sorted(by_source.items()):
-        m[f"{prefix}{src}/acc"] = sum(map(is_correct, group)) / len(group)
-        m[f"{prefix}{src}/reward/mean"] = sum(s.score for s in group) / len(group)
+        m[per_source(prefix, src, "acc")] = sum(map(is_correct, group)) / len(group)
+        m[per_source(prefix, src, "reward/mean")] = sum(s.score for s in group) / len(group)
         per_prompt: dict[int, list[Sample]] = defaultdict(list)
         for s in group:
             per_prompt[s.uid].append(s)
         n = max(len(v) for v in per_prompt.values())
         if n > 1:
-            m[f"{prefix}{src}/acc/best@{n}"] = sum(max(map(is_correct, v)) for v in per_prompt.values()) / len(per_prompt)
-            m[f"{prefix}{src}/reward/best@{n}"] = sum(max(s.score for s in v) for v in per_prompt.values()) / len(per_prompt)
+            m[per_source(prefix, src, f"acc/best@{n}")] = sum(max(map(is_correct, v)) for v in per_prompt.values()) / len(per_prompt)
+            m[per_source(prefix, src, f"reward/best@{n}")] = sum(max(s.score for s in v) for v in per_prompt.values()) / len(per_prompt)
     return m
 
 

@@ -34,6 +34,7 @@ from offstep.models.forward import DTYPES
 from offstep.models.loading import cache_dir, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_base, adapter_parameters, add_adapters, is_adapter_folder, merged_model
 from offstep.pipeline.checkpoints import STATE_FILE, complete_checkpoints, file_digests, open_checkpoint, read_config, resolve_path, select
+from offstep.telemetry.names import Role
 from offstep.train.checkpoint import fsync_tree, load_model_weights, replace_dir, write_durably, write_failed
 
 DONE = ".offstep-export"  # written last: an export folder without it is incomplete
@@ -84,10 +85,10 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
     model = load_causal_lm(folder, dtype=DTYPES[dtype])
     lora = _lora_of(loaded.config_yaml)
     if lora is None:
-        load_model_weights(loaded.path / "actor", model)
+        load_model_weights(loaded.path / Role.ACTOR, model)
     else:
         model = add_adapters(model, lora, base_path=folder)
-        load_model_weights(loaded.path / "actor", model, names={n for n, _ in adapter_parameters(model)})
+        load_model_weights(loaded.path / Role.ACTOR, model, names={n for n, _ in adapter_parameters(model)})
         if merge:
             model = model.merge_and_unload()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +145,7 @@ def model_for_eval(path: str | Path) -> str:
                           f"default) or trainer.save_freq=N, or give a model folder")
     loaded = open_checkpoint(resolve_path(path))
     digest = hashlib.sha256(loaded.config_yaml.encode())
-    for name, (size, sha) in sorted(file_digests(loaded.path / "actor", skip=()).items()):
+    for name, (size, sha) in sorted(file_digests(loaded.path / Role.ACTOR, skip=()).items()):
         digest.update(f"{name} {size} {sha}\n".encode())
     out = cache_dir() / "exports" / digest.hexdigest()[:24]
     if not (out / DONE).is_file():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
@@ -142,10 +143,13 @@ class RoleGroup:
             handles.append(remote_cls.options(name=f"{name}-{rank}", **opts).remote(spec, *args))
         return cls(name, handles)
 
-    def submit(self, method: str, *args) -> list:
-        return [getattr(h, method).remote(*args) for h in self.handles]
+    def submit(self, method: Callable, *args) -> list:
+        """Call ``method``, the worker class's own (``ActorWorker.update``), on every rank; its
+        futures. A method, not its name as a string: a misspelt or renamed one fails where it is named
+        (and in a type checker), not inside Ray."""
+        return [getattr(h, method.__name__).remote(*args) for h in self.handles]
 
-    async def run(self, method: str, *args):
+    async def run(self, method: Callable, *args):
         """Call ``method`` on every rank (a collective); return rank 0's result."""
         results = await asyncio.gather(*self.submit(method, *args))
         return results[0]

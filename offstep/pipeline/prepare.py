@@ -26,6 +26,7 @@ from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.step_metrics import batch_metrics, record_generation, sample_rows
 from offstep.telemetry.loggers import RunLoggers
 from offstep.telemetry.metrics import Timeline
+from offstep.telemetry.names import Data, Perf, Role, Rollout, Stage, Timing
 
 
 def check_staleness(versions: torch.Tensor, trainer_version: int, max_staleness: int) -> torch.Tensor:
@@ -60,26 +61,26 @@ class BatchPreparer:
         t0 = time.time()
         gen_s = ref_s = 0.0
         for attempt, results in enumerate(gen.rounds):
-            _, g, r = record_generation(self.timeline, results, step, "gen" if attempt == 0 else "gen_more")
+            _, g, r = record_generation(self.timeline, results, step, Stage.GEN if attempt == 0 else Stage.GEN_MORE)
             gen_s, ref_s = gen_s + g, ref_s + r
         self._log_samples(step, gen)
         batch = collate(gen.samples, self.inputs.pad_id)
         # Per sample: the actor reports its correction metrics per staleness.
         batch.staleness = check_staleness(batch.versions, step - 1, self.cfg.pipeline.max_staleness)
         m = batch_metrics(step, epoch, gen.samples, batch, batch.staleness)
-        m["data/prompts_crc32"] = zlib.crc32(",".join(map(str, idx)).encode())
+        m[Data.PROMPTS_CRC32] = zlib.crc32(",".join(map(str, idx)).encode())
         if self.cfg.algorithm.dynamic_sampling:
-            m["rollout/dynamic_sampling_attempts"] = len(gen.rounds)
-            m["rollout/dynamic_sampling_filled_groups"] = gen.filled_groups
+            m[Rollout.DYNAMIC_SAMPLING_ATTEMPTS] = len(gen.rounds)
+            m[Rollout.DYNAMIC_SAMPLING_FILLED_GROUPS] = gen.filled_groups
         if gen.rounds:  # the fully asynchronous mode's stream gives its own (offstep.pipeline.stream)
-            m["timing_s/gen"] = gen_s
-            m["perf/gen_tokens_per_s"] = float(batch.response_mask.sum()) / max(gen_s, 1e-9)
+            m[Timing.GEN] = gen_s
+            m[Perf.GEN_TOKENS_PER_S] = float(batch.response_mask.sum()) / max(gen_s, 1e-9)
         if ref_s:
-            m["timing_s/ref_rollout"] = ref_s
+            m[Timing.REF_ROLLOUT] = ref_s
         ready = Prepared(batch, m)
         if not trainer_first and not needs_old_logprobs(self.cfg, len(batch)):
             ready.stored = self.advantages_and_put(batch, m)  # nothing needed from the trainer
-        self.timeline.add("driver", "prepare", step, t0, time.time())
+        self.timeline.add(Role.DRIVER, Stage.PREPARE, step, t0, time.time())
         return ready
 
     def advantages_and_put(self, batch: TrainBatch, m: dict) -> ray.ObjectRef:
@@ -88,7 +89,7 @@ class BatchPreparer:
             batch.old_logprobs = batch.rollout_logprobs
         t0 = time.time()
         m.update(compute_advantages(batch, algo, self.kl_ctrl, self.cfg.rollout.max_new_tokens))
-        m["timing_s/adv"] = time.time() - t0
+        m[Timing.ADV] = time.time() - t0
         return ray.put(batch)  # one copy in the object store, read by every rank
 
     def _log_samples(self, step: int, gen: Generated) -> None:

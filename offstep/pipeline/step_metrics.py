@@ -8,22 +8,23 @@ import torch
 
 from offstep.batch import GenTiming, Sample, TrainBatch
 from offstep.telemetry.metrics import Timeline
+from offstep.telemetry.names import ResponseLength, Reward, Rollout, Stage, replica
 
 
 def record_generation(timeline: Timeline, results: list[tuple[list[Sample], GenTiming]], step: int,
-                      stage: str = "gen") -> tuple[list[Sample], float, float]:
+                      stage: str = Stage.GEN) -> tuple[list[Sample], float, float]:
     """Every replica's samples, in replica order, and the seconds of the slowest replica's
     generation and of its reference pass; the replicas' stages go on the timeline."""
     samples, gen_s, ref_s = [], 0.0, 0.0
     for i, (part, t) in enumerate(results):
         samples.extend(part)
-        timeline.add(f"rollout/{i}", stage, step, t.gen.start, t.gen.end, version=t.gen.version)
+        timeline.add(replica(i), stage, step, t.gen.start, t.gen.end, version=t.gen.version)
         gen_s = max(gen_s, t.gen.seconds)
         if t.ref is not None:
-            timeline.add(f"rollout/{i}", "ref", step, t.ref.start, t.ref.end)
+            timeline.add(replica(i), Stage.REF, step, t.ref.start, t.ref.end)
             ref_s = max(ref_s, t.ref.seconds)
         for span in t.tools:  # tools running (some sample's), inside the generation
-            timeline.add(f"rollout/{i}", "tool", step, span.start, span.end)
+            timeline.add(replica(i), Stage.TOOL, step, span.start, span.end)
     return samples, gen_s, ref_s
 
 
@@ -58,15 +59,15 @@ def batch_metrics(step: int, epoch: int, samples: list[Sample], batch: TrainBatc
     return {
         "step": step,
         "epoch": epoch,
-        "rollout/staleness_max": int(staleness.max()),
-        "rollout/staleness_mean": float(staleness.float().mean()),
-        "rollout/version_min": int(batch.versions.min()),
-        "reward/mean": float(batch.scores.mean()),
-        "reward/max": float(batch.scores.max()),
-        "reward/min": float(batch.scores.min()),
-        "response_length/mean": float(lengths.mean()),
-        "response_length/max": float(lengths.max()),
-        "response_length/clip_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        Rollout.STALENESS_MAX: int(staleness.max()),
+        Rollout.STALENESS_MEAN: float(staleness.float().mean()),
+        Rollout.VERSION_MIN: int(batch.versions.min()),
+        Reward.MEAN: float(batch.scores.mean()),
+        Reward.MAX: float(batch.scores.max()),
+        Reward.MIN: float(batch.scores.min()),
+        ResponseLength.MEAN: float(lengths.mean()),
+        ResponseLength.MAX: float(lengths.max()),
+        ResponseLength.CLIP_RATIO: sum(s.finish_reason == "length" for s in samples) / len(samples),
         **agent_metrics(samples),
     }
 

@@ -38,11 +38,12 @@ from offstep.pipeline.batching import Generated
 from offstep.pipeline.fleet import gen_seed, split
 from offstep.pipeline.inputs import to_request
 from offstep.rollout.stream import GroupWork, SampleState
+from offstep.telemetry.names import ResponseLength, Rollout, Stage, Timing, replica
 
 POLL_S = 0.5  # how long one take waits on a replica for a finished group
 # The stream's figures of when groups finished (how many wait, how many generate, the lengths of those
 # finished since the last step): like wall-clock times, they differ between two runs of one config.
-WHEN_FINISHED = ("rollout/queue_depth", "rollout/in_flight_groups", "rollout/length_bias", "response_length/generated_mean")
+WHEN_FINISHED = (Rollout.QUEUE_DEPTH, Rollout.IN_FLIGHT_GROUPS, Rollout.LENGTH_BIAS, ResponseLength.GENERATED_MEAN)
 
 
 def must_take(waiting: list, version: int, k: int, B: int) -> int:
@@ -199,20 +200,20 @@ class SampleStream:
         for r in range(self.R):  # each replica's generation of this batch's groups, on the timeline
             mine = [a for a in chosen if a.replica == r]
             if mine:
-                self.timeline.add(f"rollout/{r}", "gen", step, min(a.finished.start for a in mine),
+                self.timeline.add(replica(r), Stage.GEN, step, min(a.finished.start for a in mine),
                                   max(a.finished.end for a in mine), version=min(a.version for a in mine))
         gen_s = max(a.finished.end for a in chosen) - min(a.finished.start for a in chosen)
         return {
-            "rollout/version_span_max": max(spans),
-            "rollout/partial_samples": sum(n > 1 for n in spans),
-            "rollout/queue_depth": sum(a.finished is not None for a in self.groups.values()),
-            "rollout/in_flight_groups": sum(a.finished is None for a in self.groups.values()),
-            "rollout/dropped_stale": 0,  # admission holds back instead (see the module's docstring)
+            Rollout.VERSION_SPAN_MAX: max(spans),
+            Rollout.PARTIAL_SAMPLES: sum(n > 1 for n in spans),
+            Rollout.QUEUE_DEPTH: sum(a.finished is not None for a in self.groups.values()),
+            Rollout.IN_FLIGHT_GROUPS: sum(a.finished is None for a in self.groups.values()),
+            Rollout.DROPPED_STALE: 0,  # admission holds back instead (see the module's docstring)
             # mean trained length over mean generated length, minus 1: 0 when the batch is not biased
             # towards short (negative) or long (positive) samples
-            "rollout/length_bias": (sum(trained) / len(trained)) / max(mean_gen, 1e-9) - 1.0,
-            "response_length/generated_mean": mean_gen,
-            "timing_s/gen": gen_s,
+            Rollout.LENGTH_BIAS: (sum(trained) / len(trained)) / max(mean_gen, 1e-9) - 1.0,
+            ResponseLength.GENERATED_MEAN: mean_gen,
+            Timing.GEN: gen_s,
         }
 
     # ---------------------------------------------------------------- checkpoints
@@ -265,7 +266,7 @@ class SampleStream:
         return {"admitted": self.admitted, "drawn": list(self.drawn), "epoch": self.epoch, "groups": groups}
 
     def _restore(self, saved: dict) -> None:
-        from offstep.pipeline.checkpoints import decode_stream_groups
+        from offstep.pipeline.trainer_state import decode_stream_groups
         from offstep.rollout.stream import FinishedGroup
 
         self.admitted, self.drawn, self.epoch = saved["admitted"], list(saved["drawn"]), saved["epoch"]

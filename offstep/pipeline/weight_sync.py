@@ -32,6 +32,7 @@ from offstep.batch import Span
 from offstep.config.schema import PipelineConfig
 from offstep.pipeline.workers import Workers
 from offstep.sync.digest import Loaded, WeightDigest, check_load
+from offstep.train.actor import ActorWorker
 
 
 @dataclass
@@ -68,7 +69,7 @@ class WeightSync:
         self.queued: SyncCall | None = None
         # What every digest covers: the rollout side's manifest, given to the actor once.
         self.specs = ray.get(workers.rollout[0].weight_sync_manifest.remote())
-        ray.get(workers.actor.submit("set_sync_manifest", self.specs))
+        ray.get(workers.actor.submit(ActorWorker.set_sync_manifest, self.specs))
         self.sent: WeightDigest | None = None  # the digest of the last version sent
         self.held: list[WeightDigest | None] = [None] * len(workers.rollout)  # each replica's last load
         self._checked: asyncio.Future | None = None  # the last sync's check (they run in step order)
@@ -93,8 +94,8 @@ class WeightSync:
             # Receives first: each queues behind its replica's generation in flight. Actor rank 0
             # posts its broadcasts and returns (with NCCL it waits for every receiver).
             loads = [r.receive_weights.remote(version) for r in w.rollout]
-            return SyncCall(version, w.actor.submit("send_weights", version), loads)
-        return SyncCall(version, w.actor.submit("export_weights"), None)
+            return SyncCall(version, w.actor.submit(ActorWorker.send_weights, version), loads)
+        return SyncCall(version, w.actor.submit(ActorWorker.export_weights), None)
 
     def queue(self, version: int) -> None:
         """Queue the export of ``version`` behind the actor update just submitted."""
@@ -146,7 +147,7 @@ class WeightSync:
         async with self.lock:
             if self.members is not None:
                 await self._rebuild()
-            ref, sent = await self.workers.actor.run("export_weights")
+            ref, sent = await self.workers.actor.run(ActorWorker.export_weights)
             loaded: Loaded = await self.workers.rollout[replica].load_weights.remote(ref, self.version)
             check_load(replica, self.version, sent, loaded.digest, None, None)
             self.held[replica] = loaded.digest

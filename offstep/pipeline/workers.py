@@ -24,9 +24,11 @@ from offstep.models.loading import cache_dir
 from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.pools import Pool, Rendezvous, RoleGroup
 from offstep.rollout.worker import RefSpec, RolloutWorker
+from offstep.telemetry.names import Role, replica
 from offstep.telemetry.progress import LiveStatus
 from offstep.train.actor import ActorWorker
 from offstep.train.critic import CriticWorker
+from offstep.train.fsdp import RoleWorker
 from offstep.train.ref import RefWorker
 
 log = logging.getLogger(__name__)
@@ -36,8 +38,8 @@ log = logging.getLogger(__name__)
 class Workers:
     """Handles to every worker of a run. ``rollout[i]`` is replica i; ``make_rollout(i)`` starts
     a fresh replica i (the fleet replaces a dead one with it). ``ref`` is the group whose
-    ``ref_method`` gives the reference log-probs on the trainer pool: the reference role, or
-    with LoRA the actor itself (its model with the adapters off)."""
+    ``ref_method`` gives the reference log-probs on the trainer pool: the reference role's, or
+    with LoRA the actor's own (its model with the adapters off)."""
 
     actor: RoleGroup
     rollout: list
@@ -49,7 +51,7 @@ class Workers:
     owns_ray: bool = False  # this run started Ray, so it stops it
     host: str | None = None  # the address the run's own stores listen on (None: each node's address)
     rendezvous: Rendezvous | None = None  # the store the trainer roles' process groups meet at
-    ref_method: str = "compute_logprobs"
+    ref_method: Callable = RefWorker.compute_logprobs
     rollout_pool: Pool | None = None  # the pool the replicas' bundles belong to (replica i: bundle i % bundles)
 
     @property
@@ -103,7 +105,7 @@ class Workers:
     def close(self) -> None:
         for g in self.groups:
             try:
-                ray.get(g.submit("shutdown"), timeout=30)
+                ray.get(g.submit(RoleWorker.shutdown), timeout=30)
             except Exception:  # a dead or hung worker: it is killed below
                 pass
         self.live.close()
@@ -122,7 +124,8 @@ def node_of(_worker) -> str:
     return f"node {ray.get_runtime_context().get_node_id()[:8]} ({ray.util.get_node_ip_address()})"
 
 
-_ROLES = {"ActorWorker": "actor", "RefWorker": "ref", "CriticWorker": "critic", "RolloutWorker": "rollout replica"}
+_ROLES = {ActorWorker.__name__: Role.ACTOR, RefWorker.__name__: Role.REF, CriticWorker.__name__: Role.CRITIC,
+          RolloutWorker.__name__: "rollout replica"}
 
 
 def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
@@ -142,7 +145,7 @@ def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
         exit_detail = re.search(r"Worker exit type: (.*?)(?: Some common causes|$)", text, re.S)
         cause = lines[0] + (f" (worker exit type: {exit_detail.group(1).strip()})" if exit_detail else "")
     worker_class = re.search(r"class_name: (\w+)|ray::(\w+)\.", text)
-    role = getattr(e, "role", None) or _ROLES.get(worker_class and (worker_class.group(1) or worker_class.group(2)), "trainer")
+    role = getattr(e, "role", None) or _ROLES.get(worker_class and (worker_class.group(1) or worker_class.group(2)), Role.TRAINER)
     return role, cause, init_failed or hasattr(e, "role")
 
 
@@ -239,9 +242,9 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
         console.log(f"offstep: {listen_summary(ray.util.get_node_ip_address())}")
     colocate = cfg.pipeline.colocate and k == 0
     live = LiveStatus.create(console)
-    trainer_pool = Pool.create("trainer", res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker,
+    trainer_pool = Pool.create(Role.TRAINER, res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker,
                                res.custom_resources_per_trainer_worker, "resources.custom_resources_per_trainer_worker")
-    rollout_pool = None if colocate else Pool.create("rollout", ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica,
+    rollout_pool = None if colocate else Pool.create(Role.ROLLOUT, ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica,
                                                      ro.custom_resources_per_replica, "rollout.custom_resources_per_replica")
     ref_on_trainer = cfg.algorithm.needs_reference and not cfg.pipeline.ref_on_rollout
     lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
@@ -259,12 +262,12 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     micro, budget = cfg.actor.micro_batch_size, cfg.actor.micro_token_budget
     host = None if cfg.resources.ray_address else "127.0.0.1"  # a local run listens on loopback only
     rendezvous = Rendezvous(host or ray.util.get_node_ip_address())
-    actor = RoleGroup.create("actor", ActorWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.actor,
-                             cfg.algorithm, temperature, live.client("trainer"))
-    ref = (RoleGroup.create("ref", RefWorker, trainer_pool, share, env, rendezvous, seed, *model, temperature, micro, budget)
+    actor = RoleGroup.create(Role.ACTOR, ActorWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.actor,
+                             cfg.algorithm, temperature, live.client(Role.TRAINER))
+    ref = (RoleGroup.create(Role.REF, RefWorker, trainer_pool, share, env, rendezvous, seed, *model, temperature, micro, budget)
            if ref_role else actor if ref_on_trainer else None)
     critic = (
-        RoleGroup.create("critic", CriticWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.critic,
+        RoleGroup.create(Role.CRITIC, CriticWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.critic,
                          cfg.algorithm, micro, cfg.actor.mini_batch_size, budget)
         if use_critic else None
     )
@@ -281,12 +284,12 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
             actor_classes[cls] = ray.remote(cls)
         return actor_classes[cls].options(**opts).remote(
             inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
-            ro.max_batch_size, ref_spec, live.client(f"rollout/{i}"), ro.engine, cfg.trainer.seed, lora, inputs.agent,
+            ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent,
         )
 
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,
                       [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
-                      "compute_logprobs" if ref_role else "compute_ref_logprobs", rollout_pool=pool)
+                      RefWorker.compute_logprobs if ref_role else ActorWorker.compute_ref_logprobs, rollout_pool=pool)
     try:
         workers.ready()
         if cfg.resources.ray_address:  # on a cluster, say which node each worker landed on

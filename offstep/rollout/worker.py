@@ -28,6 +28,7 @@ from offstep.rollout.types import Completion, SamplingParams
 from offstep.sync.collective import TensorSpec, WeightReceiver
 from offstep.sync.digest import Loaded
 from offstep.sync.weights import unpack_state_dict
+from offstep.telemetry.names import Stage
 from offstep.telemetry.progress import ProgressClient
 
 
@@ -131,7 +132,7 @@ class RolloutWorker:
             futures[id(c)] = self.pool.submit(score, c)
             self.progress.advance()
 
-        self.progress.start("gen", total=len(requests) * params.n, version=version)
+        self.progress.start(Stage.GEN, total=len(requests) * params.n, version=version)
         completions = self.engine.generate([r.prompt_ids for r in requests], params, seed, on_finish=on_finish)
         samples = []
         for c in completions:
@@ -204,7 +205,7 @@ class RolloutWorker:
         and compute dtype), on this worker's share of the batch: of the frozen initial policy, or
         with LoRA of the engine's base (its adapters off).
         """
-        self.progress.start("ref")
+        self.progress.start(Stage.REF)
         ref, sequences = self.ref, [(s.prompt_ids, s.response_ids) for s in samples]
         if self.ref_model is not None:
             scored = sequence_logprobs(self.ref_model, sequences, self.pad_id, self.device, ref.temperature,
@@ -225,7 +226,7 @@ class RolloutWorker:
         def score(r: Request, text: str):
             return self.reward(r.data_source, text, r.ground_truth, r.extra_info)
 
-        self.progress.start("gen", total=0, version=self.engine.version)
+        self.progress.start(Stage.GEN, total=0, version=self.engine.version)
         self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, score, self.pool,
                                     self._tok, self.progress.advance)
 
@@ -245,7 +246,7 @@ class RolloutWorker:
 
     def load_weights(self, packed: dict, version: int) -> Loaded:
         t0 = time.time()
-        self.progress.start("load_weights", version=version)
+        self.progress.start(Stage.LOAD_WEIGHTS, version=version)
         tensors = unpack_state_dict(packed)
         if getattr(self, "_stream", None) is not None:  # between two decode steps of the running engine
             self._stream.load(lambda: self._apply(tensors, version))
@@ -292,7 +293,7 @@ class RolloutWorker:
         if receiver is None:
             raise RuntimeError("receive_weights: this rollout worker has not joined the weight-sync group "
                                "(offstep.sync.collective.connect; a replaced worker needs a new group)")
-        self.progress.start("load_weights", version=version)
+        self.progress.start(Stage.LOAD_WEIGHTS, version=version)
         t0 = receiver.receive(version)
         if receiver.model is None:
             self._apply(receiver.tensors(), version)

@@ -27,22 +27,24 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from offstep.telemetry.names import Actor, Perf, ResponseLength, Reward, Rollout, Timing, Val
+
 # The compact per-step line: (metric key, label, format).
 _LINE = (
-    ("reward/mean", "reward", "{:.3f}"),
-    ("val/acc", "val_acc", "{:.3f}"),
-    ("response_length/mean", "len", "{:.1f}"),
-    ("actor/pg_loss", "pg", "{:+.4f}"),
-    ("actor/kl", "kl", "{:.4f}"),
-    ("actor/entropy", "ent", "{:.3f}"),
-    ("rollout/staleness_max", "stale", "{:.0f}"),
-    ("timing_s/gen", "gen", "{:.1f}s"),
-    ("timing_s/wait_gen", "wait", "{:.1f}s"),
-    ("timing_s/update_actor", "upd", "{:.1f}s"),
-    ("timing_s/sync_weights", "sync", "{:.2f}s"),
-    ("timing_s/step", "step", "{:.1f}s"),
-    ("perf/tokens_per_s", "tok/s", "{:.0f}"),
-    ("perf/samples_per_s", "smp/s", "{:.2f}"),
+    (Reward.MEAN, "reward", "{:.3f}"),
+    (Val.ACC, "val_acc", "{:.3f}"),
+    (ResponseLength.MEAN, "len", "{:.1f}"),
+    (Actor.PG_LOSS, "pg", "{:+.4f}"),
+    (Actor.KL, "kl", "{:.4f}"),
+    (Actor.ENTROPY, "ent", "{:.3f}"),
+    (Rollout.STALENESS_MAX, "stale", "{:.0f}"),
+    (Timing.GEN, "gen", "{:.1f}s"),
+    (Timing.WAIT_GEN, "wait", "{:.1f}s"),
+    (Timing.UPDATE_ACTOR, "upd", "{:.1f}s"),
+    (Timing.SYNC_WEIGHTS, "sync", "{:.2f}s"),
+    (Timing.STEP, "step", "{:.1f}s"),
+    (Perf.TOKENS_PER_S, "tok/s", "{:.0f}"),
+    (Perf.SAMPLES_PER_S, "smp/s", "{:.2f}"),
 )
 
 # C0 controls except newline and tab, DEL, and C1 controls (ESC starts every ANSI sequence).
@@ -154,8 +156,8 @@ class ConsoleProgress:
                 self.log(f"status | {info} | elapsed {format_duration(now - self._t0)} | eta {format_duration(self.eta())}")
 
     def step(self, metrics: dict) -> None:
-        if metrics["step"] >= 1 and metrics.get("timing_s/step") is not None:
-            self.step_times.append(float(metrics["timing_s/step"]))
+        if metrics["step"] >= 1 and metrics.get(Timing.STEP) is not None:
+            self.step_times.append(float(metrics[Timing.STEP]))
         self.done = max(self.done, int(metrics["step"]))
         eta = self.eta() if 0 < self.done < self.total else None
         self.log(step_line(metrics, eta))

@@ -26,6 +26,8 @@ import time
 
 import ray
 
+from offstep.telemetry.names import Role, replica_index
+
 
 class ProgressHub:
     """The latest progress record of each role. A plain (one call at a time) actor: every call
@@ -100,10 +102,11 @@ def mini_batch_count(n: int, mini: int, epochs: int = 1) -> int:
 
 def _role_key(role: str) -> tuple:
     # trainer first, then rollout replicas by index, then anything else by name
-    if role == "trainer":
+    if role == Role.TRAINER:
         return (0, 0, role)
-    if role.startswith("rollout/") and role[8:].isdigit():
-        return (1, int(role[8:]), role)
+    i = replica_index(role)
+    if i is not None:
+        return (1, i, role)
     return (2, 0, role)
 
 

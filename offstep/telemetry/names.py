@@ -1,0 +1,180 @@
+"""The names a run's records use, defined once: the metric keys of ``metrics.jsonl``, the roles
+(lanes) and stages of ``timeline.jsonl`` and of the live status line.
+
+The controller writes them, the console, the live status line and ``offstep report`` read them,
+and the tests check them; all import them from here. They are plain strings, so the records are
+the same JSON whoever writes them, and each metric group is a class named after its prefix
+(``Timing.STEP`` is ``"timing_s/step"``). Names made from a pattern (a replica's lane, a worker's
+metric, a data source's validation metric) have a function here. No torch, no Ray: any module
+above ``offstep.telemetry`` in the layers may import it.
+"""
+
+from __future__ import annotations
+
+
+class Role:
+    """Who runs a stage: the lanes of the timeline and the status line (``TRAINER``, ``DRIVER``,
+    :func:`replica`), and the trainer roles, whose names are also their checkpoint folders."""
+
+    TRAINER = "trainer"  # the trainer pool, one lane for all its roles; also the pool's name
+    DRIVER = "driver"  # the controller's own work on a batch
+    ROLLOUT = "rollout"  # the rollout pool; replica i's lane is replica(i)
+    ACTOR = "actor"
+    REF = "ref"
+    CRITIC = "critic"
+
+
+def replica(i: int) -> str:
+    """Replica ``i``'s lane: ``rollout/0``, ``rollout/1``, ..."""
+    return f"{Role.ROLLOUT}/{i}"
+
+
+def replica_index(role: str) -> int | None:
+    """``i`` for replica i's lane (``rollout/3`` -> 3), None for any other role."""
+    head, _, tail = role.partition("/")
+    return int(tail) if head == Role.ROLLOUT and tail.isdigit() else None
+
+
+class Stage:
+    """The stages of the timeline and of the status line."""
+
+    # a rollout replica's
+    GEN = "gen"
+    GEN_MORE = "gen_more"  # dynamic sampling's further rounds
+    VAL = "val"
+    REF = "ref"  # also the trainer's reference pass
+    TOOL = "tool"  # tools running, inside a generation
+    LOAD_WEIGHTS = "load_weights"
+    # the trainer's
+    WAIT_GEN = "wait_gen"
+    VALUES = "values"
+    OLD_LOGPROBS = "old_logprobs"
+    UPDATE_CRITIC = "update_critic"
+    UPDATE_ACTOR = "update_actor"
+    SYNC = "sync"
+    SYNC_EXPORT = "sync_export"
+    CHECKPOINT = "checkpoint"
+    # the driver's
+    PREPARE = "prepare"
+
+
+# ---------------------------------------------------------------- metrics.jsonl, by group
+
+class Timing:
+    """``timing_s/``: seconds of a step and of its stages."""
+
+    STEP = "timing_s/step"
+    GEN = "timing_s/gen"
+    WAIT_GEN = "timing_s/wait_gen"
+    REF = "timing_s/ref"
+    REF_ROLLOUT = "timing_s/ref_rollout"
+    VALUES = "timing_s/values"
+    OLD_LOGPROBS = "timing_s/old_logprobs"
+    ADV = "timing_s/adv"
+    UPDATE_CRITIC = "timing_s/update_critic"
+    UPDATE_ACTOR = "timing_s/update_actor"
+    SYNC_WEIGHTS = "timing_s/sync_weights"
+    SYNC_VERIFY = "timing_s/sync_verify"
+
+
+class Perf:
+    """``perf/``: throughput."""
+
+    TOKENS_PER_S = "perf/tokens_per_s"
+    SAMPLES_PER_S = "perf/samples_per_s"
+    GEN_TOKENS_PER_S = "perf/gen_tokens_per_s"
+
+
+class Reward:
+    """``reward/``: the batch's scores and the terms added to them."""
+
+    MEAN = "reward/mean"
+    MAX = "reward/max"
+    MIN = "reward/min"
+    OVERLONG_PENALTY = "reward/overlong_penalty"
+    KL_PENALTY = "reward/kl_penalty"
+    KL_COEF = "reward/kl_coef"
+    GREEDY_BASELINE = "reward/greedy_baseline"
+
+
+class Rollout:
+    """``rollout/``: how off-policy the batch is, and the state of its generation."""
+
+    STALENESS_MAX = "rollout/staleness_max"
+    STALENESS_MEAN = "rollout/staleness_mean"
+    VERSION_MIN = "rollout/version_min"
+    VERSION_SPAN_MAX = "rollout/version_span_max"
+    PARTIAL_SAMPLES = "rollout/partial_samples"
+    QUEUE_DEPTH = "rollout/queue_depth"
+    IN_FLIGHT_GROUPS = "rollout/in_flight_groups"
+    DROPPED_STALE = "rollout/dropped_stale"
+    LENGTH_BIAS = "rollout/length_bias"
+    DYNAMIC_SAMPLING_ATTEMPTS = "rollout/dynamic_sampling_attempts"
+    DYNAMIC_SAMPLING_FILLED_GROUPS = "rollout/dynamic_sampling_filled_groups"
+
+
+class ResponseLength:
+    """``response_length/``: tokens per response (tool turns included)."""
+
+    MEAN = "response_length/mean"
+    MAX = "response_length/max"
+    CLIP_RATIO = "response_length/clip_ratio"
+    GENERATED_MEAN = "response_length/generated_mean"
+
+
+class Adv:
+    """``adv/``: the advantages over the batch's response tokens."""
+
+    MEAN = "adv/mean"
+    ABS_MEAN = "adv/abs_mean"
+    MAX = "adv/max"
+    MIN = "adv/min"
+
+
+class Actor:
+    """``actor/``: the actor's update, :func:`actor` of each key it returns; those read by name."""
+
+    PG_LOSS = "actor/pg_loss"
+    KL = "actor/kl"
+    ENTROPY = "actor/entropy"
+    GRAD_NORM = "actor/grad_norm"
+    MISMATCH_KL_K1 = "actor/mismatch_kl_k1"
+    IS_WEIGHT_MEAN = "actor/is_weight_mean"
+    FROZEN = "actor/frozen"  # the critic's warm-up holds the actor
+
+
+def actor(key: str) -> str:
+    """The record's name of a metric the actor's update returns (``pg_loss`` -> ``actor/pg_loss``)."""
+    return f"{Role.ACTOR}/{key}"
+
+
+def critic(key: str) -> str:
+    """The record's name of a metric the critic's update returns (``vf_loss`` -> ``critic/vf_loss``)."""
+    return f"{Role.CRITIC}/{key}"
+
+
+class Sync:
+    """``sync/``: how the step's weights reached the replicas."""
+
+    VERIFIED = "sync/verified"
+    COLLECTIVE = "sync/collective"
+
+
+class Val:
+    """``val/``: validation (``offstep eval`` writes the same names without the prefix)."""
+
+    PREFIX = "val/"
+    ACC = "val/acc"
+    POLICY_VERSION = "val/policy_version"
+
+
+def per_source(prefix: str, source: str, name: str) -> str:
+    """A data source's own validation metric: ``per_source("val/", "gsm8k", "acc")`` is
+    ``val/gsm8k/acc``."""
+    return f"{prefix}{source}/{name}"
+
+
+class Data:
+    """``data/``: which prompts a step trained on."""
+
+    PROMPTS_CRC32 = "data/prompts_crc32"

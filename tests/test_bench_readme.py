@@ -1,0 +1,71 @@
+"""benchmarks/README.md is written by code: every section sits between the markers of a section that
+benchmarks/readme.py registers, each section's script writes it, and the stored results give the
+committed page exactly (a hand edit fails here; `python benchmarks/readme.py` rewrites the page)."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import readme  # noqa: E402
+
+
+def test_every_heading_is_inside_the_markers_of_its_registered_section():
+    text = readme.README.read_text(encoding="utf-8")
+    spans = {}
+    for s in readme.SECTIONS:
+        assert text.count(s.begin) == 1 and text.count(s.end) == 1, f"{s.name}: markers missing or repeated"
+        start, end = text.index(s.begin), text.index(s.end)
+        assert start < end
+        spans[s.name] = (start, end, s.title)
+    order = sorted(spans, key=lambda n: spans[n][0])
+    assert order == [s.name for s in readme.SECTIONS], "sections out of the registry's order"
+    for m in re.finditer(r"^## (.+)$", text, re.M):
+        inside = [n for n, (a, b, _) in spans.items() if a < m.start() < b]
+        assert inside, f"'## {m.group(1)}' is outside every registered section's markers"
+        assert spans[inside[0]][2] == m.group(1), f"'## {m.group(1)}' sits in section {inside[0]}"
+
+
+def test_every_section_is_written_by_its_script():
+    for s in readme.SECTIONS:
+        script = BENCH / s.script
+        assert script.exists(), f"{s.name}: {s.script} does not exist"
+        assert f'refresh("{s.name}"' in script.read_text(encoding="utf-8"), f"{s.script} never writes {s.name}"
+        assert s.results and all(r.startswith("results") for r in s.results)
+        number = re.search(r"(?<![\w.-])\d+(?:\.\d+)?(?![\w-])", s.about)  # a figure, not AVX-512 or bf16
+        assert not number, f"{s.name}: the fixed description quotes a number ({number.group(0) if number else ''})"
+
+
+def test_the_stored_results_give_the_committed_page():
+    assert readme.README.read_text(encoding="utf-8") == readme.page(), (
+        "benchmarks/README.md differs from what the stored results give: run `python benchmarks/readme.py` "
+        "(sections are written by the benchmark scripts, not by hand)")
+
+
+def test_write_section_replaces_in_place_and_inserts_in_registry_order(tmp_path):
+    page = tmp_path / "README.md"
+    first, middle, last = readme.SECTIONS[0], readme.SECTIONS[1], readme.SECTIONS[2]
+    page.write_text("intro\n")
+    readme.write_section(last.name, f"{last.begin}\nC\n{last.end}", page)
+    readme.write_section(first.name, f"{first.begin}\nA\n{first.end}", page)
+    readme.write_section(middle.name, f"{middle.begin}\nB\n{middle.end}", page)
+    readme.write_section(middle.name, f"{middle.begin}\nB2\n{middle.end}", page)
+    text = page.read_text()
+    assert text.startswith("intro\n")
+    assert [line for line in text.splitlines() if line in {"A", "B", "B2", "C"}] == ["A", "B2", "C"]
+    assert text.count(middle.begin) == 1
+
+
+def test_a_results_file_records_command_cpu_and_date():
+    text = "# t\n\nCommand: `python benchmarks/x.py --n 2`. CPU: AVX2. Date: 2026-12-05.\n\n| a |\n| --- |\n| 1 |\n"
+    assert readme.recorded_command(text) == "`python benchmarks/x.py --n 2`"
+    assert readme.recorded_cpu(text) == "AVX2" and readme.recorded_dates(text) == "2026-12-05"
+    assert readme.recorded_cpu("Machine: x86_64 (AVX2, no AVX-512 BF16)") == "AVX2"
+    assert readme.recorded_cpu("Machine: x86_64 (AVX-512 BF16)") == "AVX-512 BF16"
+    assert readme.recorded_cpu("Machine: AMD EPYC") == readme.NOT_RECORDED == readme.recorded_dates("no date")
+    assert readme.blocks("# t\n\ncaption\n\n| a |\n| --- |\n| 1 |\n\n## sub\n\nsecond\n\n| b |\n|---|\n") == [
+        ("caption", "| a |\n| --- |\n| 1 |"), ("**sub**\n\nsecond", "| b |\n|---|")]
