@@ -352,15 +352,30 @@ def test_grpo_passk_hand():
     assert adv[:, 0].tolist() == [0.0, 0.0, 0.0]  # groups {0.2, 0.2} (tie) and {0.9} (single)
 
 
-def test_reinforce_pp_baseline_single_response_group_is_not_zero():
-    # groups {1, 0} and {5}: centred scores 0.5, -0.5 and 0 (the single response), on lengths 2, 1, 1
-    # -> tokens 0.5, 0.5 | -0.5 | 0: mean 0.5 / 4 = 0.125; deviations 0.375, 0.375, -0.625, -0.125;
-    # unbiased var (0.140625 * 2 + 0.390625 + 0.015625) / 3 = 0.6875 / 3 = 0.229167
-    # -> the single response ends at (0 - 0.125) / 0.478714 = -0.26112, not at 0
+def test_reinforce_pp_baseline_single_response_group_keeps_its_score():
+    # groups {1, 0} and {5}: centred scores 0.5, -0.5; the single response keeps its raw 5 (baseline
+    # 0, as verl), on lengths 2, 1, 1 -> tokens 0.5, 0.5 | -0.5 | 5: mean 5.5 / 4 = 1.375;
+    # deviations -0.875, -0.875, -1.875, 3.625; unbiased var
+    # (0.765625 * 2 + 3.515625 + 13.140625) / 3 = 18.1875 / 3 = 6.0625, sigma 2.462214
+    # -> the single response ends at 3.625 / 2.462214 = 1.47225
     scores = torch.tensor([1.0, 0.0, 5.0], dtype=F64)
     groups = torch.tensor([0, 0, 1])
     mask = length_mask([2, 1, 1], 2)
     adv, _ = reinforce_pp_baseline_advantage(scores, groups, mask)
-    sigma = math.sqrt(0.6875 / 3 + 1e-8)
-    assert adv[2, 0].item() == pytest.approx(-0.125 / sigma) and adv[2, 0].item() == pytest.approx(-0.26112, abs=1e-5)
-    assert adv[0, 0].item() == pytest.approx(0.375 / sigma)
+    sigma = math.sqrt(18.1875 / 3 + 1e-8)
+    assert adv[2, 0].item() == pytest.approx(3.625 / sigma) and adv[2, 0].item() == pytest.approx(1.47225, abs=1e-5)
+    assert adv[0, 0].item() == pytest.approx(-0.875 / sigma)
+
+
+def test_reinforce_pp_baseline_matches_verl_on_a_one_response_group():
+    # the case of issue 27, checked against verl: groups [a, a, b], scores [1, 0, 1], one token each.
+    # Group a: mean 0.5 -> 0.5, -0.5; group b (one response): its raw score 1.
+    # Values 0.5, -0.5, 1: mean 1 / 3; deviations 1/6, -5/6, 2/3; unbiased var
+    # (1/36 + 25/36 + 16/36) / 2 = 7/12, sigma 0.763763
+    # -> 0.166667 / 0.763763 = 0.2182, -0.833333 / 0.763763 = -1.0911, 0.666667 / 0.763763 = 0.8729
+    scores = torch.tensor([1.0, 0.0, 1.0], dtype=F64)
+    adv, ret = reinforce_pp_baseline_advantage(scores, torch.tensor([0, 0, 1]), torch.ones(3, 1, dtype=F64))
+    assert adv[:, 0].tolist() == pytest.approx([0.2182, -1.0911, 0.8729], abs=1e-4)
+    sigma = math.sqrt(7 / 12 + 1e-8)
+    assert adv[:, 0].tolist() == pytest.approx([(1 / 6) / sigma, (-5 / 6) / sigma, (2 / 3) / sigma])
+    assert torch.equal(adv, ret)

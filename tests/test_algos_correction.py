@@ -41,13 +41,14 @@ def test_token_level_hand():
 def test_sequence_level_hand():
     # seq 0: ratios 2 * 0.75 = 1.5 over its 2 valid tokens (3rd is padding) -> w = 1.5
     # seq 1: ratios 2 * 2 * 1 = 4 -> capped at 2
-    # per-sequence metrics: mean (1.5 + 2) / 2 = 1.75, max 2, truncated 1 of 2
+    # mean over the 5 valid tokens, as verl's rollout_is_mean: (1.5 * 2 + 2 * 3) / 5 = 1.8 (the mean
+    # over sequences would be 1.75); per-sequence max 2, truncated 1 of 2
     ratios = torch.tensor([[2.0, 0.75, 1000.0], [2.0, 2.0, 1.0]], dtype=F64)
     rollout = torch.full((2, 3), -1.0, dtype=F64)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]], dtype=F64)
     w, m = truncated_importance_weights(rollout + ratios.log(), rollout, mask, level="sequence")
     torch.testing.assert_close(w, torch.tensor([[1.5, 1.5, 0.0], [2.0, 2.0, 2.0]], dtype=F64))
-    assert m["is_weight_mean"].item() == pytest.approx(1.75)
+    assert m["is_weight_mean"].item() == pytest.approx(1.8)
     assert m["is_weight_max"].item() == pytest.approx(2.0)
     assert m["is_truncated_frac"].item() == pytest.approx(0.5)
 

@@ -40,8 +40,8 @@
 All return ``(advantages, returns)``, zero on padding. ``group_ids`` are any integers; responses
 with equal ids share a prompt. A group of one response has no baseline to compare with:
 GRPO, RLOO, OPO, GPG and GRPO pass@k give it advantage 0 (verl gives GRPO's ``r / (1 + eps)``
-and OPO's ``r``), and REINFORCE++-baseline centres it to 0 before the batch whitening, after
-which it is ``(0 - mu) / sigma`` of the batch. ``offstep.config.validate`` asks for
+and OPO's ``r``), and REINFORCE++-baseline keeps its raw score before the batch whitening (as
+verl), after which it is ``(r - mu) / sigma`` of the batch. ``offstep.config.validate`` asks for
 ``rollout.n >= 2`` for all of them.
 """
 
@@ -208,11 +208,13 @@ def reinforce_pp_baseline_advantage(
     scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++-baseline: ``score - group mean`` on every valid token, then whitened over every
-    valid token of the batch. A group of one response is centred to 0 before whitening, so it ends
-    at ``(0 - mu) / sigma`` of the batch, not at 0. Returns ``(advantages, advantages)``."""
+    valid token of the batch. A group of one response keeps its raw score before the whitening (its
+    baseline is 0, as in verl), so it ends at ``(score - mu) / sigma`` of the batch. Returns
+    ``(advantages, advantages)``."""
     scores = _float(scores)
-    inverse, _, _, mean = _groups(scores, group_ids)
-    centered = _broadcast(scores - mean[inverse], response_mask)
+    inverse, counts, _, mean = _groups(scores, group_ids)
+    baseline = torch.where(counts[inverse] > 1, mean[inverse], torch.zeros_like(scores))
+    centered = _broadcast(scores - baseline, response_mask)
     adv = masked_whiten(centered, response_mask)
     return adv, adv.clone()
 

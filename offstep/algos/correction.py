@@ -64,10 +64,11 @@ def truncated_importance_weights(
 
     Metrics (detached scalars): ``mismatch_kl_k1`` = masked mean of ``rollout - old`` and
     ``mismatch_kl_k3`` = masked mean of ``exp(d) - d - 1`` with ``d = old - rollout``, both
-    estimates of KL(rollout || trainer) per token; ``is_weight_mean`` / ``is_weight_max`` of the
-    returned weights and ``is_truncated_frac``, the fraction whose untruncated weight exceeds
-    ``cap``, all taken over valid tokens (token level) or over sequences with at least one valid
-    token (sequence level).
+    estimates of KL(rollout || trainer) per token; ``is_weight_mean``, the mean of the returned
+    weights over valid tokens at both levels (verl's ``rollout_is_mean``: a long response weighs
+    more at sequence level); ``is_weight_max`` and ``is_truncated_frac``, the fraction whose
+    untruncated weight exceeds ``cap``, over valid tokens (token level) or over sequences with at
+    least one valid token (sequence level).
     """
     valid = response_mask.bool()
     zero = torch.zeros((), dtype=old_logprob.dtype, device=old_logprob.device)
@@ -83,16 +84,18 @@ def truncated_importance_weights(
     weights = torch.where(unit_mask, raw if cap is None else raw.clamp(max=cap), zero)
     truncated = (units > math.log(cap)) if cap is not None else torch.zeros_like(unit_mask)
 
+    max_weight = weights.max() if weights.numel() else zero  # weights >= 0, 0 on padding
+    truncated_frac = masked_mean(truncated.to(weights.dtype), unit_mask)
+    if level == "sequence":
+        weights = torch.where(valid, weights[:, None], zero)
     k1, k3 = mismatch_kl_terms(old_logprob, rollout_logprob, response_mask)
     metrics = {
         "mismatch_kl_k1": masked_mean(k1, valid),
         "mismatch_kl_k3": masked_mean(k3, valid),
-        "is_weight_mean": masked_mean(weights, unit_mask),
-        "is_weight_max": weights.max() if weights.numel() else zero,  # weights >= 0, 0 on padding
-        "is_truncated_frac": masked_mean(truncated.to(weights.dtype), unit_mask),
+        "is_weight_mean": masked_mean(weights, valid),  # over tokens at both levels, as verl's rollout_is_mean
+        "is_weight_max": max_weight,
+        "is_truncated_frac": truncated_frac,
     }
-    if level == "sequence":
-        weights = torch.where(valid, weights[:, None], zero)
     return weights, metrics
 
 

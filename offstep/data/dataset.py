@@ -362,34 +362,41 @@ def check_rule_ground_truths(records: list[PromptRecord], path: str, keys: dict 
     with: they read the ground truth as one string or number, so a list, a dict, a bool or a missing
     value would score every response 0 without an error. (A custom reward function may take any
     data_source and ground truth.)"""
-    from offstep.rewards.registry import BUILTIN_SCORERS
+    from offstep.rewards.sources import DICT_TRUTH_SOURCES, builtin_names, builtin_scorer
 
     custom = (f"score with your own function: {keys['reward_path']}=FILE.py defining compute_score(data_source, "
               "solution_str, ground_truth, extra_info=None)")
-    unnamed = [r for r in records if r.data_source_missing and r.data_source not in BUILTIN_SCORERS]
+    unnamed = [r for r in records if r.data_source_missing and builtin_scorer(r.data_source) is None]
     if unnamed:
         first = unnamed[0]
         raise DatasetError(
             f"{path}: row {first.index} has no data_source ({len(unnamed)} of {len(records)} rows have none), and "
             f"the built-in scorers are picked by it (offstep would use the file's name {first.data_source!r}, "
-            f"for which there is none). Fix: set data_source in every row to one of {sorted(BUILTIN_SCORERS)}, "
+            f"for which there is none). Fix: set data_source in every row to one of {builtin_names()}, "
             f"or {custom}."
         )
 
-    def usable(truth: Any) -> bool:
+    def usable(truth: Any, source: str) -> bool:
+        if source in DICT_TRUTH_SOURCES:  # Search-R1: {"target": an answer or a list of answers}
+            target = truth.get("target") if isinstance(truth, dict) else None
+            return isinstance(target, str) or (isinstance(target, list) and all(isinstance(t, str) for t in target))
         if isinstance(truth, bool) or not isinstance(truth, (str, int, float)):
             return False
         return not (isinstance(truth, float) and not math.isfinite(truth))
 
-    bad = [r for r in records if not usable(r.ground_truth)]
+    bad = [r for r in records if not usable(r.ground_truth, r.data_source)]
     if bad:
         first = bad[0]
         what = "missing" if first.ground_truth is None else f"a {type(first.ground_truth).__name__} {_short(first.ground_truth)}"
+        if first.data_source in DICT_TRUTH_SOURCES:
+            shape, example = "a dict {'target': [answers]}", "{'target': ['Paris']}"
+        else:
+            shape, example = "one string or number", '"42"'
         raise DatasetError(
             f"{path}: row {first.index}: the ground truth is {what} ({len(bad)} of {len(records)} rows have no "
-            f"string or number ground truth); the built-in scorer for data source {first.data_source!r} compares "
-            "the response with one string or number, so every reward would be 0. Fix: store the ground truth "
-            f"as a string or number (e.g. \"42\"), or {custom}."
+            f"usable ground truth); the built-in scorer for data source {first.data_source!r} compares "
+            f"the response with {shape}, so every reward would be 0. Fix: store the ground truth "
+            f"as {shape} (e.g. {example}), or {custom}."
         )
 
 

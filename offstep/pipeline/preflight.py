@@ -9,6 +9,8 @@ the packages it needs, this machine's cores and GPUs, the model folder, a Ray cl
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 import socket
 from pathlib import Path
@@ -148,6 +150,42 @@ def _check_model(cfg: Config, e: list[str]) -> None:
         e.append(str(err))
 
 
+def read_data_sources(path: str) -> set[str]:
+    """The ``data_source`` values a dataset file names (rows without one are left to data
+    preparation, which says what it does with them): of a parquet file its one column only, so
+    that this is cheap. Raises ValueError (or OSError) for a file it cannot read."""
+    if Path(path).suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        if "data_source" not in pq.read_schema(path).names:
+            return set()
+        values = pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist()
+    else:
+        text = Path(path).read_text(encoding="utf-8")
+        rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        values = [row.get("data_source") if isinstance(row, dict) else None for row in rows]
+    return {str(v) for v in values if not (v is None or v == "" or (isinstance(v, float) and math.isnan(v)))}
+
+
+def _check_data_sources(cfg: Config, e: list[str]) -> None:
+    """Every ``data_source`` of the data files has a scorer (a built-in one, or the custom
+    ``reward.custom_path``), so that a dataset nothing can score is refused before any worker
+    starts, by ``offstep train --cfg`` and by training alike."""
+    from offstep.rewards.sources import unscored_sources
+
+    d = cfg.data
+    if cfg.reward.custom_path:
+        return
+    for f in dict.fromkeys([*d.train_files, *d.val_files]):
+        if not Path(f).is_file():
+            continue  # reported above
+        try:
+            sources = read_data_sources(f)
+        except Exception:  # noqa: BLE001 - an unreadable file is reported by data preparation, with its fix
+            continue
+        e.extend(f"{f}: {problem}" for problem in unscored_sources(sources))
+
+
 def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None) -> list[str]:
     """What stops ``cfg`` from running here: missing files and folders, packages, cores or GPUs, and
     the model. ``cpu_count`` / ``gpu_count``: this machine's, unless given."""
@@ -174,6 +212,7 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
     for f in [*d.train_files, *d.val_files]:
         _need(Path(f).is_file(), f"data file {f!r} (data.train_files / data.val_files) does not exist; give the "
               f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
+    _check_data_sources(cfg, e)
     _check_model(cfg, e)
     return e
 

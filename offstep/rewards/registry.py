@@ -25,48 +25,14 @@ import threading
 from typing import Any, Callable, Iterable
 
 from offstep.errors import RewardConfigError, RewardError
-from offstep.rewards.scorers import gsm8k_score, last_number_score, plain_answer_score
+from offstep.rewards.sources import BUILTIN_SCORERS, builtin_scorer, unscored_sources
+
+__all__ = ["BUILTIN_SCORERS", "RewardFunction", "load_custom_scorer", "call_with_timeout", "CallTimeout"]
 
 Scorer = Callable[..., Any]
 SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
 
 log = logging.getLogger(__name__)
-
-
-# --------------------------------------------------------------------------------------------------
-# built-in scorers
-
-
-def _gsm8k(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    return gsm8k_score(solution_str, ground_truth, **kwargs)
-
-
-def _last_number(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    return last_number_score(solution_str, ground_truth)
-
-
-CALCULATOR_CALL = "<calculator>"  # the call the calculator task's system prompt teaches (rollout.agent.format=tag)
-
-
-def _plain_final_answer(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:
-    """The calculator task: the last number of the model's final turn, when the loop ended because
-    the model answered (a tool's answer before it, or a call holding the number, does not count)."""
-    info = extra_info or {}
-    ended_by = info.get("ended_by")
-    final = info.get("final_text") if ended_by is not None else solution_str
-    return plain_answer_score(final if isinstance(final, str) else "", ground_truth, ended_by, CALCULATOR_CALL)
-
-
-_gsm8k.__qualname__ = _gsm8k.__name__ = "gsm8k_strict"
-_last_number.__qualname__ = _last_number.__name__ = "last_number"
-_plain_final_answer.__qualname__ = _plain_final_answer.__name__ = "plain_final_answer"
-
-BUILTIN_SCORERS: dict[str, Scorer] = {
-    "openai/gsm8k": _gsm8k,
-    "gsm8k": _gsm8k,
-    "arithmetic": _last_number,
-    "calculator": _plain_final_answer,
-}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -307,7 +273,7 @@ class RewardFunction:
         """The scorer used for ``data_source``; raises RewardConfigError if there is none."""
         if self.custom_path:
             return self._custom()
-        fn = BUILTIN_SCORERS.get(data_source)
+        fn = builtin_scorer(data_source)
         if fn is None:
             self.check_sources([data_source])
         return fn
@@ -326,14 +292,9 @@ class RewardFunction:
         if self.custom_path:
             self._custom()
             return
-        unknown = sorted({str(s) for s in data_sources if s not in BUILTIN_SCORERS})
-        if unknown:
-            raise RewardConfigError(
-                f"no reward scorer for data source(s) {unknown}; built-in scorers exist for "
-                f"{sorted(BUILTIN_SCORERS)}. Fix: set {self.path_key}=/path/to/scorer.py "
-                f"{self.name_key}=compute_score (a function compute_score(data_source, "
-                "solution_str, ground_truth, extra_info=None)), or relabel the data_source column."
-            )
+        problems = unscored_sources(data_sources, None, self.path_key, self.name_key)
+        if problems:
+            raise RewardConfigError("; ".join(problems) + ".")
 
     def check_call(self, data_source: str, ground_truth: Any, extra_info: dict | None = None, timeout_s: float = 10.0) -> None:
         """Call the scorer once on a real sample with an empty response, as the rollout workers

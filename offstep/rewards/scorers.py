@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 
 SOLUTION_CLIP_CHARS = 300
 
@@ -113,3 +114,30 @@ def plain_answer_score(final_turn: str, ground_truth, ended_by: str | None, call
         answered = ended_by == "answer"
     return last_number_score(final_turn, ground_truth) if answered else 0.0
 
+
+
+def qa_normalize(text: str) -> str:
+    """SQuAD's answer normalisation (Rajpurkar et al. 2016): lower case, punctuation and the
+    articles a/an/the removed, whitespace collapsed."""
+    text = "".join(c for c in text.lower() if c not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+def search_r1_em_score(solution_str: str, ground_truth, format_score: float = 0.0, score: float = 1.0) -> float:
+    """verl's Search-R1 exact match (Jin et al. 2025, arXiv:2503.09516): the last
+    ``<answer>...</answer>`` against ``ground_truth["target"]`` (one string or a list), both
+    ``qa_normalize`` d. No answer: 0; a wrong one: ``format_score``; a right one ``score``, a
+    quarter of it when the response has more than 10 opening or closing answer tags."""
+    found = _ANSWER_TAG.findall(solution_str)
+    if not found:
+        return 0.0
+    targets = ground_truth["target"] if isinstance(ground_truth, dict) else ground_truth
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    answer = qa_normalize(found[-1].strip())
+    if not any(qa_normalize(str(t)) == answer for t in targets):
+        return float(format_score)
+    spam = solution_str.count("<answer>") > 10 or solution_str.count("</answer>") > 10
+    return float(score) / 4 if spam else float(score)
