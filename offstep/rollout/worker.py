@@ -226,7 +226,7 @@ class RolloutWorker:
         def score(r: Request, text: str):
             return self.reward(r.data_source, text, r.ground_truth, r.extra_info)
 
-        self.progress.start(Stage.GEN, total=0, version=self.engine.version)
+        self._generating_again()
         self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, score, self.pool,
                                     self._tok, self.progress.advance)
 
@@ -239,7 +239,12 @@ class RolloutWorker:
         out = self._stream.take(wait_s)
         if out and self.ref is not None:  # on the engine's thread, between two decode steps: one core
             self._stream.between_steps(lambda: self._attach_ref_logprobs([s for g in out for s in g.samples]))
+            self._generating_again()
         return out
+
+    def _generating_again(self) -> None:
+        """The live status after a reference pass or a load inside a stream: the engine generates."""
+        self.progress.start(Stage.GEN, total=0, version=self.engine.version)
 
     def stream_suspend(self) -> list:
         return self._stream.suspend()
@@ -250,6 +255,7 @@ class RolloutWorker:
         tensors = unpack_state_dict(packed)
         if getattr(self, "_stream", None) is not None:  # between two decode steps of the running engine
             self._stream.load(lambda: self._apply(tensors, version))
+            self._generating_again()
         else:
             self._apply(tensors, version)
         return self._loaded(t0, version)
