@@ -342,7 +342,7 @@ class TrainerConfig:
     seed: int = 0
     """seed of the run: the built-in task's problems, the prompt order, sampling, the critic's head"""
     val_freq: int = 0
-    """validate every N steps (0: only before and after training)"""
+    """validate every N steps and after the last (0: only before and after training; -1: never, not even after training, as verl's test_freq <= 0)"""
     val_before_train: bool = True
     """validate once before the first step"""
     device: str = "auto"

@@ -222,7 +222,7 @@ class Controller:
                 export, loads = await self.sync.finish(self.version, update_end)
                 self.timeline.add(Role.TRAINER, Stage.SYNC_EXPORT, step, export.start, export.end)
             val = None
-            if step == N or (cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0):
+            if cfg.trainer.val_freq >= 0 and (step == N or (cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0)):
                 # Batch mode: queued now, behind the load on every replica. fully_async: a replica
                 # serves calls at once, so the validation starts once the loads are checked.
                 val = self._start_validation if self.samples is not None else self._start_validation()
