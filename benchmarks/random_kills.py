@@ -15,8 +15,8 @@ the next round starts in a fresh folder). The kinds of moment (``KINDS``):
                proportion to the steps after the checkpoint it resumes from), from its first new
                timeline line
 ``partial``    uniform over the reference's checkpoint write, from when a new ``.partial`` appears
-``pause``      inside a checkpoint write on purpose: the driver pauses there (the test hook
-               ``OFFSTEP_TEST_PAUSE``, ``offstep/pipeline/faults.py``) at a drawn point and step
+``pause``      inside a checkpoint write on purpose: the driver pauses there (started through the
+               launcher ``tests/kill_points.py``) at a drawn point and step
 ``early``      as soon as the run's first new step record is on disk (in a fresh folder: before
                the first checkpoint, so the restart cannot resume and starts afresh)
 
@@ -57,7 +57,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from offstep.pipeline.faults import ENV as PAUSE_ENV, POINTS  # noqa: E402
+from offstep.pipeline.checkpoints import PHASES as POINTS  # noqa: E402
 from offstep.pipeline.stream import WHEN_FINISHED  # noqa: E402
 from readme import cpu_kind, refresh  # noqa: E402
 
@@ -220,8 +220,12 @@ class Kill:
         return not self.problems and not self.leftovers
 
 
-def _spawn(args: list[str], env: dict, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "offstep.cli", "train", *args], cwd=ROOT, start_new_session=True,
+KILL_POINTS = ROOT / "tests" / "kill_points.py"  # offstep with the driver held at a checkpoint phase
+
+
+def _spawn(args: list[str], env: dict, log: Path, pause: str | None = None) -> subprocess.Popen:
+    entry = [str(KILL_POINTS), pause] if pause else ["-m", "offstep.cli"]
+    return subprocess.Popen([sys.executable, *entry, "train", *args], cwd=ROOT, start_new_session=True,
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -294,15 +298,12 @@ class Attempt:
 
     def __init__(self, args: list[str], run: Path, log: Path, pause: str | None = None):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
-        env.pop(PAUSE_ENV, None)
-        if pause:
-            env[PAUSE_ENV] = pause
         self.run, self.log = run, log
         self.partials0 = _partials(run)
         self.timeline0 = _lines(run / "timeline.jsonl")
         self.checkpoints0 = _checkpoints(run)
         self.t0 = time.time()
-        self.proc = _spawn(args, env, log)
+        self.proc = _spawn(args, env, log, pause)
 
     def _until(self, ready, timeout: float) -> bool:
         t0 = time.time()
@@ -534,7 +535,7 @@ CPU and date of each configuration's run: {'; '.join(f"{n}: {r.get('cpu', 'not r
 
 Compared: every field of every metrics record except these wall-clock ones: {', '.join(f'`{k}`' for k in excluded)};
 every timeline event's role, stage, step and other fields except `start`/`end`; every sample row
-in full. Kills paused inside a checkpoint write on purpose (`OFFSTEP_TEST_PAUSE`), by point:
+in full. Kills paused inside a checkpoint write on purpose (`tests/kill_points.py`), by point:
 {', '.join(f'{p} {n}' for p, n in sorted(points.items()))}. "Slowest exit": the longest a kill's Ray workers took to end
 on their own once the driver's process group was gone (they are in their own process groups).
 

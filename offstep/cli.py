@@ -2,6 +2,7 @@
 
     offstep train [key=value ...]     train (Hydra overrides over the typed config; preset=tiny)
     offstep train --cfg [overrides]   print the resolved config and exit
+    offstep train --cfg --gpus N ...  the same, checked as if N GPUs were visible on each node
     offstep report RUN_DIR [RUN_DIR]  plots and summary.md of one run, or several compared
     offstep eval MODEL --data FILE    accuracy and reward per data source of a model folder, alias or run
     offstep export RUN_DIR --out DIR  the policy of a run checkpoint as a Hugging Face model folder
@@ -26,6 +27,41 @@ def _unwrap(e: BaseException) -> BaseException:
     return e
 
 
+def _gpus_flag(argv: list[str], show: bool) -> tuple[int | None, list[str]]:
+    """``--gpus N`` (or ``--gpus=N``) and the arguments without it; ValueError naming the fix."""
+    rest, gpus, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--gpus" or arg.startswith("--gpus="):
+            value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
+            i += 1 if "=" in arg else 2
+            if not value.isdigit():
+                raise ValueError(f"--gpus {value!r}: give the GPUs of each node as a whole number, e.g. --gpus 8")
+            gpus = int(value)
+            continue
+        rest.append(arg)
+        i += 1
+    if gpus is not None and not show:
+        raise ValueError(f"--gpus {gpus} only checks a config (offstep train --cfg --gpus {gpus} ...): a run uses the "
+                         f"GPUs it finds. Fix: add --cfg, or drop --gpus")
+    return gpus, rest
+
+
+def _visible_gpus(gpus: int | None):
+    """Within it, the config is resolved and checked as if ``gpus`` GPUs were on each node."""
+    from contextlib import nullcontext
+
+    from offstep.config.machine import simulated_gpus
+
+    return nullcontext() if gpus is None else simulated_gpus(gpus)
+
+
+def _nodes(overrides: list[str]) -> int:
+    from offstep.config.verl.layout import nodes_of
+
+    return nodes_of(overrides)
+
+
 def _train(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         from offstep.config.help import print_help
@@ -33,14 +69,23 @@ def _train(argv: list[str]) -> int:
         return print_help(argv)
     from offstep.config.loader import load_config, to_yaml
     from offstep.errors import ConfigError
-    from offstep.pipeline.preflight import check_ray_address, validate
+    from offstep.pipeline.preflight import check_ray_address, simulated_notes, validate
 
     show = "--cfg" in argv
+    try:
+        gpus, argv = _gpus_flag(argv, show)
+    except ValueError as e:
+        print(f"offstep: {e}", file=sys.stderr)
+        return 2
     overrides = [a for a in argv if a != "--cfg"]
     try:
-        errors: list[str] = []  # verl's refusals, reported with offstep's own checks in one pass
-        cfg = load_config(overrides, errors=errors)
-        validate(cfg, earlier=errors)
+        with _visible_gpus(gpus):
+            errors: list[str] = []  # verl's refusals, reported with offstep's own checks in one pass
+            cfg = load_config(overrides, errors=errors)
+            validate(cfg, gpu_count=None if gpus is None else gpus * _nodes(overrides), earlier=errors)
+            said = simulated_notes(cfg)
+        if said:
+            print("offstep: " + "\n  ".join(said), file=sys.stderr)
         if not show:
             check_ray_address(cfg.resources.ray_address)  # seconds, not the minutes of data preparation
     except ConfigError as e:

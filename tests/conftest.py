@@ -39,7 +39,10 @@ def pad(x, k, fill):
 needs_vllm = pytest.mark.vllm
 # Pipeline tests that hold for every rollout engine take ``engine`` from this list.
 ENGINES = ["builtin", pytest.param("vllm", marks=needs_vllm)]
-# The same, where the vLLM case is a ``slow`` test (more than ~30 s: a vLLM engine starts in about a
+# The engines themselves, built inside pytest's process (``tests/test_engine_contract.py``): the
+# vLLM case is also ``own_process``, so that scripts/test.sh runs it in a pytest process of its own.
+ENGINES_IN_PROCESS = ["builtin", pytest.param("vllm", marks=[needs_vllm, pytest.mark.own_process])]
+# The same as ENGINES, where the vLLM case is a ``slow`` test (more than ~30 s: a vLLM engine starts in about a
 # minute on 2 cores) and the built-in one is not.
 ENGINES_SLOW_VLLM = ["builtin", pytest.param("vllm", marks=[needs_vllm, pytest.mark.slow])]
 
@@ -147,6 +150,16 @@ def assert_implements(obj, protocol) -> None:
                 assert q.default is not q.empty, f"{where}: {p.name!r} has no default, {protocol.__name__} gives one"
         extra = [q.name for q in fixed[len(want):] if q.default is q.empty]
         assert not extra, f"{where} needs parameters {extra} that {protocol.__name__}'s callers do not pass"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The built-in tiny random Llama: ``(path, tokenizer, model, eos ids)``, loaded once per module."""
+    from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+
+    path = resolve_model("tiny")
+    tok = load_tokenizer(path)
+    return path, tok, load_causal_lm(path), eos_token_ids(tok, path)
 
 
 @pytest.fixture(scope="session")

@@ -99,6 +99,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "MAX_RESP_LEN=12 EPOCHS=1 PATH=.venv/bin:$PATH bash from-verl.sh preset=tiny":
         ("test", "tests/test_verl_migration.py::test_page_command_runs_on_the_tiny_model"),
     "python scripts/verl_keys_table.py": ("test", "tests/test_verl_compat.py::test_docs_page_holds_the_table_and_one_command"),
+    # docs/from-verl.md and docs/clusters-and-gpus.md: a GPU script checked here
+    "offstep train --cfg --gpus N ...": ("test", "tests/test_verl_layout.py::test_gpus_flag_checks_a_gpu_script_here"),
     # docs/fully-async.md
     "offstep train pipeline.mode=fully_async": CFG,
     "offstep train pipeline.mode=fully_async pipeline.max_staleness=4 rollout.partial=recompute": CFG,

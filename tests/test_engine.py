@@ -1,5 +1,6 @@
 """The built-in PyTorch rollout engine (offstep.rollout.engine and its runners, offstep.rollout.sampling)
-on the tiny random model."""
+on the tiny random model: what is its own (continuous batching, the runners, the sampler). What every
+engine does is ``test_engine_contract.py``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import os
 
 import pytest
 import torch
-from conftest import assert_implements
 
 from offstep.models.loading import (
     eos_token_ids,
@@ -15,7 +15,7 @@ from offstep.models.loading import (
     load_tokenizer,
     resolve_model,
 )
-from offstep.rollout.engine import RolloutEngine, TorchEngine
+from offstep.rollout.engine import TorchEngine
 from offstep.rollout.sampling import sample_tokens
 from offstep.rollout.types import Completion, SamplingParams
 
@@ -82,33 +82,6 @@ def _key(cs):
 # ------------------------------------------------------------------ basics
 
 
-def test_protocol_and_order(engine, prompts):
-    # Every method of the interface, with a signature its callers can use (isinstance against the
-    # Protocol only checks that the names exist).
-    assert_implements(engine, RolloutEngine)
-    assert engine.version == 0
-    out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=8), seed=1)
-    assert [c.prompt_index for c in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
-    for c in out:
-        assert isinstance(c, Completion)
-        assert len(c.response_ids) == len(c.logprobs) <= 8
-        assert all(lp <= 0 for lp in c.logprobs)
-        assert c.text == engine.tokenizer.decode(c.response_ids, skip_special_tokens=True)
-
-
-@pytest.mark.heavy
-def test_same_seed_same_output_different_seed_differs(engine, prompts):
-    p = SamplingParams(n=4, temperature=1.0, max_new_tokens=16)
-    a = engine.generate(prompts, p, seed=123)
-    b = engine.generate(prompts, p, seed=123)
-    c = engine.generate(prompts, p, seed=124)
-    assert _key(a) == _key(b)
-    assert [x.logprobs for x in a] == [x.logprobs for x in b]
-    assert _key(a) != _key(c)
-    # The n samples of one prompt differ from each other.
-    assert len({tuple(x.response_ids) for x in a[:4]}) > 1
-
-
 @pytest.mark.heavy
 @pytest.mark.parametrize("runner", ["slots", "hf"])
 def test_sub_batching_does_not_change_samples(tiny, prompts, runner):
@@ -154,31 +127,6 @@ def test_long_generation_grows_the_cache(tiny, prompts):
     for c in out:
         assert len(c.response_ids) == 300 and c.finish_reason == "length"
         ref = _teacher_forced_logprobs(model, prompts[c.prompt_index], c.response_ids, 1.0)
-        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
-
-
-@pytest.mark.heavy
-@pytest.mark.parametrize("top_k,top_p", [(5, 1.0), (0, 0.8), (20, 0.6)])
-def test_logprobs_with_top_k_top_p(engine, model, prompts, top_k, top_p):
-    from transformers.generation.logits_process import (
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    t = 0.8
-    out = engine.generate(
-        prompts, SamplingParams(n=2, temperature=t, top_k=top_k, top_p=top_p, max_new_tokens=12), seed=3
-    )
-    for c in out:
-        prompt, resp = prompts[c.prompt_index], c.response_ids
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + resp])).logits[0, len(prompt) - 1 : -1] / t
-        if top_k:
-            logits = TopKLogitsWarper(top_k)(None, logits)
-        if top_p < 1:
-            logits = TopPLogitsWarper(top_p)(None, logits)
-        ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(resp)[:, None]).squeeze(-1)
-        assert torch.isfinite(ref).all()  # every sampled token is inside the filtered support
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
 
 
@@ -245,25 +193,7 @@ def test_greedy_alone_equals_inside_padded_batch(engine, prompts):
         assert batch[i].response_ids == single.response_ids
 
 
-def test_top_k_1_equals_greedy(engine, prompts):
-    greedy = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=16), seed=0)
-    topk1 = engine.generate(prompts, SamplingParams(n=2, temperature=1.3, top_k=1, max_new_tokens=16), seed=9)
-    assert [c.response_ids for c in topk1] == [g.response_ids for g in greedy for _ in range(2)]
-    assert all(lp == 0.0 for c in topk1 for lp in c.logprobs)  # a point mass after top-k=1
-
-
 # ------------------------------------------------------------------ stopping
-
-
-def test_max_new_tokens_gives_length(engine, prompts):
-    out = engine.generate(prompts, SamplingParams(n=2, max_new_tokens=5), seed=0)
-    # The random tiny model may emit EOS early: such a sample stops there, with EOS kept last.
-    for c in out:
-        assert (c.finish_reason, len(c.response_ids)) == ("length", 5) or (
-            c.finish_reason == "stop" and len(c.response_ids) <= 5 and c.response_ids[-1] in engine.eos_ids), c
-    assert sum(c.finish_reason == "length" for c in out) >= len(out) // 2
-    empty = engine.generate(prompts[:1], SamplingParams(n=2, max_new_tokens=0), seed=0)
-    assert [(c.response_ids, c.finish_reason, c.text) for c in empty] == [([], "length", "")] * 2
 
 
 def test_eos_stops_and_is_kept(tiny, prompts):
@@ -399,7 +329,7 @@ def test_freed_slot_is_refilled_at_the_next_step(tiny, prompts):
 def test_shared_prompt_prefix_is_prefilled_once(tiny):
     # Prompts that share a system message: the common prefix is prefilled once, each prompt only
     # prefills the rest, and the samples are those of an engine that prefills every prompt whole.
-    from offstep.rollout.engine import _shared_prefix
+    from offstep.rollout.schedule import shared_prefix
 
     _, tok, model, eos = tiny
     system = "You are a helpful assistant. Answer the question step by step."
@@ -408,7 +338,7 @@ def test_shared_prompt_prefix_is_prefilled_once(tiny):
                                     tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
         for q in QUESTIONS
     ]
-    shared = _shared_prefix(prompts)
+    shared = shared_prefix(prompts)
     assert shared >= TorchEngine.min_shared_prefix
     p = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
     whole = TorchEngine(model, tok, eos)
@@ -430,12 +360,12 @@ def test_shared_prompt_prefix_is_prefilled_once(tiny):
 
 
 def test_shared_prefix_length():
-    from offstep.rollout.engine import _shared_prefix
+    from offstep.rollout.schedule import shared_prefix
 
-    assert _shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
-    assert _shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # each prompt keeps one token of its own
-    assert _shared_prefix([[7], [7, 8]]) == 0
-    assert _shared_prefix([[1, 2], [3, 2]]) == 0
+    assert shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # each prompt keeps one token of its own
+    assert shared_prefix([[7], [7, 8]]) == 0
+    assert shared_prefix([[1, 2], [3, 2]]) == 0
 
 
 def test_runner_mixed_step_matches_model_forward(model):
@@ -590,29 +520,3 @@ def test_runner_reads_weights_a_collective_receiver_repointed(tiny, prompts, kin
     assert set(views) == {flat["float32"].untyped_storage().data_ptr()}  # still the receiver's buffer
 
 
-def test_load_weights_errors(tiny):
-    path, tok, _, eos = tiny
-    model = load_causal_lm(path)
-    engine = TorchEngine(model, tok, eos)
-    sd = {k: v.clone() for k, v in model.state_dict().items()}
-    missing = {k: v for k, v in sd.items() if k != "model.norm.weight"}
-    with pytest.raises(KeyError, match="model.norm.weight"):
-        engine.load_weights(missing, version=1)
-    with pytest.raises(KeyError, match="bogus.weight"):
-        engine.load_weights({**sd, "bogus.weight": torch.zeros(1)}, version=1)
-    with pytest.raises(ValueError, match="shape mismatch"):
-        engine.load_weights({**sd, "model.norm.weight": torch.zeros(3)}, version=1)
-    assert engine.version == 0
-    engine.reset_cache()
-
-
-def test_bad_inputs(engine, prompts):
-    with pytest.raises(ValueError, match="empty"):
-        engine.generate([[]], SamplingParams(), seed=0)
-    with pytest.raises(ValueError, match="vocabulary"):
-        engine.generate([[10**6]], SamplingParams(), seed=0)
-    with pytest.raises(ValueError, match="top_p"):
-        engine.generate(prompts, SamplingParams(top_p=0.0), seed=0)
-    with pytest.raises(ValueError, match="temperature"):
-        engine.generate(prompts, SamplingParams(temperature=-1.0), seed=0)
-    assert engine.generate([], SamplingParams(), seed=0) == []

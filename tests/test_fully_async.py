@@ -71,7 +71,10 @@ def test_a_resume_trains_every_stored_group_once(tmp_path, ray_session):
     state = json.loads((again / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     stored = state["stream_groups"]
     B = cfg.data.train_batch_size
-    assert stored["admitted"] == 4 * B and [g["g"] for g in stored["groups"]] == list(range(2 * B, 4 * B))
+    # every group admitted (the bound at version 1 allows all 4 batches) and not yet trained: which
+    # 2B of the 4B were trained first depends on which finished first (earliest deadline, then any)
+    kept = [g["g"] for g in stored["groups"]]
+    assert stored["admitted"] == 4 * B and len(set(kept)) == len(kept) == 2 * B and set(kept) <= set(range(4 * B)), kept
     for g in stored["groups"]:
         states = g["states"] or []
         assert all(len(s["tokens"]) == len(s["logprobs"]) == len(s["versions"]) for s in states)

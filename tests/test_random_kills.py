@@ -80,16 +80,18 @@ def test_records_of_a_killed_run_may_stop_short_but_not_repeat(tmp_path, referen
     assert any("step 1 lacks" in p for p in rk.check_records(rk.Records.read(tmp_path / "lost"), reference, final=False))
 
 
-def test_the_pause_hook_holds_the_named_point_only(tmp_path):
-    from offstep.pipeline.faults import ENV, parse, pause_point
+def test_the_launcher_holds_the_named_phase_only(tmp_path):
+    import kill_points
+    from offstep.pipeline.checkpoints import phase, phase_observers
 
     marker = tmp_path / "paused"
-    os.environ.pop(ENV, None)
-    pause_point("state", 2)  # unset: returns at once
+    assert phase_observers == []  # a run has no observer
+    phase("state", 2)  # none: returns at once
     with pytest.raises(ValueError, match="must be one of"):
-        parse(f"nowhere:2:{marker}")
-    code = "from offstep.pipeline.faults import pause_point as p; p('state', 1); p('shards', 2); print('passed'); p('state', 2)"
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, ENV: f"state:2:{marker}"}, cwd=ROOT,
+        kill_points.parse(f"nowhere:2:{marker}")
+    code = (f"import kill_points; kill_points.arm('state:2:' + {str(marker)!r}); "
+            "from offstep.pipeline.checkpoints import phase as p; p('state', 1); p('shards', 2); print('passed'); p('state', 2)")
+    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         t0 = time.time()

@@ -1,7 +1,7 @@
 """Syncs that prove they arrived (issue 17): the weight digest (hand-worked), the check of a load
-against what was sent, and tiny runs where a dropped or corrupted load (injected through the
-``pipeline.sync_fault`` hook) stops the run at that step, naming the worker and the version,
-while a normal run logs ``sync/verified == 1`` at every step."""
+against what was sent, and tiny runs where a dropped or corrupted load (injected by a test-only
+rollout worker, ``tests/sync_faults.py``) stops the run at that step, naming the worker and the
+version, while a normal run logs ``sync/verified == 1`` at every step."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from offstep.sync.digest import SyncNotVerified, WeightDigest, check_load, digest, digest_of, tensor_sums
 from conftest import ENGINES
+from sync_faults import faulty_class, faulty_start
 
 MASK = (1 << 64) - 1
 
@@ -86,14 +87,14 @@ def test_check_load_names_worker_version_and_tensor():
 def test_worker_digest_reads_back_what_the_engine_holds(dtype):
     """A float32 export loaded into a (bfloat16) engine: the worker's digest equals the trainer's
     digest of what it sent (cast to the manifest), and it reads the engine, not the message: a
-    weight changed in the engine after the load changes it. The fault hooks: ``corrupt`` names
-    the changed tensor, ``drop`` leaves the previous load's digest."""
+    weight changed in the engine after the load changes it. The test's faulty worker
+    (``sync_faults.py``): ``corrupt`` names the changed tensor, ``drop`` leaves the previous load's
+    digest."""
     from offstep.models.loading import load_causal_lm
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RolloutWorker
     from offstep.sync.weights import pack_state_dict
 
-    worker = RolloutWorker("tiny", dtype, "cpu", 1, RewardFunction(), 1, 8)
+    worker = faulty_class("corrupt", 2)("tiny", dtype, "cpu", 1, RewardFunction(), 1, 8)
     specs = worker.weight_sync_manifest()
     actor = load_causal_lm("tiny", dtype=torch.float32)
 
@@ -111,13 +112,12 @@ def test_worker_digest_reads_back_what_the_engine_holds(dtype):
         worker.engine.model.get_parameter(specs[3].name).view(-1)[0] += 1
     assert worker._loaded(0.0, 1).digest.first_difference(sent) == specs[3].name
 
-    worker.sync_fault = ("corrupt", 2)
     packed, sent = update()
     assert worker.load_weights(packed, 2).digest.first_difference(sent) == specs[-1].name
-    worker.sync_fault = None
+    worker.fault = None
     before = worker.load_weights(packed, 2).digest  # loaded again without the fault: right again
     assert before == sent
-    worker.sync_fault = ("drop", 3)
+    worker.fault = ("drop", 3)
     packed3, sent3 = update()
     dropped = worker.load_weights(packed3, 3)
     assert worker.engine.version == 3 and dropped.digest == before != sent3
@@ -128,7 +128,7 @@ def test_worker_digest_reads_back_what_the_engine_holds(dtype):
 TWO_REPLICAS = ("rollout.replicas=2", "pipeline.max_staleness=0", "pipeline.colocate=true")
 
 
-def _run(tmp_path, *extra):
+def _run(tmp_path, *extra, start=None):
     from offstep.config.loader import load_config
     from offstep.pipeline.controller import train
     from offstep.telemetry.metrics import read_jsonl
@@ -137,7 +137,7 @@ def _run(tmp_path, *extra):
     cfg = load_config(["preset=tiny", "trainer.total_steps=3", f"trainer.output_dir={out}", "trainer.progress=off",
                        "trainer.val_before_train=false", *extra])
     try:
-        train(cfg)
+        train(cfg, start)
     finally:
         metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1] if (out / "metrics.jsonl").exists() else []
     return metrics, read_jsonl(out / "timeline.jsonl")
@@ -167,7 +167,7 @@ def test_a_dropped_or_corrupted_sync_stops_the_run_at_that_step(tmp_path, ray_se
     error naming replica 1 and version 2, before step 2's record (and before any batch generated
     with those weights is trained on): steps 1 is logged, verified; 2 and 3 are not."""
     with pytest.raises(SyncNotVerified, match=message):
-        _run(tmp_path, f"pipeline.weight_sync={transport}", *TWO_REPLICAS, f"pipeline.sync_fault={fault}:1:2")
+        _run(tmp_path, f"pipeline.weight_sync={transport}", *TWO_REPLICAS, start=faulty_start(fault, replica=1, version=2))
     from offstep.telemetry.metrics import read_jsonl
 
     metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if m["step"] >= 1]
@@ -181,15 +181,15 @@ def test_lora_adapter_syncs_are_verified_and_a_corrupted_one_is_caught(tmp_path,
     metrics, _ = _run(tmp_path / "ok", *lora, "pipeline.weight_sync=collective")
     assert [m["sync/verified"] for m in metrics] == [1.0, 1.0, 1.0]
     with pytest.raises(SyncNotVerified, match=r"version 3: rollout worker 0 holds weights that differ.*lora_"):
-        _run(tmp_path / "bad", *lora, "pipeline.sync_fault=corrupt:0:3")
+        _run(tmp_path / "bad", *lora, start=faulty_start("corrupt", replica=0, version=3))
 
 
-def test_malformed_sync_fault_is_refused():
+def test_no_fault_key_in_the_configuration():
+    """Faults are injected by the tests' own worker, not by a key of the user's configuration."""
     from offstep.config.loader import ConfigError, load_config
-    from offstep.pipeline.preflight import validate
 
-    with pytest.raises(ConfigError, match="pipeline.sync_fault"):
-        validate(load_config(["preset=tiny", "pipeline.sync_fault=drop:1"]), cpu_count=2, gpu_count=0)
+    with pytest.raises(ConfigError, match="unknown configuration key 'pipeline.sync_fault'"):
+        load_config(["preset=tiny", "pipeline.sync_fault=drop:1:2"])
 
 
 # ------------------------------------------------------------------ a replaced replica rejoins the group

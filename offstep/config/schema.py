@@ -337,18 +337,6 @@ class PipelineConfig:
     """collective: bytes per broadcast, in MB (a bucket may split a tensor)"""
     weight_sync_timeout_s: float = 1800.0
     """collective: how long a transfer may wait for the other end, e.g. the actor for a rollout worker still generating up to max_staleness batches"""
-    sync_fault: str = ""
-    """fault-injection hook for tests, never for runs: "drop:R:V" makes rollout replica R load the weights it already holds instead of version V (a silently dropped sync), "corrupt:R:V" changes one element of what it loads; the sync's digest check must stop the run"""
-
-    @property
-    def sync_fault_at(self) -> tuple[str, int, int] | None:
-        """``sync_fault`` as ``(kind, replica, version)``; None when empty. Raises ValueError if malformed."""
-        if not self.sync_fault:
-            return None
-        kind, replica, version = self.sync_fault.split(":")
-        if kind not in ("drop", "corrupt"):
-            raise ValueError(f"{kind!r} is not drop or corrupt")
-        return kind, int(replica), int(version)
 
 
 @dataclass
@@ -360,7 +348,7 @@ class TrainerConfig:
     seed: int = 0
     """seed of the run: the built-in task's problems, the prompt order, sampling, the critic's head"""
     val_freq: int = 0
-    """validate every N steps (0: only before and after training)"""
+    """validate every N steps and after the last (0: only before and after training; -1: never, not even after training, as verl's test_freq <= 0)"""
     val_before_train: bool = True
     """validate once before the first step"""
     device: str = "auto"

@@ -309,16 +309,13 @@ def problems(cfg: Config) -> list[str]:
                and cfg.resources.gpus_per_trainer_worker > 0),
           "pipeline.weight_sync=collective cannot use NCCL between an actor and a rollout worker colocated on "
           "one GPU (pipeline.colocate=true); use pipeline.weight_sync=object_store there", e)
-    try:
-        cfg.pipeline.sync_fault_at
-    except ValueError as exc:
-        e.append(f"pipeline.sync_fault={cfg.pipeline.sync_fault!r} is not '<drop|corrupt>:<replica>:<version>' ({exc})")
     _need(not (cfg.pipeline.colocate and k > 0), "pipeline.colocate=true needs pipeline.max_staleness=0: "
           "overlapping generation with training needs disjoint pools", e)
     _need(cfg.trainer.total_steps >= 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1", e)
     _need(cfg.trainer.seed >= 0, f"trainer.seed={cfg.trainer.seed} must be >= 0 (numpy's generators take no "
           f"negative seeds)", e)
-    _need(cfg.trainer.val_freq >= 0, f"trainer.val_freq={cfg.trainer.val_freq} must be >= 0 (0: before and after only)", e)
+    _need(cfg.trainer.val_freq >= -1, f"trainer.val_freq={cfg.trainer.val_freq} must be >= -1 (0: before and after "
+          f"training only; -1: never, not even after training)", e)
     t = cfg.trainer
     _need(t.save_freq >= 0, f"trainer.save_freq={t.save_freq} must be >= 0 (0: no periodic checkpoints)", e)
     _need(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0: keep all)", e)

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from offstep.batch import TrainBatch
+from offstep.batch import Sample, TrainBatch, collate
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -76,3 +76,19 @@ def forward_response(
     logp = logprobs_from_logits(logits, mb.responses)
     ent = entropy_from_logits(logits) if with_entropy else None
     return logp, ent
+
+
+@torch.no_grad()
+def sequence_logprobs(model, sequences, pad_id: int, device, temperature: float, compute_dtype: str = "float32",
+                      micro_batch_size: int = 8) -> list[list[float]]:
+    """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under ``model``,
+    as the trainer computes them: one padded batch, ``forward_response`` by micro-batches."""
+    if not sequences:
+        return []
+    samples = [Sample(uid=0, prompt_ids=list(p), response_ids=list(r), rollout_logprobs=[0.0] * len(r),
+                      finish_reason="", score=0.0, version=0) for p, r in sequences]
+    batch = collate(samples, pad_id).to(device)
+    parts = [forward_response(model, mb, temperature, compute_dtype=compute_dtype)[0]
+             for mb in batch.chunks(micro_batch_size)]
+    logp = torch.cat(parts).cpu()
+    return [logp[i, : len(r)].tolist() for i, (_, r) in enumerate(sequences)]

@@ -41,13 +41,26 @@ from typing import Callable
 
 from offstep.errors import CheckpointError, ConfigError, LinkRefused
 from offstep.files import MAX_CONFIG_BYTES, loads_json, loads_yaml, read_text, refuse_links_under, short
-from offstep.pipeline.faults import pause_point
 from offstep.pipeline.trainer_state import STATE_FILE, TrainerState, decode_state, encode_state
 from offstep.telemetry.names import Role
 from offstep.train.checkpoint import check_role, fsync_tree, replace_dir, write_durably, write_failed
 
 _NAME = re.compile(r"^step_(\d+)(\.replaced)?$")
 LEGACY_STATE_FILE = "trainer_state.pt"  # offstep before the JSON format: a pickle, never loaded
+# The phases of a checkpoint write, in order: ``staged`` (the ``step_<N>.partial`` folder made, no
+# shard yet), ``shards`` (the roles' shards written), ``state`` (``trainer_state.json`` written and
+# everything fsynced, not yet renamed), ``published`` (renamed to ``step_<N>``, not yet pruned).
+PHASES = ("staged", "shards", "state", "published")
+# Called with (phase, step) as a write reaches each phase; empty in a run. A timing seam: the
+# random-kill tests' launcher (tests/kill_points.py) holds the driver at one to kill it there.
+phase_observers: list[Callable[[str, int], None]] = []
+
+
+def phase(name: str, step: int) -> None:
+    for observe in phase_observers:
+        observe(name, step)
+
+
 ROLES = (Role.ACTOR, Role.CRITIC)  # a checkpoint's role folders, named after the role groups
 # Keys a resumed run must share with the run that wrote the checkpoint, or it would not be the
 # same run continued (the rest, e.g. total_steps, logging, may change).
@@ -225,13 +238,13 @@ class Checkpoints:
             write_durably(staging / "config.yaml", config_yaml)
             write_durably(staging / STATE_FILE, encode_state(state, self.run_id, file_digests(staging)))
             fsync_tree(staging)
-            pause_point("state", state.step)
+            phase("state", state.step)
             before_publish()
             replace_dir(staging, final, final.with_name(final.name + ".replaced"))
         except OSError as e:
             shutil.rmtree(staging, ignore_errors=True)  # give the space back; the last commit stays
             raise write_failed(staging, e) from None
-        pause_point("published", state.step)
+        phase("published", state.step)
         self._prune(state.step)
         return final
 

@@ -37,9 +37,8 @@ from offstep.errors import ConfigError, RolloutFailed, TrainerFailed
 from offstep.files import write_file
 from offstep.pipeline.advantage import build_kl_controller, needs_old_logprobs
 from offstep.pipeline.batching import generate_batch
-from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints, load_failed
+from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints, load_failed, phase
 from offstep.pipeline.evaluation import summarise
-from offstep.pipeline.faults import pause_point
 from offstep.pipeline.fleet import RolloutFleet
 from offstep.pipeline.inputs import prepare_inputs
 from offstep.pipeline.pools import RoleGroup
@@ -223,7 +222,7 @@ class Controller:
                 export, loads = await self.sync.finish(self.version, update_end)
                 self.timeline.add(Role.TRAINER, Stage.SYNC_EXPORT, step, export.start, export.end)
             val = None
-            if step == N or (cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0):
+            if cfg.trainer.val_freq >= 0 and (step == N or (cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0)):
                 # Batch mode: queued now, behind the load on every replica. fully_async: a replica
                 # serves calls at once, so the validation starts once the loads are checked.
                 val = self._start_validation if self.samples is not None else self._start_validation()
@@ -375,9 +374,9 @@ class Controller:
         if self.samples is not None:  # every in-flight sample stops where it is, to be stored
             await self.samples.suspend()
         staging = self.checkpoints.staging(step)
-        pause_point("staged", step)  # test hooks (faults.py): a kill timed inside the write
+        phase("staged", step)  # checkpoints.phase_observers: a kill test holds the write here
         await asyncio.gather(*(g.run(RoleWorker.save_checkpoint, str(staging / g.name)) for g in self.workers.stateful))
-        pause_point("shards", step)
+        phase("shards", step)
         state = TrainerState(step, self.version, self.timeline.t0, self.stream.state_dict(), in_flight, self.fleet.restarts,
                              self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
                              self.samples.state() if self.samples is not None else None)

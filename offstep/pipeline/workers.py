@@ -231,8 +231,10 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
-def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
-    """Place the pools and start every role on them (one bundle per trainer rank or replica)."""
+def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[[int], type] = lambda i: RolloutWorker) -> Workers:
+    """Place the pools and start every role on them (one bundle per trainer rank or replica).
+    ``rollout_class(i)``: the class replica ``i``'s actor runs (a test gives one a subclass that
+    injects a fault)."""
     res, ro, k = cfg.resources, cfg.rollout, cfg.pipeline.max_staleness
     console.log("offstep: starting Ray and the worker pools")
     owns_ray = init_ray(cfg)
@@ -270,17 +272,19 @@ def start_workers(cfg: Config, inputs: Inputs, console) -> Workers:
         if use_critic else None
     )
     pool = rollout_pool or trainer_pool
-    rollout_cls = ray.remote(RolloutWorker)
-    fault = cfg.pipeline.sync_fault_at  # a test's injected sync fault: (kind, replica, version)
+
+    actor_classes: dict[type, Any] = {}
 
     def make_rollout(i: int):
         opts = pool.options(i % pool.bundles, share if colocate else 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)})
         if cfg.pipeline.mode == "fully_async":  # loads and takes are served while the engine generates
             opts["max_concurrency"] = 4
-        return rollout_cls.options(**opts).remote(
+        cls = rollout_class(i)
+        if cls not in actor_classes:
+            actor_classes[cls] = ray.remote(cls)
+        return actor_classes[cls].options(**opts).remote(
             inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
             ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent,
-            (fault[0], fault[2]) if fault is not None and fault[1] == i else None,
         )
 
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,

@@ -1,5 +1,5 @@
-"""Rollout engines: the protocol, and the scheduler of the built-in PyTorch engine over a
-transformers causal LM.
+"""The built-in rollout engine: the scheduler of a PyTorch engine over a transformers causal LM,
+implementing ``offstep.rollout.interface.RolloutEngine``.
 
 ``TorchEngine`` schedules with **continuous batching** (Orca, Yu et al., OSDI 2022; vLLM, Kwon et
 al., SOSP 2023) on Llama-family models: up to ``max_batch_size`` samples occupy the slots of a
@@ -11,7 +11,8 @@ dense, and a waiting sample takes the free slot at the next step. When all promp
 with the same tokens (a system prompt, a chat-template header), that prefix is prefilled once and
 its K/V copied into each admitted slot (the idea of vLLM's automatic prefix caching and SGLang's
 RadixAttention, Zheng et al., 2024, reduced to the one longest common prefix of the call). The
-forward pass over slots is ``offstep.rollout.llama_runner``.
+forward pass over slots is ``offstep.rollout.llama_runner``; the two decode loops (this one and
+the fallback's) are ``offstep.rollout.schedule``.
 
 Other architectures (sliding-window or hybrid attention, q/k norms, ...) use the fallback: the
 model's own forward with a transformers ``DynamicCache`` (``offstep.rollout.hf_runner``), in static
@@ -27,87 +28,26 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from offstep.models.forward import sequence_logprobs
 from offstep.models.lora import adapter_parameters, base_of, is_adapter_name
+from offstep.rollout import schedule
+from offstep.rollout.control import StepControl
 from offstep.rollout.hf_runner import HFRunner
+from offstep.rollout.interface import RolloutEngine
 from offstep.rollout.llama_runner import LlamaRunner, unsupported_reason
-from offstep.rollout.sampling import sample_tokens, sample_uniforms
-from offstep.rollout.control import SUSPENDED, StepControl
-from offstep.rollout.types import Completion, PromptFeed, SamplingParams, TurnFeed, TurnRequest, check_request, serve_prompts
+from offstep.rollout.schedule import Row
+from offstep.rollout.types import Completion, SamplingParams, TurnFeed, check_request, serve_prompts
+from offstep.sync.collective import manifest
 from offstep.sync.digest import WeightDigest, digest_of
 
 _log = logging.getLogger(__name__)
 
 __all__ = ["RolloutEngine", "TorchEngine"]
-
-
-@runtime_checkable
-class RolloutEngine(Protocol):
-    """What the rollout worker needs from an inference engine."""
-
-    version: int
-
-    def generate(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        seed: int,
-        on_finish: Callable[[Completion], None] | None = None,
-    ) -> list[Completion]:
-        """Sample ``params.n`` completions per prompt, prompt-major; call ``on_finish`` as each finishes."""
-        ...
-
-    def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
-        """Copy new policy weights in place and record their version (resets any cache)."""
-        ...
-
-    def reset_cache(self) -> None:
-        """Drop any cached state (KV / prefix cache) that depends on the weights."""
-        ...
-
-    def weights_digest(self, specs: list) -> WeightDigest:
-        """The digest of the weights the engine now computes with, read back from it, over the
-        sync manifest ``specs`` (``offstep.sync.digest``): what proves a sync arrived."""
-        ...
-
-
-# --------------------------------------------------------------------------------------------------
-# engine
-
-
-def _shared_prefix(prompts: list[list[int]]) -> int:
-    """Tokens every prompt starts with, leaving each prompt at least one token of its own."""
-    first = prompts[0]
-    limit = min(len(p) for p in prompts) - 1
-    n = 0
-    while n < limit and all(p[n] == first[n] for p in prompts):
-        n += 1
-    return n
-
-
-class _Row:
-    """Decoding state of one sample (or one turn of an agent loop): at most ``limit`` tokens."""
-
-    __slots__ = ("index", "limit", "logprobs", "prompt", "prompt_index", "tokens", "versions")
-
-    def __init__(self, index: int, prompt_index: int, limit: int, prompt: list[int] = ()):
-        self.index = index
-        self.prompt_index = prompt_index
-        self.limit = limit
-        self.prompt = prompt  # its tokens before the first it samples (a recompute prefills them again)
-        self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.versions: list[int] = []  # the weight version that sampled each token
-
-
-def _uniforms(requests: list[TurnRequest], params: SamplingParams, seed: int, device) -> Tensor:
-    """The uniforms of each request's own random stream, from its seed and offset."""
-    return sample_uniforms([r.stream for r in requests], params, seed, device,
-                           seeds=[r.seed for r in requests], offsets=[r.offset for r in requests])
 
 
 RUNNERS = ("auto", "slots", "hf")
@@ -196,7 +136,7 @@ class TorchEngine:
         suspensions posted from other threads, carried out between two decode steps
         (``offstep.rollout.control``); a feed that blocks must wake up when one is posted."""
 
-        def emit(row: _Row, reason: str) -> None:
+        def emit(row: Row, reason: str) -> None:
             on_finish(row.index, self._finish(row, reason))
 
         was_training = self.model.training
@@ -210,11 +150,11 @@ class TorchEngine:
                             control.run_suspend()
                             control.run_load()
                         for req in new:
-                            emit(_Row(req.index, req.group, 0), "length")
+                            emit(Row(req.index, req.group, 0), "length")
                 elif self._runner is not None:
-                    self._generate_continuous(feed, params, seed, emit, control)
+                    schedule.continuous(self, feed, params, seed, emit, control)
                 else:
-                    self._generate_static(feed, params, seed, emit, control)
+                    schedule.static(self, feed, params, seed, emit, control)
         finally:
             if control is not None:
                 control.detach()
@@ -267,6 +207,21 @@ class TorchEngine:
         adapters included) by the manifest's names (``offstep.sync.digest``)."""
         return digest_of(specs, self.model.get_parameter)
 
+    def weight_manifest(self) -> list:
+        """Every parameter of the model, as the collective weight path lays them out."""
+        return manifest(self.model)
+
+    def receive_in_place(self) -> torch.nn.Module:
+        """The model: a collective receive writes into its parameters, which the runners read."""
+        return self.model
+
+    def base_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float,
+                      compute_dtype: str = "float32", micro_batch_size: int = 8) -> list[list[float]]:
+        """The base model's teacher-forced log-probs (the adapters off), as the trainer's forward."""
+        with self.adapters_disabled() as model:
+            return sequence_logprobs(model, sequences, self.pad_id, self.device, temperature, compute_dtype,
+                                     micro_batch_size)
+
     # ---------------------------------------------------------------- LoRA adapters
     def load_adapters(self, adapters: Mapping[str, Tensor], version: int) -> None:
         """Copy LoRA A/B matrices (the peft model's names, ``offstep.models.lora``) into the
@@ -305,14 +260,15 @@ class TorchEngine:
 
     def adapter_manifest(self) -> list:
         """The adapters as the collective weight path lays them out (``offstep.sync.collective``)."""
-        from offstep.sync.collective import manifest
-
         return manifest(self.model, is_adapter_name)
 
     @contextlib.contextmanager
     def adapters_disabled(self):
         """The base model, for the reference policy: the adapters switched off (unmerged first
-        when merged) for the duration."""
+        when merged) for the duration; a model without adapters is its own base."""
+        if not hasattr(self.model, "disable_adapter"):
+            yield self.model
+            return
         merged = self._merged
         if merged:
             self.model.unmerge_adapter()
@@ -328,6 +284,10 @@ class TorchEngine:
         place); this releases cached device memory on CUDA."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def close(self) -> None:
+        """Nothing outlives a call but the model, which the caller owns; releases cached device memory."""
+        self.reset_cache()
 
     # ---------------------------------------------------------------- checks
 
@@ -376,7 +336,7 @@ class TorchEngine:
 
     # ---------------------------------------------------------------- shared helpers
 
-    def _finish(self, row: _Row, reason: str) -> Completion:
+    def _finish(self, row: Row, reason: str) -> Completion:
         text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
         return Completion(
             prompt_index=row.prompt_index,
@@ -388,7 +348,7 @@ class TorchEngine:
             versions=row.versions,
         )
 
-    def _append(self, row: _Row, token: int, logprob: float, params: SamplingParams, window: int) -> str | None:
+    def _append(self, row: Row, token: int, logprob: float, params: SamplingParams, window: int) -> str | None:
         """Record one sampled token; return the finish reason if the sample ends here."""
         row.tokens.append(token)
         row.logprobs.append(logprob)
@@ -405,180 +365,3 @@ class TorchEngine:
         if len(row.tokens) >= row.limit:
             return "length"
         return None
-
-    # ---------------------------------------------------------------- continuous batching
-
-    def _generate_continuous(self, feed: TurnFeed, params: SamplingParams, seed: int, emit, control: StepControl | None) -> None:
-        """Decode with slots freed by finished samples refilled from the feed at the next step.
-
-        State of the ``B`` running samples lives in slots ``0..B-1`` (rows of the tensors below and
-        of the KV cache): ``tok`` the next input token, ``pos`` its position (= cached length),
-        ``step`` how many tokens the sample has, ``uni`` the uniforms of its random stream.
-        """
-        runner, dev = self._runner, self.device
-        prompts = feed.prompts
-        slots = min(self.max_batch_size, feed.concurrency)
-        plen = max(len(p) for p in prompts)
-        shared = _shared_prefix(prompts)
-        if shared < self.min_shared_prefix or (len(prompts) == 1 and params.n <= slots and isinstance(feed, PromptFeed)):
-            shared = 0  # nothing to reuse: every prompt is prefilled once anyway
-        # One slot more holds the shared prefix; admitted prompts copy it and prefill the rest.
-        cache = runner.new_cache(slots + (shared > 0), plen + min(params.max_new_tokens, 256), plen + params.max_new_tokens)
-        none = torch.zeros(0, dtype=torch.long, device=dev)
-        if shared:
-            runner.step(cache, none, none, [prompts[0][:shared]], [[slots]])
-        prefix_src = torch.full((slots,), slots, dtype=torch.long, device=dev)
-        tok, pos, step = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(3))
-        uni = torch.zeros((slots, max(1, params.max_new_tokens)), dtype=torch.float64, device=dev)
-        window = 4 * max((len(s) for s in params.stop), default=0) + 4
-        rows: list[_Row] = []
-        open_feed = True
-        while True:
-            admit = True
-            if control is not None:
-                control.run_work()
-            if control is not None and (act := control.pending()) is not None:
-                if act == "suspend":  # every running sample ends here, its tokens so far kept
-                    for row in rows:
-                        emit(row, SUSPENDED)
-                    rows = []
-                    control.run_suspend()
-                elif control.partial == "off" and rows:
-                    admit = False  # the running samples finish under the old weights first
-                else:
-                    control.run_load()
-                    if shared:  # the shared prefix's K/V, which admitted prompts copy
-                        runner.step(cache, none, none, [prompts[0][:shared]], [[slots]])
-                    if control.partial == "recompute" and rows:
-                        # Every running sample's K/V again under the new weights: its prompt and its
-                        # tokens but the last, which is the next step's input as before.
-                        runner.step(cache, none, none, [r.prompt + r.tokens[:-1] for r in rows], [[j] for j in range(len(rows))])
-            b = len(rows)
-            # ---- admit waiting requests into the free slots; each new prompt is prefilled once
-            new = feed.take(slots - b, block=b == 0) if admit and open_feed and b < slots else []
-            if new is None:
-                open_feed, new = False, []
-            if not new and not rows:
-                if open_feed:
-                    continue
-                break
-            new_prompts: list[list[int]] = []
-            new_slots: list[list[int]] = []
-            logit_row = list(range(b))  # row of the step's logits that each slot samples from
-            last_group = None
-            for req in new:  # a plain call's are prompt-major: the samples of a prompt are admitted together
-                if req.group != last_group:
-                    new_prompts.append(req.prompt_ids[shared:])
-                    new_slots.append([])
-                    last_group = req.group
-                new_slots[-1].append(len(rows))
-                logit_row.append(b + len(new_prompts) - 1)
-                rows.append(_Row(req.index, req.group, req.max_new_tokens, req.prompt_ids))
-            bt = len(rows)
-            if shared and bt > b:
-                cache.move(prefix_src[: bt - b], torch.arange(b, bt, device=dev), shared)
-            logits = runner.step(cache, tok[:b], pos[:b], new_prompts, new_slots, start=shared)
-            if len(logit_row) != logits.shape[0]:
-                logits = logits[torch.tensor(logit_row, device=dev)]
-            pos[:b] += 1
-            if bt > b:
-                pos[b:bt] = torch.tensor([len(req.prompt_ids) for req in new], device=dev)
-                uni[b:bt] = _uniforms(new, params, seed, dev)
-                step[b:bt] = 0
-            # ---- sample every running slot at once, each from its own stream
-            tokens, logps = sample_tokens(logits, params, uni[torch.arange(bt, device=dev), step[:bt]])
-            tok[:bt] = tokens
-            step[:bt] += 1
-            done = []
-            for j, (t, lp) in enumerate(zip(tokens.tolist(), logps.tolist())):
-                reason = self._append(rows[j], t, lp, params, window)
-                if reason is not None:
-                    emit(rows[j], reason)
-                    done.append(j)
-            if done:
-                rows = self._compact(rows, done, cache, (tok, pos, step, uni))
-
-    @staticmethod
-    def _compact(rows: list[_Row], done: list[int], cache, state: tuple[Tensor, ...]) -> list[_Row]:
-        """Drop finished slots, moving the last running slots into the holes (the batch stays dense)."""
-        order = list(range(len(rows)))  # order[j]: the old slot that new slot j takes
-        for j in sorted(done, reverse=True):
-            order[j] = order[-1]
-            order.pop()
-        # Moved slots come from the tail (>= the new size) into holes (< the new size): disjoint.
-        moves = [(src, dst) for dst, src in enumerate(order) if src != dst]
-        if moves:
-            dev = state[0].device
-            src = torch.tensor([m[0] for m in moves], device=dev)
-            dst = torch.tensor([m[1] for m in moves], device=dev)
-            cache.move(src, dst, int(state[1][src].max()))  # state[1]: cached length per slot
-            for t in state:
-                t[dst] = t[src]
-        return [rows[o] for o in order]
-
-    # ---------------------------------------------------------------- fallback: static sub-batches
-
-    def _generate_static(self, feed: TurnFeed, params: SamplingParams, seed: int, emit, control: StepControl | None) -> None:
-        """Static sub-batches of what the feed has (all of a plain call's samples at once; an agent
-        loop's requests in waves: each wave is what has arrived when the previous one ends). Between
-        two sub-batches nothing runs, so a posted weight load lands there whatever ``partial`` says."""
-        while (requests := feed.take(1 << 30, block=True)) is not None:
-            # Group similar prompt lengths into the same sub-batch (less padding); stable, so each
-            # prompt's samples stay together.
-            order = sorted(requests, key=lambda req: len(req.prompt_ids))
-            for start in range(0, len(order), self.max_batch_size):
-                chunk = order[start : start + self.max_batch_size]
-                rows = [_Row(req.index, req.group, req.max_new_tokens, req.prompt_ids) for req in chunk]
-                if control is not None:
-                    control.run_work()
-                    if control.pending() == "suspend":  # not started: emitted with no tokens
-                        for row in rows:
-                            emit(row, SUSPENDED)
-                        continue
-                    control.run_load()
-                uniforms = _uniforms(chunk, params, seed, self.device)
-                self._generate_chunk({req.group: req.prompt_ids for req in chunk}, rows, params, uniforms, emit, control)
-            if control is not None:
-                control.run_work()
-                control.run_suspend()
-                control.run_load()
-
-    def _generate_chunk(self, prompts: dict[int, list[int]], rows: list[_Row], params: SamplingParams, uniforms: Tensor, emit,
-                        control: StepControl | None = None) -> None:
-        # ---- prefill the unique prompts of this chunk once; one cache row per sample
-        unique: dict[int, int] = {}
-        for row in rows:
-            unique.setdefault(row.prompt_index, len(unique))
-        runner = self._fallback
-        logits, batch = runner.prefill([prompts[pi] for pi in unique], [unique[row.prompt_index] for row in rows])
-
-        window = 4 * max((len(s) for s in params.stop), default=0) + 4
-        active = list(range(len(rows)))  # chunk-local row numbers still decoding, in batch order
-        for step in range(params.max_new_tokens):
-            tokens, logps = sample_tokens(logits, params, uniforms[active, step])
-            keep: list[int] = []
-            for b, (t, lp) in enumerate(zip(tokens.tolist(), logps.tolist())):
-                reason = self._append(rows[active[b]], t, lp, params, window)
-                if reason is None:
-                    keep.append(b)
-                else:
-                    emit(rows[active[b]], reason)
-            if not keep:
-                return
-            if len(keep) != len(active):
-                sel = torch.tensor(keep, dtype=torch.long, device=self.device)
-                batch.select(sel)
-                tokens = tokens[sel]
-                active = [active[b] for b in keep]
-            if control is not None:
-                control.run_work()
-            if control is not None and (act := control.pending()) is not None:
-                if act == "suspend":  # the running rows end here, their tokens so far kept
-                    for i in active:
-                        emit(rows[i], SUSPENDED)
-                    return
-                if control.partial != "off":  # off: the load waits for the end of this sub-batch
-                    control.run_load()
-                    if control.partial == "recompute":  # each row's K/V again, under the new weights
-                        _, batch = runner.prefill([rows[i].prompt + rows[i].tokens[:-1] for i in active], list(range(len(active))))
-            logits = runner.decode(batch, tokens)

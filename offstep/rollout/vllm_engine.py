@@ -104,6 +104,7 @@ class VLLMEngine:
         self.dtype = _DTYPES[dtype]
         self.device = torch.device("cpu" if current_platform.is_cpu() else current_platform.device_type)
         self.version: int = 0
+        self.max_batch_size = int(max_batch_size)  # vLLM's max_num_seqs
         problem = attention_head_dim_problem(self.model_path, self.device.type)
         if problem is not None:
             raise ValueError(f"vLLM cannot serve {self.model_path}: {problem}")
@@ -191,11 +192,17 @@ class VLLMEngine:
             return results  # type: ignore[return-value]
         return serve_prompts(self.serve, prompts, params, seed, on_finish)
 
-    def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None]) -> None:
+    def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None],
+              control: Any = None) -> None:
         """Generate the requests of ``feed`` as they come (each its own vLLM request, with its own
         token limit and seed), until the feed is exhausted; ``on_finish(request index,
         completion)`` as each finishes. A request that continues an earlier one (an agent loop's
-        next turn: the same tokens and more) finds their KV blocks in vLLM's prefix cache."""
+        next turn: the same tokens and more) finds their KV blocks in vLLM's prefix cache.
+        ``control`` (weight loads between decode steps, ``pipeline.mode=fully_async``) is not
+        supported here: ``NotImplementedError``."""
+        if control is not None:
+            raise NotImplementedError("the vLLM engine cannot load weights between decode steps (pipeline.mode="
+                                      "fully_async); use rollout.engine=builtin, or pipeline.mode=batch")
         call = next(_CALLS)
         pending: dict[str, tuple[int, int]] = {}
         open_feed = True
@@ -283,13 +290,16 @@ class VLLMEngine:
         self._engine.set_weight_version(str(self.version))
         self.reset_cache()
 
-    def base_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float = 1.0) -> list[list[float]]:
+    def base_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float = 1.0,
+                      compute_dtype: str = "float32", micro_batch_size: int = 8) -> list[list[float]]:
         """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under the base
         model: requests that name no adapter (with LoRA: the adapters off, the reference policy),
         one prefill each with ``prompt_logprobs`` (which reads no prefix cache) and one sampled
         token, discarded. vLLM's sampling processors skip prompt tokens, so these log-probs are
         untempered: they are the reference's at ``temperature`` 1 (and 0, which is scored
-        untempered too); other temperatures raise ``ValueError`` (the config check refuses them)."""
+        untempered too); other temperatures raise ``ValueError`` (the config check refuses them).
+        vLLM computes in its own dtype and batches by itself: ``compute_dtype`` and
+        ``micro_batch_size`` are not used."""
         from vllm import SamplingParams as VParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -343,6 +353,11 @@ class VLLMEngine:
         scale = self.lora.scale_alpha / self.lora.rank  # vLLM holds B x scale (its LoRA "optimize")
         return [TensorSpec(name, shape, dtype, scale if ".lora_B." in name else 1.0)
                 for name, shape in self._adapter_shapes.items()]
+
+    def receive_in_place(self) -> None:
+        """None: received weights go through ``load_weights`` (vLLM's loader re-runs its post-load
+        processing, which a write into its parameters would skip)."""
+        return None
 
     def reset_cache(self) -> None:
         """Drop vLLM's prefix cache (KV blocks computed with older weights)."""

@@ -7,7 +7,6 @@ time), which is what orders generation and weight loads: a ``load_weights`` subm
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,17 +14,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offstep.batch import GenTiming, Sample, Span, collate
+from offstep.batch import GenTiming, Sample, Span
 from offstep.config.choices import SINGLE_TURN, TOOL_AGENT
 from offstep.config.schema import AgentConfig, LoRAConfig
-from offstep.models.forward import DTYPES, forward_response
+from offstep.models.forward import DTYPES, sequence_logprobs
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.models.lora import add_adapters
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
+from offstep.rollout.interface import RolloutEngine
 from offstep.rollout.types import Completion, SamplingParams
-from offstep.sync.collective import TensorSpec, WeightReceiver, manifest
+from offstep.sync.collective import TensorSpec, WeightReceiver
 from offstep.sync.digest import Loaded
 from offstep.sync.weights import unpack_state_dict
 from offstep.telemetry.names import Stage
@@ -70,7 +70,6 @@ class RolloutWorker:
         seed: int = 0,
         lora: LoRAConfig | None = None,
         agent: AgentConfig | None = None,
-        sync_fault: tuple[str, int] | None = None,
     ):
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
@@ -79,7 +78,7 @@ class RolloutWorker:
         if engine == "vllm":  # one vLLM engine per replica, in this process (offstep/rollout/vllm_engine.py)
             from offstep.rollout.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(model_path, tok, eos, dtype=dtype, max_batch_size=max_batch_size,
+            self.engine: RolloutEngine = VLLMEngine(model_path, tok, eos, dtype=dtype, max_batch_size=max_batch_size,
                                      num_threads=num_threads, seed=seed, lora=lora)
         else:
             model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
@@ -107,7 +106,6 @@ class RolloutWorker:
         self.agent = agent  # the tool loops of tool_agent rows, started at their first call
         self._agent_runner: AgentRunner | None = None
         self._tok, self._eos = tok, eos
-        self.sync_fault = sync_fault  # a test's injected fault: (kind, version), see _apply
 
     def generate(
         self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool = True
@@ -200,28 +198,22 @@ class RolloutWorker:
         for s in samples:
             s.baseline_score, s.baseline_length = by_uid[s.uid]
 
-    @torch.no_grad()
     def _attach_ref_logprobs(self, samples: list[Sample]) -> None:
         """Reference log-probs, computed here while the trainer is busy with the previous batch.
 
         The same forward as the trainer's reference role (``forward_response``, same temperature
-        and compute dtype), on this worker's share of the batch.
+        and compute dtype), on this worker's share of the batch: of the frozen initial policy, or
+        with LoRA of the engine's base (its adapters off).
         """
         self.progress.start(Stage.REF)
-        if self.ref_model is None and not isinstance(self.engine, TorchEngine):  # vLLM with LoRA: its base
-            scored = self.engine.base_logprobs([(s.prompt_ids, s.response_ids) for s in samples], self.ref.temperature)
-            for s, lp in zip(samples, scored):
-                s.ref_logprobs = lp
-            return
-        batch = collate(samples, self.pad_id).to(self.device)
-        with (contextlib.nullcontext(self.ref_model) if self.ref_model is not None else self.engine.adapters_disabled()) as model:
-            parts = [
-                forward_response(model, mb, self.ref.temperature, compute_dtype=self.ref.compute_dtype)[0]
-                for mb in batch.chunks(self.ref.micro_batch_size)
-            ]
-        ref = torch.cat(parts).cpu()
-        for i, s in enumerate(samples):
-            s.ref_logprobs = ref[i, : len(s.response_ids)].tolist()
+        ref, sequences = self.ref, [(s.prompt_ids, s.response_ids) for s in samples]
+        if self.ref_model is not None:
+            scored = sequence_logprobs(self.ref_model, sequences, self.pad_id, self.device, ref.temperature,
+                                       ref.compute_dtype, ref.micro_batch_size)
+        else:
+            scored = self.engine.base_logprobs(sequences, ref.temperature, ref.compute_dtype, ref.micro_batch_size)
+        for s, lp in zip(samples, scored):
+            s.ref_logprobs = lp
 
     # ---------------------------------------------------------------- fully asynchronous mode
     # (pipeline.mode=fully_async, offstep.rollout.stream): the actor runs these on several threads
@@ -234,7 +226,7 @@ class RolloutWorker:
         def score(r: Request, text: str):
             return self.reward(r.data_source, text, r.ground_truth, r.extra_info)
 
-        self.progress.start(Stage.GEN, total=0, version=self.engine.version)
+        self._generating_again()
         self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, score, self.pool,
                                     self._tok, self.progress.advance)
 
@@ -247,7 +239,12 @@ class RolloutWorker:
         out = self._stream.take(wait_s)
         if out and self.ref is not None:  # on the engine's thread, between two decode steps: one core
             self._stream.between_steps(lambda: self._attach_ref_logprobs([s for g in out for s in g.samples]))
+            self._generating_again()
         return out
+
+    def _generating_again(self) -> None:
+        """The live status after a reference pass or a load inside a stream: the engine generates."""
+        self.progress.start(Stage.GEN, total=0, version=self.engine.version)
 
     def stream_suspend(self) -> list:
         return self._stream.suspend()
@@ -258,27 +255,14 @@ class RolloutWorker:
         tensors = unpack_state_dict(packed)
         if getattr(self, "_stream", None) is not None:  # between two decode steps of the running engine
             self._stream.load(lambda: self._apply(tensors, version))
+            self._generating_again()
         else:
             self._apply(tensors, version)
         return self._loaded(t0, version)
 
     def _apply(self, tensors: dict, version: int) -> None:
-        """A sync's tensors into the engine: the adapters (LoRA) or every weight; or, at the version
-        of a test's injected fault (``pipeline.sync_fault``), none of them (``drop``: the engine
-        keeps its weights under the new version tag) or one element changed (``corrupt``)."""
-        fault = self._fault(version)
-        if fault == "drop":
-            self.engine.version = int(version)
-            return
-        if fault == "corrupt":  # the manifest's last tensor (never a tied one, which has two names)
-            tensors = dict(tensors)
-            last = self.weight_sync_manifest()[-1].name
-            tensors[last] = tensors[last].detach().clone()
-            tensors[last].view(-1)[0] += 1  # one element, by a change no cast to the engine's dtype rounds away
+        """A sync's tensors into the engine: the adapters (LoRA) or every weight."""
         (self.engine.load_adapters if self.lora is not None else self.engine.load_weights)(tensors, version)
-
-    def _fault(self, version: int) -> str | None:
-        return self.sync_fault[0] if self.sync_fault is not None and self.sync_fault[1] == version else None
 
     def _loaded(self, t0: float, version: int) -> Loaded:
         """The report of a load that began at ``t0``, with the digest of what the engine holds
@@ -295,16 +279,15 @@ class RolloutWorker:
         if getattr(self, "_manifest", None) is None:
             if self.lora is not None:  # the adapters only, into buffers of their own (they are small)
                 self._manifest = self.engine.adapter_manifest()
-            elif isinstance(self.engine, TorchEngine):
-                self._manifest = manifest(self.engine.model)
             else:
                 self._manifest = self.engine.weight_manifest()
         return self._manifest
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list,
                          bucket_bytes: int, timeout_s: float) -> None:
-        if isinstance(self.engine, TorchEngine) and self.lora is None:
-            self._weight_receiver = WeightReceiver(self.engine.model, self.device)
+        model = self.engine.receive_in_place() if self.lora is None else None
+        if model is not None:
+            self._weight_receiver = WeightReceiver(model, self.device)
         else:
             self._weight_receiver = WeightReceiver(None, self.device, self.weight_sync_manifest())
         self._weight_receiver.connect(host, port, rank, world_size, backend, specs, bucket_bytes, timeout_s)
@@ -317,14 +300,8 @@ class RolloutWorker:
             raise RuntimeError("receive_weights: this rollout worker has not joined the weight-sync group "
                                "(offstep.sync.collective.connect; a replaced worker needs a new group)")
         self.progress.start(Stage.LOAD_WEIGHTS, version=version)
-        fault = self._fault(version)
-        # A test's dropped load into the live weights (the built-in engine) puts back what they held.
-        before = ({n: p.detach().clone() for n, p in self.engine.model.named_parameters()}
-                  if fault == "drop" and receiver.model is not None else None)
         t0 = receiver.receive(version)
-        if before is not None:
-            self.engine.load_weights(before, version)
-        elif receiver.model is None or fault is not None:
+        if receiver.model is None:
             self._apply(receiver.tensors(), version)
         else:
             self.engine.version = int(version)

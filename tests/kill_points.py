@@ -1,0 +1,43 @@
+"""A launcher for the random-kill tests and benchmark: ``offstep`` with its driver held at one phase of
+one checkpoint write, so that a kill can be timed into that window on purpose.
+
+    python tests/kill_points.py <phase>:<step>:<marker file> train key=value ...
+
+At ``phase`` (``offstep.pipeline.checkpoints.PHASES``) of the checkpoint of ``step`` the driver
+creates ``<marker file>`` and sleeps for an hour (until it is killed), holding what the write holds.
+The rest of the arguments go to ``offstep`` as they are. A run started any other way has no
+observer, so nothing here is part of the product."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from offstep.pipeline import checkpoints
+
+
+def parse(spec: str) -> tuple[str, int, Path]:
+    name, step, marker = spec.split(":", 2)
+    if name not in checkpoints.PHASES:
+        raise ValueError(f"{spec!r}: the phase must be one of {list(checkpoints.PHASES)}")
+    return name, int(step), Path(marker)
+
+
+def arm(spec: str) -> None:
+    """Hold the driver at the phase and step ``spec`` names (see the module's docstring)."""
+    want, want_step, marker = parse(spec)
+
+    def hold(name: str, step: int) -> None:
+        if (name, step) == (want, want_step):
+            marker.write_text(f"{name}:{step}\n")
+            time.sleep(3600)
+
+    checkpoints.phase_observers.append(hold)
+
+
+if __name__ == "__main__":
+    from offstep.cli import main
+
+    arm(sys.argv[1])
+    sys.exit(main(sys.argv[2:]))
