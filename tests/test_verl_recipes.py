@@ -177,7 +177,7 @@ def test_every_problem_in_one_pass(capsys):
                "actor_rollout_ref.rollout.something_new=1", "rollout.n=1"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err.startswith("offstep: 4 problems, each with its fix"), err
+    assert "\noffstep: 4 problems, each with its fix" in err, err  # after the notes
     for part in ("strategy='megatron' is refused", "data.truncation='sideways'", "something_new: a verl key",
                  "rollout.n >= 2"):
         assert part in err, err
