@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from offstep.errors import ModelError
+from offstep.files import refuse_links, write_file
 from offstep.models.builtin import (
     ALIASES,
     DEFAULT_MODEL,
@@ -262,10 +263,13 @@ def with_config_overrides(folder: str, overrides: dict, out_dir: Path) -> str:
     for k, v in overrides.items():
         config[k] = {**config[k], **v} if isinstance(v, dict) and isinstance(config.get(k), dict) else v
     dest = Path(out_dir) / "model_override_config"
+    refuse_links(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
+    for f in src.iterdir():  # made afresh each time: a run restarted on another model links to that one
         link = dest / f.name
-        if f.name != "config.json" and not link.exists():
+        if f.name != "config.json":
+            if os.path.lexists(link):
+                link.unlink()
             link.symlink_to(f.resolve())
-    (dest / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    write_file(dest / "config.json", json.dumps(config, indent=2))  # replaces a link, never writes through it
     return str(dest)
