@@ -225,33 +225,33 @@ def n_params(model) -> int:
 
 
 # ------------------------------------------------------------------ the checks
-def check_engine_and_update(shape: str, spec: GroupSpec, device: torch.device, work: Work, log) -> list[Row]:
-    """The engine's batch and log-probs against the trainer's, then the full update (one actor)."""
+def check_engine_and_update(shape: str, spec: GroupSpec, device: torch.device, work: Work, log, rows: list[Row]) -> None:
+    """The engine's batch, then one actor: the engine's log-probs against its, and the full update.
+    Each row goes into ``rows`` as soon as it is measured (a later failure keeps it)."""
     model = build_model(shape, device)
-    params = n_params(model)
-    engine = TorchEngine(copy.deepcopy(model).to(DTYPES["bfloat16"]), NoTokenizer(), [model.config.vocab_size - 1],
-                         device=device, max_batch_size=work.prompts * work.group)
-    actor = make_actor(model, spec, work)
-    vocab = model.config.vocab_size
+    params, vocab = n_params(model), model.config.vocab_size
+    engine = TorchEngine(copy.deepcopy(model).to(DTYPES["bfloat16"]), NoTokenizer(), [vocab - 1], device=device,
+                         max_batch_size=work.prompts * work.group)
     prompts = [[(37 * i + 11 * j) % (vocab - 2) + 1 for j in range(work.prompt_len)] for i in range(work.prompts)]
-    params_s = SamplingParams(n=work.group, temperature=1.0, max_new_tokens=work.new_tokens)
     engine.generate(prompts[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=4), seed=1)  # warm-up
     reset_peak(device)
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     t0 = time.perf_counter()
-    done = engine.generate(prompts, params_s, seed=0)
+    done = engine.generate(prompts, SamplingParams(n=work.group, temperature=1.0, max_new_tokens=work.new_tokens), seed=0)
     sync(device)
     dt = time.perf_counter() - t0
-    # the engine alone: its bf16 weights and the most its call allocated (the trainer's model is resident too)
+    # the engine alone: its bf16 weights and the most its call allocated (the float32 model is resident too)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
     peak = None if device.type != "cuda" else peak_gib(device) - resident / 2**30 + weights
     gen = Row(shape, params, "engine", sum(len(c.response_ids) for c in done), dt, peak,
               note=f"{engine.runner} runner, bf16 weights, {work.prompts} prompts x {work.group} samples, "
                    f"{work.prompt_len} + {work.new_tokens} tokens")
+    rows.append(gen)
     log(f"  engine: {gen.tokens} tokens in {dt:.2f} s, {gen.tokens_per_s:.0f} tokens/s")
     del engine
     release(device)
 
+    actor = make_actor(model, spec, work)
     samples = [Sample(uid=c.prompt_index, prompt_ids=prompts[c.prompt_index], response_ids=c.response_ids,
                       rollout_logprobs=c.logprobs, finish_reason=c.finish_reason, score=0.0, version=0) for c in done]
     batch = collate(samples, 0)
@@ -260,23 +260,22 @@ def check_engine_and_update(shape: str, spec: GroupSpec, device: torch.device, w
     diff = (trainer[mask].float() - batch.rollout_logprobs[mask].float()).abs()
     gen.diff_max, gen.diff_mean = float(diff.max()), float(diff.mean())
     log(f"  log-probs, engine against trainer: max {gen.diff_max:.3g}, mean {gen.diff_mean:.3g}")
-    rows = [gen, time_update(actor, shape, params, "update", device, work, log)]
+    rows.append(time_update(actor, shape, params, "update", device, work, log))
     actor.model = actor.opt = None
     del actor, model
     release(device)
-    return rows
 
 
-def check_lora(shape: str, spec: GroupSpec, device: torch.device, work: Work, log) -> list[Row]:
+def check_lora(shape: str, spec: GroupSpec, device: torch.device, work: Work, log, rows: list[Row]) -> None:
     model = build_model(shape, device)
     params = n_params(model)
     actor = make_actor(model, spec, work, lora_rank=work.lora_rank)
     row = time_update(actor, shape, params, "lora", device, work, log)
     row.note = f"rank {work.lora_rank}, all linear layers; " + row.note
+    rows.append(row)
     actor.model = actor.opt = None
     del actor, model
     release(device)
-    return [row]
 
 
 def time_update(actor: ActorWorker, shape: str, params: int, check: str, device, work: Work, log) -> Row:
@@ -402,10 +401,10 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{shape}: {name}")
             t0 = time.monotonic()
             try:
-                rows += fn(shape, spec, device, work, log)
+                fn(shape, spec, device, work, log, rows)
             except Exception as e:  # the other checks' figures still come back
                 traceback.print_exc()
-                failed.append(f"{shape} {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                failed.append(f"{shape} {name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0].rstrip('.')}")
                 log("failed: " + failed[-1])
                 release(device)
                 continue
