@@ -184,6 +184,7 @@ class Section:
     about: str  # what is measured and how to read it: fixed prose, no numbers
     build: Callable[[], str]  # the body from the stored results
     target: str = ""  # what the benchmark was built to show, where it has a target
+    missing: str = ""  # what the section says while no results file is stored (default: not measured yet)
 
     @property
     def begin(self) -> str:
@@ -281,6 +282,15 @@ SECTIONS = [
             "The default preset in `pipeline.mode=fully_async` against the one-step batch mode, over several seeds: "
             "step time, the trainer's wait, partial samples a step, reward and validation accuracy.",
             tables_of(("results_async_real.md", None))),
+    Section("gpu-check", "GPU check", "gpu_check.py", ("results_gpu.md",),
+            "The built-in engine, the actor's update and LoRA on CUDA, in one process without Ray, on models built in "
+            "code at the shapes of Qwen2.5-0.5B and Qwen2.5-1.5B with random weights: the engine's tokens/s and its "
+            "log-probs against the trainer's, the update's tokens/s and peak memory, full and with adapters. The "
+            "script's docstring says what it runs and why no real checkpoint is used.",
+            tables_of(("results_gpu.md", None)),
+            missing="Not run on a GPU yet: on a GPU, `python benchmarks/gpu_check.py` writes `results_gpu.md` and this "
+                    "section. `python benchmarks/gpu_check.py --device cpu --tiny` runs the same checks at tiny shapes "
+                    "on CPU in `tests/test_gpu_check.py`, so the script keeps working until then."),
 ]
 BY_NAME = {s.name: s for s in SECTIONS}
 
@@ -315,7 +325,7 @@ def section(s: Section) -> str:
     lines = [s.begin, f"## {s.title}", "", s.about + (f" Target: {s.target}." if s.target else "")]
     stored = [r for r in s.results if (HERE / r).exists()]
     if not stored:
-        lines += ["", f"Not measured yet: `python benchmarks/{s.script}` writes `{s.results[0]}` and this section."]
+        lines += ["", s.missing or f"Not measured yet: `python benchmarks/{s.script}` writes `{s.results[0]}` and this section."]
     else:
         lines += [""] + [record(r) for r in stored] + ["", s.build()]
     return "\n".join([*lines, "", s.end])

@@ -74,6 +74,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep export RUN_DIR [--step N] --out DIR": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     ".venv/bin/python benchmarks/lora.py --parts runs --only r0-lr1e-05-s0": BENCHMARK,
     # docs/clusters-and-gpus.md
+    "python benchmarks/gpu_check.py": ("not run", "needs a GPU (CUDA); its CPU form at tiny shapes runs in tests/test_gpu_check.py"),
+    "python benchmarks/gpu_check.py --device cpu --tiny":
+        ("test", "tests/test_gpu_check.py::test_the_cpu_form_runs_without_ray_and_prints_every_check"),
     "ray start --head --port=6379": MULTI_MACHINE,
     "ray start --address=HEAD_IP:6379": MULTI_MACHINE,
     "offstep train resources.ray_address=auto ...": MULTI_MACHINE,
