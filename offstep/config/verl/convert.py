@@ -62,6 +62,11 @@ def zero_if_null(key: str, v: Any) -> Any:
     return 0 if v is None else v
 
 
+def function_name(key: str, v: Any) -> str:
+    """verl's null function name is its default, compute_score."""
+    return "compute_score" if v is None else v
+
+
 def dict_or_empty(key: str, v: Any) -> dict:
     """verl's null for "no overrides" is offstep's empty dict."""
     if v is None:
