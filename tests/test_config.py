@@ -261,7 +261,8 @@ def test_help_explains_a_verl_key_by_the_table():
     assert "verl" not in help_text("rollout.n", describe)
     with pytest.raises(KeyError, match="no configuration key 'rollout.nn'"):
         help_text("rollout.nn", describe)
-    assert main(["train", "--help", "actor_rollout_ref.rollout.name"]) == 0
+    # the command as docs/from-verl.md gives it: offstep train --help actor_rollout_ref.actor.ppo_mini_batch_size
+    assert main(["train", "--help", "actor_rollout_ref.actor.ppo_mini_batch_size"]) == 0
 
 
 def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
