@@ -65,8 +65,9 @@ def _nodes(overrides: list[str]) -> int:
 def _train(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         from offstep.config.help import print_help
+        from offstep.config.verl.keyhelp import describe
 
-        return print_help(argv)
+        return print_help(argv, describe)
     from offstep.config.loader import load_config, to_yaml
     from offstep.errors import ConfigError
     from offstep.pipeline.preflight import check_ray_address, simulated_notes, validate

@@ -229,6 +229,42 @@ def test_help_lists_every_key_by_section_and_one_key_alone():
     assert print_help(["preset=tiny", "-h", "nope.key"]) == 2  # and the message on stderr names close keys
 
 
+def test_help_explains_a_verl_key_by_the_table():
+    from offstep.cli import main
+    from offstep.config.help import help_text
+    from offstep.config.verl.keyhelp import describe
+    from offstep.config.verl.table import TABLE
+
+    # each kind of entry with its own text, then the help of the offstep key it sets
+    text = help_text("actor_rollout_ref.actor.ppo_mini_batch_size", describe)
+    assert text.startswith("verl key actor_rollout_ref.actor.ppo_mini_batch_size: derived: sets actor.mini_batch_size: "
+                           + TABLE["actor_rollout_ref.actor.ppo_mini_batch_size"].how)
+    assert "\n  actor.mini_batch_size: int = 0\n      sequences per optimizer step" in text
+    assert help_text("trainer.logger", describe).startswith(
+        "verl key trainer.logger: translated to trainer.loggers, the value converted (verl's loggers, with jsonl added")
+    assert "accepted, no effect: offstep cuts padding itself" in help_text("actor_rollout_ref.model.use_remove_padding", describe)
+    assert help_text("actor_rollout_ref.actor.strategy", describe).startswith(
+        "verl key actor_rollout_ref.actor.strategy: refused: offstep trains with FSDP2 only; drop the megatron keys "
+        "(and use strategy=fsdp2); accepted with a note when it is fsdp or fsdp2")
+    # a key under a group's rule, as a command line gives it; a group of verl keys; one the table does not know
+    assert help_text("+actor_rollout_ref.model.override_config.rope_theta", describe).startswith(
+        "verl key actor_rollout_ref.model.override_config.rope_theta (the rule for actor_rollout_ref.model."
+        "override_config.*): translated to model.override_config.rope_theta")
+    group = help_text("actor_rollout_ref.rollout.val_kwargs", describe).splitlines()
+    assert group[0].startswith("verl keys under actor_rollout_ref.rollout.val_kwargs") and len(group) == 6
+    assert "  actor_rollout_ref.rollout.val_kwargs.top_p: translated to rollout.val_top_p" in group
+    assert "not in offstep's table, so a command line with it is refused" in help_text("actor_rollout_ref.foo", describe)
+    # a key both have: offstep's help, then verl's; an offstep key verl does not have: offstep's only
+    both = help_text("data.train_batch_size", describe)
+    assert both.startswith("  data.train_batch_size: int") and both.endswith(
+        "verl key data.train_batch_size: translated to data.train_batch_size (docs/from-verl.md)")
+    assert "verl" not in help_text("rollout.n", describe)
+    with pytest.raises(KeyError, match="no configuration key 'rollout.nn'"):
+        help_text("rollout.nn", describe)
+    # the command as docs/from-verl.md gives it: offstep train --help actor_rollout_ref.actor.ppo_mini_batch_size
+    assert main(["train", "--help", "actor_rollout_ref.actor.ppo_mini_batch_size"]) == 0
+
+
 def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
     import importlib.util
 

@@ -104,6 +104,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "python scripts/verl_keys_table.py": ("test", "tests/test_verl_compat.py::test_docs_page_holds_the_table_and_one_command"),
     # docs/from-verl.md and docs/clusters-and-gpus.md: a GPU script checked here
     "offstep train --cfg --gpus N ...": ("test", "tests/test_verl_layout.py::test_gpus_flag_checks_a_gpu_script_here"),
+    "offstep train --help actor_rollout_ref.actor.ppo_mini_batch_size":
+        ("test", "tests/test_config.py::test_help_explains_a_verl_key_by_the_table"),
     # docs/fully-async.md
     "offstep train pipeline.mode=fully_async": CFG,
     "offstep train pipeline.mode=fully_async pipeline.max_staleness=4 rollout.partial=recompute": CFG,

@@ -193,6 +193,22 @@ def test_verl_lora_keys_are_translated():
     assert cfg.actor.lora.target_modules == ["q_proj", "v_proj"]
 
 
+def test_verl_e2e_scripts_lora_and_reward_defaults():
+    # tests/special_e2e/ppo_trainer/run_function_reward.sh: LoRA off, its exclude_modules a name that
+    # matches no layer, the fused-kernel options of kernels it does not use, and verl's null function name
+    cfg, notes = load(["preset=tiny", "actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.exclude_modules=DONT_EXCLUDE",
+                       "actor_rollout_ref.model.use_fused_kernels=False",
+                       "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch",
+                       "custom_reward_function.path=null", "custom_reward_function.name=null"])
+    assert (cfg.reward.custom_path, cfg.reward.custom_name) == (None, "compute_score")
+    assert any(n.startswith("actor_rollout_ref.model.fused_kernel_options.impl_backend: accepted, no effect") for n in notes)
+    # excluding layers from LoRA is refused, naming the key offstep has instead
+    with pytest.raises(ConfigError, match="exclude_modules='.*lm_head.*' is refused: .*actor.lora.target_modules"):
+        load(["preset=tiny", "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.exclude_modules=.*lm_head.*"])
+    cfg, _ = load(["preset=tiny", "custom_reward_function.name=my_score"])
+    assert cfg.reward.custom_name == "my_score"
+
+
 def test_values_with_verl_conventions():
     cfg, notes = load([
         "preset=tiny", "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "algorithm.adv_estimator=grpo_vectorized",

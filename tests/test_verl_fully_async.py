@@ -20,11 +20,18 @@ SCRIPTS = Path(__file__).resolve().parent / "verl_fully_async"
 ROWS = 600  # training rows of the synthetic data the scripts read here
 
 
+def recorded_args(file: Path, swap: dict[str, str] | None = None, fill: dict[str, str] | None = None) -> list[str]:
+    """The arguments recorded in ``file`` (one a line, ``#`` comments), the value of each key in
+    ``swap`` replaced and each ``{placeholder}`` named in ``fill`` filled in."""
+    args = [a for a in file.read_text().splitlines() if a and not a.startswith("#")]
+    swap, fill = swap or {}, fill or {}
+    args = [f"{a.split('=')[0]}={swap[a.split('=')[0]]}" if a.split("=")[0] in swap else a for a in args]
+    return [re.sub(r"\{(\w+)\}", lambda m: fill.get(m[1], m[0]), a) for a in args]
+
+
 def script_args(name: str, train: str, val: str) -> list[str]:
     """A script's arguments, its data files replaced by the synthetic ones."""
-    args = [a for a in (SCRIPTS / f"{name}.args").read_text().splitlines() if a and not a.startswith("#")]
-    swap = {"data.train_files": train, "data.val_files": val}
-    return [f"{a.split('=')[0]}={swap[a.split('=')[0]]}" if a.split("=")[0] in swap else a for a in args]
+    return recorded_args(SCRIPTS / f"{name}.args", {"data.train_files": train, "data.val_files": val})
 
 
 def key_of(arg: str) -> str:

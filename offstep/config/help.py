@@ -20,6 +20,7 @@ import shutil
 import sys
 import textwrap
 from dataclasses import dataclass
+from typing import Callable
 
 from offstep.config import schema
 
@@ -29,7 +30,8 @@ usage: offstep train [key=value ...] [--cfg] [--help [KEY_OR_PREFIX]]
   key=value              set a key (Hydra overrides: rollout.n=8, data.train_files=[a.parquet])
   preset=NAME            start from offstep/config/preset/NAME.yaml (default, tiny)
   --cfg                  print the resolved configuration and exit
-  --help [KEY_OR_PREFIX] this help; with a key (rollout.n) or a prefix (rollout) only those keys
+  --help [KEY_OR_PREFIX] this help; with a key (rollout.n) or a prefix (rollout) only those keys;
+                         with a verl key (actor_rollout_ref.actor.ppo_mini_batch_size) what it becomes
 """
 
 
@@ -124,20 +126,33 @@ def format_keys(keys: list[KeyHelp], width: int = 100) -> str:
     return "\n".join(lines).lstrip("\n")
 
 
-def help_text(query: str | None = None) -> str:
-    """``offstep train --help [query]``: the usage and every key, or only the keys of ``query``."""
+def help_text(query: str | None = None, verl: Callable[[str], str | None] | None = None) -> str:
+    """``offstep train --help [query]``: the usage and every key, or only the keys of ``query``.
+    ``verl`` (``offstep.config.verl.keyhelp.describe``, passed in by the command: this module sits
+    below the translation) says what a verl key becomes; it answers a query that is no offstep key
+    or prefix, and is added to an offstep key that verl has too (data.train_batch_size)."""
     width = min(100, shutil.get_terminal_size((100, 24)).columns)
-    body = format_keys(select(query), width)
-    return body if query else USAGE + "\n" + body
+    if not query:
+        return USAGE + "\n" + format_keys(select(query), width)
+    try:
+        keys = select(query)
+    except KeyError:
+        mapped = verl(query) if verl else None
+        if mapped is None:
+            raise
+        return mapped
+    mapped = verl(query) if verl and any(k.key == query.strip(".") for k in keys) else None
+    return format_keys(keys, width) + (f"\n\n{mapped}" if mapped else "")
 
 
-def print_help(argv: list[str]) -> int:
+def print_help(argv: list[str], verl: Callable[[str], str | None] | None = None) -> int:
     """Print the help asked for by ``argv`` (the arguments of ``offstep train``, holding ``--help``
-    or ``-h``, the word after it the key or prefix, if any); return the exit status."""
+    or ``-h``, the word after it the key or prefix, if any); return the exit status. ``verl``: as
+    for ``help_text``."""
     i = next(j for j, a in enumerate(argv) if a in ("--help", "-h"))
     query = argv[i + 1] if i + 1 < len(argv) and "=" not in argv[i + 1] and not argv[i + 1].startswith("-") else None
     try:
-        print(help_text(query), flush=True)
+        print(help_text(query, verl), flush=True)
     except KeyError as e:
         print(f"offstep: {e.args[0]}", file=sys.stderr)
         return 2

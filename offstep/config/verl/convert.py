@@ -30,6 +30,7 @@ def never_validate(key: str, v: Any) -> int:
 
 
 def whole(key: str, v: Any) -> int:
+    """A whole number, as verl's integer fields take."""
     if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
         raise fail(key, v, "expected a whole number")
     return int(v)
@@ -48,10 +49,12 @@ def target_modules(key: str, v: Any) -> list:
 
 
 def top_k(key: str, v: Any) -> int:
-    return max(0, whole(key, v))  # verl -1 (and 0) = off; offstep 0 = off
+    """verl's -1 (and 0) is "off", offstep's 0."""
+    return max(0, whole(key, v))
 
 
 def dtype(key: str, v: Any) -> str:
+    """verl's bf16 and fp32 are offstep's bfloat16 and float32."""
     names = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
     if str(v) not in names:
         raise fail(key, v, "offstep keeps weights in float32 or bfloat16; use bf16 or fp32")
@@ -59,7 +62,13 @@ def dtype(key: str, v: Any) -> str:
 
 
 def zero_if_null(key: str, v: Any) -> Any:
+    """verl's null is offstep's 0."""
     return 0 if v is None else v
+
+
+def function_name(key: str, v: Any) -> str:
+    """verl's null function name is its default, compute_score."""
+    return "compute_score" if v is None else v
 
 
 def dict_or_empty(key: str, v: Any) -> dict:
@@ -77,13 +86,15 @@ def files(key: str, v: Any) -> Any:
 
 
 def val_max_samples(key: str, v: Any) -> int:
-    return max(0, whole(key, v))  # verl -1 = all; offstep 0 = all
+    """verl's -1 ("all") is offstep's 0."""
+    return max(0, whole(key, v))
 
 
 LOGGERS = {"console": "console", "wandb": "wandb", "tensorboard": "tensorboard"}
 
 
 def loggers(key: str, v: Any) -> list[str]:
+    """verl's loggers, with jsonl added (offstep report reads metrics.jsonl)."""
     names = [v] if isinstance(v, str) else list(v or [])
     unknown = [n for n in names if n not in LOGGERS]
     if unknown:
@@ -96,6 +107,7 @@ ESTIMATOR_ALIASES = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}  # ve
 
 
 def estimator(key: str, v: Any) -> Any:
+    """verl's vectorised copies (grpo_vectorized) are the estimators they copy."""
     if v in ("optimal_token_baseline", "tir_optimal_token_baseline"):
         raise fail(key, v, "offstep has no optimal-token-baseline estimator; use grpo, rloo or opo")
     return ESTIMATOR_ALIASES.get(v, v)
@@ -105,6 +117,7 @@ LOSS_MODES = {"vanilla": "ppo", "gspo": "gspo", "cispo": "cispo", "gpg": "pg"}
 
 
 def loss_mode(key: str, v: Any) -> str:
+    """verl's vanilla is offstep's ppo, gpg its pg; gspo and cispo keep their names."""
     if v not in LOSS_MODES:
         raise fail(key, v, f"offstep's surrogates are {sorted(LOSS_MODES)} (verl names; offstep's "
                    f"algorithm.policy_loss: ppo, gspo, cispo, pg)")
@@ -112,18 +125,21 @@ def loss_mode(key: str, v: Any) -> str:
 
 
 def kl_type(key: str, v: Any) -> Any:
+    """verl's names (low_var_kl, k1, k2, k3+); the full-vocabulary KL is refused."""
     if v == "full":
         raise fail(key, v, "the full-vocabulary KL is not offered; use low_var_kl (k3), k1, k2 or their + variants")
     return v
 
 
 def boolean(key: str, v: Any) -> bool:
+    """true or false, nothing else."""
     if not isinstance(v, bool):
         raise fail(key, v, "expected true or false")
     return v
 
 
 def at_least_one(key: str, v: Any) -> int:
+    """A whole number >= 1, as verl requires."""
     n = whole(key, v)
     if n < 1:
         raise fail(key, v, "must be >= 1, as in verl")

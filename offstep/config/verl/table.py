@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from offstep.config.verl.convert import (dict_or_empty, dtype, estimator, files, kl_type, loggers, loss_mode, never,
-                                         never_validate, target_modules, top_k, val_max_samples, whole,
-                                         zero_if_null)
+from offstep.config.verl.convert import (dict_or_empty, dtype, estimator, files, function_name, kl_type, loggers,
+                                         loss_mode, never, never_validate, target_modules, top_k, val_max_samples,
+                                         whole, zero_if_null)
 
 # First parts of verl's keys that offstep's schema does not have: such a key is verl's, and one the
 # table does not know is refused. (data, algorithm, trainer, critic, rollout are shared.)
@@ -90,6 +90,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.model.lora_alpha": To("actor.lora.alpha"),
     "actor_rollout_ref.model.target_modules": To("actor.lora.target_modules", target_modules,
                                                  "all-linear: the 7 attention and MLP projections"),
+    "actor_rollout_ref.model.exclude_modules": Refuse("offstep's LoRA adapts the layers actor.lora.target_modules names; list the ones to adapt there", allow=(None, "DONT_EXCLUDE")),
     "actor_rollout_ref.model.override_config": To("model.override_config", dict_or_empty, "applied to the model's transformers config at load; a name it does not have is refused then"),
     "actor_rollout_ref.model.external_lib": Refuse("offstep imports no model libraries", allow=(None,)),
     "actor_rollout_ref.model.custom_chat_template": Refuse("offstep uses the tokenizer's chat template", allow=(None,)),
@@ -245,7 +246,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "data.apply_chat_template_kwargs": Refuse("offstep applies the chat template with its defaults", allow=({}, None)),
     # reward
     "custom_reward_function.path": To("reward.custom_path"),
-    "custom_reward_function.name": To("reward.custom_name"),
+    "custom_reward_function.name": To("reward.custom_name", function_name),
     "reward_model.enable": Refuse("offstep scores with rule functions (built-in per data_source, or custom_reward_function.path); no reward model", allow=(False,)),
     "reward_model.reward_manager": Refuse("offstep scores one response per call (naive); DAPO's overlong buffer is algorithm.overlong_penalty", allow=("naive", "dapo")),
     "reward_model.reward_kwargs.overlong_buffer_cfg.enable": To("algorithm.overlong_penalty"),
@@ -382,6 +383,7 @@ PREFIXES: list[tuple[str, To | Note | Refuse]] = [
     ("ray_kwargs.", Note("offstep starts Ray itself; resources.ray_address joins an existing cluster")),
     ("transfer_queue.", Note("offstep passes batches through Ray's object store")),
     ("async_training.checkpoint_engine.", Note("weight-transfer tuning: pipeline.mode=fully_async sends the weights by pipeline.weight_sync=object_store, each load checked by its digest")),
+    ("actor_rollout_ref.model.fused_kernel_options.", Note("kernel choice; offstep uses PyTorch's")),
     ("actor_rollout_ref.model.override_config.", To("model.override_config.", note="applied to the model's transformers config at load; a name it does not have is refused then")),
     ("actor_rollout_ref.actor.optim.override_optimizer_config.", Refuse("offstep's AdamW takes only lr, betas, weight_decay")),
 ]
