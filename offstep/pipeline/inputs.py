@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from offstep.config.choices import TOOL_AGENT
+from offstep.config.choices import OPENAI_AGENT, TOOL_AGENT
 from offstep.config.schema import AgentConfig, Config
 from offstep.data.dataset import EncodedPrompt, PromptRecord, check_rule_ground_truths, encode_prompts, load_records
 from offstep.data.tasks import write_task
@@ -18,6 +18,7 @@ from offstep.errors import ModelError
 from offstep.files import refuse_links_under
 from offstep.models.loading import load_tokenizer, resolve_model, with_config_overrides
 from offstep.rewards.registry import RewardFunction
+from offstep.rollout.openai_agent import load_agent
 from offstep.rollout.tools import load_tools
 from offstep.rollout.worker import Request
 
@@ -59,13 +60,19 @@ def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
 
 
 def _tools_for(records: list[PromptRecord], cfg: Config) -> tuple[AgentConfig | None, list[dict] | None]:
-    """The agent config and the tools' schemas when some row is a tool row (the tool file is
-    imported here, so that a bad file or name fails before any worker starts)."""
-    if not any(r.agent_name == TOOL_AGENT for r in records):
+    """The agent config when some row is a tool row or an OpenAI agent's, and the tools' schemas
+    when some row is a tool row (the tool file and the agent file are imported here, so that a bad
+    file or name fails before any worker starts)."""
+    names = {r.agent_name for r in records}
+    if not names & {TOOL_AGENT, OPENAI_AGENT}:
         return None, None
     if cfg.algorithm.adv_estimator == "remax":
-        raise ValueError("algorithm.adv_estimator=remax with tool rows (agent_name=tool_agent): its greedy baseline "
-                         "is a single-turn response; use grpo, rloo or another estimator with tools")
+        raise ValueError("algorithm.adv_estimator=remax with tool rows or OpenAI agents (agent_name=tool_agent or "
+                         "openai): its greedy baseline is a single-turn response; use grpo, rloo or another estimator")
+    if OPENAI_AGENT in names:
+        load_agent(cfg.rollout.agent.openai_path, cfg.rollout.agent.openai_name)
+    if TOOL_AGENT not in names:
+        return cfg.rollout.agent, None
     tools = load_tools(cfg.rollout.agent.tools_path, list(cfg.rollout.agent.tools), cfg.rollout.agent.tool_timeout_s)
     return cfg.rollout.agent, [t.schema for t in tools]
 
@@ -132,4 +139,4 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
 def to_request(p: EncodedPrompt, uid: int) -> Request:
     r = p.record
     return Request(uid=uid, prompt_ids=p.prompt_ids, data_source=r.data_source, ground_truth=r.ground_truth,
-                   extra_info=r.extra_info or {}, agent_name=r.agent_name)
+                   extra_info=r.extra_info or {}, agent_name=r.agent_name, messages=r.messages)
