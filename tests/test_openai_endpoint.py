@@ -332,8 +332,20 @@ def test_config_needs_the_agent_file_before_start():
     assert "batch mode only" in msg
 
 
-def test_the_example_agent_file_loads():
+def test_the_calculator_openai_preset(tmp_path, monkeypatch):
+    """preset=calculator_openai: the calculator task's rows answered by the example agent, whose
+    file resolves from the repository's root; nothing refused before start."""
     from pathlib import Path
 
-    example = Path(__file__).resolve().parent.parent / "examples" / "agents" / "calculator_agent.py"
-    assert load_agent(str(example)).__name__ == "rollout"
+    from offstep.config.loader import load_config
+    from offstep.config.validate import problems
+    from offstep.data.tasks import write_task
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)
+    cfg = load_config(["preset=calculator_openai"])
+    assert problems(cfg) == [] and cfg.rollout.agent.openai_path == "examples/agents/calculator_agent.py"
+    assert load_agent(cfg.rollout.agent.openai_path).__name__ == "rollout"
+    import pyarrow.parquet as pq
+
+    train, _ = write_task("calculator", str(tmp_path), 4, 2, 0, **cfg.data.task_options)
+    assert set(pq.read_table(train).column("agent_name").to_pylist()) == {"openai"}

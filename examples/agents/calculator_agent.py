@@ -7,6 +7,7 @@ it is offstep's but the calculator itself: the same function runs against any Op
 """
 
 import json
+import re
 
 from offstep.rollout.tools import calculator  # an exact, eval-free arithmetic evaluator
 
@@ -23,8 +24,8 @@ async def rollout(client, row) -> dict:
         reply = await client.chat.completions.create(model=row["model"], messages=messages, tools=TOOLS)
         choice = reply.choices[0]
         if not choice.message.tool_calls:  # a plain answer: score it, unless the token budget cut it
-            answered = choice.finish_reason == "stop"
-            correct = answered and str(row["ground_truth"]) in (choice.message.content or "")
+            numbers = re.findall(r"-?\d+", choice.message.content or "")  # its last number is the answer
+            correct = choice.finish_reason == "stop" and bool(numbers) and numbers[-1] == str(row["ground_truth"])
             return {"score": float(correct), "acc": float(correct)}
         messages.append(choice.message.model_dump(exclude_none=True))
         for call in choice.message.tool_calls:

@@ -227,6 +227,9 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
     if ag.tools_path:
         _need(Path(ag.tools_path).is_file(), f"rollout.agent.tools_path={ag.tools_path!r} does not exist; give the path "
               f"of a Python file defining the tool functions {list(ag.tools)}", e)
+    if ag.openai_path:
+        _need(Path(ag.openai_path).is_file(), f"rollout.agent.openai_path={ag.openai_path!r} does not exist; give the "
+              f"path of a Python file defining async def {ag.openai_name}(client, row) (docs/openai-agents.md)", e)
     _check_devices(cfg, cpu_count, gpu_count, e)
     if cfg.reward.custom_path:
         _need(Path(cfg.reward.custom_path).is_file(),
