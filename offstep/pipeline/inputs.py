@@ -139,4 +139,5 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
 def to_request(p: EncodedPrompt, uid: int) -> Request:
     r = p.record
     return Request(uid=uid, prompt_ids=p.prompt_ids, data_source=r.data_source, ground_truth=r.ground_truth,
-                   extra_info=r.extra_info or {}, agent_name=r.agent_name, messages=r.messages)
+                   extra_info=r.extra_info or {}, agent_name=r.agent_name,
+                   messages=r.messages if r.agent_name == OPENAI_AGENT else [])  # only an OpenAI agent reads them

@@ -93,9 +93,9 @@ class OpenAIRunner:
         """``params.n`` rollouts per request, request-major, through an endpoint that serves for the
         length of this call; the samples, scored with what the agent returned."""
         server = OpenAIServer(engine, self.tok, self.eos, self.spec.format, params.max_new_tokens, (MODEL_NAME,),
-                              sampling=params, seed=seed).start()
+                              sampling=params, seed=seed).start(engine_thread=False)
         try:
-            outcomes = asyncio.run(self._all(server, requests, params.n, progress))
+            outcomes = server.drive(lambda: self._all(server, requests, params.n, progress))
         finally:
             server.close()
         if server.batcher.error is not None:  # the agents saw 500s; the run must not go on as if they had not

@@ -24,6 +24,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from offstep.rollout.openai_record import Choice, Session, render
@@ -33,28 +34,31 @@ from offstep.rollout.types import Completion, SamplingParams
 
 class Batcher:
     """The engine's one caller while the endpoint serves: waiting requests go to ``generate``
-    together, one call per distinct ``SamplingParams``."""
+    together, one call per distinct ``SamplingParams``. ``loop`` runs on the thread that owns the
+    engine (the rollout worker's: vLLM's CPU kernels check the thread they run on) until ``stop``."""
 
     def __init__(self, engine, seed: int):
         self.engine, self.seed, self.batches = engine, seed, 0
         self.cond = threading.Condition()
         self.pending: list[tuple[list[int], SamplingParams, Future]] = []
-        self.closed = False
+        self.stopped = False
         self.error: BaseException | None = None  # the engine failed: the generation call fails too
-        self.thread = threading.Thread(target=self._run, name="openai-engine", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None
 
     def submit(self, prompt: list[int], params: SamplingParams) -> Future:
         fut: Future = Future()
         with self.cond:
-            self.pending.append((prompt, params, fut))
-            self.cond.notify()
+            if self.stopped:
+                fut.set_exception(RuntimeError("the endpoint's engine has stopped"))
+            else:
+                self.pending.append((prompt, params, fut))
+                self.cond.notify()
         return fut
 
-    def _run(self) -> None:
+    def loop(self) -> None:
         while True:
             with self.cond:
-                while not self.pending and not self.closed:
+                while not self.pending and not self.stopped:
                     self.cond.wait()
                 if not self.pending:
                     return
@@ -75,11 +79,18 @@ class Batcher:
                 for k, (_, _, fut) in enumerate(items):
                     fut.set_result(out[k * params.n:(k + 1) * params.n])
 
-    def close(self) -> None:
+    def start_thread(self) -> None:
+        """Run ``loop`` on a thread of its own (an engine that any thread may drive)."""
+        self.thread = threading.Thread(target=self.loop, name="openai-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        """``loop`` returns once the requests already submitted are answered."""
         with self.cond:
-            self.closed = True
+            self.stopped = True
             self.cond.notify_all()
-        self.thread.join(timeout=60)
+        if self.thread is not None:
+            self.thread.join(timeout=60)
 
 
 class OpenAIServer:
@@ -97,10 +108,13 @@ class OpenAIServer:
         self._server = self._thread = self._sock = self.batcher = None
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self) -> "OpenAIServer":
+    def start(self, engine_thread: bool = True) -> "OpenAIServer":
+        """Serve. ``engine_thread=False``: the caller runs ``batcher.loop()`` on the engine's own thread."""
         import uvicorn
 
         self.batcher = Batcher(self.engine, self.seed)
+        if engine_thread:
+            self.batcher.start_thread()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))  # loopback only; the OS picks the port
         self.port = self._sock.getsockname()[1]
@@ -121,8 +135,29 @@ class OpenAIServer:
             self._server.should_exit = True
             self._thread.join(timeout=30)
             self._sock.close()
-            self.batcher.close()
+            self.batcher.stop()
             self._server = None
+
+    def drive(self, work: Callable[[], Awaitable]) -> Any:
+        """Run the coroutine ``work()`` (the agents) on a thread of its own while this thread, the
+        engine's, generates what it asks for (after ``start(engine_thread=False)``); its result."""
+        box: dict = {}
+
+        def agents() -> None:
+            try:
+                box["out"] = asyncio.run(work())
+            except BaseException as exc:  # noqa: BLE001 - raised below, on the engine's thread
+                box["error"] = exc
+            finally:
+                self.batcher.stop()
+
+        thread = threading.Thread(target=agents, name="openai-agents", daemon=True)
+        thread.start()
+        self.batcher.loop()
+        thread.join()
+        if "error" in box:
+            raise box["error"]
+        return box["out"]
 
     def base_url(self, session: str | None = None) -> str:
         where = f"/s/{session}" if session else ""
