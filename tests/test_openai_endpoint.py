@@ -288,7 +288,9 @@ def test_runner_scores_each_rollout_with_what_the_agent_returned(parts, tmp_path
     runner = OpenAIRunner(AgentConfig(openai_path=str(path)), tok, eos)
     requests = [Request(uid=7, prompt_ids=[1], data_source="t", ground_truth="1", extra_info={}, agent_name="openai",
                         messages=USER)]
+    listening = _listening_ports()
     samples = runner.run(engine, requests, SamplingParams(n=2, max_new_tokens=30), seed=0)
+    assert _listening_ports() == listening  # the endpoint served this call only: its socket is gone
     assert len(samples) == 2 and {s.uid for s in samples} == {7}
     for s in samples:
         assert s.agent.turns == 2 and s.agent.prefix_breaks == 0 and s.reward_extra == {"calls": 2.0}
@@ -302,6 +304,27 @@ def test_runner_scores_each_rollout_with_what_the_agent_returned(parts, tmp_path
         bad = OpenAIRunner(AgentConfig(openai_path=str(path), openai_name=name), tok, eos)
         with pytest.raises(AgentError, match=match):
             bad.run(engine, requests, SamplingParams(n=1, max_new_tokens=4), seed=0)
+
+
+def _listening_ports() -> set[int]:
+    import psutil
+
+    return {c.laddr.port for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN}
+
+
+def test_the_example_agent_runs_against_the_endpoint(parts):
+    """examples/agents/calculator_agent.py through the runner: the scripted model answers with a
+    call of x, not of the calculator, which the agent reads as a plain (wrong) answer."""
+    from pathlib import Path
+
+    tok, eos, engine = parts
+    example = Path(__file__).resolve().parent.parent / "examples" / "agents" / "calculator_agent.py"
+    runner = OpenAIRunner(AgentConfig(openai_path=str(example)), tok, eos)
+    rows = [Request(uid=0, prompt_ids=[1], data_source="calculator", ground_truth="437", agent_name="openai",
+                    messages=[{"role": "user", "content": "What is 23 * 19?"}])]
+    (sample,) = runner.run(engine, rows, SamplingParams(n=1, max_new_tokens=20), seed=0)
+    assert sample.score == 0.0 and sample.reward_extra == {"acc": 0.0} and sample.agent.turns == 1
+    assert sample.agent.tool_calls == 0  # "<x>5 </x>" is no call of the tools the agent offers
 
 
 def test_load_agent_names_the_key_and_the_fix(tmp_path):

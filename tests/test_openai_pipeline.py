@@ -43,3 +43,21 @@ def test_openai_agent_rows_train(tmp_path, ray_session):
     assert rows and all(r["turns"] in (1, 2) for r in rows)
     for r in rows:  # the reward is what the agent function returned
         assert 0 <= r["reward"] - len(r["prompt"]) % 3 < 1, r
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_calculator_openai_preset_calls_the_tool(tmp_path, ray_session, monkeypatch):
+    """preset=calculator_openai on SmolLM2-135M, one step of a few prompts: through the endpoint,
+    the model calls the calculator (parsed into tool_calls), the tool turns are masked, no history
+    breaks."""
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # the preset names the example agent from the root
+    train(load_config([
+        "preset=calculator_openai", "trainer.total_steps=1", f"trainer.output_dir={tmp_path}", "trainer.progress=off",
+        "trainer.val_before_train=false", "data.train_batch_size=4", "data.task_val_size=4",
+    ]))
+    m = read_jsonl(tmp_path / "metrics.jsonl")[0]
+    assert m["agent/tool_calls/mean"] > 0 and m["agent/turns/max"] >= 2, m
+    assert 0 < m["agent/masked_token_frac"] < 1 and m["agent/prefix_breaks"] == 0
