@@ -20,7 +20,8 @@ from scripted_model import CALL_TEXT, X_TOOL, scripted_model
 from offstep.config.schema import AgentConfig
 from offstep.rollout.agent_loop import AgentRunner
 from offstep.rollout.engine import TorchEngine
-from offstep.rollout.openai_agent import AgentConfigError, AgentError, OpenAIRunner, load_agent
+from offstep.errors import ToolConfigError
+from offstep.rollout.openai_agent import AgentError, OpenAIRunner, load_agent
 from offstep.rollout.openai_server import OpenAIServer
 from offstep.rollout.types import SamplingParams
 from offstep.rollout.worker import Request
@@ -332,15 +333,15 @@ def test_load_agent_names_the_key_and_the_fix(tmp_path):
     path.write_text(AGENT)
     assert load_agent(str(path)).__name__ == "rollout"
     cases = [(None, "rollout", "rollout.agent.openai_path is not set"),
-             (str(tmp_path / "missing.py"), "rollout", "no such file"),
+             (str(tmp_path / "missing.py"), "rollout", "agent file .*missing.py not found.*rollout.agent.openai_path"),
              (str(path), "nope", r"no function 'nope' \(rollout.agent.openai_name\).*\['no_call', 'returns_text', 'rollout'\]"),
              (str(path), "not_async", "is not async.*async def not_async")]
     for p, name, match in cases:
-        with pytest.raises(AgentConfigError, match=match):
+        with pytest.raises(ToolConfigError, match=match):
             load_agent(p, name)
     broken = tmp_path / "broken.py"
     broken.write_text("import nosuchmodule_xyz\n")
-    with pytest.raises(AgentConfigError, match="failed to import"):
+    with pytest.raises(ToolConfigError, match="agent file .* failed to import"):
         load_agent(str(broken))
 
 

@@ -70,7 +70,7 @@ def _tools_for(records: list[PromptRecord], cfg: Config) -> tuple[AgentConfig | 
         raise ValueError("algorithm.adv_estimator=remax with tool rows or OpenAI agents (agent_name=tool_agent or "
                          "openai): its greedy baseline is a single-turn response; use grpo, rloo or another estimator")
     if OPENAI_AGENT in names:
-        load_agent(cfg.rollout.agent.openai_path, cfg.rollout.agent.openai_name)
+        load_agent(cfg.rollout.agent.openai_path, cfg.rollout.agent.openai_name, cfg.rollout.agent.tool_timeout_s)
     if TOOL_AGENT not in names:
         return cfg.rollout.agent, None
     tools = load_tools(cfg.rollout.agent.tools_path, list(cfg.rollout.agent.tools), cfg.rollout.agent.tool_timeout_s)

@@ -12,11 +12,7 @@ sample is what its session recorded (``offstep.rollout.openai_record``). docs/op
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib.util
 import inspect
-import sys
-from pathlib import Path
 from typing import Any, Callable
 
 from offstep.batch import AgentStats, Sample
@@ -24,9 +20,10 @@ from offstep.config.schema import AgentConfig
 from offstep.errors import RewardError, ToolConfigError
 from offstep.rewards.registry import score_of
 from offstep.rollout.openai_server import OpenAIServer
+from offstep.rollout.tools import IMPORT_TIMEOUT_S, import_file
 from offstep.rollout.types import SamplingParams
 
-KEYS = {"path": "rollout.agent.openai_path", "name": "rollout.agent.openai_name"}
+KEYS = {"path": "rollout.agent.openai_path", "name": "rollout.agent.openai_name", "timeout": "rollout.agent.tool_timeout_s"}
 MODEL_NAME = "policy"  # the model name the endpoint serves (row["model"])
 SIGNATURE = "async def {}(client, row) -> float | dict"
 
@@ -39,28 +36,15 @@ class AgentError(RewardError):
     """An agent function failed during a rollout, or returned no usable reward."""
 
 
-def load_agent(path: str | None, name: str = "rollout", keys: dict = KEYS) -> Callable[..., Any]:
-    """The ``async`` function ``name`` of the Python file ``path``; raises :class:`AgentConfigError`
-    naming the setting and the fix."""
+def load_agent(path: str | None, name: str = "rollout", timeout_s: float | None = IMPORT_TIMEOUT_S,
+               keys: dict = KEYS) -> Callable[..., Any]:
+    """The ``async`` function ``name`` of the Python file ``path`` (imported within ``timeout_s``
+    seconds); raises :class:`ToolConfigError` naming the setting and the fix."""
     sig = SIGNATURE.format(name)
     if not path:
         raise AgentConfigError(f"{keys['path']} is not set: rows with agent_name=openai are answered by an agent "
                                f"function. Fix: set {keys['path']} to a Python file that defines {sig}")
-    file = Path(path).expanduser().resolve()
-    if not file.is_file():
-        raise AgentConfigError(f"{keys['path']}={path}: no such file. Fix: point it at the Python file that defines {sig}")
-    module_name = f"offstep_openai_agent_{hashlib.sha1(str(file).encode()).hexdigest()[:12]}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise AgentConfigError(f"{keys['path']}={path} cannot be imported as a Python module. Fix: give a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        sys.modules.pop(module_name, None)
-        raise AgentConfigError(f"{keys['path']}={path} failed to import: {type(exc).__name__}: {exc}. Fix: make it "
-                               "importable on its own (run `python <file>` to see the error)") from exc
+    module = import_file(path, timeout_s, keys, "agent file", sig)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         found = sorted(k for k, v in vars(module).items() if inspect.iscoroutinefunction(v) and not k.startswith("_"))
@@ -87,7 +71,7 @@ class OpenAIRunner:
 
     def __init__(self, spec: AgentConfig, tokenizer, eos_ids):
         self.spec, self.tok, self.eos = spec, tokenizer, list(eos_ids)
-        self.fn = load_agent(spec.openai_path, spec.openai_name)
+        self.fn = load_agent(spec.openai_path, spec.openai_name, spec.tool_timeout_s)
 
     def run(self, engine, requests: list, params: SamplingParams, seed: int, progress=None) -> list[Sample]:
         """``params.n`` rollouts per request, request-major, through an endpoint that serves for the

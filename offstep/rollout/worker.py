@@ -105,7 +105,7 @@ class RolloutWorker:
         self.pad_id = tok.pad_token_id
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
         self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
-        self.agent = agent  # the tool loops of tool_agent rows, started at their first call
+        self.agent = agent  # rollout.agent: the tool loops and OpenAI agents of their rows, started at their first call
         self._agent_runner: AgentRunner | None = None
         self._openai_runner: OpenAIRunner | None = None
         self._tok, self._eos = tok, eos
