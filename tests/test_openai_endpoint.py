@@ -373,3 +373,26 @@ def test_the_calculator_openai_preset(tmp_path, monkeypatch):
 
     train, _ = write_task("calculator", str(tmp_path), 4, 2, 0, **cfg.data.task_options)
     assert set(pq.read_table(train).column("agent_name").to_pylist()) == {"openai"}
+
+
+def test_a_dataset_only_agents_score_is_not_refused(tmp_path):
+    """Rows answered by an OpenAI agent need no scorer: a data source without one and a ground
+    truth no rule scorer reads are fine, for the checks before start and the inputs' preparation."""
+    from offstep.config.loader import load_config
+    from offstep.pipeline.inputs import prepare_inputs
+    from offstep.pipeline.preflight import environment_problems
+
+    data = tmp_path / "tasks.jsonl"
+    row = {"prompt": [{"role": "user", "content": "Book a table."}], "data_source": "my_env",
+           "reward_model": {"ground_truth": {"booked": True}}}
+    data.write_text("\n".join(json.dumps(row) for _ in range(4)) + "\n")
+    agent = tmp_path / "agent.py"
+    agent.write_text(AGENT)
+    cfg = load_config(["preset=tiny", f"data.train_files=[{data}]", f"data.val_files=[{data}]", "data.train_batch_size=2",
+                       "rollout.agent.default_agent=openai", f"rollout.agent.openai_path={agent}"])
+    assert not [p for p in environment_problems(cfg) if "my_env" in p or "scorer" in p]
+    inputs = prepare_inputs(cfg, tmp_path / "run")
+    assert inputs.agent is cfg.rollout.agent and {p.record.agent_name for p in inputs.train} == {"openai"}
+    # without the agent, the same rows are refused: nothing would score them
+    with pytest.raises(Exception, match="my_env"):
+        prepare_inputs(load_config(["preset=tiny", f"data.train_files=[{data}]", "data.train_batch_size=2"]), tmp_path / "r2")

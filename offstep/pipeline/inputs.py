@@ -51,8 +51,9 @@ def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
     for f in files:
         loaded = load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                               default_agent=cfg.rollout.agent.default_agent)
+        scored = [r for r in loaded if r.agent_name != OPENAI_AGENT]  # an OpenAI agent's return is its reward
         if not cfg.reward.custom_path:  # the built-in scorers compare with one string or number
-            check_rule_ground_truths(loaded, f)
+            check_rule_ground_truths(scored, f)
         records.extend(loaded)
     for i, r in enumerate(records):  # indices unique across files
         r.index = i
@@ -130,9 +131,10 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
             f"{cfg.data.train_batch_size}; lower data.train_batch_size or add data"
         )
     reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name, cfg.reward.timeout_s)
-    reward.check_sources({p.record.data_source for p in train + val})
-    first = train[0].record
-    reward.check_call(first.data_source, first.ground_truth, first.extra_info or {})
+    scored = [p.record for p in train + val if p.record.agent_name != OPENAI_AGENT]  # no scorer for the others
+    reward.check_sources({r.data_source for r in scored})
+    if scored:
+        reward.check_call(scored[0].data_source, scored[0].ground_truth, scored[0].extra_info or {})
     return Inputs(model_path, tok.pad_token_id, train, val, reward, agent)
 
 

@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from offstep.config.choices import OPENAI_AGENT
 from offstep.config.machine import available_gpus, gpus_simulated
 from offstep.config.schema import Config
 from offstep.config.validate import problems
@@ -182,7 +183,7 @@ def _check_data_sources(cfg: Config, e: list[str]) -> None:
     from offstep.rewards.sources import unscored_sources
 
     d = cfg.data
-    if cfg.reward.custom_path:
+    if cfg.reward.custom_path or cfg.rollout.agent.default_agent == OPENAI_AGENT:  # an agent's return is its reward
         return
     for f in dict.fromkeys([*d.train_files, *d.val_files]):
         if not Path(f).is_file():
