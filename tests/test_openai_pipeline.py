@@ -61,3 +61,54 @@ def test_calculator_openai_preset_calls_the_tool(tmp_path, ray_session, monkeypa
     m = read_jsonl(tmp_path / "metrics.jsonl")[0]
     assert m["agent/tool_calls/mean"] > 0 and m["agent/turns/max"] >= 2, m
     assert 0 < m["agent/masked_token_frac"] < 1 and m["agent/prefix_breaks"] == 0
+
+
+# An agent that stops mid-rollout, between its two calls, once the file named by $BLOCK_AFTER exists.
+BLOCKING_AGENT = '''
+import asyncio, os
+
+async def rollout(client, row):
+    first = await client.chat.completions.create(model=row["model"], messages=row["messages"], max_tokens=3)
+    gate = os.environ.get("BLOCK_AFTER")
+    if gate and os.path.exists(gate):
+        await asyncio.sleep(3600)
+    messages = row["messages"] + [first.choices[0].message.model_dump(exclude_none=True),
+                                  {"role": "user", "content": "Again."}]
+    second = await client.chat.completions.create(model=row["model"], messages=messages)
+    return (len(second.choices[0].message.content) % 3) / 2.0
+'''
+
+
+@pytest.mark.slow
+def test_a_kill_inside_the_agents_resumes_without_losing_or_repeating_a_step(tmp_path, ray_session):
+    """SIGKILL while every rollout of a batch waits inside its agent, between two calls; the run
+    resumes from the step-3 checkpoint (with k = 1 it holds the batch that was generating then) and
+    each step is trained once. Not bit for bit against an uninterrupted run: which requests the
+    endpoint batches together depends on the agents' timing (docs/openai-agents.md)."""
+    import os
+    import signal
+    import time
+
+    from test_checkpoint import _cli, _wait_for
+
+    agent = tmp_path / "agent.py"
+    agent.write_text(BLOCKING_AGENT)
+    run = tmp_path / "run"
+    args = ["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=6", "trainer.save_freq=3",
+            "pipeline.max_staleness=1", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress=off",
+            "rollout.max_new_tokens=40", "rollout.agent.default_agent=openai", f"rollout.agent.openai_path={agent}"]
+    gate = run / "checkpoints" / "step_000003" / "trainer_state.json"
+    proc = _cli(args, env={**os.environ, "BLOCK_AFTER": str(gate)})
+    _wait_for(gate, proc)
+    time.sleep(1.0)  # into step 4, whose next batch's agents now wait
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = [m["step"] for m in read_jsonl(run / "metrics.jsonl")]
+    assert before and max(before) < 6, "the run was meant to be killed before it finished"
+
+    history = train(load_config(args))  # trainer.resume=auto
+    assert [m["step"] for m in history] == [4, 5, 6]
+    steps = [m["step"] for m in read_jsonl(run / "metrics.jsonl") if m["step"] >= 1]
+    assert steps == [1, 2, 3, 4, 5, 6], steps  # none lost, none repeated
+    for m in history:
+        assert m["agent/turns/mean"] >= 1.5 and m["agent/prefix_breaks"] == 0 and 0 < m["agent/masked_token_frac"] < 1
