@@ -396,3 +396,21 @@ def test_a_dataset_only_agents_score_is_not_refused(tmp_path):
     # without the agent, the same rows are refused: nothing would score them
     with pytest.raises(Exception, match="my_env"):
         prepare_inputs(load_config(["preset=tiny", f"data.train_files=[{data}]", "data.train_batch_size=2"]), tmp_path / "r2")
+
+
+def test_messages_the_template_refuses_are_a_422(parts):
+    import copy
+
+    tok, eos, engine = parts
+    strict = copy.deepcopy(tok)
+    strict.chat_template = ("{% if messages[0]['role'] == 'developer' %}{{ raise_exception('no developer role') }}"
+                            "{% endif %}" + tok.chat_template)
+    srv = OpenAIServer(engine, strict, eos, "tag", budget=8).start()
+    try:
+        with httpx.Client(timeout=30) as http:
+            resp = http.post(srv.base_url() + "/chat/completions", headers={"Authorization": f"Bearer {srv.token}"},
+                             json={"model": "policy", "messages": [{"role": "developer", "content": "hi"}]})
+        err = _error(resp, 422, "messages", "template_error")
+        assert "no developer role" in err["message"]
+    finally:
+        srv.close()
