@@ -189,7 +189,8 @@ def test_errors_are_openai_error_objects(server):
         ok = {"model": "policy", "messages": USER, "max_tokens": 2}
         _error(http.post(chat, json={"model": "policy"}, headers=auth), 400, "messages", "missing_required_parameter")
         _error(http.post(chat, json={**ok, "temperature": 5}, headers=auth), 400, "temperature", "invalid_value")
-        _error(http.post(chat, json={**ok, "stream": True}, headers=auth), 400, "stream")
+        _error(http.post(base + "/completions", json={"model": "policy", "prompt": "a", "stream": True}, headers=auth),
+               400, "stream")
         _error(http.post(chat, json={**ok, "tool_choice": "required"}, headers=auth), 400, "tool_choice")
         _error(http.post(chat, json={**ok, "messages": [{"role": "robot", "content": "x"}]}, headers=auth), 400,
                "messages.0.role")
@@ -414,3 +415,31 @@ def test_messages_the_template_refuses_are_a_422(parts):
         assert "no developer role" in err["message"]
     finally:
         srv.close()
+
+
+def test_chat_streams_the_answer_and_records_it(server):
+    """stream=True (as agent frameworks often ask): the SDK's stream gives the same message and
+    tool call, and the session records the call as any other."""
+    srv, spy = server
+    key = srv.open_session()
+
+    async def agent(client):
+        content, calls, finish, usage = "", {}, None, None
+        stream = await client.chat.completions.create(model="policy", messages=USER, tools=[X_TOOL], temperature=0,
+                                                      stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                for t in c.delta.tool_calls or []:
+                    calls.setdefault(t.index, t)
+                finish = c.finish_reason or finish
+        await client.close()
+        return content, calls, finish, usage
+
+    content, calls, finish, usage = asyncio.run(agent(_client(srv, key)))
+    assert content == CALL_TEXT and finish == "tool_calls" and calls[0].function.name == "x"
+    (prompt, sampled), = spy.sampled
+    assert usage.completion_tokens == len(sampled.response_ids)
+    t = srv.close_session(key).trajectory()
+    assert t.prompt_ids == prompt and t.response_ids == sampled.response_ids and t.logprobs == sampled.logprobs

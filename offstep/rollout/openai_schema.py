@@ -1,8 +1,8 @@
 """The request bodies the OpenAI endpoint (``offstep.rollout.openai_server``) accepts, checked with
 pydantic; what is wrong becomes a 400 error object naming the parameter. Parameters that this
 endpoint does not act on (``presence_penalty``, ``seed``, ``user``, ...) are accepted and ignored,
-as OpenAI-compatible servers commonly do; those it cannot honour are refused (``stream``,
-``tool_choice`` that forces a call, ``top_logprobs``)."""
+as OpenAI-compatible servers commonly do; those it cannot honour are refused (``stream`` of text
+completions, ``tool_choice`` that forces a call, ``top_logprobs``)."""
 
 from __future__ import annotations
 
@@ -53,7 +53,6 @@ class _Sampling(BaseModel):
     top_p: Optional[float] = Field(None, gt=0, le=1)
     max_tokens: Optional[int] = Field(None, ge=1)
     stop: Union[str, list[str], None] = None
-    stream: bool = False
 
     @field_validator("stop")
     @classmethod
@@ -61,13 +60,6 @@ class _Sampling(BaseModel):
         items = [v] if isinstance(v, str) else (v or [])
         if len(items) > 4 or any(not s for s in items):
             raise ValueError("up to 4 non-empty strings")
-        return v
-
-    @field_validator("stream")
-    @classmethod
-    def _stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not offered by this endpoint; leave stream unset")
         return v
 
     def stops(self) -> tuple[str, ...]:
@@ -84,6 +76,8 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, le=0)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
+    stream: bool = False  # the whole answer in one chunk, once generated (see openai_server)
+    stream_options: Optional[dict] = None
 
     @field_validator("tools")
     @classmethod
@@ -101,6 +95,7 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[int]]
     logprobs: Optional[int] = Field(None, ge=0, le=0)  # the sampled tokens' own log-probs; no alternatives
+    stream: Literal[False] = False
 
 
 def parse(model: type[BaseModel], body: Any):
@@ -114,5 +109,6 @@ def parse(model: type[BaseModel], body: Any):
         param = ".".join(str(x) for x in first["loc"])
         code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
         what = {"tool_choice": " (offstep does not constrain decoding: 'auto' or 'none')",
-                "top_logprobs": " (only the sampled tokens' log-probs are returned)"}.get(param, "")
+                "top_logprobs": " (only the sampled tokens' log-probs are returned)",
+                "stream": " (text completions are not streamed; chat completions are)"}.get(param, "")
         raise APIError(400, f"{param}: {first['msg']}{what}", param, code) from None

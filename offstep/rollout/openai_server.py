@@ -226,7 +226,7 @@ class OpenAIServer:
         return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "offstep"}
                                            for m in self.model_names]}
 
-    async def _chat(self, body: dict[str, Any], session: str | None = None) -> dict:
+    async def _chat(self, body: dict[str, Any], session: str | None = None):
         req: ChatRequest = parse(ChatRequest, body)
         sess = self._check(req.model, session)
         schemas = {t["function"]["name"]: t for t in req.tools or []}
@@ -251,7 +251,8 @@ class OpenAIServer:
             message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": tool_calls or None}
             out.append({"index": i, "message": message, "finish_reason": "tool_calls" if tool_calls else ch.finish_reason,
                         "logprobs": {"content": self._token_logprobs(ch)} if req.logprobs else None})
-        return self._response("chat.completion", req.model, out, len(prompt), choices)
+        response = self._response("chat.completion", req.model, out, len(prompt), choices)
+        return _streamed(response, (req.stream_options or {}).get("include_usage")) if req.stream else response
 
     async def _completions(self, body: dict[str, Any], session: str | None = None) -> dict:
         req: CompletionRequest = parse(CompletionRequest, body)
@@ -330,3 +331,29 @@ def _cut_stop(text: str, stops: tuple[str, ...]) -> str:
         if text.endswith(s):
             return text[: -len(s)]
     return text
+
+
+def _streamed(response: dict, usage: bool):
+    """A chat completion as server-sent events: each choice's whole message in one delta, then its
+    finish reason, (the usage,) ``[DONE]``. Generation is not incremental, only its delivery."""
+    from fastapi.responses import StreamingResponse
+
+    head = {k: response[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    events = []
+    for c in response["choices"]:
+        m = c["message"]
+        delta = {"role": "assistant", "content": m["content"]}
+        if m["tool_calls"]:
+            delta["tool_calls"] = [{"index": k, **t} for k, t in enumerate(m["tool_calls"])]
+        events.append({**head, "choices": [{"index": c["index"], "delta": delta, "finish_reason": None,
+                                            "logprobs": c["logprobs"]}]})
+        events.append({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]})
+    if usage:
+        events.append({**head, "choices": [], "usage": response["usage"]})
+
+    async def body():
+        for e in events:
+            yield f"data: {json.dumps(e)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream")
