@@ -129,6 +129,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--tools-path examples/tools/shop_tools.py --reward-path examples/tools/shop_tools.py": RUN,
     ".venv/bin/offstep train preset=calculator": CFG,
     "offstep train preset=calculator": CFG,
+    "offstep train preset=calculator_openai": CFG,
     ".venv/bin/python benchmarks/calculator_runs.py --seeds 0": BENCHMARK,
     # docs/performance.md
     "offstep report RUN": ("synopsis", "`offstep report runs/default` runs here"),

@@ -62,7 +62,7 @@ class AgentConfig:
     tool tokens are masked out of the loss."""
 
     default_agent: str = "single_turn_agent"
-    """the loop of rows without an agent_name column (verl's): single_turn_agent | tool_agent"""
+    """the loop of rows without an agent_name column (verl's): single_turn_agent | tool_agent | openai (an agent function talking to the rollout's OpenAI endpoint, docs/openai-agents.md)"""
     tools: list[str] = field(default_factory=lambda: ["calculator"])
     """the tools: function names in tools_path, or built-in tools (calculator)"""
     tools_path: Optional[str] = None
@@ -81,6 +81,10 @@ class AgentConfig:
     """a tool's answer is cut to this many characters"""
     tool_threads: int = 4
     """threads per rollout worker for sync tools"""
+    openai_path: Optional[str] = None
+    """agent_name=openai: the Python file of the agent function, async def rollout(client, row) -> float | dict (client: an openai.AsyncOpenAI on the replica's endpoint; the return is the reward)"""
+    openai_name: str = "rollout"
+    """agent_name=openai: the agent function's name in openai_path"""
     ordered: bool = True
     """admit each tool turn's continuation at the engine's next step, waiting for its tool if needed: reproducible runs and exact resume, but a slow tool pauses every sample; false: continuations join as their tools finish (a slow tool holds back only its own sample; sampling then depends on timing at float rounding level)"""
 

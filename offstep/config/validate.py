@@ -22,6 +22,7 @@ from offstep.config.choices import (
     LOSS_AGG_MODES,
     M2PO_TOKENS,
     NONFINITE_POLICIES,
+    OPENAI_AGENT,
     OVERLONG_MODES,
     PARTIAL_MODES,
     PIPELINE_MODES,
@@ -243,9 +244,9 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
     _need(cfg.algorithm.adv_estimator != "remax",
           f"{why} with algorithm.adv_estimator=remax: its greedy baseline is decoded per batch; use pipeline.mode=batch, "
           f"or a group estimator such as grpo", e)
-    _need(cfg.rollout.agent.default_agent != TOOL_AGENT,
-          f"{why} with rollout.agent.default_agent={TOOL_AGENT}: tool loops run in batch mode only so far; use "
-          f"pipeline.mode=batch", e)
+    _need(cfg.rollout.agent.default_agent not in (TOOL_AGENT, OPENAI_AGENT),
+          f"{why} with rollout.agent.default_agent={cfg.rollout.agent.default_agent}: tool loops and OpenAI agents run "
+          f"in batch mode only so far; use pipeline.mode=batch", e)
 
 
 def _check_lora(cfg: Config, e: list[str]) -> None:
@@ -292,6 +293,9 @@ def _check_agent(cfg: Config, e: list[str]) -> None:
           f"rollout.agent.max_tool_response_chars={ag.max_tool_response_chars} must be >= 1", e)
     _need(ag.tool_threads >= 1, f"rollout.agent.tool_threads={ag.tool_threads} must be >= 1", e)
     _need(bool(ag.tools), "rollout.agent.tools is empty; name the tools (e.g. [calculator])", e)
+    _need(ag.default_agent != OPENAI_AGENT or bool(ag.openai_path),
+          f"rollout.agent.default_agent={OPENAI_AGENT} needs rollout.agent.openai_path: set it to the Python file that "
+          "defines the agent, async def rollout(client, row) -> float | dict (docs/openai-agents.md)", e)
 
 
 def _check_lending(cfg: Config, e: list[str]) -> None:

@@ -21,7 +21,8 @@ Tasks
     call (data_source ``"calculator"``, ``rewards.scorers.plain_answer_score``). Keyword arguments: ``digits``
     (default 2), ``min_value`` (default 10), ``ops`` (default ``"*"``), ``num_operands`` (default 2),
     ``example`` (default True: one worked call as a demonstration turn before the question),
-    ``tools`` (default True; False: the same problems as plain single-turn rows, the baseline).
+    ``tools`` (default True; False: the same problems as plain single-turn rows, the baseline),
+    ``agent`` (default ``tool_agent``; ``openai``: answered by an OpenAI agent, docs/openai-agents.md).
 ``gsm8k_synthetic``
     Templated one- and two-step word problems (apples, coins, pages, ...) that ask for the final
     answer after ``"####"``; data_source ``"openai/gsm8k"`` so the GSM8K scorer applies. Keyword
@@ -162,8 +163,10 @@ def calculator(
     num_operands: int = 2,
     example: bool = True,
     tools: bool = True,
+    agent: str = "tool_agent",
 ) -> list[dict]:
-    """``n`` distinct problems for the calculator tool (see the module docstring)."""
+    """``n`` distinct problems for the calculator tool (see the module docstring); ``agent``: the
+    rows' agent_name when they have tools (``openai``: an OpenAI agent answers them)."""
     rows = arithmetic(n, seed, digits=digits, min_value=min_value, ops=ops, num_operands=num_operands)
     out = []
     for row in rows:
@@ -174,7 +177,7 @@ def calculator(
         else:
             messages = [{"role": "user", "content": f"{question} {ARITHMETIC_INSTRUCTION}"}]
         out.append({**row, "data_source": "calculator", "prompt": messages,
-                    "agent_name": "tool_agent" if tools else "single_turn_agent"})
+                    "agent_name": agent if tools else "single_turn_agent"})
     return out
 
 

@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from offstep.config.choices import OPENAI_AGENT
 from offstep.config.machine import available_gpus, gpus_simulated
 from offstep.config.schema import Config
 from offstep.config.validate import problems
@@ -182,7 +183,7 @@ def _check_data_sources(cfg: Config, e: list[str]) -> None:
     from offstep.rewards.sources import unscored_sources
 
     d = cfg.data
-    if cfg.reward.custom_path:
+    if cfg.reward.custom_path or cfg.rollout.agent.default_agent == OPENAI_AGENT:  # an agent's return is its reward
         return
     for f in dict.fromkeys([*d.train_files, *d.val_files]):
         if not Path(f).is_file():
@@ -227,6 +228,9 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
     if ag.tools_path:
         _need(Path(ag.tools_path).is_file(), f"rollout.agent.tools_path={ag.tools_path!r} does not exist; give the path "
               f"of a Python file defining the tool functions {list(ag.tools)}", e)
+    if ag.openai_path:
+        _need(Path(ag.openai_path).is_file(), f"rollout.agent.openai_path={ag.openai_path!r} does not exist; give the "
+              f"path of a Python file defining async def {ag.openai_name}(client, row) (docs/openai-agents.md)", e)
     _check_devices(cfg, cpu_count, gpu_count, e)
     if cfg.reward.custom_path:
         _need(Path(cfg.reward.custom_path).is_file(),

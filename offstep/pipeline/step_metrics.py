@@ -51,6 +51,7 @@ def agent_metrics(samples: list[Sample], prefix: str = "agent/") -> dict:
         f"{prefix}budget_cut_frac": sum(s.finish_reason == "length" for s in looped) / n,
         f"{prefix}max_turns_frac": sum(s.agent.max_turns_hit for s in looped) / n,
         f"{prefix}masked_token_frac": masked / tokens if tokens else 0.0,
+        f"{prefix}prefix_breaks": sum(s.agent.prefix_breaks for s in looped),
     }
 
 

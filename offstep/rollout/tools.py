@@ -87,17 +87,19 @@ TRAIN_KEYS = {"path": "rollout.agent.tools_path", "names": "rollout.agent.tools"
 IMPORT_TIMEOUT_S = AgentConfig.tool_timeout_s  # its default, for callers that give none
 
 
-def _import_file(path: str, timeout_s: float | None, keys: dict) -> Any:
+def import_file(path: str, timeout_s: float | None, keys: dict, what: str = "tool file",
+                defines: str = "the tool functions") -> Any:
+    """The module of the Python file ``path`` (imported once), within ``timeout_s`` seconds;
+    :class:`ToolConfigError` names the settings ``keys['path']`` and ``keys['timeout']``."""
     path = str(Path(path).expanduser().resolve())
     if not Path(path).is_file():
-        raise ToolConfigError(f"tool file {path} not found. Fix: set {keys['path']} to a Python file "
-                              "that defines the tool functions")
+        raise ToolConfigError(f"{what} {path} not found. Fix: set {keys['path']} to a Python file that defines {defines}")
     name = f"offstep_tools_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ToolConfigError(f"tool file {path} cannot be imported as a Python module. Fix: give a .py file")
+        raise ToolConfigError(f"{what} {path} cannot be imported as a Python module. Fix: give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -111,12 +113,12 @@ def _import_file(path: str, timeout_s: float | None, keys: dict) -> Any:
             raise ToolConfigError(
                 f"{keys['path']}={path} did not finish importing within {timeout_s:g} s ({keys['timeout']}, the "
                 "time limit of the tools' calls): its top-level code is still running (a sleep, a loop, a download, "
-                "a lock?). Fix: make importing the file only define the tools (move slow set-up into the functions, "
+                f"a lock?). Fix: make importing the file only define {defines} (move slow set-up into the functions, "
                 f"or under `if __name__ == \"__main__\":`), or raise {keys['timeout']}"
             ) from None
         if not isinstance(exc, (Exception, SystemExit)):
             raise
-        raise ToolConfigError(f"tool file {path} failed to import: {type(exc).__name__}: {exc}. Fix: make it "
+        raise ToolConfigError(f"{what} {path} failed to import: {type(exc).__name__}: {exc}. Fix: make it "
                               "importable on its own (run `python <file>` to see the error)") from exc
     return module
 
@@ -131,7 +133,7 @@ def load_tools(
     the names in ``keys`` (``TRAIN_KEYS``'s)."""
     if not names:
         raise ToolConfigError(f"{keys['names']} is empty: name at least one tool (e.g. calculator)")
-    module = _import_file(path, timeout_s, keys) if path else None
+    module = import_file(path, timeout_s, keys) if path else None
     tools = []
     for n in names:
         fn = getattr(module, n, None) if module is not None else BUILTIN_TOOLS.get(n)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from offstep.batch import GenTiming, Sample, Span
-from offstep.config.choices import SINGLE_TURN, TOOL_AGENT
+from offstep.config.choices import OPENAI_AGENT, SINGLE_TURN, TOOL_AGENT
 from offstep.config.schema import AgentConfig, LoRAConfig
 from offstep.models.forward import DTYPES, sequence_logprobs
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
@@ -24,6 +24,7 @@ from offstep.rewards.registry import RewardFunction
 from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.interface import RolloutEngine
+from offstep.rollout.openai_agent import OpenAIRunner
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sync.collective import TensorSpec, WeightReceiver
 from offstep.sync.digest import Loaded
@@ -41,7 +42,8 @@ class Request:
     data_source: str
     ground_truth: object
     extra_info: dict = field(default_factory=dict)
-    agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agent_loop)
+    agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agent_loop); openai: openai_agent
+    messages: list = field(default_factory=list)  # the row's chat messages (what an OpenAI agent starts from)
 
 
 @dataclass(frozen=True)
@@ -103,8 +105,9 @@ class RolloutWorker:
         self.pad_id = tok.pad_token_id
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
         self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
-        self.agent = agent  # the tool loops of tool_agent rows, started at their first call
+        self.agent = agent  # rollout.agent: the tool loops and OpenAI agents of their rows, started at their first call
         self._agent_runner: AgentRunner | None = None
+        self._openai_runner: OpenAIRunner | None = None
         self._tok, self._eos = tok, eos
 
     def generate(
@@ -118,7 +121,7 @@ class RolloutWorker:
         return self._generate(requests, params, seed, with_ref)
 
     def _generate(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool) -> tuple[list[Sample], GenTiming]:
-        if self.agent is not None and any(r.agent_name == TOOL_AGENT for r in requests):
+        if self.agent is not None and any(r.agent_name in (TOOL_AGENT, OPENAI_AGENT) for r in requests):
             return self._generate_with_tools(requests, params, seed, with_ref)
         t0 = time.time()
         version = self.engine.version
@@ -170,17 +173,25 @@ class RolloutWorker:
         return samples, GenTiming(gen, ref, tools)
 
     def _generate_with_tools(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool):
-        """A call with tool rows: those through their agent loops (``offstep.rollout.agent_loop``),
-        the others of the call as plain generation before them."""
+        """A call with tool rows or OpenAI agents' rows: those through their agent loops
+        (``offstep.rollout.agent_loop``, ``openai_agent``), the others of the call as plain
+        generation before them."""
         t0 = time.time()
         version = self.engine.version
-        plain = [r for r in requests if r.agent_name != TOOL_AGENT]
+        plain = [r for r in requests if r.agent_name not in (TOOL_AGENT, OPENAI_AGENT)]
         samples = self._generate(plain, params, seed, with_ref=False)[0] if plain else []
-        if self._agent_runner is None:
-            self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
+        looped, spans = [], ()
         tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
-        looped, spans = run_tool_rows(self._agent_runner, self.engine, tool_rows, params, seed, self.reward, self.pool,
-                                      self.progress)
+        if tool_rows:
+            if self._agent_runner is None:
+                self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
+            looped, spans = run_tool_rows(self._agent_runner, self.engine, tool_rows, params, seed, self.reward,
+                                          self.pool, self.progress)
+        agent_rows = [r for r in requests if r.agent_name == OPENAI_AGENT]
+        if agent_rows:
+            if self._openai_runner is None:
+                self._openai_runner = OpenAIRunner(self.agent, self._tok, self._eos)
+            looped += self._openai_runner.run(self.engine, agent_rows, params, seed, self.progress)
         order = {r.uid: k for k, r in enumerate(requests)}
         samples = sorted(samples + looped, key=lambda s: order[s.uid])  # stable: a request's samples keep their order
         return self._finish(samples, Span(t0, time.time(), version), with_ref, spans)
