@@ -22,6 +22,13 @@ NUMINA_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime
 SEARCH_R1_SOURCES = ("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
                      "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle")
 DICT_TRUTH_SOURCES = SEARCH_R1_SOURCES  # their ground truth is {"target": [answers]}
+# verl's default_compute_score sends these to its code scorer (prime_code): run the tests of the ground truth
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+
+
+def needs_sandbox(data_source: str) -> bool:
+    """Whether the built-in scorer of ``data_source`` runs the model's code (in offstep.sandbox)."""
+    return data_source in CODE_SOURCES
 
 
 def _named(name: str, score: Callable[[str, Any], Any]) -> Scorer:

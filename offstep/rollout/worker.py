@@ -16,7 +16,7 @@ import torch
 
 from offstep.batch import GenTiming, Sample, Span
 from offstep.config.choices import SINGLE_TURN, TOOL_AGENT
-from offstep.config.schema import AgentConfig, LoRAConfig
+from offstep.config.schema import AgentConfig, LoRAConfig, SandboxConfig
 from offstep.models.forward import DTYPES, sequence_logprobs
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.models.lora import add_adapters
@@ -25,6 +25,7 @@ from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.interface import RolloutEngine
 from offstep.rollout.types import Completion, SamplingParams
+from offstep.sandbox import Limits, configure
 from offstep.sync.collective import TensorSpec, WeightReceiver
 from offstep.sync.digest import Loaded
 from offstep.sync.weights import unpack_state_dict
@@ -42,6 +43,11 @@ class Request:
     ground_truth: object
     extra_info: dict = field(default_factory=dict)
     agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agent_loop)
+
+
+def configure_sandbox(s: SandboxConfig) -> None:
+    """This process's sandbox from the ``sandbox`` config."""
+    configure(Limits.of(s), s.concurrency, s.python)
 
 
 @dataclass(frozen=True)
@@ -70,8 +76,11 @@ class RolloutWorker:
         seed: int = 0,
         lora: LoRAConfig | None = None,
         agent: AgentConfig | None = None,
+        sandbox: SandboxConfig | None = None,
     ):
         torch.set_num_threads(num_threads)
+        if sandbox is not None:  # the code rewards' and the python tool's limits, in this process
+            configure_sandbox(sandbox)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         tok = load_tokenizer(model_path)
         eos = eos_token_ids(tok, model_path)
