@@ -1,8 +1,9 @@
 """The bubblewrap command line of a sandbox, and the probe that says whether it works here.
 
 What the code sees: ``/usr`` (with the ``/bin``, ``/lib*`` links of a merged-/usr system) and two
-files of ``/etc`` read-only, fresh ``/proc`` and ``/dev``, and a private tmpfs at ``/tmp`` (its
-only writable place, also its home and working folder). Not the caller's home, ``/root``,
+files of ``/etc`` read-only, fresh ``/proc`` and ``/dev`` (read-only: no ``/dev/shm``), and a
+private tmpfs at ``/tmp`` of ``Limits.tmp_mb`` (its only writable place, also its home and working
+folder); the sandbox's own root is remounted read-only. Not the caller's home, ``/root``,
 ``/work``, the run folder or the checkpoints: nothing is bound that is not listed here. Every
 namespace is new (``--unshare-all``: user, PID, network with only a loopback of its own, IPC,
 UTS, cgroup), nested user namespaces are refused, the environment is cleared to a few variables,
@@ -29,6 +30,9 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 SCRIPT = "/tmp/main.py"
 ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+# bwrap's own environment: its init (PID 1 inside) keeps it, readable there as /proc/1/environ, so the
+# caller's (tokens, paths) must never reach it
+BWRAP_ENV = {"PATH": "/usr/bin:/bin"}
 INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; scripts/setup.sh does it as root)"
 
 
@@ -46,7 +50,7 @@ def command(limits: Limits, python: str, code_fd: int, info_fd: int, bwrap: str 
     for f in ("/etc/ld.so.cache", "/etc/localtime"):
         args += ["--ro-bind-try", f, f]
     args += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
-             "--chdir", "/tmp", "--file", str(code_fd), SCRIPT, "--clearenv"]
+             "--file", str(code_fd), SCRIPT, "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
     for k, v in ENV.items():
         args += ["--setenv", k, v]
     return args + ["--info-fd", str(info_fd), "--", *bootstrap(limits, python, SCRIPT)]
@@ -78,7 +82,7 @@ def problem(python: str = SYSTEM_PYTHON, bwrap: str = "bwrap") -> str | None:
     info_r, info_w = os.pipe()
     try:
         done = subprocess.run(command(Limits(), python, code, info_w, path), pass_fds=(code, info_w),
-                              capture_output=True, timeout=30, **run_as())
+                              capture_output=True, timeout=30, env=BWRAP_ENV, **run_as())
     except (OSError, subprocess.SubprocessError) as exc:
         return f"bubblewrap ({path}) could not run a sandbox: {exc}"
     finally:

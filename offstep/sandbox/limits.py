@@ -54,6 +54,8 @@ def bootstrap(limits: Limits, python: str, script: str) -> list[str]:
     """The command run inside the sandbox: an interpreter without site packages sets the limits,
     then replaces itself (``execv``) with ``python -I script``, so the code's tracebacks show its
     own frames only and the limits are inherited by everything it starts."""
-    sets = ";".join(f"r.setrlimit(r.{name},({value},{value}))" for name, value in limits.rlimits().items())
+    # RLIMIT_CPU's hard limit a second above the soft one: SIGXCPU first (the result names the limit), SIGKILL after
+    sets = ";".join(f"r.setrlimit(r.{name},({value},{value + (name == 'RLIMIT_CPU')}))"
+                    for name, value in limits.rlimits().items())
     code = f"import os,resource as r;{sets};os.execv({python!r},[{python!r},'-I',{script!r}])"
     return [python, "-I", "-S", "-c", code]

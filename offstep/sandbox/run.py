@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from offstep.sandbox.bwrap import INSTALL, SYSTEM_PYTHON, code_file, command, run_as
+from offstep.sandbox.bwrap import BWRAP_ENV, INSTALL, SYSTEM_PYTHON, code_file, command, run_as
 from offstep.sandbox.limits import Limits
 from offstep.sandbox.stats import Execution, SandboxLog
 
@@ -93,7 +93,7 @@ class Sandbox:
         try:
             proc = subprocess.Popen(command(lim, self.python, code_fd, info_w, bwrap), pass_fds=(code_fd, info_w),
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, **run_as())
+                                    start_new_session=True, env=BWRAP_ENV, **run_as())
         except BaseException:
             os.close(info_r)
             raise
