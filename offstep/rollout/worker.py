@@ -25,7 +25,7 @@ from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.interface import RolloutEngine
 from offstep.rollout.types import Completion, SamplingParams
-from offstep.sandbox import Limits, configure
+from offstep.sandbox import Limits, configure, shared
 from offstep.sync.collective import TensorSpec, WeightReceiver
 from offstep.sync.digest import Loaded
 from offstep.sync.weights import unpack_state_dict
@@ -171,12 +171,13 @@ class RolloutWorker:
             self._attach_greedy_baseline(requests, samples, params, seed)
         return self._finish(samples, Span(t0, time.time(), version), with_ref)
 
-    def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = ()) -> tuple[list[Sample], GenTiming]:
+    def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = (),
+                earlier: tuple = ()) -> tuple[list[Sample], GenTiming]:
         ref = None
         if self.ref is not None and with_ref:
             self._attach_ref_logprobs(samples)
             ref = Span(gen.end, time.time())
-        return samples, GenTiming(gen, ref, tools)
+        return samples, GenTiming(gen, ref, tools, (*earlier, *shared().log.drain()))
 
     def _generate_with_tools(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool):
         """A call with tool rows: those through their agent loops (``offstep.rollout.agent_loop``),
@@ -184,7 +185,7 @@ class RolloutWorker:
         t0 = time.time()
         version = self.engine.version
         plain = [r for r in requests if r.agent_name != TOOL_AGENT]
-        samples = self._generate(plain, params, seed, with_ref=False)[0] if plain else []
+        samples, plain_timing = self._generate(plain, params, seed, with_ref=False) if plain else ([], None)
         if self._agent_runner is None:
             self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
         tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
@@ -192,7 +193,8 @@ class RolloutWorker:
                                       self.progress)
         order = {r.uid: k for k, r in enumerate(requests)}
         samples = sorted(samples + looped, key=lambda s: order[s.uid])  # stable: a request's samples keep their order
-        return self._finish(samples, Span(t0, time.time(), version), with_ref, spans)
+        return self._finish(samples, Span(t0, time.time(), version), with_ref, spans,
+                            plain_timing.sandbox if plain_timing else ())
 
     def _attach_greedy_baseline(self, requests: list[Request], samples: list[Sample], params: SamplingParams, seed: int) -> None:
         """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): one greedy response per request

@@ -1,10 +1,13 @@
 """The record of a process's sandbox executions, drained once per generation call and summed
-into a step's ``sandbox/`` metrics (``offstep.telemetry.names.SandboxMetrics``)."""
+into a step's ``sandbox/`` metrics (``offstep.telemetry.names.Sandbox``)."""
 
 from __future__ import annotations
 
 import threading
+from collections import deque
 from dataclasses import dataclass
+
+KEPT = 100_000  # executions held between two drains at most (the oldest go first)
 
 
 @dataclass(frozen=True)
@@ -15,11 +18,12 @@ class Execution:
 
 
 class SandboxLog:
-    """Executions recorded by any thread, taken out all at once."""
+    """Executions recorded by any thread, taken out all at once; bounded, for a process that
+    nobody drains (a replica of the fully asynchronous mode, whose groups carry no timing)."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._runs: list[Execution] = []
+        self._runs: deque[Execution] = deque(maxlen=KEPT)
 
     def add(self, run: Execution) -> None:
         with self._lock:
@@ -27,5 +31,6 @@ class SandboxLog:
 
     def drain(self) -> tuple[Execution, ...]:
         with self._lock:
-            runs, self._runs = tuple(self._runs), []
+            runs = tuple(self._runs)
+            self._runs.clear()
         return runs
