@@ -128,6 +128,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--tools-path examples/tools/shop_tools.py --reward-path examples/tools/shop_tools.py": RUN,
     ".venv/bin/offstep train preset=calculator": CFG,
     "offstep train preset=calculator": CFG,
+    "offstep train preset=code": CFG,
     ".venv/bin/python benchmarks/calculator_runs.py --seeds 0": BENCHMARK,
     ".venv/bin/offstep eval smollm2-135m-instruct --data runs/bench_calculator/seed0/no_tools/val.parquet --max-new-tokens 48":
         ("not run", "evaluates the data that benchmarks/calculator_runs.py writes (a benchmark)"),

@@ -413,7 +413,7 @@ class TrainerConfig:
 @dataclass
 class Config:
     preset: str = "default"
-    """the preset of offstep/config/preset/: default | tiny | calculator (SmolLM2 learning to call a calculator tool)"""
+    """the preset of offstep/config/preset/: default | tiny | calculator (SmolLM2 learning to call a calculator tool) | code (SmolLM2 writing small functions, scored in the sandbox)"""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the policy model"""
     data: DataConfig = field(default_factory=DataConfig)

@@ -200,7 +200,7 @@ _sandbox_problem: dict[str, str | None] = {}  # per interpreter: a probe runs a 
 
 def _check_sandbox(cfg: Config, sources: set[str], e: list[str]) -> None:
     """The ``sandbox`` limits are in range; and where model-written code will run (verl's code data
-    sources scored by the built-in scorer, the python tool), a sandbox starts here: bubblewrap is
+    sources or the code task scored by the built-in scorer, the python tool), a sandbox starts here: bubblewrap is
     installed and works. Refused before start otherwise, with what to install."""
     from offstep.rewards.sources import needs_sandbox
     from offstep.sandbox import Limits, problem
@@ -209,6 +209,8 @@ def _check_sandbox(cfg: Config, sources: set[str], e: list[str]) -> None:
     _need(cfg.sandbox.concurrency >= 1, f"sandbox.concurrency={cfg.sandbox.concurrency} must be at least 1", e)
     why = sorted(s for s in sources if needs_sandbox(s)) if not cfg.reward.custom_path else []
     uses = [f"data sources {why} are scored by running the model's code"] if why else []
+    if not cfg.data.train_files and needs_sandbox(cfg.data.task) and not cfg.reward.custom_path:
+        uses.append(f"data.task={cfg.data.task} is scored by running the model's code")
     if "python" in cfg.rollout.agent.tools and not cfg.rollout.agent.tools_path:
         uses.append("rollout.agent.tools includes the python tool")
     if not uses:

@@ -1,7 +1,7 @@
 """The built-in scorer of each data source, with verl's signature ``(data_source, solution_str,
 ground_truth, extra_info=None, **kwargs)``: verl's ``default_compute_score`` routing for the math
 family, geo3k, Search-R1 and code (the model's program run in ``offstep.sandbox``, by
-``offstep.rewards.code``), plus offstep's own tasks (``gsm8k``, ``arithmetic``, ``calculator``).
+``offstep.rewards.code``), plus offstep's own tasks (``gsm8k``, ``arithmetic``, ``calculator``, ``code``).
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ SEARCH_R1_SOURCES = ("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "sear
 DICT_TRUTH_SOURCES = SEARCH_R1_SOURCES  # their ground truth is {"target": [answers]}
 # verl's default_compute_score sends these to its code scorer (prime_code): run the tests of the ground truth
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+CODE_TASK = "code"  # offstep's built-in task, in the same test format
 
 
 def needs_sandbox(data_source: str) -> bool:
     """Whether the built-in scorer of ``data_source`` runs the model's code (in offstep.sandbox)."""
-    return data_source in CODE_SOURCES
+    return data_source in CODE_SOURCES or data_source == CODE_TASK
 
 
 def _named(name: str, score: Callable[[str, Any], Any]) -> Scorer:
@@ -72,7 +73,7 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
     **dict.fromkeys(NUMINA_SOURCES, _named("prime_math", prime_math_score)),
     "hiyouga/geometry3k": _named("geo3k", geo3k_score),
     **dict.fromkeys(SEARCH_R1_SOURCES, _named("search_r1_em", search_r1_em_score)),
-    **dict.fromkeys(CODE_SOURCES, _named("prime_code", code_score)),
+    **dict.fromkeys((*CODE_SOURCES, CODE_TASK), _named("prime_code", code_score)),
 }
 
 
