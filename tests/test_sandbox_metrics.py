@@ -8,7 +8,7 @@ import pytest
 from offstep.batch import GenTiming, Span
 from offstep.config.schema import SandboxConfig
 from offstep.pipeline.step_metrics import sandbox_metrics
-from offstep.sandbox import Execution
+from offstep.sandbox import Execution, shared
 from offstep.telemetry.names import Sandbox
 
 
@@ -32,6 +32,7 @@ def test_a_rollout_worker_reports_the_executions_of_its_code_rewards():
 
     worker = RolloutWorker(resolve_model("tiny"), "float32", "cpu", 1, RewardFunction(), 1, 8,
                            sandbox=SandboxConfig(timeout_s=3, concurrency=1))
+    shared().log.drain()  # executions of earlier tests in this process belong to no generation of this worker
     truth = json.dumps({"inputs": ["1", "2"], "outputs": ["1", "2"]})
     prompt = worker._tok("Write a program.", add_special_tokens=False).input_ids
     samples, timing = worker.generate([Request(0, prompt, "codecontests", truth)], SamplingParams(n=2, max_new_tokens=8), 0)
