@@ -85,6 +85,7 @@ class GenTiming:
     gen: Span
     ref: Optional[Span] = None
     tools: tuple[Span, ...] = ()  # when tools ran (merged over samples), for the timeline
+    sandbox: tuple = ()  # offstep.sandbox.Execution of each sandboxed run (code rewards, the python tool)
 
 
 @dataclass

@@ -130,6 +130,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/offstep train preset=calculator": CFG,
     "offstep train preset=calculator": CFG,
     "offstep train preset=calculator_openai": CFG,
+
+    "offstep train preset=code": CFG,
     ".venv/bin/python benchmarks/calculator_runs.py --seeds 0": BENCHMARK,
     # docs/performance.md
     "offstep report RUN": ("synopsis", "`offstep report runs/default` runs here"),

@@ -27,12 +27,13 @@ METRICS = {
     "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/mismatch_kl_k1", "actor/is_weight_mean",
     "actor/frozen",
     "sync/verified", "sync/collective",
+    "sandbox/executions", "sandbox/timeouts", "sandbox/seconds_mean", "sandbox/seconds_p95", "sandbox/queue_wait_s",
     "val/acc", "val/policy_version",
     "data/prompts_crc32",
 }
 GROUPS = {names.Timing: "timing_s/", names.Perf: "perf/", names.Reward: "reward/", names.Rollout: "rollout/",
           names.ResponseLength: "response_length/", names.Adv: "adv/", names.Actor: "actor/", names.Sync: "sync/",
-          names.Val: "val/", names.Data: "data/"}
+          names.Sandbox: "sandbox/", names.Val: "val/", names.Data: "data/"}
 STAGES = {"gen", "gen_more", "val", "ref", "tool", "load_weights", "wait_gen", "values", "old_logprobs",
           "update_critic", "update_actor", "sync", "sync_export", "checkpoint", "prepare"}
 

@@ -148,6 +148,33 @@ class RewardConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Where model-written code runs (verl's code data sources, the python tool): bubblewrap with no
+    network, a private tmp and these limits (docs/sandbox.md). Nothing runs unsandboxed."""
+
+    timeout_s: float = 10.0
+    """wall-clock seconds of one execution; past it its whole process tree is killed"""
+    cpu_s: int = 10
+    """CPU seconds of one execution (RLIMIT_CPU)"""
+    memory_mb: int = 1024
+    """address space of one execution, in MiB (RLIMIT_AS)"""
+    processes: int = 32
+    """processes and threads of one execution (RLIMIT_NPROC, counted in its own user namespace)"""
+    file_mb: int = 16
+    """largest file an execution writes, in MiB (RLIMIT_FSIZE)"""
+    open_files: int = 64
+    """open file descriptors of one execution (RLIMIT_NOFILE)"""
+    tmp_mb: int = 64
+    """size of an execution's private tmpfs, its only writable place, in MiB"""
+    output_bytes: int = 1048576
+    """stdout and stderr of one execution together; past it the execution is killed"""
+    concurrency: int = 2
+    """executions at once per rollout worker; the others queue (sandbox/queue_wait_s)"""
+    python: str = "/usr/bin/python3"
+    """the interpreter inside the sandbox: a file under /usr, the only tree bound into it"""
+
+
+@dataclass
 class KLControlConfig:
     """The coefficient of the KL penalty in the reward (``algorithm.use_kl_in_reward``)."""
 
@@ -392,7 +419,7 @@ class TrainerConfig:
 @dataclass
 class Config:
     preset: str = "default"
-    """the preset of offstep/config/preset/: default | tiny | calculator (SmolLM2 learning to call a calculator tool)"""
+    """the preset of offstep/config/preset/: default | tiny | calculator (SmolLM2 learning to call a calculator tool) | code (SmolLM2 writing small functions, scored in the sandbox)"""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the policy model"""
     data: DataConfig = field(default_factory=DataConfig)
@@ -413,3 +440,5 @@ class Config:
     """how generation and training overlap, and how weights travel"""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """the run: steps, output, logging, checkpoints"""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """where model-written code runs (code rewards, the python tool)"""

@@ -28,6 +28,10 @@ Tasks
     answer after ``"####"``; data_source ``"openai/gsm8k"`` so the GSM8K scorer applies. Keyword
     arguments: ``max_value`` (largest base quantity, default 20), ``two_step`` (fraction of
     two-step problems, default 0.5).
+``code``
+    "Write a Python function scale(x) that ...", with unit tests in verl's call-based format as the
+    ground truth, scored by running them in the sandbox (data_source ``"code"``;
+    ``offstep.data.code_task``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import os
 from typing import Callable
 
 import numpy as np
+
+from offstep.data.code_task import code
 
 ARITHMETIC_INSTRUCTION = "Give the final answer as a single number at the end of your reply."
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -286,6 +292,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "arithmetic": arithmetic,
     "calculator": calculator,
     "gsm8k_synthetic": gsm8k_synthetic,
+    "code": code,
 }
 
 

@@ -176,15 +176,14 @@ def read_data_sources(path: str) -> set[str]:
     return {str(v) for v in values if not (v is None or v == "" or (isinstance(v, float) and math.isnan(v)))}
 
 
-def _check_data_sources(cfg: Config, e: list[str]) -> None:
+def _check_data_sources(cfg: Config, e: list[str]) -> set[str]:
     """Every ``data_source`` of the data files has a scorer (a built-in one, or the custom
     ``reward.custom_path``), so that a dataset nothing can score is refused before any worker
-    starts, by ``offstep train --cfg`` and by training alike."""
+    starts, by ``offstep train --cfg`` and by training alike. Returns the sources read."""
     from offstep.rewards.sources import unscored_sources
 
-    d = cfg.data
-    if cfg.reward.custom_path or cfg.rollout.agent.default_agent == OPENAI_AGENT:  # an agent's return is its reward
-        return
+    d, seen = cfg.data, set()
+    agent_scores = cfg.rollout.agent.default_agent == OPENAI_AGENT  # an agent's return is its reward
     for f in dict.fromkeys([*d.train_files, *d.val_files]):
         if not Path(f).is_file():
             continue  # reported above
@@ -192,7 +191,38 @@ def _check_data_sources(cfg: Config, e: list[str]) -> None:
             sources = read_data_sources(f)
         except Exception:  # noqa: BLE001 - an unreadable file is reported by data preparation, with its fix
             continue
-        e.extend(f"{f}: {problem}" for problem in unscored_sources(sources))
+        seen |= sources
+        if not cfg.reward.custom_path and not agent_scores:
+            e.extend(f"{f}: {problem}" for problem in unscored_sources(sources))
+    return seen
+
+
+_sandbox_problem: dict[str, str | None] = {}  # per interpreter: a probe runs a sandbox once per process
+
+
+def _check_sandbox(cfg: Config, sources: set[str], e: list[str]) -> None:
+    """The ``sandbox`` limits are in range; and where model-written code will run (verl's code data
+    sources or the code task scored by the built-in scorer, the python tool), a sandbox starts here: bubblewrap is
+    installed and works. Refused before start otherwise, with what to install."""
+    from offstep.rewards.sources import needs_sandbox
+    from offstep.sandbox import Limits, problem
+
+    e.extend(f"sandbox.{msg}" for msg in Limits.of(cfg.sandbox).check())
+    _need(cfg.sandbox.concurrency >= 1, f"sandbox.concurrency={cfg.sandbox.concurrency} must be at least 1", e)
+    why = sorted(s for s in sources if needs_sandbox(s)) if not cfg.reward.custom_path else []
+    uses = [f"data sources {why} are scored by running the model's code"] if why else []
+    if not cfg.data.train_files and needs_sandbox(cfg.data.task) and not cfg.reward.custom_path:
+        uses.append(f"data.task={cfg.data.task} is scored by running the model's code")
+    if "python" in cfg.rollout.agent.tools and not cfg.rollout.agent.tools_path:
+        uses.append("rollout.agent.tools includes the python tool")
+    if not uses:
+        return
+    python = cfg.sandbox.python
+    if python not in _sandbox_problem:
+        _sandbox_problem[python] = problem(python)
+    if _sandbox_problem[python] is not None:
+        e.append(f"{'; '.join(uses)}, in a sandbox that cannot start here: {_sandbox_problem[python]}. Nothing runs "
+                 "unsandboxed")
 
 
 def simulated_notes(cfg: Config) -> list[str]:
@@ -239,7 +269,7 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
     for f in [*d.train_files, *d.val_files]:
         _need(Path(f).is_file(), f"data file {f!r} (data.train_files / data.val_files) does not exist; give the "
               f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
-    _check_data_sources(cfg, e)
+    _check_sandbox(cfg, _check_data_sources(cfg, e), e)
     _check_model(cfg, e)
     return e
 

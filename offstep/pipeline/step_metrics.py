@@ -1,14 +1,16 @@
 """A step's record: the rollout metrics of its batch, the rollout side's stages on the timeline,
 and the sample log (``samples.jsonl``). Metric names are grouped: ``rollout/``, ``reward/``,
-``response_length/``, ``agent/`` (tool loops), ``timing_s/``, ``perf/``."""
+``response_length/``, ``agent/`` (tool loops), ``sandbox/`` (model-written code), ``timing_s/``, ``perf/``."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from offstep.batch import GenTiming, Sample, TrainBatch
 from offstep.telemetry.metrics import Timeline
-from offstep.telemetry.names import ResponseLength, Reward, Rollout, Stage, replica
+from offstep.telemetry.names import ResponseLength, Reward, Rollout, Sandbox, Stage, replica
 
 
 def record_generation(timeline: Timeline, results: list[tuple[list[Sample], GenTiming]], step: int,
@@ -52,6 +54,22 @@ def agent_metrics(samples: list[Sample], prefix: str = "agent/") -> dict:
         f"{prefix}max_turns_frac": sum(s.agent.max_turns_hit for s in looped) / n,
         f"{prefix}masked_token_frac": masked / tokens if tokens else 0.0,
         f"{prefix}prefix_breaks": sum(s.agent.prefix_breaks for s in looped),
+    }
+
+
+def sandbox_metrics(results: list[tuple[list[Sample], GenTiming]]) -> dict:
+    """The ``sandbox/`` figures of a generation's replicas (none without an execution): how many ran
+    and timed out, their seconds (mean, 95th percentile) and their mean wait for a slot."""
+    runs = [run for _, t in results for run in t.sandbox]
+    if not runs:
+        return {}
+    seconds = sorted(run.seconds for run in runs)
+    return {
+        Sandbox.EXECUTIONS: len(runs),
+        Sandbox.TIMEOUTS: sum(run.timed_out for run in runs),
+        Sandbox.SECONDS_MEAN: sum(seconds) / len(runs),
+        Sandbox.SECONDS_P95: seconds[min(len(seconds) - 1, math.ceil(0.95 * len(seconds)) - 1)],  # nearest rank
+        Sandbox.QUEUE_WAIT_S: sum(run.queue_wait_s for run in runs) / len(runs),
     }
 
 

@@ -16,8 +16,8 @@ What a tool does wrong never ends the run: a raise, a non-string result or a cal
 A sync tool that times out keeps its thread until it returns (Python cannot stop a thread); an
 async one is cancelled.
 
-No code-execution tool is built in: a sandbox that enforces no network needs OS isolation
-(namespaces, seccomp) that offstep cannot count on everywhere, and one without it is not safe.
+Built in: ``calculator`` (exact arithmetic, no eval) and ``python`` (a program run in
+``offstep.sandbox``; stateless: each call is a fresh sandbox, see docs/sandbox.md).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
+from offstep import sandbox
 from offstep.config.schema import AgentConfig
 from offstep.errors import ToolConfigError
 from offstep.rewards.registry import CallTimeout, call_with_timeout
@@ -160,8 +161,12 @@ class ToolResult:
     seconds: float = 0.0
 
 
+class ToolError(Exception):
+    """A tool's failure told to the model as its message alone (``Error: <message>``)."""
+
+
 def _error(exc_or_text: BaseException | str) -> str:
-    if isinstance(exc_or_text, str):
+    if isinstance(exc_or_text, (str, ToolError)):
         return f"Error: {exc_or_text}"
     msg = str(exc_or_text)
     return f"Error: {type(exc_or_text).__name__}" + (f": {msg}" if msg else "")
@@ -340,4 +345,30 @@ def calculator(expression: str) -> str:
     return format_number(evaluate(expression))
 
 
-BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
+# --------------------------------------------------------------------------------------------------
+# the built-in python tool
+
+PYTHON_OUTPUT_CHARS = 2000  # what one call returns at most (the agent loop then cuts to max_tool_response_chars)
+
+
+def _cut(text: str, budget: int, keep_end: bool = False) -> str:
+    if len(text) <= budget:
+        return text
+    return "...(cut)\n" + text[-budget:] if keep_end else text[:budget] + "\n...(cut)"
+
+
+def python(code: str) -> str:
+    """Run a Python program in a sandbox and return what it printed. Each call starts afresh: no variables or files are kept between calls, and there is no network.
+
+    Args:
+        code: the whole program; print() what you want to see
+    """
+    r = sandbox.shared().run(code)
+    out = _cut(r.stdout, PYTHON_OUTPUT_CHARS // 2)
+    err = _cut(r.stderr, PYTHON_OUTPUT_CHARS - len(out), keep_end=True)  # a traceback's last lines say most
+    if not r.ok:
+        raise ToolError("\n".join(x for x in (r.describe(), out, err) if x))
+    return out + (f"\nstderr:\n{err}" if err else "") if (out or err) else "(no output)"
+
+
+BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "python": python}

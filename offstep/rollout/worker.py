@@ -16,7 +16,7 @@ import torch
 
 from offstep.batch import GenTiming, Sample, Span
 from offstep.config.choices import OPENAI_AGENT, SINGLE_TURN, TOOL_AGENT
-from offstep.config.schema import AgentConfig, LoRAConfig
+from offstep.config.schema import AgentConfig, LoRAConfig, SandboxConfig
 from offstep.models.forward import DTYPES, sequence_logprobs
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.models.lora import add_adapters
@@ -26,6 +26,7 @@ from offstep.rollout.engine import TorchEngine
 from offstep.rollout.interface import RolloutEngine
 from offstep.rollout.openai_agent import OpenAIRunner
 from offstep.rollout.types import Completion, SamplingParams
+from offstep.sandbox import Limits, configure, shared
 from offstep.sync.collective import TensorSpec, WeightReceiver
 from offstep.sync.digest import Loaded
 from offstep.sync.weights import unpack_state_dict
@@ -44,6 +45,11 @@ class Request:
     extra_info: dict = field(default_factory=dict)
     agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agent_loop); openai: openai_agent
     messages: list = field(default_factory=list)  # the row's chat messages (what an OpenAI agent starts from)
+
+
+def configure_sandbox(s: SandboxConfig) -> None:
+    """This process's sandbox from the ``sandbox`` config."""
+    configure(Limits.of(s), s.concurrency, s.python)
 
 
 @dataclass(frozen=True)
@@ -72,8 +78,11 @@ class RolloutWorker:
         seed: int = 0,
         lora: LoRAConfig | None = None,
         agent: AgentConfig | None = None,
+        sandbox: SandboxConfig | None = None,
     ):
         torch.set_num_threads(num_threads)
+        if sandbox is not None:  # the code rewards' and the python tool's limits, in this process
+            configure_sandbox(sandbox)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         tok = load_tokenizer(model_path)
         eos = eos_token_ids(tok, model_path)
@@ -165,12 +174,13 @@ class RolloutWorker:
             self._attach_greedy_baseline(requests, samples, params, seed)
         return self._finish(samples, Span(t0, time.time(), version), with_ref)
 
-    def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = ()) -> tuple[list[Sample], GenTiming]:
+    def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = (),
+                earlier: tuple = ()) -> tuple[list[Sample], GenTiming]:
         ref = None
         if self.ref is not None and with_ref:
             self._attach_ref_logprobs(samples)
             ref = Span(gen.end, time.time())
-        return samples, GenTiming(gen, ref, tools)
+        return samples, GenTiming(gen, ref, tools, (*earlier, *shared().log.drain()))
 
     def _generate_with_tools(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool):
         """A call with tool rows or OpenAI agents' rows: those through their agent loops
@@ -179,7 +189,7 @@ class RolloutWorker:
         t0 = time.time()
         version = self.engine.version
         plain = [r for r in requests if r.agent_name not in (TOOL_AGENT, OPENAI_AGENT)]
-        samples = self._generate(plain, params, seed, with_ref=False)[0] if plain else []
+        samples, plain_timing = self._generate(plain, params, seed, with_ref=False) if plain else ([], None)
         looped, spans = [], ()
         tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
         if tool_rows:
@@ -194,7 +204,8 @@ class RolloutWorker:
             looped += self._openai_runner.run(self.engine, agent_rows, params, seed, self.progress)
         order = {r.uid: k for k, r in enumerate(requests)}
         samples = sorted(samples + looped, key=lambda s: order[s.uid])  # stable: a request's samples keep their order
-        return self._finish(samples, Span(t0, time.time(), version), with_ref, spans)
+        return self._finish(samples, Span(t0, time.time(), version), with_ref, spans,
+                            plain_timing.sandbox if plain_timing else ())
 
     def _attach_greedy_baseline(self, requests: list[Request], samples: list[Sample], params: SamplingParams, seed: int) -> None:
         """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): one greedy response per request

@@ -154,6 +154,16 @@ def critic(key: str) -> str:
     return f"{Role.CRITIC}/{key}"
 
 
+class Sandbox:
+    """``sandbox/``: the step's executions of model-written code (code rewards, the python tool)."""
+
+    EXECUTIONS = "sandbox/executions"
+    TIMEOUTS = "sandbox/timeouts"
+    SECONDS_MEAN = "sandbox/seconds_mean"
+    SECONDS_P95 = "sandbox/seconds_p95"
+    QUEUE_WAIT_S = "sandbox/queue_wait_s"  # the mean wait for a free slot (sandbox.concurrency)
+
+
 class Sync:
     """``sync/``: how the step's weights reached the replicas."""
 
