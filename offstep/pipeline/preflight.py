@@ -182,7 +182,7 @@ def _check_data_sources(cfg: Config, e: list[str]) -> None:
     from offstep.rewards.sources import unscored_sources
 
     d = cfg.data
-    if cfg.reward.custom_path:
+    if cfg.reward.custom_path or not cfg.reward.needs_rule:  # a custom scorer takes every source; a model alone needs none
         return
     for f in dict.fromkeys([*d.train_files, *d.val_files]):
         if not Path(f).is_file():
@@ -237,6 +237,13 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
               f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
     _check_data_sources(cfg, e)
     _check_model(cfg, e)
+    if cfg.reward.model.kind is not None and cfg.reward.model.path:
+        from offstep.models.reward_models import check_reward_model
+
+        try:
+            check_reward_model(cfg.reward.model.kind, cfg.reward.model.path, cfg.reward.model.trust_remote_code)
+        except ModelError as err:
+            e.append(str(err))
     return e
 
 
