@@ -84,6 +84,7 @@ class GenTiming:
     gen: Span
     ref: Optional[Span] = None
     tools: tuple[Span, ...] = ()  # when tools ran (merged over samples), for the timeline
+    reward: tuple[Span, ...] = ()  # the reward model's batches (reward.model), for the timeline
 
 
 @dataclass

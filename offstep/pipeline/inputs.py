@@ -50,7 +50,7 @@ def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
     for f in files:
         loaded = load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                               default_agent=cfg.rollout.agent.default_agent)
-        if not cfg.reward.custom_path:  # the built-in scorers compare with one string or number
+        if not cfg.reward.custom_path and cfg.reward.needs_rule:  # the built-in scorers compare with one string or number
             check_rule_ground_truths(loaded, f)
         records.extend(loaded)
     for i, r in enumerate(records):  # indices unique across files
@@ -122,14 +122,17 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
             f"the training set has {len(train)} usable prompts, fewer than data.train_batch_size="
             f"{cfg.data.train_batch_size}; lower data.train_batch_size or add data"
         )
-    reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name, cfg.reward.timeout_s)
-    reward.check_sources({p.record.data_source for p in train + val})
-    first = train[0].record
-    reward.check_call(first.data_source, first.ground_truth, first.extra_info or {})
+    abstain = cfg.reward.model.kind is not None and cfg.reward.model.combine == "abstain"
+    reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name, cfg.reward.timeout_s, abstain=abstain)
+    if cfg.reward.needs_rule:  # a reward model alone scores any data source
+        reward.check_sources({p.record.data_source for p in train + val})
+    if cfg.reward.needs_rule or cfg.reward.custom_path:
+        first = train[0].record
+        reward.check_call(first.data_source, first.ground_truth, first.extra_info or {})
     return Inputs(model_path, tok.pad_token_id, train, val, reward, agent)
 
 
 def to_request(p: EncodedPrompt, uid: int) -> Request:
     r = p.record
     return Request(uid=uid, prompt_ids=p.prompt_ids, data_source=r.data_source, ground_truth=r.ground_truth,
-                   extra_info=r.extra_info or {}, agent_name=r.agent_name)
+                   extra_info=r.extra_info or {}, agent_name=r.agent_name, messages=r.messages)

@@ -285,6 +285,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
         return actor_classes[cls].options(**opts).remote(
             inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
             ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent,
+            reward_model=cfg.reward.model if cfg.reward.model.kind is not None else None,
         )
 
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,

@@ -232,9 +232,11 @@ class RewardFunction:
         timeout_key: str = "reward.timeout_s",
         path_key: str = "reward.custom_path",
         name_key: str = "reward.custom_name",
+        abstain: bool = False,
     ):
         """``timeout_s`` bounds each scorer call and the import of ``custom_path``. The ``*_key``
-        arguments name the settings in messages (``offstep eval`` has flags)."""
+        arguments name the settings in messages (``offstep eval`` has flags). ``abstain``: a scorer
+        may return None, which is passed on (``reward.model.combine=abstain``)."""
         if timeout_s is not None and not float(timeout_s) > 0:
             raise ValueError(
                 f"reward timeout must be positive or None, got {timeout_s}. "
@@ -245,6 +247,7 @@ class RewardFunction:
         self.timeout_s = float(timeout_s) if timeout_s is not None else None
         self.timeout_key, self.path_key, self.name_key = timeout_key, path_key, name_key
         self._custom_fn: Scorer | None = None
+        self.abstain = abstain
 
     # pickling: never ship the imported function (its module may not exist on the worker)
     def __getstate__(self) -> dict:
@@ -391,6 +394,8 @@ class RewardFunction:
                     extras[str(key)] = as_float
         else:
             raw = result
+        if raw is None and getattr(self, "abstain", False):
+            return None, extras
         score = _as_float(raw)
         if score is None:
             raise fail(f"returned a non-number {type(raw).__name__} {repr(raw)[:80]}")

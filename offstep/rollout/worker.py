@@ -16,10 +16,11 @@ import torch
 
 from offstep.batch import GenTiming, Sample, Span
 from offstep.config.choices import SINGLE_TURN, TOOL_AGENT
-from offstep.config.schema import AgentConfig, LoRAConfig
+from offstep.config.schema import AgentConfig, LoRAConfig, RewardModelConfig
 from offstep.models.forward import DTYPES, sequence_logprobs
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.models.lora import add_adapters
+from offstep.rewards.combine import Combination, SampleReward
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
@@ -42,6 +43,7 @@ class Request:
     ground_truth: object
     extra_info: dict = field(default_factory=dict)
     agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agent_loop)
+    messages: list = field(default_factory=list)  # the prompt's chat messages (a reward model reads them)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class RolloutWorker:
         seed: int = 0,
         lora: LoRAConfig | None = None,
         agent: AgentConfig | None = None,
+        reward_model: RewardModelConfig | None = None,
     ):
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
@@ -92,6 +95,15 @@ class RolloutWorker:
             self.engine = TorchEngine(model, tok, eos, device=self.device, max_batch_size=max_batch_size)
         self.lora = lora
         self.reward = reward
+        # reward.model: a reward model or judge beside the engine, fed as samples finish (offstep.rollout.reward_model)
+        self.model_reward = None
+        if reward_model is not None and reward_model.kind is not None:
+            from offstep.rollout.reward_model import build_model_reward
+
+            self.model_reward = build_model_reward(reward_model, self.device)
+            reward_threads = max(reward_threads, reward_model.max_concurrency)  # the batcher gathers what waits
+        self.scoring = SampleReward(reward, self.model_reward,
+                                    Combination.of(reward_model) if self.model_reward is not None else None)
         self.ref = ref
         self.ref_model = None
         # The reference, for the KL term: with LoRA, the engine's own base with the adapters off
@@ -125,8 +137,7 @@ class RolloutWorker:
         futures: dict[int, Future] = {}
 
         def score(c: Completion) -> tuple[float, dict]:
-            r = requests[c.prompt_index]
-            return self.reward(r.data_source, c.text, r.ground_truth, r.extra_info)
+            return self._score(requests[c.prompt_index], c.text)
 
         def on_finish(c: Completion) -> None:
             futures[id(c)] = self.pool.submit(score, c)
@@ -162,12 +173,18 @@ class RolloutWorker:
             self._attach_greedy_baseline(requests, samples, params, seed)
         return self._finish(samples, Span(t0, time.time(), version), with_ref)
 
+    def _score(self, r: Request, text: str, extra_info: dict | None = None) -> tuple[float, dict]:
+        """One finished sample's reward: the rule, the reward model, or both (``reward.model``)."""
+        return self.scoring(r.data_source, text, r.ground_truth, r.extra_info if extra_info is None else extra_info,
+                            prompt=r.messages)
+
     def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = ()) -> tuple[list[Sample], GenTiming]:
         ref = None
         if self.ref is not None and with_ref:
             self._attach_ref_logprobs(samples)
             ref = Span(gen.end, time.time())
-        return samples, GenTiming(gen, ref, tools)
+        scored = self.model_reward.take_spans() if self.model_reward is not None else ()
+        return samples, GenTiming(gen, ref, tools, scored)
 
     def _generate_with_tools(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool):
         """A call with tool rows: those through their agent loops (``offstep.rollout.agent_loop``),
@@ -179,7 +196,7 @@ class RolloutWorker:
         if self._agent_runner is None:
             self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
         tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
-        looped, spans = run_tool_rows(self._agent_runner, self.engine, tool_rows, params, seed, self.reward, self.pool,
+        looped, spans = run_tool_rows(self._agent_runner, self.engine, tool_rows, params, seed, self._score, self.pool,
                                       self.progress)
         order = {r.uid: k for k, r in enumerate(requests)}
         samples = sorted(samples + looped, key=lambda s: order[s.uid])  # stable: a request's samples keep their order
@@ -194,7 +211,7 @@ class RolloutWorker:
         by_uid = {}
         for c in completions:
             r = requests[c.prompt_index]
-            by_uid[r.uid] = (self.reward(r.data_source, c.text, r.ground_truth, r.extra_info)[0], len(c.response_ids))
+            by_uid[r.uid] = (self._score(r, c.text)[0], len(c.response_ids))
         for s in samples:
             s.baseline_score, s.baseline_length = by_uid[s.uid]
 
@@ -223,11 +240,8 @@ class RolloutWorker:
         for the engine's cache and shared prefix)."""
         from offstep.rollout.stream import StreamServer
 
-        def score(r: Request, text: str):
-            return self.reward(r.data_source, text, r.ground_truth, r.extra_info)
-
         self._generating_again()
-        self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, score, self.pool,
+        self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, self._score, self.pool,
                                     self._tok, self.progress.advance)
 
     def stream_submit(self, groups: list) -> None:
