@@ -1,0 +1,45 @@
+"""The tiny preset trained end to end with a reward model on the rollout replicas (reward.model):
+a discriminative one combined with the rule, and a generative judge alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from offstep.config.loader import load_config
+from offstep.models.loading import load_tokenizer, resolve_model
+from offstep.pipeline.controller import train
+from offstep.telemetry.metrics import read_jsonl
+from offstep.telemetry.names import Reward, Stage, Timing, reward_lane
+from tests.reward_model_helpers import build_classifier
+
+pytestmark = pytest.mark.ray  # every test here starts Ray
+
+
+def _run(tmp_path, *extra):
+    out = tmp_path / "run"
+    train(load_config(["preset=tiny", "trainer.total_steps=2", f"trainer.output_dir={out}", "trainer.progress=off",
+                       "trainer.val_before_train=false", "trainer.val_freq=-1", *extra]))
+    return [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1], read_jsonl(out / "timeline.jsonl")
+
+
+def test_discriminative_reward_model_with_the_rule(tmp_path, ray_session):
+    folder = build_classifier(tmp_path / "rm", "llama", load_tokenizer(resolve_model("tiny")))
+    metrics, timeline = _run(tmp_path, "reward.model.kind=discriminative", f"reward.model.path={folder}",
+                             "reward.model.weight=0.5", "reward.model.rule_weight=2.0")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m[Reward.MODEL_FALLBACKS] == 0 and m[Timing.REWARD_MODEL] > 0
+        # every sample has both components, so the means combine as the samples do: 2 rule + 0.5 model
+        assert m[Reward.MEAN] == pytest.approx(2.0 * m[Reward.RULE_MEAN] + 0.5 * m[Reward.MODEL_MEAN], abs=1e-5)
+    lane = [e for e in timeline if e["role"] == reward_lane(0)]
+    assert {e["stage"] for e in lane} == {Stage.REWARD_MODEL} and {e["step"] for e in lane} == {1, 2}
+
+
+def test_generative_judge_alone(tmp_path, ray_session):
+    metrics, _ = _run(tmp_path, "reward.model.kind=generative", "reward.model.path=tiny", "reward.model.max_new_tokens=4",
+                      "reward.model.fallback_score=0.25", "trainer.total_steps=1")
+    (m,) = metrics
+    # the random tiny judge writes no number in [0, 1]: every sample falls back, counted, and the run goes on
+    n = 4 * 2  # data.train_batch_size x rollout.n of the tiny preset
+    assert m[Reward.MODEL_FALLBACKS] == n and m[Reward.MODEL_MEAN] == 0.25 and m[Reward.MEAN] == pytest.approx(0.25)
+    assert Reward.RULE_MEAN in m  # the arithmetic rule still scores, for the log, with weight 0
