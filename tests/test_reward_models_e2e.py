@@ -43,3 +43,33 @@ def test_generative_judge_alone(tmp_path, ray_session):
     n = 4 * 2  # data.train_batch_size x rollout.n of the tiny preset
     assert m[Reward.MODEL_FALLBACKS] == n and m[Reward.MODEL_MEAN] == 0.25 and m[Reward.MEAN] == pytest.approx(0.25)
     assert Reward.RULE_MEAN in m  # the arithmetic rule still scores, for the log, with weight 0
+
+
+def test_reward_pool_of_its_own(tmp_path, ray_session):
+    """reward.model.placement=pool: the replicas send their finished samples to the reward pool (the
+    rollout colocated with the trainer, so that the run fits 2 cores)."""
+    folder = build_classifier(tmp_path / "rm", "qwen2", load_tokenizer(resolve_model("tiny")))
+    metrics, timeline = _run(tmp_path, "reward.model.kind=discriminative", f"reward.model.path={folder}",
+                             "reward.model.placement=pool", "pipeline.max_staleness=0", "pipeline.colocate=true",
+                             "trainer.total_steps=1")
+    (m,) = metrics
+    assert m[Reward.MODEL_FALLBACKS] == 0 and m[Reward.MEAN] == pytest.approx(m[Reward.MODEL_MEAN], abs=1e-6)
+    assert [e["stage"] for e in timeline if e["role"] == reward_lane(0)]  # the round trips, on the replica's lane
+
+
+def test_a_dead_reward_worker_gives_fallbacks_not_a_hang(tmp_path, ray_session, tiny):
+    import ray
+
+    from offstep.config.schema import RewardModelConfig
+    from offstep.rollout.reward_model import build_model_reward
+    from offstep.rollout.reward_worker import RewardWorker
+
+    folder = build_classifier(tmp_path / "rm", "llama", tiny[1])
+    m = RewardModelConfig(kind="discriminative", path=str(folder), timeout_s=20.0)
+    worker = ray.remote(RewardWorker).options(num_cpus=0.01).remote(m, "cpu", 1)
+    batcher = build_model_reward(m, None, pool=[worker])
+    chat = [{"role": "user", "content": "2+3?"}]
+    first = batcher(chat, "5")
+    assert first.status == "ok" and first.value is not None
+    ray.kill(worker)
+    assert batcher(chat, "5").status == "failed"  # Ray's error for a dead actor: this sample falls back

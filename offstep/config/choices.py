@@ -37,6 +37,7 @@ TOOL_ROLES = ("tool", "user")  # rollout.agent.tool_role
 # reward.model.* (offstep.rewards.combine, offstep.rewards.judge and offstep.rollout.reward_model dispatch on these)
 REWARD_MODEL_KINDS = ("discriminative", "generative")
 REWARD_COMBINE = ("weighted", "abstain")
+REWARD_PLACEMENTS = ("rollout", "pool")
 JUDGE_PARSERS = ("last_number", "yes_no")  # and regex:PATTERN
 
 # pipeline.*, trainer.*, model.*, data.*, actor.* / critic.*

@@ -144,6 +144,8 @@ class RewardModelConfig:
     """allow the folder's own Python code (auto_map in config.json, e.g. ArmoRM); off: such a folder is refused"""
     dtype: str = "float32"
     """the reward model's weights: float32 | bfloat16"""
+    placement: str = "rollout"
+    """where it runs: rollout (on each rollout replica, beside the engine) | pool (a pool of its own: resources.reward_workers x resources.cpus_per_reward_worker / gpus_per_reward_worker; the replicas send it their finished samples)"""
     combine: str = "weighted"
     """weighted (rule_weight x rule + weight x model) | abstain (the rule's score, and the model's where the rule abstains: a custom scorer returned None)"""
     weight: float = 1.0
@@ -362,6 +364,12 @@ class ResourcesConfig:
     """GPUs of each trainer worker"""
     custom_resources_per_trainer_worker: dict[str, float] = field(default_factory=dict)
     """custom Ray resources each trainer worker takes, e.g. {node_train: 1}: pins the trainer pool to the cluster nodes started with them (ray start --resources); empty: any node"""
+    reward_workers: int = 1
+    """reward.model.placement=pool: the reward pool's workers, each holding the reward model"""
+    cpus_per_reward_worker: int = 1
+    """CPU cores of each reward worker"""
+    gpus_per_reward_worker: int = 0
+    """GPUs of each reward worker"""
     ray_address: Optional[str] = None
     """an existing Ray cluster ("auto" or an address); null starts a local one"""
 

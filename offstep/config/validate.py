@@ -29,6 +29,7 @@ from offstep.config.choices import (
     PROGRESS_MODES,
     REWARD_COMBINE,
     REWARD_MODEL_KINDS,
+    REWARD_PLACEMENTS,
     REJECTION_LEVELS,
     ROLLOUT_ENGINES,
     TIS_LEVELS,
@@ -309,6 +310,11 @@ def _check_reward_model(cfg: Config, e: list[str]) -> None:
           f"{' or an alias (tiny, smollm2-135m-instruct)' if m.kind == 'generative' else ''}", e)
     _choice(m.dtype, "reward.model.dtype", DTYPE_NAMES, e)
     _choice(m.combine, "reward.model.combine", REWARD_COMBINE, e)
+    _choice(m.placement, "reward.model.placement", REWARD_PLACEMENTS, e)
+    res = cfg.resources
+    for key, v, low in (("reward_workers", res.reward_workers, 1), ("cpus_per_reward_worker", res.cpus_per_reward_worker, 1),
+                        ("gpus_per_reward_worker", res.gpus_per_reward_worker, 0)):
+        _need(v >= low, f"resources.{key}={v} must be >= {low}", e)
     _need(m.combine != "abstain" or bool(cfg.reward.custom_path),
           "reward.model.combine=abstain uses the model where the rule abstains, and the built-in scorers never "
           "abstain; set reward.custom_path to a scorer that returns None where it cannot judge, or use combine=weighted", e)

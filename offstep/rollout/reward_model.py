@@ -7,7 +7,9 @@ waits ``timeout_s`` at most, queueing included; a timeout, a failure of the batc
 unparseable judgement gives it no value (``ModelScore.value`` None: the fallback score, counted
 by ``offstep.rewards.combine``), so a slow or broken model never hangs the run.
 
-Two scorers fill a batch: ``DiscriminativeScorer``, a sequence-classification reward model that
+The scorer runs here, on the replica, or in the reward pool of its own
+(``reward.model.placement=pool``: ``offstep.rollout.reward_worker``), to which ``PoolScorer``
+sends each batch. Two scorers fill a batch: ``DiscriminativeScorer``, a sequence-classification reward model that
 reads the policy's chat rendered with the reward model's own tokenizer and chat template (as verl
 re-templates for a reward model with another tokenizer), and ``JudgeScorer``, a causal LM that
 answers a prompt template through offstep's built-in engine, its text parsed into a score.
@@ -15,6 +17,7 @@ answers a prompt template through offstep's built-in engine, its text parsed int
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -125,18 +128,35 @@ class JudgeScorer:
         return [parse_score(t, self.cfg.parser) for t in texts]
 
 
+class PoolScorer:
+    """A batch sent to the reward pool (``reward.model.placement=pool``): to its workers in turn,
+    waiting ``timeout_s`` at most for the answer (a dead or hung worker fails the batch: its
+    samples fall back, counted)."""
+
+    def __init__(self, handles: list, timeout_s: float):
+        self.handles, self.timeout_s = list(handles), timeout_s
+        self._turn = itertools.count()
+
+    def __call__(self, items: list[Item]) -> list[float | None]:
+        worker = self.handles[next(self._turn) % len(self.handles)]
+        return worker.score.remote(items).future().result(timeout=self.timeout_s)
+
+
 class ModelBatcher:
-    """Scores items in batches on a thread of its own; ``__call__`` waits for one item's score."""
+    """Scores items in batches on threads of its own (``threads``: batches in flight at once, one
+    per reward worker of a pool); ``__call__`` waits for one item's score."""
 
     def __init__(self, score_batch: Callable[[list[Item]], list[float | None]], batch_size: int, max_concurrency: int,
-                 timeout_s: float):
+                 timeout_s: float, threads: int = 1):
         self.score_batch, self.batch_size, self.timeout_s = score_batch, batch_size, timeout_s
         self._slots = threading.BoundedSemaphore(max_concurrency)
         self._queue: queue.Queue = queue.Queue()
         self._spans: list[Span] = []  # each batch's scoring, for the timeline
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="offstep-reward-model", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"offstep-reward-model-{i}", daemon=True)
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
 
     def __call__(self, prompt: list, response: str, ground_truth: Any = None) -> ModelScore:
         deadline = time.monotonic() + self.timeout_s
@@ -196,10 +216,18 @@ class ModelBatcher:
         return spans
 
     def close(self) -> None:
-        self._queue.put(None)
+        for _ in self._threads:
+            self._queue.put(None)
 
 
-def build_model_reward(cfg: RewardModelConfig, device: torch.device) -> ModelBatcher:
-    """The replica's reward model of ``cfg.kind``, behind its batcher."""
-    scorer = DiscriminativeScorer(cfg, device) if cfg.kind == "discriminative" else JudgeScorer(cfg, device)
-    return ModelBatcher(scorer, cfg.batch_size, cfg.max_concurrency, cfg.timeout_s)
+def make_scorer(cfg: RewardModelConfig, device: torch.device) -> Callable[[list[Item]], list[float | None]]:
+    """The reward model of ``cfg.kind`` on ``device``: a batch of items in, their scores out."""
+    return DiscriminativeScorer(cfg, device) if cfg.kind == "discriminative" else JudgeScorer(cfg, device)
+
+
+def build_model_reward(cfg: RewardModelConfig, device: torch.device, pool: list | None = None) -> ModelBatcher:
+    """A replica's reward model behind its batcher: here, or the reward pool's workers ``pool``."""
+    if pool:
+        return ModelBatcher(PoolScorer(pool, cfg.timeout_s), cfg.batch_size, cfg.max_concurrency, cfg.timeout_s,
+                            threads=len(pool))
+    return ModelBatcher(make_scorer(cfg, device), cfg.batch_size, cfg.max_concurrency, cfg.timeout_s)

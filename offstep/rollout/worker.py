@@ -73,6 +73,7 @@ class RolloutWorker:
         lora: LoRAConfig | None = None,
         agent: AgentConfig | None = None,
         reward_model: RewardModelConfig | None = None,
+        reward_pool: list | None = None,
     ):
         torch.set_num_threads(num_threads)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
@@ -100,7 +101,7 @@ class RolloutWorker:
         if reward_model is not None and reward_model.kind is not None:
             from offstep.rollout.reward_model import build_model_reward
 
-            self.model_reward = build_model_reward(reward_model, self.device)
+            self.model_reward = build_model_reward(reward_model, self.device, reward_pool)  # pool: its workers
             reward_threads = max(reward_threads, reward_model.max_concurrency)  # the batcher gathers what waits
         self.scoring = SampleReward(reward, self.model_reward,
                                     Combination.of(reward_model) if self.model_reward is not None else None)
