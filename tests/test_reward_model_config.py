@@ -32,6 +32,10 @@ def test_defaults_have_no_reward_model_and_no_problem():
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.combine=abstain"], "set reward.custom_path"),
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.timeout_s=0"], "reward.model.timeout_s=0"),
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.weight=0"], "both 0"),
+    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.placement=cloud"],
+     "reward.model.placement='cloud' is not one of ['rollout', 'pool']"),
+    (["reward.model.kind=generative", "reward.model.path=tiny", "resources.reward_workers=0"], "resources.reward_workers=0"),
+    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.max_restarts=-1"], "max_restarts=-1"),
 ])
 def test_bad_values_are_named_with_their_fix(overrides, needle):
     found = _problems(*overrides)
@@ -75,3 +79,13 @@ def test_the_preflight_reports_a_wrong_folder(tmp_path):
                        f"trainer.output_dir={tmp_path / 'run'}"])
     found = environment_problems(cfg, cpu_count=8, gpu_count=0)
     assert any(p.startswith("reward.model.path='tiny' does not exist") for p in found), found
+
+
+def test_the_preflight_counts_the_reward_pool(tmp_path):
+    from offstep.pipeline.preflight import environment_problems
+
+    base = ["preset=tiny", "reward.model.kind=generative", "reward.model.path=tiny", f"trainer.output_dir={tmp_path / 'run'}"]
+    assert not [p for p in environment_problems(load_config(base), cpu_count=2, gpu_count=0) if "CPU cores" in p]
+    pool = load_config([*base, "reward.model.placement=pool", "resources.cpus_per_reward_worker=2"])
+    found = [p for p in environment_problems(pool, cpu_count=2, gpu_count=0) if "CPU cores" in p]
+    assert found and "needs 4 CPU cores" in found[0] and "resources.cpus_per_reward_worker" in found[0], found

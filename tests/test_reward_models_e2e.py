@@ -3,6 +3,8 @@ a discriminative one combined with the rule, and a generative judge alone."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from offstep.config.loader import load_config
@@ -57,19 +59,33 @@ def test_reward_pool_of_its_own(tmp_path, ray_session):
     assert [e["stage"] for e in timeline if e["role"] == reward_lane(0)]  # the round trips, on the replica's lane
 
 
-def test_a_dead_reward_worker_gives_fallbacks_not_a_hang(tmp_path, ray_session, tiny):
+def test_a_dead_reward_worker_falls_back_and_is_replaced(tmp_path, ray_session, tiny):
     import ray
 
     from offstep.config.schema import RewardModelConfig
+    from offstep.rewards.combine import ModelScore
     from offstep.rollout.reward_model import build_model_reward
     from offstep.rollout.reward_worker import RewardWorker
 
     folder = build_classifier(tmp_path / "rm", "llama", tiny[1])
     m = RewardModelConfig(kind="discriminative", path=str(folder), timeout_s=20.0)
-    worker = ray.remote(RewardWorker).options(num_cpus=0.01).remote(m, "cpu", 1)
-    batcher = build_model_reward(m, None, pool=[worker])
     chat = [{"role": "user", "content": "2+3?"}]
-    first = batcher(chat, "5")
-    assert first.status == "ok" and first.value is not None
-    ray.kill(worker)
-    assert batcher(chat, "5").status == "failed"  # Ray's error for a dead actor: this sample falls back
+    # as offstep.pipeline.workers.start_reward_pool starts them: Ray restarts a dead one (max_restarts)
+    for restarts in (0, 1):
+        worker = ray.remote(RewardWorker).options(num_cpus=0.01, max_restarts=restarts).remote(m, "cpu", 1)
+        batcher = build_model_reward(m, None, pool=[worker])
+        first = batcher(chat, "5")
+        assert first.status == "ok" and first.value is not None
+        ray.kill(worker, no_restart=False)  # the process dies, as a crash or an OOM kill would end it
+        seen = []
+        for _ in range(60 if restarts else 3):  # a sample whose batch hits the dead worker falls back, none hangs
+            seen.append(batcher(chat, "5"))
+            if seen[-1].status == "ok":
+                break
+            time.sleep(0.5)
+        if restarts:
+            assert seen[-1] == first, seen  # the restarted worker (same handle) scores again, the same
+            assert all(s == ModelScore(None, "failed") for s in seen[:-1])
+        else:
+            assert seen == [ModelScore(None, "failed")] * 3
+        ray.kill(worker)

@@ -146,6 +146,8 @@ class RewardModelConfig:
     """the reward model's weights: float32 | bfloat16"""
     placement: str = "rollout"
     """where it runs: rollout (on each rollout replica, beside the engine) | pool (a pool of its own: resources.reward_workers x resources.cpus_per_reward_worker / gpus_per_reward_worker; the replicas send it their finished samples)"""
+    max_restarts: int = 3
+    """placement=pool: times each reward worker that dies is started again in its place (its batches in flight fall back); then its batches fail, and fall back, for the rest of the run"""
     combine: str = "weighted"
     """weighted (rule_weight x rule + weight x model) | abstain (the rule's score, and the model's where the rule abstains: a custom scorer returned None)"""
     weight: float = 1.0

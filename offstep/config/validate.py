@@ -315,6 +315,7 @@ def _check_reward_model(cfg: Config, e: list[str]) -> None:
     for key, v, low in (("reward_workers", res.reward_workers, 1), ("cpus_per_reward_worker", res.cpus_per_reward_worker, 1),
                         ("gpus_per_reward_worker", res.gpus_per_reward_worker, 0)):
         _need(v >= low, f"resources.{key}={v} must be >= {low}", e)
+    _need(m.max_restarts >= 0, f"reward.model.max_restarts={m.max_restarts} must be >= 0", e)
     _need(m.combine != "abstain" or bool(cfg.reward.custom_path),
           "reward.model.combine=abstain uses the model where the rule abstains, and the built-in scorers never "
           "abstain; set reward.custom_path to a scorer that returns None where it cannot judge, or use combine=weighted", e)

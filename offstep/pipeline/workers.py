@@ -236,13 +236,15 @@ def init_ray(cfg: Config) -> bool:
 
 
 def start_reward_pool(cfg: Config, env: dict) -> tuple[Pool | None, list]:
-    """The reward pool and its workers (``reward.model.placement=pool``), or (None, [])."""
+    """The reward pool and its workers (``reward.model.placement=pool``), or (None, []). Ray starts
+    a worker that dies again in its bundle (``reward.model.max_restarts`` times), under the same handle."""
     m, res = cfg.reward.model, cfg.resources
     if m.kind is None or m.placement != "pool":
         return None, []
     pool = Pool.create(Role.REWARD, res.reward_workers, res.cpus_per_reward_worker, res.gpus_per_reward_worker)
     remote = ray.remote(RewardWorker)
-    return pool, [remote.options(**pool.options(i, 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)}))
+    env = {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)}
+    return pool, [remote.options(max_restarts=m.max_restarts, **pool.options(i, 1.0, env))
                   .remote(m, pool.device, pool.cpus_per_bundle) for i in range(pool.bundles)]
 
 
