@@ -89,3 +89,13 @@ def test_the_preflight_counts_the_reward_pool(tmp_path):
     pool = load_config([*base, "reward.model.placement=pool", "resources.cpus_per_reward_worker=2"])
     found = [p for p in environment_problems(pool, cpu_count=2, gpu_count=0) if "CPU cores" in p]
     assert found and "needs 4 CPU cores" in found[0] and "resources.cpus_per_reward_worker" in found[0], found
+
+
+def test_help_shows_the_reward_model_keys(capsys):
+    """`offstep train --help reward.model` (docs/reward-models.md)."""
+    from offstep.cli import main
+
+    assert main(["train", "--help", "reward.model"]) == 0
+    out = capsys.readouterr().out
+    for key in ("kind", "path", "combine", "timeout_s", "fallback_score", "parser", "placement"):
+        assert f"reward.model.{key}:" in out, key
