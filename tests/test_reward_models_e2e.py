@@ -37,6 +37,17 @@ def test_discriminative_reward_model_with_the_rule(tmp_path, ray_session):
     assert {e["stage"] for e in lane} == {Stage.REWARD_MODEL} and {e["step"] for e in lane} == {1, 2}
 
 
+def test_fully_async_scores_with_the_reward_model(tmp_path, ray_session):
+    """pipeline.mode=fully_async: the stream's groups go out once the reward model scored them."""
+    folder = build_classifier(tmp_path / "rm", "qwen2", load_tokenizer(resolve_model("tiny")))
+    metrics, _ = _run(tmp_path, "pipeline.mode=fully_async", "reward.model.kind=discriminative",
+                      f"reward.model.path={folder}", "reward.model.rule_weight=1.0")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m[Reward.MODEL_FALLBACKS] == 0
+        assert m[Reward.MEAN] == pytest.approx(m[Reward.RULE_MEAN] + m[Reward.MODEL_MEAN], abs=1e-5)
+
+
 def test_generative_judge_alone(tmp_path, ray_session):
     metrics, _ = _run(tmp_path, "reward.model.kind=generative", "reward.model.path=tiny", "reward.model.max_new_tokens=4",
                       "reward.model.fallback_score=0.25", "trainer.total_steps=1")
@@ -73,6 +84,7 @@ def test_a_dead_reward_worker_falls_back_and_is_replaced(tmp_path, ray_session, 
     # as offstep.pipeline.workers.start_reward_pool starts them: Ray restarts a dead one (max_restarts)
     for restarts in (0, 1):
         worker = ray.remote(RewardWorker).options(num_cpus=0.01, max_restarts=restarts).remote(m, "cpu", 1)
+        ray.get(worker.__ray_ready__.remote(), timeout=300)  # started (on a busy machine that takes a while)
         batcher = build_model_reward(m, None, pool=[worker])
         first = batcher(chat, "5")
         assert first.status == "ok" and first.value is not None
