@@ -203,3 +203,18 @@ def test_rollout_worker_scores_with_the_reward_model_as_samples_finish(tmp_path,
         assert s.reward_extra[MODEL] == pytest.approx(want, abs=1e-5) and s.reward_extra[FALLBACK] == 0.0
         assert s.score == pytest.approx(s.reward_extra[RULE] + 0.5 * want, abs=1e-5)
     assert timing.reward and all(span.end >= span.start for span in timing.reward)
+
+
+def test_accuracy_is_the_rules_with_a_reward_model():
+    """val/acc counts the rule's verdict; val/reward/mean is the combined reward."""
+    from offstep.batch import Sample
+    from offstep.pipeline.evaluation import summarise
+
+    def sample(score, extra):
+        return Sample(uid=0, prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], finish_reason="stop",
+                      score=score, version=0, data_source="arithmetic", reward_extra=extra)
+
+    samples = [sample(1.7, {RULE: 1.0, MODEL: 0.7}), sample(2.5, {RULE: 0.0, MODEL: 2.5}), sample(0.2, {MODEL: 0.2})]
+    m = summarise(samples, prefix="val/")
+    assert m["val/acc"] == pytest.approx(1 / 3)  # the rule's 1 and 0, and 0.2 < 1 where no rule scored
+    assert m["val/reward/mean"] == pytest.approx((1.7 + 2.5 + 0.2) / 3)
