@@ -242,6 +242,11 @@ SECTIONS = [
             "so the overlap hides everything else. The modes run one after another, so the host's load moves the "
             "rows; the efficiency, measured within each run, is the steadier column.",
             tables_of(("results_overlap.md", None)), "overlap efficiency of at least 0.9"),
+    Section("lend", "Cores that never idle", "lend_cores.py", ("results_lend.md",),
+            "The default preset, one-step, with the rollout's cores lent to the trainer while the rollout idles "
+            "(`pipeline.lend_cores=true`) against without; off and on alternate within one run. The equal-cores "
+            "limit is the step if every core-second of the unlent runs' work were spread evenly over the cores.",
+            tables_of(("results_lend.md", None)), "a step within 1.1x of the equal-cores limit"),
     Section("soak", "Soak", "soak.py", ("results_soak.md",),
             "A long run of the tiny preset, one-step: resident memory, open files and threads of every process, first "
             "against last, with the least-squares slope of memory over the window.",

@@ -17,6 +17,7 @@ A command added to a page without an entry here, or an entry whose command left 
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -138,6 +139,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/offstep train preset=calculator": CFG,
     "offstep train preset=calculator": CFG,
     ".venv/bin/python benchmarks/calculator_runs.py --seeds 0": BENCHMARK,
+    # docs/performance.md
+    "offstep report RUN": ("synopsis", "`offstep report runs/default` runs here"),
+    "python benchmarks/lend_cores.py": BENCHMARK,
     ".venv/bin/offstep eval smollm2-135m-instruct --data runs/bench_calculator/seed0/no_tools/val.parquet --max-new-tokens 48":
         ("not run", "evaluates the data that benchmarks/calculator_runs.py writes (a benchmark)"),
     ".venv/bin/offstep eval smollm2-135m-instruct --data runs/bench_calculator/seed0/data/val.parquet "
@@ -272,6 +276,13 @@ def test_the_readme_quick_look(tmp_path):
 
     if not (ROOT / ".venv" / "bin" / "offstep").exists():
         pytest.fail("the quick look runs the set-up's .venv; run `bash scripts/test.sh`, which creates it")
+    # The copy's set-up must find the .venv done (setup.sh's stamp, made from these files): otherwise it
+    # would install offstep into the shared .venv from the copy, which holds no package.
+    files = b"".join((root / name).read_bytes() for name in ("pyproject.toml", "scripts/setup.sh", "scripts/constraints.txt"))
+    stamp = (ROOT / ".venv" / ".offstep-setup").read_text().split(" ")[0]
+    if stamp != hashlib.sha256(files).hexdigest():
+        pytest.fail("the .venv was set up from other versions of pyproject.toml, scripts/setup.sh or "
+                    "scripts/constraints.txt; run `bash scripts/setup.sh` first")
     sh("bash scripts/train.sh preset=tiny")
     # the tiny preset's folder is runs/tiny; the README's next commands name the default's folder
     (root / "runs" / "tiny").rename(root / "runs" / "default")

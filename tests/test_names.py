@@ -16,7 +16,7 @@ METRICS = {
     "timing_s/step", "timing_s/gen", "timing_s/wait_gen", "timing_s/ref", "timing_s/ref_rollout", "timing_s/values",
     "timing_s/old_logprobs", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor",
     "timing_s/sync_weights", "timing_s/sync_verify", "timing_s/reward_model",
-    "perf/tokens_per_s", "perf/samples_per_s", "perf/gen_tokens_per_s",
+    "perf/tokens_per_s", "perf/samples_per_s", "perf/gen_tokens_per_s", "perf/lent_cores_s",
     "reward/mean", "reward/max", "reward/min", "reward/overlong_penalty", "reward/kl_penalty", "reward/kl_coef",
     "reward/greedy_baseline", "reward/rule/mean", "reward/model/mean", "reward/model/fallbacks",
     "rollout/staleness_max", "rollout/staleness_mean", "rollout/version_min", "rollout/version_span_max",

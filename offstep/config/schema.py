@@ -386,6 +386,8 @@ class PipelineConfig:
     """synchronous mode only: rollout workers share the trainer's cores (colocated) instead of a pool of their own; ignored (pools are always disjoint) when max_staleness >= 1"""
     ref_on_rollout: bool = False
     """compute the reference log-probs on the rollout workers (a frozen copy beside the engine) after each generation instead of on the trainer pool: off the trainer's critical path"""
+    lend_cores: bool = False
+    """CPU, batch mode: while the rollout replicas idle (their batch generated, the trainer still updating), the trainer's ranks compute with their cores too, and give them back before the next generation. Faster where the trainer is the longer side; results then agree with an unlent run to rounding, not bit for bit (docs/performance.md)"""
     weight_sync: str = "object_store"
     """how weights reach the rollout workers after each update: object_store (Ray's; works anywhere) | collective (broadcast from actor rank 0: gloo on CPU, NCCL on GPU; sync/collective.py)"""
     weight_sync_bucket_mb: float = 64.0

@@ -333,6 +333,23 @@ def _check_reward_model(cfg: Config, e: list[str]) -> None:
                 e.append(problem)
 
 
+def _check_lending(cfg: Config, e: list[str]) -> None:
+    """``pipeline.lend_cores``: the rollout's cores, lent to the trainer on one CPU machine."""
+    p, why = cfg.pipeline, "pipeline.lend_cores=true"
+    if not p.lend_cores:
+        return
+    _need(p.mode == "batch", f"{why} with pipeline.mode={p.mode}: the replicas never idle there, so there is "
+          f"nothing to lend; set pipeline.lend_cores=false", e)
+    _need(not (p.colocate and p.max_staleness == 0), f"{why} with pipeline.colocate=true: colocated roles already take "
+          f"turns on the same cores (set resources.cpus_per_trainer_worker to the cores they share); set "
+          f"pipeline.lend_cores=false", e)
+    _need(cfg.trainer.device != "cuda" and cfg.resources.gpus_per_trainer_worker == 0,
+          f"{why} lends CPU cores between processes on one machine; a GPU trainer has nothing to gain from them: "
+          f"set pipeline.lend_cores=false", e)
+    _need(not cfg.resources.ray_address, f"{why} with resources.ray_address set: the cores lent are this machine's, "
+          f"and on a cluster the trainer and the rollout may sit on different nodes; set pipeline.lend_cores=false", e)
+
+
 def problems(cfg: Config) -> list[str]:
     """Every inconsistency in ``cfg``, as messages that name the key and the fix (cheap: nothing is
     loaded, nothing outside the config is looked at)."""
@@ -350,6 +367,7 @@ def problems(cfg: Config) -> list[str]:
           "one GPU (pipeline.colocate=true); use pipeline.weight_sync=object_store there", e)
     _need(not (cfg.pipeline.colocate and k > 0), "pipeline.colocate=true needs pipeline.max_staleness=0: "
           "overlapping generation with training needs disjoint pools", e)
+    _check_lending(cfg, e)
     _need(cfg.trainer.total_steps >= 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1", e)
     _need(cfg.trainer.seed >= 0, f"trainer.seed={cfg.trainer.seed} must be >= 0 (numpy's generators take no "
           f"negative seeds)", e)

@@ -41,6 +41,7 @@ from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_che
 from offstep.pipeline.evaluation import summarise
 from offstep.pipeline.fleet import RolloutFleet
 from offstep.pipeline.inputs import prepare_inputs
+from offstep.pipeline.lending import CoreLending
 from offstep.pipeline.pools import RoleGroup
 from offstep.pipeline.run_dir import open_run
 from offstep.pipeline.prepare import BatchPreparer, Prepared
@@ -157,7 +158,8 @@ class Controller:
         """Start the workers (``start(cfg, inputs, console) -> Workers``; the real ones by default)."""
         self.workers = (start or start_workers)(self.cfg, self.inputs, self.console)
         self.sync = WeightSync(self.cfg.pipeline, self.workers)
-        self.fleet = RolloutFleet(self.workers, self.cfg.rollout, self.sync.reload, self.console.log)
+        lending = CoreLending(self.workers.groups, self.workers.lend_cores) if self.workers.lend_cores else None
+        self.fleet = RolloutFleet(self.workers, self.cfg.rollout, self.sync.reload, self.console.log, lending=lending)
         if self.cfg.pipeline.mode == "fully_async":
             self.samples = SampleStream(self.cfg, self.inputs, self.stream, self.workers, self.params, self.timeline)
         if self.resumed is not None:
@@ -230,6 +232,8 @@ class Controller:
             m[Timing.STEP], t_step = now - t_step, now
             m[Perf.TOKENS_PER_S] = float(batch.attention_mask.sum()) / m[Timing.STEP]
             m[Perf.SAMPLES_PER_S] = len(batch) / m[Timing.STEP]
+            if self.fleet.lending is not None:
+                m[Perf.LENT_CORES_S] = self.fleet.lending.take_seconds()
             m["policy_version"] = self.version
             save_freq, saves = cfg.trainer.save_freq, cfg.trainer.save_freq or cfg.trainer.save_last
             saving = (save_freq and step % save_freq == 0) or (saves and (step == N or self.stop.requested))

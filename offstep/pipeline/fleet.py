@@ -13,6 +13,7 @@ import ray
 from offstep.config.schema import RolloutConfig
 from offstep.errors import RolloutFailed
 from offstep.pipeline.inputs import to_request
+from offstep.pipeline.lending import CoreLending
 from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S
 from offstep.pipeline.workers import Workers, node_of
 
@@ -38,8 +39,9 @@ async def _await(object_ref):
 
 class RolloutFleet:
     def __init__(self, workers: Workers, cfg: RolloutConfig, reload: Callable[[int], Awaitable[None]], log: Callable[[str], None],
-                 restarts: int = 0):
+                 restarts: int = 0, lending: CoreLending | None = None):
         self.workers, self.cfg, self.reload, self.log = workers, cfg, reload, log
+        self.lending = lending  # told when generation starts and ends (pipeline.lend_cores)
         self.restarts = restarts  # replicas replaced so far in this run (a checkpoint carries it)
         self._replacing: dict[int, asyncio.Lock] = {}  # one replacement of a replica at a time
         self._failed: dict[int, Exception] = {}  # replica -> why its replacement could not be made
@@ -52,13 +54,18 @@ class RolloutFleet:
         the future: a replica runs its calls in submission order, so a weight load (or a receive
         on the collective path) submitted after this call is ordered after this generation."""
         requests = [to_request(p, uid0 + i) for i, p in enumerate(prompts)]
+        if self.lending is not None:  # the trainer gives the rollout's cores back before it starts
+            self.lending.busy()
         shares = []
         for i, share in enumerate(split(requests, len(self.workers.rollout))):
             if share:
                 args = (share, params, gen_seed(seed_base, batch_idx, i), with_ref)
                 worker = self.workers.rollout[i]
                 shares.append(self._generate_on(i, args, worker, worker.generate.remote(*args)))
-        return asyncio.ensure_future(asyncio.gather(*shares))
+        generated = asyncio.ensure_future(asyncio.gather(*shares))
+        if self.lending is not None:
+            generated.add_done_callback(self.lending.idle)
+        return generated
 
     async def _generate_on(self, i: int, args: tuple, worker, call):
         """``call``, submitted to ``worker`` (replica i); on the replacement when the worker dies or hangs."""

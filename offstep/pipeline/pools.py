@@ -30,6 +30,7 @@ from offstep.train.distributed import GroupSpec
 # Actors take a token share of a bundle; the bundle itself reserves the cores, and each actor
 # sets its own thread count. This lets several roles share one bundle (they run in turn).
 _TOKEN_CPU = 0.01
+LEND_GROUP = "lend"  # the trainer actors' concurrency group that takes lent cores (pipeline.lend_cores)
 PLACEMENT_TIMEOUT_S = 60.0  # how long a pool, or a bundle whose node left, may wait for a node
 
 
@@ -125,8 +126,11 @@ class RoleGroup:
         self.name, self.handles = name, handles
 
     @classmethod
-    def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, rendezvous: Rendezvous, *args) -> "RoleGroup":
-        remote_cls = ray.remote(worker_cls)
+    def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, rendezvous: Rendezvous, *args,
+               lendable: bool = False) -> "RoleGroup":
+        """``lendable``: each rank also serves ``lend_threads`` in a concurrency group of its own
+        (``LEND_GROUP``), beside the call it is running; its other calls stay one at a time."""
+        remote_cls = ray.remote(concurrency_groups={LEND_GROUP: 1})(worker_cls) if lendable else ray.remote(worker_cls)
         master_addr, port = rendezvous.endpoint
         handles = []
         for rank in range(pool.bundles):

@@ -54,6 +54,7 @@ class Workers:
     rendezvous: Rendezvous | None = None  # the store the trainer roles' process groups meet at
     ref_method: Callable = RefWorker.compute_logprobs
     rollout_pool: Pool | None = None  # the pool the replicas' bundles belong to (replica i: bundle i % bundles)
+    lend_cores: int = 0  # cores each trainer rank borrows while the rollout idles (pipeline.lend_cores; 0: none)
     reward: list = field(default_factory=list)  # the reward pool's workers (reward.model.placement=pool)
     reward_pool: Pool | None = None
 
@@ -279,13 +280,16 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     micro, budget = cfg.actor.micro_batch_size, cfg.actor.micro_token_budget
     host = None if cfg.resources.ray_address else "127.0.0.1"  # a local run listens on loopback only
     rendezvous = Rendezvous(host or ray.util.get_node_ip_address())
+    # pipeline.lend_cores: the rollout pool's cores, shared out over the trainer's ranks while it idles
+    lend = (ro.replicas * ro.cpus_per_replica) // res.trainer_workers if cfg.pipeline.lend_cores and not colocate else 0
     actor = RoleGroup.create(Role.ACTOR, ActorWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.actor,
-                             cfg.algorithm, temperature, live.client(Role.TRAINER))
-    ref = (RoleGroup.create(Role.REF, RefWorker, trainer_pool, share, env, rendezvous, seed, *model, temperature, micro, budget)
+                             cfg.algorithm, temperature, live.client(Role.TRAINER), lendable=lend > 0)
+    ref = (RoleGroup.create(Role.REF, RefWorker, trainer_pool, share, env, rendezvous, seed, *model, temperature, micro, budget,
+                            lendable=lend > 0)
            if ref_role else actor if ref_on_trainer else None)
     critic = (
         RoleGroup.create(Role.CRITIC, CriticWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.critic,
-                         cfg.algorithm, micro, cfg.actor.mini_batch_size, budget)
+                         cfg.algorithm, micro, cfg.actor.mini_batch_size, budget, lendable=lend > 0)
         if use_critic else None
     )
     pool = rollout_pool or trainer_pool
@@ -309,7 +313,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,
                       [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
                       RefWorker.compute_logprobs if ref_role else ActorWorker.compute_ref_logprobs, rollout_pool=pool,
-                      reward=reward_workers, reward_pool=reward_pool)
+                      lend_cores=lend, reward=reward_workers, reward_pool=reward_pool)
     try:
         workers.ready()
         if cfg.resources.ray_address:  # on a cluster, say which node each worker landed on

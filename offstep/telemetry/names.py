@@ -91,6 +91,7 @@ class Perf:
     TOKENS_PER_S = "perf/tokens_per_s"
     SAMPLES_PER_S = "perf/samples_per_s"
     GEN_TOKENS_PER_S = "perf/gen_tokens_per_s"
+    LENT_CORES_S = "perf/lent_cores_s"  # seconds of the step the trainer computed with the rollout's cores too
 
 
 class Reward:

@@ -40,7 +40,7 @@ from offstep.sync.weights import pack_state_dict
 from offstep.telemetry.names import Stage
 from offstep.telemetry.progress import ProgressClient, mini_batch_count
 from offstep.train.distributed import GroupSpec, all_mean
-from offstep.train.fsdp import RoleWorker, clip_and_step, make_optimizer, shard_model, timed
+from offstep.train.fsdp import RoleWorker, clip_and_step, make_optimizer, timed
 
 
 class ActorWorker(RoleWorker):
@@ -69,7 +69,7 @@ class ActorWorker(RoleWorker):
         # What a weight sync carries: every parameter, or the adapters only.
         self._synced = is_adapter_name if self.lora else None
         model.train()
-        self.model = shard_model(model, self.mesh)
+        self.model = self._shard(model)
         self.opt, self.sched = make_optimizer(self.model.parameters(), actor.optim)
         self.skipped_steps = 0
         # Live progress from rank 0 only (all ranks step together); a no-op without a hub.

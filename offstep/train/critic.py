@@ -17,7 +17,7 @@ from offstep.batch import TrainBatch, scatter_rows
 from offstep.config.schema import AlgorithmConfig, CriticConfig
 from offstep.models.forward import DTYPES, autocast
 from offstep.train.distributed import GroupSpec, all_mean
-from offstep.train.fsdp import RoleWorker, clip_and_step, make_optimizer, shard_model, timed
+from offstep.train.fsdp import RoleWorker, clip_and_step, make_optimizer, timed
 
 
 class CriticWorker(RoleWorker):
@@ -41,7 +41,7 @@ class CriticWorker(RoleWorker):
             model_path, num_labels=1, dtype=DTYPES[dtype], attn_implementation="sdpa"
         ).to(self.device)
         model.train()
-        self.model = shard_model(model, self.mesh)
+        self.model = self._shard(model)
         self.opt, self.sched = make_optimizer(self.model.parameters(), critic.optim)
         self.cfg, self.algo = critic, algo
         self.micro, self.mini, self.token_budget = micro_batch_size, mini_batch_size, micro_token_budget

@@ -21,6 +21,7 @@ from offstep.errors import NonFiniteError
 from offstep.models.forward import forward_response
 from offstep.models.lora import base_of
 from offstep.train.distributed import GroupSpec, all_max, all_sum, setup
+from offstep.train.threads import ThreadLease
 
 
 def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
@@ -102,6 +103,17 @@ class RoleWorker:
         self.spec = spec
         self.device, self.mesh = setup(spec)
         torch.manual_seed(seed)
+        self.threads = ThreadLease(spec.num_threads)
+
+    def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``shard_model``, with each decoder layer taking the rank's thread count first."""
+        self.threads.follow(base_of(model).model.layers)
+        return shard_model(model, self.mesh)
+
+    def lend_threads(self, cores: int) -> None:
+        """Cores an idle rollout worker lends this rank, 0 to give them back (``pipeline.lend_cores``;
+        served beside a running call, in the actor's ``LEND_GROUP``)."""
+        self.threads.lend(cores)
 
     @property
     def rank(self) -> int:

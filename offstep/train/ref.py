@@ -8,7 +8,7 @@ from offstep.batch import TrainBatch
 from offstep.models.forward import DTYPES
 from offstep.models.loading import load_causal_lm
 from offstep.train.distributed import GroupSpec
-from offstep.train.fsdp import RoleWorker, shard_model, timed
+from offstep.train.fsdp import RoleWorker, timed
 
 
 class RefWorker(RoleWorker):
@@ -19,7 +19,7 @@ class RefWorker(RoleWorker):
         super().__init__(spec, seed)
         model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
         model.requires_grad_(False)
-        self.model = shard_model(model, self.mesh)
+        self.model = self._shard(model)
         self.temperature, self.micro, self.compute_dtype = temperature, micro_batch_size, compute_dtype
         self.token_budget = micro_token_budget
 

@@ -1,0 +1,93 @@
+"""Cores that never idle: the default preset, one-step, with the rollout's cores lent to the trainer
+while the rollout idles (``pipeline.lend_cores=true``) against without, side by side in one run.
+
+For each trainer compute dtype, the two settings alternate (off, on, off, on, ...) so that a change
+of the host's load falls on both. Reported per setting: the median step time over steps 2..N of
+its runs, the median rollout-busy and trainer-busy seconds, the seconds the trainer held the
+rollout's cores, and the step against the equal-cores limit of the unlent runs: (rollout busy +
+trainer busy) / cores, the step if every core-second of work were spread evenly over the cores.
+
+    python benchmarks/lend_cores.py                                # float32 and bfloat16, 2 rounds
+    python benchmarks/lend_cores.py --dtypes float32 --rounds 1 --steps 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from overlap import TRAINER_STAGES, rollout_busy
+from readme import cpu_kind, provenance, refresh
+
+
+def run(dtype: str, lend: bool, steps: int, out: Path) -> list[dict]:
+    overrides = [
+        "preset=default", f"trainer.total_steps={steps}", f"trainer.output_dir={out}", "trainer.progress=off",
+        "trainer.val_before_train=false", "trainer.val_freq=-1", "trainer.save_last=false",
+        f"model.compute_dtype={dtype}", f"pipeline.lend_cores={str(lend).lower()}",
+    ]
+    subprocess.run([sys.executable, "-m", "offstep.cli", "train", *overrides], check=True, stdout=subprocess.DEVNULL)
+    return [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
+
+
+def summarise(runs: list[list[dict]]) -> dict:
+    ms = [m for metrics in runs for m in metrics if m.get("step", 0) >= 2 and "timing_s/step" in m]
+    med = lambda key: statistics.median(key(m) for m in ms)  # noqa: E731
+    return {
+        "step": med(lambda m: m["timing_s/step"]),
+        "rollout": med(rollout_busy),
+        "trainer": med(lambda m: sum(m.get(k, 0.0) for k in TRAINER_STAGES)),
+        "update": med(lambda m: m["timing_s/update_actor"]),
+        "lent": med(lambda m: m.get("perf/lent_cores_s", 0.0)),
+        "steps": len(ms),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--rounds", type=int, default=2, help="off/on pairs per dtype")
+    ap.add_argument("--steps", type=int, default=6, help="steps per run (step 1, with warm-up, is not counted)")
+    ap.add_argument("--out", default="benchmarks/results_lend.md")
+    args = ap.parse_args()
+    cores = os.cpu_count()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in args.dtypes:
+            runs: dict[bool, list] = {False: [], True: []}
+            for r in range(args.rounds):
+                for lend in (False, True):
+                    runs[lend].append(run(dtype, lend, args.steps, Path(tmp) / f"{dtype}-{lend}-{r}"))
+                    print(dtype, "lend" if lend else "own cores", r, flush=True)
+            res = {lend: summarise(v) for lend, v in runs.items()}
+            limit = (res[False]["rollout"] + res[False]["trainer"]) / cores
+            for lend, s in res.items():
+                rows.append(
+                    f"| {dtype} | {'on' if lend else 'off'} | {s['step']:.2f} | {s['update']:.2f} | {s['rollout']:.2f} | "
+                    f"{s['trainer']:.2f} | {s['lent']:.2f} | {limit:.2f} | {s['step'] / limit:.2f} | "
+                    f"{res[False]['step'] / s['step']:.2f}x | {s['steps']} |")
+    table = "\n".join([
+        provenance(),
+        "",
+        f"Machine: {cores} cores ({cpu_kind()}); the default preset, one-step (`pipeline.ref_on_rollout=true`), "
+        f"{args.rounds} alternating off/on pairs of {args.steps}-step runs per dtype, medians over steps 2..N of a "
+        f"setting's runs. Limit: (rollout busy + trainer busy) / cores of the unlent runs.",
+        "",
+        "| compute dtype | lend_cores | step s | update s | rollout busy s | trainer busy s | lent s | equal-cores limit s "
+        "| step / limit | speed vs off | steps |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        *rows,
+    ])
+    Path(args.out).write_text(table + "\n")
+    print(table)
+    refresh("lend", args.out)
+
+
+if __name__ == "__main__":
+    main()
