@@ -40,12 +40,14 @@ def test_discriminative_reward_model_with_the_rule(tmp_path, ray_session):
 def test_fully_async_scores_with_the_reward_model(tmp_path, ray_session):
     """pipeline.mode=fully_async: the stream's groups go out once the reward model scored them."""
     folder = build_classifier(tmp_path / "rm", "qwen2", load_tokenizer(resolve_model("tiny")))
-    metrics, _ = _run(tmp_path, "pipeline.mode=fully_async", "reward.model.kind=discriminative",
-                      f"reward.model.path={folder}", "reward.model.rule_weight=1.0")
+    metrics, timeline = _run(tmp_path, "pipeline.mode=fully_async", "reward.model.kind=discriminative",
+                             f"reward.model.path={folder}", "reward.model.rule_weight=1.0")
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m[Reward.MODEL_FALLBACKS] == 0
         assert m[Reward.MEAN] == pytest.approx(m[Reward.RULE_MEAN] + m[Reward.MODEL_MEAN], abs=1e-5)
+    lane = [e for e in timeline if e["role"] == reward_lane(0)]
+    assert lane and {e["stage"] for e in lane} == {Stage.REWARD_MODEL} and 1 in {e["step"] for e in lane}
 
 
 def test_generative_judge_alone(tmp_path, ray_session):

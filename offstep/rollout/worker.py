@@ -255,6 +255,8 @@ class RolloutWorker:
         if out and self.ref is not None:  # on the engine's thread, between two decode steps: one core
             self._stream.between_steps(lambda: self._attach_ref_logprobs([s for g in out for s in g.samples]))
             self._generating_again()
+        if out and self.model_reward is not None:
+            out[0].reward_spans = self.model_reward.take_spans()
         return out
 
     def _generating_again(self) -> None:
