@@ -86,6 +86,7 @@ class GenTiming:
     ref: Optional[Span] = None
     tools: tuple[Span, ...] = ()  # when tools ran (merged over samples), for the timeline
     sandbox: tuple = ()  # offstep.sandbox.Execution of each sandboxed run (code rewards, the python tool)
+    reward: tuple[Span, ...] = ()  # the reward model's batches (reward.model), for the timeline
 
 
 @dataclass

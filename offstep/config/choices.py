@@ -34,6 +34,12 @@ AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT)  # verl's agent_name value
 TOOL_FORMATS = ("hermes", "tag")  # rollout.agent.format: how tool calls are written (offstep.rollout.tool_parsers)
 TOOL_ROLES = ("tool", "user")  # rollout.agent.tool_role
 
+# reward.model.* (offstep.rewards.combine, offstep.rewards.judge and offstep.rollout.reward_model dispatch on these)
+REWARD_MODEL_KINDS = ("discriminative", "generative")
+REWARD_COMBINE = ("weighted", "abstain")
+REWARD_PLACEMENTS = ("rollout", "pool")
+JUDGE_PARSERS = ("last_number", "yes_no")  # and regex:PATTERN
+
 # pipeline.*, trainer.*, model.*, data.*, actor.* / critic.*
 WEIGHT_SYNC_PATHS = ("object_store", "collective")
 PIPELINE_MODES = ("batch", "fully_async")  # pipeline.mode

@@ -136,6 +136,47 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A model that scores the responses, on each rollout replica beside its engine
+    (``offstep/rollout/reward_model.py``; docs/reward-models.md)."""
+
+    kind: Optional[str] = None
+    """null (rules only) | discriminative (a sequence-classification reward model: one score per chat) | generative (an LLM judge: its answer parsed into a score)"""
+    path: Optional[str] = None
+    """discriminative: a Hugging Face folder saved with a *ForSequenceClassification head and one label; generative: a causal-LM folder or an alias (tiny, smollm2-135m-instruct)"""
+    trust_remote_code: bool = False
+    """allow the folder's own Python code (auto_map in config.json, e.g. ArmoRM); off: such a folder is refused"""
+    dtype: str = "float32"
+    """the reward model's weights: float32 | bfloat16"""
+    placement: str = "rollout"
+    """where it runs: rollout (on each rollout replica, beside the engine) | pool (a pool of its own: resources.reward_workers x resources.cpus_per_reward_worker / gpus_per_reward_worker; the replicas send it their finished samples)"""
+    max_restarts: int = 3
+    """placement=pool: times each reward worker that dies is started again in its place (its batches in flight fall back); then its batches fail, and fall back, for the rest of the run"""
+    combine: str = "weighted"
+    """weighted (rule_weight x rule + weight x model) | abstain (the rule's score, and the model's where the rule abstains: a custom scorer returned None)"""
+    weight: float = 1.0
+    """weighted: the model score's weight"""
+    rule_weight: float = 0.0
+    """weighted: the rule score's weight (0: the model alone; the rule is still computed and logged where a scorer exists)"""
+    batch_size: int = 8
+    """finished samples scored together in one forward (or one judge generation) at most"""
+    max_concurrency: int = 32
+    """samples waiting for or in scoring at once per replica; more wait their turn (within timeout_s)"""
+    timeout_s: float = 60.0
+    """a sample not scored within this many seconds (queueing included) gets fallback_score, counted in reward/model/fallbacks"""
+    fallback_score: float = 0.0
+    """the model score of a sample whose scoring timed out, failed, or whose judge answer could not be parsed"""
+    max_length: int = 2048
+    """tokens the reward model reads at most (the chat's start is cut: the response is kept)"""
+    template: str = "Question: {question}\nReference answer: {ground_truth}\nResponse: {response}\nIs the response correct? Answer with a score between 0 and 1."
+    """generative: the judge's prompt (one user turn, rendered with the judge's chat template); {question} (the prompt's last user message), {response}, {ground_truth}"""
+    parser: str = "last_number"
+    """generative: how the judge's text becomes a score: last_number (the last number, which must lie in [0, 1]) | yes_no (the first yes or no: 1 or 0) | regex:PATTERN (the first match's first group, as a number)"""
+    max_new_tokens: int = 16
+    """generative: tokens the judge writes at most (greedy)"""
+
+
+@dataclass
 class RewardConfig:
     custom_path: Optional[str] = None
     """a Python file with verl's compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs); null: built-in scorers chosen by data_source"""
@@ -145,6 +186,14 @@ class RewardConfig:
     """scoring threads per rollout worker (samples are scored as they finish)"""
     timeout_s: Optional[float] = 60.0
     """seconds one scorer call (and the import of reward.custom_path) may take; a scorer that hangs fails the run with a RewardError naming the scorer and the sample (as verl fails on a scorer error); null: no limit"""
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """a reward model or LLM judge, alone or combined with the rule (docs/reward-models.md)"""
+
+    @property
+    def needs_rule(self) -> bool:
+        """Whether every data source needs a rule scorer (without one the model's score is the reward)."""
+        m = self.model
+        return m.kind is None or m.combine == "abstain" or m.rule_weight != 0
 
 
 @dataclass
@@ -348,6 +397,12 @@ class ResourcesConfig:
     """GPUs of each trainer worker"""
     custom_resources_per_trainer_worker: dict[str, float] = field(default_factory=dict)
     """custom Ray resources each trainer worker takes, e.g. {node_train: 1}: pins the trainer pool to the cluster nodes started with them (ray start --resources); empty: any node"""
+    reward_workers: int = 1
+    """reward.model.placement=pool: the reward pool's workers, each holding the reward model"""
+    cpus_per_reward_worker: int = 1
+    """CPU cores of each reward worker"""
+    gpus_per_reward_worker: int = 0
+    """GPUs of each reward worker"""
     ray_address: Optional[str] = None
     """an existing Ray cluster ("auto" or an address); null starts a local one"""
 

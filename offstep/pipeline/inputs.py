@@ -52,7 +52,7 @@ def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
         loaded = load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                               default_agent=cfg.rollout.agent.default_agent)
         scored = [r for r in loaded if r.agent_name != OPENAI_AGENT]  # an OpenAI agent's return is its reward
-        if not cfg.reward.custom_path:  # the built-in scorers compare with one string or number
+        if not cfg.reward.custom_path and cfg.reward.needs_rule:  # the built-in scorers compare with one string or number
             check_rule_ground_truths(scored, f)
         records.extend(loaded)
     for i, r in enumerate(records):  # indices unique across files
@@ -130,10 +130,12 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
             f"the training set has {len(train)} usable prompts, fewer than data.train_batch_size="
             f"{cfg.data.train_batch_size}; lower data.train_batch_size or add data"
         )
-    reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name, cfg.reward.timeout_s)
+    abstain = cfg.reward.model.kind is not None and cfg.reward.model.combine == "abstain"
+    reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name, cfg.reward.timeout_s, abstain=abstain)
     scored = [p.record for p in train + val if p.record.agent_name != OPENAI_AGENT]  # no scorer for the others
-    reward.check_sources({r.data_source for r in scored})
-    if scored:
+    if cfg.reward.needs_rule:  # a reward model alone scores any data source
+        reward.check_sources({r.data_source for r in scored})
+    if scored and (cfg.reward.needs_rule or cfg.reward.custom_path):
         reward.check_call(scored[0].data_source, scored[0].ground_truth, scored[0].extra_info or {})
     return Inputs(model_path, tok.pad_token_id, train, val, reward, agent)
 
@@ -141,5 +143,4 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
 def to_request(p: EncodedPrompt, uid: int) -> Request:
     r = p.record
     return Request(uid=uid, prompt_ids=p.prompt_ids, data_source=r.data_source, ground_truth=r.ground_truth,
-                   extra_info=r.extra_info or {}, agent_name=r.agent_name,
-                   messages=r.messages if r.agent_name == OPENAI_AGENT else [])  # only an OpenAI agent reads them
+                   extra_info=r.extra_info or {}, agent_name=r.agent_name, messages=r.messages)

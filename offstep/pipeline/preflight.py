@@ -126,15 +126,20 @@ def _check_devices(cfg: Config, cpu_count: int | None, gpu_count: int | None, e:
     W = res.trainer_workers
     cpus = os.cpu_count() if cpu_count is None else cpu_count
     colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
+    pool = cfg.reward.model.kind is not None and cfg.reward.model.placement == "pool"  # a reward pool of its own
     need = W * res.cpus_per_trainer_worker + (0 if colocated else r.replicas * r.cpus_per_replica)
+    need += res.reward_workers * res.cpus_per_reward_worker if pool else 0
+    reward = " + resources.reward_workers x resources.cpus_per_reward_worker" if pool else ""
     _need(need <= cpus or gpus_simulated() is not None, f"the run needs {need} CPU cores (resources.trainer_workers x "
-          f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica) but this "
+          f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica{reward}) but this "
           f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
           f"to share cores, or give resources.ray_address of a larger Ray cluster", e)
     gpus_needed = W * res.gpus_per_trainer_worker + (0 if colocated else r.replicas * r.gpus_per_replica)
+    gpus_needed += res.reward_workers * res.gpus_per_reward_worker if pool else 0
     gpus = available_gpus() if gpu_count is None else gpu_count
     _need(gpus_needed <= gpus, f"the run needs {gpus_needed} GPUs (resources.gpus_per_trainer_worker, "
-          f"rollout.gpus_per_replica) but {gpus} are visible; set them to 0 to train on CPU", e)
+          f"rollout.gpus_per_replica{', resources.gpus_per_reward_worker' if pool else ''}) but {gpus} are visible; "
+          f"set them to 0 to train on CPU", e)
 
 
 def _check_model(cfg: Config, e: list[str]) -> None:
@@ -183,7 +188,8 @@ def _check_data_sources(cfg: Config, e: list[str]) -> set[str]:
     from offstep.rewards.sources import unscored_sources
 
     d, seen = cfg.data, set()
-    agent_scores = cfg.rollout.agent.default_agent == OPENAI_AGENT  # an agent's return is its reward
+    # an OpenAI agent's return is its reward; a custom scorer takes every source; a reward model alone needs none
+    agent_scores = cfg.rollout.agent.default_agent == OPENAI_AGENT or not cfg.reward.needs_rule
     for f in dict.fromkeys([*d.train_files, *d.val_files]):
         if not Path(f).is_file():
             continue  # reported above
@@ -271,6 +277,13 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
               f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
     _check_sandbox(cfg, _check_data_sources(cfg, e), e)
     _check_model(cfg, e)
+    if cfg.reward.model.kind is not None and cfg.reward.model.path:
+        from offstep.models.reward_models import check_reward_model
+
+        try:
+            check_reward_model(cfg.reward.model.kind, cfg.reward.model.path, cfg.reward.model.trust_remote_code)
+        except ModelError as err:
+            e.append(str(err))
     return e
 
 
