@@ -244,9 +244,9 @@ def test_validation_every_rollout_test_freq_versions():
     assert cfg.trainer.val_freq == 7 and any("reads rollout.test_freq instead" in n for n in notes)
 
 
-def test_vllm_becomes_the_builtin_engine_in_fully_async_mode_only():
+def test_vllm_stays_and_other_engines_become_the_builtin_one_in_fully_async_mode():
     cfg, notes = load([*TINY, "actor_rollout_ref.rollout.name=vllm", "async_training.require_batches=1"])
-    assert cfg.rollout.engine == "builtin"
+    assert cfg.rollout.engine == "vllm" and not any("rollout.engine=" in n for n in notes)
     assert problems(cfg) == []
     cfg, _ = load([*TINY, "actor_rollout_ref.rollout.name=sglang", "async_training.require_batches=1"])
     assert cfg.rollout.engine == "builtin"

@@ -15,9 +15,8 @@ from offstep.config.verl.translate import Translation, async_signals
 from offstep.errors import OffstepError, VerlKeyError
 
 # The engines pipeline.mode=fully_async runs on (offstep.config.validate._check_mode): verl's
-# fully-async scripts all name vllm, which becomes the built-in engine, with a note, until offstep's
-# vLLM engine loads weights between decode steps.
-FULLY_ASYNC_ENGINES = ("builtin",)
+# fully-async scripts name vllm, which stays; another engine (sglang) becomes the built-in one, with a note.
+FULLY_ASYNC_ENGINES = ("builtin", "vllm")
 # verl's fully-async defaults (fully_async_ppo_trainer.yaml, ppo_trainer.yaml) for the keys that
 # a derivation needs beside the one given
 VERL_ASYNC_DEFAULTS = {"async_training.trigger_parameter_sync_step": 4, "async_training.require_batches": 1,
@@ -149,6 +148,6 @@ def fully_async_mode(cfg: Config, t: Translation) -> list[str]:
     if key in v and cfg.rollout.engine not in FULLY_ASYNC_ENGINES:
         was, cfg.rollout.engine = cfg.rollout.engine, FULLY_ASYNC_ENGINES[0]
         notes.append(f"{key}={v[key]}: rollout.engine={was} -> {cfg.rollout.engine} (pipeline.mode=fully_async loads "
-                     f"weights between decode steps on the built-in engine so far; rollout.engine={was} runs "
+                     f"weights between decode steps on {' and '.join(FULLY_ASYNC_ENGINES)}; rollout.engine={was} runs "
                      f"pipeline.mode=batch)")
     return notes
