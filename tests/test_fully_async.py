@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+from conftest import needs_vllm
 from reference_loop import assert_matches_in_process_reference
 
 from offstep.config.loader import load_config
@@ -82,6 +83,25 @@ def test_a_resume_trains_every_stored_group_once(tmp_path, ray_session):
     assert [m["step"] for m in history] == [3, 4]
     final = json.loads((again / "checkpoints" / "step_000004" / "trainer_state.json").read_text())["stream_groups"]
     assert final["admitted"] == 4 * B and final["groups"] == [], "every stored group trained, none admitted anew"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_replicas_stream_with_partial_rollouts(tmp_path, ray_session):
+    """rollout.engine=vllm: the replica's vLLM engine takes each load between two decode steps
+    (rollout.partial=recompute: its preemption path) and tags every token with its version."""
+    out = tmp_path / "run"
+    train(_cfg(out, 1, 3, "trainer.val_before_train=false", "rollout.engine=vllm", "rollout.partial=recompute",
+               "rollout.max_new_tokens=24"))
+    metrics = _steps(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert all(k in m for k in STREAM_METRICS), [k for k in STREAM_METRICS if k not in m]
+        assert 0 <= m["rollout/staleness_max"] <= 1 and m["rollout/dropped_stale"] == 0
+        assert 1 <= m["rollout/version_span_max"] <= 2
+    timeline = read_jsonl(out / "timeline.jsonl")
+    assert len([e for e in timeline if e["stage"] == "load_weights"]) == 3
 
 
 @pytest.mark.parametrize("override,needle", [
