@@ -146,6 +146,9 @@ class VLLMEngine:
                 max_model_len=max_model_len,
                 enforce_eager=enforce_eager,
                 enable_prefix_caching=True,
+                # a step's outputs are that step's tokens, sampled by the weights in place during it:
+                # no scheduling overlapped with the forward before (a load lands between two steps)
+                async_scheduling=False,
                 logprobs_mode="processed_logprobs",  # log-probs of the sampled distribution
                 generation_config="vllm",  # no sampling defaults from the model folder
                 disable_log_stats=True,
