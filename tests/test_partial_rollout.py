@@ -56,7 +56,8 @@ def _weights(model, seed):
 def _serve(engine, requests, control: StepControl, post_after: int | None, action: str, later=()):
     """Serve ``requests``; after ``post_after`` tokens in all (the built-in engine, inside
     ``_append``) or engine steps (vLLM, before its ``LLMEngine.step``), post ``action`` from the
-    engine's own thread (deterministic), then queue the requests ``later``. Returns {index: completion}."""
+    engine's own thread (deterministic), then queue the requests ``later``; ``action`` a function:
+    post it as work. Returns {index: completion}."""
     feed = StreamFeed([r.prompt_ids for r in requests], 8)
     control.attach(feed.wake)
     done, count = {}, [0]
@@ -66,7 +67,11 @@ def _serve(engine, requests, control: StepControl, post_after: int | None, actio
     def counting(*args):
         count[0] += 1
         if post_after is not None and count[0] == post_after:
-            futures.append(control.post_load(lambda: engine.load_weights(new, 1)) if action == "load" else control.post_suspend())
+            if callable(action):
+                futures.append(control.post_work(action))
+            else:
+                futures.append(control.post_load(lambda: engine.load_weights(new, 1)) if action == "load"
+                               else control.post_suspend())
             feed.put(list(later))
         return counted(*args)
 
@@ -81,7 +86,8 @@ def _serve(engine, requests, control: StepControl, post_after: int | None, actio
             feed.close()
 
     feed.put(requests)
-    t = threading.Thread(target=engine.serve, args=(feed, PARAMS, 5, on_finish, control))
+    # a daemon: a serve that never ends fails the test below instead of hanging the process
+    t = threading.Thread(target=engine.serve, args=(feed, PARAMS, 5, on_finish, control), daemon=True)
     t.start()
     t.join(60)
     assert not t.is_alive()
@@ -284,3 +290,26 @@ def test_vllm_recompute_is_deterministic_and_a_suspension_keeps_the_tokens(vllm_
                for i in cont)
 
 
+
+
+@needs_vllm
+@pytest.mark.own_process
+def test_vllm_work_between_steps_loses_no_token(vllm_setup, prompts):  # noqa: F811 (a fixture)
+    """Work posted between two steps that steps vLLM itself (a validation's ``generate``, a
+    reference pass) hands the serving loop's outputs back to it: every sample is the one an
+    uninterrupted run draws."""
+    engine, model, old, _ = vllm_setup
+    engine.load_weights(old, 0)
+    whole = _serve(engine, _requests(prompts), StepControl("keep"), None, "load")
+    got = []
+
+    def work():
+        val = engine.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=4), seed=1)
+        got.append((val, engine.base_logprobs([(prompts[0], val[0].response_ids)], 1.0)))
+
+    done = _serve(engine, _requests(prompts), StepControl("keep"), VLLM_LOAD_AT, work)
+    (val, ref), = got
+    assert len(val) == 1 and len(val[0].response_ids) == 4 and len(ref[0]) == 4
+    for i in range(len(prompts)):
+        assert done[i].response_ids == whole[i].response_ids and done[i].versions == whole[i].versions
+        assert torch.allclose(torch.tensor(done[i].logprobs), torch.tensor(whole[i].logprobs), atol=VLLM_TOL)
