@@ -296,6 +296,11 @@ SECTIONS = [
             missing="Not run on a GPU yet: on a GPU, `python benchmarks/gpu_check.py` writes `results_gpu.md` and this "
                     "section. `python benchmarks/gpu_check.py --device cpu --tiny` runs the same checks at tiny shapes "
                     "on CPU in `tests/test_gpu_check.py`, so the script keeps working until then."),
+    Section("sandbox", "The sandbox's cost", "sandbox.py", ("results_sandbox.md",),
+            "What running model-written code in the sandbox costs ([docs/sandbox.md](../docs/sandbox.md)): the "
+            "start-up of one execution against a plain subprocess of the same interpreter (median and p95), and "
+            "executions per second of a short program at several concurrencies, with the queue wait.",
+            tables_of(("results_sandbox.md", None))),
 ]
 BY_NAME = {s.name: s for s in SECTIONS}
 

@@ -26,6 +26,7 @@ class AgentStats:
     well_formed: int = 0  # attempts that parsed into a call of a known tool
     tool_time_s: float = 0.0
     max_turns_hit: bool = False  # the loop ended at max_turns with a call it did not run
+    prefix_breaks: int = 0  # an OpenAI agent's calls that continued no earlier call token for token (openai_record)
 
 
 @dataclass
@@ -84,6 +85,8 @@ class GenTiming:
     gen: Span
     ref: Optional[Span] = None
     tools: tuple[Span, ...] = ()  # when tools ran (merged over samples), for the timeline
+    sandbox: tuple = ()  # offstep.sandbox.Execution of each sandboxed run (code rewards, the python tool)
+    reward: tuple[Span, ...] = ()  # the reward model's batches (reward.model), for the timeline
 
 
 @dataclass

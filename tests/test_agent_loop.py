@@ -301,6 +301,11 @@ def test_tool_errors_go_back_to_the_model_and_the_loop_goes_on(tok, eos, tool_fi
     runner.close()
 
 
+def _by_request(rule):
+    """``rule`` (verl's signature) as the worker's ``reward(request, text, extra_info)``."""
+    return lambda r, text, extra_info: rule(r.data_source, text, r.ground_truth, extra_info)
+
+
 def test_rows_tools_kwargs_reach_the_tool_and_extra_info_reaches_the_reward(tok, eos, tool_file):
     """verl's extra_info.tools_kwargs: {tool: {"create_kwargs": {...}}} per row."""
     from concurrent.futures import ThreadPoolExecutor
@@ -315,7 +320,7 @@ def test_rows_tools_kwargs_reach_the_tool_and_extra_info_reaches_the_reward(tok,
 
     seen = []
 
-    def reward(data_source, solution_str, ground_truth, extra_info=None):
+    def reward(request, solution_str, extra_info):
         seen.append(extra_info)
         return 1.0, {}
 
@@ -355,7 +360,7 @@ def test_calculator_reward_counts_only_a_plain_final_answer(tok, eos):
         runner = AgentRunner(AgentConfig(max_turns=2), tok, eos)
         rows = [Request(0, _prompt(tok), "calculator", "4042", {"index": 0}, "tool_agent")]
         (s,), _ = run_tool_rows(runner, ScriptedEngine(tok, eos, script), rows, SamplingParams(max_new_tokens=budget), 0,
-                                RewardFunction(), ThreadPoolExecutor(1), ProgressClient())
+                                _by_request(RewardFunction()), ThreadPoolExecutor(1), ProgressClient())
         runner.close()
         got[case] = (s.score, s.agent.turns, s.finish_reason)
     assert got == {"after_tool": (1.0, 2, "stop"), "no_tool": (1.0, 1, "stop"), "max_turns": (0.0, 2, "stop"),

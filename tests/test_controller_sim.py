@@ -166,7 +166,7 @@ def test_a_batch_is_submitted_to_the_replicas_before_its_launch_returns():
     async def main():
         replicas = [Replica(0), Replica(1)]
         fleet = RolloutFleet(SimpleNamespace(rollout=replicas), RolloutConfig(), reload=None, log=print)
-        record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None)
+        record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None, messages=[])
         prompts = [SimpleNamespace(prompt_ids=[1, 2], record=record) for _ in range(4)]
         fut = generate_batch(fleet.submit, prompts, RolloutConfig(), AlgorithmConfig(), 0, 1, [0, 1, 2, 3])
         for r in replicas:  # what WeightSync.queue does on the collective path, with no await between
@@ -216,7 +216,7 @@ def test_calls_queued_on_a_lost_replica_all_fail_when_no_replacement_can_start(m
         workers = SimpleNamespace(rollout=[old], make_rollout=lambda i: made.append(i) or pending_replica(),
                                   rollout_placed=lambda i: False)
         fleet = RolloutFleet(workers, RolloutConfig(), reload=None, log=print)
-        record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None)
+        record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None, messages=[])
         prompts = [SimpleNamespace(prompt_ids=[1, 2], record=record)]
         params = SimpleNamespace()
         trained_next = fleet.submit(prompts, params, 0, 4, 0)  # the batch the trainer awaits

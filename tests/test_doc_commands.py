@@ -115,6 +115,15 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "bash scripts/train.sh actor.lora.rank=16 actor.optim.lr=1e-4 trainer.total_steps=10 trainer.val_freq=10": CFG,
     ".venv/bin/offstep export runs/default --out adapter": ("test", "tests/test_lora.py::test_export_peft_folder_and_merged_model"),
     ".venv/bin/offstep export runs/default --out merged --merge": ("test", "tests/test_lora.py::test_export_peft_folder_and_merged_model"),
+    # docs/reward-models.md
+    "offstep train reward.model.kind=discriminative reward.model.path=/models/Skywork-Reward-V2-Qwen3-0.6B":
+        ("not run", "needs a reward model on disk; tests/test_reward_models_e2e.py trains with tiny ones built in code"),
+    "offstep train reward.model.kind=discriminative reward.model.path=/models/rm reward.model.placement=pool "
+    "resources.reward_workers=1 resources.gpus_per_reward_worker=1":
+        ("not run", "needs a reward model on disk and a GPU; tests/test_reward_models_e2e.py runs a reward pool on CPU"),
+    "offstep train reward.model.kind=generative reward.model.path=smollm2-135m-instruct "
+    "reward.model.rule_weight=1.0 reward.model.weight=0.5 reward.model.parser=last_number": CFG,
+    "offstep train --help reward.model": ("test", "tests/test_reward_model_config.py::test_help_shows_the_reward_model_keys"),
     # docs/running.md
     "offstep eval smollm2-135m-instruct --data runs/default/data/val.parquet --max-new-tokens 32":
         ("not run", "needs a default run's data folder; `offstep eval` of a run's data runs here on the tiny run"),
@@ -129,6 +138,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "--tools-path examples/tools/shop_tools.py --reward-path examples/tools/shop_tools.py": RUN,
     ".venv/bin/offstep train preset=calculator": CFG,
     "offstep train preset=calculator": CFG,
+    "offstep train preset=calculator_openai": CFG,
+
+    "offstep train preset=code": CFG,
     ".venv/bin/python benchmarks/calculator_runs.py --seeds 0": BENCHMARK,
     # docs/performance.md
     "offstep report RUN": ("synopsis", "`offstep report runs/default` runs here"),

@@ -195,7 +195,7 @@ def test_a_checkpoint_waits_for_the_groups_a_poll_is_bringing(tmp_path):
 
     cfg = load_config(["preset=tiny", "pipeline.mode=fully_async", "pipeline.max_staleness=0",
                        "data.train_batch_size=2", "trainer.total_steps=4"])
-    record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None)
+    record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None, messages=[])
     inputs = SimpleNamespace(train=[SimpleNamespace(prompt_ids=[1, i], record=record) for i in range(8)])
     params = SamplingParams(n=1, max_new_tokens=4)
 

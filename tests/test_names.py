@@ -15,10 +15,10 @@ from offstep.telemetry.names import Role, replica, replica_index
 METRICS = {
     "timing_s/step", "timing_s/gen", "timing_s/wait_gen", "timing_s/ref", "timing_s/ref_rollout", "timing_s/values",
     "timing_s/old_logprobs", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor",
-    "timing_s/sync_weights", "timing_s/sync_verify",
+    "timing_s/sync_weights", "timing_s/sync_verify", "timing_s/reward_model",
     "perf/tokens_per_s", "perf/samples_per_s", "perf/gen_tokens_per_s", "perf/lent_cores_s",
     "reward/mean", "reward/max", "reward/min", "reward/overlong_penalty", "reward/kl_penalty", "reward/kl_coef",
-    "reward/greedy_baseline",
+    "reward/greedy_baseline", "reward/rule/mean", "reward/model/mean", "reward/model/fallbacks",
     "rollout/staleness_max", "rollout/staleness_mean", "rollout/version_min", "rollout/version_span_max",
     "rollout/partial_samples", "rollout/queue_depth", "rollout/in_flight_groups", "rollout/dropped_stale",
     "rollout/length_bias", "rollout/dynamic_sampling_attempts", "rollout/dynamic_sampling_filled_groups",
@@ -27,14 +27,15 @@ METRICS = {
     "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/mismatch_kl_k1", "actor/is_weight_mean",
     "actor/frozen",
     "sync/verified", "sync/collective",
+    "sandbox/executions", "sandbox/timeouts", "sandbox/seconds_mean", "sandbox/seconds_p95", "sandbox/queue_wait_s",
     "val/acc", "val/policy_version",
     "data/prompts_crc32",
 }
 GROUPS = {names.Timing: "timing_s/", names.Perf: "perf/", names.Reward: "reward/", names.Rollout: "rollout/",
           names.ResponseLength: "response_length/", names.Adv: "adv/", names.Actor: "actor/", names.Sync: "sync/",
-          names.Val: "val/", names.Data: "data/"}
+          names.Sandbox: "sandbox/", names.Val: "val/", names.Data: "data/"}
 STAGES = {"gen", "gen_more", "val", "ref", "tool", "load_weights", "wait_gen", "values", "old_logprobs",
-          "update_critic", "update_actor", "sync", "sync_export", "checkpoint", "prepare"}
+          "update_critic", "update_actor", "sync", "sync_export", "checkpoint", "prepare", "reward_model"}
 
 
 def _values(cls) -> list[str]:
@@ -59,6 +60,7 @@ def test_stage_and_role_names():
 
 def test_names_from_a_pattern():
     assert replica(0) == "rollout/0" and replica(12) == "rollout/12"
+    assert names.reward_lane(2) == "reward/2" and replica_index(names.reward_lane(2)) is None
     assert [replica_index(r) for r in ("rollout/3", "rollout/12", "trainer", "rollout/x", "rollout", "ref/1")] == [
         3, 12, None, None, None, None]
     assert names.actor("pg_loss") == names.Actor.PG_LOSS and names.critic("vf_loss") == "critic/vf_loss"

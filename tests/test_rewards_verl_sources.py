@@ -149,16 +149,17 @@ def test_dapo_acc_is_reported_as_an_extra_metric():
     assert rf("aime24", "no answer", "42") == (-1.0, {"acc": 0.0})
 
 
-def test_every_verl_source_but_code_has_a_scorer():
+def test_every_verl_source_has_a_scorer():
     verl_sources = [*SOURCES, *DAPO_SOURCES, "numina_aops_forum", "numina_synthetic_math", "numina_amc_aime",
                     "numina_synthetic_amc", "searchR1_triviaqa", "searchR1_popqa", "searchR1_2wikimultihopqa",
-                    "searchR1_musique", "searchR1_bamboogle"]
+                    "searchR1_musique", "searchR1_bamboogle", "codecontests", "apps", "codeforces", "taco"]
     assert unscored_sources(verl_sources) == []
     RewardFunction().check_sources(verl_sources)
-    code = unscored_sources(["codecontests", "apps", "openai/gsm8k"])
-    assert len(code) == 2 and "'apps'" in code[0] and "'codecontests'" in code[1]
-    assert all("reward.custom_path=" in m and "compute_score" in m for m in code)
-    assert unscored_sources(["codecontests"], custom_path="/x/score.py") == []
+    # verl raises NotImplementedError for a source it does not route (livecodebench among them): so does offstep
+    other = unscored_sources(["livecodebench", "apps", "my/task", "openai/gsm8k"])
+    assert len(other) == 2 and "'livecodebench'" in other[0] and "'my/task'" in other[1]
+    assert all("reward.custom_path=" in m and "compute_score" in m for m in other)
+    assert unscored_sources(["livecodebench"], custom_path="/x/score.py") == []
 
 
 def test_latex_to_text_writes_what_pylatexenc_writes():
@@ -215,17 +216,18 @@ def test_cfg_refuses_data_sources_without_a_scorer(tmp_path):
 
     train = _parquet(tmp_path / "train.parquet", ["lighteval/MATH", "math_dapo", "my/task", None])
     val = tmp_path / "val.jsonl"
-    val.write_text('{"data_source": "aime24"}\n{"data_source": "codecontests"}\n')
+    val.write_text('{"data_source": "aime24"}\n{"data_source": "livecodebench"}\n{"data_source": "codecontests"}\n')
     # a row without a data_source is left to data preparation, which names the row and the fix
     assert read_data_sources(train) == {"lighteval/MATH", "math_dapo", "my/task"}
-    assert read_data_sources(str(val)) == {"aime24", "codecontests"}
+    assert read_data_sources(str(val)) == {"aime24", "livecodebench", "codecontests"}
     cfg = load_config(["preset=tiny", f"data.train_files=[{train}]", f"data.val_files=[{val}]"])
     with pytest.raises(ConfigError) as info:
         validate(cfg, cpu_count=2, gpu_count=0)
     msg = str(info.value)
-    for source in ("'my/task'", "'codecontests'"):
+    for source in ("'my/task'", "'livecodebench'"):
         assert source in msg
     assert "'math_dapo'" not in msg and "'aime24'" not in msg and "'lighteval/MATH'" not in msg
+    assert "'codecontests'" not in msg  # scored in the sandbox, which starts here
     assert msg.count("reward.custom_path=") == 2 and "compute_score" in msg
 
     scorer = tmp_path / "score.py"

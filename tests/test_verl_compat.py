@@ -145,7 +145,7 @@ NOTED = [
 REFUSED = [
     ("actor_rollout_ref.actor.strategy=megatron", "FSDP2"),
     ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "FSDP2"),
-    ("reward_model.enable=True", "rule functions"),
+    ("reward_model.enable=True", "needs reward_model.model.path"),
     ("actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml", "Python functions"),
     ("actor_rollout_ref.rollout.expert_parallel_size=2", "expert parallelism"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "surrogates"),
@@ -180,8 +180,19 @@ def test_refused_keys_name_the_key_and_what_offstep_does(override, why):
 
 def test_default_valued_refused_keys_are_accepted():
     # a refused key set to the value that changes nothing (verl's default) is accepted with a note
-    cfg, notes = load(["preset=tiny", "reward_model.enable=False", "actor_rollout_ref.rollout.expert_parallel_size=1"])
+    cfg, notes = load(["preset=tiny", "reward_manager.name=naive", "actor_rollout_ref.rollout.expert_parallel_size=1"])
     assert sum("other values are refused" in n for n in notes) == 2
+
+
+def test_verl_reward_model_keys_are_translated_only_when_enabled():
+    cfg, notes = load(["preset=tiny", "reward_model.enable=True", "reward_model.model.path=/rm",
+                       "reward_model.micro_batch_size_per_gpu=4", "reward_model.max_length=512"])
+    m = cfg.reward.model
+    assert (m.kind, m.path, m.batch_size, m.max_length, m.weight, m.rule_weight) == ("discriminative", "/rm", 4, 512, 1.0, 0.0)
+    assert any(n.startswith("reward_model.enable=True") and "reward.model.kind=discriminative" in n for n in notes)
+    cfg, notes = load(["preset=tiny", "reward_model.enable=False", "reward_model.model.path=/rm"])  # verl's defaults
+    assert cfg.reward.model.kind is None and cfg.reward.model.path is None
+    assert any(n.startswith("reward_model.model.path") and "no effect" in n for n in notes)
 
 
 def test_verl_lora_keys_are_translated():

@@ -29,10 +29,16 @@ ROLLOUT_ENGINES = ("builtin", "vllm")
 # under the new weights, or off (finish them before the load; no sample crosses a load)
 PARTIAL_MODES = ("keep", "recompute", "off")
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (v0.32)
-SINGLE_TURN, TOOL_AGENT = "single_turn_agent", "tool_agent"
-AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT)  # verl's agent_name values that offstep runs (rollout.agent.default_agent)
+SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT = "single_turn_agent", "tool_agent", "openai"
+AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT)  # verl's agent_name values that offstep runs (rollout.agent.default_agent)
 TOOL_FORMATS = ("hermes", "tag")  # rollout.agent.format: how tool calls are written (offstep.rollout.tool_parsers)
 TOOL_ROLES = ("tool", "user")  # rollout.agent.tool_role
+
+# reward.model.* (offstep.rewards.combine, offstep.rewards.judge and offstep.rollout.reward_model dispatch on these)
+REWARD_MODEL_KINDS = ("discriminative", "generative")
+REWARD_COMBINE = ("weighted", "abstain")
+REWARD_PLACEMENTS = ("rollout", "pool")
+JUDGE_PARSERS = ("last_number", "yes_no")  # and regex:PATTERN
 
 # pipeline.*, trainer.*, model.*, data.*, actor.* / critic.*
 WEIGHT_SYNC_PATHS = ("object_store", "collective")

@@ -62,7 +62,7 @@ class AgentConfig:
     tool tokens are masked out of the loss."""
 
     default_agent: str = "single_turn_agent"
-    """the loop of rows without an agent_name column (verl's): single_turn_agent | tool_agent"""
+    """the loop of rows without an agent_name column (verl's): single_turn_agent | tool_agent | openai (an agent function talking to the rollout's OpenAI endpoint, docs/openai-agents.md)"""
     tools: list[str] = field(default_factory=lambda: ["calculator"])
     """the tools: function names in tools_path, or built-in tools (calculator)"""
     tools_path: Optional[str] = None
@@ -81,6 +81,10 @@ class AgentConfig:
     """a tool's answer is cut to this many characters"""
     tool_threads: int = 4
     """threads per rollout worker for sync tools"""
+    openai_path: Optional[str] = None
+    """agent_name=openai: the Python file of the agent function, async def rollout(client, row) -> float | dict (client: an openai.AsyncOpenAI on the replica's endpoint; the return is the reward)"""
+    openai_name: str = "rollout"
+    """agent_name=openai: the agent function's name in openai_path"""
     ordered: bool = True
     """admit each tool turn's continuation at the engine's next step, waiting for its tool if needed: reproducible runs and exact resume, but a slow tool pauses every sample; false: continuations join as their tools finish (a slow tool holds back only its own sample; sampling then depends on timing at float rounding level)"""
 
@@ -132,6 +136,47 @@ class RolloutConfig:
 
 
 @dataclass
+class RewardModelConfig:
+    """A model that scores the responses, on each rollout replica beside its engine
+    (``offstep/rollout/reward_model.py``; docs/reward-models.md)."""
+
+    kind: Optional[str] = None
+    """null (rules only) | discriminative (a sequence-classification reward model: one score per chat) | generative (an LLM judge: its answer parsed into a score)"""
+    path: Optional[str] = None
+    """discriminative: a Hugging Face folder saved with a *ForSequenceClassification head and one label; generative: a causal-LM folder or an alias (tiny, smollm2-135m-instruct)"""
+    trust_remote_code: bool = False
+    """allow the folder's own Python code (auto_map in config.json, e.g. ArmoRM); off: such a folder is refused"""
+    dtype: str = "float32"
+    """the reward model's weights: float32 | bfloat16"""
+    placement: str = "rollout"
+    """where it runs: rollout (on each rollout replica, beside the engine) | pool (a pool of its own: resources.reward_workers x resources.cpus_per_reward_worker / gpus_per_reward_worker; the replicas send it their finished samples)"""
+    max_restarts: int = 3
+    """placement=pool: times each reward worker that dies is started again in its place (its batches in flight fall back); then its batches fail, and fall back, for the rest of the run"""
+    combine: str = "weighted"
+    """weighted (rule_weight x rule + weight x model) | abstain (the rule's score, and the model's where the rule abstains: a custom scorer returned None)"""
+    weight: float = 1.0
+    """weighted: the model score's weight"""
+    rule_weight: float = 0.0
+    """weighted: the rule score's weight (0: the model alone; the rule is still computed and logged where a scorer exists)"""
+    batch_size: int = 8
+    """finished samples scored together in one forward (or one judge generation) at most"""
+    max_concurrency: int = 32
+    """samples waiting for or in scoring at once per replica; more wait their turn (within timeout_s)"""
+    timeout_s: float = 60.0
+    """a sample not scored within this many seconds (queueing included) gets fallback_score, counted in reward/model/fallbacks"""
+    fallback_score: float = 0.0
+    """the model score of a sample whose scoring timed out, failed, or whose judge answer could not be parsed"""
+    max_length: int = 2048
+    """tokens the reward model reads at most (the chat's start is cut: the response is kept)"""
+    template: str = "Question: {question}\nReference answer: {ground_truth}\nResponse: {response}\nIs the response correct? Answer with a score between 0 and 1."
+    """generative: the judge's prompt (one user turn, rendered with the judge's chat template); {question} (the prompt's last user message), {response}, {ground_truth}"""
+    parser: str = "last_number"
+    """generative: how the judge's text becomes a score: last_number (the last number, which must lie in [0, 1]) | yes_no (the first yes or no: 1 or 0) | regex:PATTERN (the first match's first group, as a number)"""
+    max_new_tokens: int = 16
+    """generative: tokens the judge writes at most (greedy)"""
+
+
+@dataclass
 class RewardConfig:
     custom_path: Optional[str] = None
     """a Python file with verl's compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs); null: built-in scorers chosen by data_source"""
@@ -141,6 +186,41 @@ class RewardConfig:
     """scoring threads per rollout worker (samples are scored as they finish)"""
     timeout_s: Optional[float] = 60.0
     """seconds one scorer call (and the import of reward.custom_path) may take; a scorer that hangs fails the run with a RewardError naming the scorer and the sample (as verl fails on a scorer error); null: no limit"""
+    model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """a reward model or LLM judge, alone or combined with the rule (docs/reward-models.md)"""
+
+    @property
+    def needs_rule(self) -> bool:
+        """Whether every data source needs a rule scorer (without one the model's score is the reward)."""
+        m = self.model
+        return m.kind is None or m.combine == "abstain" or m.rule_weight != 0
+
+
+@dataclass
+class SandboxConfig:
+    """Where model-written code runs (verl's code data sources, the python tool): bubblewrap with no
+    network, a private tmp and these limits (docs/sandbox.md). Nothing runs unsandboxed."""
+
+    timeout_s: float = 10.0
+    """wall-clock seconds of one execution; past it its whole process tree is killed"""
+    cpu_s: int = 10
+    """CPU seconds of one execution (RLIMIT_CPU)"""
+    memory_mb: int = 1024
+    """address space of one execution, in MiB (RLIMIT_AS)"""
+    processes: int = 32
+    """processes and threads of one execution (RLIMIT_NPROC, counted in its own user namespace)"""
+    file_mb: int = 16
+    """largest file an execution writes, in MiB (RLIMIT_FSIZE)"""
+    open_files: int = 64
+    """open file descriptors of one execution (RLIMIT_NOFILE)"""
+    tmp_mb: int = 64
+    """size of an execution's private tmpfs, its only writable place, in MiB"""
+    output_bytes: int = 1048576
+    """stdout and stderr of one execution together; past it the execution is killed"""
+    concurrency: int = 2
+    """executions at once per rollout worker; the others queue (sandbox/queue_wait_s)"""
+    python: str = "/usr/bin/python3"
+    """the interpreter inside the sandbox: a file under /usr, the only tree bound into it"""
 
 
 @dataclass
@@ -317,6 +397,12 @@ class ResourcesConfig:
     """GPUs of each trainer worker"""
     custom_resources_per_trainer_worker: dict[str, float] = field(default_factory=dict)
     """custom Ray resources each trainer worker takes, e.g. {node_train: 1}: pins the trainer pool to the cluster nodes started with them (ray start --resources); empty: any node"""
+    reward_workers: int = 1
+    """reward.model.placement=pool: the reward pool's workers, each holding the reward model"""
+    cpus_per_reward_worker: int = 1
+    """CPU cores of each reward worker"""
+    gpus_per_reward_worker: int = 0
+    """GPUs of each reward worker"""
     ray_address: Optional[str] = None
     """an existing Ray cluster ("auto" or an address); null starts a local one"""
 
@@ -388,7 +474,7 @@ class TrainerConfig:
 @dataclass
 class Config:
     preset: str = "default"
-    """the preset of offstep/config/preset/: default | tiny | calculator (SmolLM2 learning to call a calculator tool)"""
+    """the preset of offstep/config/preset/: default | tiny | calculator (SmolLM2 learning to call a calculator tool) | code (SmolLM2 writing small functions, scored in the sandbox)"""
     model: ModelConfig = field(default_factory=ModelConfig)
     """the policy model"""
     data: DataConfig = field(default_factory=DataConfig)
@@ -409,3 +495,5 @@ class Config:
     """how generation and training overlap, and how weights travel"""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """the run: steps, output, logging, checkpoints"""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """where model-written code runs (code rewards, the python tool)"""

@@ -22,11 +22,15 @@ from offstep.config.choices import (
     LOSS_AGG_MODES,
     M2PO_TOKENS,
     NONFINITE_POLICIES,
+    OPENAI_AGENT,
     OVERLONG_MODES,
     PARTIAL_MODES,
     PIPELINE_MODES,
     POLICY_LOSSES,
     PROGRESS_MODES,
+    REWARD_COMBINE,
+    REWARD_MODEL_KINDS,
+    REWARD_PLACEMENTS,
     REJECTION_LEVELS,
     ROLLOUT_ENGINES,
     TIS_LEVELS,
@@ -38,6 +42,7 @@ from offstep.config.choices import (
     WEIGHT_SYNC_PATHS,
 )
 from offstep.config.schema import Config, OptimConfig
+from offstep.rewards.judge import parser_problem, template_problem
 
 
 def _need(ok: bool, msg: str, errors: list[str]) -> None:
@@ -244,9 +249,9 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
     _need(cfg.algorithm.adv_estimator != "remax",
           f"{why} with algorithm.adv_estimator=remax: its greedy baseline is decoded per batch; use pipeline.mode=batch, "
           f"or a group estimator such as grpo", e)
-    _need(cfg.rollout.agent.default_agent != TOOL_AGENT,
-          f"{why} with rollout.agent.default_agent={TOOL_AGENT}: tool loops run in batch mode only so far; use "
-          f"pipeline.mode=batch", e)
+    _need(cfg.rollout.agent.default_agent not in (TOOL_AGENT, OPENAI_AGENT),
+          f"{why} with rollout.agent.default_agent={cfg.rollout.agent.default_agent}: tool loops and OpenAI agents run "
+          f"in batch mode only so far; use pipeline.mode=batch", e)
 
 
 def _check_lora(cfg: Config, e: list[str]) -> None:
@@ -293,6 +298,44 @@ def _check_agent(cfg: Config, e: list[str]) -> None:
           f"rollout.agent.max_tool_response_chars={ag.max_tool_response_chars} must be >= 1", e)
     _need(ag.tool_threads >= 1, f"rollout.agent.tool_threads={ag.tool_threads} must be >= 1", e)
     _need(bool(ag.tools), "rollout.agent.tools is empty; name the tools (e.g. [calculator])", e)
+    _need(ag.default_agent != OPENAI_AGENT or bool(ag.openai_path),
+          f"rollout.agent.default_agent={OPENAI_AGENT} needs rollout.agent.openai_path: set it to the Python file that "
+          "defines the agent, async def rollout(client, row) -> float | dict (docs/openai-agents.md)", e)
+
+
+def _check_reward_model(cfg: Config, e: list[str]) -> None:
+    """``reward.model`` (whether its folder holds a model of its kind: the preflight's)."""
+    m = cfg.reward.model
+    if m.kind is None:
+        _need(m.path is None, f"reward.model.path={m.path!r} is set but reward.model.kind is null; set "
+              f"reward.model.kind=discriminative (a sequence-classification reward model) or generative (a judge)", e)
+        return
+    _choice(m.kind, "reward.model.kind", REWARD_MODEL_KINDS, e)
+    _need(bool(m.path), f"reward.model.kind={m.kind} needs reward.model.path: a model folder"
+          f"{' or an alias (tiny, smollm2-135m-instruct)' if m.kind == 'generative' else ''}", e)
+    _choice(m.dtype, "reward.model.dtype", DTYPE_NAMES, e)
+    _choice(m.combine, "reward.model.combine", REWARD_COMBINE, e)
+    _choice(m.placement, "reward.model.placement", REWARD_PLACEMENTS, e)
+    res = cfg.resources
+    for key, v, low in (("reward_workers", res.reward_workers, 1), ("cpus_per_reward_worker", res.cpus_per_reward_worker, 1),
+                        ("gpus_per_reward_worker", res.gpus_per_reward_worker, 0)):
+        _need(v >= low, f"resources.{key}={v} must be >= {low}", e)
+    _need(m.max_restarts >= 0, f"reward.model.max_restarts={m.max_restarts} must be >= 0", e)
+    _need(m.combine != "abstain" or bool(cfg.reward.custom_path),
+          "reward.model.combine=abstain uses the model where the rule abstains, and the built-in scorers never "
+          "abstain; set reward.custom_path to a scorer that returns None where it cannot judge, or use combine=weighted", e)
+    for key, v in (("weight", m.weight), ("rule_weight", m.rule_weight), ("fallback_score", m.fallback_score)):
+        _need(math.isfinite(v), f"reward.model.{key}={v} must be a finite number", e)
+    _need(m.combine != "weighted" or m.weight != 0 or m.rule_weight != 0,
+          "reward.model.weight and reward.model.rule_weight are both 0: every reward would be 0; give one a weight", e)
+    for key, v in (("batch_size", m.batch_size), ("max_concurrency", m.max_concurrency), ("max_length", m.max_length),
+                   ("max_new_tokens", m.max_new_tokens)):
+        _need(v >= 1, f"reward.model.{key}={v} must be >= 1", e)
+    _need(m.timeout_s > 0, f"reward.model.timeout_s={m.timeout_s} must be > 0 seconds", e)
+    if m.kind == "generative":
+        for problem in (parser_problem(m.parser), template_problem(m.template)):
+            if problem:
+                e.append(problem)
 
 
 def _check_lending(cfg: Config, e: list[str]) -> None:
@@ -405,6 +448,7 @@ def problems(cfg: Config) -> list[str]:
     _need(rw.timeout_s is None or rw.timeout_s > 0,
           f"reward.timeout_s={rw.timeout_s} must be > 0 seconds, or null for no limit", e)
     _need(rw.num_threads >= 1, f"reward.num_threads={rw.num_threads} must be >= 1", e)
+    _check_reward_model(cfg, e)
     if W >= 1 and B >= 1:  # rollout.n or train_batch_size < 1 is reported above
         _need(B % W == 0, f"a batch of data.train_batch_size x rollout.n = {d.train_batch_size} x {r.n} = {B} "
               f"samples does not divide over resources.trainer_workers={W}; change one of them", e)

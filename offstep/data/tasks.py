@@ -21,12 +21,17 @@ Tasks
     call (data_source ``"calculator"``, ``rewards.scorers.plain_answer_score``). Keyword arguments: ``digits``
     (default 2), ``min_value`` (default 10), ``ops`` (default ``"*"``), ``num_operands`` (default 2),
     ``example`` (default True: one worked call as a demonstration turn before the question),
-    ``tools`` (default True; False: the same problems as plain single-turn rows, the baseline).
+    ``tools`` (default True; False: the same problems as plain single-turn rows, the baseline),
+    ``agent`` (default ``tool_agent``; ``openai``: answered by an OpenAI agent, docs/openai-agents.md).
 ``gsm8k_synthetic``
     Templated one- and two-step word problems (apples, coins, pages, ...) that ask for the final
     answer after ``"####"``; data_source ``"openai/gsm8k"`` so the GSM8K scorer applies. Keyword
     arguments: ``max_value`` (largest base quantity, default 20), ``two_step`` (fraction of
     two-step problems, default 0.5).
+``code``
+    "Write a Python function scale(x) that ...", with unit tests in verl's call-based format as the
+    ground truth, scored by running them in the sandbox (data_source ``"code"``;
+    ``offstep.data.code_task``).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ import os
 from typing import Callable
 
 import numpy as np
+
+from offstep.data.code_task import code
 
 ARITHMETIC_INSTRUCTION = "Give the final answer as a single number at the end of your reply."
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -162,8 +169,10 @@ def calculator(
     num_operands: int = 2,
     example: bool = True,
     tools: bool = True,
+    agent: str = "tool_agent",
 ) -> list[dict]:
-    """``n`` distinct problems for the calculator tool (see the module docstring)."""
+    """``n`` distinct problems for the calculator tool (see the module docstring); ``agent``: the
+    rows' agent_name when they have tools (``openai``: an OpenAI agent answers them)."""
     rows = arithmetic(n, seed, digits=digits, min_value=min_value, ops=ops, num_operands=num_operands)
     out = []
     for row in rows:
@@ -174,7 +183,7 @@ def calculator(
         else:
             messages = [{"role": "user", "content": f"{question} {ARITHMETIC_INSTRUCTION}"}]
         out.append({**row, "data_source": "calculator", "prompt": messages,
-                    "agent_name": "tool_agent" if tools else "single_turn_agent"})
+                    "agent_name": agent if tools else "single_turn_agent"})
     return out
 
 
@@ -283,6 +292,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "arithmetic": arithmetic,
     "calculator": calculator,
     "gsm8k_synthetic": gsm8k_synthetic,
+    "code": code,
 }
 
 

@@ -2,7 +2,9 @@
 during training and by ``offstep eval``.
 
 A sample counts as correct when its scorer says so (an ``acc`` field in a dict result) or, for
-rule scorers that return only a score, when the score is at least 1. With n samples per prompt,
+rule scorers that return only a score, when the score is at least 1; with a reward model
+(``reward.model``) that score is the rule's component, where a rule scored the sample: the
+accuracy stays the rule's whatever the model says. With n samples per prompt,
 ``mean@n`` averages over all samples and ``best@n`` takes each prompt's best sample.
 """
 
@@ -12,6 +14,7 @@ from collections import defaultdict
 
 from offstep.batch import Sample
 from offstep.pipeline.step_metrics import agent_metrics
+from offstep.rewards.combine import RULE
 from offstep.telemetry.names import Val, per_source
 
 # What messages call the settings: offstep eval's flags (offstep.data.dataset.TRAIN_KEYS and
@@ -22,7 +25,7 @@ TOOL_FLAGS = {"path": "--tools-path", "names": "--tools", "timeout": "--tool-tim
 
 
 def is_correct(s: Sample) -> float:
-    return float(s.reward_extra.get("acc", s.score >= 1.0))
+    return float(s.reward_extra.get("acc", s.reward_extra.get(RULE, s.score) >= 1.0))
 
 
 def summarise(samples: list[Sample], prefix: str = Val.PREFIX) -> dict[str, float]:

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from offstep.config.choices import TOOL_AGENT
+from offstep.config.choices import OPENAI_AGENT, TOOL_AGENT
 from offstep.config.schema import AgentConfig, Config
 from offstep.data.dataset import EncodedPrompt, PromptRecord, check_rule_ground_truths, encode_prompts, load_records
 from offstep.data.tasks import write_task
@@ -18,6 +18,7 @@ from offstep.errors import ModelError
 from offstep.files import refuse_links_under
 from offstep.models.loading import load_tokenizer, resolve_model, with_config_overrides
 from offstep.rewards.registry import RewardFunction
+from offstep.rollout.openai_agent import load_agent
 from offstep.rollout.tools import load_tools
 from offstep.rollout.worker import Request
 
@@ -50,8 +51,9 @@ def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
     for f in files:
         loaded = load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
                               default_agent=cfg.rollout.agent.default_agent)
-        if not cfg.reward.custom_path:  # the built-in scorers compare with one string or number
-            check_rule_ground_truths(loaded, f)
+        scored = [r for r in loaded if r.agent_name != OPENAI_AGENT]  # an OpenAI agent's return is its reward
+        if not cfg.reward.custom_path and cfg.reward.needs_rule:  # the built-in scorers compare with one string or number
+            check_rule_ground_truths(scored, f)
         records.extend(loaded)
     for i, r in enumerate(records):  # indices unique across files
         r.index = i
@@ -59,13 +61,19 @@ def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
 
 
 def _tools_for(records: list[PromptRecord], cfg: Config) -> tuple[AgentConfig | None, list[dict] | None]:
-    """The agent config and the tools' schemas when some row is a tool row (the tool file is
-    imported here, so that a bad file or name fails before any worker starts)."""
-    if not any(r.agent_name == TOOL_AGENT for r in records):
+    """The agent config when some row is a tool row or an OpenAI agent's, and the tools' schemas
+    when some row is a tool row (the tool file and the agent file are imported here, so that a bad
+    file or name fails before any worker starts)."""
+    names = {r.agent_name for r in records}
+    if not names & {TOOL_AGENT, OPENAI_AGENT}:
         return None, None
     if cfg.algorithm.adv_estimator == "remax":
-        raise ValueError("algorithm.adv_estimator=remax with tool rows (agent_name=tool_agent): its greedy baseline "
-                         "is a single-turn response; use grpo, rloo or another estimator with tools")
+        raise ValueError("algorithm.adv_estimator=remax with tool rows or OpenAI agents (agent_name=tool_agent or "
+                         "openai): its greedy baseline is a single-turn response; use grpo, rloo or another estimator")
+    if OPENAI_AGENT in names:
+        load_agent(cfg.rollout.agent.openai_path, cfg.rollout.agent.openai_name, cfg.rollout.agent.tool_timeout_s)
+    if TOOL_AGENT not in names:
+        return cfg.rollout.agent, None
     tools = load_tools(cfg.rollout.agent.tools_path, list(cfg.rollout.agent.tools), cfg.rollout.agent.tool_timeout_s)
     return cfg.rollout.agent, [t.schema for t in tools]
 
@@ -122,14 +130,17 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
             f"the training set has {len(train)} usable prompts, fewer than data.train_batch_size="
             f"{cfg.data.train_batch_size}; lower data.train_batch_size or add data"
         )
-    reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name, cfg.reward.timeout_s)
-    reward.check_sources({p.record.data_source for p in train + val})
-    first = train[0].record
-    reward.check_call(first.data_source, first.ground_truth, first.extra_info or {})
+    abstain = cfg.reward.model.kind is not None and cfg.reward.model.combine == "abstain"
+    reward = RewardFunction(cfg.reward.custom_path, cfg.reward.custom_name, cfg.reward.timeout_s, abstain=abstain)
+    scored = [p.record for p in train + val if p.record.agent_name != OPENAI_AGENT]  # no scorer for the others
+    if cfg.reward.needs_rule:  # a reward model alone scores any data source
+        reward.check_sources({r.data_source for r in scored})
+    if scored and (cfg.reward.needs_rule or cfg.reward.custom_path):
+        reward.check_call(scored[0].data_source, scored[0].ground_truth, scored[0].extra_info or {})
     return Inputs(model_path, tok.pad_token_id, train, val, reward, agent)
 
 
 def to_request(p: EncodedPrompt, uid: int) -> Request:
     r = p.record
     return Request(uid=uid, prompt_ids=p.prompt_ids, data_source=r.data_source, ground_truth=r.ground_truth,
-                   extra_info=r.extra_info or {}, agent_name=r.agent_name)
+                   extra_info=r.extra_info or {}, agent_name=r.agent_name, messages=r.messages)

@@ -16,6 +16,7 @@ import socket
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from offstep.config.choices import OPENAI_AGENT
 from offstep.config.machine import available_gpus, gpus_simulated
 from offstep.config.schema import Config
 from offstep.config.validate import problems
@@ -125,15 +126,20 @@ def _check_devices(cfg: Config, cpu_count: int | None, gpu_count: int | None, e:
     W = res.trainer_workers
     cpus = os.cpu_count() if cpu_count is None else cpu_count
     colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
+    pool = cfg.reward.model.kind is not None and cfg.reward.model.placement == "pool"  # a reward pool of its own
     need = W * res.cpus_per_trainer_worker + (0 if colocated else r.replicas * r.cpus_per_replica)
+    need += res.reward_workers * res.cpus_per_reward_worker if pool else 0
+    reward = " + resources.reward_workers x resources.cpus_per_reward_worker" if pool else ""
     _need(need <= cpus or gpus_simulated() is not None, f"the run needs {need} CPU cores (resources.trainer_workers x "
-          f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica) but this "
+          f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica{reward}) but this "
           f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
           f"to share cores, or give resources.ray_address of a larger Ray cluster", e)
     gpus_needed = W * res.gpus_per_trainer_worker + (0 if colocated else r.replicas * r.gpus_per_replica)
+    gpus_needed += res.reward_workers * res.gpus_per_reward_worker if pool else 0
     gpus = available_gpus() if gpu_count is None else gpu_count
     _need(gpus_needed <= gpus, f"the run needs {gpus_needed} GPUs (resources.gpus_per_trainer_worker, "
-          f"rollout.gpus_per_replica) but {gpus} are visible; set them to 0 to train on CPU", e)
+          f"rollout.gpus_per_replica{', resources.gpus_per_reward_worker' if pool else ''}) but {gpus} are visible; "
+          f"set them to 0 to train on CPU", e)
 
 
 def _check_model(cfg: Config, e: list[str]) -> None:
@@ -175,15 +181,15 @@ def read_data_sources(path: str) -> set[str]:
     return {str(v) for v in values if not (v is None or v == "" or (isinstance(v, float) and math.isnan(v)))}
 
 
-def _check_data_sources(cfg: Config, e: list[str]) -> None:
+def _check_data_sources(cfg: Config, e: list[str]) -> set[str]:
     """Every ``data_source`` of the data files has a scorer (a built-in one, or the custom
     ``reward.custom_path``), so that a dataset nothing can score is refused before any worker
-    starts, by ``offstep train --cfg`` and by training alike."""
+    starts, by ``offstep train --cfg`` and by training alike. Returns the sources read."""
     from offstep.rewards.sources import unscored_sources
 
-    d = cfg.data
-    if cfg.reward.custom_path:
-        return
+    d, seen = cfg.data, set()
+    # an OpenAI agent's return is its reward; a custom scorer takes every source; a reward model alone needs none
+    agent_scores = cfg.rollout.agent.default_agent == OPENAI_AGENT or not cfg.reward.needs_rule
     for f in dict.fromkeys([*d.train_files, *d.val_files]):
         if not Path(f).is_file():
             continue  # reported above
@@ -191,7 +197,38 @@ def _check_data_sources(cfg: Config, e: list[str]) -> None:
             sources = read_data_sources(f)
         except Exception:  # noqa: BLE001 - an unreadable file is reported by data preparation, with its fix
             continue
-        e.extend(f"{f}: {problem}" for problem in unscored_sources(sources))
+        seen |= sources
+        if not cfg.reward.custom_path and not agent_scores:
+            e.extend(f"{f}: {problem}" for problem in unscored_sources(sources))
+    return seen
+
+
+_sandbox_problem: dict[str, str | None] = {}  # per interpreter: a probe runs a sandbox once per process
+
+
+def _check_sandbox(cfg: Config, sources: set[str], e: list[str]) -> None:
+    """The ``sandbox`` limits are in range; and where model-written code will run (verl's code data
+    sources or the code task scored by the built-in scorer, the python tool), a sandbox starts here: bubblewrap is
+    installed and works. Refused before start otherwise, with what to install."""
+    from offstep.rewards.sources import needs_sandbox
+    from offstep.sandbox import Limits, problem
+
+    e.extend(f"sandbox.{msg}" for msg in Limits.of(cfg.sandbox).check())
+    _need(cfg.sandbox.concurrency >= 1, f"sandbox.concurrency={cfg.sandbox.concurrency} must be at least 1", e)
+    why = sorted(s for s in sources if needs_sandbox(s)) if not cfg.reward.custom_path else []
+    uses = [f"data sources {why} are scored by running the model's code"] if why else []
+    if not cfg.data.train_files and needs_sandbox(cfg.data.task) and not cfg.reward.custom_path:
+        uses.append(f"data.task={cfg.data.task} is scored by running the model's code")
+    if "python" in cfg.rollout.agent.tools and not cfg.rollout.agent.tools_path:
+        uses.append("rollout.agent.tools includes the python tool")
+    if not uses:
+        return
+    python = cfg.sandbox.python
+    if python not in _sandbox_problem:
+        _sandbox_problem[python] = problem(python)
+    if _sandbox_problem[python] is not None:
+        e.append(f"{'; '.join(uses)}, in a sandbox that cannot start here: {_sandbox_problem[python]}. Nothing runs "
+                 "unsandboxed")
 
 
 def simulated_notes(cfg: Config) -> list[str]:
@@ -227,6 +264,9 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
     if ag.tools_path:
         _need(Path(ag.tools_path).is_file(), f"rollout.agent.tools_path={ag.tools_path!r} does not exist; give the path "
               f"of a Python file defining the tool functions {list(ag.tools)}", e)
+    if ag.openai_path:
+        _need(Path(ag.openai_path).is_file(), f"rollout.agent.openai_path={ag.openai_path!r} does not exist; give the "
+              f"path of a Python file defining async def {ag.openai_name}(client, row) (docs/openai-agents.md)", e)
     _check_devices(cfg, cpu_count, gpu_count, e)
     if cfg.reward.custom_path:
         _need(Path(cfg.reward.custom_path).is_file(),
@@ -235,8 +275,15 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
     for f in [*d.train_files, *d.val_files]:
         _need(Path(f).is_file(), f"data file {f!r} (data.train_files / data.val_files) does not exist; give the "
               f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
-    _check_data_sources(cfg, e)
+    _check_sandbox(cfg, _check_data_sources(cfg, e), e)
     _check_model(cfg, e)
+    if cfg.reward.model.kind is not None and cfg.reward.model.path:
+        from offstep.models.reward_models import check_reward_model
+
+        try:
+            check_reward_model(cfg.reward.model.kind, cfg.reward.model.path, cfg.reward.model.trust_remote_code)
+        except ModelError as err:
+            e.append(str(err))
     return e
 
 

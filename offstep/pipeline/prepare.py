@@ -23,7 +23,7 @@ from offstep.errors import StalenessError
 from offstep.pipeline.advantage import compute_advantages, needs_old_logprobs
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.inputs import Inputs
-from offstep.pipeline.step_metrics import batch_metrics, record_generation, sample_rows
+from offstep.pipeline.step_metrics import batch_metrics, record_generation, reward_model_seconds, sample_rows, sandbox_metrics
 from offstep.telemetry.loggers import RunLoggers
 from offstep.telemetry.metrics import Timeline
 from offstep.telemetry.names import Data, Perf, Role, Rollout, Stage, Timing
@@ -68,6 +68,7 @@ class BatchPreparer:
         # Per sample: the actor reports its correction metrics per staleness.
         batch.staleness = check_staleness(batch.versions, step - 1, self.cfg.pipeline.max_staleness)
         m = batch_metrics(step, epoch, gen.samples, batch, batch.staleness)
+        m.update(sandbox_metrics([r for results in gen.rounds for r in results]))
         m[Data.PROMPTS_CRC32] = zlib.crc32(",".join(map(str, idx)).encode())
         if self.cfg.algorithm.dynamic_sampling:
             m[Rollout.DYNAMIC_SAMPLING_ATTEMPTS] = len(gen.rounds)
@@ -77,6 +78,9 @@ class BatchPreparer:
             m[Perf.GEN_TOKENS_PER_S] = float(batch.response_mask.sum()) / max(gen_s, 1e-9)
         if ref_s:
             m[Timing.REF_ROLLOUT] = ref_s
+        scored = [s for s in map(reward_model_seconds, gen.rounds) if s is not None]
+        if scored:
+            m[Timing.REWARD_MODEL] = sum(scored)
         ready = Prepared(batch, m)
         if not trainer_first and not needs_old_logprobs(self.cfg, len(batch)):
             ready.stored = self.advantages_and_put(batch, m)  # nothing needed from the trainer

@@ -1,14 +1,17 @@
 """A step's record: the rollout metrics of its batch, the rollout side's stages on the timeline,
 and the sample log (``samples.jsonl``). Metric names are grouped: ``rollout/``, ``reward/``,
-``response_length/``, ``agent/`` (tool loops), ``timing_s/``, ``perf/``."""
+``response_length/``, ``agent/`` (tool loops), ``sandbox/`` (model-written code), ``timing_s/``, ``perf/``."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from offstep.batch import GenTiming, Sample, TrainBatch
 from offstep.telemetry.metrics import Timeline
-from offstep.telemetry.names import ResponseLength, Reward, Rollout, Stage, replica
+from offstep.rewards.combine import FALLBACK, MODEL, RULE
+from offstep.telemetry.names import ResponseLength, Reward, Rollout, Sandbox, Stage, replica, reward_lane
 
 
 def record_generation(timeline: Timeline, results: list[tuple[list[Sample], GenTiming]], step: int,
@@ -25,7 +28,29 @@ def record_generation(timeline: Timeline, results: list[tuple[list[Sample], GenT
             ref_s = max(ref_s, t.ref.seconds)
         for span in t.tools:  # tools running (some sample's), inside the generation
             timeline.add(replica(i), Stage.TOOL, step, span.start, span.end)
+        for span in t.reward:  # the reward model's batches, beside the generation
+            timeline.add(reward_lane(i), Stage.REWARD_MODEL, step, span.start, span.end)
     return samples, gen_s, ref_s
+
+
+def reward_model_seconds(results: list[tuple[list[Sample], GenTiming]]) -> float | None:
+    """The slowest replica's seconds in reward-model batches, or None without a reward model."""
+    if not any(t.reward for _, t in results):
+        return None
+    return max(sum(s.seconds for s in t.reward) for _, t in results)
+
+
+def reward_component_metrics(samples: list[Sample]) -> dict:
+    """``reward/rule/mean`` and ``reward/model/mean`` over the samples each scored, and the model's
+    fallbacks (``offstep.rewards.combine``); none without a reward model."""
+    m = {}
+    for name, key in ((Reward.RULE_MEAN, RULE), (Reward.MODEL_MEAN, MODEL)):
+        values = [s.reward_extra[key] for s in samples if key in s.reward_extra]
+        if values:
+            m[name] = sum(values) / len(values)
+    if Reward.MODEL_MEAN in m:
+        m[Reward.MODEL_FALLBACKS] = int(sum(s.reward_extra.get(FALLBACK, 0.0) for s in samples))
+    return m
 
 
 def agent_metrics(samples: list[Sample], prefix: str = "agent/") -> dict:
@@ -51,6 +76,23 @@ def agent_metrics(samples: list[Sample], prefix: str = "agent/") -> dict:
         f"{prefix}budget_cut_frac": sum(s.finish_reason == "length" for s in looped) / n,
         f"{prefix}max_turns_frac": sum(s.agent.max_turns_hit for s in looped) / n,
         f"{prefix}masked_token_frac": masked / tokens if tokens else 0.0,
+        f"{prefix}prefix_breaks": sum(s.agent.prefix_breaks for s in looped),
+    }
+
+
+def sandbox_metrics(results: list[tuple[list[Sample], GenTiming]]) -> dict:
+    """The ``sandbox/`` figures of a generation's replicas (none without an execution): how many ran
+    and timed out, their seconds (mean, 95th percentile) and their mean wait for a slot."""
+    runs = [run for _, t in results for run in t.sandbox]
+    if not runs:
+        return {}
+    seconds = sorted(run.seconds for run in runs)
+    return {
+        Sandbox.EXECUTIONS: len(runs),
+        Sandbox.TIMEOUTS: sum(run.timed_out for run in runs),
+        Sandbox.SECONDS_MEAN: sum(seconds) / len(runs),
+        Sandbox.SECONDS_P95: seconds[min(len(seconds) - 1, math.ceil(0.95 * len(seconds)) - 1)],  # nearest rank
+        Sandbox.QUEUE_WAIT_S: sum(run.queue_wait_s for run in runs) / len(runs),
     }
 
 
@@ -69,6 +111,7 @@ def batch_metrics(step: int, epoch: int, samples: list[Sample], batch: TrainBatc
         ResponseLength.MAX: float(lengths.max()),
         ResponseLength.CLIP_RATIO: sum(s.finish_reason == "length" for s in samples) / len(samples),
         **agent_metrics(samples),
+        **reward_component_metrics(samples),
     }
 
 

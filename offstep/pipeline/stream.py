@@ -38,7 +38,7 @@ from offstep.pipeline.batching import Generated
 from offstep.pipeline.fleet import gen_seed, split
 from offstep.pipeline.inputs import to_request
 from offstep.rollout.stream import GroupWork, SampleState
-from offstep.telemetry.names import ResponseLength, Rollout, Stage, Timing, replica
+from offstep.telemetry.names import ResponseLength, Rollout, Stage, Timing, replica, reward_lane
 
 POLL_S = 0.5  # how long one take waits on a replica for a finished group
 # The stream's figures of when groups finished (how many wait, how many generate, the lengths of those
@@ -91,6 +91,7 @@ class SampleStream:
         self.groups: dict[int, Admitted] = {}  # admitted, not yet trained
         self.held = 0  # the policy version every replica holds
         self.generated_lengths: list[int] = []  # lengths of the samples finished since the last batch
+        self.reward_spans: list[tuple[int, object]] = []  # (replica, span) of the reward model's batches since the last batch
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
         self._pollers: list[asyncio.Task] = []
@@ -155,6 +156,7 @@ class SampleStream:
         for f in await self.workers.rollout[r].stream_take.remote(wait_s):
             self.groups[f.uid - self.B].finished = f
             self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
+            self.reward_spans.extend((r, span) for span in getattr(f, "reward_spans", ()))
             self._changed.set()
 
     def _fail(self, e: BaseException) -> None:
@@ -202,6 +204,9 @@ class SampleStream:
             if mine:
                 self.timeline.add(replica(r), Stage.GEN, step, min(a.finished.start for a in mine),
                                   max(a.finished.end for a in mine), version=min(a.version for a in mine))
+        for r, span in self.reward_spans:  # the reward model's batches (reward.model), on the replica's reward lane
+            self.timeline.add(reward_lane(r), Stage.REWARD_MODEL, step, span.start, span.end)
+        self.reward_spans = []
         gen_s = max(a.finished.end for a in chosen) - min(a.finished.start for a in chosen)
         return {
             Rollout.VERSION_SPAN_MAX: max(spans),

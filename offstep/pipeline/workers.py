@@ -23,6 +23,7 @@ from offstep.config.schema import Config
 from offstep.models.loading import cache_dir
 from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.pools import Pool, Rendezvous, RoleGroup
+from offstep.rollout.reward_worker import RewardWorker
 from offstep.rollout.worker import RefSpec, RolloutWorker
 from offstep.telemetry.names import Role, replica
 from offstep.telemetry.progress import LiveStatus
@@ -54,6 +55,8 @@ class Workers:
     ref_method: Callable = RefWorker.compute_logprobs
     rollout_pool: Pool | None = None  # the pool the replicas' bundles belong to (replica i: bundle i % bundles)
     lend_cores: int = 0  # cores each trainer rank borrows while the rollout idles (pipeline.lend_cores; 0: none)
+    reward: list = field(default_factory=list)  # the reward pool's workers (reward.model.placement=pool)
+    reward_pool: Pool | None = None
 
     @property
     def groups(self) -> list[RoleGroup]:
@@ -77,6 +80,7 @@ class Workers:
     def roles(self) -> list[tuple[str, Any]]:
         """``(role, handle)`` of every worker: "rollout replica 0", "actor rank 0", ..."""
         roles = [(f"rollout replica {i}", w) for i, w in enumerate(self.rollout)]
+        roles += [(f"reward worker {i}", w) for i, w in enumerate(self.reward)]
         return roles + [(f"{g.name} rank {rank}", h) for g in self.groups for rank, h in enumerate(g.handles)]
 
     def ready(self) -> None:
@@ -112,9 +116,9 @@ class Workers:
         self.live.close()
         for g in self.groups:
             g.kill()
-        for w in self.rollout:
+        for w in [*self.rollout, *self.reward]:
             ray.kill(w)
-        for p in self.pools:
+        for p in [*self.pools, *([self.reward_pool] if self.reward_pool else [])]:
             p.remove()
         if self.owns_ray:
             ray.shutdown()
@@ -126,7 +130,7 @@ def node_of(_worker) -> str:
 
 
 _ROLES = {ActorWorker.__name__: Role.ACTOR, RefWorker.__name__: Role.REF, CriticWorker.__name__: Role.CRITIC,
-          RolloutWorker.__name__: "rollout replica"}
+          RolloutWorker.__name__: "rollout replica", RewardWorker.__name__: "reward worker"}
 
 
 def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
@@ -232,6 +236,19 @@ def init_ray(cfg: Config) -> bool:
     return True
 
 
+def start_reward_pool(cfg: Config, env: dict) -> tuple[Pool | None, list]:
+    """The reward pool and its workers (``reward.model.placement=pool``), or (None, []). Ray starts
+    a worker that dies again in its bundle (``reward.model.max_restarts`` times), under the same handle."""
+    m, res = cfg.reward.model, cfg.resources
+    if m.kind is None or m.placement != "pool":
+        return None, []
+    pool = Pool.create(Role.REWARD, res.reward_workers, res.cpus_per_reward_worker, res.gpus_per_reward_worker)
+    remote = ray.remote(RewardWorker)
+    env = {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)}
+    return pool, [remote.options(max_restarts=m.max_restarts, **pool.options(i, 1.0, env))
+                  .remote(m, pool.device, pool.cpus_per_bundle) for i in range(pool.bundles)]
+
+
 def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[[int], type] = lambda i: RolloutWorker) -> Workers:
     """Place the pools and start every role on them (one bundle per trainer rank or replica).
     ``rollout_class(i)``: the class replica ``i``'s actor runs (a test gives one a subclass that
@@ -276,6 +293,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
         if use_critic else None
     )
     pool = rollout_pool or trainer_pool
+    reward_pool, reward_workers = start_reward_pool(cfg, env)
 
     actor_classes: dict[type, Any] = {}
 
@@ -289,12 +307,14 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
         return actor_classes[cls].options(**opts).remote(
             inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
             ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent,
+            sandbox=cfg.sandbox,
+            reward_model=cfg.reward.model if cfg.reward.model.kind is not None else None, reward_pool=reward_workers,
         )
 
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,
                       [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
                       RefWorker.compute_logprobs if ref_role else ActorWorker.compute_ref_logprobs, rollout_pool=pool,
-                      lend_cores=lend)
+                      lend_cores=lend, reward=reward_workers, reward_pool=reward_pool)
     try:
         workers.ready()
         if cfg.resources.ray_address:  # on a cluster, say which node each worker landed on

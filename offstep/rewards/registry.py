@@ -27,7 +27,7 @@ from typing import Any, Callable, Iterable
 from offstep.errors import RewardConfigError, RewardError
 from offstep.rewards.sources import BUILTIN_SCORERS, builtin_scorer, unscored_sources
 
-__all__ = ["BUILTIN_SCORERS", "RewardFunction", "load_custom_scorer", "call_with_timeout", "CallTimeout"]
+__all__ = ["BUILTIN_SCORERS", "RewardFunction", "load_custom_scorer", "call_with_timeout", "CallTimeout", "score_of"]
 
 Scorer = Callable[..., Any]
 SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
@@ -232,9 +232,11 @@ class RewardFunction:
         timeout_key: str = "reward.timeout_s",
         path_key: str = "reward.custom_path",
         name_key: str = "reward.custom_name",
+        abstain: bool = False,
     ):
         """``timeout_s`` bounds each scorer call and the import of ``custom_path``. The ``*_key``
-        arguments name the settings in messages (``offstep eval`` has flags)."""
+        arguments name the settings in messages (``offstep eval`` has flags). ``abstain``: a scorer
+        may return None, which is passed on (``reward.model.combine=abstain``)."""
         if timeout_s is not None and not float(timeout_s) > 0:
             raise ValueError(
                 f"reward timeout must be positive or None, got {timeout_s}. "
@@ -245,6 +247,7 @@ class RewardFunction:
         self.timeout_s = float(timeout_s) if timeout_s is not None else None
         self.timeout_key, self.path_key, self.name_key = timeout_key, path_key, name_key
         self._custom_fn: Scorer | None = None
+        self.abstain = abstain
 
     # pickling: never ship the imported function (its module may not exist on the worker)
     def __getstate__(self) -> dict:
@@ -378,24 +381,36 @@ class RewardFunction:
                 what = f"called sys.exit({exc.code!r})"
             raise fail(f"{what}{_where(exc, self.custom_path)}", exc, _FIX_RAISES) from exc
 
-        extras: dict[str, float] = {}
-        if isinstance(result, dict):
-            if "score" not in result:
-                raise fail(f"returned a dict without a 'score' key (keys: {sorted(map(str, result))})")
-            raw = result["score"]
-            for key, value in result.items():
-                if key == "score":
-                    continue
-                as_float = _as_float(value)
-                if as_float is not None:
-                    extras[str(key)] = as_float
-        else:
-            raw = result
-        score = _as_float(raw)
-        if score is None:
-            raise fail(f"returned a non-number {type(raw).__name__} {repr(raw)[:80]}")
-        if not math.isfinite(score):
-            raise fail(f"returned a non-finite score {score}")
-        if abs(score) > _FLOAT32_MAX:  # the batch holds scores as float32: this would become inf
-            raise fail(f"returned {score:g}, beyond float32's range (|score| <= {_FLOAT32_MAX:.4g})")
-        return score, extras
+        try:
+            return score_of(result, abstain=getattr(self, "abstain", False))
+        except ValueError as exc:
+            raise fail(str(exc)) from None
+
+
+def score_of(result: Any, abstain: bool = False) -> tuple[float | None, dict]:
+    """A scorer's return value (a number, or a dict with a numeric ``"score"``) as ``(score,
+    extras)``; raises ValueError saying what is wrong with it (``returned ...``). ``abstain``: a
+    None score is the scorer abstaining (``reward.model.combine=abstain``), returned as None."""
+    extras: dict[str, float] = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"returned a dict without a 'score' key (keys: {sorted(map(str, result))})")
+        raw = result["score"]
+        for key, value in result.items():
+            if key == "score":
+                continue
+            as_float = _as_float(value)
+            if as_float is not None:
+                extras[str(key)] = as_float
+    else:
+        raw = result
+    if raw is None and abstain:
+        return None, extras
+    score = _as_float(raw)
+    if score is None:
+        raise ValueError(f"returned a non-number {type(raw).__name__} {repr(raw)[:80]}")
+    if not math.isfinite(score):
+        raise ValueError(f"returned a non-finite score {score}")
+    if abs(score) > _FLOAT32_MAX:  # the batch holds scores as float32: this would become inf
+        raise ValueError(f"returned {score:g}, beyond float32's range (|score| <= {_FLOAT32_MAX:.4g})")
+    return score, extras

@@ -1,13 +1,14 @@
 """The built-in scorer of each data source, with verl's signature ``(data_source, solution_str,
 ground_truth, extra_info=None, **kwargs)``: verl's ``default_compute_score`` routing for the math
-family, geo3k and Search-R1 (its code sources need a sandbox and are not built in), plus offstep's
-own tasks (``gsm8k``, ``arithmetic``, ``calculator``).
+family, geo3k, Search-R1 and code (the model's program run in ``offstep.sandbox``, by
+``offstep.rewards.code``), plus offstep's own tasks (``gsm8k``, ``arithmetic``, ``calculator``, ``code``).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
+from offstep.rewards.code import code_score
 from offstep.rewards.math_answers import dapo_score, lighteval_math_score
 from offstep.rewards.math_grade import geo3k_score, prime_math_score
 from offstep.rewards.scorers import gsm8k_score, last_number_score, plain_answer_score, search_r1_em_score
@@ -22,6 +23,14 @@ NUMINA_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime
 SEARCH_R1_SOURCES = ("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
                      "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle")
 DICT_TRUTH_SOURCES = SEARCH_R1_SOURCES  # their ground truth is {"target": [answers]}
+# verl's default_compute_score sends these to its code scorer (prime_code): run the tests of the ground truth
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
+CODE_TASK = "code"  # offstep's built-in task, in the same test format
+
+
+def needs_sandbox(data_source: str) -> bool:
+    """Whether the built-in scorer of ``data_source`` runs the model's code (in offstep.sandbox)."""
+    return data_source in CODE_SOURCES or data_source == CODE_TASK
 
 
 def _named(name: str, score: Callable[[str, Any], Any]) -> Scorer:
@@ -64,6 +73,7 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
     **dict.fromkeys(NUMINA_SOURCES, _named("prime_math", prime_math_score)),
     "hiyouga/geometry3k": _named("geo3k", geo3k_score),
     **dict.fromkeys(SEARCH_R1_SOURCES, _named("search_r1_em", search_r1_em_score)),
+    **dict.fromkeys((*CODE_SOURCES, CODE_TASK), _named("prime_code", code_score)),
 }
 
 
@@ -88,8 +98,7 @@ def unscored_sources(data_sources: Iterable[str], custom_path: str | None = None
         return []
     missing = sorted({str(s) for s in data_sources if builtin_scorer(str(s)) is None})
     return [
-        f"data source {s!r} has no built-in reward scorer (built-in: {', '.join(builtin_names())}; verl's code "
-        f"sources need a sandbox). Fix: set {path_key}=/path/to/scorer.py with a function {name_key}=compute_score"
+        f"data source {s!r} has no built-in reward scorer (built-in: {', '.join(builtin_names())}). Fix: set {path_key}=/path/to/scorer.py with a function {name_key}=compute_score"
         f"(data_source, solution_str, ground_truth, extra_info=None), or relabel the data_source column"
         for s in missing
     ]

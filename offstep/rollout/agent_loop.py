@@ -296,8 +296,8 @@ def merge_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def run_tool_rows(runner: AgentRunner, engine, requests: list, params: SamplingParams, seed: int, reward, pool,
                   progress) -> tuple[list, tuple]:
     """The samples of tool rows (``worker.Request`` s): ``params.n`` loops each, scored as each
-    loop ends with the row's ``extra_info`` plus ``num_turns``, ``tool_calls`` and ``final_text``;
-    and the merged spans during which tools ran."""
+    loop ends by ``reward(request, text, extra_info)`` with the row's ``extra_info`` plus
+    ``num_turns``, ``tool_calls`` and ``final_text``; and the merged spans during which tools ran."""
     from offstep.batch import AgentStats, Sample, Span
 
     version = engine.version
@@ -305,7 +305,7 @@ def run_tool_rows(runner: AgentRunner, engine, requests: list, params: SamplingP
 
     def score(res: AgentResult) -> tuple[float, dict]:
         r = requests[res.request_pos]
-        return reward(r.data_source, res.text, r.ground_truth, {**r.extra_info, **res.agent_info()})
+        return reward(r, res.text, {**r.extra_info, **res.agent_info()})
 
     def on_done(res: AgentResult) -> None:
         futures[id(res)] = pool.submit(score, res)

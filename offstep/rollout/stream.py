@@ -55,6 +55,7 @@ class FinishedGroup:
     samples: list[Sample]
     start: float  # the group's generation span on the replica
     end: float
+    reward_spans: tuple = ()  # the reward model's batches since the replica's last take (reward.model), for the timeline
 
 
 class StreamFeed:

@@ -16,8 +16,8 @@ What a tool does wrong never ends the run: a raise, a non-string result or a cal
 A sync tool that times out keeps its thread until it returns (Python cannot stop a thread); an
 async one is cancelled.
 
-No code-execution tool is built in: a sandbox that enforces no network needs OS isolation
-(namespaces, seccomp) that offstep cannot count on everywhere, and one without it is not safe.
+Built in: ``calculator`` (exact arithmetic, no eval) and ``python`` (a program run in
+``offstep.sandbox``; stateless: each call is a fresh sandbox, see docs/sandbox.md).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
+from offstep import sandbox
 from offstep.config.schema import AgentConfig
 from offstep.errors import ToolConfigError
 from offstep.rewards.registry import CallTimeout, call_with_timeout
@@ -87,17 +88,19 @@ TRAIN_KEYS = {"path": "rollout.agent.tools_path", "names": "rollout.agent.tools"
 IMPORT_TIMEOUT_S = AgentConfig.tool_timeout_s  # its default, for callers that give none
 
 
-def _import_file(path: str, timeout_s: float | None, keys: dict) -> Any:
+def import_file(path: str, timeout_s: float | None, keys: dict, what: str = "tool file",
+                defines: str = "the tool functions") -> Any:
+    """The module of the Python file ``path`` (imported once), within ``timeout_s`` seconds;
+    :class:`ToolConfigError` names the settings ``keys['path']`` and ``keys['timeout']``."""
     path = str(Path(path).expanduser().resolve())
     if not Path(path).is_file():
-        raise ToolConfigError(f"tool file {path} not found. Fix: set {keys['path']} to a Python file "
-                              "that defines the tool functions")
+        raise ToolConfigError(f"{what} {path} not found. Fix: set {keys['path']} to a Python file that defines {defines}")
     name = f"offstep_tools_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise ToolConfigError(f"tool file {path} cannot be imported as a Python module. Fix: give a .py file")
+        raise ToolConfigError(f"{what} {path} cannot be imported as a Python module. Fix: give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
@@ -111,12 +114,12 @@ def _import_file(path: str, timeout_s: float | None, keys: dict) -> Any:
             raise ToolConfigError(
                 f"{keys['path']}={path} did not finish importing within {timeout_s:g} s ({keys['timeout']}, the "
                 "time limit of the tools' calls): its top-level code is still running (a sleep, a loop, a download, "
-                "a lock?). Fix: make importing the file only define the tools (move slow set-up into the functions, "
+                f"a lock?). Fix: make importing the file only define {defines} (move slow set-up into the functions, "
                 f"or under `if __name__ == \"__main__\":`), or raise {keys['timeout']}"
             ) from None
         if not isinstance(exc, (Exception, SystemExit)):
             raise
-        raise ToolConfigError(f"tool file {path} failed to import: {type(exc).__name__}: {exc}. Fix: make it "
+        raise ToolConfigError(f"{what} {path} failed to import: {type(exc).__name__}: {exc}. Fix: make it "
                               "importable on its own (run `python <file>` to see the error)") from exc
     return module
 
@@ -131,7 +134,7 @@ def load_tools(
     the names in ``keys`` (``TRAIN_KEYS``'s)."""
     if not names:
         raise ToolConfigError(f"{keys['names']} is empty: name at least one tool (e.g. calculator)")
-    module = _import_file(path, timeout_s, keys) if path else None
+    module = import_file(path, timeout_s, keys) if path else None
     tools = []
     for n in names:
         fn = getattr(module, n, None) if module is not None else BUILTIN_TOOLS.get(n)
@@ -158,8 +161,12 @@ class ToolResult:
     seconds: float = 0.0
 
 
+class ToolError(Exception):
+    """A tool's failure told to the model as its message alone (``Error: <message>``)."""
+
+
 def _error(exc_or_text: BaseException | str) -> str:
-    if isinstance(exc_or_text, str):
+    if isinstance(exc_or_text, (str, ToolError)):
         return f"Error: {exc_or_text}"
     msg = str(exc_or_text)
     return f"Error: {type(exc_or_text).__name__}" + (f": {msg}" if msg else "")
@@ -338,4 +345,30 @@ def calculator(expression: str) -> str:
     return format_number(evaluate(expression))
 
 
-BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
+# --------------------------------------------------------------------------------------------------
+# the built-in python tool
+
+PYTHON_OUTPUT_CHARS = 2000  # what one call returns at most (the agent loop then cuts to max_tool_response_chars)
+
+
+def _cut(text: str, budget: int, keep_end: bool = False) -> str:
+    if len(text) <= budget:
+        return text
+    return "...(cut)\n" + text[-budget:] if keep_end else text[:budget] + "\n...(cut)"
+
+
+def python(code: str) -> str:
+    """Run a Python program in a sandbox and return what it printed. Each call starts afresh: no variables or files are kept between calls, and there is no network.
+
+    Args:
+        code: the whole program; print() what you want to see
+    """
+    r = sandbox.shared().run(code)
+    out = _cut(r.stdout, PYTHON_OUTPUT_CHARS // 2)
+    err = _cut(r.stderr, PYTHON_OUTPUT_CHARS - len(out), keep_end=True)  # a traceback's last lines say most
+    if not r.ok:
+        raise ToolError("\n".join(x for x in (r.describe(), out, err) if x))
+    return out + (f"\nstderr:\n{err}" if err else "") if (out or err) else "(no output)"
+
+
+BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "python": python}

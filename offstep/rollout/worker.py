@@ -15,16 +15,19 @@ from dataclasses import dataclass, field
 import torch
 
 from offstep.batch import GenTiming, Sample, Span
-from offstep.config.choices import SINGLE_TURN, TOOL_AGENT
-from offstep.config.schema import AgentConfig, LoRAConfig
+from offstep.config.choices import OPENAI_AGENT, SINGLE_TURN, TOOL_AGENT
+from offstep.config.schema import AgentConfig, LoRAConfig, RewardModelConfig, SandboxConfig
 from offstep.models.forward import DTYPES, sequence_logprobs
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.models.lora import add_adapters
+from offstep.rewards.combine import Combination, SampleReward
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.interface import RolloutEngine
+from offstep.rollout.openai_agent import OpenAIRunner
 from offstep.rollout.types import Completion, SamplingParams
+from offstep.sandbox import Limits, configure, shared
 from offstep.sync.collective import TensorSpec, WeightReceiver
 from offstep.sync.digest import Loaded
 from offstep.sync.weights import unpack_state_dict
@@ -41,7 +44,13 @@ class Request:
     data_source: str
     ground_truth: object
     extra_info: dict = field(default_factory=dict)
-    agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agent_loop)
+    agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agent_loop); openai: openai_agent
+    messages: list = field(default_factory=list)  # the prompt's chat messages (an OpenAI agent starts from them; a reward model reads them)
+
+
+def configure_sandbox(s: SandboxConfig) -> None:
+    """This process's sandbox from the ``sandbox`` config."""
+    configure(Limits.of(s), s.concurrency, s.python)
 
 
 @dataclass(frozen=True)
@@ -70,8 +79,13 @@ class RolloutWorker:
         seed: int = 0,
         lora: LoRAConfig | None = None,
         agent: AgentConfig | None = None,
+        sandbox: SandboxConfig | None = None,
+        reward_model: RewardModelConfig | None = None,
+        reward_pool: list | None = None,
     ):
         torch.set_num_threads(num_threads)
+        if sandbox is not None:  # the code rewards' and the python tool's limits, in this process
+            configure_sandbox(sandbox)
         self.device = torch.device("cuda" if device == "cuda" else "cpu")
         tok = load_tokenizer(model_path)
         eos = eos_token_ids(tok, model_path)
@@ -92,6 +106,15 @@ class RolloutWorker:
             self.engine = TorchEngine(model, tok, eos, device=self.device, max_batch_size=max_batch_size)
         self.lora = lora
         self.reward = reward
+        # reward.model: a reward model or judge beside the engine, fed as samples finish (offstep.rollout.reward_model)
+        self.model_reward = None
+        if reward_model is not None and reward_model.kind is not None:
+            from offstep.rollout.reward_model import build_model_reward
+
+            self.model_reward = build_model_reward(reward_model, self.device, reward_pool)  # pool: its workers
+            reward_threads = max(reward_threads, reward_model.max_concurrency)  # the batcher gathers what waits
+        self.scoring = SampleReward(reward, self.model_reward,
+                                    Combination.of(reward_model) if self.model_reward is not None else None)
         self.ref = ref
         self.ref_model = None
         # The reference, for the KL term: with LoRA, the engine's own base with the adapters off
@@ -103,8 +126,9 @@ class RolloutWorker:
         self.pad_id = tok.pad_token_id
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
         self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
-        self.agent = agent  # the tool loops of tool_agent rows, started at their first call
+        self.agent = agent  # rollout.agent: the tool loops and OpenAI agents of their rows, started at their first call
         self._agent_runner: AgentRunner | None = None
+        self._openai_runner: OpenAIRunner | None = None
         self._tok, self._eos = tok, eos
 
     def generate(
@@ -118,15 +142,14 @@ class RolloutWorker:
         return self._generate(requests, params, seed, with_ref)
 
     def _generate(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool) -> tuple[list[Sample], GenTiming]:
-        if self.agent is not None and any(r.agent_name == TOOL_AGENT for r in requests):
+        if self.agent is not None and any(r.agent_name in (TOOL_AGENT, OPENAI_AGENT) for r in requests):
             return self._generate_with_tools(requests, params, seed, with_ref)
         t0 = time.time()
         version = self.engine.version
         futures: dict[int, Future] = {}
 
         def score(c: Completion) -> tuple[float, dict]:
-            r = requests[c.prompt_index]
-            return self.reward(r.data_source, c.text, r.ground_truth, r.extra_info)
+            return self._score(requests[c.prompt_index], c.text)
 
         def on_finish(c: Completion) -> None:
             futures[id(c)] = self.pool.submit(score, c)
@@ -162,28 +185,44 @@ class RolloutWorker:
             self._attach_greedy_baseline(requests, samples, params, seed)
         return self._finish(samples, Span(t0, time.time(), version), with_ref)
 
-    def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = ()) -> tuple[list[Sample], GenTiming]:
+    def _score(self, r: Request, text: str, extra_info: dict | None = None) -> tuple[float, dict]:
+        """One finished sample's reward: the rule, the reward model, or both (``reward.model``)."""
+        return self.scoring(r.data_source, text, r.ground_truth, r.extra_info if extra_info is None else extra_info,
+                            prompt=r.messages)
+
+    def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = (),
+                earlier: tuple = ()) -> tuple[list[Sample], GenTiming]:
         ref = None
         if self.ref is not None and with_ref:
             self._attach_ref_logprobs(samples)
             ref = Span(gen.end, time.time())
-        return samples, GenTiming(gen, ref, tools)
+        scored = self.model_reward.take_spans() if self.model_reward is not None else ()
+        return samples, GenTiming(gen, ref, tools, (*earlier, *shared().log.drain()), scored)
 
     def _generate_with_tools(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool):
-        """A call with tool rows: those through their agent loops (``offstep.rollout.agent_loop``),
-        the others of the call as plain generation before them."""
+        """A call with tool rows or OpenAI agents' rows: those through their agent loops
+        (``offstep.rollout.agent_loop``, ``openai_agent``), the others of the call as plain
+        generation before them."""
         t0 = time.time()
         version = self.engine.version
-        plain = [r for r in requests if r.agent_name != TOOL_AGENT]
-        samples = self._generate(plain, params, seed, with_ref=False)[0] if plain else []
-        if self._agent_runner is None:
-            self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
+        plain = [r for r in requests if r.agent_name not in (TOOL_AGENT, OPENAI_AGENT)]
+        samples, plain_timing = self._generate(plain, params, seed, with_ref=False) if plain else ([], None)
+        looped, spans = [], ()
         tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
-        looped, spans = run_tool_rows(self._agent_runner, self.engine, tool_rows, params, seed, self.reward, self.pool,
-                                      self.progress)
+        if tool_rows:
+            if self._agent_runner is None:
+                self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
+            looped, spans = run_tool_rows(self._agent_runner, self.engine, tool_rows, params, seed, self._score,
+                                          self.pool, self.progress)
+        agent_rows = [r for r in requests if r.agent_name == OPENAI_AGENT]
+        if agent_rows:
+            if self._openai_runner is None:
+                self._openai_runner = OpenAIRunner(self.agent, self._tok, self._eos)
+            looped += self._openai_runner.run(self.engine, agent_rows, params, seed, self.progress)
         order = {r.uid: k for k, r in enumerate(requests)}
         samples = sorted(samples + looped, key=lambda s: order[s.uid])  # stable: a request's samples keep their order
-        return self._finish(samples, Span(t0, time.time(), version), with_ref, spans)
+        return self._finish(samples, Span(t0, time.time(), version), with_ref, spans,
+                            plain_timing.sandbox if plain_timing else ())
 
     def _attach_greedy_baseline(self, requests: list[Request], samples: list[Sample], params: SamplingParams, seed: int) -> None:
         """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): one greedy response per request
@@ -194,7 +233,7 @@ class RolloutWorker:
         by_uid = {}
         for c in completions:
             r = requests[c.prompt_index]
-            by_uid[r.uid] = (self.reward(r.data_source, c.text, r.ground_truth, r.extra_info)[0], len(c.response_ids))
+            by_uid[r.uid] = (self._score(r, c.text)[0], len(c.response_ids))
         for s in samples:
             s.baseline_score, s.baseline_length = by_uid[s.uid]
 
@@ -223,11 +262,8 @@ class RolloutWorker:
         for the engine's cache and shared prefix)."""
         from offstep.rollout.stream import StreamServer
 
-        def score(r: Request, text: str):
-            return self.reward(r.data_source, text, r.ground_truth, r.extra_info)
-
         self._generating_again()
-        self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, score, self.pool,
+        self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, self._score, self.pool,
                                     self._tok, self.progress.advance)
 
     def stream_submit(self, groups: list) -> None:
@@ -240,6 +276,8 @@ class RolloutWorker:
         if out and self.ref is not None:  # on the engine's thread, between two decode steps: one core
             self._stream.between_steps(lambda: self._attach_ref_logprobs([s for g in out for s in g.samples]))
             self._generating_again()
+        if out and self.model_reward is not None:
+            out[0].reward_spans = self.model_reward.take_spans()
         return out
 
     def _generating_again(self) -> None:

@@ -22,11 +22,17 @@ class Role:
     ACTOR = "actor"
     REF = "ref"
     CRITIC = "critic"
+    REWARD = "reward"  # a reward model beside replica i: lane reward_lane(i)
 
 
 def replica(i: int) -> str:
     """Replica ``i``'s lane: ``rollout/0``, ``rollout/1``, ..."""
     return f"{Role.ROLLOUT}/{i}"
+
+
+def reward_lane(i: int) -> str:
+    """The lane of the reward model on replica ``i`` (``reward.model``): ``reward/0``, ..."""
+    return f"{Role.REWARD}/{i}"
 
 
 def replica_index(role: str) -> int | None:
@@ -45,6 +51,7 @@ class Stage:
     REF = "ref"  # also the trainer's reference pass
     TOOL = "tool"  # tools running, inside a generation
     LOAD_WEIGHTS = "load_weights"
+    REWARD_MODEL = "reward_model"  # a batch scored by the reward model, on its own lane
     # the trainer's
     WAIT_GEN = "wait_gen"
     VALUES = "values"
@@ -75,6 +82,7 @@ class Timing:
     UPDATE_ACTOR = "timing_s/update_actor"
     SYNC_WEIGHTS = "timing_s/sync_weights"
     SYNC_VERIFY = "timing_s/sync_verify"
+    REWARD_MODEL = "timing_s/reward_model"  # the slowest replica's seconds in reward-model batches
 
 
 class Perf:
@@ -96,6 +104,9 @@ class Reward:
     KL_PENALTY = "reward/kl_penalty"
     KL_COEF = "reward/kl_coef"
     GREEDY_BASELINE = "reward/greedy_baseline"
+    RULE_MEAN = "reward/rule/mean"  # reward.model: the rule's component, over the samples it scored
+    MODEL_MEAN = "reward/model/mean"  # the model's component (fallbacks included)
+    MODEL_FALLBACKS = "reward/model/fallbacks"  # samples given reward.model.fallback_score (timeout, failure, unparsed)
 
 
 class Rollout:
@@ -152,6 +163,16 @@ def actor(key: str) -> str:
 def critic(key: str) -> str:
     """The record's name of a metric the critic's update returns (``vf_loss`` -> ``critic/vf_loss``)."""
     return f"{Role.CRITIC}/{key}"
+
+
+class Sandbox:
+    """``sandbox/``: the step's executions of model-written code (code rewards, the python tool)."""
+
+    EXECUTIONS = "sandbox/executions"
+    TIMEOUTS = "sandbox/timeouts"
+    SECONDS_MEAN = "sandbox/seconds_mean"
+    SECONDS_P95 = "sandbox/seconds_p95"
+    QUEUE_WAIT_S = "sandbox/queue_wait_s"  # the mean wait for a free slot (sandbox.concurrency)
 
 
 class Sync:

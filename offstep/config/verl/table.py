@@ -247,7 +247,13 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     # reward
     "custom_reward_function.path": To("reward.custom_path"),
     "custom_reward_function.name": To("reward.custom_name", function_name),
-    "reward_model.enable": Refuse("offstep scores with rule functions (built-in per data_source, or custom_reward_function.path); no reward model", allow=(False,)),
+    "reward_model.enable": Derived("reward.model.kind", "True: discriminative, with reward_model.model.path (docs/reward-models.md)"),
+    "reward_model.model.path": Derived("reward.model.path", "with reward_model.enable=True"),
+    "reward_model.micro_batch_size_per_gpu": Derived("reward.model.batch_size", "with reward_model.enable=True; per replica"),
+    "reward_model.micro_batch_size": Derived("reward.model.batch_size", "with reward_model.enable=True; per replica"),
+    "reward_model.model.trust_remote_code": Derived("reward.model.trust_remote_code", "with reward_model.enable=True"),
+    "reward_model.max_length": Derived("reward.model.max_length", "with reward_model.enable=True"),
+    "reward_model.model.input_tokenizer": Note("offstep always renders the chat with the reward model's own tokenizer and chat template"),
     "reward_model.reward_manager": Refuse("offstep scores one response per call (naive); DAPO's overlong buffer is algorithm.overlong_penalty", allow=("naive", "dapo")),
     "reward_model.reward_kwargs.overlong_buffer_cfg.enable": To("algorithm.overlong_penalty"),
     "reward_model.reward_kwargs.overlong_buffer_cfg.len": To("algorithm.overlong_buffer_len"),
@@ -378,7 +384,7 @@ PREFIXES: list[tuple[str, To | Note | Refuse]] = [
     ("actor_rollout_ref.rollout.agent.", Note("offstep's rollout workers run their samples themselves")),
     ("actor_rollout_ref.rollout.multi_turn.", Note("tool-loop settings offstep does not have (its own: rollout.agent)")),
     ("actor_rollout_ref.model.lora.", Note("verl's LoRA internals (adapter path, merge mode); offstep's LoRA is actor.lora")),
-    ("reward_model.", Note("used only with reward_model.enable=true, which offstep refuses")),
+    ("reward_model.", Note("reward-model engine tuning that offstep's reward model on the rollout replicas does not use")),
     ("reward_manager.", Note("offstep scores one response per call")),
     ("ray_kwargs.", Note("offstep starts Ray itself; resources.ray_address joins an existing cluster")),
     ("transfer_queue.", Note("offstep passes batches through Ray's object store")),
@@ -418,6 +424,12 @@ DERIVED_TARGETS = {
     "rollout.total_rollout_steps": ("trainer.total_steps",),
     "rollout.total_epochs": ("trainer.total_steps",),
     "rollout.test_freq": ("trainer.val_freq",),
+    "reward_model.enable": ("reward.model.kind", "reward.model.path"),
+    "reward_model.model.path": ("reward.model.path",),
+    "reward_model.micro_batch_size_per_gpu": ("reward.model.batch_size",),
+    "reward_model.micro_batch_size": ("reward.model.batch_size",),
+    "reward_model.model.trust_remote_code": ("reward.model.trust_remote_code",),
+    "reward_model.max_length": ("reward.model.max_length",),
 }
 
 
