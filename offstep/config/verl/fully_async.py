@@ -14,10 +14,6 @@ from offstep.config.verl.convert import DOC, at_least_one, boolean, fail, never,
 from offstep.config.verl.translate import Translation, async_signals
 from offstep.errors import OffstepError, VerlKeyError
 
-# The engines pipeline.mode=fully_async runs on (offstep.config.validate._check_mode): verl's
-# fully-async scripts all name vllm, which becomes the built-in engine, with a note, until offstep's
-# vLLM engine loads weights between decode steps.
-FULLY_ASYNC_ENGINES = ("builtin",)
 # verl's fully-async defaults (fully_async_ppo_trainer.yaml, ppo_trainer.yaml) for the keys that
 # a derivation needs beside the one given
 VERL_ASYNC_DEFAULTS = {"async_training.trigger_parameter_sync_step": 4, "async_training.require_batches": 1,
@@ -144,11 +140,4 @@ def fully_async_mode(cfg: Config, t: Translation) -> list[str]:
     elif "trainer.test_freq" in t.given:
         notes.append(f"trainer.test_freq -> trainer.val_freq={cfg.trainer.val_freq}: verl's fully-async trainer reads "
                      f"rollout.test_freq instead (its default 1: every version); add rollout.test_freq to say which")
-    # the engine
-    key = "actor_rollout_ref.rollout.name"
-    if key in v and cfg.rollout.engine not in FULLY_ASYNC_ENGINES:
-        was, cfg.rollout.engine = cfg.rollout.engine, FULLY_ASYNC_ENGINES[0]
-        notes.append(f"{key}={v[key]}: rollout.engine={was} -> {cfg.rollout.engine} (pipeline.mode=fully_async loads "
-                     f"weights between decode steps on the built-in engine so far; rollout.engine={was} runs "
-                     f"pipeline.mode=batch)")
     return notes
