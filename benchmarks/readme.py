@@ -271,6 +271,12 @@ SECTIONS = [
             "held-out accuracy with and without the tool, well-formed calls, and the training reward. What it is: "
             "[tools-and-agents.md](../docs/tools-and-agents.md#the-calculator-preset).",
             tables_of(("results_calculator.md", None))),
+    Section("presets", "Presets per seed: code, the OpenAI agent, the judge", "preset_runs.py", ("results_presets.md",),
+            "A preset or a variant of it (a label), one run per seed: held-out accuracy before and after training, the "
+            "training reward, and the step split into generation (rewards and tools included), the trainer's wait, "
+            "the update and scoring. Labels run on the same seeds are side by side; what each label is: below its "
+            "table. The presets: [sandbox.md](../docs/sandbox.md), [openai-agents.md](../docs/openai-agents.md), "
+            "[reward-models.md](../docs/reward-models.md).", tables_of(("results_presets.md", None))),
     Section("partial", "Partial rollouts: `rollout.partial`", "partial_modes.py", ("results_partial.md",),
             "How a replica's in-flight samples continue across a weight load in `pipeline.mode=fully_async` "
             "([fully-async.md](../docs/fully-async.md)): the mismatch of the tokens sampled after the load against "

@@ -108,17 +108,23 @@ def test_the_presets_warmup_does_not_leak_into_a_verl_command_line(tmp_path, ext
         "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",))
 
 
-def test_preset_defaults_that_differ_from_verls_are_named(tmp_path):
+def test_verls_own_values_replace_the_presets_on_a_verl_command_line(tmp_path):
+    """A PPO script that sets neither rollout.n nor the estimator runs as verl would: GAE, one response
+    per prompt (the mini-batch counts it), no KL loss, no validation; each change is one note."""
     args = [a for a in main_ppo(tmp_path / "run") if not a.startswith(("algorithm.adv_estimator", "actor_rollout_ref.actor.use_kl_loss",
                                                                          "actor_rollout_ref.rollout.n=", "trainer.test_freq"))]
-    _, notes = load(args)
-    for line in ("algorithm.adv_estimator=grpo (preset default) where verl's default is algorithm.adv_estimator=gae",
-                 "algorithm.use_kl_loss=True (preset default) where verl's default is actor_rollout_ref.actor.use_kl_loss=False",
-                 "rollout.n=4 (preset default) where verl's default is actor_rollout_ref.rollout.n=1",
-                 "trainer.val_freq=5 (preset default) where verl's default is trainer.test_freq=-1"):
+    cfg, notes = load(args)
+    assert (cfg.algorithm.adv_estimator, cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.val_freq) == ("gae", False, 1, -1)
+    assert cfg.actor.mini_batch_size == 4  # ppo_mini_batch_size=4 prompts x rollout.n=1
+    for line in ("algorithm.adv_estimator=grpo (preset default) -> gae: verl's default for algorithm.adv_estimator",
+                 "algorithm.use_kl_loss=True (preset default) -> False: verl's default for actor_rollout_ref.actor.use_kl_loss",
+                 "rollout.n=4 (preset default) -> 1: verl's default for actor_rollout_ref.rollout.n",
+                 "trainer.val_freq=5 (preset default) -> -1: verl's default for trainer.test_freq"):
         assert any(n.startswith(line) for n in notes), line
-    _, notes = load(["preset=tiny", "trainer.total_steps=2"])  # not a verl command line: no such notes
-    assert not any("verl's default" in n for n in notes)
+    cfg, notes = load([*args, "rollout.n=3"])  # offstep's own key, given itself, stays
+    assert cfg.rollout.n == 3 and cfg.actor.mini_batch_size == 12 and not any(n.startswith("rollout.n=") for n in notes)
+    cfg, notes = load(["preset=tiny", "trainer.total_steps=2"])  # not a verl command line: the preset's values, no notes
+    assert cfg.rollout.n == 2 and not any("verl's default" in n for n in notes)  # tiny's own n
 
 
 def test_sglang_runs_on_vllm_where_installed_and_says_so(tmp_path):

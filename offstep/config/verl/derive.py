@@ -12,7 +12,7 @@ from offstep.config.schema import Config
 from offstep.config.verl.dapo import dapo_recipe, rollout_is_threshold
 from offstep.config.verl.convert import fail, training_rows, whole
 from offstep.config.verl.fully_async import fully_async_mode
-from offstep.config.verl.layout import colocated_layout, verl_defaults
+from offstep.config.verl.layout import colocated_layout, verl_defaults, verl_values
 from offstep.config.verl.reward_model import reward_model
 from offstep.config.verl.translate import Translation, async_signals, refusals
 from offstep.errors import OffstepError, VerlKeyError
@@ -262,12 +262,12 @@ def _critic_model(cfg: Config, t: Translation) -> list[str]:
     return [f"{key}: accepted (the policy's model, with a value head)"] if key in v else []
 
 
-# Run in this order: the resources before the mini-batches (ppo_micro_batch_size divides by the
+# Run in this order: verl's own values first (the mini-batches count rollout.n), the resources before the mini-batches (ppo_micro_batch_size divides by the
 # trainer workers), the engine and the fully-async step (data.train_batch_size) before the step
 # count, the step count before the warm-up ratio; the layout after the resources, verl's defaults
 # (the warm-up among them) last.
 DERIVATIONS: list[Callable[[Config, Translation], list[str]]] = [
-    _resources, colocated_layout, _mini_batches, _clip_ratio, _sampling, fully_async_mode, _steps, _prompts,
+    verl_values, _resources, colocated_layout, _mini_batches, _clip_ratio, _sampling, fully_async_mode, _steps, _prompts,
     _correction, _resume, _critic_model, reward_model, dapo_recipe, rollout_is_threshold, verl_defaults,
 ]
 

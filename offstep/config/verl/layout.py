@@ -9,7 +9,8 @@ one-step scripts (``verl.experimental.one_step_off_policy``) name the rollout po
 their own (``offstep.config.verl.derive``).
 
 ``verl_defaults``: where verl's default differs from the preset's, and the command line gives
-neither the verl key nor the offstep key, the translation uses verl's value (the learning-rate
+neither the verl key nor the offstep key, the translation uses verl's value (``verl_values``: the
+advantage estimator, the KL loss, ``rollout.n``, validation; ``verl_defaults``: the learning-rate
 warm-up, the rollout dtype where the devices allow it) or prints one line naming the key.
 
 ``nodes_of``: the nodes a verl command line names (``offstep train --cfg --gpus N``)."""
@@ -99,8 +100,8 @@ def _warmup(cfg: Config, t: Translation, direct: set[str]) -> list[str]:
     return notes
 
 
-# offstep key, verl key, verl's default: preset values that differ are named, with the key to set
-NOTED_DEFAULTS: tuple[tuple[str, str, Any], ...] = (
+# offstep key, verl key, verl's default: where the preset's value differs, verl's is used
+VERL_VALUES: tuple[tuple[str, str, Any], ...] = (
     ("algorithm.adv_estimator", "algorithm.adv_estimator", "gae"),
     ("algorithm.use_kl_loss", "actor_rollout_ref.actor.use_kl_loss", False),
     ("rollout.n", "actor_rollout_ref.rollout.n", 1),
@@ -108,16 +109,39 @@ NOTED_DEFAULTS: tuple[tuple[str, str, Any], ...] = (
 )
 
 
-def _get(cfg: Config, key: str) -> Any:
+def _get(cfg: Config, key: str) -> tuple[Any, str]:
+    *path, name = key.split(".")
     node: Any = cfg
-    for part in key.split("."):
+    for part in path:
         node = getattr(node, part)
-    return node
+    return node, name
+
+
+def verl_values(cfg: Config, t: Translation) -> list[str]:
+    """verl's own values for the keys of ``VERL_VALUES`` on a verl command line that gives neither
+    verl's key nor offstep's: the preset's do not leak in (a PPO script without ``rollout.n`` samples
+    one response per prompt, as in verl). Runs before the mini-batches, which count ``rollout.n``.
+    In fully-async mode validation keeps its own schedule (``trainer.val_freq``)."""
+    if not is_verl_command(t):
+        return []
+    direct, notes = _direct(t), []
+    for ours, theirs, verl_value in VERL_VALUES:
+        if theirs in t.given or ours in direct or ours in t.origin:
+            continue
+        node, name = _get(cfg, ours)
+        value = getattr(node, name)
+        if value == verl_value or (ours == "trainer.val_freq" and cfg.pipeline.mode == "fully_async"):
+            continue
+        setattr(node, name, verl_value)
+        notes.append(f"{ours}={value} (preset {cfg.preset}) -> {verl_value}: verl's default for {theirs} "
+                     f"(set {theirs} to choose)")
+    return notes
 
 
 def verl_defaults(cfg: Config, t: Translation) -> list[str]:
-    """verl's defaults where the preset's differ (a verl command line only, keys given neither as
-    verl's nor as offstep's): verl's value, or one line naming the difference and the key."""
+    """verl's defaults where the preset's differ and depend on the rest of the translation (the
+    warm-up on the step count, the rollout dtype on the devices): verl's value, or one line naming
+    the difference and the key (a verl command line only, keys given neither as verl's nor as offstep's)."""
     if not is_verl_command(t):
         return []
     direct = _direct(t)
@@ -130,13 +154,6 @@ def verl_defaults(cfg: Config, t: Translation) -> list[str]:
         else:
             notes.append(f"rollout.dtype={cfg.rollout.dtype}: verl generates in bf16 ({key}), which a CPU rollout "
                          f"runs slower; set {key}=bf16 to match verl")
-    for ours, theirs, verl_value in NOTED_DEFAULTS:
-        if theirs in t.given or ours in direct or ours in t.origin:
-            continue
-        value = _get(cfg, ours)
-        if value != verl_value and not (ours == "trainer.val_freq" and cfg.pipeline.mode == "fully_async"):
-            notes.append(f"{ours}={value} (preset {cfg.preset}) where verl's default is {theirs}={verl_value}; "
-                         f"set {theirs} to choose")
     return notes
 
 
