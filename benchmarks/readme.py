@@ -276,7 +276,9 @@ SECTIONS = [
             "training reward, and the step split into generation (rewards and tools included), the trainer's wait, "
             "the update and scoring. Labels run on the same seeds are side by side; what each label is: below its "
             "table. The presets: [sandbox.md](../docs/sandbox.md), [openai-agents.md](../docs/openai-agents.md), "
-            "[reward-models.md](../docs/reward-models.md).", tables_of(("results_presets.md", None))),
+            "[reward-models.md](../docs/reward-models.md).", tables_of(("results_presets.md", None)),
+            missing="No run recorded yet: `python benchmarks/preset_runs.py --preset code --seeds 0,1,2` writes "
+                    "`results_presets.md` and this section."),
     Section("partial", "Partial rollouts: `rollout.partial`", "partial_modes.py", ("results_partial.md",),
             "How a replica's in-flight samples continue across a weight load in `pipeline.mode=fully_async` "
             "([fully-async.md](../docs/fully-async.md)): the mismatch of the tokens sampled after the load against "
