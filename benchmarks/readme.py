@@ -279,6 +279,12 @@ SECTIONS = [
             "[reward-models.md](../docs/reward-models.md).", tables_of(("results_presets.md", None)),
             missing="No run recorded yet: `python benchmarks/preset_runs.py --preset code --seeds 0,1,2` writes "
                     "`results_presets.md` and this section."),
+    Section("judge", "A small judge against the rule", "judge_agreement.py", ("results_judge.md",),
+            "SmolLM2-135M-Instruct as the generative judge of `reward.model.kind=generative`, scoring the untrained "
+            "policy's sampled answers to held-out arithmetic problems, against the task's rule: agreement, confusion "
+            "counts, Cohen's kappa, unparseable answers and seconds per answer, per template and parser. What a judge "
+            "is in a run: [reward-models.md](../docs/reward-models.md).", tables_of(("results_judge.md", None)),
+            missing="Not run yet: `python benchmarks/judge_agreement.py` writes `results_judge.md` and this section."),
     Section("partial", "Partial rollouts: `rollout.partial`", "partial_modes.py", ("results_partial.md",),
             "How a replica's in-flight samples continue across a weight load in `pipeline.mode=fully_async` "
             "([fully-async.md](../docs/fully-async.md)): the mismatch of the tokens sampled after the load against "
