@@ -13,9 +13,10 @@ held-out set; labels compare side by side only on the same seeds.
 
 The step split: ``timing_s/gen`` is the rollout's time for the step's batch (rule rewards, sandbox
 runs and tool calls included, as they run on the rollout worker), ``timing_s/wait_gen`` the trainer's
-wait for it, ``timing_s/update_actor`` the update; ``score s`` is the sandbox's execution seconds of
-the step (code rewards) or the reward model's (``timing_s/reward_model``), spread over the rollout's
-concurrent slots. Medians over steps 2 and later (step 1 includes the pipeline's fill).
+wait for it, ``timing_s/update_actor`` the update; ``score s`` is the step's scoring seconds summed
+over its calls: the sandbox's executions (code rewards; ``sandbox.concurrency`` of them run at once,
+beside the generation) or the reward model's batches (``timing_s/reward_model``). Medians over
+steps 2 and later (step 1 includes the pipeline's fill).
 """
 
 from __future__ import annotations
