@@ -60,6 +60,11 @@ class SyncReport:
         """The slowest replica's digest: what verifying adds to a load."""
         return max((r.digest_s for r in self.loads if r is not None), default=0.0)
 
+    @property
+    def wake_s(self) -> float:
+        """The slowest replica's wakes, before and around its load (``rollout.sleep_during_update``)."""
+        return max((sum(w.seconds for w in r.woke) for r in self.loads if r is not None), default=0.0)
+
 
 class WeightSync:
     def __init__(self, cfg: PipelineConfig, workers: Workers):
