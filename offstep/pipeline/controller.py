@@ -357,7 +357,7 @@ class Controller:
         m[Sync.VERIFIED] = float(report.verified)
         m[Timing.SYNC_VERIFY] = report.verify_s  # wall clock: with the other timings, not compared on resume
         m[Sync.COLLECTIVE] = float(report.collective)
-        if self.workers.sleeps:
+        if report.wake_s is not None:  # the replicas slept during the update (rollout.sleep_during_update)
             m[Timing.ROLLOUT_WAKE] = report.wake_s
         if self.samples is not None:  # every replica holds the new version: the stream may admit more
             self.samples.loaded(m["policy_version"])

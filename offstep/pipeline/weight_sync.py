@@ -61,9 +61,11 @@ class SyncReport:
         return max((r.digest_s for r in self.loads if r is not None), default=0.0)
 
     @property
-    def wake_s(self) -> float:
-        """The slowest replica's wakes, before and around its load (``rollout.sleep_during_update``)."""
-        return max((sum(w.seconds for w in r.woke) for r in self.loads if r is not None), default=0.0)
+    def wake_s(self) -> float | None:
+        """The slowest replica's wakes, before and around its load (``rollout.sleep_during_update``);
+        ``None`` when no replica was asleep."""
+        woke = [sum(w.seconds for w in r.woke) for r in self.loads if r is not None and r.woke]
+        return max(woke) if woke else None
 
 
 class WeightSync:
