@@ -286,7 +286,7 @@ class Controller:
         """The trainer's stages on a batch; returns when the actor's update ended (``None``: the
         actor did not update), which is when the export of its weights, queued behind it, began."""
         cfg, w = self.cfg, self.workers
-        if w.sleeps:  # colocated: the replicas free the devices for the trainer until the load (rollout.sleep_during_update)
+        if w.sleeps:  # colocated: the replicas free the devices until the load (rollout.sleep_during_update)
             m[Timing.ROLLOUT_SLEEP] = await self.fleet.sleep(step, self.timeline)
         # Critic warm-up: only the critic trains during the first critic.warmup_steps steps.
         actor_frozen = w.critic is not None and step <= cfg.critic.warmup_steps
@@ -351,8 +351,8 @@ class Controller:
             if r is not None:
                 self.timeline.add(replica(i), Stage.LOAD_WEIGHTS, m["step"], r.span.start, r.span.end,
                                   version=r.span.version, transport=transport)
-                for w in r.woke:  # a sleeping replica's wakes (rollout.sleep_during_update)
-                    self.timeline.add(replica(i), Stage.WAKE, m["step"], w.start, w.end)
+                for wake in r.woke:  # a sleeping replica's wakes (rollout.sleep_during_update)
+                    self.timeline.add(replica(i), Stage.WAKE, m["step"], wake.start, wake.end)
         m[Timing.SYNC_WEIGHTS] = export_s + max((r.span.seconds for r in report.loads if r is not None), default=0.0)
         m[Sync.VERIFIED] = float(report.verified)
         m[Timing.SYNC_VERIFY] = report.verify_s  # wall clock: with the other timings, not compared on resume
