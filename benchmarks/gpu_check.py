@@ -15,7 +15,8 @@ with a line saying so):
   weights plus the most its call allocated above what was resident before it). Then its log-probs
   against the trainer's teacher-forced ones (``ActorWorker.compute_logprobs``: float32 master
   weights, bfloat16 autocast, ``offstep/models/forward.py``) on the same tokens: max and mean
-  absolute difference over the response tokens.
+  absolute difference over the response tokens. Then its sleep (``rollout.sleep_during_update``):
+  the device memory it frees, the sleep's and the wake's seconds, the same tokens after the wake.
 * ``update``: ``ActorWorker.update`` (``offstep/train/actor.py``: the GRPO loss of
   ``offstep/algos``, FSDP2 over one rank, NCCL on CUDA, gloo on CPU, AdamW step) on a batch with
   lognormal response lengths (``benchmarks/update_throughput.make_batch``), float32 master
@@ -233,7 +234,7 @@ def check_engine_and_update(shape: str, spec: GroupSpec, device: torch.device, w
     engine = TorchEngine(copy.deepcopy(model).to(DTYPES["bfloat16"]), NoTokenizer(), [vocab - 1], device=device,
                          max_batch_size=work.prompts * work.group)
     prompts = [[(37 * i + 11 * j) % (vocab - 2) + 1 for j in range(work.prompt_len)] for i in range(work.prompts)]
-    engine.generate(prompts[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=4), seed=1)  # warm-up
+    warm = engine.generate(prompts[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=4), seed=1)  # warm-up
     reset_peak(device)
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     t0 = time.perf_counter()
@@ -248,6 +249,7 @@ def check_engine_and_update(shape: str, spec: GroupSpec, device: torch.device, w
                    f"{work.prompt_len} + {work.new_tokens} tokens")
     rows.append(gen)
     log(f"  engine: {gen.tokens} tokens in {dt:.2f} s, {gen.tokens_per_s:.0f} tokens/s")
+    gen.note += sleep_and_wake(engine, device, prompts[:2], warm, log)
     del engine
     release(device)
 
@@ -264,6 +266,23 @@ def check_engine_and_update(shape: str, spec: GroupSpec, device: torch.device, w
     actor.model = actor.opt = None
     del actor, model
     release(device)
+
+
+def sleep_and_wake(engine: TorchEngine, device: torch.device, prompts, warm, log) -> str:
+    """``rollout.sleep_during_update``: the device memory the engine's sleep frees, the seconds of
+    the sleep and of the wake, and the warm-up's tokens sampled again after the wake."""
+    held = lambda: torch.cuda.memory_allocated(device) if device.type == "cuda" else 0  # noqa: E731
+    before, t0 = held(), time.perf_counter()
+    engine.sleep()
+    freed, t1 = (before - held()) / 2**30, time.perf_counter()
+    engine.wake_up()
+    sync(device)
+    t2 = time.perf_counter()
+    again = engine.generate(prompts, SamplingParams(n=2, temperature=1.0, max_new_tokens=4), seed=1)
+    if [c.response_ids for c in again] != [c.response_ids for c in warm]:
+        raise RuntimeError("the engine sampled other tokens after its sleep and wake")
+    log(f"  sleep: {freed:.2f} GiB freed in {t1 - t0:.2f} s, wake {t2 - t1:.2f} s, same tokens after")
+    return f"; sleep frees {freed:.2f} GiB in {t1 - t0:.2f} s, wake {t2 - t1:.2f} s"
 
 
 def check_lora(shape: str, spec: GroupSpec, device: torch.device, work: Work, log, rows: list[Row]) -> None:

@@ -15,7 +15,8 @@ from offstep.telemetry.names import Role, replica, replica_index
 METRICS = {
     "timing_s/step", "timing_s/gen", "timing_s/wait_gen", "timing_s/ref", "timing_s/ref_rollout", "timing_s/values",
     "timing_s/old_logprobs", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor",
-    "timing_s/sync_weights", "timing_s/sync_verify", "timing_s/reward_model",
+    "timing_s/sync_weights", "timing_s/sync_verify", "timing_s/reward_model", "timing_s/rollout_sleep",
+    "timing_s/rollout_wake",
     "perf/tokens_per_s", "perf/samples_per_s", "perf/gen_tokens_per_s", "perf/lent_cores_s",
     "reward/mean", "reward/max", "reward/min", "reward/overlong_penalty", "reward/kl_penalty", "reward/kl_coef",
     "reward/greedy_baseline", "reward/rule/mean", "reward/model/mean", "reward/model/fallbacks",
@@ -35,7 +36,8 @@ GROUPS = {names.Timing: "timing_s/", names.Perf: "perf/", names.Reward: "reward/
           names.ResponseLength: "response_length/", names.Adv: "adv/", names.Actor: "actor/", names.Sync: "sync/",
           names.Sandbox: "sandbox/", names.Val: "val/", names.Data: "data/"}
 STAGES = {"gen", "gen_more", "val", "ref", "tool", "load_weights", "wait_gen", "values", "old_logprobs",
-          "update_critic", "update_actor", "sync", "sync_export", "checkpoint", "prepare", "reward_model"}
+          "update_critic", "update_actor", "sync", "sync_export", "checkpoint", "prepare", "reward_model", "sleep",
+          "wake"}
 
 
 def _values(cls) -> list[str]:

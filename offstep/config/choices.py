@@ -28,6 +28,7 @@ ROLLOUT_ENGINES = ("builtin", "vllm")
 # (pipeline.mode=fully_async): keep their KV cache (computed under the old weights), recompute it
 # under the new weights, or off (finish them before the load; no sample crosses a load)
 PARTIAL_MODES = ("keep", "recompute", "off")
+SLEEP_MODES = ("auto", "true", "false")  # rollout.sleep_during_update (offstep.config.validate.rollout_sleeps)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (v0.32)
 SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT = "single_turn_agent", "tool_agent", "openai"
 AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT)  # verl's agent_name values that offstep runs (rollout.agent.default_agent)

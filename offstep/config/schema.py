@@ -1,10 +1,6 @@
-"""The typed configuration tree of ``offstep train``.
-
-Every key here can be overridden on the command line (``trainer.total_steps=50``); presets in
-``preset/`` fill in values for real setups. ``validate.py`` checks the tree before any process
-starts. The string after each field is its help (``offstep train --help [KEY]``, read by
-``help.py``).
-"""
+"""The typed configuration tree of ``offstep train``: every key can be overridden on the command line
+(``trainer.total_steps=50``); presets in ``preset/`` fill in values for real setups. ``validate.py`` checks the tree
+before any process starts. The string after each field is its help (``offstep train --help [KEY]``, read by ``help.py``)."""
 
 from __future__ import annotations
 
@@ -117,6 +113,8 @@ class RolloutConfig:
     """sequences decoded together by one engine"""
     dtype: str = "float32"
     """the rollout engine's weights: float32 | bfloat16"""
+    sleep_during_update: str = "auto"
+    """colocated synchronous training (pipeline.colocate=true, pipeline.max_staleness=0): the replicas free their device memory (weights, KV cache) for the trainer's passes and update, and wake for the weight load that follows (verl's hybrid engine; docs/engines.md): auto (on exactly when the replicas share the trainer's GPUs) | true | false"""
     partial: str = "keep"
     """pipeline.mode=fully_async: how in-flight samples continue across a weight load: keep (their KV cache, computed under the old weights, stays; no extra work) | recompute (their prompt and tokens so far are prefilled again under the new weights) | off (they finish under the old weights before the load; no sample crosses a load)"""
     val_temperature: float = 0.0

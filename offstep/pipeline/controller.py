@@ -286,6 +286,8 @@ class Controller:
         """The trainer's stages on a batch; returns when the actor's update ended (``None``: the
         actor did not update), which is when the export of its weights, queued behind it, began."""
         cfg, w = self.cfg, self.workers
+        if w.sleeps:  # colocated: the replicas free the devices until the load (rollout.sleep_during_update)
+            m[Timing.ROLLOUT_SLEEP] = await self.fleet.sleep(step, self.timeline)
         # Critic warm-up: only the critic trains during the first critic.warmup_steps steps.
         actor_frozen = w.critic is not None and step <= cfg.critic.warmup_steps
         stored = ready.stored if ready.stored is not None else await self._trainer_inputs(ready.batch, step, m, actor_frozen)
@@ -349,10 +351,14 @@ class Controller:
             if r is not None:
                 self.timeline.add(replica(i), Stage.LOAD_WEIGHTS, m["step"], r.span.start, r.span.end,
                                   version=r.span.version, transport=transport)
+                for wake in r.woke:  # a sleeping replica's wakes (rollout.sleep_during_update)
+                    self.timeline.add(replica(i), Stage.WAKE, m["step"], wake.start, wake.end)
         m[Timing.SYNC_WEIGHTS] = export_s + max((r.span.seconds for r in report.loads if r is not None), default=0.0)
         m[Sync.VERIFIED] = float(report.verified)
         m[Timing.SYNC_VERIFY] = report.verify_s  # wall clock: with the other timings, not compared on resume
         m[Sync.COLLECTIVE] = float(report.collective)
+        if report.wake_s is not None:  # the replicas slept during the update (rollout.sleep_during_update)
+            m[Timing.ROLLOUT_WAKE] = report.wake_s
         if self.samples is not None:  # every replica holds the new version: the stream may admit more
             self.samples.loaded(m["policy_version"])
         if callable(val):

@@ -1,6 +1,7 @@
 """The rollout replicas as one fleet: a generation call is split across them in contiguous
 shares, each share with its own seed, and a replica that dies, or does not answer within
-``rollout.timeout_s``, is replaced and its share generated again with the same seed."""
+``rollout.timeout_s``, is replaced and its share generated again with the same seed. Colocated
+replicas sleep while the trainer updates (:meth:`RolloutFleet.sleep`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from offstep.pipeline.inputs import to_request
 from offstep.pipeline.lending import CoreLending
 from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S
 from offstep.pipeline.workers import Workers, node_of
+from offstep.telemetry.metrics import Timeline
+from offstep.telemetry.names import Stage, replica
 
 
 def gen_seed(seed: int, batch: int, replica: int) -> int:
@@ -66,6 +69,22 @@ class RolloutFleet:
         if self.lending is not None:
             generated.add_done_callback(self.lending.idle)
         return generated
+
+    async def sleep(self, step: int, timeline: Timeline) -> float:
+        """Every replica frees its device memory for the trainer (``rollout.sleep_during_update``;
+        the weight load after the update wakes it): each sleep goes on its replica's lane, and the
+        slowest one's seconds are returned. A replica that died is passed over: its replacement
+        starts awake."""
+        slept = []
+        for i, span in enumerate(await asyncio.gather(*(r.sleep.remote() for r in self.workers.rollout),
+                                                      return_exceptions=True)):
+            if span is None or isinstance(span, ray.exceptions.RayActorError):  # asleep already; died
+                continue
+            if isinstance(span, BaseException):
+                raise span
+            timeline.add(replica(i), Stage.SLEEP, step, span.start, span.end)
+            slept.append(span.seconds)
+        return max(slept, default=0.0)
 
     async def _generate_on(self, i: int, args: tuple, worker, call):
         """``call``, submitted to ``worker`` (replica i); on the replacement when the worker dies or hangs."""

@@ -60,6 +60,13 @@ class SyncReport:
         """The slowest replica's digest: what verifying adds to a load."""
         return max((r.digest_s for r in self.loads if r is not None), default=0.0)
 
+    @property
+    def wake_s(self) -> float | None:
+        """The slowest replica's wakes, before and around its load (``rollout.sleep_during_update``);
+        ``None`` when no replica was asleep."""
+        woke = [sum(w.seconds for w in r.woke) for r in self.loads if r is not None and r.woke]
+        return max(woke) if woke else None
+
 
 class WeightSync:
     def __init__(self, cfg: PipelineConfig, workers: Workers):

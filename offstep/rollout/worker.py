@@ -26,6 +26,7 @@ from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.interface import RolloutEngine
 from offstep.rollout.openai_agent import OpenAIRunner
+from offstep.rollout.sleep import SleepState
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sandbox import Limits, configure, shared
 from offstep.sync.collective import TensorSpec, WeightReceiver
@@ -82,6 +83,7 @@ class RolloutWorker:
         sandbox: SandboxConfig | None = None,
         reward_model: RewardModelConfig | None = None,
         reward_pool: list | None = None,
+        sleep_mode: bool = False,
     ):
         torch.set_num_threads(num_threads)
         if sandbox is not None:  # the code rewards' and the python tool's limits, in this process
@@ -93,7 +95,7 @@ class RolloutWorker:
             from offstep.rollout.vllm_engine import VLLMEngine
 
             self.engine: RolloutEngine = VLLMEngine(model_path, tok, eos, dtype=dtype, max_batch_size=max_batch_size,
-                                     num_threads=num_threads, seed=seed, lora=lora)
+                                     num_threads=num_threads, seed=seed, lora=lora, sleep_mode=sleep_mode)
         else:
             model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
             if lora is not None:  # the actor's peft layout; every sync fills the adapters
@@ -124,6 +126,7 @@ class RolloutWorker:
             self.ref_model = load_causal_lm(model_path, dtype=DTYPES[ref.dtype]).to(self.device)
             self.ref_model.requires_grad_(False)
         self.pad_id = tok.pad_token_id
+        self._sleeping = SleepState(self.engine, self.ref_model, self.device)  # rollout.sleep_during_update
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
         self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
         self.agent = agent  # rollout.agent: the tool loops and OpenAI agents of their rows, started at their first call
@@ -136,7 +139,9 @@ class RolloutWorker:
     ) -> tuple[list[Sample], GenTiming]:
         """Sample ``params.n`` responses per request, scoring each as soon as it finishes; with a
         reference model here (``pipeline.ref_on_rollout``), attach its log-probs too. While the
-        replica streams (fully_async; a validation), on the engine's thread between two decode steps."""
+        replica streams (fully_async; a validation), on the engine's thread between two decode steps.
+        A sleeping replica wakes first."""
+        self._sleeping.before_generation()
         if getattr(self, "_stream", None) is not None:
             return self._stream.between_steps(lambda: self._generate(requests, params, seed, with_ref))
         return self._generate(requests, params, seed, with_ref)
@@ -262,6 +267,7 @@ class RolloutWorker:
         for the engine's cache and shared prefix)."""
         from offstep.rollout.stream import StreamServer
 
+        self._sleeping.before_generation()
         self._generating_again()
         self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, self._score, self.pool,
                                     self._tok, self.progress.advance)
@@ -287,7 +293,14 @@ class RolloutWorker:
     def stream_suspend(self) -> list:
         return self._stream.suspend()
 
+    def sleep(self) -> Span | None:
+        """Free the engine's device memory while a colocated trainer updates (``rollout.sleep_during_update``;
+        ``offstep.rollout.sleep``) until the next load or generation wakes it; ``None``: asleep already."""
+        self.progress.start(Stage.SLEEP)
+        return self._sleeping.sleep()
+
     def load_weights(self, packed: dict, version: int) -> Loaded:
+        self._sleeping.wake(("weights",))  # a sleeping engine: the weights first, the load writes into them
         t0 = time.time()
         self.progress.start(Stage.LOAD_WEIGHTS, version=version)
         tensors = unpack_state_dict(packed)
@@ -305,9 +318,10 @@ class RolloutWorker:
     def _loaded(self, t0: float, version: int) -> Loaded:
         """The report of a load that began at ``t0``, with the digest of what the engine holds
         now, read back from the engine over the sync manifest (``offstep.sync.digest``)."""
+        woke = self._sleeping.loaded()  # the KV cache wakes once the weights are in
         t_digest = time.perf_counter()
         digest = self.engine.weights_digest(self.weight_sync_manifest())
-        return Loaded(Span(t0, time.time(), version), digest, time.perf_counter() - t_digest)
+        return Loaded(Span(t0, time.time(), version), digest, time.perf_counter() - t_digest, woke)
 
     # Collective path (pipeline.weight_sync=collective): rank i + 1 of the weight-sync group, made
     # by offstep.sync.collective.connect (again, with every replica, when one is replaced). The
@@ -338,6 +352,7 @@ class RolloutWorker:
             raise RuntimeError("receive_weights: this rollout worker has not joined the weight-sync group "
                                "(offstep.sync.collective.connect; a replaced worker needs a new group)")
         self.progress.start(Stage.LOAD_WEIGHTS, version=version)
+        self._sleeping.wake(("weights",))
         t0 = receiver.receive(version)
         if receiver.model is None:
             self._apply(receiver.tensors(), version)

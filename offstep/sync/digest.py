@@ -61,11 +61,14 @@ class WeightDigest:
 @dataclass(frozen=True)
 class Loaded:
     """A rollout worker's report on one weight load: when it ran (version-tagged), the digest of
-    what its engine holds after it, and the seconds that digest took (inside ``span``)."""
+    what its engine holds after it, the seconds that digest took (inside ``span``), and the wakes
+    of a sleeping engine reported with it (``rollout.sleep_during_update``: its weights before
+    ``span``, its KV cache inside it)."""
 
     span: Span
     digest: WeightDigest
     digest_s: float
+    woke: tuple[Span, ...] = ()
 
 
 @contextlib.contextmanager

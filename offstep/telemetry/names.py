@@ -51,6 +51,8 @@ class Stage:
     REF = "ref"  # also the trainer's reference pass
     TOOL = "tool"  # tools running, inside a generation
     LOAD_WEIGHTS = "load_weights"
+    SLEEP = "sleep"  # the engine frees its device memory for the update (rollout.sleep_during_update)
+    WAKE = "wake"  # and takes it back, for the load that follows
     REWARD_MODEL = "reward_model"  # a batch scored by the reward model, on its own lane
     # the trainer's
     WAIT_GEN = "wait_gen"
@@ -82,6 +84,8 @@ class Timing:
     UPDATE_ACTOR = "timing_s/update_actor"
     SYNC_WEIGHTS = "timing_s/sync_weights"
     SYNC_VERIFY = "timing_s/sync_verify"
+    ROLLOUT_SLEEP = "timing_s/rollout_sleep"  # the slowest replica's sleep (rollout.sleep_during_update)
+    ROLLOUT_WAKE = "timing_s/rollout_wake"  # the slowest replica's wake, before and around its load
     REWARD_MODEL = "timing_s/reward_model"  # the slowest replica's seconds in reward-model batches
 
 
