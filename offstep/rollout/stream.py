@@ -7,7 +7,9 @@ samples of one prompt; each sample has its own random stream ``(seed, stream0 + 
 when it runs does not change what it draws. A sample carries the weight version of each of its
 tokens. A suspension (for a checkpoint) hands back every unfinished group with its samples as far
 as they got (:class:`SampleState`); submitted again, each continues where it stopped: its prompt
-and tokens so far are prefilled, and its stream goes on from the draw it had reached.
+and tokens so far are prefilled, and its stream goes on from the draw it had reached. The samples of
+agents' rows (tool loops, OpenAI agents) are loops run by ``offstep.rollout.stream_agents``, whose
+model turns are requests of the same feed.
 """
 
 from __future__ import annotations
