@@ -6,6 +6,8 @@ header, so the first turns are known and a later turn is in flight when the load
 
 - ``recompute``: a model token sampled before the load carries version 0 and the old weights'
   teacher-forced log-prob, one after it version 1 and the new weights'; a turn crosses the load.
+- ``keep``: the same tags; the crossing turn's tokens after the load continue on the old weights'
+  cache, so they equal neither policy; the turns after it are the new weights'.
 - ``off``: no model turn crosses the load (the turn in flight ends under the old weights, the
   next turns are the new weights'): each turn is one version's.
 - Tool tokens: masked, log-prob 0, ``NO_VERSION``.
@@ -161,16 +163,20 @@ def _check_trajectory(parts, s, partial: str) -> None:
     assert versions == sorted(versions) and set(versions) == {0, 1} and s.version == 0
     lp = torch.tensor(s.rollout_logprobs)
     want = {v: _teacher(model, w, s.prompt_ids, s.response_ids) for v, w in ((0, old), (1, new))}
+    crossing = [t for t in turns if len({s.token_versions[i] for i in t}) > 1]
+    assert len(crossing) == (0 if partial == "off" else 1), [[s.token_versions[i] for i in t] for t in turns]
+    # keep: the crossing turn's tokens after the load attend to the old weights' cache (neither policy's)
+    kept = [i for t in crossing for i in t if s.token_versions[i] == 1] if partial == "keep" else []
     for i in range(n):
-        if s.loss_mask[i]:
+        if s.loss_mask[i] and i not in kept:
             v = s.token_versions[i]
             assert abs(float(lp[i] - want[v][i])) <= TOL, (i, v, float(lp[i]), float(want[v][i]))
-    crossing = [t for t in turns if len({s.token_versions[i] for i in t}) > 1]
-    assert len(crossing) == (1 if partial == "recompute" else 0), [[s.token_versions[i] for i in t] for t in turns]
+    if kept:
+        assert max(abs(float(lp[i] - want[1][i])) for i in kept) > TOL
 
 
 @pytest.mark.parametrize("agent_name", [TOOL_AGENT, OPENAI_AGENT])
-@pytest.mark.parametrize("partial", ["recompute", "off"])
+@pytest.mark.parametrize("partial", ["recompute", "keep", "off"])
 def test_a_trajectory_crossing_a_load(parts, agent_name, partial):
     """The load is posted three tokens into the second model turn (after the tool turn)."""
     params = SamplingParams(n=1, temperature=1.0, max_new_tokens=64)
