@@ -25,10 +25,16 @@ pytestmark = pytest.mark.ray
 X = 'def x(expression: str) -> str:\n    """x.\n\n    Args:\n        expression: e\n    """\n    return "25"\n'
 AGENT = f'''
 import asyncio
+import itertools
 
 X_TOOL = {X_TOOL!r}
+STARTED = itertools.count()
+
 
 async def rollout(client, row):
+    # The rollouts of groups 4-7 (n = 2, started in admission order on the one replica) wait between
+    # their calls for longer than step 1 takes: the load of version 1 lands inside their trajectories.
+    wait = 6.0 if 8 <= next(STARTED) < 16 else 0.0
     messages = list(row["messages"])
     for _ in range(2):
         reply = await client.chat.completions.create(model=row["model"], messages=messages, tools=[X_TOOL])
@@ -36,7 +42,7 @@ async def rollout(client, row):
         if not choice.message.tool_calls:
             return 1.0
         messages.append(choice.message.model_dump(exclude_none=True))
-        await asyncio.sleep(3.0)  # longer than a step: a load lands while the agent waits
+        await asyncio.sleep(wait)
         for call in choice.message.tool_calls:
             messages.append({{"role": "tool", "tool_call_id": call.id, "content": "25"}})
     return 0.5
@@ -112,5 +118,5 @@ def test_openai_agents_stream(tmp_path, ray_session, files):
     metrics = _run(out, files, 1, 0, ["rollout.agent.default_agent=openai", f"rollout.agent.openai_path={files / 'agent.py'}",
                                 "rollout.agent.format=tag"])
     assert all(m["agent/prefix_breaks"] == 0 and m["agent/turns/mean"] >= 1.5 for m in metrics), metrics
-    # groups 8-11, admitted at version 1, wait in their agents while version 2 is made and loaded
-    assert metrics[2]["rollout/partial_samples"] > 0 and metrics[2]["rollout/version_span_max"] == 2, metrics
+    # step 2 trains groups 4-7: admitted at version 0, their later calls sampled by version 1
+    assert metrics[1]["rollout/partial_samples"] > 0 and metrics[1]["rollout/version_span_max"] == 2, metrics
