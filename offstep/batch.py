@@ -15,6 +15,9 @@ from typing import Optional
 import torch
 
 
+NO_VERSION = -1  # the token_versions entry of a tool turn's token: no policy sampled it
+
+
 @dataclass
 class AgentStats:
     """How a sample's agent loop went (``offstep.rollout.agent_loop``)."""
@@ -55,7 +58,7 @@ class Sample:
     loss_mask: Optional[list[int]] = None  # [len(response_ids)]: 1 the model's token, 0 a tool turn's
     agent: Optional[AgentStats] = None  # set by a tool loop
     # the weight version that sampled each response token (pipeline.mode=fully_async, where a load can land
-    # inside a sample: a partial rollout); None: every token is of ``version``
+    # inside a sample: a partial rollout), NO_VERSION on a tool turn's (masked); None: every token is of ``version``
     token_versions: Optional[list[int]] = None
 
     def __post_init__(self):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import ray
 
+from offstep.batch import NO_VERSION
 from offstep.errors import RolloutFailed
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.fleet import gen_seed, split
@@ -195,7 +196,7 @@ class SampleStream:
         return gen, max(a.epoch for a in chosen), [a.prompt for a in chosen], m
 
     def _metrics(self, chosen: list[Admitted], samples: list, step: int) -> dict:
-        spans = [len(set(s.token_versions or [s.version])) for s in samples]
+        spans = [len(set(s.token_versions or [s.version]) - {NO_VERSION}) for s in samples]  # tool tokens: none
         trained = [len(s.response_ids) for s in samples]
         generated, self.generated_lengths = self.generated_lengths or trained, []
         mean_gen = sum(generated) / len(generated)

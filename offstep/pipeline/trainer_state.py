@@ -136,6 +136,8 @@ def _decode_generated(d: dict) -> Generated:
 _STATE_CHECKS: dict[str, Callable] = {
     "tokens": _ints, "logprobs": _nums, "versions": _ints, "finish_reason": lambda v: isinstance(v, str),
     "score": lambda v: v is None or _num(v), "extra": lambda v: isinstance(v, dict), "text": lambda v: isinstance(v, str),
+    "loss_mask": lambda v: v is None or _ints(v), "agent": lambda v: v is None or isinstance(v, dict),
+    "info": lambda v: v is None or isinstance(v, dict), "prompt_ids": lambda v: v is None or _ints(v),
 }
 
 

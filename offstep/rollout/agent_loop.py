@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from offstep.batch import NO_VERSION, AgentStats
 from offstep.config.schema import AgentConfig
 from offstep.rollout.tool_parsers import ToolCall, make_parser
 from offstep.rollout.tools import Tool, ToolResult, load_tools, run_tool
@@ -48,6 +49,7 @@ class AgentResult:
     request_pos: int  # which request of the call
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)  # 0.0 on tool tokens
+    versions: list[int] = field(default_factory=list)  # the version that sampled each token; NO_VERSION on tool tokens
     loss_mask: list[int] = field(default_factory=list)  # 1: the model's token, 0: a tool turn's
     finish_reason: str = "stop"  # "length": the response budget ran out
     text: str = ""  # the whole response, decoded (verl's solution_str)
@@ -202,24 +204,13 @@ class AgentRunner:
             i = index % total
             r = results[i]
             prompt = prompts[i // n]
-            r.response_ids += c.response_ids
-            r.logprobs += c.logprobs
-            r.loss_mask += [1] * len(c.response_ids)
-            r.turns += 1
-            r.final_text = self.tok.decode(c.response_ids, skip_special_tokens=True)
-            calls = self.parser.parse(self.tok.decode(c.response_ids, skip_special_tokens=False))
-            r.attempts += len(calls)
-            if c.finish_reason == "length":
-                r.finish_reason = "length"
-            if not calls or c.finish_reason == "length" or r.turns >= self.spec.max_turns:
-                r.max_turns_hit = bool(calls) and c.finish_reason != "length"
-                r.calls += [_call_record(call, None) for call in calls]
+            calls = self.take_turn(r, c)
+            if not calls:
                 end(r)
                 feed.finished()
                 return
             feed.tools_started()
-            future = asyncio.run_coroutine_threadsafe(
-                self._tool_turn(r, calls[: self.spec.max_calls_per_turn], tools_kwargs[i // n], c, budget), self.loop)
+            future = self.run_tools(r, calls, tools_kwargs[i // n], c, budget)
 
             def answered(fut) -> None:
                 try:
@@ -245,6 +236,29 @@ class AgentRunner:
             raise
         return results
 
+    def take_turn(self, r: AgentResult, c: Completion) -> list[ToolCall]:
+        """Append model turn ``c`` to loop ``r``; the calls to run next (none: the loop ends here)."""
+        r.response_ids += c.response_ids
+        r.logprobs += c.logprobs
+        r.versions += c.versions
+        r.loss_mask += [1] * len(c.response_ids)
+        r.turns += 1
+        r.final_text = self.tok.decode(c.response_ids, skip_special_tokens=True)
+        calls = self.parser.parse(self.tok.decode(c.response_ids, skip_special_tokens=False))
+        r.attempts += len(calls)
+        if c.finish_reason == "length":
+            r.finish_reason = "length"
+        if not calls or c.finish_reason == "length" or r.turns >= self.spec.max_turns:
+            r.max_turns_hit = bool(calls) and c.finish_reason != "length"
+            r.calls += [_call_record(call, None) for call in calls]
+            return []
+        return calls
+
+    def run_tools(self, r: AgentResult, calls: list[ToolCall], row_kwargs: dict, c: Completion, budget: int):
+        """The tool turn after ``c`` on the tools' event loop (a ``concurrent.futures.Future``)."""
+        return asyncio.run_coroutine_threadsafe(
+            self._tool_turn(r, calls[: self.spec.max_calls_per_turn], row_kwargs, c, budget), self.loop)
+
     async def _tool_turn(self, r: AgentResult, calls: list[ToolCall], row_kwargs: dict, c: Completion, budget: int) -> None:
         """Run a turn's calls together; append the tool turn's tokens (cut to the budget left)."""
         t0 = time.time()
@@ -260,6 +274,7 @@ class AgentRunner:
         tokens = tokens[: max(0, budget - len(r.response_ids))]
         r.response_ids += tokens
         r.logprobs += [0.0] * len(tokens)
+        r.versions += [NO_VERSION] * len(tokens)
         r.loss_mask += [0] * len(tokens)
 
     async def _call(self, call: ToolCall, row_kwargs: dict) -> ToolResult:
@@ -293,12 +308,19 @@ def merge_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
+def agent_stats(res: AgentResult) -> AgentStats:
+    """How loop ``res`` went, as its sample carries it."""
+    return AgentStats(turns=res.turns, tool_calls=sum(c["ran"] for c in res.calls), tool_errors=res.tool_errors,
+                      attempts=res.attempts, well_formed=sum(c["well_formed"] for c in res.calls),
+                      tool_time_s=res.tool_time_s, max_turns_hit=res.max_turns_hit)
+
+
 def run_tool_rows(runner: AgentRunner, engine, requests: list, params: SamplingParams, seed: int, reward, pool,
                   progress) -> tuple[list, tuple]:
     """The samples of tool rows (``worker.Request`` s): ``params.n`` loops each, scored as each
     loop ends by ``reward(request, text, extra_info)`` with the row's ``extra_info`` plus
     ``num_turns``, ``tool_calls`` and ``final_text``; and the merged spans during which tools ran."""
-    from offstep.batch import AgentStats, Sample, Span
+    from offstep.batch import Sample, Span
 
     version = engine.version
     futures: dict[int, Any] = {}
@@ -322,12 +344,9 @@ def run_tool_rows(runner: AgentRunner, engine, requests: list, params: SamplingP
                 other.cancel()
             raise
         r = requests[res.request_pos]
-        stats = AgentStats(turns=res.turns, tool_calls=sum(c["ran"] for c in res.calls), tool_errors=res.tool_errors,
-                           attempts=res.attempts, well_formed=sum(c["well_formed"] for c in res.calls),
-                           tool_time_s=res.tool_time_s, max_turns_hit=res.max_turns_hit)
         samples.append(Sample(uid=r.uid, prompt_ids=list(r.prompt_ids), response_ids=res.response_ids,
                               rollout_logprobs=res.logprobs, finish_reason=res.finish_reason, score=value,
                               version=version, data_source=r.data_source, text=res.text, reward_extra=extra,
-                              loss_mask=res.loss_mask, agent=stats))
+                              loss_mask=res.loss_mask, agent=agent_stats(res)))
     spans = tuple(Span(a, b) for a, b in merge_spans([s for res in results for s in res.spans]))
     return samples, spans

@@ -373,12 +373,15 @@ class TorchEngine:
         row.versions.append(self.version)
         if token in self._eos_set:
             return "stop"
-        if params.stop:
+        stop = params.stop if row.stop is None else row.stop
+        if stop:
+            if row.stop is not None:  # the row's own: the call's window does not cover them
+                window = 4 * max(len(s) for s in stop) + 4
             # A stop string newly completed by the last token lies within the last `window` tokens
             # (every token decodes to >= 1 byte, a character is <= 4 bytes); decoding only that tail
             # keeps the check O(1) per step instead of O(length).
             tail = self.tokenizer.decode(row.tokens[-window:], skip_special_tokens=True)
-            if any(s in tail for s in params.stop):
+            if any(s in tail for s in stop):
                 return "stop"
         if len(row.tokens) >= row.limit:
             return "length"

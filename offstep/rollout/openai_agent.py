@@ -84,34 +84,39 @@ class OpenAIRunner:
             server.close()
         if server.batcher.error is not None:  # the agents saw 500s; the run must not go on as if they had not
             raise server.batcher.error
-        return [self._sample(requests[i // params.n], *outcome, engine.version) for i, outcome in enumerate(outcomes)]
+        return [self.sample(requests[i // params.n], *outcome, engine.version) for i, outcome in enumerate(outcomes)]
 
     async def _all(self, server: OpenAIServer, requests: list, n: int, progress) -> list:
         import httpx
-        import openai
 
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
             async def one(i: int):
-                r = requests[i // n]
-                key = server.open_session()
-                # max_retries=0: a retried call would be recorded twice
-                client = openai.AsyncOpenAI(base_url=server.base_url(key), api_key=server.token, max_retries=0,
-                                            http_client=http)
-                try:
-                    result = await self.fn(client, agent_row(r))
-                except Exception as exc:
-                    raise AgentError(f"the agent {self.spec.openai_name!r} in {self.spec.openai_path} raised on row "
-                                     f"{r.extra_info.get('index', r.uid)!r}: {type(exc).__name__}: {exc}. Fix: make the "
-                                     "agent handle every row (give failures a low reward instead of raising)") from exc
-                finally:
-                    session = server.close_session(key)
+                out = await self.rollout(server, http, requests[i // n])
                 if progress is not None:
                     progress.advance()
-                return session, result
+                return out
 
             return await asyncio.gather(*(one(i) for i in range(len(requests) * n)))
 
-    def _sample(self, r, session, result, version: int) -> Sample:
+    async def rollout(self, server: OpenAIServer, http, r) -> tuple:
+        """One rollout of row ``r`` (a ``worker.Request``) in a session of its own on ``server``:
+        the session and what the agent returned."""
+        import openai
+
+        key = server.open_session()
+        # max_retries=0: a retried call would be recorded twice
+        client = openai.AsyncOpenAI(base_url=server.base_url(key), api_key=server.token, max_retries=0, http_client=http)
+        try:
+            result = await self.fn(client, agent_row(r))
+        except Exception as exc:
+            raise AgentError(f"the agent {self.spec.openai_name!r} in {self.spec.openai_path} raised on row "
+                             f"{r.extra_info.get('index', r.uid)!r}: {type(exc).__name__}: {exc}. Fix: make the "
+                             "agent handle every row (give failures a low reward instead of raising)") from exc
+        finally:
+            session = server.close_session(key)
+        return session, result
+
+    def sample(self, r, session, result, version: int) -> Sample:
         where = f"the agent {self.spec.openai_name!r} in {self.spec.openai_path} (row {r.extra_info.get('index', r.uid)!r})"
         try:
             score, extra = score_of(result)

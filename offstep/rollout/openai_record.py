@@ -25,6 +25,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from offstep.batch import NO_VERSION
+
 PLACEHOLDER = "OFFSTEP_SAMPLED_TURN_{}_PLACEHOLDER"
 
 
@@ -135,7 +137,7 @@ class Session:
                 t.logprobs += [0.0] * len(between) + ch.logprobs
                 t.loss_mask += [0] * len(between) + [1] * len(ch.ids)
                 first = ch.versions[0] if ch.versions else 0
-                t.versions += [first] * len(between) + list(ch.versions or [first] * len(ch.ids))
+                t.versions += [NO_VERSION] * len(between) + list(ch.versions or [first] * len(ch.ids))
                 t.turns += 1
                 t.tool_calls += ch.tool_calls
                 t.attempts += ch.attempts

@@ -108,12 +108,13 @@ class OpenAIServer:
         self._server = self._thread = self._sock = self.batcher = None
 
     # ---------------------------------------------------------------- lifecycle
-    def start(self, engine_thread: bool = True) -> "OpenAIServer":
-        """Serve. ``engine_thread=False``: the caller runs ``batcher.loop()`` on the engine's own thread."""
+    def start(self, engine_thread: bool = True, batcher=None) -> "OpenAIServer":
+        """Serve. ``engine_thread=False``: the caller runs ``batcher.loop()`` on the engine's own thread.
+        ``batcher``: another way to the engine (a streaming replica's feed: ``stream_agents.StreamBatcher``)."""
         import uvicorn
 
-        self.batcher = Batcher(self.engine, self.seed)
-        if engine_thread:
+        self.batcher = batcher or Batcher(self.engine, self.seed)
+        if engine_thread and batcher is None:
             self.batcher.start_thread()
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))  # loopback only; the OS picks the port

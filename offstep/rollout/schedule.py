@@ -26,9 +26,10 @@ def shared_prefix(prompts: list[list[int]]) -> int:
 class Row:
     """Decoding state of one sample (or one turn of an agent loop): at most ``limit`` tokens."""
 
-    __slots__ = ("index", "limit", "logprobs", "prompt", "prompt_index", "tokens", "versions")
+    __slots__ = ("index", "limit", "logprobs", "prompt", "prompt_index", "stop", "tokens", "versions")
 
-    def __init__(self, index: int, prompt_index: int, limit: int, prompt: list[int] = ()):
+    def __init__(self, index: int, prompt_index: int, limit: int, prompt: list[int] = (),
+                 stop: tuple[str, ...] | None = None):
         self.index = index
         self.prompt_index = prompt_index
         self.limit = limit
@@ -36,6 +37,11 @@ class Row:
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # the weight version that sampled each token
+        self.stop = stop  # its own stop strings; None: the call's
+
+
+def _row(req: TurnRequest) -> Row:
+    return Row(req.index, req.group, req.max_new_tokens, req.prompt_ids, req.stop)
 
 
 def _uniforms(requests: list[TurnRequest], params: SamplingParams, seed: int, device) -> Tensor:
@@ -58,7 +64,7 @@ def continuous(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, 
     prompts = feed.prompts
     slots = min(engine.max_batch_size, feed.concurrency)
     plen = max(len(p) for p in prompts)
-    shared = shared_prefix(prompts)
+    shared = shared_prefix(prompts) if getattr(feed, "share_prefix", True) else 0
     if shared < engine.min_shared_prefix or (len(prompts) == 1 and params.n <= slots and isinstance(feed, PromptFeed)):
         shared = 0  # nothing to reuse: every prompt is prefilled once anyway
     # One slot more holds the shared prefix; admitted prompts copy it and prefill the rest.
@@ -112,7 +118,7 @@ def continuous(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, 
                 last_group = req.group
             new_slots[-1].append(len(rows))
             logit_row.append(b + len(new_prompts) - 1)
-            rows.append(Row(req.index, req.group, req.max_new_tokens, req.prompt_ids))
+            rows.append(_row(req))
         bt = len(rows)
         if shared and bt > b:
             cache.move(prefix_src[: bt - b], torch.arange(b, bt, device=dev), shared)
@@ -169,7 +175,7 @@ def static(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, cont
         order = sorted(requests, key=lambda req: len(req.prompt_ids))
         for start in range(0, len(order), engine.max_batch_size):
             chunk = order[start : start + engine.max_batch_size]
-            rows = [Row(req.index, req.group, req.max_new_tokens, req.prompt_ids) for req in chunk]
+            rows = [_row(req) for req in chunk]
             if control is not None:
                 control.run_work()
                 if control.pending() == "suspend":  # not started: emitted with no tokens

@@ -7,7 +7,9 @@ samples of one prompt; each sample has its own random stream ``(seed, stream0 + 
 when it runs does not change what it draws. A sample carries the weight version of each of its
 tokens. A suspension (for a checkpoint) hands back every unfinished group with its samples as far
 as they got (:class:`SampleState`); submitted again, each continues where it stopped: its prompt
-and tokens so far are prefilled, and its stream goes on from the draw it had reached.
+and tokens so far are prefilled, and its stream goes on from the draw it had reached. The samples of
+agents' rows (tool loops, OpenAI agents) are loops run by ``offstep.rollout.stream_agents``, whose
+model turns are requests of the same feed.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ class SampleState:
     score: float | None = None
     extra: dict = field(default_factory=dict)
     text: str = ""
+    # an agent's sample (finished: an agent loop's samples are handed over whole, see ``agent_done``)
+    loss_mask: list[int] | None = None  # 1: the model's token, 0: a tool turn's
+    agent: dict | None = None  # its AgentStats
+    info: dict | None = None  # what its reward finds in extra_info besides the row's (num_turns, ...)
+    prompt_ids: list[int] | None = None  # its own prompt (an OpenAI agent's rendered chat); None: the row's
 
 
 @dataclass
@@ -63,8 +70,8 @@ class StreamFeed:
     weight load or suspension is posted (it then returns ``[]``, so the engine can act), or the
     feed is closed (``None``). ``pause`` holds back the queued requests (for a suspension)."""
 
-    def __init__(self, prompts: list[list[int]], concurrency: int):
-        self.prompts, self.concurrency = prompts, concurrency
+    def __init__(self, prompts: list[list[int]], concurrency: int, share_prefix: bool = True):
+        self.prompts, self.concurrency, self.share_prefix = prompts, concurrency, share_prefix
         self._cond = threading.Condition()
         self._queue: list[TurnRequest] = []
         self._closed = self._paused = self._woken = False
@@ -110,17 +117,23 @@ class StreamFeed:
 
 class StreamServer:
     """The replica's side of the fully asynchronous mode (see the module's docstring).
-    ``score(request, text) -> (score, extra)`` runs on ``pool``; ``tokenizer`` decodes texts."""
+    ``score(request, text, extra_info=None) -> (score, extra)`` runs on ``pool``; ``tokenizer``
+    decodes texts. ``agents`` maps an ``agent_name`` to what runs its rows' samples
+    (``offstep.rollout.stream_agents``): their model turns are requests of this feed (``submit_turn``),
+    and each sample comes back whole (``agent_done``)."""
 
     def __init__(self, engine, prompts: list[list[int]], params: SamplingParams, partial: str, concurrency: int,
-                 score: Callable, pool: ThreadPoolExecutor, tokenizer, on_sample: Callable[[], None] = lambda: None):
+                 score: Callable, pool: ThreadPoolExecutor, tokenizer, on_sample: Callable[[], None] = lambda: None,
+                 share_prefix: bool = True):
         self.engine, self.params, self.score, self.pool, self.tok = engine, params, score, pool, tokenizer
         self.on_sample = on_sample
-        self.feed = StreamFeed(prompts, concurrency)
+        self.agents: dict[str, object] = {}
+        self.feed = StreamFeed(prompts, concurrency, share_prefix)
         self.control = StepControl(partial)
         self._lock = threading.Condition()
         self._groups: dict[int, GroupWork] = {}  # uid -> unfinished group
         self._owner: dict[int, tuple[int, int]] = {}  # request index -> (uid, sample)
+        self._calls: dict[int, Callable[[Completion], None]] = {}  # request index -> an agent's turn's callback
         self._scoring: dict[int, int] = {}  # uid -> samples whose score is pending
         self._finished: list[FinishedGroup] = []
         self._next = 0  # request indices (and engine groups) handed out
@@ -140,7 +153,7 @@ class StreamServer:
     # ---------------------------------------------------------------- submitting
     def submit(self, groups: list[GroupWork]) -> None:
         """Queue ``groups``; a group with sample states continues them (finished samples stay)."""
-        requests = []
+        requests, loops = [], []
         now = time.time()
         with self._lock:
             for g in groups:
@@ -150,8 +163,12 @@ class StreamServer:
                 g.started = g.started or now
                 self._groups[uid] = g
                 fresh_key = None  # the fresh samples of one prompt share an engine group: prefilled once
+                agent = self.agents.get(g.request.agent_name)
                 for j, s in enumerate(g.samples):
                     if s.finish_reason:
+                        continue
+                    if agent is not None:  # an agent's loop, from its start (a suspension restarts it)
+                        loops.append((agent, uid, j, g))
                         continue
                     index = self._next
                     self._next += 1
@@ -170,9 +187,47 @@ class StreamServer:
                         self._score(uid, j)
                 self._maybe_done(uid)
         self.feed.put(requests)
+        for agent, uid, j, g in loops:
+            agent.start(uid, j, g)
+
+    def submit_turn(self, prompt_ids: list[int], max_new_tokens: int, stream: int, seed: int | None,
+                    stop: tuple[str, ...] | None, on_done: Callable[[int, Completion], None], count: int = 1) -> None:
+        """Queue ``count`` samples of one model turn of an agent (streams ``stream``, ``stream + 1``, ...;
+        prefilled once); ``on_done(k, completion)`` as sample ``k`` ends, on the engine's thread."""
+        with self._lock:
+            first = self._next
+            self._next += count
+            for k in range(count):
+                self._calls[first + k] = lambda c, k=k: on_done(k, c)
+        self.feed.put([TurnRequest(first + k, list(prompt_ids), stream + k, max_new_tokens, first, seed=seed, stop=stop)
+                       for k in range(count)])
+
+    def agent_done(self, uid: int, j: int, state: SampleState) -> None:
+        """Sample ``j`` of group ``uid``, finished by its agent; scored here unless it has its score."""
+        with self._lock:
+            if uid not in self._groups:
+                return
+            self._groups[uid].samples[j] = state
+            if state.score is None:
+                self._scoring[uid] += 1
+                self._score(uid, j)
+            else:
+                self._maybe_done(uid)
+        self.on_sample()
+
+    def fail(self, error: BaseException) -> None:
+        """An agent's error: raised by the controller's next take."""
+        with self._lock:
+            self._error = error
+            self._lock.notify_all()
 
     # ---------------------------------------------------------------- the engine thread
     def _on_finish(self, index: int, c: Completion) -> None:
+        with self._lock:
+            call = self._calls.pop(index, None)
+        if call is not None:
+            call(c)
+            return
         with self._lock:
             uid, j = self._owner.pop(index)
             g = self._groups[uid]
@@ -191,7 +246,8 @@ class StreamServer:
         g = self._groups[uid]
         s = g.samples[j]
         s.text = self.tok.decode(s.tokens, skip_special_tokens=True)
-        fut: Future = self.pool.submit(self.score, g.request, s.text)
+        info = {**g.request.extra_info, **s.info} if s.info is not None else None
+        fut: Future = self.pool.submit(self.score, g.request, s.text, info)
         fut.add_done_callback(lambda f: self._scored(uid, j, f))
 
     def _scored(self, uid: int, j: int, fut: Future) -> None:
@@ -216,10 +272,11 @@ class StreamServer:
             return
         del self._groups[uid], self._scoring[uid]
         r = g.request
-        samples = [Sample(uid=uid, prompt_ids=list(r.prompt_ids), response_ids=s.tokens, rollout_logprobs=s.logprobs,
-                          finish_reason=s.finish_reason, score=s.score,
+        samples = [Sample(uid=uid, prompt_ids=list(r.prompt_ids if s.prompt_ids is None else s.prompt_ids),
+                          response_ids=s.tokens, rollout_logprobs=s.logprobs, finish_reason=s.finish_reason, score=s.score,
                           version=s.versions[0] if s.versions else self.engine.version, data_source=r.data_source,
-                          text=s.text, reward_extra=s.extra, token_versions=s.versions)
+                          text=s.text, reward_extra=s.extra, token_versions=s.versions, loss_mask=s.loss_mask,
+                          agent=s.agent)
                    for s in g.samples]
         self._finished.append(FinishedGroup(uid, samples, g.started, time.time()))
         self._lock.notify_all()
@@ -249,7 +306,10 @@ class StreamServer:
 
     def suspend(self) -> list[GroupWork]:
         """End every in-flight sample where it is and hand back every unfinished group (removed
-        from this replica; submit them again to continue). Finished groups stay for ``take``."""
+        from this replica; submit them again to continue). Finished groups stay for ``take``. An
+        agent's unfinished samples start again from their prompts when submitted again."""
+        for agent in self.agents.values():
+            agent.forget()
         self.feed.pause(True)
         try:
             self.control.post_suspend().result()
@@ -263,10 +323,13 @@ class StreamServer:
                 self._groups.clear()
                 self._scoring.clear()
                 self._owner.clear()
+                self._calls.clear()
                 return out
         finally:
             self.feed.pause(False)
 
     def close(self) -> None:
+        for agent in self.agents.values():
+            agent.close()
         self.feed.close()
         self._thread.join(timeout=30)

@@ -78,6 +78,7 @@ class TurnRequest:
     group: int
     seed: int | None = None  # the seed of its random stream; None: the serve call's
     offset: int = 0  # tokens of its stream already sampled (a continued sample): its uniforms start there
+    stop: tuple[str, ...] | None = None  # its own stop strings (an agent's turn); None: the serve call's
 
 
 class TurnFeed(Protocol):
@@ -85,7 +86,8 @@ class TurnFeed(Protocol):
     requests' prompts: no request is longer than the longest of them plus the call's
     ``max_new_tokens`` (its prompt and new tokens together), and a prefix all of them share is
     shared by every request. At most ``concurrency`` requests are in flight at once (the engine
-    sizes its batch for that many)."""
+    sizes its batch for that many). A feed whose requests need not share the prompts' prefix (an
+    OpenAI endpoint's calls render their own chat) sets ``share_prefix = False``."""
 
     prompts: list[list[int]]
     concurrency: int

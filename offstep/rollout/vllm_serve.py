@@ -8,6 +8,7 @@ docs/engines.md, "Partial rollouts on vLLM"."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -75,7 +76,8 @@ def serve(engine, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: 
             for req in new:
                 rid = f"offstep-{call}-{req.index}"
                 llm.add_request(rid, engine._prompt(req.prompt_ids),
-                                engine._vllm_params(params, engine._seed(seed, req), req.max_new_tokens),
+                                engine._vllm_params(params if req.stop is None else dataclasses.replace(params, stop=req.stop),
+                                                    engine._seed(seed, req), req.max_new_tokens),
                                 lora_request=engine._lora_request)
                 live[rid] = _Live(req.index, req.group)
             if not live:

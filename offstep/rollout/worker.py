@@ -215,19 +215,25 @@ class RolloutWorker:
         looped, spans = [], ()
         tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
         if tool_rows:
-            if self._agent_runner is None:
-                self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
-            looped, spans = run_tool_rows(self._agent_runner, self.engine, tool_rows, params, seed, self._score,
+            looped, spans = run_tool_rows(self._tool_loops(), self.engine, tool_rows, params, seed, self._score,
                                           self.pool, self.progress)
         agent_rows = [r for r in requests if r.agent_name == OPENAI_AGENT]
         if agent_rows:
-            if self._openai_runner is None:
-                self._openai_runner = OpenAIRunner(self.agent, self._tok, self._eos)
-            looped += self._openai_runner.run(self.engine, agent_rows, params, seed, self.progress)
+            looped += self._openai_agents().run(self.engine, agent_rows, params, seed, self.progress)
         order = {r.uid: k for k, r in enumerate(requests)}
         samples = sorted(samples + looped, key=lambda s: order[s.uid])  # stable: a request's samples keep their order
         return self._finish(samples, Span(t0, time.time(), version), with_ref, spans,
                             plain_timing.sandbox if plain_timing else ())
+
+    def _tool_loops(self) -> AgentRunner:
+        if self._agent_runner is None:
+            self._agent_runner = AgentRunner(self.agent, self._tok, self._eos)
+        return self._agent_runner
+
+    def _openai_agents(self) -> OpenAIRunner:
+        if self._openai_runner is None:
+            self._openai_runner = OpenAIRunner(self.agent, self._tok, self._eos)
+        return self._openai_runner
 
     def _attach_greedy_baseline(self, requests: list[Request], samples: list[Sample], params: SamplingParams, seed: int) -> None:
         """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): one greedy response per request
@@ -266,11 +272,15 @@ class RolloutWorker:
         """Start generating from a stream of prompt groups (``prompts``: every prompt that may come,
         for the engine's cache and shared prefix)."""
         from offstep.rollout.stream import StreamServer
+        from offstep.rollout.stream_agents import attach_agents
 
         self._sleeping.before_generation()
         self._generating_again()
+        openai = self.agent is not None and bool(self.agent.openai_path)  # its calls render chats of their own
         self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, self._score, self.pool,
-                                    self._tok, self.progress.advance)
+                                    self._tok, self.progress.advance, share_prefix=not openai)
+        if self.agent is not None:  # tool rows and OpenAI agents' rows: their loops' turns go through the stream
+            attach_agents(self._stream, self._tool_loops(), self._openai_agents() if openai else None, self.engine, params)
 
     def stream_submit(self, groups: list) -> None:
         self._stream.submit(groups)
