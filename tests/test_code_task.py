@@ -78,3 +78,23 @@ def test_one_step_of_the_code_task_records_sandbox_metrics(tmp_path, ray_session
     # 4 prompts x 2 samples; the random model writes no function, so each sample's 5 tests all run and fail
     assert m[Sandbox.EXECUTIONS] == 40 and m[Sandbox.TIMEOUTS] == 0 and m["reward/mean"] == 0.0
     assert 0 < m[Sandbox.SECONDS_MEAN] <= m[Sandbox.SECONDS_P95] and m[Sandbox.QUEUE_WAIT_S] >= 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow  # two minutes on 2 cores
+def test_the_sandbox_metrics_in_the_fully_async_mode(tmp_path, ray_session):
+    from offstep.pipeline.controller import train
+    from offstep.telemetry.metrics import read_jsonl
+    from offstep.telemetry.names import Sandbox
+
+    train(load_config(["preset=tiny", "data.task=code", "data.task_train_size=16", "data.task_val_size=4",
+                       "pipeline.mode=fully_async", "trainer.total_steps=2", "trainer.val_before_train=false",
+                       "trainer.val_freq=-1", f"trainer.output_dir={tmp_path}", "trainer.progress=off", "sandbox.timeout_s=3"]))
+    steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["step"] >= 1]
+    # each take hands over the runs recorded since the last one: a step counts at least its own batch's
+    # 4 prompts x 2 samples x 5 tests (a group is taken once scored), plus runs of groups scored early for
+    # later steps (scoring goes on beside the takes, so not in whole samples)
+    first = steps[0]
+    assert first[Sandbox.EXECUTIONS] >= 40 and first[Sandbox.TIMEOUTS] == 0
+    assert 0 < first[Sandbox.SECONDS_MEAN] <= first[Sandbox.SECONDS_P95]
+    assert sum(m.get(Sandbox.EXECUTIONS, 0) for m in steps) >= 80

@@ -81,9 +81,13 @@ def agent_metrics(samples: list[Sample], prefix: str = "agent/") -> dict:
 
 
 def sandbox_metrics(results: list[tuple[list[Sample], GenTiming]]) -> dict:
-    """The ``sandbox/`` figures of a generation's replicas (none without an execution): how many ran
-    and timed out, their seconds (mean, 95th percentile) and their mean wait for a slot."""
-    runs = [run for _, t in results for run in t.sandbox]
+    """The ``sandbox/`` figures of a generation's replicas (:func:`executions_metrics`)."""
+    return executions_metrics([run for _, t in results for run in t.sandbox])
+
+
+def executions_metrics(runs: list) -> dict:
+    """The ``sandbox/`` figures of sandboxed runs (``offstep.sandbox.Execution``; none without one):
+    how many ran and timed out, their seconds (mean, 95th percentile) and their mean wait for a slot."""
     if not runs:
         return {}
     seconds = sorted(run.seconds for run in runs)

@@ -38,6 +38,7 @@ from offstep.errors import RolloutFailed
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.fleet import gen_seed, split
 from offstep.pipeline.inputs import to_request
+from offstep.pipeline.step_metrics import executions_metrics
 from offstep.rollout.stream import GroupWork, SampleState
 from offstep.telemetry.names import ResponseLength, Rollout, Stage, Timing, replica, reward_lane
 
@@ -93,6 +94,7 @@ class SampleStream:
         self.held = 0  # the policy version every replica holds
         self.generated_lengths: list[int] = []  # lengths of the samples finished since the last batch
         self.reward_spans: list[tuple[int, object]] = []  # (replica, span) of the reward model's batches since the last batch
+        self.executions: list = []  # the sandboxed runs (offstep.sandbox.Execution) since the last batch, for sandbox/*
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
         self._pollers: list[asyncio.Task] = []
@@ -158,6 +160,7 @@ class SampleStream:
             self.groups[f.uid - self.B].finished = f
             self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
             self.reward_spans.extend((r, span) for span in getattr(f, "reward_spans", ()))
+            self.executions.extend(getattr(f, "sandbox", ()))
             self._changed.set()
 
     def _fail(self, e: BaseException) -> None:
@@ -208,6 +211,7 @@ class SampleStream:
         for r, span in self.reward_spans:  # the reward model's batches (reward.model), on the replica's reward lane
             self.timeline.add(reward_lane(r), Stage.REWARD_MODEL, step, span.start, span.end)
         self.reward_spans = []
+        executions, self.executions = self.executions, []
         gen_s = max(a.finished.end for a in chosen) - min(a.finished.start for a in chosen)
         return {
             Rollout.VERSION_SPAN_MAX: max(spans),
@@ -220,6 +224,7 @@ class SampleStream:
             Rollout.LENGTH_BIAS: (sum(trained) / len(trained)) / max(mean_gen, 1e-9) - 1.0,
             ResponseLength.GENERATED_MEAN: mean_gen,
             Timing.GEN: gen_s,
+            **executions_metrics(executions),
         }
 
     # ---------------------------------------------------------------- checkpoints

@@ -63,6 +63,7 @@ class FinishedGroup:
     start: float  # the group's generation span on the replica
     end: float
     reward_spans: tuple = ()  # the reward model's batches since the replica's last take (reward.model), for the timeline
+    sandbox: tuple = ()  # the sandboxed runs since the replica's last take (offstep.sandbox.Execution), for sandbox/*
 
 
 class StreamFeed:

@@ -294,6 +294,8 @@ class RolloutWorker:
             self._generating_again()
         if out and self.model_reward is not None:
             out[0].reward_spans = self.model_reward.take_spans()
+        if out:  # code rewards' and the python tool's runs since the last take
+            out[0].sandbox = tuple(shared().log.drain())
         return out
 
     def _generating_again(self) -> None:
