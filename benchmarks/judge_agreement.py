@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/judge_agreement.py                 # 64 problems, 2 answers each
     .venv/bin/python benchmarks/judge_agreement.py --problems 16   # a quick look
 
-The untrained policy (the default preset's model) answers held-out problems of the built-in
-``arithmetic`` task at temperature 1, so both right and wrong answers come up; the task's rule
+The untrained policy (the default preset's model) answers held-out problems of the default
+preset's task (``arithmetic``, one digit) with its token budget at temperature 1, so both right and
+wrong answers come up; the task's rule
 scores each (1: the final number is right). The generative judge of ``reward.model.kind=generative``
 (offstep.rollout.reward_model.JudgeScorer, the same code the runs use, greedy) then scores every
 (question, response, ground truth) once per template and parser below. Reported per judge
@@ -44,9 +45,13 @@ def policy_answers(model: str, problems: int, n: int, seed: int, out: Path) -> t
     from offstep.data.tasks import write_task
     from offstep.pipeline.evaluation import run_eval
 
-    _, val = write_task("arithmetic", str(out), 8, problems, seed)
+    from offstep.config.loader import load_config
+
+    d, ro = (cfg := load_config([])).data, cfg.rollout  # the default preset's task and token budget
+    _, val = write_task(d.task, str(out), 8, problems, seed, **d.task_options)
     rows = pq.read_table(val).to_pylist()
-    _, samples = run_eval(model, val, n=n, temperature=1.0, max_new_tokens=64, threads=os.cpu_count(), seed=seed)
+    _, samples = run_eval(model, val, n=n, temperature=ro.temperature, max_new_tokens=ro.max_new_tokens,
+                          threads=os.cpu_count(), seed=seed)
     return rows, samples
 
 
@@ -114,7 +119,7 @@ def write(results: dict, args, n_samples: int, right: int, out: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="the policy and the judge")
-    ap.add_argument("--problems", type=int, default=64)
+    ap.add_argument("--problems", type=int, default=64, help="held-out problems (the one-digit task has 155 in all)")
     ap.add_argument("--answers", type=int, default=2, help="sampled answers per problem")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(HERE / "results_judge.md"))
