@@ -75,6 +75,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep export RUN_DIR [--step N] --out DIR": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     ".venv/bin/python benchmarks/lora.py --parts runs --only r0-lr1e-05-s0": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --preset code --seeds 0,1,2": BENCHMARK,
+    ".venv/bin/python benchmarks/judge_agreement.py": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --preset calculator_openai --seeds 0,1": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --preset calculator --seeds 0": BENCHMARK,
     "offstep train reward.model.kind=discriminative reward.model.path=/models/my-rm reward.model.placement=pool "
