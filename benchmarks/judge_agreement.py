@@ -32,10 +32,8 @@ sys.path.insert(0, str(HERE.parent))
 
 from readme import cpu_kind, provenance, refresh  # noqa: E402
 
-# (name, template, parser): the shipped default first
-YES_NO = ("Question: {question}\nReference answer: {ground_truth}\nResponse: {response}\n"
-          "Does the response give the reference answer? Answer yes or no.")
-SETTINGS = [("default template, last_number", None, "last_number"), ("yes/no template, yes_no", YES_NO, "yes_no")]
+# (name, reward.model.template, parser): the shipped default first
+SETTINGS = [("default template, last_number", "score", "last_number"), ("yes/no template, yes_no", "yes_no", "yes_no")]
 
 
 def policy_answers(model: str, problems: int, n: int, seed: int, out: Path) -> tuple[list[dict], list]:
@@ -62,14 +60,14 @@ def cohen_kappa(a: list[int], b: list[int]) -> float:
     return (agree - chance) / (1 - chance) if chance < 1 else float("nan")
 
 
-def judge(rows: list[dict], samples: list, template: str | None, parser: str, model: str) -> dict:
+def judge(rows: list[dict], samples: list, template: str, parser: str, model: str) -> dict:
     import torch
 
     from offstep.config.loader import load_config
     from offstep.rollout.reward_model import Item, JudgeScorer
 
     rm = load_config(["reward.model.kind=generative", f"reward.model.path={model}"]).reward.model
-    rm = replace(rm, parser=parser, **({"template": template} if template else {}))
+    rm = replace(rm, parser=parser, template=template)
     torch.set_num_threads(os.cpu_count() or 1)
     scorer = JudgeScorer(rm, torch.device("cpu"))
     items = [Item(rows[s.uid]["prompt"], s.text, rows[s.uid]["reward_model"]["ground_truth"]) for s in samples]

@@ -28,6 +28,8 @@ def test_defaults_have_no_reward_model_and_no_problem():
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.parser=last"], "reward.model.parser='last'"),
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.parser='regex:[0-9]+'"], "has no group"),
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.template='Q {question}'"], "has no {response}"),
+    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.template=yesno"],
+     "is not one of the named templates ['score', 'yes_no']"),
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.template='{response} {answer}'"], "['answer']"),
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.combine=abstain"], "set reward.custom_path"),
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.timeout_s=0"], "reward.model.timeout_s=0"),

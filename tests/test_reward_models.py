@@ -64,6 +64,11 @@ def test_parsers(text, parser, want):
 
 def test_judge_prompt_template():
     assert render_judge_prompt("Q={question} R={response} T={ground_truth}", "2+3?", "5", 5) == "Q=2+3? R=5 T=5"
+    # a named template (reward.model.template=yes_no) is its text; an unknown word is a template of its own
+    assert render_judge_prompt("yes_no", "2+3?", "6", 5) == (
+        "Question: 2+3?\nReference answer: 5\nResponse: 6\nDoes the response give the reference answer? Answer yes or no.")
+    assert render_judge_prompt("score", "q", "r", 1).endswith("Answer with a score between 0 and 1.")
+    assert render_judge_prompt("yesno", "q", "r", 1) == "yesno"
 
 
 @pytest.mark.parametrize("rule, model, mode, w, rw, want", [

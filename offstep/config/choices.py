@@ -40,6 +40,7 @@ REWARD_MODEL_KINDS = ("discriminative", "generative")
 REWARD_COMBINE = ("weighted", "abstain")
 REWARD_PLACEMENTS = ("rollout", "pool")
 JUDGE_PARSERS = ("last_number", "yes_no")  # and regex:PATTERN
+JUDGE_TEMPLATES = ("score", "yes_no")  # reward.model.template names (texts in offstep.rewards.judge), or a template of its own
 
 # pipeline.*, trainer.*, model.*, data.*, actor.* / critic.*
 WEIGHT_SYNC_PATHS = ("object_store", "collective")

@@ -166,8 +166,8 @@ class RewardModelConfig:
     """the model score of a sample whose scoring timed out, failed, or whose judge answer could not be parsed"""
     max_length: int = 2048
     """tokens the reward model reads at most (the chat's start is cut: the response is kept)"""
-    template: str = "Question: {question}\nReference answer: {ground_truth}\nResponse: {response}\nIs the response correct? Answer with a score between 0 and 1."
-    """generative: the judge's prompt (one user turn, rendered with the judge's chat template); {question} (the prompt's last user message), {response}, {ground_truth}"""
+    template: str = "score"
+    """generative: the judge's prompt (one user turn, rendered with the judge's chat template): a name, score (asks for a score in [0, 1]; parser=last_number) | yes_no (asks yes or no; parser=yes_no), or a template of your own with {question} (the prompt's last user message), {response} and {ground_truth}"""
     parser: str = "last_number"
     """generative: how the judge's text becomes a score: last_number (the last number, which must lie in [0, 1]) | yes_no (the first yes or no: 1 or 0) | regex:PATTERN (the first match's first group, as a number)"""
     max_new_tokens: int = 16

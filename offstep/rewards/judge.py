@@ -11,12 +11,23 @@ import math
 import re
 import string
 
-from offstep.config.choices import JUDGE_PARSERS
+from offstep.config.choices import JUDGE_PARSERS, JUDGE_TEMPLATES
 from offstep.rewards.scorers import last_number
 
 TEMPLATE_FIELDS = ("question", "response", "ground_truth")
 REGEX_PREFIX = "regex:"
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
+_ASKED = "Question: {question}\nReference answer: {ground_truth}\nResponse: {response}\n"
+TEMPLATES = {  # reward.model.template by name; each goes with the parser of the same kind
+    "score": _ASKED + "Is the response correct? Answer with a score between 0 and 1.",  # parser=last_number
+    "yes_no": _ASKED + "Does the response give the reference answer? Answer yes or no.",  # parser=yes_no
+}
+assert tuple(TEMPLATES) == JUDGE_TEMPLATES
+
+
+def template_text(template: str) -> str:
+    """The judge prompt that ``reward.model.template`` means: a named template's text, or itself."""
+    return TEMPLATES.get(template, template)
 
 
 def parser_problem(parser: str) -> str | None:
@@ -38,6 +49,7 @@ def parser_problem(parser: str) -> str | None:
 
 def template_problem(template: str) -> str | None:
     """Why the judge prompt ``template`` (``reward.model.template``) cannot be rendered, or None."""
+    template = template_text(template)
     try:
         names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as exc:
@@ -48,13 +60,14 @@ def template_problem(template: str) -> str | None:
         return (f"reward.model.template names {unknown}, which are not fields of a sample; use only "
                 f"{{question}}, {{response}} and {{ground_truth}} (a literal brace is written {{{{ or }}}})")
     if "response" not in names:
-        return "reward.model.template has no {response}: the judge would not see what it judges; add {response}"
+        return (f"reward.model.template={template!r} is not one of the named templates {list(JUDGE_TEMPLATES)} and has "
+                f"no {{response}}: the judge would not see what it judges; name one, or add {{response}} to yours")
     return None
 
 
 def render_judge_prompt(template: str, question: str, response: str, ground_truth) -> str:
-    """The judge's user turn for one sample."""
-    return template.format(question=question, response=response, ground_truth=ground_truth)
+    """The judge's user turn for one sample (``template``: a name in TEMPLATES or a template)."""
+    return template_text(template).format(question=question, response=response, ground_truth=ground_truth)
 
 
 def parse_score(text: str, parser: str) -> float | None:
