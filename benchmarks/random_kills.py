@@ -58,15 +58,10 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from offstep.pipeline.checkpoints import PHASES as POINTS  # noqa: E402
-from offstep.pipeline.stream import WHEN_FINISHED  # noqa: E402
 from readme import cpu_kind, refresh  # noqa: E402
+from run_records import Records, check_records, checkpoint_steps, partial_writes, read_lines  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results_random_kills"
-# Wall-clock figures, the only fields of a metrics record not compared: their prefixes, and the
-# names ending in "_s" (seconds: agent/tool_time_s); and the fully asynchronous stream's WHEN_FINISHED.
-EXCLUDED_PREFIXES = ("timing_s/", "perf/")
-EXCLUDED_SUFFIX = "_s"
-TIMELINE_CLOCK = ("start", "end")  # a timeline event's times; role, stage, step and the rest compared
 LEFTOVER_S = 30.0  # Ray's workers end when their raylet is gone (a few seconds here)
 KINDS = ("startup", "running", "partial", "pause")
 # The first two kills of every configuration, so that each has one before the first checkpoint
@@ -108,87 +103,6 @@ def overrides(s: Setup, out: Path, reward: Path, steps: int, save_freq: int) -> 
             f"pipeline.max_staleness={s.k}", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
             f"trainer.save_freq={save_freq}", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress=plain",
             f"reward.custom_path={reward}", "reward.num_threads=1", "trainer.overwrite=true"]
-
-
-# ------------------------------------------------------------------ the records
-def deterministic(m: dict) -> dict:
-    return {k: v for k, v in m.items()
-            if not (k.startswith(EXCLUDED_PREFIXES) or k.endswith(EXCLUDED_SUFFIX) or k in WHEN_FINISHED)}
-
-
-def read_lines(path: Path) -> tuple[list[dict], bool]:
-    """The records of a JSONL file, and whether its last line was torn (cut off by a kill)."""
-    if not path.exists():
-        return [], False
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    out = []
-    for i, line in enumerate(lines):
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            if i == len(lines) - 1:
-                return out, True
-            raise
-    return out, False
-
-
-@dataclass
-class Records:
-    """What a run folder holds, keyed by step: metrics, timeline events, sample rows."""
-
-    metrics: list[dict]
-    timeline: dict[int, Counter]
-    samples: dict[int, Counter]
-    torn: list[str]
-
-    @classmethod
-    def read(cls, run: Path) -> Records:
-        metrics, t1 = read_lines(run / "metrics.jsonl")
-        events, t2 = read_lines(run / "timeline.jsonl")
-        rows, t3 = read_lines(run / "samples.jsonl")
-        timeline: dict[int, Counter] = {}
-        for e in events:
-            key = json.dumps({k: v for k, v in e.items() if k not in TIMELINE_CLOCK}, sort_keys=True)
-            timeline.setdefault(e["step"], Counter())[key] += 1
-        samples: dict[int, Counter] = {}
-        for r in rows:
-            samples.setdefault(r["step"], Counter())[json.dumps(r, sort_keys=True)] += 1
-        torn = [n for n, t in zip(("metrics.jsonl", "timeline.jsonl", "samples.jsonl"), (t1, t2, t3)) if t]
-        return cls([deterministic(m) for m in metrics], timeline, samples, torn)
-
-
-def check_records(run: Records, ref: Records, final: bool) -> list[str]:
-    """What in ``run`` differs from the reference ``ref``. ``final``: the run completed, so every
-    record must be there. Otherwise (a run just killed) the records so far: metrics of steps
-    1..m, each once and equal to the reference's; timeline events and sample rows of every step at
-    most the reference's (none repeated), and all of them for the steps a later record covers
-    (events of step m may still follow: its checkpoint's; rows up to m are written first)."""
-    problems = []
-    steps = [m["step"] for m in run.metrics]
-    want = [m["step"] for m in ref.metrics]
-    m = len(steps)
-    if steps != want[:m] or (final and steps != want):
-        problems.append(f"metrics.jsonl has steps {steps}, the reference {want}")
-    ref_by_step = {r["step"]: r for r in ref.metrics}
-    for rec in run.metrics:
-        other = ref_by_step.get(rec["step"])
-        if other is not None and rec != other:
-            diff = sorted(k for k in set(rec) | set(other) if rec.get(k) != other.get(k))
-            problems.append(f"step {rec['step']}'s metrics differ: {diff[:8]}")
-    last = steps[-1] if steps else 0
-    for name, got, exp, complete_to in (("timeline.jsonl", run.timeline, ref.timeline, last - 1),
-                                        ("samples.jsonl", run.samples, ref.samples, last)):
-        for step in sorted(set(got) | set(exp)):
-            g, e = got.get(step, Counter()), exp.get(step, Counter())
-            extra, missing = g - e, e - g
-            if extra:
-                problems.append(f"{name}: step {step} has {sum(extra.values())} record(s) the reference does not "
-                                f"(repeated or different): {list(extra)[:2]}")
-            if missing and (final or step <= complete_to):
-                problems.append(f"{name}: step {step} lacks {sum(missing.values())} record(s): {list(missing)[:2]}")
-    if final and run.torn:
-        problems.append(f"torn last lines in {run.torn}")
-    return problems
 
 
 # ------------------------------------------------------------------ one run, maybe killed
@@ -236,27 +150,6 @@ def _lines(path: Path) -> int:
         return 0
 
 
-def _partials(run: Path) -> set[tuple]:
-    """The ``.partial`` folders there now, told apart by inode and change time (a new one: a
-    write begun since)."""
-    found = set()
-    for p in (run / "checkpoints").glob("*.partial"):
-        try:
-            st = p.stat()
-        except OSError:  # removed meanwhile
-            continue
-        found.add((p.name, st.st_ino, st.st_ctime_ns))
-    return found
-
-
-def _checkpoints(run: Path) -> list[int]:
-    root = run / "checkpoints"
-    if not root.is_dir():
-        return []
-    return sorted(int(p.name[5:]) for p in root.iterdir()
-                  if p.name.startswith("step_") and p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
-
-
 def _alive(pids) -> list[str]:
     out = []
     for pid in pids:
@@ -299,9 +192,9 @@ class Attempt:
     def __init__(self, args: list[str], run: Path, log: Path, pause: str | None = None):
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
         self.run, self.log = run, log
-        self.partials0 = _partials(run)
+        self.partials0 = partial_writes(run)
         self.timeline0 = _lines(run / "timeline.jsonl")
-        self.checkpoints0 = _checkpoints(run)
+        self.checkpoints0 = checkpoint_steps(run)
         self.t0 = time.time()
         self.proc = _spawn(args, env, log, pause)
 
@@ -334,7 +227,7 @@ class Attempt:
             t = time.time()
             return self._until(lambda: time.time() - t >= arg, timeout)
         if kind == "partial":
-            if not self._until(lambda: bool(_partials(self.run) - self.partials0), timeout):
+            if not self._until(lambda: bool(partial_writes(self.run) - self.partials0), timeout):
                 return False
             t = time.time()
             return self._until(lambda: time.time() - t >= arg, timeout)
@@ -355,8 +248,8 @@ class Attempt:
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
         seconds, left = _wait_gone(self.proc.pid, seen)
-        ckpts = _checkpoints(self.run)
-        if (marker is not None and marker.exists()) or (_partials(self.run) - self.partials0):
+        ckpts = checkpoint_steps(self.run)
+        if (marker is not None and marker.exists()) or (partial_writes(self.run) - self.partials0):
             landed = "during checkpoint write"
         elif not ckpts:
             landed = "before first checkpoint"
@@ -404,7 +297,7 @@ def draw(rng: random.Random, prof: Profile, run: Path, steps: int, save_freq: in
     """A moment: (kind, its argument for ``wait_moment``, the pause hook's value, how to print it),
     or ``None`` once the last step's checkpoint is written: the restart then has no step left and
     only exits, so it runs to completion and ends the round (kills there tested the exit alone)."""
-    have = max(_checkpoints(run), default=0)
+    have = max(checkpoint_steps(run), default=0)
     if have >= steps:
         return None
     saves = [s for s in range(save_freq, steps + 1, save_freq) if s > have]

@@ -30,7 +30,9 @@ def arm(spec: str) -> None:
 
     def hold(name: str, step: int) -> None:
         if (name, step) == (want, want_step):
-            marker.write_text(f"{name}:{step}\n")
+            part = marker.with_name(marker.name + ".part")  # whole or absent: the marker is read as soon as it exists
+            part.write_text(f"{name}:{step}\n")
+            part.rename(marker)
             time.sleep(3600)
 
     checkpoints.phase_observers.append(hold)

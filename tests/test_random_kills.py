@@ -91,7 +91,7 @@ def test_the_launcher_holds_the_named_phase_only(tmp_path):
         kill_points.parse(f"nowhere:2:{marker}")
     code = (f"import kill_points; kill_points.arm('state:2:' + {str(marker)!r}); "
             "from offstep.pipeline.checkpoints import phase as p; p('state', 1); p('shards', 2); print('passed'); p('state', 2)")
-    proc = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-u", "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         t0 = time.time()
