@@ -26,6 +26,7 @@ tokens and, submitted again, its target length.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import threading
 import time
@@ -61,6 +62,11 @@ class GpuProfile:
     # what a take spends on the groups it hands over (the real worker attaches their reference
     # log-probs there with pipeline.ref_on_rollout): the groups are off the replica meanwhile
     take_s: float = 0.0
+    # a fault: the first replica whose take has finished groups to hand over, after this many
+    # groups finished on it, creates this file and its process exits (os._exit), losing them and
+    # its samples in flight; a replacement finds the file and lives
+    die_marker: str | None = None
+    die_after_groups: int = 6
 
     def length(self, seed: int, stream: int, cap: int) -> tuple[int, float]:
         """The target length and the score of the sample with random stream ``(seed, stream)``."""
@@ -105,6 +111,7 @@ class SimStream:
         self.queue: deque[tuple[int, int]] = deque()
         self.running: list[tuple[int, int]] = []
         self.finished: list[FinishedGroup] = []
+        self.handed = 0  # groups handed over by takes (the fault's clock)
         self.load: tuple[int, Future] | None = None
         self.suspending: Future | None = None
         self.closed = False
@@ -209,6 +216,14 @@ class SimStream:
             if self.error is not None:
                 raise self.error
             out, self.finished = self.finished, []
+            self.handed += len(out)
+        if out and self.profile.die_marker and self.handed >= self.profile.die_after_groups:
+            try:
+                os.close(os.open(self.profile.die_marker, os.O_CREAT | os.O_EXCL))  # one replica dies, once
+            except FileExistsError:
+                pass
+            else:
+                os._exit(1)
         if out and self.profile.take_s:
             time.sleep(self.profile.take_s)
         return out

@@ -60,6 +60,23 @@ def test_one_step_stream_logs_its_metrics_and_keeps_the_bound(tmp_path, ray_sess
 
 
 @pytest.mark.ray
+def test_a_rollout_worker_that_dies_in_the_stream_is_replaced(tmp_path, ray_session):
+    """The replica's process exits while scoring a finished sample (the scorer is the user's code):
+    a new replica is started with the current weights, the dead one's groups are generated again,
+    and the run trains every step, within the bound."""
+    from test_checkpoint import DYING_REWARD
+
+    reward = tmp_path / "dying.py"
+    reward.write_text(DYING_REWARD.replace("MARKER", repr(str(tmp_path / "died"))))
+    out = tmp_path / "run"
+    train(_cfg(out, 1, 3, "trainer.val_before_train=false", f"reward.custom_path={reward}", "rollout.max_restarts=1"))
+    assert (tmp_path / "died").exists(), "the worker was meant to die once"
+    metrics = _steps(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert all(0 <= m["rollout/staleness_max"] <= 1 for m in metrics)
+
+
+@pytest.mark.ray
 def test_a_resume_trains_every_stored_group_once(tmp_path, ray_session):
     """k = 2, a checkpoint at step 2 holds the groups admitted beyond it (finished or partial);
     resumed from it, steps 3 and 4 train exactly those: none lost, none generated again, no

@@ -178,6 +178,20 @@ def test_resume_keeps_partial_samples(tmp_path, ray_session):
     assert ends(records) == ends(full)
 
 
+@pytest.mark.ray
+def test_a_replica_that_dies_is_replaced_and_its_groups_generated_again(tmp_path, ray_session):
+    """k = 1, two replicas: one replica's process exits as its take hands over finished groups
+    (lost with it, as are its samples in flight). The fleet starts a new replica with the current
+    weights and the stream gives it the dead one's unfinished groups: the run ends with every group
+    trained once and the bound kept, as (a), (b), (c). Without the replacement the run stops."""
+    marker = tmp_path / "died"
+    profile = dataclasses.replace(PROFILE, die_marker=str(marker))
+    steps, k = 6, 1
+    cfg, out, records = _run(tmp_path, k, steps, "rollout.max_restarts=1", train_s=0.2, profile=profile)
+    assert marker.exists(), "a replica was meant to die"
+    _check_run(cfg, out, records, k, steps, tmp_path)
+
+
 def test_a_checkpoint_waits_for_the_groups_a_poll_is_bringing(tmp_path):
     """A replica's take hands over finished groups and is still busy with them (the real worker
     attaches their reference log-probs there) when a checkpoint suspends the stream. Those groups
@@ -222,7 +236,8 @@ def test_a_checkpoint_waits_for_the_groups_a_poll_is_bringing(tmp_path):
             stream_submit=SimpleNamespace(remote=lambda works: submitted.extend(works)),
             stream_take=SimpleNamespace(remote=take), stream_suspend=SimpleNamespace(remote=suspend))
         timeline = SimpleNamespace(add=lambda *a, **k: None)
-        stream = SampleStream(cfg, inputs, PromptStream(8, 2, 0), SimpleNamespace(rollout=[replica]), params, timeline)
+        stream = SampleStream(cfg, inputs, PromptStream(8, 2, 0), SimpleNamespace(rollout=[replica]), params, timeline,
+                              restart=None)  # no replica dies here
         await stream.start(0, 0, None)
         for _ in range(5):  # the poll's first take goes out
             await asyncio.sleep(0)

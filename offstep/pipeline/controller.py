@@ -161,7 +161,8 @@ class Controller:
         lending = CoreLending(self.workers.groups, self.workers.lend_cores) if self.workers.lend_cores else None
         self.fleet = RolloutFleet(self.workers, self.cfg.rollout, self.sync.reload, self.console.log, lending=lending)
         if self.cfg.pipeline.mode == "fully_async":
-            self.samples = SampleStream(self.cfg, self.inputs, self.stream, self.workers, self.params, self.timeline)
+            self.samples = SampleStream(self.cfg, self.inputs, self.stream, self.workers, self.params, self.timeline,
+                                         self.fleet.restart)
         if self.resumed is not None:
             st, roles = self.resumed, self.workers.stateful
             try:

@@ -92,20 +92,21 @@ class RolloutFleet:
             try:
                 return await asyncio.wait_for(_await(call), self.cfg.timeout_s)
             except asyncio.TimeoutError:
-                await self._restart(i, worker, f"did not finish a generation within rollout.timeout_s={self.cfg.timeout_s:g}")
+                await self.restart(i, worker, f"did not finish a generation within rollout.timeout_s={self.cfg.timeout_s:g}")
             except ray.exceptions.RayActorError as e:
-                await self._restart(i, worker, f"died ({type(e).__name__})")
+                await self.restart(i, worker, f"died ({type(e).__name__})")
             worker = self.workers.rollout[i]
             call = worker.generate.remote(*args)  # the same requests and seed, on the new replica
 
-    async def _restart(self, i: int, failed, why: str) -> None:
+    async def restart(self, i: int, failed, why: str) -> None:
         """Replace replica i, whose worker ``failed``, unless that worker was replaced already: the
         calls queued on one worker fail together (its node left the cluster, say; with k >= 1 two
         generations can be queued), and one replacement serves them all. When it could not be
         made, every one of those calls fails with its error: the call that made it may be for a
         later batch than the one the trainer waits for, which would otherwise be sent to a
         replacement that never starts, and wait for it forever. For the same reason the
-        replacement is killed: a weight load sent to it meanwhile fails instead of waiting."""
+        replacement is killed: a weight load sent to it meanwhile fails instead of waiting. The
+        fully asynchronous stream (``offstep.pipeline.stream``) replaces its replicas here too."""
         async with self._replacing.setdefault(i, asyncio.Lock()):
             if i in self._failed:
                 raise self._failed[i]

@@ -22,6 +22,12 @@ the batch mode's seeds and replica shares: the synchronous loop.
 Each group's place, seeds and replica are a function of its admission number ``g``: batch
 ``g // B + 1``, position ``g % B``, the replica whose contiguous share of that batch holds the
 position (as ``RolloutFleet.split``), and that replica's generation seed for the batch.
+
+**A replica that dies**, or whose take does not answer within ``rollout.timeout_s``, is replaced by
+the fleet (``RolloutFleet.restart``: a new worker with the current weights, within
+``rollout.max_restarts``). Its unfinished groups go to the new one as the driver last knew them:
+from their prompts, or from the partial samples the last checkpoint stored. The groups it had
+finished but not yet handed over are generated again.
 """
 
 from __future__ import annotations
@@ -81,9 +87,10 @@ class Admitted:
 
 
 class SampleStream:
-    def __init__(self, cfg, inputs, prompt_stream, workers, params, timeline):
+    def __init__(self, cfg, inputs, prompt_stream, workers, params, timeline, restart):
         self.cfg, self.inputs, self.stream, self.workers, self.params = cfg, inputs, prompt_stream, workers, params
         self.timeline = timeline
+        self.restart = restart  # RolloutFleet.restart: replace a replica, give it the current weights
         self.B, self.k, self.N = cfg.data.train_batch_size, cfg.pipeline.max_staleness, cfg.trainer.total_steps
         self.R = len(workers.rollout)
         self.shares = [(r, i) for r, part in enumerate(split(list(range(self.B)), self.R)) for i in range(len(part))]
@@ -102,19 +109,22 @@ class SampleStream:
         self._polling = asyncio.Event()  # cleared while suspended: no take goes out
         self._polling.set()
         self._takes: dict[int, asyncio.Future] = {}  # each replica's take in flight, with its handling
+        self._down: set[int] = set()  # replicas being replaced: their groups are submitted by _replace
 
     # ---------------------------------------------------------------- start, admission, polling
     async def start(self, version: int, consumed: int, saved: dict | None) -> None:
         """Start every replica's stream at ``version`` with ``consumed`` groups trained so far;
         ``saved``: the groups a checkpoint stored (:meth:`state`), continued where they stopped."""
         self.held, self.admitted = version, consumed
-        prompts = [p.prompt_ids for p in self.inputs.train]
-        await asyncio.gather(*(w.stream_start.remote(prompts, self.params, self.cfg.rollout.partial)
-                               for w in self.workers.rollout))
+        await asyncio.gather(*(self._stream_start(w) for w in self.workers.rollout))
         if saved is not None:
             self._restore(saved)
         self._pollers = [asyncio.ensure_future(self._poll(r)) for r in range(self.R)]
         self.admit()
+
+    async def _stream_start(self, worker) -> None:
+        prompts = [p.prompt_ids for p in self.inputs.train]
+        await worker.stream_start.remote(prompts, self.params, self.cfg.rollout.partial)
 
     def _place(self, g: int) -> tuple[int, int, int]:
         """(replica, seed, first stream) of group ``g``: the batch mode's for its batch and position."""
@@ -139,21 +149,41 @@ class SampleStream:
             per_replica.setdefault(r, []).append(work)
             self.admitted += 1
         for r, works in per_replica.items():
-            self.workers.rollout[r].stream_submit.remote(works)
+            if r not in self._down:  # a replica being replaced: _replace submits its groups
+                self.workers.rollout[r].stream_submit.remote(works)
 
     async def _poll(self, r: int) -> None:
+        timeout = self.cfg.rollout.timeout_s
         try:
             while True:
                 await self._polling.wait()
+                worker = self.workers.rollout[r]
                 self._takes[r] = asyncio.ensure_future(self._take(r, POLL_S))
-                await self._takes[r]
+                try:
+                    await asyncio.wait_for(self._takes[r], timeout)
+                except asyncio.TimeoutError:
+                    await self._replace(r, worker, f"did not answer within rollout.timeout_s={timeout:g}")
+                except ray.exceptions.RayActorError as e:
+                    await self._replace(r, worker, f"died while generating ({type(e).__name__})")
         except asyncio.CancelledError:
             raise
-        except ray.exceptions.RayActorError as e:
-            self._fail(RolloutFailed(f"rollout worker {r} died while generating in pipeline.mode=fully_async "
-                                     f"({type(e).__name__}); resume from the last checkpoint with trainer.resume=auto"))
         except BaseException as e:
             self._fail(e)
+
+    async def _replace(self, r: int, failed, why: str) -> None:
+        """Replica ``r`` (its worker ``failed``) is replaced, and its unfinished groups go to the
+        new one (see the module's docstring). While the stream is suspended for a checkpoint they
+        wait for :meth:`resubmit`'s turn, then go here."""
+        self._down.add(r)
+        try:
+            await self.restart(r, failed, why)  # raises RolloutFailed once rollout.max_restarts are used up
+            await self._stream_start(self.workers.rollout[r])
+            await self._polling.wait()
+            works = [a.work for a in sorted(self.groups.values(), key=lambda a: a.g) if a.replica == r and a.finished is None]
+            if works:
+                self.workers.rollout[r].stream_submit.remote(works)
+        finally:
+            self._down.discard(r)
 
     async def _take(self, r: int, wait_s: float) -> None:
         for f in await self.workers.rollout[r].stream_take.remote(wait_s):
@@ -244,18 +274,26 @@ class SampleStream:
         until then, and the takes they have out are waited for: a take may be carrying finished
         groups that are no longer on the replica (still attaching their reference log-probs)."""
         self._polling.clear()
-        suspended = await asyncio.gather(*(w.stream_suspend.remote() for w in self.workers.rollout))
+        live = [r for r in range(self.R) if r not in self._down]
+        suspended = await asyncio.gather(*(self.workers.rollout[r].stream_suspend.remote() for r in live),
+                                         return_exceptions=True)
         for works in suspended:
+            if isinstance(works, ray.exceptions.RayActorError):  # died: its poll replaces it, and the
+                continue  # groups are stored as the driver last knew them
+            if isinstance(works, BaseException):
+                raise works
             for work in works:
                 self.groups[work.request.uid - self.B].work = work
-        await asyncio.gather(*self._takes.values(), return_exceptions=True)  # a failed one: its poll reports it
-        await asyncio.gather(*(self._take(r, 0.0) for r in range(self.R)))
+        await asyncio.gather(*self._takes.values(), return_exceptions=True)  # a failed one: its poll handles it
+        for taken in await asyncio.gather(*(self._take(r, 0.0) for r in live), return_exceptions=True):
+            if isinstance(taken, BaseException) and not isinstance(taken, ray.exceptions.RayActorError):
+                raise taken
 
     def resubmit(self) -> None:
         """Continue the suspended groups on their replicas."""
         per_replica: dict[int, list[GroupWork]] = {}
         for a in sorted(self.groups.values(), key=lambda a: a.g):
-            if a.finished is None:
+            if a.finished is None and a.replica not in self._down:  # a replica being replaced: _replace submits
                 per_replica.setdefault(a.replica, []).append(a.work)
         for r, works in per_replica.items():
             self.workers.rollout[r].stream_submit.remote(works)
