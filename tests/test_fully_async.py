@@ -42,10 +42,15 @@ def test_staleness_zero_equals_the_synchronous_loop(tmp_path, ray_session):
 
 
 @pytest.mark.ray
-def test_one_step_stream_logs_its_metrics_and_keeps_the_bound(tmp_path, ray_session):
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_one_step_stream_logs_its_metrics_and_keeps_the_bound(tmp_path, ray_session, transport):
+    """k = 1 on either weight path. The collective one receives beside the running stream into
+    buffers of the replica's own and applies them between two decode steps: every sync's digest
+    matches what the actor sent."""
     out = tmp_path / "run"
-    train(_cfg(out, 1, 5, "trainer.val_before_train=false", "rollout.max_new_tokens=24"))
+    train(_cfg(out, 1, 5, "trainer.val_before_train=false", "rollout.max_new_tokens=24", f"pipeline.weight_sync={transport}"))
     metrics = _steps(out)
+    assert all(m["sync/verified"] == 1.0 and m["sync/collective"] == float(transport == "collective") for m in metrics)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
     assert [m["policy_version"] for m in metrics] == [1, 2, 3, 4, 5]
     for m in metrics:
@@ -123,7 +128,6 @@ def test_vllm_replicas_stream_with_partial_rollouts(tmp_path, ray_session):
 
 @pytest.mark.parametrize("override,needle", [
     ("rollout.engine=vllm actor.lora.rank=8", "rollout.engine=builtin, or pipeline.mode=batch for LoRA on vLLM"),
-    ("pipeline.weight_sync=collective", "pipeline.weight_sync=object_store"),
     ("algorithm.dynamic_sampling=true", "pipeline.mode=batch"),
     ("rollout.engine=vllm rollout.agent.default_agent=tool_agent", "rollout.engine=builtin, or pipeline.mode=batch for agents"),
     ("rollout.engine=vllm rollout.agent.default_agent=openai rollout.agent.openai_path=a.py",

@@ -255,9 +255,6 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
           f"{why} with rollout.engine=vllm and actor.lora.rank > 0: vLLM serves new adapters as a new LoRA request, "
           f"which the samples in flight at a load would not use; use rollout.engine=builtin, or pipeline.mode=batch "
           f"for LoRA on vLLM", e)
-    _need(p.weight_sync == "object_store",
-          f"{why} with pipeline.weight_sync={p.weight_sync}: a load lands while the replica generates, which the "
-          f"collective path (a broadcast every replica joins) cannot do yet; use pipeline.weight_sync=object_store", e)
     _need(not p.colocate, f"{why} with pipeline.colocate=true: the trainer and the replicas run at the same time, "
           f"so their pools must be disjoint; set pipeline.colocate=false", e)
     _need(not (p.ref_on_rollout and cfg.actor.lora.rank > 0),

@@ -86,8 +86,15 @@ class WeightSync:
             from offstep.sync.collective import connect
 
             connect(workers.actor.handles, workers.rollout, workers.sync_backend, cfg.weight_sync_bucket_mb,
-                    cfg.weight_sync_timeout_s, max_in_flight=self._in_flight, host=workers.host, specs=self.specs)
+                    cfg.weight_sync_timeout_s, max_in_flight=self._in_flight, host=workers.host, specs=self.specs,
+                    in_place=self._in_place)
             self.members = list(workers.rollout)
+
+    @property
+    def _in_place(self) -> bool:
+        """Whether a replica may receive straight into the weights it generates with: not while it
+        generates (pipeline.mode=fully_async), where a receive lands beside the decode steps."""
+        return self.cfg.mode != "fully_async"
 
     @property
     def _in_flight(self) -> int:
@@ -169,5 +176,5 @@ class WeightSync:
         self.members = None  # until every member has joined
         endpoint = await w.actor.handles[0].open_weight_sync.remote(cfg.weight_sync_timeout_s, w.host)
         await asyncio.gather(*join(w.actor.handles, w.rollout, endpoint, w.sync_backend, self.specs,
-                                   cfg.weight_sync_bucket_mb, cfg.weight_sync_timeout_s, self._in_flight))
+                                   cfg.weight_sync_bucket_mb, cfg.weight_sync_timeout_s, self._in_flight, self._in_place))
         self.members = list(w.rollout)

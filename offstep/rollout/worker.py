@@ -348,8 +348,11 @@ class RolloutWorker:
         return self._manifest
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list,
-                         bucket_bytes: int, timeout_s: float) -> None:
-        model = self.engine.receive_in_place() if self.lora is None else None
+                         bucket_bytes: int, timeout_s: float, in_place: bool = True) -> None:
+        """Join the broadcast group. ``in_place=False`` (pipeline.mode=fully_async): receive into
+        buffers of the receiver's own, applied between two decode steps, never into the weights
+        that the running stream reads."""
+        model = self.engine.receive_in_place() if self.lora is None and in_place else None
         if model is not None:
             self._weight_receiver = WeightReceiver(model, self.device)
         else:
@@ -366,7 +369,10 @@ class RolloutWorker:
         self.progress.start(Stage.LOAD_WEIGHTS, version=version)
         self._sleeping.wake(("weights",))
         t0 = receiver.receive(version)
-        if receiver.model is None:
+        if receiver.model is None and getattr(self, "_stream", None) is not None:  # between two decode steps
+            self._stream.load(lambda: self._apply(receiver.tensors(), version))
+            self._generating_again()
+        elif receiver.model is None:
             self._apply(receiver.tensors(), version)
         else:
             self.engine.version = int(version)

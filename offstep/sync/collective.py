@@ -376,23 +376,26 @@ class WeightReceiver:
 
 
 def join(actor_handles: list, rollout_handles: list, endpoint: tuple[str, int], backend: str, specs: list[TensorSpec],
-         bucket_mb: float, timeout_s: float, max_in_flight: int = 1) -> list:
+         bucket_mb: float, timeout_s: float, max_in_flight: int = 1, in_place: bool = True) -> list:
     """The calls (Ray object refs) that make a weight-sync group between actor rank 0, whose store
     serves ``endpoint`` (``ActorWorker.open_weight_sync``), and every rollout worker; all must
-    finish (each blocks until every member has joined)."""
+    finish (each blocks until every member has joined). ``in_place=False``: the replicas receive
+    into buffers of their own, never into the weights they generate with (the fully asynchronous
+    mode, where a receive runs beside the generation)."""
     bucket_bytes = max(1, int(bucket_mb * 2**20))
     host, port = endpoint
     world = 1 + len(rollout_handles)
     refs = [actor_handles[0].join_weight_sync.remote(world, backend, specs, bucket_bytes, max_in_flight)]
     refs += [
-        w.join_weight_sync.remote(host, port, i + 1, world, backend, specs, bucket_bytes, timeout_s)
+        w.join_weight_sync.remote(host, port, i + 1, world, backend, specs, bucket_bytes, timeout_s, in_place)
         for i, w in enumerate(rollout_handles)
     ]
     return refs
 
 
 def connect(actor_handles: list, rollout_handles: list, backend: str, bucket_mb: float, timeout_s: float,
-            max_in_flight: int = 1, host: str | None = None, specs: list[TensorSpec] | None = None) -> None:
+            max_in_flight: int = 1, host: str | None = None, specs: list[TensorSpec] | None = None,
+            in_place: bool = True) -> None:
     """Driver side: make the weight-sync group between actor rank 0 and every rollout worker (Ray
     actor handles of ``ActorWorker`` and ``RolloutWorker``); its store listens on ``host`` (None:
     actor rank 0's node address). ``specs``: the rollout manifest (None: asked of worker 0)."""
@@ -401,4 +404,4 @@ def connect(actor_handles: list, rollout_handles: list, backend: str, bucket_mb:
     if specs is None:
         specs = ray.get(rollout_handles[0].weight_sync_manifest.remote())
     endpoint = ray.get(actor_handles[0].open_weight_sync.remote(timeout_s, host))
-    ray.get(join(actor_handles, rollout_handles, endpoint, backend, specs, bucket_mb, timeout_s, max_in_flight))
+    ray.get(join(actor_handles, rollout_handles, endpoint, backend, specs, bucket_mb, timeout_s, max_in_flight, in_place))
