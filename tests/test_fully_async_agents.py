@@ -19,6 +19,7 @@ from offstep.batch import NO_VERSION
 from offstep.config.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
+from offstep.telemetry.names import Stage, replica_index
 
 pytestmark = pytest.mark.ray
 
@@ -110,6 +111,8 @@ def test_tool_loops_stream(tmp_path, ray_session, files):
                       f"rollout.agent.tools_path={files / 'x_tool.py'}", "rollout.agent.format=tag",
                       "rollout.agent.max_turns=2", "rollout.partial=recompute"])
     _check_stored_samples(out)
+    tools = [e for e in read_jsonl(out / "timeline.jsonl") if e["stage"] == Stage.TOOL]
+    assert tools and all(replica_index(e["role"]) is not None for e in tools), "tool time on the replicas' lanes"
 
 
 def test_openai_agents_stream(tmp_path, ray_session, files):

@@ -101,6 +101,7 @@ class SampleStream:
         self.held = 0  # the policy version every replica holds
         self.generated_lengths: list[int] = []  # lengths of the samples finished since the last batch
         self.reward_spans: list[tuple[int, object]] = []  # (replica, span) of the reward model's batches since the last batch
+        self.tool_spans: list[tuple[int, object]] = []  # (replica, span) of the tool loops' tools running, since the last batch
         self.executions: list = []  # the sandboxed runs (offstep.sandbox.Execution) since the last batch, for sandbox/*
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
@@ -190,6 +191,7 @@ class SampleStream:
             self.groups[f.uid - self.B].finished = f
             self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
             self.reward_spans.extend((r, span) for span in getattr(f, "reward_spans", ()))
+            self.tool_spans.extend((r, span) for span in getattr(f, "tool_spans", ()))
             self.executions.extend(getattr(f, "sandbox", ()))
             self._changed.set()
 
@@ -241,6 +243,9 @@ class SampleStream:
         for r, span in self.reward_spans:  # the reward model's batches (reward.model), on the replica's reward lane
             self.timeline.add(reward_lane(r), Stage.REWARD_MODEL, step, span.start, span.end)
         self.reward_spans = []
+        for r, span in self.tool_spans:  # tools running for the tool loops, on the replica's lane (as in batch mode)
+            self.timeline.add(replica(r), Stage.TOOL, step, span.start, span.end)
+        self.tool_spans = []
         executions, self.executions = self.executions, []
         gen_s = max(a.finished.end for a in chosen) - min(a.finished.start for a in chosen)
         return {

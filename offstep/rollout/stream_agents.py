@@ -23,7 +23,8 @@ import itertools
 import threading
 from concurrent.futures import Future
 
-from offstep.rollout.agent_loop import AgentResult, AgentRunner, agent_stats
+from offstep.batch import Span
+from offstep.rollout.agent_loop import AgentResult, AgentRunner, agent_stats, merge_spans
 from offstep.rollout.control import SUSPENDED
 from offstep.rollout.openai_agent import MODEL_NAME, OpenAIRunner
 from offstep.rollout.openai_server import OpenAIServer
@@ -41,6 +42,7 @@ class ToolLoops:
         self.stop = runner.params(params).stop  # the run's stop strings and the tool parser's
         self._lock = threading.Lock()
         self._live: dict[tuple[int, int], AgentResult] = {}  # (uid, sample) -> its loop
+        self._spans: list[tuple[float, float]] = []  # when the finished loops' tools ran, since take_spans
 
     def start(self, uid: int, j: int, work: GroupWork) -> None:
         r = AgentResult(j)
@@ -90,9 +92,16 @@ class ToolLoops:
             if self._live.get((uid, j)) is not r:
                 return
             del self._live[(uid, j)]
+            self._spans.extend(r.spans)
         self.server.agent_done(uid, j, SampleState(
             tokens=r.response_ids, logprobs=r.logprobs, versions=r.versions, finish_reason=r.finish_reason,
             loss_mask=r.loss_mask, agent=dataclasses.asdict(agent_stats(r)), info=r.agent_info()))
+
+    def take_spans(self) -> tuple[Span, ...]:
+        """When tools ran for the loops finished since the last call, merged (the timeline's tool stage)."""
+        with self._lock:
+            spans, self._spans = self._spans, []
+        return tuple(Span(a, b) for a, b in merge_spans(spans))
 
     def forget(self) -> None:
         """Drop every unfinished loop (a suspension): what they still get back is ignored."""

@@ -296,6 +296,9 @@ class RolloutWorker:
             out[0].reward_spans = self.model_reward.take_spans()
         if out:  # code rewards' and the python tool's runs since the last take
             out[0].sandbox = tuple(shared().log.drain())
+        loops = self._stream.agents.get(TOOL_AGENT) if out else None
+        if loops is not None:  # when the tool loops' tools ran, for the replica's lane of the timeline
+            out[0].tool_spans = loops.take_spans()
         return out
 
     def _generating_again(self) -> None:
