@@ -169,6 +169,22 @@ def test_crafted_rank_and_state_files_are_refused_unread(tmp_path):
     assert not marker.exists()
 
 
+def test_a_stored_tool_loop_is_checked_before_it_is_continued():
+    """A checkpoint's unfinished tool loop (``SampleState.loop``) becomes an AgentResult on a replica:
+    only its own fields, each of its kind, per-token lists of one length."""
+    from offstep.pipeline.trainer_state import decode_stream_groups
+
+    loop = {"request_pos": 0, "response_ids": [5, 6], "logprobs": [-0.1, 0.0], "versions": [0, -1], "loss_mask": [1, 0],
+            "turns": 1, "calls": [{"name": "x", "arguments": {}, "error": "", "ran": True}], "tool_time_s": 0.5}
+    doc = lambda lp: {"admitted": 1, "drawn": [], "epoch": 0, "groups": [  # noqa: E731
+        {"g": 0, "epoch": 0, "prompt": 0, "replica": 0, "version": 0, "samples": None, "states": [{"loop": lp}]}]}
+    assert decode_stream_groups(doc(loop))[0]["states"][0]["loop"] == loop
+    for bad in ({**loop, "turns": "1"}, {**loop, "__class__": "x"}, {**loop, "loss_mask": [1]}, {**loop, "max_turns_hit": 1},
+                {k: v for k, v in loop.items() if k != "request_pos"}, {**loop, "calls": ["rm -rf /"]}, [1, 2]):
+        with pytest.raises(ValueError, match="a sample state that is not"):
+            decode_stream_groups(doc(bad))
+
+
 def test_saved_config_is_data_never_interpolated(tmp_path, monkeypatch):
     monkeypatch.setenv("OFFSTEP_TEST_SECRET", "hunter2")
     saved = to_yaml(load_config(["preset=tiny"])).replace("path: tiny", "path: ${oc.env:OFFSTEP_TEST_SECRET}")

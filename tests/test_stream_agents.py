@@ -12,6 +12,8 @@ header, so the first turns are known and a later turn is in flight when the load
   next turns are the new weights'): each turn is one version's.
 - Tool tokens: masked, log-prob 0, ``NO_VERSION``.
 - With no load and greedy sampling, a stream's sample is batch mode's token for token.
+- A tool loop suspended inside its second model turn (a checkpoint) goes on from that turn's start
+  when submitted again, to the trajectory an uninterrupted stream samples.
 """
 
 from __future__ import annotations
@@ -211,3 +213,60 @@ def test_without_a_load_a_greedy_sample_is_batch_modes(parts, agent_name):
         assert s.prompt_ids == b.prompt_ids and s.response_ids == b.response_ids and s.loss_mask == b.loss_mask
         assert s.rollout_logprobs == pytest.approx(b.rollout_logprobs, abs=TOL)
         assert s.agent.turns == b.agent.turns and s.token_versions == [0 if m else NO_VERSION for m in s.loss_mask]
+
+
+def test_a_suspended_tool_loop_goes_on_from_its_last_turn(parts):
+    """Suspended three tokens into its second model turn, the loop is handed back as it stood when
+    that turn began (the first turn and the tool turn); submitted again to a new stream, it samples
+    that turn again on the same random stream and ends as the uninterrupted loop did (T = 1)."""
+    import threading
+
+    tok, eos, model, old, _, spec = parts
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=64)
+    whole = _stream(parts, TOOL_AGENT, "keep", params, None)
+    engine = TorchEngine(model, tok, eos)
+    engine.load_weights(old, 0)
+    prompt = _prompt(tok)
+    request = Request(uid=7, prompt_ids=prompt, data_source="x", ground_truth="25", agent_name=TOOL_AGENT, messages=USER)
+
+    def server_and_runner():
+        server = StreamServer(engine, [prompt], params, "keep", 8, lambda r, text, info=None: (0.0, {}), ThreadPoolExecutor(2),
+                              tok)
+        runner = AgentRunner(spec, tok, eos)
+        attach_agents(server, runner, None, engine, params)
+        return server, runner
+
+    count, reached, append = [0], threading.Event(), engine._append
+
+    def counting(*args):
+        count[0] += 1
+        if count[0] == 2 * (FIRST_TURN + 3):  # both samples three tokens into their second turn
+            reached.set()
+        return append(*args)
+
+    engine._append = counting
+    server, runner = server_and_runner()
+    try:
+        server.submit([GroupWork(request, seed=3, stream0=0)])
+        assert reached.wait(120), "the loops did not reach their second turn"
+        (work,) = server.suspend()
+    finally:
+        server.close()
+        runner.close()
+        del engine._append
+    for s in work.samples:
+        assert not s.finish_reason and s.loop is not None and s.loop["turns"] == 1
+        assert s.loop["loss_mask"][:FIRST_TURN] == [1] * FIRST_TURN and s.loop["loss_mask"][-1] == 0  # call, tool turn
+    server, runner = server_and_runner()
+    try:
+        server.submit([work])
+        deadline, out = time.monotonic() + 120, []
+        while not out and time.monotonic() < deadline:
+            out = server.take(1.0)
+    finally:
+        server.close()
+        runner.close()
+    (group,) = out
+    for s, w in zip(group.samples, whole):
+        assert s.response_ids == w.response_ids and s.loss_mask == w.loss_mask and s.agent.turns == w.agent.turns
+        assert s.rollout_logprobs == pytest.approx(w.rollout_logprobs, abs=TOL)

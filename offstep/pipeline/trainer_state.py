@@ -17,6 +17,7 @@ import numpy as np
 from offstep.batch import AgentStats, GenTiming, Sample, Span
 from offstep.files import loads_json, short
 from offstep.pipeline.batching import Generated
+from offstep.rollout.agent_loop import LOOP_LISTS, AgentResult
 
 STATE_FILE = "trainer_state.json"
 FORMAT = 2  # 2: with the files' digests (format 1, without them, is still read)
@@ -138,7 +139,23 @@ _STATE_CHECKS: dict[str, Callable] = {
     "score": lambda v: v is None or _num(v), "extra": lambda v: isinstance(v, dict), "text": lambda v: isinstance(v, str),
     "loss_mask": lambda v: v is None or _ints(v), "agent": lambda v: v is None or isinstance(v, dict),
     "info": lambda v: v is None or isinstance(v, dict), "prompt_ids": lambda v: v is None or _ints(v),
+    "loop": lambda v: v is None or _loop(v),
 }
+
+
+def _loop(v) -> bool:
+    """A stored tool loop (``SampleState.loop``): an AgentResult's fields only, each of its field's
+    kind (an int where the field is an int, ...), its per-token lists of one length."""
+    kinds = {bool: lambda x: isinstance(x, bool), int: _int, float: _num, str: lambda x: isinstance(x, str),
+             list: lambda x: isinstance(x, list)}
+    like = {f.name: type(f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+            for f in dataclasses.fields(AgentResult)}
+    like["request_pos"] = int  # no default
+    return (isinstance(v, dict) and set(v) <= set(like) and "request_pos" in v
+            and all(kinds[like[k]](x) for k, x in v.items())
+            and _ints(v.get("response_ids", [])) and _nums(v.get("logprobs", [])) and _ints(v.get("versions", []))
+            and _ints(v.get("loss_mask", [])) and len({len(v.get(k, [])) for k in LOOP_LISTS}) == 1
+            and all(isinstance(c, dict) for c in v.get("calls", [])))
 
 
 def decode_stream_groups(d, num_items: int | None = None, replicas: int | None = None) -> list[dict]:

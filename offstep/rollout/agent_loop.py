@@ -76,6 +76,15 @@ class AgentResult:
                 "ended_by": self.ended_by}
 
 
+LOOP_LISTS = ("response_ids", "logprobs", "versions", "loss_mask")  # one entry per response token
+
+
+def resume_loop(stored: dict) -> AgentResult:
+    """A loop from ``dataclasses.asdict`` of one (a checkpoint's stream state, checked by
+    ``offstep.pipeline.trainer_state``), to go on from."""
+    return AgentResult(**{**stored, "spans": [tuple(s) for s in stored.get("spans", [])]})
+
+
 class ToolTurnRenderer:
     """The tokens of a tool turn as the chat template renders it after an assistant turn."""
 

@@ -42,6 +42,9 @@ class SampleState:
     agent: dict | None = None  # its AgentStats
     info: dict | None = None  # what its reward finds in extra_info besides the row's (num_turns, ...)
     prompt_ids: list[int] | None = None  # its own prompt (an OpenAI agent's rendered chat); None: the row's
+    # a tool loop not finished when its group was suspended: its AgentResult (as a dict) at the start of
+    # its last model turn; submitted again, the loop goes on from there (offstep.rollout.stream_agents)
+    loop: dict | None = None
 
 
 @dataclass
@@ -169,7 +172,7 @@ class StreamServer:
                 for j, s in enumerate(g.samples):
                     if s.finish_reason:
                         continue
-                    if agent is not None:  # an agent's loop, from its start (a suspension restarts it)
+                    if agent is not None:  # an agent's loop: from its start, or (a tool loop) where s.loop stands
                         loops.append((agent, uid, j, g))
                         continue
                     index = self._next
@@ -216,6 +219,13 @@ class StreamServer:
             else:
                 self._maybe_done(uid)
         self.on_sample()
+
+    def agent_suspended(self, uid: int, j: int, loop: dict) -> None:
+        """Sample ``j`` of group ``uid`` is a tool loop that a suspension stopped: ``loop`` is where it
+        goes on from when the group is submitted again."""
+        with self._lock:
+            if uid in self._groups:
+                self._groups[uid].samples[j] = SampleState(loop=loop)
 
     def fail(self, error: BaseException) -> None:
         """An agent's error: raised by the controller's next take."""
@@ -308,8 +318,10 @@ class StreamServer:
 
     def suspend(self) -> list[GroupWork]:
         """End every in-flight sample where it is and hand back every unfinished group (removed
-        from this replica; submit them again to continue). Finished groups stay for ``take``. An
-        agent's unfinished samples start again from their prompts when submitted again."""
+        from this replica; submit them again to continue). Finished groups stay for ``take``. A
+        tool loop goes on from the start of its last model turn when submitted again (its earlier
+        turns and tool turns kept); an OpenAI agent's rollout starts again from its prompt (a
+        Python coroutine cannot be stored)."""
         for agent in self.agents.values():
             agent.forget()
         self.feed.pause(True)

@@ -24,7 +24,7 @@ import threading
 from concurrent.futures import Future
 
 from offstep.batch import Span
-from offstep.rollout.agent_loop import AgentResult, AgentRunner, agent_stats, merge_spans
+from offstep.rollout.agent_loop import AgentResult, AgentRunner, agent_stats, merge_spans, resume_loop
 from offstep.rollout.control import SUSPENDED
 from offstep.rollout.openai_agent import MODEL_NAME, OpenAIRunner
 from offstep.rollout.openai_server import OpenAIServer
@@ -43,9 +43,12 @@ class ToolLoops:
         self._lock = threading.Lock()
         self._live: dict[tuple[int, int], AgentResult] = {}  # (uid, sample) -> its loop
         self._spans: list[tuple[float, float]] = []  # when the finished loops' tools ran, since take_spans
+        self._at_turn: dict[tuple[int, int], dict] = {}  # each live loop at the start of its model turn in flight
 
     def start(self, uid: int, j: int, work: GroupWork) -> None:
-        r = AgentResult(j)
+        """Sample ``j``'s loop: from the row's prompt, or from where a suspension stopped it."""
+        stored = work.samples[j].loop
+        r = AgentResult(j) if stored is None else resume_loop(stored)
         with self._lock:
             self._live[(uid, j)] = r
         self._turn(uid, j, work, r)
@@ -60,6 +63,7 @@ class ToolLoops:
         with self._lock:  # not queued once forgotten (a suspension drains what was queued before)
             if self._live.get((uid, j)) is not r:
                 return
+            self._at_turn[(uid, j)] = {**dataclasses.asdict(r), "spans": []}  # where a suspension goes on from
             self.server.submit_turn(list(work.request.prompt_ids) + r.response_ids, self.budget - len(r.response_ids),
                                     work.stream0 + j + (r.turns << 32), work.seed, self.stop,
                                     lambda _, c: self._on_turn(uid, j, work, r, c))
@@ -92,6 +96,7 @@ class ToolLoops:
             if self._live.get((uid, j)) is not r:
                 return
             del self._live[(uid, j)]
+            self._at_turn.pop((uid, j), None)
             self._spans.extend(r.spans)
         self.server.agent_done(uid, j, SampleState(
             tokens=r.response_ids, logprobs=r.logprobs, versions=r.versions, finish_reason=r.finish_reason,
@@ -104,9 +109,15 @@ class ToolLoops:
         return tuple(Span(a, b) for a, b in merge_spans(spans))
 
     def forget(self) -> None:
-        """Drop every unfinished loop (a suspension): what they still get back is ignored."""
+        """A suspension: every unfinished loop is handed to the server as it stood at the start of its
+        model turn in flight (that turn and any tools it called run again when it is submitted
+        again); what the loops still get back is ignored."""
         with self._lock:
+            stopped = [(key, self._at_turn[key]) for key in self._live]
             self._live.clear()
+            self._at_turn.clear()
+        for (uid, j), loop in stopped:
+            self.server.agent_suspended(uid, j, loop)
 
     close = forget
 
