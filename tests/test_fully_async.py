@@ -129,9 +129,6 @@ def test_vllm_replicas_stream_with_partial_rollouts(tmp_path, ray_session):
 @pytest.mark.parametrize("override,needle", [
     ("rollout.engine=vllm actor.lora.rank=8", "rollout.engine=builtin, or pipeline.mode=batch for LoRA on vLLM"),
     ("algorithm.dynamic_sampling=true", "pipeline.mode=batch"),
-    ("rollout.engine=vllm rollout.agent.default_agent=tool_agent", "rollout.engine=builtin, or pipeline.mode=batch for agents"),
-    ("rollout.engine=vllm rollout.agent.default_agent=openai rollout.agent.openai_path=a.py",
-     "rollout.engine=builtin, or pipeline.mode=batch for agents"),
     ("rollout.partial=sometimes", "rollout.partial='sometimes' is not one of"),
 ])
 def test_combinations_it_does_not_run_are_refused_before_start(override, needle):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import ENGINES_SLOW_VLLM
 from scripted_model import X_TOOL, scripted_model
 from test_fully_async import STREAM_METRICS
 
@@ -103,13 +104,14 @@ def _check_stored_samples(out) -> None:
     assert looped, "some stored sample has a tool turn"
 
 
-def test_tool_loops_stream(tmp_path, ray_session, files):
+@pytest.mark.parametrize("engine", ENGINES_SLOW_VLLM)
+def test_tool_loops_stream(tmp_path, ray_session, files, engine):
     """Two-step staleness: every group is admitted at the start, and those of step 3 have
     finished when step 2's checkpoint stores them, with their masks."""
     out = tmp_path / "run"
     _run(out, files, 2, 2, ["rollout.agent.default_agent=tool_agent", "rollout.agent.tools=[x]",
                       f"rollout.agent.tools_path={files / 'x_tool.py'}", "rollout.agent.format=tag",
-                      "rollout.agent.max_turns=2", "rollout.partial=recompute"])
+                      "rollout.agent.max_turns=2", "rollout.partial=recompute", f"rollout.engine={engine}"])
     _check_stored_samples(out)
     tools = [e for e in read_jsonl(out / "timeline.jsonl") if e["stage"] == Stage.TOOL]
     assert tools and all(replica_index(e["role"]) is not None for e in tools), "tool time on the replicas' lanes"

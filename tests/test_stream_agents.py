@@ -108,13 +108,7 @@ def _stream(parts, agent_name: str, partial: str, params: SamplingParams, load_a
 
     engine._append = counting
     try:
-        request = Request(uid=7, prompt_ids=prompt, data_source="x", ground_truth="25", agent_name=agent_name,
-                          messages=USER)
-        server.submit([GroupWork(request, seed=3, stream0=0)])
-        deadline, out = time.monotonic() + 120, []
-        while not out and time.monotonic() < deadline:
-            out = server.take(1.0)
-        assert out, "the group did not finish"
+        out = run_group(server, GroupWork(_request(prompt, agent_name), seed=3, stream0=0), 120)
         for f in posted:
             f.result(timeout=5)
     finally:
@@ -125,6 +119,20 @@ def _stream(parts, agent_name: str, partial: str, params: SamplingParams, load_a
     (group,) = out
     assert group.uid == 7 and len(group.samples) == params.n
     return group.samples
+
+
+def _request(prompt: list[int], agent_name: str) -> Request:
+    return Request(uid=7, prompt_ids=prompt, data_source="x", ground_truth="25", agent_name=agent_name, messages=USER)
+
+
+def run_group(server: StreamServer, work: GroupWork, timeout_s: float) -> list:
+    """Submit ``work`` and wait for it to come back finished."""
+    server.submit([work])
+    deadline, out = time.monotonic() + timeout_s, []
+    while not out and time.monotonic() < deadline:
+        out = server.take(1.0)
+    assert out, "the group did not finish"
+    return out
 
 
 def _teacher(model, weights, prompt, response):
@@ -195,8 +203,7 @@ def test_without_a_load_a_greedy_sample_is_batch_modes(parts, agent_name):
     streamed = _stream(parts, agent_name, "keep", params, None)
     engine = TorchEngine(model, tok, eos)
     engine.load_weights(old, 0)
-    request = Request(uid=7, prompt_ids=_prompt(tok), data_source="x", ground_truth="25", agent_name=agent_name,
-                      messages=USER)
+    request = _request(_prompt(tok), agent_name)
     if agent_name == TOOL_AGENT:
         runner = AgentRunner(spec, tok, eos)
 
@@ -227,7 +234,7 @@ def test_a_suspended_tool_loop_goes_on_from_its_last_turn(parts):
     engine = TorchEngine(model, tok, eos)
     engine.load_weights(old, 0)
     prompt = _prompt(tok)
-    request = Request(uid=7, prompt_ids=prompt, data_source="x", ground_truth="25", agent_name=TOOL_AGENT, messages=USER)
+    request = _request(prompt, TOOL_AGENT)
 
     def server_and_runner():
         server = StreamServer(engine, [prompt], params, "keep", 8, lambda r, text, info=None: (0.0, {}), ThreadPoolExecutor(2),
@@ -259,10 +266,7 @@ def test_a_suspended_tool_loop_goes_on_from_its_last_turn(parts):
         assert s.loop["loss_mask"][:FIRST_TURN] == [1] * FIRST_TURN and s.loop["loss_mask"][-1] == 0  # call, tool turn
     server, runner = server_and_runner()
     try:
-        server.submit([work])
-        deadline, out = time.monotonic() + 120, []
-        while not out and time.monotonic() < deadline:
-            out = server.take(1.0)
+        out = run_group(server, work, 120)
     finally:
         server.close()
         runner.close()

@@ -35,7 +35,6 @@ from offstep.config.choices import (
     ROLLOUT_ENGINES,
     SLEEP_MODES,
     TIS_LEVELS,
-    TOOL_AGENT,
     TOOL_FORMATS,
     TOOL_ROLES,
     VLLM_LORA_RANKS,
@@ -267,10 +266,6 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
     _need(cfg.algorithm.adv_estimator != "remax",
           f"{why} with algorithm.adv_estimator=remax: its greedy baseline is decoded per batch; use pipeline.mode=batch, "
           f"or a group estimator such as grpo", e)
-    _need(not (cfg.rollout.engine == "vllm" and cfg.rollout.agent.default_agent in (TOOL_AGENT, OPENAI_AGENT)),
-          f"{why} with rollout.engine=vllm and rollout.agent.default_agent={cfg.rollout.agent.default_agent}: an "
-          f"agent's turns in the stream need per-request stop strings, which the vLLM engine's stream does not take "
-          f"yet; use rollout.engine=builtin, or pipeline.mode=batch for agents on vLLM", e)
 
 
 def _check_lora(cfg: Config, e: list[str]) -> None:
