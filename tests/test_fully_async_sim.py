@@ -183,11 +183,14 @@ def test_a_replica_that_dies_is_replaced_and_its_groups_generated_again(tmp_path
     """k = 1, two replicas: one replica's process exits as its take hands over finished groups
     (lost with it, as are its samples in flight). The fleet starts a new replica with the current
     weights and the stream gives it the dead one's unfinished groups: the run ends with every group
-    trained once and the bound kept, as (a), (b), (c). Without the replacement the run stops."""
+    trained once and the bound kept, as (a), (b), (c). A checkpoint after every step suspends the
+    stream around the death too (a dead replica's groups are stored as the driver knew them).
+    Without the replacement the run stops."""
     marker = tmp_path / "died"
     profile = dataclasses.replace(PROFILE, die_marker=str(marker))
     steps, k = 6, 1
-    cfg, out, records = _run(tmp_path, k, steps, "rollout.max_restarts=1", train_s=0.2, profile=profile)
+    cfg, out, records = _run(tmp_path, k, steps, "rollout.max_restarts=1", "trainer.save_freq=1", "trainer.keep_checkpoints=0",
+                               train_s=0.2, profile=profile)
     assert marker.exists(), "a replica was meant to die"
     _check_run(cfg, out, records, k, steps, tmp_path)
 
