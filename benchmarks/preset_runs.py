@@ -36,7 +36,7 @@ sys.path.insert(0, str(HERE.parent))
 from readme import NOT_RECORDED, cpu_kind, refresh  # noqa: E402
 from training_runs import train_and_read  # noqa: E402
 
-KEPT = ("timing_s/", "sandbox/", "reward/", "agent/", "val/")  # per-step metrics a row keeps (medians)
+KEPT = ("timing_s/", "sandbox/", "reward/", "agent/", "val/", "rollout/")  # per-step metrics a row keeps (medians)
 
 
 def _score_s(m: dict) -> float:
@@ -79,6 +79,12 @@ def _spread(values: list[float], pct: bool) -> str:
     return f"{f(statistics.mean(values))} ({f(min(values))}–{f(max(values))})" if len(values) > 1 else f(values[0])
 
 
+def _partial(medians: dict) -> str:
+    """The median step's samples that crossed a weight load (pipeline.mode=fully_async); "—" in batch mode."""
+    key = "rollout/partial_samples"
+    return f"{medians[key]:.0f}" if key in medians else "—"
+
+
 def write_table(rows: list[dict], out: Path, remark: str) -> str:
     import torch
 
@@ -96,8 +102,8 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
         "steps 2 and later):",
         "",
         "| label | seed | val acc, before → after | val acc by validation | reward, first 3 / last 3 steps | step s | gen s "
-        "| trainer's wait s | update s | score s | wall min | CPU | load, start / end | finished (UTC) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| trainer's wait s | update s | score s | partial samples | wall min | CPU | load, start / end | finished (UTC) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         m = r["medians"]
@@ -106,10 +112,10 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
             f"| {r['label']} | {r['seed']} | {pct(r['val_curve'][0][1])} → {pct(r['val_curve'][-1][1])} | {curve} | "
             f"{r['reward_first3']:.2f} / {r['reward_last3']:.2f} | {r['step_s']:.1f} | {m.get('timing_s/gen', 0):.1f} | "
             f"{m.get('timing_s/wait_gen', 0):.1f} | {m.get('timing_s/update_actor', 0):.1f} | {r['score_s']:.1f} | "
-            f"{r['wall_s'] / 60:.1f} | {r.get('cpu', NOT_RECORDED)} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |")
+            f"{_partial(m)} | {r['wall_s'] / 60:.1f} | {r.get('cpu', NOT_RECORDED)} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |")
     lines += ["", "Mean (range) per label over its seeds:", "",
-              "| label | seeds | val acc before | val acc after | reward first 3 | reward last 3 | step s | gen s | update s "
-              "| score s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "| label | seeds | val acc before | val acc after | reward first 3 | reward last 3 | step s | gen s | "
+              "trainer's wait s | update s | score s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label in labels:
         rs = [r for r in rows if r["label"] == label]
         med = lambda key: _spread([r["medians"].get(key, 0.0) for r in rs], False)  # noqa: E731
@@ -117,7 +123,8 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
             f"| {label} | {', '.join(str(r['seed']) for r in rs)} | {_spread([r['val_curve'][0][1] for r in rs], True)} | "
             f"{_spread([r['val_curve'][-1][1] for r in rs], True)} | {_spread([r['reward_first3'] for r in rs], False)} | "
             f"{_spread([r['reward_last3'] for r in rs], False)} | {_spread([r['step_s'] for r in rs], False)} | "
-            f"{med('timing_s/gen')} | {med('timing_s/update_actor')} | {_spread([r['score_s'] for r in rs], False)} |")
+            f"{med('timing_s/gen')} | {med('timing_s/wait_gen')} | {med('timing_s/update_actor')} | "
+            f"{_spread([r['score_s'] for r in rs], False)} |")
     lines += ["", "Labels:", ""]
     for label in labels:
         r = next(r for r in rows if r["label"] == label)
