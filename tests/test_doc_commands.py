@@ -55,7 +55,6 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep export runs/default --out DIR": ("synopsis", "runs here with DIR a fresh folder"),
     ".venv/bin/offstep train ...": ("synopsis", "every concrete `offstep train` form is resolved here"),
     "offstep train key=value ...": ("synopsis", "every concrete `offstep train` form is resolved here"),
-    "bash scripts/train.sh key=value ...": ("synopsis", "`bash scripts/train.sh preset=tiny` runs here"),
     "offstep train --help KEY": ("synopsis", "`offstep train --help rollout.n` runs here"),
     "offstep train --help [KEY or SECTION]": ("synopsis", "`offstep train --help rollout.n` and `--help algorithm` run here"),
     "offstep train --help [KEY]": ("synopsis", "`offstep train --help rollout.n` runs here"),
