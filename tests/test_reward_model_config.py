@@ -38,6 +38,12 @@ def test_defaults_have_no_reward_model_and_no_problem():
      "reward.model.placement='cloud' is not one of ['rollout', 'pool']"),
     (["reward.model.kind=generative", "reward.model.path=tiny", "resources.reward_workers=0"], "resources.reward_workers=0"),
     (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.max_restarts=-1"], "max_restarts=-1"),
+    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.engine=sglang"],
+     "reward.model.engine='sglang' is not one of"),
+    (["reward.model.kind=discriminative", "reward.model.path=/x", "reward.model.engine=vllm"],
+     "set reward.model.engine=builtin"),
+    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.engine=vllm", "rollout.engine=vllm"],
+     "two vLLM engines in one replica's process; put the judge in a pool of its own (reward.model.placement=pool)"),
 ])
 def test_bad_values_are_named_with_their_fix(overrides, needle):
     found = _problems(*overrides)

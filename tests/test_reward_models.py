@@ -4,11 +4,13 @@ fallback on a timeout or a failure, and the rollout worker scoring with a model.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 import torch
+from conftest import needs_vllm
 
 from offstep.config.schema import RewardModelConfig
 from offstep.errors import RewardError
@@ -186,6 +188,24 @@ def test_judge_scores_with_the_engine_and_parses_its_text(tiny):
                                                              SamplingParams(n=1, temperature=0.0, max_new_tokens=6), 0)
     assert judge.last_texts == [c.text for c in direct]  # greedy, through the engine interface
     assert scores == [parse_score(t, cfg.parser) for t in judge.last_texts]
+
+
+@needs_vllm
+@pytest.mark.own_process
+def test_a_judge_on_vllm_answers_as_on_the_builtin_engine():
+    """reward.model.engine=vllm: the same judge prompts, answered greedily by vLLM, give the built-in
+    engine's texts and so the same scores."""
+    items = [Item([{"role": "user", "content": f"{a}+3?"}], str(a + 3), a + 3) for a in range(4)]
+    cfg = RewardModelConfig(kind="generative", path="tiny", parser=r"regex:(\S)", max_new_tokens=6,
+                            template="Q: {question} A: {response} Truth: {ground_truth}")
+    builtin = JudgeScorer(cfg, CPU)
+    on_vllm = JudgeScorer(dataclasses.replace(cfg, engine="vllm"), CPU)
+    try:
+        assert type(on_vllm.engine).__name__ == "VLLMEngine"
+        assert on_vllm(items) == builtin(items)
+        assert on_vllm.last_texts == builtin.last_texts
+    finally:
+        on_vllm.engine.close()
 
 
 def test_rollout_worker_scores_with_the_reward_model_as_samples_finish(tmp_path, tiny):

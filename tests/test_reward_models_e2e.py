@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from conftest import ENGINES_SLOW_VLLM
 
 from offstep.config.loader import load_config
 from offstep.models.loading import load_tokenizer, resolve_model
@@ -50,9 +51,12 @@ def test_fully_async_scores_with_the_reward_model(tmp_path, ray_session):
     assert lane and {e["stage"] for e in lane} == {Stage.REWARD_MODEL} and 1 in {e["step"] for e in lane}
 
 
-def test_generative_judge_alone(tmp_path, ray_session):
+@pytest.mark.parametrize("engine", ENGINES_SLOW_VLLM)
+def test_generative_judge_alone(tmp_path, ray_session, engine):
+    """On either engine (reward.model.engine); the vLLM judge in a pool of its own."""
+    where = ["reward.model.placement=pool", "pipeline.max_staleness=0", "pipeline.colocate=true"] if engine == "vllm" else []
     metrics, _ = _run(tmp_path, "reward.model.kind=generative", "reward.model.path=tiny", "reward.model.max_new_tokens=4",
-                      "reward.model.fallback_score=0.25", "trainer.total_steps=1")
+                      "reward.model.fallback_score=0.25", "trainer.total_steps=1", f"reward.model.engine={engine}", *where)
     (m,) = metrics
     # the random tiny judge writes no number in [0, 1]: every sample falls back, counted, and the run goes on
     n = 4 * 2  # data.train_batch_size x rollout.n of the tiny preset

@@ -172,6 +172,8 @@ class RewardModelConfig:
     """generative: how the judge's text becomes a score: last_number (the last number, which must lie in [0, 1]) | yes_no (the first yes or no: 1 or 0) | regex:PATTERN (the first match's first group, as a number)"""
     max_new_tokens: int = 16
     """generative: tokens the judge writes at most (greedy)"""
+    engine: str = "builtin"
+    """generative: the engine that serves the judge: builtin | vllm (one vLLM engine per process: beside a vLLM policy, put the judge in a pool of its own, placement=pool)"""
 
 
 @dataclass

