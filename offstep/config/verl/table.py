@@ -388,7 +388,7 @@ PREFIXES: list[tuple[str, To | Note | Refuse]] = [
     ("reward_manager.", Note("offstep scores one response per call")),
     ("ray_kwargs.", Note("offstep starts Ray itself; resources.ray_address joins an existing cluster")),
     ("transfer_queue.", Note("offstep passes batches through Ray's object store")),
-    ("async_training.checkpoint_engine.", Note("weight-transfer tuning: pipeline.mode=fully_async sends the weights by pipeline.weight_sync=object_store, each load checked by its digest")),
+    ("async_training.checkpoint_engine.", Note("weight-transfer tuning: pipeline.mode=fully_async sends the weights by pipeline.weight_sync (object_store or collective), each load checked by its digest")),
     ("actor_rollout_ref.model.fused_kernel_options.", Note("kernel choice; offstep uses PyTorch's")),
     ("actor_rollout_ref.model.override_config.", To("model.override_config.", note="applied to the model's transformers config at load; a name it does not have is refused then")),
     ("actor_rollout_ref.actor.optim.override_optimizer_config.", Refuse("offstep's AdamW takes only lr, betas, weight_decay")),
