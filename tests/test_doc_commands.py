@@ -77,6 +77,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/judge_agreement.py": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --preset calculator_openai --seeds 0,1": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --preset calculator --seeds 0": BENCHMARK,
+    ".venv/bin/python benchmarks/preset_runs.py --label judge_only --preset default --seeds 0,1,2 --extra "
+    "reward.model.kind=generative reward.model.path=smollm2-135m-instruct reward.model.template=yes_no "
+    "reward.model.parser=yes_no": BENCHMARK,
     "offstep train reward.model.kind=discriminative reward.model.path=/models/my-rm reward.model.placement=pool "
     "resources.reward_workers=1 resources.gpus_per_reward_worker=1 reward.model.dtype=bfloat16 reward.model.rule_weight=0.5":
         ("not run", "needs a reward model on disk and a GPU; tests/test_reward_models_e2e.py runs a reward pool on CPU"),
