@@ -69,7 +69,7 @@ def run_one(label: str, preset: str, seed: int, extra: list[str], steps: int | N
         "val_last": {k: v for k, v in val[-1].items() if k.startswith("val/")},
         "rewards": run.rewards, "reward_first3": run.reward(first=True), "reward_last3": run.reward(first=False),
         "medians": {k: med(k) for k in keys}, "score_s": statistics.median(_score_s(m) for m in later),
-        "wall_s": run.wall_s, "step_s": run.median("timing_s/step"), "load": [round(load0, 1), round(load1, 1)],
+        "wall_s": run.wall_s, "step_s": run.median("timing_s/step"), "step_s_each": [m.get("timing_s/step", 0.0) for m in run.steps], "load": [round(load0, 1), round(load1, 1)],
         "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": cpu_kind(),
     }
 
@@ -85,9 +85,22 @@ def _partial(medians: dict) -> str:
     return f"{medians[key]:.0f}" if key in medians else "—"
 
 
+def _staleness(medians: dict) -> str:
+    """The median step's mean / max staleness (trainer version minus the oldest token's); "—" if not recorded."""
+    mean, most = medians.get("rollout/staleness_mean"), medians.get("rollout/staleness_max")
+    return "—" if mean is None else f"{mean:.2f} / {most:.0f}"
+
+
+def _kept_remark(out: Path) -> str:
+    """The remark an earlier call wrote into ``out`` (the paragraph after the machine line), kept when no new one is given."""
+    paragraphs = out.read_text().split("\n\n") if out.exists() else []
+    return paragraphs[2] if len(paragraphs) > 3 and not paragraphs[2].startswith("Per seed") else ""
+
+
 def write_table(rows: list[dict], out: Path, remark: str) -> str:
     import torch
 
+    remark = remark or _kept_remark(out)
     pct = lambda v: f"{100 * v:.0f}%"  # noqa: E731
     labels = list(dict.fromkeys(r["label"] for r in rows))
     lines = [
@@ -102,8 +115,9 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
         "steps 2 and later):",
         "",
         "| label | seed | val acc, before → after | val acc by validation | reward, first 3 / last 3 steps | step s | gen s "
-        "| trainer's wait s | update s | score s | partial samples | wall min | CPU | load, start / end | finished (UTC) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| trainer's wait s | update s | score s | partial samples | staleness, mean / max | wall min | CPU | load, start / end "
+        "| finished (UTC) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         m = r["medians"]
@@ -112,19 +126,21 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
             f"| {r['label']} | {r['seed']} | {pct(r['val_curve'][0][1])} → {pct(r['val_curve'][-1][1])} | {curve} | "
             f"{r['reward_first3']:.2f} / {r['reward_last3']:.2f} | {r['step_s']:.1f} | {m.get('timing_s/gen', 0):.1f} | "
             f"{m.get('timing_s/wait_gen', 0):.1f} | {m.get('timing_s/update_actor', 0):.1f} | {r['score_s']:.1f} | "
-            f"{_partial(m)} | {r['wall_s'] / 60:.1f} | {r.get('cpu', NOT_RECORDED)} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |")
-    lines += ["", "Mean (range) per label over its seeds:", "",
-              "| label | seeds | val acc before | val acc after | reward first 3 | reward last 3 | step s | gen s | "
-              "trainer's wait s | update s | score s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for label in labels:
-        rs = [r for r in rows if r["label"] == label]
+            f"{_partial(m)} | {_staleness(m)} | {r['wall_s'] / 60:.1f} | {r.get('cpu', NOT_RECORDED)} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |")
+    lines += ["", "Mean (range) per label over its seeds, per kind of CPU (the trainer's dtype and speed differ by kind):", "",
+              "| label | CPU | seeds | val acc before | val acc after | reward first 3 | reward last 3 | step s | gen s | "
+              "trainer's wait s | update s | score s | partial samples | staleness mean |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for label, cpu in dict.fromkeys((r["label"], r.get("cpu", NOT_RECORDED)) for r in rows):
+        rs = [r for r in rows if r["label"] == label and r.get("cpu", NOT_RECORDED) == cpu]
         med = lambda key: _spread([r["medians"].get(key, 0.0) for r in rs], False)  # noqa: E731
         lines.append(
-            f"| {label} | {', '.join(str(r['seed']) for r in rs)} | {_spread([r['val_curve'][0][1] for r in rs], True)} | "
+            f"| {label} | {cpu} | {', '.join(str(r['seed']) for r in rs)} | {_spread([r['val_curve'][0][1] for r in rs], True)} | "
             f"{_spread([r['val_curve'][-1][1] for r in rs], True)} | {_spread([r['reward_first3'] for r in rs], False)} | "
             f"{_spread([r['reward_last3'] for r in rs], False)} | {_spread([r['step_s'] for r in rs], False)} | "
             f"{med('timing_s/gen')} | {med('timing_s/wait_gen')} | {med('timing_s/update_actor')} | "
-            f"{_spread([r['score_s'] for r in rs], False)} |")
+            f"{_spread([r['score_s'] for r in rs], False)} | {_optional(rs, 'rollout/partial_samples')} | "
+            f"{_optional(rs, 'rollout/staleness_mean')} |")
     lines += ["", "Labels:", ""]
     for label in labels:
         r = next(r for r in rows if r["label"] == label)
@@ -135,6 +151,51 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
     lines += ["", "Regenerate the tables from the stored rows: `.venv/bin/python benchmarks/preset_runs.py --table`."]
     out.write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
+
+
+def _optional(rs: list[dict], key: str) -> str:
+    """Mean (range) of a per-step median that only some modes record; "—" where a seed lacks it."""
+    vals = [r["medians"].get(key) for r in rs]
+    return "—" if None in vals else _spread(vals, False)
+
+
+def _band(series: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    """Mean, min and max per position over seeds (positions that every seed has)."""
+    cols = list(zip(*series))
+    return [statistics.mean(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]
+
+
+def plot_labels(rows: list[dict], labels: list[str], out: Path, cpu: str = "") -> Path:
+    """Training reward and held-out accuracy per step for ``labels``: the mean over each label's seeds
+    (those run on ``cpu``, a kind as the rows name it, if given), shaded from the lowest to the highest seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_r, ax_v) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for label in labels:
+        rs = [r for r in rows if r["label"] == label and (not cpu or r.get("cpu") == cpu)]
+        if not rs:
+            raise SystemExit(f"--plot: no rows labelled {label!r} in the results; labels: {sorted({r['label'] for r in rows})}")
+        seeds = ",".join(str(r["seed"]) for r in rs)
+        mean, lo, hi = _band([r["rewards"] for r in rs])
+        steps = list(range(1, len(mean) + 1))
+        (line,) = ax_r.plot(steps, mean, label=f"{label} (seeds {seeds})")
+        ax_r.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
+        vsteps = [s for s, _ in rs[0]["val_curve"]]
+        mean, lo, hi = _band([[a for _, a in r["val_curve"]] for r in rs])
+        ax_v.plot(vsteps[: len(mean)], mean, "o-", color=line.get_color(), label=label)
+        ax_v.fill_between(vsteps[: len(mean)], lo, hi, color=line.get_color(), alpha=0.15)
+    ax_r.set(xlabel="step", ylabel="training reward (batch mean)", title="training reward", ylim=(0, 1.02))
+    ax_v.set(xlabel="step", ylabel="held-out accuracy (greedy)", title="validation", ylim=(0, 1.02))
+    for ax in (ax_r, ax_v):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
 
 
 def main() -> None:
@@ -148,10 +209,17 @@ def main() -> None:
     ap.add_argument("--rows", default=str(HERE / "results_presets.jsonl"))
     ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran on the machine)")
     ap.add_argument("--out", default=str(HERE / "results_presets.md"))
+    ap.add_argument("--plot", default="", help="comma-separated labels: draw their curves (mean and range over seeds) "
+                    "into --plot-out, and nothing else")
+    ap.add_argument("--plot-out", default=str(HERE / "presets.png"))
+    ap.add_argument("--plot-cpu", default="", help="only the seeds run on this kind of CPU (e.g. AVX2, 'AVX-512 BF16')")
     args = ap.parse_args()
     label = args.label or args.preset
     rows_path = Path(args.rows)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()] if rows_path.exists() else []
+    if args.plot:
+        print(plot_labels(rows, args.plot.split(","), Path(args.plot_out), args.plot_cpu))
+        return
     for seed in ([] if args.table else [int(s) for s in args.seeds.split(",") if s]):
         row = run_one(label, args.preset, seed, args.extra, args.steps)
         rows = [r for r in rows if (r["label"], r["seed"]) != (label, seed)] + [row]

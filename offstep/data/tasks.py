@@ -11,8 +11,9 @@ Tasks
     "What is 23 + 58?" with an instruction to end the reply with the final number. Scored by the
     last number in the reply (data_source ``"arithmetic"``). Keyword arguments:
     ``digits`` (max digits per operand, default 2), ``min_value`` (smallest operand, default 0),
-    ``ops`` (operators from ``"+-*"``, default ``"+-"``), ``num_operands`` (default 2),
-    ``allow_negative`` (default False: results are never negative).
+    ``ops`` (operators from ``"+-*"``, default ``"+-"``), ``num_operands`` (default 2; a list, such
+    as ``[2, 2, 2, 3, 5, 8]``, draws each problem's count from it: problems, and the model's replies,
+    of mixed lengths with a long tail), ``allow_negative`` (default False: results are never negative).
 ``calculator``
     Multiplications of multi-digit numbers ("What is 47 * 86?") that a small model cannot do in
     its head, with a calculator tool described in the system prompt (``<calculator>47 * 86
@@ -99,18 +100,19 @@ def arithmetic(
     digits: int = 2,
     min_value: int = 0,
     ops: str | list[str] = "+-",
-    num_operands: int = 2,
+    num_operands: int | list[int] = 2,
     allow_negative: bool = False,
 ) -> list[dict]:
     """``n`` distinct integer-expression questions (see the module docstring)."""
+    counts = [int(num_operands)] if isinstance(num_operands, (int, str)) else [int(c) for c in num_operands]
     ops_list = [o for o in ops if not o.isspace()] if isinstance(ops, str) else list(ops)
     bad = [o for o in ops_list if o not in ("+", "-", "*")]
     if not ops_list or bad:
         raise ValueError(f"arithmetic: ops must be drawn from '+', '-', '*', got {ops!r}.")
     if int(digits) < 1:
         raise ValueError(f"arithmetic: digits must be >= 1, got {digits}.")
-    if int(num_operands) < 2:
-        raise ValueError(f"arithmetic: num_operands must be >= 2, got {num_operands}.")
+    if not counts or min(counts) < 2:
+        raise ValueError(f"arithmetic: num_operands must be >= 2 (or a list of such counts), got {num_operands}.")
     hi = 10 ** int(digits) - 1
     lo = int(min_value)
     if lo > hi:
@@ -119,7 +121,8 @@ def arithmetic(
     rng = np.random.default_rng([int(seed), 0xA51])
 
     def draw():
-        operands = [int(v) for v in rng.integers(lo, hi + 1, size=int(num_operands))]
+        count = counts[0] if len(counts) == 1 else counts[int(rng.integers(0, len(counts)))]
+        operands = [int(v) for v in rng.integers(lo, hi + 1, size=count)]
         chosen = [ops_list[int(i)] for i in rng.integers(0, len(ops_list), size=len(operands) - 1)]
         result = _eval_expression(operands, chosen)
         if result < 0 and not allow_negative:
