@@ -247,6 +247,14 @@ SECTIONS = [
             "(`pipeline.lend_cores=true`) against without; off and on alternate within one run. The equal-cores "
             "limit is the step if every core-second of the unlent runs' work were spread evenly over the cores.",
             tables_of(("results_lend.md", None)), "a step within 1.1x of the equal-cores limit"),
+    Section("trl", "Against TRL's GRPOTrainer", "trl_side_by_side.py", ("results_trl.md",),
+            "The same GRPO work in TRL's GRPOTrainer (in a virtual environment of its own) and in offstep, one run after "
+            "the other: SmolLM2-135M-Instruct on the built-in arithmetic task, no KL; offstep one-step on a core per "
+            "pool and synchronous colocated. The ratio is TRL's median step over offstep's (above one: offstep is "
+            "faster). The script's docstring lists what else differs between the two.",
+            tables_of(("results_trl.md", None)),
+            missing="Not run yet: `.venv/bin/python benchmarks/trl_side_by_side.py` installs TRL in "
+                    "`runs/bench_trl/venv`, writes `results_trl.md` and this section."),
     Section("soak", "Soak", "soak.py", ("results_soak.md",),
             "A long run of the tiny preset, one-step: resident memory, open files and threads of every process, first "
             "against last, with the least-squares slope of memory over the window.",
@@ -278,7 +286,7 @@ SECTIONS = [
             "the staleness. Labels run on the same seeds are side by side; what each label is: below its table. "
             "`default` against `fully_async` is the default preset in both modes ([fully-async.md]"
             "(../docs/fully-async.md), curves: [fully_async_vs_one_step.png](fully_async_vs_one_step.png), drawn by "
-            "`.venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-out "
+            "`.venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-cpu AVX2 --plot-out "
             "benchmarks/fully_async_vs_one_step.png`); `stale4_decoupled` against `stale4_off` is the mode at "
             "a high staleness bound with and without the decoupled correction (their overrides: below the table). The presets: [sandbox.md](../docs/sandbox.md), "
             "[openai-agents.md](../docs/openai-agents.md), [reward-models.md](../docs/reward-models.md).",

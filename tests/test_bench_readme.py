@@ -69,3 +69,22 @@ def test_a_results_file_records_command_cpu_and_date():
     assert readme.recorded_cpu("Machine: AMD EPYC") == readme.NOT_RECORDED == readme.recorded_dates("no date")
     assert readme.blocks("# t\n\ncaption\n\n| a |\n| --- |\n| 1 |\n\n## sub\n\nsecond\n\n| b |\n|---|\n") == [
         ("caption", "| a |\n| --- |\n| 1 |"), ("**sub**\n\nsecond", "| b |\n|---|")]
+
+
+def test_preset_runs_draws_the_committed_rows(tmp_path):
+    """`preset_runs.py --plot` draws the labels the docs plot from the stored rows, and names a missing label."""
+    import json
+    import subprocess
+
+    import pytest
+
+    rows = [json.loads(line) for line in (BENCH / "results_presets.jsonl").read_text().splitlines() if line.strip()]
+    assert {"default", "fully_async"} <= {r["label"] for r in rows if r.get("cpu") == "AVX2"}
+    out = tmp_path / "p.png"
+    subprocess.run([sys.executable, str(BENCH / "preset_runs.py"), "--plot", "default,fully_async", "--plot-cpu", "AVX2",
+                    "--plot-out", str(out)], check=True, capture_output=True)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import preset_runs
+
+    with pytest.raises(SystemExit, match="no rows labelled 'nope'"):
+        preset_runs.plot_labels(rows, ["nope"], tmp_path / "q.png")

@@ -72,7 +72,12 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep export": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     "offstep export --out": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     "offstep export RUN_DIR [--step N] --out DIR": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
-    ".venv/bin/python benchmarks/lora.py --parts runs --only r0-lr1e-05-s0": BENCHMARK,
+    ".venv/bin/python benchmarks/preset_runs.py --label default --preset default --seeds 1,2": BENCHMARK,
+    ".venv/bin/python benchmarks/preset_runs.py --label fully_async --preset default --seeds 1,2 --extra pipeline.mode=fully_async":
+        BENCHMARK,
+    ".venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-cpu AVX2 --plot-out "
+    "benchmarks/fully_async_vs_one_step.png":
+        ("test", "tests/test_bench_readme.py::test_preset_runs_draws_the_committed_rows"),
     ".venv/bin/python benchmarks/preset_runs.py --preset code --seeds 0,1,2": BENCHMARK,
     ".venv/bin/python benchmarks/judge_agreement.py": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --preset calculator_openai --seeds 0,1": BENCHMARK,
