@@ -73,6 +73,10 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep export --out": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     "offstep export RUN_DIR [--step N] --out DIR": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     ".venv/bin/python benchmarks/preset_runs.py --label default --preset default --seeds 1,2": BENCHMARK,
+    ".venv/bin/python benchmarks/preset_runs.py --label stale4_decoupled --preset default --seeds 0 --extra "
+    "pipeline.mode=fully_async pipeline.max_staleness=4 algorithm.correction_mode=decoupled": BENCHMARK,
+    ".venv/bin/python benchmarks/preset_runs.py --label stale4_off --preset default --seeds 0 --extra "
+    "pipeline.mode=fully_async pipeline.max_staleness=4 algorithm.correction_mode=off": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --label fully_async --preset default --seeds 1,2 --extra pipeline.mode=fully_async":
         BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-cpu AVX2 --plot-out "
@@ -144,6 +148,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     # docs/safety.md
     ".venv/bin/python benchmarks/random_kills.py --only builtin-k0 builtin-k1 builtin-k2": BENCHMARK,
     ".venv/bin/python benchmarks/random_kills.py --only lora-k1 tools-k1 vllm-k1": BENCHMARK,
+    "python benchmarks/random_kills.py --only fully-async-k0": BENCHMARK,
     # docs/tools-and-agents.md
     "offstep train data.train_files=[examples/tools/shop.jsonl] data.val_files=[examples/tools/shop.jsonl] "
     "data.train_batch_size=2 rollout.agent.tools_path=examples/tools/shop_tools.py "
