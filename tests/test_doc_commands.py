@@ -149,6 +149,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/random_kills.py --only builtin-k0 builtin-k1 builtin-k2": BENCHMARK,
     ".venv/bin/python benchmarks/random_kills.py --only lora-k1 tools-k1 vllm-k1": BENCHMARK,
     "python benchmarks/random_kills.py --only fully-async-k0": BENCHMARK,
+    ".venv/bin/python benchmarks/trl_side_by_side.py": BENCHMARK,
     # docs/tools-and-agents.md
     "offstep train data.train_files=[examples/tools/shop.jsonl] data.val_files=[examples/tools/shop.jsonl] "
     "data.train_batch_size=2 rollout.agent.tools_path=examples/tools/shop_tools.py "
