@@ -223,6 +223,8 @@ OPTION_CASES = {
     "typo added with a plus": (["+trainer.total_step=3"], ["unknown configuration key 'trainer.total_step'",
                                                            "did you mean trainer.total_steps"]),
     "hydra override": (["hydra.run.dir=/tmp/elsewhere"], ["hydra.run.dir", "trainer.output_dir"]),
+    "task option without a plus": (["data.task_options.num_operands=3"], ["open mapping 'data.task_options'",
+                                                                       "+data.task_options.num_operands=VALUE"]),
     "unknown task option": (["+data.task_options.bogus=1"], ["data.task_options.bogus", "data.task=arithmetic", "digits"]),
     "unset environment variable": (["trainer.wandb_project=${oc.env:OFFSTEP_TEST_NEVER_SET}"],
                                    ["trainer.wandb_project", "environment variable OFFSTEP_TEST_NEVER_SET", "is not set", "export"]),

@@ -37,6 +37,9 @@ def _unknown_key(key: str) -> str:
     node = OmegaConf.structured(Config)
     for part in filter(None, parent.split(".")):
         node = node.get(part) if hasattr(node, "get") else None
+    if node is not None and OmegaConf.get_type(node) is dict:  # an open mapping (data.task_options, ...)
+        return (f"{key!r} is a new key in the open mapping {parent!r}, which Hydra adds only with a plus. "
+                f"Fix: write +{key}=VALUE")
     known = [str(k) for k in node] if hasattr(node, "keys") else []
     close = difflib.get_close_matches(name, known, n=3)
     hint = f"did you mean {' or '.join(f'{parent}.{c}' if parent else c for c in close)}? Otherwise " if close else ""
