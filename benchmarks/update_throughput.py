@@ -10,7 +10,8 @@ repetition, settings interleaved. No optimizer step, so every repetition sees th
 Reported per setting: micro-batches, computed token slots (rows x width summed over micro-batches),
 the share of them that is padding, the median seconds per pass and update tokens/s (real, non-pad
 prompt + response tokens per second), the speed-up over the padded baseline, and the relative
-difference of the loss and gradient norm from the baseline (exactness check).
+difference of the loss and gradient norm from the baseline (exactness check). Then the AdamW
+step over the same parameters: torch's per-tensor loop against the fused kernel offstep uses.
 
     python benchmarks/update_throughput.py                    # SmolLM2-135M, 32 samples, 1 thread
     python benchmarks/update_throughput.py --reps 5 --threads 2 --budgets 1024 2048
@@ -77,6 +78,35 @@ def one_pass(actor: ActorWorker, batch, micro: int, budget: int) -> tuple[float,
     return dt, loss, math.sqrt(sq), len(micros), slots
 
 
+def optimizer_steps(params: list, reps: int) -> list[tuple[str, float, float]]:
+    """torch's per-tensor AdamW loop against the fused AdamW that ``make_optimizer`` builds, over
+    ``params`` with the same small gradients: (setting, median seconds per step, largest relative
+    difference of a weight from the loop's after one step from the same state)."""
+    torch.manual_seed(0)
+    grads = [torch.randn_like(p) * 1e-3 for p in params]
+    start = [p.detach().clone() for p in params]  # same kind (DTensor or tensor) as the parameters
+    out, after = [], {}
+    for name, kw in (("AdamW, per-tensor loop", {"foreach": False}), ("AdamW, fused (offstep's)", {"fused": True})):
+        for p, w, g in zip(params, start, grads):
+            p.data.copy_(w)
+            p.grad = g.clone()
+        opt = torch.optim.AdamW(params, lr=1e-5, **kw)
+        opt.step()
+        after[name] = [(p.to_local() if hasattr(p, "to_local") else p).detach().clone() for p in params]
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        out.append((name, statistics.median(times)))
+    base, fused = after.values()
+    diff = max(float(((a - b).abs() / b.abs().clamp_min(1e-12)).max()) for a, b in zip(fused, base))
+    for p, w in zip(params, start):
+        p.data.copy_(w)
+        p.grad = None
+    return [(name, t, 0.0 if i == 0 else diff) for i, (name, t) in enumerate(out)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -110,13 +140,17 @@ def main() -> None:
     real = int(batch.attention_mask.sum())
     resp = batch.response_mask.sum(-1).long().tolist()
 
+    auto = args.micro_batch_size * batch.input_ids.shape[1]  # actor.micro_token_budget=-1 on this batch's layout
     settings = [("padded, fixed count", 0)] + [(f"token budget {b}, trimmed", b) for b in args.budgets]
+    settings.append((f"token budget {auto} (the default -1: {args.micro_batch_size} x the longest), trimmed", auto))
     one_pass(actor, batch, args.micro_batch_size, 0)  # warm-up (allocator, kernels)
     runs: dict[str, list] = {name: [] for name, _ in settings}
     for _ in range(args.reps):
         for name, budget in settings:  # interleaved, so drift affects every setting alike
             runs[name].append(one_pass(actor, batch, args.micro_batch_size, budget))
             print(name, f"{runs[name][-1][0]:.2f} s", flush=True)
+    params = list(actor.model.parameters())  # FSDP2's DTensors over one rank, as the actor's optimizer sees them
+    adam = optimizer_steps([p for p in params if p.requires_grad], args.reps)
     actor.shutdown()
 
     base_t = statistics.median(r[0] for r in runs[settings[0][0]])
@@ -149,8 +183,17 @@ def main() -> None:
         )
     lines += [
         "",
+        f"The optimizer step over the same model's {sum(p.numel() for p in params) / 1e6:.0f}M parameters (median of {args.reps}; "
+        "relative difference: the largest of any weight after one step from the same state and gradients):",
+        "",
+        "| optimizer | s / step (median) | speed-up | weight rel. diff |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [f"| {name} | {t:.3f} | {adam[0][1] / t:.1f}x | {d:.1e} |" for name, t, d in adam]
+    lines += [
+        "",
         f"Regenerate: `python benchmarks/update_throughput.py --reps {args.reps} --threads {args.threads} "
-        f"--budgets {' '.join(map(str, args.budgets))} --device {args.device}`.",
+        f"--budgets {' '.join(map(str, args.budgets))} --compute-dtype {args.compute_dtype} --device {args.device}`.",
     ]
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)

@@ -4,6 +4,7 @@ and the worker hooks, and the W&B logger in offline mode."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import re
 
@@ -288,14 +289,14 @@ def test_worker_hooks_report_samples_and_micro_batches(tiny_inputs, ray_session)
         assert (st["stage"], st["done"], st["total"], st["version"]) == (Stage.GEN, 32, 32, 0)
 
         spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
-        actor = ActorWorker(spec, 0, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature,
+        fixed_count = dataclasses.replace(cfg.actor, micro_token_budget=0)  # micro-batches of micro_batch_size rows
+        actor = ActorWorker(spec, 0, inputs.model_path, "float32", "float32", fixed_count, cfg.algorithm, r.temperature,
                             ProgressClient(hub, Role.TRAINER))
         batch = collate(samples, inputs.pad_id)
         batch.advantages, batch.returns = grpo_outcome_advantage(batch.scores, batch.group_ids, batch.response_mask)
         actor.update(batch)
         st = ray.get(hub.snapshot.remote())[Role.TRAINER]
-        # 32 samples in mini-batches of 16: 2 mini-batches; micro-batches of 4 rows: 4 + 4 = 8
-        # (with actor.micro_token_budget=0, the default).
+        # 32 samples in mini-batches of 16: 2 mini-batches; micro-batches of 4 rows: 4 + 4 = 8.
         assert (st["stage"], st["done"], st["total"], st["mini"], st["minis"]) == (Stage.UPDATE_ACTOR, 8, 8, 2, 2)
     finally:
         if actor is not None:

@@ -97,7 +97,13 @@ def resolve(cfg: Config) -> Config:
     """Fill in, in place, the keys whose default is derived from other keys, so that every consumer
     (actor, critic, the saved ``config.yaml``) sees one value: ``algorithm.loss_agg_horizon`` 0 is
     ``rollout.max_new_tokens`` (Dr. GRPO's constant divisor); ``model.compute_dtype=auto`` is
-    bfloat16 on GPUs and on CPUs with native bf16, else float32 (``cpu_has_native_bf16``)."""
+    bfloat16 on GPUs and on CPUs with native bf16, else float32 (``cpu_has_native_bf16``);
+    ``actor.micro_token_budget=-1`` is ``actor.micro_batch_size`` x the longest possible sample, so
+    that a micro-batch never holds more tokens than the padded fixed-count one could, and the
+    padding is cut (``benchmarks/update_throughput.py``)."""
+    a = cfg.actor
+    if a.micro_token_budget == -1:
+        a.micro_token_budget = a.micro_batch_size * (cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
     cfg.algorithm.loss_agg_horizon = cfg.algorithm.loss_agg_horizon or cfg.rollout.max_new_tokens
     if cfg.model.compute_dtype == "auto":
         on_gpu = cfg.resources.gpus_per_trainer_worker > 0 or cfg.trainer.device == "cuda"

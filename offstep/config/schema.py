@@ -354,8 +354,8 @@ class LoRAConfig:
 class ActorConfig:
     """With ``micro_token_budget > 0`` micro-batches are formed by tokens: samples sorted by length
     and grouped so that rows x (longest prompt + longest response) <= the budget, each cut to the
-    columns its rows use (exact; padding is not computed). With 0, ``micro_batch_size`` rows per
-    micro-batch on the padded batch."""
+    columns its rows use (padding is not computed; equal to the padded setting within float32
+    rounding). With 0, ``micro_batch_size`` rows per micro-batch on the padded batch."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     """the actor's optimizer"""
@@ -367,8 +367,8 @@ class ActorConfig:
     """sequences per forward/backward (gradient accumulation)"""
     nonfinite: str = "skip"
     """an update whose loss or gradient norm is NaN/inf: skip (leave the weights and optimizer state untouched, counted in actor/skipped_steps) | stop (end the run with an error)"""
-    micro_token_budget: int = 0
-    """> 0: micro-batches of at most this many tokens (see ActorConfig; >= data.max_prompt_length + rollout.max_new_tokens), for the reference and critic too; 0: micro_batch_size rows"""
+    micro_token_budget: int = -1
+    """> 0: micro-batches of at most this many tokens (see ActorConfig; >= data.max_prompt_length + rollout.max_new_tokens), for the reference and critic too; -1: micro_batch_size x (data.max_prompt_length + rollout.max_new_tokens), the padded setting's memory bound with the padding cut; 0: micro_batch_size padded rows"""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """low-rank adapters instead of full fine-tuning (lora.rank > 0)"""
 

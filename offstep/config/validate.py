@@ -455,7 +455,8 @@ def problems(cfg: Config) -> list[str]:
     _need(a.micro_token_budget == 0 or a.micro_token_budget >= d.max_prompt_length + r.max_new_tokens,
           f"actor.micro_token_budget={a.micro_token_budget} cannot hold the longest sample (data.max_prompt_length + "
           f"rollout.max_new_tokens = {d.max_prompt_length + r.max_new_tokens} tokens); raise it to at least that "
-          f"(a few times more for throughput), or set 0 to use actor.micro_batch_size rows per micro-batch", e)
+          f"(a few times more for throughput), set -1 for actor.micro_batch_size x that, or 0 for actor.micro_batch_size "
+          f"padded rows per micro-batch", e)
     _need(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1", e)
     _choice(a.nonfinite, "actor.nonfinite", NONFINITE_POLICIES, e)
     _choice(cfg.critic.nonfinite, "critic.nonfinite", NONFINITE_POLICIES, e)

@@ -35,9 +35,13 @@ def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
 
 
 def make_optimizer(params, cfg: OptimConfig):
-    """AdamW over the parameters that train (all of them, or a LoRA model's adapters)."""
+    """AdamW over the parameters that train (all of them, or a LoRA model's adapters), fused: one
+    kernel over every tensor instead of torch's per-tensor loop, about 9x faster on a CPU core
+    (``benchmarks/update_throughput.py``), equal to it within float32 rounding (a few ulp;
+    ``tests/test_optimizer.py``)."""
     opt = torch.optim.AdamW(
-        [p for p in params if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay
+        [p for p in params if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+        fused=True,
     )
     warmup = max(0, cfg.warmup_steps)
     # Linear warm-up over the first `warmup` optimizer steps, then constant.

@@ -79,7 +79,7 @@ _TOOLS = ("offstep's tools are Python functions: rollout.agent.tools_path=FILE.p
 TABLE: dict[str, To | Derived | Note | Refuse] = {
     # model
     "actor_rollout_ref.model.path": To("model.path"),
-    "actor_rollout_ref.model.use_remove_padding": Note("offstep cuts padding itself with actor.micro_token_budget > 0"),
+    "actor_rollout_ref.model.use_remove_padding": Note("offstep cuts padding itself (actor.micro_token_budget, on by default)"),
     "actor_rollout_ref.model.enable_gradient_checkpointing": Note("offstep does not checkpoint activations; lower actor.micro_batch_size if memory runs out"),
     "actor_rollout_ref.model.enable_activation_offload": Note(_FSDP),
     "actor_rollout_ref.model.use_fused_kernels": Note("kernel choice; offstep uses PyTorch's"),
@@ -139,7 +139,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.actor.use_fused_kernels": Note("kernel choice; offstep uses PyTorch's"),
     "actor_rollout_ref.actor.entropy_from_logits_with_chunking": Note("offstep computes the entropy row by row in float32"),
     "actor_rollout_ref.actor.entropy_checkpointing": Note("offstep does not checkpoint activations"),
-    "actor_rollout_ref.actor.use_remove_padding": Note("offstep cuts padding itself with actor.micro_token_budget > 0"),
+    "actor_rollout_ref.actor.use_remove_padding": Note("offstep cuts padding itself (actor.micro_token_budget, on by default)"),
     "actor_rollout_ref.actor.fsdp_config.model_dtype": To("model.dtype", dtype),
     "actor_rollout_ref.actor.fsdp_config.dtype": To("model.compute_dtype", dtype),
     "actor_rollout_ref.actor.tau_pos": Note("SAPO's; offstep has no SAPO loss"),
@@ -334,7 +334,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "trainer.log_val_generations": Note("offstep writes trainer.log_samples_count generations to samples.jsonl every trainer.log_samples_freq steps"),
     "trainer.rollout_data_dir": Note("offstep writes generations to <output_dir>/samples.jsonl"),
     "trainer.validation_data_dir": Note("offstep writes generations to <output_dir>/samples.jsonl"),
-    "trainer.balance_batch": Note("offstep balances micro-batches by tokens with actor.micro_token_budget > 0"),
+    "trainer.balance_batch": Note("offstep balances micro-batches by tokens (actor.micro_token_budget, on by default)"),
     "trainer.esi_redundant_time": Note("offstep saves on SIGTERM when trainer.save_freq > 0"),
     "trainer.ray_wait_register_center_timeout": Note("offstep starts its workers itself"),
     "trainer.use_legacy_worker_impl": Note("offstep has one worker implementation"),
