@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/preset_runs.py --preset calculator_openai --seeds 0,1
     .venv/bin/python benchmarks/preset_runs.py --label judge_only --preset default --seeds 0 --extra reward.model.kind=generative ...
     .venv/bin/python benchmarks/preset_runs.py --table        # the tables from the rows so far
+    .venv/bin/python benchmarks/preset_runs.py --label long_tail --seeds 0 --reread   # a row again from its run folder
 
 Each run trains the preset as it ships (its own steps and validation), with ``--extra`` overrides
 under its ``--label``, and appends one row per (label, seed) to ``--rows`` (JSON lines; a rerun
@@ -16,7 +17,8 @@ runs and tool calls included, as they run on the rollout worker), ``timing_s/wai
 wait for it, ``timing_s/update_actor`` the update; ``score s`` is the step's scoring seconds summed
 over its calls: the sandbox's executions (code rewards; ``sandbox.concurrency`` of them run at once,
 beside the generation) or the reward model's batches (``timing_s/reward_model``). Medians over
-steps 2 and later (step 1 includes the pipeline's fill).
+steps 2 and later (step 1 includes the pipeline's fill). The trainer's idle share is its waits
+summed over those steps, over their step times summed: the median hides a long tail's few long waits.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from readme import NOT_RECORDED, cpu_kind, refresh  # noqa: E402
-from training_runs import train_and_read  # noqa: E402
+from training_runs import Run, read_jsonl, train_and_read  # noqa: E402
 
 KEPT = ("timing_s/", "sandbox/", "reward/", "agent/", "val/", "rollout/")  # per-step metrics a row keeps (medians)
 
@@ -44,16 +46,35 @@ def _score_s(m: dict) -> float:
     return m.get("sandbox/executions", 0) * m.get("sandbox/seconds_mean", 0.0) + m.get("timing_s/reward_model", 0.0)
 
 
+def run_dir(label: str, seed: int) -> Path:
+    return Path("runs") / "bench_presets" / label / f"seed{seed}"
+
+
 def run_one(label: str, preset: str, seed: int, extra: list[str], steps: int | None) -> dict:
     from offstep.config.loader import load_config
 
     shipped = load_config([f"preset={preset}", *extra]).trainer  # the preset's own steps and validation
     steps = steps or shipped.total_steps
-    out = Path("runs") / "bench_presets" / label / f"seed{seed}"
     load0 = os.getloadavg()[0]
-    run = train_and_read([f"preset={preset}", f"trainer.seed={seed}", *extra], out, steps,
+    run = train_and_read([f"preset={preset}", f"trainer.seed={seed}", *extra], run_dir(label, seed), steps,
                          val_freq=min(shipped.val_freq, steps) if shipped.val_freq > 0 else 0)
     load1 = os.getloadavg()[0]
+    return {**row_of(run, label, preset, seed, extra, steps), "wall_s": run.wall_s, "load": [round(load0, 1), round(load1, 1)],
+            "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": cpu_kind()}
+
+
+def reread(row: dict) -> dict:
+    """``row`` computed again from its run folder's ``metrics.jsonl`` (when the row's fields grew
+    after the run); its wall time, load, finish time and CPU kind are kept."""
+    path = run_dir(row["label"], row["seed"]) / "metrics.jsonl"
+    if not path.exists():
+        raise SystemExit(f"--reread: {path} does not exist (run the benchmark from the folder that holds runs/)")
+    run = Run(None, path.parent, row["wall_s"], read_jsonl(path))
+    return {**row, **row_of(run, row["label"], row["preset"], row["seed"], row["extra"], row["steps"])}
+
+
+def row_of(run: Run, label: str, preset: str, seed: int, extra: list[str], steps: int) -> dict:
+    """The row's figures that come from the run's records."""
     val = [m for m in run.metrics if "val/acc" in m]
     later = run.steps[1:] or run.steps
 
@@ -69,9 +90,17 @@ def run_one(label: str, preset: str, seed: int, extra: list[str], steps: int | N
         "val_last": {k: v for k, v in val[-1].items() if k.startswith("val/")},
         "rewards": run.rewards, "reward_first3": run.reward(first=True), "reward_last3": run.reward(first=False),
         "medians": {k: med(k) for k in keys}, "score_s": statistics.median(_score_s(m) for m in later),
-        "wall_s": run.wall_s, "step_s": run.median("timing_s/step"), "step_s_each": [m.get("timing_s/step", 0.0) for m in run.steps], "load": [round(load0, 1), round(load1, 1)],
-        "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": cpu_kind(),
+        "step_s": run.median("timing_s/step"), "step_s_each": [m.get("timing_s/step", 0.0) for m in run.steps],
+        "wait_s_each": [m.get("timing_s/wait_gen", 0.0) for m in run.steps],
     }
+
+
+def _idle(row: dict) -> float | None:
+    """The trainer's idle share: its wait for generation over the step time, summed over steps 2
+    and later (step 1 fills the pipeline); None for rows recorded without each step's wait."""
+    if "wait_s_each" not in row:
+        return None
+    return sum(row["wait_s_each"][1:]) / max(sum(row["step_s_each"][1:]), 1e-9)
 
 
 def _spread(values: list[float], pct: bool) -> str:
@@ -112,12 +141,12 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
         *([f"", remark] if remark else []),
         "",
         "Per seed (val acc: held-out, at each validation; reward: the training batch's mean; seconds: medians over "
-        "steps 2 and later):",
+        "steps 2 and later; trainer idle: its wait for generation over the step time, summed over steps 2 and later):",
         "",
         "| label | seed | val acc, before → after | val acc by validation | reward, first 3 / last 3 steps | step s | gen s "
-        "| trainer's wait s | update s | score s | partial samples | staleness, mean / max | wall min | CPU | load, start / end "
-        "| finished (UTC) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| trainer's wait s | trainer idle | update s | score s | partial samples | staleness, mean / max | wall min | CPU "
+        "| load, start / end | finished (UTC) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         m = r["medians"]
@@ -125,12 +154,12 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
         lines.append(
             f"| {r['label']} | {r['seed']} | {pct(r['val_curve'][0][1])} → {pct(r['val_curve'][-1][1])} | {curve} | "
             f"{r['reward_first3']:.2f} / {r['reward_last3']:.2f} | {r['step_s']:.1f} | {m.get('timing_s/gen', 0):.1f} | "
-            f"{m.get('timing_s/wait_gen', 0):.1f} | {m.get('timing_s/update_actor', 0):.1f} | {r['score_s']:.1f} | "
+            f"{m.get('timing_s/wait_gen', 0):.1f} | {_pct_or_dash(_idle(r))} | {m.get('timing_s/update_actor', 0):.1f} | {r['score_s']:.1f} | "
             f"{_partial(m)} | {_staleness(m)} | {r['wall_s'] / 60:.1f} | {r.get('cpu', NOT_RECORDED)} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |")
     lines += ["", "Mean (range) per label over its seeds, per kind of CPU (the trainer's dtype and speed differ by kind):", "",
               "| label | CPU | seeds | val acc before | val acc after | reward first 3 | reward last 3 | step s | gen s | "
-              "trainer's wait s | update s | score s | partial samples | staleness mean |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+              "trainer's wait s | trainer idle | update s | score s | partial samples | staleness mean |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, cpu in dict.fromkeys((r["label"], r.get("cpu", NOT_RECORDED)) for r in rows):
         rs = [r for r in rows if r["label"] == label and r.get("cpu", NOT_RECORDED) == cpu]
         med = lambda key: _spread([r["medians"].get(key, 0.0) for r in rs], False)  # noqa: E731
@@ -138,7 +167,7 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
             f"| {label} | {cpu} | {', '.join(str(r['seed']) for r in rs)} | {_spread([r['val_curve'][0][1] for r in rs], True)} | "
             f"{_spread([r['val_curve'][-1][1] for r in rs], True)} | {_spread([r['reward_first3'] for r in rs], False)} | "
             f"{_spread([r['reward_last3'] for r in rs], False)} | {_spread([r['step_s'] for r in rs], False)} | "
-            f"{med('timing_s/gen')} | {med('timing_s/wait_gen')} | {med('timing_s/update_actor')} | "
+            f"{med('timing_s/gen')} | {med('timing_s/wait_gen')} | {_idle_spread(rs)} | {med('timing_s/update_actor')} | "
             f"{_spread([r['score_s'] for r in rs], False)} | {_optional(rs, 'rollout/partial_samples')} | "
             f"{_optional(rs, 'rollout/staleness_mean')} |")
     lines += ["", "Labels:", ""]
@@ -151,6 +180,18 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
     lines += ["", "Regenerate the tables from the stored rows: `.venv/bin/python benchmarks/preset_runs.py --table`."]
     out.write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
+
+
+def _pct_or_dash(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.1f}%"
+
+
+def _idle_spread(rs: list[dict]) -> str:
+    """Mean (range) of the seeds' trainer idle shares; "—" where a seed was recorded without it."""
+    vals = [_idle(r) for r in rs]
+    if any(v is None for v in vals):
+        return "—"
+    return f"{100 * statistics.mean(vals):.1f}% ({100 * min(vals):.1f}–{100 * max(vals):.1f}%)" if len(vals) > 1 else _pct_or_dash(vals[0])
 
 
 def _optional(rs: list[dict], key: str) -> str:
@@ -206,6 +247,8 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="overrides on top of the preset (part of the label)")
     ap.add_argument("--steps", type=int, default=None, help="a smoke run: fewer steps (not for the results)")
     ap.add_argument("--table", action="store_true", help="only rewrite the results file from --rows")
+    ap.add_argument("--reread", action="store_true", help="recompute the rows of --label and --seeds from their run "
+                    "folders (runs/bench_presets/LABEL/seedN) without training, then rewrite the results file")
     ap.add_argument("--rows", default=str(HERE / "results_presets.jsonl"))
     ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran on the machine)")
     ap.add_argument("--out", default=str(HERE / "results_presets.md"))
@@ -220,7 +263,11 @@ def main() -> None:
     if args.plot:
         print(plot_labels(rows, args.plot.split(","), Path(args.plot_out), args.plot_cpu))
         return
-    for seed in ([] if args.table else [int(s) for s in args.seeds.split(",") if s]):
+    if args.reread:
+        seeds = {int(s) for s in args.seeds.split(",") if s}
+        rows = [reread(r) if r["label"] == label and r["seed"] in seeds else r for r in rows]
+        rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for seed in ([] if args.table or args.reread else [int(s) for s in args.seeds.split(",") if s]):
         row = run_one(label, args.preset, seed, args.extra, args.steps)
         rows = [r for r in rows if (r["label"], r["seed"]) != (label, seed)] + [row]
         rows.sort(key=lambda r: (r["label"], r["seed"]))

@@ -34,7 +34,8 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
     rollout = RolloutWorker(inputs.model_path, "float32", "cpu", 1, inputs.reward, 1, r.max_batch_size, agent=inputs.agent)
     spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
     actor = ActorWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature)
-    ref = RefWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", r.temperature, cfg.actor.micro_batch_size)
+    ref = RefWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", r.temperature, cfg.actor.micro_batch_size,
+                    cfg.actor.micro_token_budget)
     try:
         for step in range(1, len(metrics) + 1):
             _, idx = stream.next_batch()
