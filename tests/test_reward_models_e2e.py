@@ -3,6 +3,7 @@ a discriminative one combined with the rule, and a generative judge alone."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -76,6 +77,17 @@ def test_reward_pool_of_its_own(tmp_path, ray_session):
     assert [e["stage"] for e in timeline if e["role"] == reward_lane(0)]  # the round trips, on the replica's lane
 
 
+def _wait_gone(pid, timeout_s=60.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"reward worker process {pid} still alive {timeout_s:.0f} s after ray.kill")
+
+
 def test_a_dead_reward_worker_falls_back_and_is_replaced(tmp_path, ray_session, tiny):
     import ray
 
@@ -94,7 +106,9 @@ def test_a_dead_reward_worker_falls_back_and_is_replaced(tmp_path, ray_session, 
         batcher = build_model_reward(m, None, pool=[worker])
         first = batcher(chat, "5")
         assert first.status == "ok" and first.value is not None
+        pid = ray.get(worker.__ray_call__.remote(lambda _: os.getpid()))
         ray.kill(worker, no_restart=False)  # the process dies, as a crash or an OOM kill would end it
+        _wait_gone(pid)  # ray.kill only asks: a call made before the process ends would still be answered
         seen = []
         for _ in range(60 if restarts else 3):  # a sample whose batch hits the dead worker falls back, none hangs
             seen.append(batcher(chat, "5"))
