@@ -8,6 +8,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
@@ -71,17 +73,16 @@ def test_a_results_file_records_command_cpu_and_date():
         ("caption", "| a |\n| --- |\n| 1 |"), ("**sub**\n\nsecond", "| b |\n|---|")]
 
 
-def test_preset_runs_draws_the_committed_rows(tmp_path):
+@pytest.mark.parametrize("labels", ["default,fully_async", "long_tail,long_tail_fully_async"])
+def test_preset_runs_draws_the_committed_rows(tmp_path, labels):
     """`preset_runs.py --plot` draws the labels the docs plot from the stored rows, and names a missing label."""
     import json
     import subprocess
 
-    import pytest
-
     rows = [json.loads(line) for line in (BENCH / "results_presets.jsonl").read_text().splitlines() if line.strip()]
-    assert {"default", "fully_async"} <= {r["label"] for r in rows if r.get("cpu") == "AVX2"}
+    assert set(labels.split(",")) <= {r["label"] for r in rows if r.get("cpu") == "AVX2"}
     out = tmp_path / "p.png"
-    subprocess.run([sys.executable, str(BENCH / "preset_runs.py"), "--plot", "default,fully_async", "--plot-cpu", "AVX2",
+    subprocess.run([sys.executable, str(BENCH / "preset_runs.py"), "--plot", labels, "--plot-cpu", "AVX2",
                     "--plot-out", str(out)], check=True, capture_output=True)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import preset_runs
