@@ -6,8 +6,9 @@
 The work (issue 28's): SmolLM2-135M-Instruct, 64 single-digit arithmetic prompts (the built-in task,
 seed 0), 8 prompts x 4 samples a step, at most 48 new tokens, T = 1, lr 1e-6 constant, no KL, seed 0.
 Per dtype: TRL with 2 threads (generation, then the update, in one process), offstep one-step (1 core
-for the trainer, 1 for the rollout), and offstep synchronous and colocated (one core pool, taking
-turns). Medians over steps 2 and later; the ratio is TRL's step over offstep's (above 1: offstep is
+for the trainer, 1 for the rollout), the same with the rollout's core lent to the trainer while the
+rollout idles (``pipeline.lend_cores=true``), and offstep synchronous and colocated (one core pool,
+taking turns). Medians over steps 2 and later; the ratio is TRL's step over offstep's (above 1: offstep is
 faster). bfloat16 runs only where the CPU has native bf16 (AVX-512 BF16, AMX): elsewhere both tools
 emulate it, many times slower.
 
@@ -147,6 +148,7 @@ def run_offstep(name: str, overrides: list[str], dtype: str, steps: int) -> dict
 
 OFFSTEP_RUNS = {
     "one-step, 1 + 1 cores": ("onestep", ["pipeline.max_staleness=1"]),
+    "one-step, 1 + 1 cores, rollout's core lent": ("onestep_lend", ["pipeline.max_staleness=1", "pipeline.lend_cores=true"]),
     "synchronous, colocated": ("sync", ["pipeline.max_staleness=0", "pipeline.colocate=true"]),
 }
 
