@@ -108,7 +108,6 @@ def test_a_resume_trains_every_stored_group_once(tmp_path, ray_session):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 @needs_vllm
 def test_vllm_replicas_stream_with_partial_rollouts(tmp_path, ray_session):
     """rollout.engine=vllm: the replica's vLLM engine takes each load between two decode steps
@@ -137,7 +136,6 @@ def test_combinations_it_does_not_run_are_refused_before_start(override, needle)
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_lora_runs_in_the_mode(tmp_path, ray_session):
     out = tmp_path / "run"
     train(_cfg(out, 1, 3, "trainer.val_before_train=false", "actor.lora.rank=8"))
