@@ -73,9 +73,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep export --out": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     "offstep export RUN_DIR [--step N] --out DIR": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     ".venv/bin/python benchmarks/preset_runs.py --label default --preset default --seeds 1,2": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --label stale4_decoupled --preset default --seeds 0 --extra "
+    ".venv/bin/python benchmarks/preset_runs.py --label stale4_decoupled --preset default --seeds 0,1,2 --extra "
     "pipeline.mode=fully_async pipeline.max_staleness=4 algorithm.correction_mode=decoupled": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --label stale4_off --preset default --seeds 0 --extra "
+    ".venv/bin/python benchmarks/preset_runs.py --label stale4_off --preset default --seeds 0,1,2 --extra "
     "pipeline.mode=fully_async pipeline.max_staleness=4 algorithm.correction_mode=off": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --label fully_async --preset default --seeds 1,2 --extra pipeline.mode=fully_async":
         BENCHMARK,
