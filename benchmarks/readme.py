@@ -248,12 +248,12 @@ SECTIONS = [
             "(`pipeline.lend_cores=true`) against without; off and on alternate within one run. The equal-cores "
             "limit is the step if every core-second of the unlent runs' work were spread evenly over the cores.",
             tables_of(("results_lend.md", None)), "a step within 1.1x of the equal-cores limit"),
-    Section("trl", "Against TRL's GRPOTrainer", "trl_side_by_side.py", ("results_trl.md",),
+    Section("trl", "Against TRL's GRPOTrainer", "trl_side_by_side.py", ("results_trl_avx2.md",),
             "The same GRPO work in TRL's GRPOTrainer (in a virtual environment of its own) and in offstep, one run after "
             "the other: SmolLM2-135M-Instruct on the built-in arithmetic task, no KL; offstep one-step on a core per "
             "pool and synchronous colocated. The ratio is TRL's median step over offstep's (above one: offstep is "
             "faster). The script's docstring lists what else differs between the two.",
-            tables_of(("results_trl.md", None)),
+            tables_of(("results_trl_avx2.md", None)),
             missing="Not run yet: `.venv/bin/python benchmarks/trl_side_by_side.py` installs TRL in "
                     "`runs/bench_trl/venv`, writes `results_trl.md` and this section."),
     Section("soak", "Soak", "soak.py", ("results_soak.md",),

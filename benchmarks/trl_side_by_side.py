@@ -1,6 +1,6 @@
 """The same GRPO work in TRL's GRPOTrainer and in offstep, one run after the other on this machine.
 
-    .venv/bin/python benchmarks/trl_side_by_side.py                    # writes results_trl.md
+    .venv/bin/python benchmarks/trl_side_by_side.py                    # writes results_trl.md (AVX-512 BF16)
     .venv/bin/python benchmarks/trl_side_by_side.py --dtypes float32 --steps 6
 
 The work (issue 28's): SmolLM2-135M-Instruct, 64 single-digit arithmetic prompts (the built-in task,
@@ -10,7 +10,8 @@ for the trainer, 1 for the rollout), the same with the rollout's core lent to th
 rollout idles (``pipeline.lend_cores=true``), and offstep synchronous and colocated (one core pool,
 taking turns). Medians over steps 2 and later; the ratio is TRL's step over offstep's (above 1: offstep is
 faster). bfloat16 runs only where the CPU has native bf16 (AVX-512 BF16, AMX): elsewhere both tools
-emulate it, many times slower.
+emulate it, many times slower. Each kind of CPU keeps its own file: ``results_trl.md`` on AVX-512 BF16,
+``results_trl_avx2.md`` on AVX2.
 
 TRL runs in a virtual environment of its own, ``runs/bench_trl/venv`` (created here on the first
 call, with this checkout's pins for torch, transformers and accelerate and ``--trl``'s version), and
@@ -36,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WORK = ROOT / "runs" / "bench_trl"
 VENV = WORK / "venv"
-OUT = HERE / "results_trl.md"
+OUTS = {"AVX-512 BF16": HERE / "results_trl.md", "AVX2": HERE / "results_trl_avx2.md"}
 PROMPTS, BATCH, N, NEW_TOKENS, LR = 64, 8, 4, 48, 1e-6
 
 
@@ -158,7 +159,7 @@ def _median(steps: list[dict], key: str) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def write_results(rows: list[dict], versions: dict, steps: int) -> str:
+def write_results(rows: list[dict], versions: dict, steps: int, out: Path) -> str:
     from readme import provenance
 
     f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
@@ -175,7 +176,7 @@ def write_results(rows: list[dict], versions: dict, steps: int) -> str:
         lines.append(f"| {r['dtype']} | {r['tool']}: {r['run']} | {f(step)} | {f(gen)} | "
                      f"{f(update)}{' (step − generation)' if r['tool'] == 'TRL' else ''} | **{trl_step / step:.2f}** | "
                      f"{statistics.mean(r['rewards']):.2f} |")
-    OUT.write_text("\n".join(lines) + "\n")
+    out.write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
 
@@ -206,8 +207,8 @@ def main() -> None:
         rows.append({"tool": "TRL", "run": f"GRPOTrainer, {args.threads} threads", "dtype": dtype, **trl})
         for label, (name, overrides) in OFFSTEP_RUNS.items():
             rows.append({"tool": "offstep", "run": label, "dtype": dtype, **run_offstep(name, overrides, dtype, args.steps)})
-        print(write_results(rows, versions, args.steps), flush=True)
-    refresh("trl", OUT)
+        print(write_results(rows, versions, args.steps, OUTS[cpu_kind()]), flush=True)
+    refresh("trl", OUTS[cpu_kind()])
 
 
 if __name__ == "__main__":
