@@ -8,7 +8,7 @@
 
 Each run trains the preset as it ships (its own steps and validation), with ``--extra`` overrides
 under its ``--label``, and appends one row per (label, seed) to ``--rows`` (JSON lines; a rerun
-replaces its row). Every call rewrites ``benchmarks/results_presets.md`` from all rows: per seed,
+on the same kind of CPU replaces its row). Every call rewrites ``benchmarks/results_presets.md`` from all rows: per seed,
 then the mean and range per label. The seed also draws the task's problems, so each seed has its own
 held-out set; labels compare side by side only on the same seeds.
 
@@ -243,7 +243,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="default")
     ap.add_argument("--label", default="", help="the rows' name (default: the preset's)")
-    ap.add_argument("--seeds", default="", help="comma-separated seeds to run now (each replaces its earlier row)")
+    ap.add_argument("--seeds", default="", help="comma-separated seeds to run now (each replaces its earlier row on this kind of CPU)")
     ap.add_argument("--extra", nargs="*", default=[], help="overrides on top of the preset (part of the label)")
     ap.add_argument("--steps", type=int, default=None, help="a smoke run: fewer steps (not for the results)")
     ap.add_argument("--table", action="store_true", help="only rewrite the results file from --rows")
@@ -265,11 +265,13 @@ def main() -> None:
         return
     if args.reread:
         seeds = {int(s) for s in args.seeds.split(",") if s}
-        rows = [reread(r) if r["label"] == label and r["seed"] in seeds else r for r in rows]
+        mine = lambda r: r["label"] == label and r["seed"] in seeds and r.get("cpu") == cpu_kind()  # noqa: E731
+        rows = [reread(r) if mine(r) else r for r in rows]
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for seed in ([] if args.table or args.reread else [int(s) for s in args.seeds.split(",") if s]):
         row = run_one(label, args.preset, seed, args.extra, args.steps)
-        rows = [r for r in rows if (r["label"], r["seed"]) != (label, seed)] + [row]
+        same = lambda r: (r["label"], r["seed"], r.get("cpu", NOT_RECORDED)) == (label, seed, row["cpu"])  # noqa: E731
+        rows = [r for r in rows if not same(r)] + [row]
         rows.sort(key=lambda r: (r["label"], r["seed"]))
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(json.dumps(row), flush=True)
