@@ -10,11 +10,16 @@ repetition, settings interleaved. No optimizer step, so every repetition sees th
 Reported per setting: micro-batches, computed token slots (rows x width summed over micro-batches),
 the share of them that is padding, the median seconds per pass and update tokens/s (real, non-pad
 prompt + response tokens per second), the speed-up over the padded baseline, and the relative
-difference of the loss and gradient norm from the baseline (exactness check). Then the AdamW
-step over the same parameters: torch's per-tensor loop against the fused kernel offstep uses.
+difference of the loss and gradient norm from the baseline (exactness check). With ``--packed``,
+also the default budget's micro-batches packed: each micro-batch's real tokens in one sequence, the
+positions restarting per sample (transformers then masks attention block-diagonally), the LM head
+over only the positions that predict response tokens; a measurement of packing, done here by
+swapping the actor's forward, not a path offstep's update takes. Then the AdamW step over the same
+parameters: torch's per-tensor loop against the fused kernel offstep uses.
 
     python benchmarks/update_throughput.py                    # SmolLM2-135M, 32 samples, 1 thread
     python benchmarks/update_throughput.py --reps 5 --threads 2 --budgets 1024 2048
+    python benchmarks/update_throughput.py --packed --out benchmarks/results_update_avx512.md
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ from pathlib import Path
 
 import torch
 
+import offstep.train.actor as actor_module
 from offstep.batch import Sample, collate
+from offstep.models.forward import autocast, entropy_from_logits, logprobs_from_logits
 from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.loading import load_tokenizer, resolve_model
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
-from readme import provenance, refresh
+from readme import command, provenance, refresh
 
 
 def make_batch(n: int, group: int, vocab: int, pad_id: int, seed: int, prompt_range, resp_median: float, resp_sigma: float, resp_range):
@@ -60,21 +67,53 @@ def make_batch(n: int, group: int, vocab: int, pad_id: int, seed: int, prompt_ra
     return batch
 
 
-def one_pass(actor: ActorWorker, batch, micro: int, budget: int) -> tuple[float, float, float, int, int]:
-    """Forward + backward over ``batch``: (seconds, loss, grad norm, micro-batches, token slots)."""
+def packed_forward_response(model, mb, temperature: float, with_entropy: bool = False, compute_dtype: str = "float32"):
+    """``forward_response`` with the micro-batch packed: every row's real tokens (prompt and
+    response, no padding) in one sequence, the positions restarting at each row, so transformers
+    masks attention to each row's own tokens (block-diagonal causal); only the positions that
+    predict a response token go through the LM head. Returns the same ``[B, R]`` log-probs (and
+    entropy), zero where the response is padding. A measurement, not offstep's path."""
+    B, R, P = mb.input_ids.shape[0], mb.response_mask.shape[1], mb.prompt_len
+    real = mb.attention_mask.bool()
+    packed_at = real.flatten().cumsum(0).view_as(real) - 1  # each real token's index in the packed row
+    target = real[:, P:]  # response tokens (not padding)
+    predict = packed_at[:, P - 1 : P + R - 1][target]  # the packed positions whose logits predict them
+    with autocast(mb.input_ids.device, compute_dtype):
+        out = model(input_ids=mb.input_ids[real][None], position_ids=mb.position_ids[real][None],
+                    use_cache=False, logits_to_keep=predict)
+    logits = out.logits[0].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp = logits.new_zeros(B, R)
+    logp[target] = logprobs_from_logits(logits, mb.responses[target])
+    ent = None
+    if with_entropy:
+        ent = logits.new_zeros(B, R)
+        ent[target] = entropy_from_logits(logits)
+    return logp, ent
+
+
+def one_pass(actor: ActorWorker, batch, micro: int, budget: int, packed: bool = False) -> tuple[float, float, float, int, int]:
+    """Forward + backward over ``batch`` (each micro-batch packed into one sequence if ``packed``):
+    (seconds, loss, grad norm, micro-batches, token slots)."""
     actor.opt.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    denom = actor._denominator(batch, actor.algo.loss_agg_mode)
-    micros = actor._micro_batches(batch, micro, budget)
-    loss = sum(actor._micro_step(mb, denom)["pg_loss"] for _, mb in micros)
-    dt = time.perf_counter() - t0
+    padded = actor_module.forward_response
+    actor_module.forward_response = packed_forward_response if packed else padded
+    try:
+        t0 = time.perf_counter()
+        denom = actor._denominator(batch, actor.algo.loss_agg_mode)
+        micros = actor._micro_batches(batch, micro, budget)
+        loss = sum(actor._micro_step(mb, denom)["pg_loss"] for _, mb in micros)
+        dt = time.perf_counter() - t0
+    finally:
+        actor_module.forward_response = padded
     sq = 0.0
     for p in actor.model.parameters():
         if p.grad is not None:
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             sq += float(g.float().pow(2).sum())
     actor.opt.zero_grad(set_to_none=True)
-    slots = sum(mb.input_ids.numel() for _, mb in micros)
+    slots = sum(int(mb.attention_mask.sum()) if packed else mb.input_ids.numel() for _, mb in micros)
     return dt, loss, math.sqrt(sq), len(micros), slots
 
 
@@ -123,6 +162,8 @@ def main() -> None:
     ap.add_argument("--response-sigma", type=float, default=0.7)
     ap.add_argument("--response-range", type=int, nargs=2, default=[5, 64])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--packed", action="store_true", help="also the default budget's micro-batches packed into one "
+                    "sequence each (block-diagonal attention, no padding): a measurement, not offstep's path")
     ap.add_argument("--out", default=str(Path(__file__).with_name("results_update.md")))
     args = ap.parse_args()
 
@@ -141,13 +182,15 @@ def main() -> None:
     resp = batch.response_mask.sum(-1).long().tolist()
 
     auto = args.micro_batch_size * batch.input_ids.shape[1]  # actor.micro_token_budget=-1 on this batch's layout
-    settings = [("padded, fixed count", 0)] + [(f"token budget {b}, trimmed", b) for b in args.budgets]
-    settings.append((f"token budget {auto} (the default -1: {args.micro_batch_size} x the longest), trimmed", auto))
+    settings = [("padded, fixed count", 0, False)] + [(f"token budget {b}, trimmed", b, False) for b in args.budgets]
+    settings.append((f"token budget {auto} (the default -1: {args.micro_batch_size} x the longest), trimmed", auto, False))
+    if args.packed:  # the default budget's micro-batches, each packed into one sequence
+        settings.append((f"token budget {auto}, packed (no padding)", auto, True))
     one_pass(actor, batch, args.micro_batch_size, 0)  # warm-up (allocator, kernels)
-    runs: dict[str, list] = {name: [] for name, _ in settings}
+    runs: dict[str, list] = {name: [] for name, _, _ in settings}
     for _ in range(args.reps):
-        for name, budget in settings:  # interleaved, so drift affects every setting alike
-            runs[name].append(one_pass(actor, batch, args.micro_batch_size, budget))
+        for name, budget, packed in settings:  # interleaved, so drift affects every setting alike
+            runs[name].append(one_pass(actor, batch, args.micro_batch_size, budget, packed))
             print(name, f"{runs[name][-1][0]:.2f} s", flush=True)
     params = list(actor.model.parameters())  # FSDP2's DTensors over one rank, as the actor's optimizer sees them
     adam = optimizer_steps([p for p in params if p.requires_grad], args.reps)
@@ -173,7 +216,7 @@ def main() -> None:
         "| setting | micro-batches | token slots computed | padding share | s / pass (median) | update tokens/s | speed-up | loss rel. diff | grad-norm rel. diff |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, _ in settings:
+    for name, _, _ in settings:
         rs = runs[name]
         t = statistics.median(r[0] for r in rs)
         _, loss, norm, n_micro, slots = rs[0]
@@ -192,8 +235,7 @@ def main() -> None:
     lines += [f"| {name} | {t:.3f} | {adam[0][1] / t:.1f}x | {d:.1e} |" for name, t, d in adam]
     lines += [
         "",
-        f"Regenerate: `python benchmarks/update_throughput.py --reps {args.reps} --threads {args.threads} "
-        f"--budgets {' '.join(map(str, args.budgets))} --compute-dtype {args.compute_dtype} --device {args.device}`.",
+        f"Regenerate: `{command()}`.",
     ]
     text = "\n".join(lines) + "\n"
     Path(args.out).write_text(text)
