@@ -128,7 +128,6 @@ def test_bound_prompts_and_records(tmp_path, ray_session, k):
 
 
 @pytest.mark.ray
-@pytest.mark.slow  # two runs: ~45 s on 2 busy cores
 def test_k0_trains_the_batch_modes_batches(tmp_path, ray_session):
     """pipeline.max_staleness=0: fully_async takes exactly the batch mode's batches, step for step
     (prompts, groups, and each sample's length and score: the same random streams), no partial."""

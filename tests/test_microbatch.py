@@ -215,7 +215,6 @@ def test_budget_must_hold_the_longest_sample():
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_two_ranks_with_token_budget_run(tmp_path, ray_session):
     """FSDP2 over 2 ranks: each plans its own micro-batches; the counts are equalised so the
     collectives pair up (a mismatch would hang, not fail)."""

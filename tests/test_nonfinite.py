@@ -111,7 +111,6 @@ def huge_reward_run(tmp_path, *extra: str) -> list[str]:
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_run_skips_and_counts_nonfinite_updates(tmp_path, ray_session):
     history = train(load_config(huge_reward_run(tmp_path, "actor.nonfinite=skip")))
     metrics = [m for m in history if m["step"] >= 1]  # in memory: metrics.jsonl writes NaN as null
@@ -122,7 +121,6 @@ def test_run_skips_and_counts_nonfinite_updates(tmp_path, ray_session):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_run_stops_on_nonfinite_update(tmp_path, ray_session, capsys):
     capsys.readouterr()
     rc = main(["train", *huge_reward_run(tmp_path, "actor.nonfinite=stop")])
@@ -135,7 +133,6 @@ def test_run_stops_on_nonfinite_update(tmp_path, ray_session, capsys):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_critic_skips_or_stops_on_nonfinite_value_loss(tmp_path, ray_session, capsys):
     # With GAE the returns are ~3e38, so the critic's squared value error overflows to inf.
     gae = ["algorithm.adv_estimator=gae", "rollout.n=1", "trainer.total_steps=2"]
