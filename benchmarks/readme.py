@@ -227,11 +227,12 @@ SECTIONS = [
             "Seconds from the actor starting its export to the last rollout worker holding the weights, object store "
             "against collective, the paths alternating in one run.", tables_of(("results_weight_sync.md", None)),
             "under half a second for the default model"),
-    Section("update", "Update throughput", "update_throughput.py", ("results_update.md", "results_compile.md"),
+    Section("update", "Update throughput", "update_throughput.py",
+            ("results_update.md", "results_update_avx512.md", "results_compile.md"),
             "One forward and backward pass of the actor over one batch, padded fixed-count micro-batches against "
             "token-budget micro-batches with padding trimmed; the loss and gradient norm must agree. Then the same "
             "pass compiled by torch.compile against eager (`compile_update.py`).",
-            tables_of(("results_update.md", None), ("results_compile.md", None))),
+            tables_of(("results_update.md", None), ("results_update_avx512.md", None), ("results_compile.md", None))),
     Section("controller", "Controller overhead", "controller_overhead.py", ("results_controller.md",),
             "The real controller loop with sleeping workers: the step time against the ideal schedule for the same "
             "sleeps, for each staleness bound. The overhead column is what the controller adds.",
@@ -248,12 +249,12 @@ SECTIONS = [
             "(`pipeline.lend_cores=true`) against without; off and on alternate within one run. The equal-cores "
             "limit is the step if every core-second of the unlent runs' work were spread evenly over the cores.",
             tables_of(("results_lend.md", None)), "a step within 1.1x of the equal-cores limit"),
-    Section("trl", "Against TRL's GRPOTrainer", "trl_side_by_side.py", ("results_trl_avx2.md",),
+    Section("trl", "Against TRL's GRPOTrainer", "trl_side_by_side.py", ("results_trl.md", "results_trl_avx2.md"),
             "The same GRPO work in TRL's GRPOTrainer (in a virtual environment of its own) and in offstep, one run after "
             "the other: SmolLM2-135M-Instruct on the built-in arithmetic task, no KL; offstep one-step on a core per "
-            "pool and synchronous colocated. The ratio is TRL's median step over offstep's (above one: offstep is "
+            "pool, the same with the rollout's core lent to the trainer while it idles, and synchronous colocated. The ratio is TRL's median step over offstep's (above one: offstep is "
             "faster). The script's docstring lists what else differs between the two.",
-            tables_of(("results_trl_avx2.md", None)),
+            tables_of(("results_trl.md", None), ("results_trl_avx2.md", None)),
             missing="Not run yet: `.venv/bin/python benchmarks/trl_side_by_side.py` installs TRL in "
                     "`runs/bench_trl/venv`, writes `results_trl.md` and this section."),
     Section("soak", "Soak", "soak.py", ("results_soak.md",),
