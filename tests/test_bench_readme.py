@@ -73,16 +73,17 @@ def test_a_results_file_records_command_cpu_and_date():
         ("caption", "| a |\n| --- |\n| 1 |"), ("**sub**\n\nsecond", "| b |\n|---|")]
 
 
-@pytest.mark.parametrize("labels", ["default,fully_async", "long_tail,long_tail_fully_async"])
-def test_preset_runs_draws_the_committed_rows(tmp_path, labels):
+@pytest.mark.parametrize("labels, cpu", [("default,fully_async", "AVX2"), ("long_tail,long_tail_fully_async", "AVX2"),
+                                         ("default,fully_async", "AVX-512 BF16")])
+def test_preset_runs_draws_the_committed_rows(tmp_path, labels, cpu):
     """`preset_runs.py --plot` draws the labels the docs plot from the stored rows, and names a missing label."""
     import json
     import subprocess
 
     rows = [json.loads(line) for line in (BENCH / "results_presets.jsonl").read_text().splitlines() if line.strip()]
-    assert set(labels.split(",")) <= {r["label"] for r in rows if r.get("cpu") == "AVX2"}
+    assert set(labels.split(",")) <= {r["label"] for r in rows if r.get("cpu") == cpu}
     out = tmp_path / "p.png"
-    subprocess.run([sys.executable, str(BENCH / "preset_runs.py"), "--plot", labels, "--plot-cpu", "AVX2",
+    subprocess.run([sys.executable, str(BENCH / "preset_runs.py"), "--plot", labels, "--plot-cpu", cpu,
                     "--plot-out", str(out)], check=True, capture_output=True)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import preset_runs

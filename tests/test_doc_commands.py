@@ -82,6 +82,9 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-cpu AVX2 --plot-out "
     "benchmarks/fully_async_vs_one_step.png":
         ("test", "tests/test_bench_readme.py::test_preset_runs_draws_the_committed_rows"),
+    ".venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-cpu 'AVX-512 BF16' --plot-out "
+    "benchmarks/fully_async_vs_one_step_avx512.png":
+        ("test", "tests/test_bench_readme.py::test_preset_runs_draws_the_committed_rows"),
     ".venv/bin/python benchmarks/preset_runs.py --label long_tail --preset default --seeds 0,1,2 --extra "
     "+data.task_options.num_operands=[2,2,2,3,5,8] rollout.max_new_tokens=128 trainer.total_steps=15 "
     "actor.micro_token_budget=1024": BENCHMARK,
