@@ -28,7 +28,7 @@ import torch
 from offstep.batch import micro_batches
 from offstep.models.forward import forward_response
 from offstep.models.loading import load_tokenizer, resolve_model
-from readme import provenance, refresh
+from readme import provenance, publish
 from update_throughput import make_batch
 
 OUT = Path(__file__).with_name("results_compile.md")
@@ -107,10 +107,7 @@ def main() -> None:
         (f"The compile pays for itself after about {first[0] / saved:.0f} passes (one pass a step at this batch)."
          if saved > 0 else "The compiled pass is not faster: the compile never pays for itself."),
     ]
-    text = "\n".join(lines) + "\n"
-    Path(args.out).write_text(text)
-    print(text)
-    refresh("update", args.out)
+    publish("update", args.out, lines)
 
 
 if __name__ == "__main__":

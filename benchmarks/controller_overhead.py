@@ -31,7 +31,7 @@ import ray
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fakes import ideal_step, run_sim, sim_config  # noqa: E402  (the simulated workers are a test helper)
-from readme import provenance, refresh  # noqa: E402
+from readme import provenance, publish  # noqa: E402
 
 
 def main() -> None:
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--load-s", type=float, default=0.05)
     ap.add_argument("--out", default=str(Path(__file__).with_name("results_controller.md")))
     args = ap.parse_args()
+    if args.steps < 3:
+        ap.error(f"--steps {args.steps}: at least 3 (the medians are over steps 3 and later)")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -80,10 +82,7 @@ def main() -> None:
     for gen_s, train_s, k, med, lo, hi, ideal in rows:
         lines.append(f"| {gen_s:g} | {train_s:g} | {k} | {med:.3f} | {lo:.3f} | {hi:.3f} | {ideal:.3f} | {med / ideal - 1:+.1%} |")
     lines += ["", f"Regenerate: `python benchmarks/controller_overhead.py --steps {args.steps}`."]
-    text = "\n".join(lines) + "\n"
-    Path(args.out).write_text(text)
-    print(text)
-    refresh("controller", args.out)
+    publish("controller", args.out, lines)
 
 
 if __name__ == "__main__":

@@ -395,6 +395,15 @@ def write_section(name: str, body: str, path: Path = README) -> None:
     path.write_text(text, encoding="utf-8")
 
 
+def publish(name: str, out: str | Path, lines: list[str]) -> None:
+    """A script's last step: write its results file ``out`` from ``lines``, print it, and rebuild
+    section ``name`` of the page from it."""
+    text = "\n".join(lines) + "\n"
+    Path(out).write_text(text)
+    print(text)
+    refresh(name, out)
+
+
 def refresh(name: str, written: str | Path | None = None) -> None:
     """Rebuild section ``name`` of the page from its stored results: a script's last step, after it
     wrote ``written`` (skipped when that is not one of the section's results files, e.g. ``--out``)."""

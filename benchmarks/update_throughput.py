@@ -41,7 +41,7 @@ from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.loading import load_tokenizer, resolve_model
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
-from readme import command, provenance, refresh
+from readme import command, provenance, publish
 
 
 def make_batch(n: int, group: int, vocab: int, pad_id: int, seed: int, prompt_range, resp_median: float, resp_sigma: float, resp_range):
@@ -237,10 +237,7 @@ def main() -> None:
         "",
         f"Regenerate: `{command()}`.",
     ]
-    text = "\n".join(lines) + "\n"
-    Path(args.out).write_text(text)
-    print(text)
-    refresh("update", args.out)
+    publish("update", args.out, lines)
 
 
 if __name__ == "__main__":
