@@ -307,6 +307,12 @@ SECTIONS = [
             "the new weights, and what each mode costs. `keep` attends to the old weights' cache, `recompute` "
             "prefills again, `off` makes the load wait for the running samples.",
             tables_of(("results_partial.md", None))),
+    Section("replay", "Replaying a fully asynchronous run", "replay_runs.py", ("results_replay.md",),
+            "Runs of `pipeline.mode=fully_async` in which weight loads land inside samples, so that a rerun of the "
+            "same config differs; each recorded, replayed from its `schedule.jsonl` (`pipeline.replay`), and rerun "
+            "without the replay ([fully-async.md](../docs/fully-async.md#replaying-a-run)).",
+            tables_of(("results_replay.md", None)),
+            missing="Not run yet: `python benchmarks/replay_runs.py` writes `results_replay.md` and this section."),
     Section("async-sim", "Fully asynchronous against batch, simulated", "async_sim.py", ("results_async_sim.md",),
             "The real controller loop on simulated workers with a GPU-like profile (continuous batching, lognormal "
             "lengths, an update time proportional to the batch's tokens): ratios of schedules, not of a model on a "

@@ -103,7 +103,9 @@ class FakeRollout:
         self.__init__(gen_s, load_s, self.progress, profile)
 
     # The fully asynchronous mode (the real worker's methods; see the module's docstring).
-    def stream_start(self, prompts: list[list[int]], params, partial: str) -> None:
+    def stream_start(self, prompts: list[list[int]], params, partial: str, replay: list | None = None) -> None:
+        if replay is not None:
+            raise ValueError("FakeRollout does not replay a schedule (it has no decode steps)")
         if self.profile is None:
             raise ValueError("FakeRollout streams only with a GpuProfile")
         self.progress.start(Stage.GEN, total=0, version=self.version)
@@ -117,6 +119,9 @@ class FakeRollout:
 
     def stream_suspend(self) -> list:
         return self._stream.suspend()
+
+    def stream_schedule(self) -> list:
+        return []  # no decode steps to record
 
     def weight_sync_manifest(self) -> list:
         return [TensorSpec("w", (1,), "float32")]

@@ -142,6 +142,10 @@ COVERAGE: dict[str, tuple[str, str]] = {
     # docs/fully-async.md
     "offstep train pipeline.mode=fully_async": CFG,
     "offstep train pipeline.mode=fully_async pipeline.max_staleness=4 rollout.partial=recompute": CFG,
+    "offstep train pipeline.mode=fully_async trainer.output_dir=runs/first": CFG,
+    "offstep train pipeline.mode=fully_async trainer.output_dir=runs/again pipeline.replay=runs/first":
+        ("test", "tests/test_replay.py::test_a_replayed_run_reproduces_the_recorded_one"),
+    "python benchmarks/replay_runs.py": BENCHMARK,
     # docs/lora.md
     ".venv/bin/offstep train actor.lora.rank=16 actor.optim.lr=1e-4": CFG,
     "bash scripts/train.sh actor.lora.rank=16 actor.optim.lr=1e-4 trainer.total_steps=10 trainer.val_freq=10": CFG,

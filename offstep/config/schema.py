@@ -419,6 +419,8 @@ class PipelineConfig:
     """compute the reference log-probs on the rollout workers (a frozen copy beside the engine) after each generation instead of on the trainer pool: off the trainer's critical path"""
     lend_cores: bool = False
     """CPU, batch mode: while the rollout replicas idle (their batch generated, the trainer still updating), the trainer's ranks compute with their cores too, and give them back before the next generation. Faster where the trainer is the longer side; results then agree with an unlent run to rounding, not bit for bit (docs/performance.md)"""
+    replay: str = ""
+    """fully_async: a run folder (or its schedule.jsonl) to replay: each replica admits its requests and loads its weights at the decode steps they had there, and each step trains the groups it trained, so that a run of the same config reproduces it (docs/fully-async.md#replaying-a-run); empty: record only"""
     weight_sync: str = "object_store"
     """how weights reach the rollout workers after each update: object_store (Ray's; works anywhere) | collective (broadcast from actor rank 0: gloo on CPU, NCCL on GPU; sync/collective.py)"""
     weight_sync_bucket_mb: float = 64.0

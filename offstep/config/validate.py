@@ -248,6 +248,8 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
     _choice(p.mode, "pipeline.mode", PIPELINE_MODES, e)
     _choice(cfg.rollout.partial, "rollout.partial", PARTIAL_MODES, e)
     if p.mode != "fully_async":
+        _need(not p.replay, f"pipeline.replay={p.replay!r} with pipeline.mode={p.mode}: a batch-mode run needs no "
+              f"replay (it is reproducible from its seeds); set pipeline.mode=fully_async, or pipeline.replay=''", e)
         return
     why = "pipeline.mode=fully_async"
     _need(not (cfg.rollout.engine == "vllm" and cfg.actor.lora.rank > 0),

@@ -45,6 +45,7 @@ from offstep.pipeline.lending import CoreLending
 from offstep.pipeline.pools import RoleGroup
 from offstep.pipeline.run_dir import open_run
 from offstep.pipeline.prepare import BatchPreparer, Prepared
+from offstep.pipeline.replay import SCHEDULE_FILE
 from offstep.pipeline.step_metrics import record_generation
 from offstep.pipeline.stop import StopRequest
 from offstep.pipeline.stream import SampleStream
@@ -131,7 +132,7 @@ class Controller:
         self.resumed: TrainerState | None = run.resume.state if run.resume is not None else None
         if self.resumed is not None:
             _check_mode_of(self.resumed, cfg, self.resume_from)
-            for name in ("metrics.jsonl", "timeline.jsonl", "samples.jsonl"):
+            for name in ("metrics.jsonl", "timeline.jsonl", "samples.jsonl", SCHEDULE_FILE):
                 truncate_jsonl(self.out / name, self.resumed.step)
         write_file(self.out / "config.yaml", to_yaml(cfg))
         self.console.log(f"offstep: preparing data and model ({cfg.model.path})")

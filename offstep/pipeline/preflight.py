@@ -22,6 +22,7 @@ from offstep.config.schema import Config
 from offstep.config.validate import problems
 from offstep.config.verl.translate import refusals
 from offstep.errors import ConfigError, ModelError
+from offstep.pipeline.replay import replay_problems
 
 
 def _need(ok: bool, msg: str, errors: list[str]) -> None:
@@ -264,6 +265,7 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
               f"trainer.loggers includes {name} but the {module} package is missing: "
               f"pip install 'offstep[{name}]', or remove {name} from trainer.loggers", e)
     _check_vllm(cfg, e)
+    e += replay_problems(cfg)
     ag = cfg.rollout.agent
     if ag.tools_path:
         _need(Path(ag.tools_path).is_file(), f"rollout.agent.tools_path={ag.tools_path!r} does not exist; give the path "

@@ -23,6 +23,10 @@ Each group's place, seeds and replica are a function of its admission number ``g
 ``g // B + 1``, position ``g % B``, the replica whose contiguous share of that batch holds the
 position (as ``RolloutFleet.split``), and that replica's generation seed for the batch.
 
+**The schedule** of the run (``offstep.pipeline.replay``): at each step the groups it trains and,
+per replica, when its loads, suspensions and admissions happened, into ``schedule.jsonl``. With
+``pipeline.replay`` a step trains the recorded groups, and each replica follows its recorded events.
+
 **A replica that dies**, or whose take does not answer within ``rollout.timeout_s``, is replaced by
 the fleet (``RolloutFleet.restart``: a new worker with the current weights, within
 ``rollout.max_restarts``). Its unfinished groups go to the new one as the driver last knew them:
@@ -36,6 +40,7 @@ import asyncio
 import dataclasses
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 
@@ -44,8 +49,10 @@ from offstep.errors import RolloutFailed
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.fleet import gen_seed, split
 from offstep.pipeline.inputs import to_request
+from offstep.pipeline.replay import SCHEDULE_FILE, read_schedule
 from offstep.pipeline.step_metrics import executions_metrics
 from offstep.rollout.stream import GroupWork, SampleState
+from offstep.telemetry.metrics import JsonlWriter
 from offstep.telemetry.names import ResponseLength, Rollout, Stage, Timing, replica, reward_lane
 
 POLL_S = 0.5  # how long one take waits on a replica for a finished group
@@ -111,21 +118,30 @@ class SampleStream:
         self._polling.set()
         self._takes: dict[int, asyncio.Future] = {}  # each replica's take in flight, with its handling
         self._down: set[int] = set()  # replicas being replaced: their groups are submitted by _replace
+        self.replay = read_schedule(cfg.pipeline.replay) if cfg.pipeline.replay else None
+        self._schedule: JsonlWriter | None = None  # schedule.jsonl (start())
+        self._replaced = False  # a replica was replaced since the last step's line
 
     # ---------------------------------------------------------------- start, admission, polling
     async def start(self, version: int, consumed: int, saved: dict | None) -> None:
         """Start every replica's stream at ``version`` with ``consumed`` groups trained so far;
         ``saved``: the groups a checkpoint stored (:meth:`state`), continued where they stopped."""
         self.held, self.admitted = version, consumed
-        await asyncio.gather(*(self._stream_start(w) for w in self.workers.rollout))
+        self._schedule = JsonlWriter(Path(self.cfg.trainer.output_dir) / SCHEDULE_FILE, append=consumed > 0)
+        self._schedule.write({"step": consumed // self.B, "start": True, "replicas": self.R, "batch": self.B})
+        if self.replay is not None and (self.replay.replicas, self.replay.batch) != (self.R, self.B):
+            raise ValueError(f"pipeline.replay: the recorded run had {self.replay.replicas} replicas and batches of "
+                             f"{self.replay.batch} groups, this one {self.R} and {self.B}")
+        events = self.replay.events if self.replay is not None else [None] * self.R
+        await asyncio.gather(*(self._stream_start(w, e) for w, e in zip(self.workers.rollout, events)))
         if saved is not None:
             self._restore(saved)
         self._pollers = [asyncio.ensure_future(self._poll(r)) for r in range(self.R)]
         self.admit()
 
-    async def _stream_start(self, worker) -> None:
+    async def _stream_start(self, worker, replay: list | None = None) -> None:
         prompts = [p.prompt_ids for p in self.inputs.train]
-        await worker.stream_start.remote(prompts, self.params, self.cfg.rollout.partial)
+        await worker.stream_start.remote(prompts, self.params, self.cfg.rollout.partial, replay)
 
     def _place(self, g: int) -> tuple[int, int, int]:
         """(replica, seed, first stream) of group ``g``: the batch mode's for its batch and position."""
@@ -176,6 +192,7 @@ class SampleStream:
         new one (see the module's docstring). While the stream is suspended for a checkpoint they
         wait for :meth:`resubmit`'s turn, then go here."""
         self._down.add(r)
+        self._replaced = True
         try:
             await self.restart(r, failed, why)  # raises RolloutFailed once rollout.max_restarts are used up
             await self._stream_start(self.workers.rollout[r])
@@ -209,7 +226,20 @@ class SampleStream:
         """The ``B`` groups step ``step`` trains on (trainer version ``step - 1``), as the batch
         mode's :class:`Generated`, with their epoch, prompts and the stream's metrics."""
         version = step - 1
-        while True:
+        recorded = self.replay.steps.get(step) if self.replay is not None else None
+        while recorded is not None:  # replaying: the groups this step trained in the recorded run
+            if self._error is not None:
+                raise self._error
+            gone = [g for g in recorded if g < self.admitted and g not in self.groups]
+            if gone:
+                raise RuntimeError(f"pipeline.replay: step {step} trained groups {gone}, which this run trained earlier: "
+                                   "it does not follow the recorded one")
+            if all(g in self.groups and self.groups[g].finished is not None for g in recorded):
+                chosen = [self.groups[g] for g in recorded]
+                break
+            self._changed.clear()
+            await self._changed.wait()
+        while recorded is None:
             if self._error is not None:
                 raise self._error
             waiting = sorted(self.groups.values(), key=lambda a: (a.version, a.g))  # earliest deadline first
@@ -218,17 +248,34 @@ class SampleStream:
                 raise RuntimeError(f"step {step}: {len(must)} groups are due, more than data.train_batch_size={self.B}")
             fill = [a for a in waiting[len(must):] if a.finished is not None][: self.B - len(must)]
             if len(must) + len(fill) == self.B and all(a.finished is not None for a in must):
+                chosen = must + fill
                 break
             self._changed.clear()
             await self._changed.wait()
-        chosen = must + fill
         chosen.sort(key=lambda a: a.g)
+        await self._record(step, chosen)
         for a in chosen:
             del self.groups[a.g]
         samples = [s for a in chosen for s in a.finished.samples]
         gen = Generated(samples=samples, prompt_of={a.work.request.uid: a.prompt for a in chosen})
         m = self._metrics(chosen, samples, step)
         return gen, max(a.epoch for a in chosen), [a.prompt for a in chosen], m
+
+    async def _record(self, step: int, chosen: list[Admitted]) -> None:
+        """The step's line of ``schedule.jsonl``: its groups and each replica's events since the last."""
+        live = [r for r in range(self.R) if r not in self._down]
+        drained = await asyncio.gather(*(self.workers.rollout[r].stream_schedule.remote() for r in live),
+                                       return_exceptions=True)
+        events: list[list] = [[] for _ in range(self.R)]
+        for r, got in zip(live, drained):
+            if isinstance(got, BaseException):  # a replica that died: its poll replaces it
+                self._replaced = True
+            else:
+                events[r] = got
+        line = {"step": step, "groups": [a.g for a in chosen], "events": events}
+        if self._replaced or len(live) < self.R:
+            line["replaced"], self._replaced = True, False
+        self._schedule.write(line)
 
     def _metrics(self, chosen: list[Admitted], samples: list, step: int) -> dict:
         spans = [len(set(s.token_versions or [s.version]) - {NO_VERSION}) for s in samples]  # tool tokens: none
@@ -337,4 +384,6 @@ class SampleStream:
     def close(self) -> None:
         for t in self._pollers:
             t.cancel()
+        if self._schedule is not None:
+            self._schedule.close()
 

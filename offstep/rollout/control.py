@@ -21,6 +21,10 @@ so that the replica's engine and that work take turns on its cores instead of co
 
 The poster blocks on the returned future until the engine did it. An engine that is not serving
 (no :meth:`attach`) has nothing in flight: a post then runs at once in the poster's thread.
+
+A stream's schedule (``offstep.rollout.replay``) counts the decode steps (:meth:`decoded`) and
+records at which one each load and suspension ran; replaying one, a load or suspension runs only at
+its recorded step, and each step boundary waits until what is due there was posted.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from offstep.config.choices import PARTIAL_MODES
+from offstep.rollout.replay import ADMIT, LOAD, SUSPEND, Schedule
 
 SUSPENDED = "suspended"  # the finish reason of a sample a suspension ended
 
@@ -45,6 +50,12 @@ class StepControl:
         self._suspend: Future | None = None
         self._work: list[tuple[Callable[[], object], Future]] = []
         self._wake: Callable[[], None] = lambda: None
+        self.schedule: Schedule | None = None
+        self._feed = None  # the feed whose admissions the schedule names (use_schedule)
+
+    def use_schedule(self, schedule: Schedule, feed) -> None:
+        """Record into, or replay, ``schedule``; ``feed`` (a ``StreamFeed``) holds the requests it admits."""
+        self.schedule, self._feed = schedule, feed
 
     # ---------------------------------------------------------------- the engine's side
     def attach(self, wake: Callable[[], None]) -> None:
@@ -60,13 +71,44 @@ class StepControl:
         self.run_load()
         self.run_suspend()
 
+    def decoded(self) -> None:
+        """The engine ran a decode step (for the schedule)."""
+        if self.schedule is not None:
+            self.schedule.decoded()
+
+    def _allows(self, kind: str) -> bool:
+        """(Under the lock.) Whether a posted ``kind`` may run now: a replayed schedule says when."""
+        return not self._serving or self.schedule is None or self.schedule.allows(kind)
+
     def pending(self) -> str | None:
         """``"suspend"``, ``"load"`` (in that order of precedence) or None."""
         with self._lock:
-            return "suspend" if self._suspend is not None else "load" if self._load is not None else None
+            if self._suspend is not None and self._allows(SUSPEND):
+                return "suspend"
+            return "load" if self._load is not None and self._allows(LOAD) else None
 
     def run_work(self) -> None:
-        """Run the posted work (in the calling thread), each poster getting its result or error."""
+        """Run the posted work (in the calling thread), each poster getting its result or error.
+        Replaying a schedule, the engine's step boundary: first wait until what is due there has
+        been posted or has arrived (running the work posted meanwhile)."""
+        if self._serving and self.schedule is not None and self.schedule.replaying:
+            self._await_due()
+        self.run_posted()
+
+    def _await_due(self) -> None:
+        while True:
+            self.run_posted()
+            event = self.schedule.due()
+            if event is None:
+                return
+            with self._lock:
+                ready = self._suspend if event[1] == SUSPEND else self._load if event[1] == LOAD else True
+            if self._feed.closed or ready is not None and (event[1] != ADMIT or self._feed.holds(event[2])):
+                return
+            self._feed.wait_change(0.05)
+
+    def run_posted(self) -> None:
+        """Run the posted work now (in the calling thread), whatever a schedule says."""
         with self._lock:
             work, self._work = self._work, []
         for fn, fut in work:
@@ -78,7 +120,11 @@ class StepControl:
     def run_load(self) -> bool:
         """Carry out the posted load (in the calling thread); False when none was posted."""
         with self._lock:
+            if not self._allows(LOAD):
+                return False
             posted, self._load = self._load, None
+            if posted is not None and self._serving and self.schedule is not None:
+                self.schedule.note(LOAD)
         if posted is None:
             return False
         apply, fut = posted
@@ -93,7 +139,11 @@ class StepControl:
     def run_suspend(self) -> None:
         """The in-flight samples were ended (the engine emitted them); the poster may go on."""
         with self._lock:
+            if not self._allows(SUSPEND):
+                return
             fut, self._suspend = self._suspend, None
+            if fut is not None and self._serving and self.schedule is not None:
+                self.schedule.note(SUSPEND)
         if fut is not None:
             fut.set_result(None)
 

@@ -132,6 +132,8 @@ def continuous(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, 
             step[b:bt] = 0
         # ---- sample every running slot at once, each from its own stream
         tokens, logps = sample_tokens(logits, params, uni[torch.arange(bt, device=dev), step[:bt]])
+        if control is not None:
+            control.decoded()
         tok[:bt] = tokens
         step[:bt] += 1
         done = []
@@ -204,6 +206,8 @@ def _chunk(engine, prompts: dict[int, list[int]], rows: list[Row], params: Sampl
     active = list(range(len(rows)))  # chunk-local row numbers still decoding, in batch order
     for step in range(params.max_new_tokens):
         tokens, logps = sample_tokens(logits, params, uniforms[active, step])
+        if control is not None:
+            control.decoded()
         keep: list[int] = []
         for b, (t, lp) in enumerate(zip(tokens.tolist(), logps.tolist())):
             reason = engine._append(rows[active[b]], t, lp, params, window)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from offstep.batch import Sample
 from offstep.rollout.control import SUSPENDED, StepControl
+from offstep.rollout.replay import ADMIT, Schedule, request_key
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
 
 
@@ -73,10 +74,15 @@ class FinishedGroup:
 class StreamFeed:
     """The feed of a serving engine that never runs dry: ``take`` blocks until requests arrive, a
     weight load or suspension is posted (it then returns ``[]``, so the engine can act), or the
-    feed is closed (``None``). ``pause`` holds back the queued requests (for a suspension)."""
+    feed is closed (``None``). ``pause`` holds back the queued requests (for a suspension).
+    ``schedule`` records which requests each take admitted; replaying, a take admits exactly the
+    requests due at the coming decode step, waiting for them (``offstep.rollout.replay``), and
+    ``while_waiting`` runs meanwhile (the work posted to the engine's thread)."""
 
-    def __init__(self, prompts: list[list[int]], concurrency: int, share_prefix: bool = True):
+    def __init__(self, prompts: list[list[int]], concurrency: int, share_prefix: bool = True,
+                 schedule: Schedule | None = None, while_waiting: Callable[[], None] = lambda: None):
         self.prompts, self.concurrency, self.share_prefix = prompts, concurrency, share_prefix
+        self.schedule, self.while_waiting = schedule, while_waiting
         self._cond = threading.Condition()
         self._queue: list[TurnRequest] = []
         self._closed = self._paused = self._woken = False
@@ -107,7 +113,24 @@ class StreamFeed:
             out, self._queue = self._queue, []
             return out
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def holds(self, keys: list) -> bool:
+        """Whether every request named by ``keys`` is queued (or the feed is closed)."""
+        with self._cond:
+            queued = {tuple(request_key(r)) for r in self._queue}
+            return self._closed or all(tuple(k) in queued for k in keys)
+
+    def wait_change(self, timeout: float) -> None:
+        """Until requests arrive, a post wakes the feed, or ``timeout`` seconds."""
+        with self._cond:
+            self._cond.wait(timeout)
+
     def take(self, limit: int, block: bool) -> list[TurnRequest] | None:
+        if self.schedule is not None and self.schedule.replaying:
+            return self._take_due(block)
         with self._cond:
             while block and not self._closed and not self._woken and (self._paused or not self._queue):
                 self._cond.wait()
@@ -117,6 +140,30 @@ class StreamFeed:
             if self._paused:
                 return []
             out, self._queue = self._queue[:limit], self._queue[limit:]
+            if out and self.schedule is not None:
+                self.schedule.note(ADMIT, [request_key(r) for r in out])
+            return out
+
+    def _take_due(self, block: bool) -> list[TurnRequest] | None:
+        """Replaying: the requests admitted before this decode step in the recorded run, in their order."""
+        event = self.schedule.due()
+        if event is None or event[1] != ADMIT:  # something else is due first, or nothing
+            with self._cond:
+                while block and not self._closed and not self._woken:
+                    self._cond.wait()
+                self._woken = False
+                return None if self._closed else []
+        while not self.holds(event[2]):
+            self.while_waiting()
+            self.wait_change(0.05)
+        with self._cond:
+            if self._closed:
+                return None
+            by_key = {tuple(request_key(r)): r for r in self._queue}
+            out = [by_key[tuple(k)] for k in event[2]]
+            taken = {id(r) for r in out}
+            self._queue = [r for r in self._queue if id(r) not in taken]
+            self.schedule.note(ADMIT)
             return out
 
 
@@ -129,12 +176,14 @@ class StreamServer:
 
     def __init__(self, engine, prompts: list[list[int]], params: SamplingParams, partial: str, concurrency: int,
                  score: Callable, pool: ThreadPoolExecutor, tokenizer, on_sample: Callable[[], None] = lambda: None,
-                 share_prefix: bool = True):
+                 share_prefix: bool = True, replay: list | None = None):
         self.engine, self.params, self.score, self.pool, self.tok = engine, params, score, pool, tokenizer
         self.on_sample = on_sample
         self.agents: dict[str, object] = {}
-        self.feed = StreamFeed(prompts, concurrency, share_prefix)
         self.control = StepControl(partial)
+        self.schedule = Schedule(replay)  # when each load, suspension and admission happened (offstep.rollout.replay)
+        self.feed = StreamFeed(prompts, concurrency, share_prefix, self.schedule, self.control.run_posted)
+        self.control.use_schedule(self.schedule, self.feed)
         self._lock = threading.Condition()
         self._groups: dict[int, GroupWork] = {}  # uid -> unfinished group
         self._owner: dict[int, tuple[int, int]] = {}  # request index -> (uid, sample)

@@ -86,6 +86,8 @@ def serve(engine, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: 
                 break
             for out in llm.step():
                 (record if out.request_id in live else engine._route)(out)
+            if streaming:
+                control.decoded()
     finally:
         engine._route = outer
         if live:  # an exception (a scorer, Ctrl-C): leave no request running in the engine

@@ -268,9 +268,11 @@ class RolloutWorker:
     # ---------------------------------------------------------------- fully asynchronous mode
     # (pipeline.mode=fully_async, offstep.rollout.stream): the actor runs these on several threads
     # (max_concurrency), so a load or a take is served while the engine generates.
-    def stream_start(self, prompts: list[list[int]], params: SamplingParams, partial: str) -> None:
+    def stream_start(self, prompts: list[list[int]], params: SamplingParams, partial: str,
+                     replay: list | None = None) -> None:
         """Start generating from a stream of prompt groups (``prompts``: every prompt that may come,
-        for the engine's cache and shared prefix)."""
+        for the engine's cache and shared prefix); ``replay``: a recorded schedule for it to follow
+        (``offstep.rollout.replay``)."""
         from offstep.rollout.stream import StreamServer
         from offstep.rollout.stream_agents import attach_agents
 
@@ -278,7 +280,7 @@ class RolloutWorker:
         self._generating_again()
         openai = self.agent is not None and bool(self.agent.openai_path)  # its calls render chats of their own
         self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, self._score, self.pool,
-                                    self._tok, self.progress.advance, share_prefix=not openai)
+                                    self._tok, self.progress.advance, share_prefix=not openai, replay=replay)
         if self.agent is not None:  # tool rows and OpenAI agents' rows: their loops' turns go through the stream
             attach_agents(self._stream, self._tool_loops(), self._openai_agents() if openai else None, self.engine, params)
 
@@ -304,6 +306,10 @@ class RolloutWorker:
     def _generating_again(self) -> None:
         """The live status after a reference pass or a load inside a stream: the engine generates."""
         self.progress.start(Stage.GEN, total=0, version=self.engine.version)
+
+    def stream_schedule(self) -> list:
+        """The schedule's events recorded since the last call (``offstep.rollout.replay``)."""
+        return self._stream.schedule.drain()
 
     def stream_suspend(self) -> list:
         return self._stream.suspend()

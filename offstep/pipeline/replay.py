@@ -1,0 +1,106 @@
+"""The recorded schedule of a fully asynchronous run (``schedule.jsonl`` in its folder), and replaying
+it (``pipeline.replay``).
+
+With ``pipeline.max_staleness >= 1`` where a weight load lands inside a replica's samples, which
+samples share its batches and which finished groups a step trains all depend on timing, so two runs
+of one config differ. Each run records them: a replica's decode-step schedule
+(``offstep.rollout.replay``) and the groups each step trained. A run of the same config given that
+record makes every replica load, admit and suspend at the recorded decode steps and every step train
+the recorded groups; everything else in a run is already a function of its seeds.
+
+``schedule.jsonl`` holds one line when the stream starts (``{"step": s, "start": true, ...}``, ``s``:
+the step it resumes after) and one per step: the admission numbers of the groups it trained and,
+per replica, the events recorded since the step before. A schedule that records a resume or a
+replaced replica is not replayed (the events of a new replica or of a resumed stream start again at
+decode step 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SCHEDULE_FILE = "schedule.jsonl"
+
+# Keys that may differ between a run and its replay: where it writes and how it reports.
+FREE_KEYS = ("trainer.output_dir", "trainer.progress", "trainer.status_interval_s", "trainer.loggers",
+             "trainer.wandb_project", "trainer.resume", "pipeline.replay")
+
+
+@dataclass
+class Recorded:
+    """A run's schedule: the groups of each step, and each replica's events in order."""
+
+    replicas: int
+    batch: int
+    steps: dict[int, list[int]] = field(default_factory=dict)
+    events: list[list] = field(default_factory=list)
+
+
+def schedule_path(replay: str) -> Path:
+    """``pipeline.replay`` (a run folder or its schedule file) as the schedule file."""
+    p = Path(replay)
+    return p / SCHEDULE_FILE if p.is_dir() else p
+
+
+def read_schedule(replay: str) -> Recorded:
+    """The schedule ``pipeline.replay`` names; ``ValueError`` saying what is wrong with it."""
+    from offstep.telemetry.metrics import read_jsonl
+
+    path = schedule_path(replay)
+    lines = read_jsonl(path)
+    starts = [r for r in lines if r.get("start")]
+    if len(starts) != 1 or lines[0] is not starts[0]:
+        raise ValueError(f"{path} records {len(starts)} starts of the stream (a resumed run); only an uninterrupted "
+                         f"run can be replayed")
+    rec = Recorded(int(starts[0]["replicas"]), int(starts[0]["batch"]), events=[[] for _ in range(starts[0]["replicas"])])
+    for r in lines[1:]:
+        if r.get("replaced"):
+            raise ValueError(f"{path}: a replica was replaced at step {r['step']} (rollout.max_restarts); a run with a "
+                             f"replaced replica cannot be replayed")
+        rec.steps[int(r["step"])] = [int(g) for g in r["groups"]]
+        for mine, new in zip(rec.events, r["events"]):
+            mine.extend(new)
+    return rec
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def replay_problems(cfg) -> list[str]:
+    """What stops ``cfg`` from replaying ``pipeline.replay``: a missing or unreadable schedule, a
+    recorded run of another config, or an output folder that is the recorded run's own."""
+    replay = cfg.pipeline.replay
+    if not replay:
+        return []
+    path = schedule_path(replay)
+    if not path.is_file():
+        return [f"pipeline.replay={replay!r}: no {SCHEDULE_FILE} there; give the folder of a run made with "
+                f"pipeline.mode=fully_async (or its {SCHEDULE_FILE})"]
+    if path.parent.resolve() == Path(cfg.trainer.output_dir).resolve():
+        return [f"pipeline.replay={replay!r} is this run's own trainer.output_dir; replay into another folder "
+                f"(trainer.output_dir=...)"]
+    try:
+        read_schedule(replay)
+    except ValueError as e:
+        return [f"pipeline.replay={replay!r}: {e}"]
+    recorded_cfg = path.parent / "config.yaml"
+    if not recorded_cfg.is_file():
+        return [f"pipeline.replay={replay!r}: no config.yaml beside {SCHEDULE_FILE}, so the run it records is unknown"]
+    from omegaconf import OmegaConf
+
+    mine = _flat(OmegaConf.to_container(OmegaConf.structured(cfg)))
+    theirs = _flat(OmegaConf.to_container(OmegaConf.load(recorded_cfg)))
+    differ = sorted(k for k in mine.keys() | theirs.keys() if k not in FREE_KEYS and mine.get(k) != theirs.get(k))
+    if differ:
+        shown = ", ".join(f"{k}={theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ[:6])
+        return [f"pipeline.replay={replay!r}: the recorded run had another config ({shown}"
+                f"{' ...' if len(differ) > 6 else ''}); replay it with its own config (its config.yaml)"]
+    return []
