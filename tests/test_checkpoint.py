@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENGINES, ENGINES_SLOW_VLLM, needs_vllm
+from conftest import ENGINES_SLOW_VLLM, needs_vllm
 
 from offstep.config.loader import ConfigError, load_config, to_yaml
 from offstep.pipeline.checkpoints import TrainerState, Checkpoints, check_compatible, complete_checkpoints, resolve_path
@@ -150,14 +150,13 @@ def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
 
 
 # ------------------------------------------------------------------ kill and resume
-# The k = 0 and k = 1 cases (about 70 s each) stay in CI's tier although they are over 30 s: they
-# are the check that a resume equals no interruption.
+# These cases (about 45-70 s each) stay in CI's tier although they are over 30 s: they are the
+# check that a resume equals no interruption (LoRA's adapters and tool rows included); vLLM's is slow.
 @pytest.mark.ray
 @pytest.mark.parametrize("k,engine,lora,agent,mode", [
     (0, "builtin", 0, "single_turn_agent", "batch"), (1, "builtin", 0, "single_turn_agent", "batch"),
     pytest.param(1, "vllm", 0, "single_turn_agent", "batch", marks=[needs_vllm, pytest.mark.slow]),
-    pytest.param(1, "builtin", 8, "single_turn_agent", "batch", marks=pytest.mark.slow),
-    pytest.param(1, "builtin", 0, "tool_agent", "batch", marks=pytest.mark.slow),
+    (1, "builtin", 8, "single_turn_agent", "batch"), (1, "builtin", 0, "tool_agent", "batch"),
     (0, "builtin", 0, "single_turn_agent", "fully_async")],
     ids=["sync", "one-step", "one-step-vllm", "one-step-lora", "one-step-tools", "fully-async-k0"])
 def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, engine, lora, agent, mode):
@@ -239,8 +238,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 @pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("engine", ENGINES_SLOW_VLLM)
 def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path, engine):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it): the step in progress
     completes, a checkpoint is written, every process ends (vLLM's included), exit code 130."""

@@ -207,6 +207,27 @@ def test_local_init_keeps_loopback_as_node_address(tmp_path, monkeypatch):
     assert cluster_mode is False and ray_constants.ENABLE_RAY_CLUSTER == before
 
 
+@pytest.mark.parametrize("address,loopback", [("127.0.0.1:6379", True), ("localhost:6379", True), ("10.1.2.3:6379", False)])
+def test_joining_a_cluster_on_loopback_keeps_its_address(tmp_path, monkeypatch, address, loopback):
+    """``resources.ray_address`` on 127.0.0.1 (a cluster started with ``--node-ip-address=127.0.0.1``,
+    or by another run's tests): Ray's cluster mode is off for the ``ray.init``, else the driver maps
+    127.0.0.1 to the machine's address, where the cluster's GCS does not listen, and waits forever."""
+    from ray._private import ray_constants
+
+    import offstep.pipeline.preflight as preflight
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(workers.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(workers.ray, "init", lambda **kw: calls.append((kw, ray_constants.ENABLE_RAY_CLUSTER)))
+    monkeypatch.setattr(preflight, "check_ray_address", lambda a: None)
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    init_ray(load_config(["preset=tiny", f"trainer.output_dir={tmp_path}", f"resources.ray_address={address}"]))
+    [(kwargs, cluster_mode)] = calls
+    assert kwargs["address"] == address and cluster_mode is (before and not loopback)
+    assert ray_constants.ENABLE_RAY_CLUSTER == before
+
+
 def test_cluster_run_says_what_it_listens_on():
     assert listen_summary("10.0.0.5") == ("node address 10.0.0.5: this run's stores listen on 10.0.0.5, "
                                           "Ray's workers and processes on every interface (0.0.0.0)")

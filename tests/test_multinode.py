@@ -155,7 +155,6 @@ def _same_run_on_one_and_on_split_nodes(cluster, tmp_path, *extra: str) -> tuple
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["object_store", "collective"])
 def test_trainer_and_rollout_pools_on_different_nodes(cluster, tmp_path, sync):
     """Actor on a trainer node, rollout replica on the rollout node: the weight sync (object store,
@@ -168,7 +167,6 @@ def test_trainer_and_rollout_pools_on_different_nodes(cluster, tmp_path, sync):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_fsdp_across_two_nodes(cluster, tmp_path):
     """FSDP2 with 2 trainer ranks, one per trainer node: the process group meets at the driver's
     store across nodes, and the run equals the 2-rank run on one node, step for step."""
@@ -202,7 +200,6 @@ def _kill_rollout_node_mid_run(c, nodes: dict, tmp_path: Path, *extra: str) -> t
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 @pytest.mark.parametrize("sync", ["object_store", "collective"])
 def test_rollout_node_lost_with_a_spare_node_the_run_goes_on(tmp_path, sync):
     """Two nodes can hold the rollout replica. Its node is removed mid-run: the replacement starts
@@ -225,7 +222,6 @@ def test_rollout_node_lost_with_a_spare_node_the_run_goes_on(tmp_path, sync):
 
 
 @pytest.mark.ray
-@pytest.mark.slow
 def test_rollout_node_lost_without_a_spare_stops_cleanly_and_resumes(tmp_path):
     """Only one node can hold the rollout replica, and it is removed mid-run: the run stops once
     the replacement's bundle has waited the placement time (60 s) for a node, with a message that

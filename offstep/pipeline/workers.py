@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -217,7 +218,9 @@ def init_ray(cfg: Config) -> bool:
 
         check_ray_address(cfg.resources.ray_address)  # Ray would retry for 25 s, then raise with no fix
         keep_token_private(create=False)
-        ray.init(address=cfg.resources.ray_address, **kwargs)
+        host = cfg.resources.ray_address.rsplit(":", 1)[0].strip("[]")
+        with _keep_loopback(host in (LOOPBACK, "localhost", "::1")):  # a cluster on 127.0.0.1: join it there
+            ray.init(address=cfg.resources.ray_address, **kwargs)
     else:
         # A local cluster: no metrics exporter (an unauthenticated listener on every interface),
         # and Ray's token authentication (on by default for local clusters since Ray 2.59) stays on.
@@ -226,16 +229,26 @@ def init_ray(cfg: Config) -> bool:
             log.warning("RAY_AUTH_MODE=disabled: anyone who can reach this machine's Ray ports can run code in "
                         "this run's cluster; unset it to keep Ray's token authentication on")
         keep_token_private(create=True)
-        from ray._private import ray_constants
-
-        cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
-        ray_constants.ENABLE_RAY_CLUSTER = False  # keep 127.0.0.1 as the node address (see above)
-        try:
+        with _keep_loopback(True):
             ray.init(num_cpus=os.cpu_count(), _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
-        finally:
-            ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
     keep_token_private(create=False)  # in case Ray wrote it after all
     return True
+
+
+@contextmanager
+def _keep_loopback(on: bool):
+    """``ray.init`` inside keeps a loopback node address (see ``init_ray``) when ``on``: for a local
+    cluster, and for joining a cluster whose address is loopback (its GCS listens there only;
+    mapped to the machine's address, the connection never comes)."""
+    from ray._private import ray_constants
+
+    cluster_mode = ray_constants.ENABLE_RAY_CLUSTER
+    if on:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
 
 def start_reward_pool(cfg: Config, env: dict) -> tuple[Pool | None, list]:
