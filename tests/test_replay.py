@@ -191,6 +191,10 @@ def test_what_cannot_be_replayed_is_refused(tmp_path):
     assert any("rollout.n=2 there, 4 here" in m and "its config.yaml" in m for m in env("rollout.n=4"))
     assert any("this run's own trainer.output_dir" in m for m in environment_problems(
         load_config(["preset=tiny", "pipeline.mode=fully_async", f"pipeline.replay={run}", f"trainer.output_dir={run}"])))
+    good = (run / "schedule.jsonl").read_text()
+    (run / "schedule.jsonl").write_text(json.dumps(start) + "\n" + json.dumps({"step": 1, "events": [[]]}) + "\n")
+    assert any("is not a schedule an offstep run wrote (KeyError: 'groups')" in m for m in env())
+    (run / "schedule.jsonl").write_text(good)
     with (run / "schedule.jsonl").open("a") as f:  # a resumed run: the stream started twice
         f.write(json.dumps({**start, "step": 1}) + "\n")
     assert any("only an uninterrupted run can be replayed" in m for m in env())
