@@ -1,6 +1,5 @@
-"""The typed configuration tree of ``offstep train``: every key can be overridden on the command line
-(``trainer.total_steps=50``); presets in ``preset/`` fill in values for real setups. ``validate.py`` checks the tree
-before any process starts. The string after each field is its help (``offstep train --help [KEY]``, read by ``help.py``)."""
+"""The typed configuration tree of ``offstep train``, every key overridable (``trainer.total_steps=50``); presets in ``preset/``
+fill in values, ``validate.py`` checks it before any process starts, each field's string is its help (``offstep train --help``)."""
 
 from __future__ import annotations
 
