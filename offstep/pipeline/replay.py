@@ -20,6 +20,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from offstep.rollout.replay import ADMIT, LOAD, SUSPEND, UNTIL
+
+KINDS = {LOAD, SUSPEND, ADMIT, UNTIL}
+
 SCHEDULE_FILE = "schedule.jsonl"
 
 # Keys that may differ between a run and its replay: where it writes and how it reports.
@@ -65,6 +69,9 @@ def read_schedule(replay: str) -> Recorded:
                 raise ValueError(f"{path}: step {r['step']} has events of {len(r['events'])} replicas, not {rec.replicas}")
             for mine, new in zip(rec.events, r["events"]):
                 mine.extend([int(e[0]), str(e[1]), *e[2:]] for e in new)
+                if {e[1] for e in new} - KINDS:
+                    raise ValueError(f"{path}: step {r['step']} has events of kinds {sorted({e[1] for e in new} - KINDS)}"
+                                     f", not one of {sorted(KINDS)}")
     except (KeyError, TypeError, IndexError) as e:
         raise ValueError(f"{path} is not a schedule an offstep run wrote ({type(e).__name__}: {e})") from None
     return rec

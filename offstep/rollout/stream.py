@@ -147,6 +147,8 @@ class StreamFeed:
     def _take_due(self, block: bool) -> list[TurnRequest] | None:
         """Replaying: the requests admitted before this decode step in the recorded run, in their order."""
         event = self.schedule.due()
+        if event is None and block and self.schedule.replaying and not self._closed:
+            raise RuntimeError(self.schedule.stuck())  # nothing in flight: the decode step due is never reached
         if event is None or event[1] != ADMIT:  # something else is due first, or nothing
             with self._cond:
                 while block and not self._closed and not self._woken:
@@ -163,7 +165,7 @@ class StreamFeed:
             out = [by_key[tuple(k)] for k in event[2]]
             taken = {id(r) for r in out}
             self._queue = [r for r in self._queue if id(r) not in taken]
-            self.schedule.note(ADMIT)
+            self.schedule.note(ADMIT, [request_key(r) for r in out])
             return out
 
 
