@@ -189,11 +189,9 @@ def test_calls_queued_on_a_lost_replica_all_fail_when_no_replacement_can_start(m
 
     import ray
 
-    import offstep.pipeline.fleet as fleet_mod
     from offstep.config.schema import RolloutConfig
     from offstep.pipeline.fleet import RolloutFailed, RolloutFleet
 
-    monkeypatch.setattr(fleet_mod, "PLACEMENT_TIMEOUT_S", 0.5)
     killed = []
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: killed.append(actor))
 
@@ -214,7 +212,7 @@ def test_calls_queued_on_a_lost_replica_all_fail_when_no_replacement_can_start(m
         old = SimpleNamespace(generate=SimpleNamespace(remote=old_generate))
         made = []
         workers = SimpleNamespace(rollout=[old], make_rollout=lambda i: made.append(i) or pending_replica(),
-                                  rollout_placed=lambda i: False)
+                                  rollout_placed=lambda i: False, placement_wait_s=lambda: 0.5)
         fleet = RolloutFleet(workers, RolloutConfig(), reload=None, log=print)
         record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None, messages=[])
         prompts = [SimpleNamespace(prompt_ids=[1, 2], record=record)]

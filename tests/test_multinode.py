@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 from test_checkpoint import REWARD, _records  # _records: per step, everything but wall-clock figures
 
+from offstep.config.loader import load_config
 from offstep.pipeline.checkpoints import complete_checkpoints
 
 # Slow enough (0.2 s a sample, 8 samples a batch) that a node can be removed while the run is
@@ -57,8 +58,12 @@ def local_cluster(**nodes: dict):
     from ray.cluster_utils import Cluster
 
     tmp = tempfile.mkdtemp(prefix="osn", dir="/tmp")  # short: Ray's socket paths live under it
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_enable_metrics_collection")}
-    os.environ.update(RAY_TMPDIR=tmp, RAY_enable_metrics_collection="0")
+    # A removed node is declared dead after 3 missed health checks 0.5 s apart rather than Ray's
+    # default 5 x 3 s: the tests that remove one wait for that, and nothing else changes.
+    health = dict(RAY_health_check_period_ms="500", RAY_health_check_timeout_ms="1000",
+                  RAY_health_check_failure_threshold="3")
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_enable_metrics_collection", *health)}
+    os.environ.update(RAY_TMPDIR=tmp, RAY_enable_metrics_collection="0", **health)
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": False})
@@ -224,17 +229,17 @@ def test_rollout_node_lost_with_a_spare_node_the_run_goes_on(tmp_path, sync):
 @pytest.mark.ray
 def test_rollout_node_lost_without_a_spare_stops_cleanly_and_resumes(tmp_path):
     """Only one node can hold the rollout replica, and it is removed mid-run: the run stops once
-    the replacement's bundle has waited the placement time (60 s) for a node, with a message that
-    says why, its last checkpoint is complete, and once a new rollout node joins, the same command
-    resumes from it and finishes."""
+    the replacement's bundle has waited the placement time (resources.placement_timeout_s, 15 s
+    here) for a node, with a message that says why, its last checkpoint is complete, and once a new
+    rollout node joins, the same command resumes from it and finishes."""
     with local_cluster(train=_node(1, node_train=1), rollout=_node(1, node_rollout=1)) as (c, nodes):
         t0 = time.time()
-        proc, log, _ = _kill_rollout_node_mid_run(c, nodes, tmp_path)
+        proc, log, _ = _kill_rollout_node_mid_run(c, nodes, tmp_path, "resources.placement_timeout_s=15")
         t_kill = time.time()
         text = _finish(proc, log, 240)
         assert proc.returncode == 2, text[-4000:]
-        assert time.time() - t_kill < 180, "the run took too long to give up"
-        assert "no node of the Ray cluster had room for its replacement within 60 s" in text, text[-4000:]
+        assert time.time() - t_kill < 135, "the run took too long to give up"
+        assert "no node of the Ray cluster had room for its replacement within 15 s" in text, text[-4000:]
         assert "trainer.resume=auto" in text
         found = complete_checkpoints(tmp_path / "run" / "checkpoints")
         assert found and found[-1][0] in (2, 4), found
@@ -244,7 +249,7 @@ def test_rollout_node_lost_without_a_spare_stops_cleanly_and_resumes(tmp_path):
         c.add_node(**_node(1, node_rollout=1))
         reward = tmp_path / "slow.py"
         args = _args(c, tmp_path / "run", reward, "trainer.total_steps=6", "trainer.save_freq=2",
-                     f"+{TRAIN}.node_train=1", f"+{ROLLOUT}.node_rollout=1")
+                     f"+{TRAIN}.node_train=1", f"+{ROLLOUT}.node_rollout=1", "resources.placement_timeout_s=15")
         resumed = _run(args, tmp_path / "resume.log")
         assert f"resumed from {found[-1][1]}" in resumed, resumed[-4000:]
     assert sorted(_records(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
@@ -252,6 +257,13 @@ def test_rollout_node_lost_without_a_spare_stops_cleanly_and_resumes(tmp_path):
 
 
 # ------------------------------------------------------------------ no Ray: the placement check
+def test_the_placement_wait_must_be_positive():
+    from offstep.config.validate import problems
+
+    assert any("resources.placement_timeout_s=0.0 must be > 0" in m
+               for m in problems(load_config(["preset=tiny", "resources.placement_timeout_s=0"])))
+
+
 def test_check_placeable_names_the_key_and_what_nodes_have():
     from offstep.pipeline.pools import check_placeable
 

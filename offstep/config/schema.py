@@ -338,9 +338,7 @@ class LoRAConfig:
     """the adapters' scale is alpha / rank (0: alpha = 2 x rank, a scale of 2)"""
     dropout: float = 0.0
     """dropout on the adapters' input during the update (never in log-prob passes or generation)"""
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     """the linear layers that get adapters, by name or name suffix (default: every attention and MLP projection of Llama/Qwen/Mistral-style models)"""
 
     @property
@@ -404,6 +402,8 @@ class ResourcesConfig:
     """GPUs of each reward worker"""
     ray_address: Optional[str] = None
     """an existing Ray cluster ("auto" or an address); null starts a local one"""
+    placement_timeout_s: float = 60.0
+    """how long a pool, or a rollout replica's replacement whose node left the cluster, may wait for a node with room (e.g. while an autoscaler adds one) before the run stops, saying why"""
 
 
 @dataclass

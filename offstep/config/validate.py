@@ -388,8 +388,8 @@ def problems(cfg: Config) -> list[str]:
     _choice(cfg.pipeline.weight_sync, "pipeline.weight_sync", WEIGHT_SYNC_PATHS, e)
     _need(cfg.pipeline.weight_sync_bucket_mb > 0,
           f"pipeline.weight_sync_bucket_mb={cfg.pipeline.weight_sync_bucket_mb} must be > 0 (e.g. 64)", e)
-    _need(cfg.pipeline.weight_sync_timeout_s > 0,
-          f"pipeline.weight_sync_timeout_s={cfg.pipeline.weight_sync_timeout_s} must be > 0 (e.g. 1800)", e)
+    _need(cfg.resources.placement_timeout_s > 0, f"resources.placement_timeout_s={cfg.resources.placement_timeout_s} must be > 0 (e.g. 60)", e)
+    _need(cfg.pipeline.weight_sync_timeout_s > 0, f"pipeline.weight_sync_timeout_s={cfg.pipeline.weight_sync_timeout_s} must be > 0 (e.g. 1800)", e)
     _need(not (cfg.pipeline.weight_sync == "collective" and cfg.pipeline.colocate and k == 0
                and cfg.resources.gpus_per_trainer_worker > 0),
           "pipeline.weight_sync=collective cannot use NCCL between an actor and a rollout worker colocated on "

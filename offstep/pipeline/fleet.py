@@ -15,7 +15,6 @@ from offstep.config.schema import RolloutConfig
 from offstep.errors import RolloutFailed
 from offstep.pipeline.inputs import to_request
 from offstep.pipeline.lending import CoreLending
-from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S
 from offstep.pipeline.workers import Workers, node_of
 from offstep.telemetry.metrics import Timeline
 from offstep.telemetry.names import Stage, replica
@@ -137,24 +136,25 @@ class RolloutFleet:
         just left (Ray declares a node dead only after missed heartbeats): a replacement that dies
         with that node before it ran is started again. One whose bundle no node can hold stops the
         run after the placement wait instead of waiting for a node forever."""
-        t0 = time.monotonic()
+        t0, wait_s = time.monotonic(), self.workers.placement_wait_s()
         while True:
             new = self.workers.rollout[i]
             ready = asyncio.ensure_future(_await(new.__ray_ready__.remote()))
             while not ready.done():
-                if time.monotonic() - t0 > PLACEMENT_TIMEOUT_S and not self.workers.rollout_placed(i):
+                if time.monotonic() - t0 > wait_s and not self.workers.rollout_placed(i):
                     ready.cancel()
                     raise RolloutFailed(
                         f"rollout worker {i} {why}, and no node of the Ray cluster had room for its replacement within "
-                        f"{PLACEMENT_TIMEOUT_S:.0f} s (its node left the cluster; only a node with the rollout pool's "
-                        f"resources, rollout.cpus_per_replica, gpus_per_replica and custom_resources_per_replica, can "
-                        f"take it). Add such a node, and resume from the last checkpoint with trainer.resume=auto")
+                        f"{wait_s:g} s (resources.placement_timeout_s; its node left the cluster; only a node with the "
+                        f"rollout pool's resources, rollout.cpus_per_replica, gpus_per_replica and "
+                        f"custom_resources_per_replica, can take it). Add such a node, and resume from the last "
+                        f"checkpoint with trainer.resume=auto")
                 await asyncio.wait([ready], timeout=1.0)
             try:
                 ready.result()
                 break
             except ray.exceptions.RayActorError as e:
-                if getattr(e, "actor_init_failed", False) or time.monotonic() - t0 > PLACEMENT_TIMEOUT_S:
+                if getattr(e, "actor_init_failed", False) or time.monotonic() - t0 > wait_s:
                     raise  # its constructor failed (the error names the cause), or it keeps dying
                 await asyncio.sleep(1.0)
                 self.workers.rollout[i] = self.workers.make_rollout(i)  # it died with the lost node, before it ran

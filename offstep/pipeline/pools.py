@@ -31,7 +31,7 @@ from offstep.train.distributed import GroupSpec
 # sets its own thread count. This lets several roles share one bundle (they run in turn).
 _TOKEN_CPU = 0.01
 LEND_GROUP = "lend"  # the trainer actors' concurrency group that takes lent cores (pipeline.lend_cores)
-PLACEMENT_TIMEOUT_S = 60.0  # how long a pool, or a bundle whose node left, may wait for a node
+PLACEMENT_TIMEOUT_S = 60.0  # resources.placement_timeout_s's default
 
 
 def check_placeable(nodes: list[dict], spec: dict[str, float], custom_key: str) -> str | None:
@@ -61,6 +61,7 @@ class Pool:
     bundles: int
     cpus_per_bundle: int
     gpus_per_bundle: int
+    timeout_s: float = PLACEMENT_TIMEOUT_S  # how long it, or a bundle of it whose node left, may wait for a node
 
     @classmethod
     def create(cls, name: str, bundles: int, cpus: int, gpus: int, custom: dict[str, float] | None = None,
@@ -77,9 +78,10 @@ class Pool:
             remove_placement_group(pg)
             raise PlacementFailed(
                 f"the {name} pool ({bundles} x {spec}) could not be placed within {timeout_s:.0f} s; "
-                f"the Ray cluster has {ray.available_resources()}. Lower resources.* / rollout.replicas."
+                f"the Ray cluster has {ray.available_resources()}. Lower resources.* / rollout.replicas, or wait "
+                f"longer for nodes (resources.placement_timeout_s)."
             )
-        return cls(pg, bundles, cpus, gpus)
+        return cls(pg, bundles, cpus, gpus, timeout_s)
 
     def options(self, bundle: int, gpu_share: float = 0.0, env: dict | None = None) -> dict:
         return dict(

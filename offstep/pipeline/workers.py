@@ -24,7 +24,7 @@ from offstep.config.schema import Config
 from offstep.config.validate import rollout_sleeps
 from offstep.models.loading import cache_dir
 from offstep.pipeline.inputs import Inputs
-from offstep.pipeline.pools import Pool, Rendezvous, RoleGroup
+from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S, Pool, Rendezvous, RoleGroup
 from offstep.rollout.reward_worker import RewardWorker
 from offstep.rollout.worker import RefSpec, RolloutWorker
 from offstep.telemetry.names import Role, replica
@@ -97,6 +97,10 @@ class Workers:
             except ray.exceptions.RayActorError as e:
                 e.role = role
                 raise
+
+    def placement_wait_s(self) -> float:
+        """How long a replica's replacement may wait for a node (``resources.placement_timeout_s``)."""
+        return self.rollout_pool.timeout_s if self.rollout_pool is not None else PLACEMENT_TIMEOUT_S
 
     def rollout_placed(self, i: int) -> bool:
         """Whether replica i's bundle sits on a live node (always, without a pool to ask)."""
@@ -257,7 +261,8 @@ def start_reward_pool(cfg: Config, env: dict) -> tuple[Pool | None, list]:
     m, res = cfg.reward.model, cfg.resources
     if m.kind is None or m.placement != "pool":
         return None, []
-    pool = Pool.create(Role.REWARD, res.reward_workers, res.cpus_per_reward_worker, res.gpus_per_reward_worker)
+    pool = Pool.create(Role.REWARD, res.reward_workers, res.cpus_per_reward_worker, res.gpus_per_reward_worker,
+                       timeout_s=res.placement_timeout_s)
     remote = ray.remote(RewardWorker)
     env = {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)}
     return pool, [remote.options(max_restarts=m.max_restarts, **pool.options(i, 1.0, env))
@@ -276,9 +281,11 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     colocate = cfg.pipeline.colocate and k == 0
     live = LiveStatus.create(console)
     trainer_pool = Pool.create(Role.TRAINER, res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker,
-                               res.custom_resources_per_trainer_worker, "resources.custom_resources_per_trainer_worker")
+                               res.custom_resources_per_trainer_worker, "resources.custom_resources_per_trainer_worker",
+                               res.placement_timeout_s)
     rollout_pool = None if colocate else Pool.create(Role.ROLLOUT, ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica,
-                                                     ro.custom_resources_per_replica, "rollout.custom_resources_per_replica")
+                                                     ro.custom_resources_per_replica, "rollout.custom_resources_per_replica",
+                                                     res.placement_timeout_s)
     ref_on_trainer = cfg.algorithm.needs_reference and not cfg.pipeline.ref_on_rollout
     lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
     ref_role = ref_on_trainer and lora is None  # with LoRA the actor gives the reference log-probs
