@@ -11,11 +11,13 @@ reports each decode step (``StepControl.decoded``).
 
 An event is ``[t, kind, keys]``: before decode step ``t`` (counted from 0 since the stream started)
 the replica ran a ``"load"`` or a ``"suspend"``, or ``"admit"``-ted the requests ``keys`` in that
-order. Each batch of recorded events ends with ``[t, "until"]``: nothing else happened before decode
-step ``t`` (the step the replica had reached when the events were collected). Without it a replay
-that ran out of events would run freely from its last one, and a load could land inside samples
-the recorded run finished under the old weights. A request's key is its random stream and where it starts (``seed, stream, offset``) and its
+order. A request's key is its random stream and where it starts (``seed, stream, offset``) and its
 length, which name it whichever order its submissions arrived in.
+
+Each batch of recorded events ends with ``[t, "until"]``: nothing else happened before decode step
+``t`` (the step the replica had reached when the events were collected). Without it a replay that
+ran out of events would run freely from its last one, and a load could land inside samples the
+recorded run finished under the old weights.
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import threading
 from collections.abc import Iterable
 
 LOAD, SUSPEND, ADMIT, UNTIL = "load", "suspend", "admit", "until"
-
-
 DIFFERS = "the run being replayed differs from the recorded one (its config, its engine or its model)"
 
 
