@@ -4,7 +4,7 @@ calculator preset's first steps on the real SmolLM2 (slow)."""
 from __future__ import annotations
 
 import pytest
-from conftest import needs_vllm
+from conftest import FAST_ONE_STEP, needs_vllm
 from reference_loop import assert_matches_in_process_reference
 
 from offstep.config.loader import load_config
@@ -59,7 +59,7 @@ def test_calculator_preset_calls_the_tool(tmp_path, ray_session, engine):
     train(load_config([
         "preset=calculator", f"rollout.engine={engine}", "trainer.total_steps=1", f"trainer.output_dir={tmp_path}",
         "trainer.progress=off", "trainer.val_before_train=false", "data.train_batch_size=4", "data.task_val_size=4",
-        "trainer.log_samples_freq=1", "trainer.log_samples_count=8",
+        "trainer.log_samples_freq=1", "trainer.log_samples_count=8", *FAST_ONE_STEP,
     ]))
     m = read_jsonl(tmp_path / "metrics.jsonl")[0]
     assert m["agent/tool_calls/mean"] > 0 and m["agent/turns/max"] >= 2, m

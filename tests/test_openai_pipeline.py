@@ -4,6 +4,7 @@ agent function that talks to the replica's endpoint, one-step off-policy, two st
 from __future__ import annotations
 
 import pytest
+from conftest import FAST_ONE_STEP
 
 from offstep.config.loader import load_config
 from offstep.pipeline.controller import train
@@ -56,7 +57,7 @@ def test_calculator_openai_preset_calls_the_tool(tmp_path, ray_session, monkeypa
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # the preset names the example agent from the root
     train(load_config([
         "preset=calculator_openai", "trainer.total_steps=1", f"trainer.output_dir={tmp_path}", "trainer.progress=off",
-        "trainer.val_before_train=false", "data.train_batch_size=4", "data.task_val_size=4",
+        "trainer.val_before_train=false", "data.train_batch_size=4", "data.task_val_size=4", *FAST_ONE_STEP,
     ]))
     m = read_jsonl(tmp_path / "metrics.jsonl")[0]
     assert m["agent/tool_calls/mean"] > 0 and m["agent/turns/max"] >= 2, m
