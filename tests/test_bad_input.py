@@ -3,9 +3,10 @@ one message on stderr that names the problem and the fix, with no traceback.
 
 Problems that can be seen in the configuration, the data, the model folder or the reward file are
 caught before Ray starts (the fast cases, run in-process through ``offstep.cli.main``). A reward
-function that misbehaves only shows when it scores real responses: those runs go through Ray in a
-subprocess of ``.venv/bin/offstep``, which must exit cleanly, in bounded time, leaving no process
-of the run behind.
+function that misbehaves only shows when it scores real responses: those runs go through Ray, in
+pytest's process with the session's Ray (the run must release every worker and pool), and, for a
+scorer that hangs, in a subprocess of ``.venv/bin/offstep``, which must exit cleanly, in bounded
+time, leaving no process of the run behind.
 """
 
 from __future__ import annotations
@@ -369,17 +370,7 @@ def alive(procs: list[psutil.Process]) -> list[str]:
     return out
 
 
-@pytest.mark.ray
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(REWARD_CASES))
-def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path):
-    path = write(tmp_path / "scorers.py", SCORERS)
-    result, procs = run_and_watch([
-        *TINY, f"trainer.output_dir={tmp_path / 'run'}", f"reward.custom_path={path}", f"reward.custom_name={name}",
-        "reward.timeout_s=2",
-    ])
-    err = result.stderr
-    assert result.returncode == 2, err
+def _assert_one_clear_line(err: str, name: str, path: str) -> None:
     assert "Traceback" not in err, err
     line = [ln for ln in err.splitlines() if ln.startswith("offstep: ")]
     assert len(line) == 1, err
@@ -387,6 +378,50 @@ def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path):
     assert "reward for data source 'arithmetic' failed: custom scorer" in msg and path in msg, msg
     for text in REWARD_CASES[name]:
         assert text in msg, (text, msg)
+
+
+def _held_in_ray(timeout_s: float = 30) -> list[str]:
+    """What the run still holds in the session's Ray after ``timeout_s``: placement-group bundles,
+    or cores taken by a worker that was not stopped. Empty when every one was released."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        held = [k for k in total if "_group_" in k]  # a placement group's bundles
+        if free.get("CPU", 0) < total.get("CPU", 0):
+            held.append(f"CPU: {free.get('CPU', 0)} of {total['CPU']} free")
+        if not held or time.monotonic() > deadline:
+            return held
+        time.sleep(0.5)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(REWARD_CASES) - {"hangs"}))
+def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path, capsys, ray_session):
+    """In pytest's process (the session's Ray): the same message as the command's, and the run's
+    workers and pools released. A command's own processes: the hanging case below."""
+    path = write(tmp_path / "scorers.py", SCORERS)
+    rc, err = run_cli([*TINY, f"trainer.output_dir={tmp_path / 'run'}", f"reward.custom_path={path}",
+                       f"reward.custom_name={name}", "reward.timeout_s=2"], capsys)
+    assert rc == 2, err
+    _assert_one_clear_line(err, name, path)
+    assert not _held_in_ray()
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_hanging_reward_function_ends_the_command_leaving_no_process(tmp_path):
+    """The command, with a scorer stuck in its call: it exits within its time limit, and none of
+    the processes it started (Ray's, the workers, the thread stuck in the scorer's) is left."""
+    path = write(tmp_path / "scorers.py", SCORERS)
+    result, procs = run_and_watch([
+        *TINY, f"trainer.output_dir={tmp_path / 'run'}", f"reward.custom_path={path}", "reward.custom_name=hangs",
+        "reward.timeout_s=2",
+    ])
+    assert result.returncode == 2, result.stderr
+    _assert_one_clear_line(result.stderr, "hangs", path)
     assert procs, "the run started no process: it failed before Ray, which is not what this test is for"
     deadline = time.monotonic() + 30
     while alive(procs) and time.monotonic() < deadline:
@@ -396,7 +431,7 @@ def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_worker_that_fails_to_start_is_named_with_its_cause(tmp_path):
+def test_worker_that_fails_to_start_is_named_with_its_cause(tmp_path, capsys, ray_session):
     """Weights that do not fit the model's config pass every check in the driver (which reads no
     tensor) and fail in the workers' from_pretrained: the message names the worker and keeps its
     exception, not "a trainer worker died"."""
@@ -404,8 +439,9 @@ def test_worker_that_fails_to_start_is_named_with_its_cause(tmp_path):
     config = json.loads((d / "config.json").read_text())
     config["intermediate_size"] *= 2
     (d / "config.json").write_text(json.dumps(config))
-    result, _ = run_and_watch([*TINY, f"trainer.output_dir={tmp_path / 'run'}", f"model.path={d}"])
-    line = [ln for ln in result.stderr.splitlines() if ln.startswith("offstep: ")]
-    assert result.returncode == 2 and len(line) == 1, result.stderr
+    rc, err = run_cli([*TINY, f"trainer.output_dir={tmp_path / 'run'}", f"model.path={d}"], capsys)
+    line = [ln for ln in err.splitlines() if ln.startswith("offstep: ")]
+    assert rc == 2 and len(line) == 1, err
     assert "the rollout replica 0 worker failed to start: RuntimeError: " in line[0], line[0]
     assert "ignore_mismatched_sizes" in line[0] and "trainer worker died" not in line[0], line[0]
+    assert not _held_in_ray()  # the workers that did start, and both pools, were released
