@@ -399,14 +399,20 @@ def _held_in_ray(timeout_s: float = 30) -> list[str]:
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(REWARD_CASES) - {"hangs"}))
-def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path, capsys, ray_session):
+def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path, capsys, ray_session, monkeypatch):
     """In pytest's process (the session's Ray): the same message as the command's, and the run's
     workers and pools released. A command's own processes: the hanging case below."""
+    from offstep.pipeline import controller
+
+    started = []
+    real_start = controller.start_workers
+    monkeypatch.setattr(controller, "start_workers", lambda *a, **kw: started.append(1) or real_start(*a, **kw))
     path = write(tmp_path / "scorers.py", SCORERS)
     rc, err = run_cli([*TINY, f"trainer.output_dir={tmp_path / 'run'}", f"reward.custom_path={path}",
                        f"reward.custom_name={name}", "reward.timeout_s=2"], capsys)
     assert rc == 2, err
     _assert_one_clear_line(err, name, path)
+    assert started, "the run started no worker: it failed before Ray, which is not what this test is for"
     assert not _held_in_ray()
 
 
