@@ -169,15 +169,29 @@ def tiny():
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray instance for every end-to-end test (starting Ray costs seconds), started the way
-    a run starts it (`init_ray`: every listener on 127.0.0.1, token authentication on)."""
+    a run starts it (`init_ray`: every listener on 127.0.0.1, token authentication on). A run that
+    ends normally keeps its workers for the next run of the same shape (``keep_workers``: each worker
+    process's start, seconds of CPU, is paid once per shape, not once per run)."""
     import ray
 
     from offstep.config.loader import load_config
+    from offstep.pipeline.keep import keep_workers
     from offstep.pipeline.workers import init_ray
 
     assert init_ray(load_config(["preset=tiny"])), "Ray was already running before the session's fixture"
-    yield
+    with keep_workers():
+        yield
     ray.shutdown()
+
+
+@pytest.fixture
+def ray_free(ray_session):
+    """The session's Ray with every core free, for a test that starts actors of its own: the workers
+    a run kept (``ray_session``) hold the cores in their placement groups, and would leave such an
+    actor waiting for a core forever."""
+    from offstep.pipeline.keep import release
+
+    release()
 
 
 def mini_batch_denom(mask, mode: str):

@@ -270,7 +270,7 @@ class FakePool:
 
 
 class _Pooled(Workers):
-    def close(self) -> None:  # the actors stay for the next run
+    def close(self, keep_them: bool = False) -> None:  # the actors stay for the next run
         self.live.close()
 
 

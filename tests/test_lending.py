@@ -120,7 +120,7 @@ class _Rank:
 
 
 @pytest.mark.ray
-def test_a_busy_rank_takes_the_lend_call_beside_its_running_call(ray_session):
+def test_a_busy_rank_takes_the_lend_call_beside_its_running_call(ray_free):
     import sys
 
     import ray

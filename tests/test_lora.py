@@ -225,7 +225,7 @@ def test_rollout_reference_is_the_engines_own_base(tmp_path, tiny, engine):
 
 @pytest.mark.ray
 @pytest.mark.parametrize("engine", ENGINES)
-def test_every_adapter_sync_reaches_the_rollout_engine(ray_session, tmp_path, tiny, engine):
+def test_every_adapter_sync_reaches_the_rollout_engine(ray_free, tmp_path, tiny, engine):
     """verl issue 7495: after each of several syncs (object store and collective, alternating),
     the rollout engine's log-probs of what it generated equal the trainer's for the same tokens,
     and differ from the base model's (the trainer's with adapters off, which is also what the

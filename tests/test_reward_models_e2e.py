@@ -88,7 +88,7 @@ def _wait_gone(pid, timeout_s=60.0):
     raise AssertionError(f"reward worker process {pid} still alive {timeout_s:.0f} s after ray.kill")
 
 
-def test_a_dead_reward_worker_falls_back_and_is_replaced(tmp_path, ray_session, tiny):
+def test_a_dead_reward_worker_falls_back_and_is_replaced(tmp_path, ray_free, tiny):
     import ray
 
     from offstep.config.schema import RewardModelConfig

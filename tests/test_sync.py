@@ -235,7 +235,7 @@ def _rollout_state(w):
 
 
 @pytest.mark.ray
-def test_ray_workers_collective_and_object_store_agree(ray_session, tmp_path):
+def test_ray_workers_collective_and_object_store_agree(ray_free, tmp_path):
     """ActorWorker (FSDP2 over gloo) -> two RolloutWorkers, collective and object-store syncs
     interleaved: after each, both engines hold exactly the actor's full weights and the version."""
     import ray

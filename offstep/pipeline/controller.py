@@ -401,12 +401,14 @@ class Controller:
             self.samples.resubmit()
             self.samples.release()
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """``finished``: the run ended normally, so its workers may be kept for the next run
+        (inside ``offstep.pipeline.keep.keep_workers``)."""
         self.console.close()
         self.loggers.close()
         self.timeline.close()
         if self.workers is not None:
-            self.workers.close()
+            self.workers.close(keep_them=finished)
         self.lock.release()
 
 
@@ -417,9 +419,12 @@ def train(cfg: Config, start=None) -> list[dict]:
 
     validate(cfg)
     ctl = Controller(cfg)
+    finished = False
     try:
         ctl.start(start)
-        return asyncio.run(ctl.fit())
+        history = asyncio.run(ctl.fit())
+        finished = True
+        return history
     except ray.exceptions.RayActorError as e:
         role, cause, failed_start = worker_failure(e)
         if failed_start:
@@ -431,4 +436,4 @@ def train(cfg: Config, start=None) -> list[dict]:
             problem = f"the {role} worker died: {cause}; {last}"
         raise (RolloutFailed if role.startswith(Role.ROLLOUT) else TrainerFailed)(problem) from e
     finally:
-        ctl.close()
+        ctl.close(finished)

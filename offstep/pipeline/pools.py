@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from offstep.dist import serve_store
 from offstep.errors import PlacementFailed
+from offstep.pipeline.keep import rebuild
 from offstep.train.distributed import GroupSpec
 
 # Actors take a token share of a bundle; the bundle itself reserves the cores, and each actor
@@ -124,17 +125,20 @@ class Rendezvous:
 class RoleGroup:
     """The ranks of one trainer role, spread one per bundle of a pool."""
 
-    def __init__(self, name: str, handles: list):
+    def __init__(self, name: str, handles: list, rebuilding: list | None = None):
         self.name, self.handles = name, handles
+        self.rebuilding = rebuilding or []  # kept ranks being built again for this run (offstep.pipeline.keep)
 
     @classmethod
     def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, rendezvous: Rendezvous, *args,
-               lendable: bool = False) -> "RoleGroup":
+               lendable: bool = False, kept: dict[str, list] | None = None) -> "RoleGroup":
         """``lendable``: each rank also serves ``lend_threads`` in a concurrency group of its own
-        (``LEND_GROUP``), beside the call it is running; its other calls stay one at a time."""
+        (``LEND_GROUP``), beside the call it is running; its other calls stay one at a time.
+        ``kept``: ranks a run of the same shape kept, by role name, built again for this run instead."""
+        reuse = (kept or {}).get(name)
         remote_cls = ray.remote(concurrency_groups={LEND_GROUP: 1})(worker_cls) if lendable else ray.remote(worker_cls)
         master_addr, port = rendezvous.endpoint
-        handles = []
+        handles, rebuilding = [], []
         for rank in range(pool.bundles):
             spec = GroupSpec(
                 rank=rank,
@@ -145,9 +149,12 @@ class RoleGroup:
                 device=pool.device,
                 num_threads=pool.cpus_per_bundle,
             )
-            opts = pool.options(rank, gpu_share, env)
-            handles.append(remote_cls.options(name=f"{name}-{rank}", **opts).remote(spec, *args))
-        return cls(name, handles)
+            if reuse:
+                rebuilding.append(reuse[rank].__ray_call__.remote(rebuild, spec, *args))
+            else:
+                opts = pool.options(rank, gpu_share, env)
+                handles.append(remote_cls.options(name=f"{name}-{rank}", **opts).remote(spec, *args))
+        return cls(name, list(reuse) if reuse else handles, rebuilding)
 
     def submit(self, method: Callable, *args) -> list:
         """Call ``method``, the worker class's own (``ActorWorker.update``), on every rank; its

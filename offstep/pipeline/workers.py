@@ -23,6 +23,7 @@ import ray
 from offstep.config.schema import Config
 from offstep.config.validate import rollout_sleeps
 from offstep.models.loading import cache_dir
+from offstep.pipeline import keep
 from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S, Pool, Rendezvous, RoleGroup
 from offstep.rollout.reward_worker import RewardWorker
@@ -60,6 +61,8 @@ class Workers:
     reward: list = field(default_factory=list)  # the reward pool's workers (reward.model.placement=pool)
     reward_pool: Pool | None = None
     sleeps: bool = False  # the replicas sleep while the trainer updates (rollout.sleep_during_update)
+    shape: tuple | None = None  # what the processes are fixed to, when they may be kept for the next run (offstep.pipeline.keep)
+    rebuilding: list = field(default_factory=list)  # kept workers' rebuilds under way (ObjectRefs)
 
     @property
     def groups(self) -> list[RoleGroup]:
@@ -97,6 +100,7 @@ class Workers:
             except ray.exceptions.RayActorError as e:
                 e.role = role
                 raise
+        ray.get(self.rebuilding)  # a kept worker that fails to rebuild raises its RayTaskError
 
     def placement_wait_s(self) -> float:
         """How long a replica's replacement may wait for a node (``resources.placement_timeout_s``)."""
@@ -114,7 +118,11 @@ class Workers:
         nodes = ray.get([h.__ray_call__.remote(node_of) for _, h in roles])
         return ", ".join(f"{role} on {node}" for (role, _), node in zip(roles, nodes))
 
-    def close(self) -> None:
+    def close(self, keep_them: bool = False) -> None:
+        """Stop every worker and release the pools; or, with ``keep_them`` (a run that ended
+        normally) where this run's workers may be kept, empty them and keep them for the next run."""
+        if keep_them and self.shape is not None and self._keep():
+            return
         for g in self.groups:
             try:
                 ray.get(g.submit(RoleWorker.shutdown), timeout=30)
@@ -129,6 +137,20 @@ class Workers:
             p.remove()
         if self.owns_ray:
             ray.shutdown()
+
+    def _keep(self) -> bool:
+        """Shut down and empty every worker, and keep them (``offstep.pipeline.keep``); False
+        if one of them fails to (then ``close`` stops them all)."""
+        try:
+            ray.get([*(h for g in self.groups for h in g.submit(RoleWorker.shutdown)),
+                     *(w.close.remote() for w in self.rollout)], timeout=30)
+            ray.get([h.__ray_call__.remote(keep.empty) for _, h in self.roles()], timeout=30)
+        except Exception:
+            return False
+        self.live.close()
+        keep.park(keep.Kept(self.shape, keep.cluster(), list(self.pools), {g.name: g.handles for g in self.groups},
+                            list(self.rollout)))
+        return True
 
 
 def node_of(_worker) -> str:
@@ -272,51 +294,68 @@ def start_reward_pool(cfg: Config, env: dict) -> tuple[Pool | None, list]:
 def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[[int], type] = lambda i: RolloutWorker) -> Workers:
     """Place the pools and start every role on them (one bundle per trainer rank or replica).
     ``rollout_class(i)``: the class replica ``i``'s actor runs (a test gives one a subclass that
-    injects a fault)."""
+    injects a fault). Inside ``keep.keep_workers()``, the workers a run of the same shape kept are
+    built again instead (``offstep.pipeline.keep``)."""
     res, ro, k = cfg.resources, cfg.rollout, cfg.pipeline.max_staleness
     console.log("offstep: starting Ray and the worker pools")
     owns_ray = init_ray(cfg)
     if cfg.resources.ray_address:  # the cluster's own settings decide what Ray listens on: say what they are
         console.log(f"offstep: {listen_summary(ray.util.get_node_ip_address())}")
     colocate = cfg.pipeline.colocate and k == 0
-    live = LiveStatus.create(console)
-    trainer_pool = Pool.create(Role.TRAINER, res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker,
-                               res.custom_resources_per_trainer_worker, "resources.custom_resources_per_trainer_worker",
-                               res.placement_timeout_s)
-    rollout_pool = None if colocate else Pool.create(Role.ROLLOUT, ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica,
-                                                     ro.custom_resources_per_replica, "rollout.custom_resources_per_replica",
-                                                     res.placement_timeout_s)
     ref_on_trainer = cfg.algorithm.needs_reference and not cfg.pipeline.ref_on_rollout
     lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
     ref_role = ref_on_trainer and lora is None  # with LoRA the actor gives the reference log-probs
-    ref_spec = (
-        RefSpec(cfg.model.dtype, cfg.model.compute_dtype, ro.temperature, cfg.actor.micro_batch_size)
-        if cfg.algorithm.needs_reference and cfg.pipeline.ref_on_rollout else None
-    )
     use_critic = cfg.algorithm.adv_estimator == "gae"
     # Roles sharing a trainer bundle take turns on its cores; each takes an equal GPU share.
     share = 1.0 / (1 + ref_role + use_critic + colocate)
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OFFSTEP_CACHE": str(cache_dir())}
+    # pipeline.lend_cores: the rollout pool's cores, shared out over the trainer's ranks while it idles
+    lend = (ro.replicas * ro.cpus_per_replica) // res.trainer_workers if cfg.pipeline.lend_cores and not colocate else 0
+    trainer_spec = (Role.TRAINER, res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker,
+                    res.custom_resources_per_trainer_worker, "resources.custom_resources_per_trainer_worker",
+                    res.placement_timeout_s)
+    rollout_spec = None if colocate else (Role.ROLLOUT, ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica,
+                                          ro.custom_resources_per_replica, "rollout.custom_resources_per_replica",
+                                          res.placement_timeout_s)
+    shape = None  # what fixes this run's processes, when they may be kept: the pools, roles, classes and options
+    if keep.keepable(cfg, inputs.agent is not None) and not owns_ray:
+        shape = (repr((trainer_spec, rollout_spec, ref_role, use_critic, share, lend > 0, sorted(env.items()))),
+                 tuple(rollout_class(i) for i in range(ro.replicas)))
+    kept = keep.take(shape)  # releases workers kept by a run of another shape
+    trainer_pool = kept.pools[0] if kept else Pool.create(*trainer_spec)
+    rollout_pool = None if colocate else kept.pools[1] if kept else Pool.create(*rollout_spec)
+    live = LiveStatus.create(console)
+    ref_spec = (
+        RefSpec(cfg.model.dtype, cfg.model.compute_dtype, ro.temperature, cfg.actor.micro_batch_size)
+        if cfg.algorithm.needs_reference and cfg.pipeline.ref_on_rollout else None
+    )
     model = (inputs.model_path, cfg.model.dtype, cfg.model.compute_dtype)
     seed, temperature = cfg.trainer.seed, ro.temperature
     micro, budget = cfg.actor.micro_batch_size, cfg.actor.micro_token_budget
     host = None if cfg.resources.ray_address else "127.0.0.1"  # a local run listens on loopback only
     rendezvous = Rendezvous(host or ray.util.get_node_ip_address())
-    # pipeline.lend_cores: the rollout pool's cores, shared out over the trainer's ranks while it idles
-    lend = (ro.replicas * ro.cpus_per_replica) // res.trainer_workers if cfg.pipeline.lend_cores and not colocate else 0
+    roles = dict(kept=kept.roles if kept else {}, lendable=lend > 0)
     actor = RoleGroup.create(Role.ACTOR, ActorWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.actor,
-                             cfg.algorithm, temperature, live.client(Role.TRAINER), lendable=lend > 0)
+                             cfg.algorithm, temperature, live.client(Role.TRAINER), **roles)
     ref = (RoleGroup.create(Role.REF, RefWorker, trainer_pool, share, env, rendezvous, seed, *model, temperature, micro, budget,
-                            lendable=lend > 0)
+                            **roles)
            if ref_role else actor if ref_on_trainer else None)
     critic = (
         RoleGroup.create(Role.CRITIC, CriticWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.critic,
-                         cfg.algorithm, micro, cfg.actor.mini_batch_size, budget, lendable=lend > 0)
+                         cfg.algorithm, micro, cfg.actor.mini_batch_size, budget, **roles)
         if use_critic else None
     )
     pool = rollout_pool or trainer_pool
     reward_pool, reward_workers = start_reward_pool(cfg, env)
     sleeps = rollout_sleeps(cfg)
+
+    def rollout_args(i: int) -> tuple[tuple, dict]:
+        return (inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
+                ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent), dict(
+            sandbox=cfg.sandbox,
+            reward_model=cfg.reward.model if cfg.reward.model.kind is not None else None, reward_pool=reward_workers,
+            sleep_mode=sleeps,
+        )
 
     actor_classes: dict[type, Any] = {}
 
@@ -327,23 +366,26 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
         cls = rollout_class(i)
         if cls not in actor_classes:
             actor_classes[cls] = ray.remote(cls)
-        return actor_classes[cls].options(**opts).remote(
-            inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
-            ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent,
-            sandbox=cfg.sandbox,
-            reward_model=cfg.reward.model if cfg.reward.model.kind is not None else None, reward_pool=reward_workers,
-            sleep_mode=sleeps,
-        )
+        args, kwargs = rollout_args(i)
+        return actor_classes[cls].options(**opts).remote(*args, **kwargs)
 
-    workers = Workers(actor, [make_rollout(i) for i in range(ro.replicas)], make_rollout, live, ref, critic,
+    if kept:
+        rollout = kept.rollout
+        rebuilding = [h.__ray_call__.remote(keep.rebuild, *rollout_args(i)[0], **rollout_args(i)[1]) for i, h in enumerate(rollout)]
+    else:
+        rollout, rebuilding = [make_rollout(i) for i in range(ro.replicas)], []
+    workers = Workers(actor, rollout, make_rollout, live, ref, critic,
                       [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
                       RefWorker.compute_logprobs if ref_role else ActorWorker.compute_ref_logprobs, rollout_pool=pool,
-                      lend_cores=lend, reward=reward_workers, reward_pool=reward_pool, sleeps=sleeps)
+                      lend_cores=lend, reward=reward_workers, reward_pool=reward_pool, sleeps=sleeps, shape=shape,
+                      rebuilding=[*rebuilding, *(r for g in (actor, ref, critic) if g is not None for r in g.rebuilding)])
     try:
         workers.ready()
         if cfg.resources.ray_address:  # on a cluster, say which node each worker landed on
             console.log(f"offstep: placement: {workers.placement()}")
-    except BaseException:
+    except BaseException as e:
         workers.close()
+        if kept and isinstance(e, ray.exceptions.RayTaskError):  # a kept worker failed to rebuild: start afresh
+            return start_workers(cfg, inputs, console, rollout_class)
         raise
     return workers

@@ -314,6 +314,14 @@ class RolloutWorker:
     def stream_suspend(self) -> list:
         return self._stream.suspend()
 
+    def close(self) -> None:
+        """Release what this worker holds besides its objects: the scoring threads (after the
+        calls they run), the engine's cached memory, the process's sandbox log. For a worker kept for the next run
+        (``offstep.pipeline.keep``); a stopped one's process simply ends."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.engine.close()
+        shared().log.drain()  # executions no step reported: the next run's first step would count them
+
     def sleep(self) -> Span | None:
         """Free the engine's device memory while a colocated trainer updates (``rollout.sleep_during_update``;
         ``offstep.rollout.sleep``) until the next load or generation wakes it; ``None``: asleep already."""
