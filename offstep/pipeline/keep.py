@@ -15,7 +15,8 @@ most of a short run on 2 cores. A driver that runs many runs one after another o
 
 Only runs whose workers hold nothing outside their own objects are kept (``keepable``): the
 built-in engine (a vLLM engine keeps threads and processes of its own), no agents, no reward
-model, object-store weight syncs, and a local Ray that outlives the run.
+model, object-store weight syncs (a collective's process groups and stores), batch mode (a
+streaming replica's calls may still be waiting for a thread), on a local Ray that outlives the run.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def keepable(cfg: Config, has_agent: bool) -> bool:
     """Whether this run's workers may be kept and reused (``keep_workers`` active, and they hold
     nothing outside their own objects)."""
     return (_keeping and not cfg.resources.ray_address and cfg.rollout.engine == "builtin" and not has_agent
-            and cfg.reward.model.kind is None and cfg.pipeline.weight_sync == "object_store")
+            and cfg.reward.model.kind is None and cfg.pipeline.weight_sync == "object_store"
+            and cfg.pipeline.mode == "batch")
 
 
 def take(shape: tuple | None) -> Kept | None:

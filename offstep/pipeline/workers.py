@@ -385,7 +385,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
             console.log(f"offstep: placement: {workers.placement()}")
     except BaseException as e:
         workers.close()
-        if kept and isinstance(e, ray.exceptions.RayTaskError):  # a kept worker failed to rebuild: start afresh
+        if kept and isinstance(e, ray.exceptions.RayError):  # a kept worker died or failed to rebuild: start afresh
             return start_workers(cfg, inputs, console, rollout_class)
         raise
     return workers
