@@ -237,6 +237,11 @@ SECTIONS = [
             "The real controller loop with sleeping workers: the step time against the ideal schedule for the same "
             "sleeps, for each staleness bound. The overhead column is what the controller adds.",
             tables_of(("results_controller.md", None)), "within 3% of the ideal"),
+    Section("keep", "Workers kept between runs", "keep_workers.py", ("results_keep.md",),
+            "Short runs one after another in one Python process on a Ray started once: each run on fresh worker "
+            "processes, against each run on the processes the run before kept (`offstep.pipeline.keep.keep_workers`, "
+            "[docs/running.md](../docs/running.md#several-runs-in-one-python-process)); the two alternate within one run.",
+            tables_of(("results_keep.md", None))),
     Section("overlap", "One-step vs synchronous at equal total cores", "overlap.py", ("results_overlap.md",),
             "Every mode uses the same cores: `sync-colocated` gives all of them to generation, then all to training; "
             "the others split them between the rollout and the trainer. Overlap efficiency is "
