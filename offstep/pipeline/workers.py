@@ -371,7 +371,8 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
 
     if kept:
         rollout = kept.rollout
-        rebuilding = [h.__ray_call__.remote(keep.rebuild, *rollout_args(i)[0], **rollout_args(i)[1]) for i, h in enumerate(rollout)]
+        calls = [rollout_args(i) for i in range(len(rollout))]
+        rebuilding = [h.__ray_call__.remote(keep.rebuild, *args, **kwargs) for h, (args, kwargs) in zip(rollout, calls)]
     else:
         rollout, rebuilding = [make_rollout(i) for i in range(ro.replicas)], []
     workers = Workers(actor, rollout, make_rollout, live, ref, critic,
