@@ -14,16 +14,25 @@ import torch.distributed as dist
 STORE_TIMEOUT = timedelta(minutes=30)  # torch's default for a process group
 
 
-def serve_store(host: str, world_size: int | None, timeout: timedelta = STORE_TIMEOUT) -> tuple[dist.TCPStore, socket.socket]:
+def serve_store(host: str, world_size: int | None, timeout: timedelta = STORE_TIMEOUT) -> dist.TCPStore:
     """A ``TCPStore`` server that listens on ``host`` only (torch's own listens on every
-    interface), on a port the returned socket holds from the start: no port is picked, closed
-    and bound again later, which another process could take in between."""
+    interface), on a socket bound before the store starts: no port is picked, closed and bound
+    again later, which another process could take in between. Its port: ``store.port``.
+
+    The store owns the socket's file descriptor and closes it when it ends, on a thread of its
+    own. So the Python socket lets go of it (``detach``): closed by both, the number would be
+    closed twice, the second time after this process may have reused it for another file."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.bind((host, 0))
-    sock.listen(128)
-    store = dist.TCPStore(host, sock.getsockname()[1], world_size, True, timeout, wait_for_workers=False,
-                          master_listen_fd=sock.fileno())
-    return store, sock
+    try:
+        sock.bind((host, 0))
+        sock.listen(128)
+        store = dist.TCPStore(host, sock.getsockname()[1], world_size, True, timeout, wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()
+    return store
 
 
 def route_interface(peer: str) -> str | None:

@@ -115,11 +115,11 @@ class Rendezvous:
 
     def __init__(self, host: str):
         self.host = host
-        self.store, self.sock = serve_store(host, None)
+        self.store = serve_store(host, None)
 
     @property
     def endpoint(self) -> tuple[str, int]:
-        return self.host, self.sock.getsockname()[1]
+        return self.host, self.store.port
 
 
 class RoleGroup:

@@ -208,13 +208,13 @@ class WeightSender:
 
     def __init__(self, host: str, device: torch.device, timeout_s: float):
         self.host, self.device, self.timeout_s = host, device, timeout_s
-        self.store, self._sock = serve_store(host, None, _timeout(timeout_s))
+        self.store = serve_store(host, None, _timeout(timeout_s))
         bind_gloo_to_route(host)  # a gloo group's own listeners go on the interface of this address
         self.group = None
 
     @property
     def endpoint(self) -> tuple[str, int]:
-        return self.host, self._sock.getsockname()[1]
+        return self.host, self.store.port
 
     def idle(self) -> bool:
         """No broadcast of this sender's is still in flight (failed ones count as done)."""

@@ -26,7 +26,7 @@ class GroupSpec:
     group: str = ""  # the role: its keys in the run's store are prefixed with it
 
 
-_own_store: list = []  # the store (and its socket) a one-rank group in this process serves itself
+_own_store: list = []  # the store a one-rank group in this process serves itself
 
 
 def setup(spec: GroupSpec) -> tuple[torch.device, DeviceMesh]:
@@ -48,7 +48,7 @@ def setup(spec: GroupSpec) -> tuple[torch.device, DeviceMesh]:
     if spec.master_port == 0:
         if spec.world_size != 1:
             raise ValueError("GroupSpec.master_port=0 (a store of its own) is for a group of one rank")
-        _own_store[:] = serve_store(spec.master_addr, 1)
+        _own_store[:] = [serve_store(spec.master_addr, 1)]
         store = _own_store[0]
     else:
         store = dist.PrefixStore(f"{spec.group}/", dist.TCPStore(spec.master_addr, spec.master_port, None, False, STORE_TIMEOUT))
