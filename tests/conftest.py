@@ -171,18 +171,15 @@ def ray_session():
     """One local Ray instance for every end-to-end test (starting Ray costs seconds), started the way
     a run starts it (`init_ray`: every listener on 127.0.0.1, token authentication on). A run that
     ends normally keeps its workers for the next run of the same shape (``keep_workers``: each worker
-    process's start, seconds of CPU, is paid once per shape, not once per run). Two shapes' workers
-    are kept, and Ray declares three times the cores, so that a run of a third shape or one that is
-    not kept (vLLM, agents, a collective sync) fits beside them instead of releasing them."""
+    process's start, seconds of CPU, is paid once per shape, not once per run)."""
     import ray
 
     from offstep.config.loader import load_config
     from offstep.pipeline.keep import keep_workers
     from offstep.pipeline.workers import init_ray
 
-    assert init_ray(load_config(["preset=tiny"]), logical_cpus=3 * (os.cpu_count() or 1)), \
-        "Ray was already running before the session's fixture"
-    with keep_workers(sets=2):
+    assert init_ray(load_config(["preset=tiny"])), "Ray was already running before the session's fixture"
+    with keep_workers():
         yield
     ray.shutdown()
 

@@ -399,7 +399,7 @@ def _held_in_ray(timeout_s: float = 30) -> list[str]:
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(REWARD_CASES) - {"hangs"}))
-def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path, capsys, ray_free, monkeypatch):
+def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path, capsys, ray_session, monkeypatch):
     """In pytest's process (the session's Ray): the same message as the command's, and the run's
     workers and pools released. A command's own processes: the hanging case below."""
     from offstep.pipeline import controller
@@ -437,7 +437,7 @@ def test_a_hanging_reward_function_ends_the_command_leaving_no_process(tmp_path)
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_worker_that_fails_to_start_is_named_with_its_cause(tmp_path, capsys, ray_free):
+def test_worker_that_fails_to_start_is_named_with_its_cause(tmp_path, capsys, ray_session):
     """Weights that do not fit the model's config pass every check in the driver (which reads no
     tensor) and fail in the workers' from_pretrained: the message names the worker and keeps its
     exception, not "a trainer worker died"."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -74,8 +73,7 @@ class Pool:
         problem = check_placeable(ray.nodes(), spec, custom_key)
         if problem:
             raise PlacementFailed(f"the {name} pool cannot be placed: {problem}")
-        # A name of its own: the pools of finished runs that are kept (offstep.pipeline.keep) live beside this one.
-        pg = placement_group([dict(spec) for _ in range(bundles)], strategy="PACK", name=f"{name}-{uuid.uuid4().hex[:8]}")
+        pg = placement_group([dict(spec) for _ in range(bundles)], strategy="PACK", name=name)
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
             remove_placement_group(pg)
@@ -95,19 +93,6 @@ class Pool:
             ),
             runtime_env={"env_vars": env or {}},
         )
-
-    @staticmethod
-    def need(*specs: tuple | None) -> dict[str, float]:
-        """The Ray resources that pools of ``specs`` (``create``'s first five arguments: name, bundles,
-        cpus, gpus, custom resources; None: no pool) take in all."""
-        total: dict[str, float] = {}
-        for spec in specs:
-            if spec is None:
-                continue
-            _, bundles, cpus, gpus, custom = spec[:5]
-            for resource, amount in {"CPU": cpus, "GPU": gpus, **(custom or {})}.items():
-                total[resource] = total.get(resource, 0.0) + bundles * amount
-        return {r: a for r, a in total.items() if a}
 
     def placed(self, bundle: int) -> bool:
         """Whether ``bundle`` sits on a live node now. When its node leaves the cluster, Ray places
@@ -168,7 +153,7 @@ class RoleGroup:
                 rebuilding.append(reuse[rank].__ray_call__.remote(rebuild, spec, *args))
             else:
                 opts = pool.options(rank, gpu_share, env)
-                handles.append(remote_cls.options(name=f"{name}-{rank}-{pool.pg.id.hex()[:8]}", **opts).remote(spec, *args))
+                handles.append(remote_cls.options(name=f"{name}-{rank}", **opts).remote(spec, *args))
         return cls(name, list(reuse) if reuse else handles, rebuilding)
 
     def submit(self, method: Callable, *args) -> list:

@@ -223,11 +223,8 @@ def listen_summary(node_ip: str) -> str:
     return f"node address {node_ip}: this run's stores listen on {node_ip}, Ray's workers and processes on {ray_side}"
 
 
-def init_ray(cfg: Config, logical_cpus: int | None = None) -> bool:
+def init_ray(cfg: Config) -> bool:
     """Connect to ``resources.ray_address`` or start a local Ray; True when this run started it.
-    A local Ray declares the machine's cores, or ``logical_cpus``: more lets placement groups of
-    several runs' kept workers (``offstep.pipeline.keep``) stay beside a running one; each worker
-    still sets its own thread count from its bundle.
 
     A local cluster listens on 127.0.0.1 only. Every Ray listener follows the node's IP address:
     the GCS, the raylet's node-manager and object-manager ports and each core worker's gRPC server
@@ -259,7 +256,7 @@ def init_ray(cfg: Config, logical_cpus: int | None = None) -> bool:
                         "this run's cluster; unset it to keep Ray's token authentication on")
         keep_token_private(create=True)
         with _keep_loopback(True):
-            ray.init(num_cpus=logical_cpus or os.cpu_count(), _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
+            ray.init(num_cpus=os.cpu_count(), _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
     keep_token_private(create=False)  # in case Ray wrote it after all
     return True
 
@@ -280,23 +277,14 @@ def _keep_loopback(on: bool):
         ray_constants.ENABLE_RAY_CLUSTER = cluster_mode
 
 
-def reward_pool_spec(cfg: Config) -> tuple | None:
-    """``Pool.create``'s arguments for the reward pool (``reward.model.placement=pool``), or None."""
-    m, res = cfg.reward.model, cfg.resources
-    if m.kind is None or m.placement != "pool":
-        return None
-    return (Role.REWARD, res.reward_workers, res.cpus_per_reward_worker, res.gpus_per_reward_worker, None, "",
-            res.placement_timeout_s)
-
-
 def start_reward_pool(cfg: Config, env: dict) -> tuple[Pool | None, list]:
     """The reward pool and its workers (``reward.model.placement=pool``), or (None, []). Ray starts
     a worker that dies again in its bundle (``reward.model.max_restarts`` times), under the same handle."""
-    spec = reward_pool_spec(cfg)
-    if spec is None:
+    m, res = cfg.reward.model, cfg.resources
+    if m.kind is None or m.placement != "pool":
         return None, []
-    m = cfg.reward.model
-    pool = Pool.create(*spec)
+    pool = Pool.create(Role.REWARD, res.reward_workers, res.cpus_per_reward_worker, res.gpus_per_reward_worker,
+                       timeout_s=res.placement_timeout_s)
     remote = ray.remote(RewardWorker)
     env = {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)}
     return pool, [remote.options(max_restarts=m.max_restarts, **pool.options(i, 1.0, env))
@@ -333,9 +321,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     if keep.keepable(cfg, inputs.agent is not None) and not owns_ray:
         shape = (repr((trainer_spec, rollout_spec, ref_role, use_critic, share, lend > 0, sorted(env.items()))),
                  tuple(rollout_class(i) for i in range(ro.replicas)))
-    # Workers a run of this shape kept, or else room for this run's pools: runs of other shapes'
-    # kept workers are released until it fits.
-    kept = keep.take(shape, Pool.need(trainer_spec, rollout_spec, reward_pool_spec(cfg)))
+    kept = keep.take(shape)  # releases workers kept by a run of another shape
     trainer_pool = kept.pools[0] if kept else Pool.create(*trainer_spec)
     rollout_pool = None if colocate else kept.pools[1] if kept else Pool.create(*rollout_spec)
     live = LiveStatus.create(console)
