@@ -24,7 +24,6 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
     from offstep.sync.weights import pack_state_dict
     from offstep.train.actor import ActorWorker
     from offstep.train.distributed import GroupSpec
-    from offstep.train.ref import RefWorker
 
     assert all(m[Rollout.STALENESS_MAX] == 0 for m in metrics)
     inputs = prepare_inputs(cfg, ref_dir)
@@ -33,16 +32,15 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
     params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
     rollout = RolloutWorker(inputs.model_path, "float32", "cpu", 1, inputs.reward, 1, r.max_batch_size, agent=inputs.agent)
     spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
-    actor = ActorWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature)
-    ref = RefWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", r.temperature, cfg.actor.micro_batch_size,
-                    cfg.actor.micro_token_budget)
+    actor = ActorWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature,
+                        reference=cfg.algorithm.needs_reference)
     try:
         for step in range(1, len(metrics) + 1):
             _, idx = stream.next_batch()
             reqs = [to_request(inputs.train[i], step * len(idx) + j) for j, i in enumerate(idx)]
             samples, _ = rollout.generate(reqs, params, gen_seed(cfg.trainer.seed, step, 0))
             batch = collate(samples, inputs.pad_id)
-            batch.ref_logprobs, _ = ref.compute_logprobs(batch)
+            batch.ref_logprobs, _ = actor.compute_ref_logprobs(batch)
             batch.advantages, batch.returns = grpo_outcome_advantage(batch.scores, batch.group_ids, batch.response_mask)
             am, _ = actor.update(batch)
             rollout.load_weights(pack_state_dict(actor.full_state_dict(actor.model)), step)

@@ -57,7 +57,7 @@ def test_stage_and_role_names():
     assert set(_values(names.Stage)) == STAGES
     assert (Role.TRAINER, Role.DRIVER, Role.ROLLOUT) == ("trainer", "driver", "rollout")
     # the trainer roles' names are also their checkpoint folders
-    assert (Role.ACTOR, Role.REF, Role.CRITIC) == ("actor", "ref", "critic")
+    assert (Role.ACTOR, Role.CRITIC) == ("actor", "critic")
 
 
 def test_names_from_a_pattern():

@@ -33,7 +33,6 @@ from offstep.telemetry.progress import LiveStatus
 from offstep.train.actor import ActorWorker
 from offstep.train.critic import CriticWorker
 from offstep.train.fsdp import RoleWorker
-from offstep.train.ref import RefWorker
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +41,9 @@ log = logging.getLogger(__name__)
 class Workers:
     """Handles to every worker of a run. ``rollout[i]`` is replica i; ``make_rollout(i)`` starts
     a fresh replica i (the fleet replaces a dead one with it). ``ref`` is the group whose
-    ``ref_method`` gives the reference log-probs on the trainer pool: the reference role's, or
-    with LoRA the actor's own (its model with the adapters off)."""
+    ``ref_method`` gives the reference log-probs on the trainer pool: the actor's, from the frozen
+    copy of the initial policy each rank holds beside the policy, or with LoRA from its model with
+    the adapters off (None: no reference on the trainer pool)."""
 
     actor: RoleGroup
     rollout: list
@@ -55,7 +55,7 @@ class Workers:
     owns_ray: bool = False  # this run started Ray, so it stops it
     host: str | None = None  # the address the run's own stores listen on (None: each node's address)
     rendezvous: Rendezvous | None = None  # the store the trainer roles' process groups meet at
-    ref_method: Callable = RefWorker.compute_logprobs
+    ref_method: Callable = ActorWorker.compute_ref_logprobs
     rollout_pool: Pool | None = None  # the pool the replicas' bundles belong to (replica i: bundle i % bundles)
     lend_cores: int = 0  # cores each trainer rank borrows while the rollout idles (pipeline.lend_cores; 0: none)
     reward: list = field(default_factory=list)  # the reward pool's workers (reward.model.placement=pool)
@@ -66,7 +66,7 @@ class Workers:
 
     @property
     def groups(self) -> list[RoleGroup]:
-        """Each role group once (with LoRA the reference is the actor's group)."""
+        """Each role group once (the reference is the actor's group)."""
         out = []
         for g in (self.actor, self.ref, self.critic):
             if g is not None and all(g is not h for h in out):
@@ -158,7 +158,7 @@ def node_of(_worker) -> str:
     return f"node {ray.get_runtime_context().get_node_id()[:8]} ({ray.util.get_node_ip_address()})"
 
 
-_ROLES = {ActorWorker.__name__: Role.ACTOR, RefWorker.__name__: Role.REF, CriticWorker.__name__: Role.CRITIC,
+_ROLES = {ActorWorker.__name__: Role.ACTOR, CriticWorker.__name__: Role.CRITIC,
           RolloutWorker.__name__: "rollout replica", RewardWorker.__name__: "reward worker"}
 
 
@@ -304,10 +304,9 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     colocate = cfg.pipeline.colocate and k == 0
     ref_on_trainer = cfg.algorithm.needs_reference and not cfg.pipeline.ref_on_rollout
     lora = cfg.actor.lora if cfg.actor.lora.rank > 0 else None
-    ref_role = ref_on_trainer and lora is None  # with LoRA the actor gives the reference log-probs
     use_critic = cfg.algorithm.adv_estimator == "gae"
     # Roles sharing a trainer bundle take turns on its cores; each takes an equal GPU share.
-    share = 1.0 / (1 + ref_role + use_critic + colocate)
+    share = 1.0 / (1 + use_critic + colocate)
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OFFSTEP_CACHE": str(cache_dir())}
     # pipeline.lend_cores: the rollout pool's cores, shared out over the trainer's ranks while it idles
     lend = (ro.replicas * ro.cpus_per_replica) // res.trainer_workers if cfg.pipeline.lend_cores and not colocate else 0
@@ -319,7 +318,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
                                           res.placement_timeout_s)
     shape = None  # what fixes this run's processes, when they may be kept: the pools, roles, classes and options
     if keep.keepable(cfg, inputs.agent is not None) and not owns_ray:
-        shape = (repr((trainer_spec, rollout_spec, ref_role, use_critic, share, lend > 0, sorted(env.items()))),
+        shape = (repr((trainer_spec, rollout_spec, use_critic, share, lend > 0, sorted(env.items()))),
                  tuple(rollout_class(i) for i in range(ro.replicas)))
     kept = keep.take(shape)  # releases workers kept by a run of another shape
     trainer_pool = kept.pools[0] if kept else Pool.create(*trainer_spec)
@@ -336,10 +335,8 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     rendezvous = Rendezvous(host or ray.util.get_node_ip_address())
     roles = dict(kept=kept.roles if kept else {}, lendable=lend > 0)
     actor = RoleGroup.create(Role.ACTOR, ActorWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.actor,
-                             cfg.algorithm, temperature, live.client(Role.TRAINER), **roles)
-    ref = (RoleGroup.create(Role.REF, RefWorker, trainer_pool, share, env, rendezvous, seed, *model, temperature, micro, budget,
-                            **roles)
-           if ref_role else actor if ref_on_trainer else None)
+                             cfg.algorithm, temperature, live.client(Role.TRAINER), ref_on_trainer, **roles)
+    ref = actor if ref_on_trainer else None  # the actor's frozen copy, or with LoRA its base
     critic = (
         RoleGroup.create(Role.CRITIC, CriticWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.critic,
                          cfg.algorithm, micro, cfg.actor.mini_batch_size, budget, **roles)
@@ -377,7 +374,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
         rollout, rebuilding = [make_rollout(i) for i in range(ro.replicas)], []
     workers = Workers(actor, rollout, make_rollout, live, ref, critic,
                       [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
-                      RefWorker.compute_logprobs if ref_role else ActorWorker.compute_ref_logprobs, rollout_pool=pool,
+                      rollout_pool=pool,
                       lend_cores=lend, reward=reward_workers, reward_pool=reward_pool, sleeps=sleeps, shape=shape,
                       rebuilding=[*rebuilding, *(r for g in (actor, ref, critic) if g is not None for r in g.rebuilding)])
     try:

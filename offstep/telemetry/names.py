@@ -20,7 +20,6 @@ class Role:
     DRIVER = "driver"  # the controller's own work on a batch
     ROLLOUT = "rollout"  # the rollout pool; replica i's lane is replica(i)
     ACTOR = "actor"
-    REF = "ref"
     CRITIC = "critic"
     REWARD = "reward"  # a reward model beside replica i: lane reward_lane(i)
 

@@ -13,6 +13,8 @@ mini-batch, with their metrics overall and per staleness.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import ray
 import torch
@@ -57,6 +59,7 @@ class ActorWorker(RoleWorker):
         algo: AlgorithmConfig,
         temperature: float,
         progress: ProgressClient | None = None,
+        reference: bool = False,
     ):
         super().__init__(spec, seed)
         self.cfg, self.algo, self.temperature = actor, algo, temperature
@@ -64,6 +67,13 @@ class ActorWorker(RoleWorker):
         model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
         # LoRA: the base frozen, adapters trained; the reference is this model with them off.
         self.lora = actor.lora.rank > 0
+        # ``reference`` (without LoRA): a frozen copy of the initial policy lives beside it, in this
+        # process, sharded the same way (as verl's fused actor-and-reference worker), rather than
+        # in a reference role's process of its own.
+        self.ref_model = None
+        if reference and not self.lora:
+            ref_model = copy.deepcopy(model).requires_grad_(False).eval()
+            self.ref_model = self._shard(ref_model)
         if self.lora:
             model = add_adapters(model, actor.lora)
         # What a weight sync carries: every parameter, or the adapters only.
@@ -85,12 +95,13 @@ class ActorWorker(RoleWorker):
 
     @timed
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """The reference policy's log-probs with LoRA: this model with its adapters switched off
-        (the base weights, which never train), so no reference model is loaded."""
+        """The reference policy's log-probs: the frozen copy's (``reference``), or with LoRA this
+        model with its adapters switched off (the base weights, which never train)."""
+        args = (batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype, self.cfg.micro_token_budget)
+        if self.ref_model is not None:
+            return self._logprobs(self.ref_model, *args)
         with self.model.disable_adapter():
-            return self._logprobs(
-                self.model, batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype, self.cfg.micro_token_budget
-            )
+            return self._logprobs(self.model, *args)
 
     def _correction(self, mb: TrainBatch, logp: torch.Tensor, m2po: tuple | None = None):
         """The old log-probs of the ratio, the per-token weights on the policy loss (or None), and
