@@ -140,35 +140,48 @@ def cluster():
         yield c
 
 
-def _same_run_on_one_and_on_split_nodes(cluster, tmp_path, *extra: str) -> tuple[dict, dict]:
-    """The same run twice: every pool on node "one", then the trainer pool on the trainer nodes
-    and the rollout pool on the rollout node. Returns both placements; asserts equal records."""
+def _same_run_on_one_and_on_split_nodes(cluster, tmp_path, *variants: tuple[str, ...]) -> list[dict]:
+    """The same run on node "one" (every pool there), then with the trainer pool on the trainer
+    nodes and the rollout pool on the rollout node, once per entry of ``variants`` (extra overrides;
+    the run on one node takes the first). Returns the placements of the split runs; asserts every
+    run's records equal."""
     c, nodes = cluster
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    one = _run(_args(c, tmp_path / "one", reward, *extra, f"+{TRAIN}.node_one=1", f"+{ROLLOUT}.node_one=1"), tmp_path / "one.log")
-    split = _run(_args(c, tmp_path / "split", reward, *extra, f"+{TRAIN}.node_train=1", f"+{ROLLOUT}.node_rollout=1"),
-                 tmp_path / "split.log")
-    on_one, on_split = _placement(one), _placement(split)
+    one = _run(_args(c, tmp_path / "one", reward, *variants[0], f"+{TRAIN}.node_one=1", f"+{ROLLOUT}.node_one=1"), tmp_path / "one.log")
+    on_one = _placement(one)
     assert set(on_one.values()) == {_short(nodes["one"])}, on_one
-    assert on_split["rollout replica 0"] == _short(nodes["rollout"]), on_split
-    a, b = _records(tmp_path / "one"), _records(tmp_path / "split")
-    assert sorted(a) == sorted(b) == [1, 2, 3]
-    for step in a:
-        assert a[step] == b[step], f"step {step} differs between one node and two"
-    return on_one, on_split
+    a = _records(tmp_path / "one")
+    assert sorted(a) == [1, 2, 3]
+    placements = []
+    for i, extra in enumerate(variants):
+        split = _run(_args(c, tmp_path / f"split{i}", reward, *extra, f"+{TRAIN}.node_train=1", f"+{ROLLOUT}.node_rollout=1"),
+                     tmp_path / f"split{i}.log")
+        on_split = _placement(split)
+        assert on_split["rollout replica 0"] == _short(nodes["rollout"]), on_split
+        b = _records(tmp_path / f"split{i}")
+        assert sorted(b) == [1, 2, 3]
+        collective = "pipeline.weight_sync=collective" in extra
+        for step in a:
+            assert b[step].pop("sync/collective") == float(collective) and a[step].get("sync/collective") == float(
+                "pipeline.weight_sync=collective" in variants[0]), step  # the path each run took
+            assert {**a[step], "sync/collective": None} == {**b[step], "sync/collective": None}, \
+                f"step {step} differs between one node and two ({extra})"
+        placements.append(on_split)
+    return placements
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("sync", ["object_store", "collective"])
-def test_trainer_and_rollout_pools_on_different_nodes(cluster, tmp_path, sync):
+def test_trainer_and_rollout_pools_on_different_nodes(cluster, tmp_path):
     """Actor on a trainer node, rollout replica on the rollout node: the weight sync (object store,
-    or the gloo broadcast group whose store actor rank 0 serves on its node) crosses the node
-    boundary, and every step's rewards, losses and KL equal the run with both pools on one node."""
+    then the gloo broadcast group whose store actor rank 0 serves on its node) crosses the node
+    boundary, and every step's rewards, losses and KL equal the run with both pools on one node
+    (object store; the two paths give equal runs, tests/test_sync.py)."""
     _, nodes = cluster
-    _, split = _same_run_on_one_and_on_split_nodes(cluster, tmp_path, f"pipeline.weight_sync={sync}")
-    assert split["actor rank 0"] in {_short(nodes["train_a"]), _short(nodes["train_b"])}, split
-    assert split["actor rank 0"] != split["rollout replica 0"]
+    for split in _same_run_on_one_and_on_split_nodes(cluster, tmp_path, ("pipeline.weight_sync=object_store",),
+                                                     ("pipeline.weight_sync=collective",)):
+        assert split["actor rank 0"] in {_short(nodes["train_a"]), _short(nodes["train_b"])}, split
+        assert split["actor rank 0"] != split["rollout replica 0"]
 
 
 @pytest.mark.ray
@@ -176,7 +189,7 @@ def test_fsdp_across_two_nodes(cluster, tmp_path):
     """FSDP2 with 2 trainer ranks, one per trainer node: the process group meets at the driver's
     store across nodes, and the run equals the 2-rank run on one node, step for step."""
     _, nodes = cluster
-    _, split = _same_run_on_one_and_on_split_nodes(cluster, tmp_path, "resources.trainer_workers=2")
+    [split] = _same_run_on_one_and_on_split_nodes(cluster, tmp_path, ("resources.trainer_workers=2",))
     ranks = {split["actor rank 0"], split["actor rank 1"]}
     assert ranks == {_short(nodes["train_a"]), _short(nodes["train_b"])}, split
 

@@ -261,7 +261,7 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
     _need(not (p.ref_on_rollout and cfg.actor.lora.rank > 0),
           f"{why} with pipeline.ref_on_rollout=true and actor.lora.rank > 0: the reference is the engine's own model "
           f"with its adapters off, which a replica that never stops generating cannot switch; set "
-          f"pipeline.ref_on_rollout=false (the trainer's reference role computes it)", e)
+          f"pipeline.ref_on_rollout=false (the trainer computes it)", e)
     _need(not cfg.algorithm.dynamic_sampling,
           f"{why} with algorithm.dynamic_sampling=true: DAPO's refill rounds are per batch; use pipeline.mode=batch "
           f"for dynamic sampling", e)
