@@ -17,8 +17,9 @@ the next round starts in a fresh folder). The kinds of moment (``KINDS``):
 ``partial``    uniform over the reference's checkpoint write, from when a new ``.partial`` appears
 ``pause``      inside a checkpoint write on purpose: the driver pauses there (started through the
                launcher ``tests/kill_points.py``) at a drawn point and step
-``early``      as soon as the run's first new step record is on disk (in a fresh folder: before
-               the first checkpoint, so the restart cannot resume and starts afresh)
+``early``      in a fresh folder, the driver held (as for ``pause``) at the first checkpoint's
+               ``begin``: steps recorded, nothing of a checkpoint written, so the restart cannot
+               resume and starts afresh (elsewhere: as soon as a new step record is on disk)
 
 The first two kills are ``PLAN``'s (an ``early`` one and a ``pause`` one), the rest drawn.
 Every command carries ``trainer.overwrite=true``: with an intact checkpoint it resumes; killed
@@ -57,13 +58,14 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from offstep.pipeline.checkpoints import PHASES as POINTS  # noqa: E402
+from offstep.pipeline.checkpoints import PHASES  # noqa: E402
 from readme import cpu_kind, refresh  # noqa: E402
 from run_records import Records, check_records, checkpoint_steps, partial_writes, read_lines  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results_random_kills"
 LEFTOVER_S = 30.0  # Ray's workers end when their raylet is gone (a few seconds here)
 KINDS = ("startup", "running", "partial", "pause")
+POINTS = PHASES[1:]  # where a ``pause`` holds a write; at ``begin`` none has begun (the ``early`` kill)
 # The first two kills of every configuration, so that each has one before the first checkpoint
 # (the restart starts afresh) and one paused inside a checkpoint write (a drawn point and step).
 PLAN = ["early", "pause"]
@@ -233,6 +235,8 @@ class Attempt:
             return self._until(lambda: time.time() - t >= arg, timeout)
         if kind == "pause":
             return self._until(lambda: Path(arg).exists(), timeout)
+        if kind == "early" and arg is not None:  # held at the first checkpoint's start
+            return self._until(lambda: Path(arg).exists(), timeout)
         if kind == "early":
             if not self._until(self._training, timeout):
                 return False
@@ -320,6 +324,9 @@ def draw(rng: random.Random, prof: Profile, run: Path, steps: int, save_freq: in
         d = rng.uniform(0, prof.train_s * (steps - have) / steps)
     elif kind == "partial":
         d = rng.uniform(0, prof.checkpoint_s)
+    elif kind == "early" and have == 0 and saves:
+        marker.unlink(missing_ok=True)
+        return kind, str(marker), f"begin:{saves[0]}:{marker}", f"held before step {saves[0]}'s checkpoint"
     else:
         return kind, None, None, "a step recorded"
     return kind, d, None, f"{d:.2f} s"
@@ -354,7 +361,7 @@ def run_setup(s: Setup, kills: int, seed: int = 0, steps: int = 8, save_freq: in
             a = Attempt(overrides(s, run, reward, steps, save_freq), run, work / f"start{starts}.log",
                         moment and moment[2])
             if moment is not None and a.wait_moment(moment[0], moment[1], timeout):
-                landed, at, secs, left = a.kill(marker if moment[2] else None)
+                landed, at, secs, left = a.kill(marker if moment[2] and moment[0] == "pause" else None)
                 problems = check_records(Records.read(run), ref, final=False)
                 if pending is not None:
                     pending.resumed, pending.problems = a.started(), problems

@@ -108,8 +108,9 @@ def test_the_launcher_holds_the_named_phase_only(tmp_path):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_three_kills_at_k1_resume_exactly(tmp_path):
-    """A reduced harness run: 4 steps, a checkpoint every 2; killed once as soon as step 1 is
-    recorded (before the first checkpoint: the restart starts afresh), once paused inside a
+    """A reduced harness run: 4 steps, a checkpoint every 2; killed once held at the start of the
+    first checkpoint (steps recorded, nothing of a checkpoint written: the restart starts afresh;
+    a kill timed off the first record landed inside that write once the steps got fast), once paused inside a
     checkpoint write just after its rename (where a kill lost the step's timeline entry, before it
     was written ahead of the rename), once at a random moment; each resume exact, no process left."""
     r = rk.run_setup(rk.SETUPS["builtin-k1"], 3, seed=0, steps=4, save_freq=2, work=tmp_path, timeout=300,

@@ -382,6 +382,7 @@ class Controller:
         t0 = time.time()
         self.console.status(f"step {step}: writing checkpoint")
         await finishing  # this step's metrics are on disk before the checkpoint that covers them
+        phase("begin", step)
         in_flight = [(b.batch_idx, b.epoch, b.idx, await b.generated) for b in pending]
         if self.samples is not None:  # every in-flight sample stops where it is, to be stored
             await self.samples.suspend()
