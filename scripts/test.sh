@@ -1,23 +1,24 @@
 #!/usr/bin/env bash
-# Set up (once) and run the test suite on the CPU (GPU tests skip themselves). Three tiers:
-#   bash scripts/test.sh           every test but those marked `slow` (more than ~30 s each: SmolLM2
-#                                  runs, kill-and-resume, several-node clusters, vLLM pipelines): CI's run
-#   bash scripts/test.sh --quick   also without the tests marked `ray` (they start Ray), `model` (they
+# Set up (once) and run the test suite on the CPU (GPU tests skip themselves). Two tiers:
+#   bash scripts/test.sh           every test, the ones marked `slow` (more than ~30 s each: SmolLM2
+#                                  runs, kill-and-resume, random kills, vLLM pipelines) included:
+#                                  CI's run (`--all` is the same)
+#   bash scripts/test.sh --quick   without the tests marked `ray` (they start Ray), `model` (they
 #                                  need SmolLM2, built once from its GGUF file), `heavy` (over ~1 s
-#                                  without Ray), `vllm` and `gpu`: under 2 minutes on 2 cores; a test
-#                                  there that starts Ray or needs SmolLM2 fails (OFFSTEP_QUICK=1, set
-#                                  here, arms tests/conftest.py's guard)
-#   bash scripts/test.sh --all     every test, `slow` ones included
-# Other arguments go to pytest, in one process (a `-m` of yours replaces the tier's; add `-n 2` for two).
+#                                  without Ray), `vllm`, `gpu` and `slow`: under 2 minutes on 2
+#                                  cores; a test there that starts Ray or needs SmolLM2 fails
+#                                  (OFFSTEP_QUICK=1, set here, arms tests/conftest.py's guard)
+# Other arguments go to pytest, in one process (a `-m` of yours selects; add `-n 2` for two processes;
+# `-m "not slow"` leaves the slow tests out).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/setup.sh"
 # The set-up installed vLLM, so its tests must run: a broken vLLM install fails them instead of
 # skipping them.
 if [ -n "$VLLM_SPEC" ]; then export OFFSTEP_REQUIRE_VLLM=1; fi
-tier="not slow"
+tier=""
 export OFFSTEP_QUICK=0
 case "${1:-}" in
-  --all) tier=""; shift ;;
+  --all) shift ;;
   --quick) tier="not slow and not ray and not model and not heavy and not vllm and not gpu"; OFFSTEP_QUICK=1; shift ;;
 esac
 if [ $# -gt 0 ]; then  # the user's selection: one pytest process

@@ -117,7 +117,7 @@ def pytest_collection_finish(session):
 
 def quick_cases(values, keep) -> list:
     """``values`` for ``parametrize``, every one not in ``keep`` marked ``heavy``: the quick tier
-    runs a few representative cases, the default tier all of them."""
+    runs a few representative cases, the whole suite all of them."""
     assert set(keep) <= set(values), set(keep) - set(values)
     return [v if v in keep else pytest.param(v, marks=pytest.mark.heavy) for v in values]
 

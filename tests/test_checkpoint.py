@@ -150,7 +150,7 @@ def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
 
 
 # ------------------------------------------------------------------ kill and resume
-# These cases (about 45-70 s each) stay in CI's tier although they are over 30 s: they are the
+# These cases (about 45-70 s each) are not marked slow although they are over 30 s: they are the
 # check that a resume equals no interruption (LoRA's adapters and tool rows included); vLLM's is slow.
 @pytest.mark.ray
 @pytest.mark.parametrize("k,engine,lora,agent,mode", [

@@ -145,7 +145,7 @@ def test_k0_trains_the_batch_modes_batches(tmp_path, ray_session):
     assert all(m[Rollout.PARTIAL_SAMPLES] == 0 and m[Rollout.STALENESS_MAX] == 0 for m in ma)
 
 
-@pytest.mark.ray  # two runs: ~60 s on 2 busy cores; in CI's tier, as the mode's resume guarantee
+@pytest.mark.ray  # two runs: ~60 s on 2 busy cores; not marked slow: the mode's resume guarantee
 def test_resume_keeps_partial_samples(tmp_path, ray_session):
     """k = 4, a checkpoint every 2 steps, the trainer slow: the checkpoint of step 2 holds
     unfinished groups with tokens (partial samples) and finished ones. Resumed from it, the run

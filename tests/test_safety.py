@@ -341,7 +341,7 @@ _DAMAGE = ["truncated state", "empty state", "invalid config", "missing shard", 
            "rank types", "alias bomb config", "dtype type", "target_modules type"]
 
 
-# The quick tier: one case of each way in (state, shard, link, crafted config); the default tier: all.
+# The quick tier: one case of each way in (state, shard, link, crafted config); the whole suite: all.
 @pytest.mark.parametrize("kind", quick_cases(_DAMAGE, ["truncated state", "missing shard", "garbled shard", "linked shard",
                                                        "alias bomb config"]))
 def test_damaged_latest_is_named_and_auto_falls_back(tmp_path, kind):
