@@ -48,8 +48,9 @@ from offstep.train.checkpoint import check_role, fsync_tree, replace_dir, write_
 _NAME = re.compile(r"^step_(\d+)(\.replaced)?$")
 LEGACY_STATE_FILE = "trainer_state.pt"  # offstep before the JSON format: a pickle, never loaded
 # The phases of a checkpoint write, in order: ``begin`` (the step's records on disk, nothing of the
-# checkpoint yet), ``staged`` (the ``step_<N>.partial`` folder made, no shard yet), ``shards`` (the roles' shards written), ``state`` (``trainer_state.json`` written and
-# everything fsynced, not yet renamed), ``published`` (renamed to ``step_<N>``, not yet pruned).
+# checkpoint yet), ``staged`` (the ``step_<N>.partial`` folder made, no shard yet), ``shards`` (the
+# roles' shards written), ``state`` (``trainer_state.json`` written and everything fsynced, not yet
+# renamed), ``published`` (renamed to ``step_<N>``, not yet pruned).
 PHASES = ("begin", "staged", "shards", "state", "published")
 # Called with (phase, step) as a write reaches each phase; empty in a run. A timing seam: the
 # random-kill tests' launcher (tests/kill_points.py) holds the driver at one to kill it there.

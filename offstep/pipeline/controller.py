@@ -312,7 +312,7 @@ class Controller:
         critic values, pre-update log-probs), then the advantages; returns the batch's object-store ref."""
         w = self.workers
         if w.ref is not None:
-            batch.ref_logprobs, span = await self._stage(w.ref, w.ref_method, Stage.REF, step, batch)
+            batch.ref_logprobs, span = await self._stage(w.ref, ActorWorker.compute_ref_logprobs, Stage.REF, step, batch)
             m[Timing.REF] = span.seconds
         if w.critic is not None:
             batch.values, span = await self._stage(w.critic, CriticWorker.compute_values, Stage.VALUES, step, batch)

@@ -40,10 +40,10 @@ log = logging.getLogger(__name__)
 @dataclass
 class Workers:
     """Handles to every worker of a run. ``rollout[i]`` is replica i; ``make_rollout(i)`` starts
-    a fresh replica i (the fleet replaces a dead one with it). ``ref`` is the group whose
-    ``ref_method`` gives the reference log-probs on the trainer pool: the actor's, from the frozen
-    copy of the initial policy each rank holds beside the policy, or with LoRA from its model with
-    the adapters off (None: no reference on the trainer pool)."""
+    a fresh replica i (the fleet replaces a dead one with it). ``ref`` is the group that gives the
+    reference log-probs on the trainer pool (``ActorWorker.compute_ref_logprobs``): the actor's,
+    from the frozen copy of the initial policy each rank holds beside the policy, or with LoRA from
+    its model with the adapters off (None: no reference on the trainer pool)."""
 
     actor: RoleGroup
     rollout: list
@@ -55,7 +55,6 @@ class Workers:
     owns_ray: bool = False  # this run started Ray, so it stops it
     host: str | None = None  # the address the run's own stores listen on (None: each node's address)
     rendezvous: Rendezvous | None = None  # the store the trainer roles' process groups meet at
-    ref_method: Callable = ActorWorker.compute_ref_logprobs
     rollout_pool: Pool | None = None  # the pool the replicas' bundles belong to (replica i: bundle i % bundles)
     lend_cores: int = 0  # cores each trainer rank borrows while the rollout idles (pipeline.lend_cores; 0: none)
     reward: list = field(default_factory=list)  # the reward pool's workers (reward.model.placement=pool)
