@@ -304,17 +304,61 @@ def trim_padding(mb: TrainBatch) -> TrainBatch:
     return dataclasses.replace(mb, prompt_len=keep_p, **out)
 
 
-def micro_batches(batch: TrainBatch, micro_batch_size: int, token_budget: int = 0, min_count: int = 1) -> list[tuple[torch.Tensor, TrainBatch]]:
+def prompt_groups(batch: TrainBatch) -> list[list[int]]:
+    """Row indices grouped by identical prompt tokens, in order of first appearance."""
+    P = batch.prompt_len
+    groups: dict[tuple, list[int]] = {}
+    for b, p in enumerate(batch.attention_mask[:, :P].sum(-1).tolist()):
+        groups.setdefault(tuple(batch.input_ids[b, P - int(p): P].tolist()), []).append(b)
+    return list(groups.values())
+
+
+def prompt_units(
+    groups: list[list[int]], prompt_lens: list[int], response_lens: list[int], token_budget: int, min_count: int = 1
+) -> list[list[int]]:
+    """Rows sharing a prompt, cut into units that fit ``token_budget`` as one packed sequence (the
+    prompt once, then every response: ``offstep.models.prompt_sharing``). A group too long for the
+    budget is cut greedily, in row order; a row too long alone is a unit of its own. Then, while
+    there are fewer than ``min_count`` units, the one with most rows is halved."""
+    units: list[list[int]] = []
+    for rows in groups:
+        unit: list[int] = []
+        for b in rows:
+            if unit and prompt_lens[rows[0]] + sum(response_lens[i] for i in unit) + response_lens[b] > token_budget:
+                units.append(unit)
+                unit = []
+            unit.append(b)
+        units.append(unit)
+    while len(units) < min_count:
+        j = max(range(len(units)), key=lambda u: len(units[u]))
+        if len(units[j]) < 2:
+            raise ValueError(f"cannot split {sum(map(len, units))} rows into {min_count} micro-batches")
+        u = units[j]
+        units[j : j + 1] = [u[: len(u) // 2], u[len(u) // 2 :]]
+    return units
+
+
+def micro_batches(
+    batch: TrainBatch, micro_batch_size: int, token_budget: int = 0, min_count: int = 1, share_prompts: bool = False,
+) -> list[tuple[torch.Tensor, TrainBatch]]:
     """(row indices, micro-batch) pairs covering ``batch``.
 
     ``token_budget == 0``: contiguous chunks of ``micro_batch_size`` rows, untouched (the padded
-    layout). Otherwise: ``plan_micro_batches`` groups, each passed through ``trim_padding``.
+    layout). Otherwise: ``plan_micro_batches`` groups, each passed through ``trim_padding``. With
+    ``share_prompts`` the budget plans ``prompt_units`` instead of rows, a unit costing its prompt
+    once and its responses end to end, so that rows of one prompt share a micro-batch.
     """
     if token_budget <= 0:
         return [(torch.arange(i, min(i + micro_batch_size, len(batch))), batch.select(slice(i, i + micro_batch_size)))
                 for i in range(0, len(batch), micro_batch_size)]
     prompt_lens, response_lens = sample_lengths(batch)
-    plan = plan_micro_batches(prompt_lens, response_lens, token_budget, min_count)
+    if share_prompts:
+        units = prompt_units(prompt_groups(batch), prompt_lens, response_lens, token_budget, min_count)
+        plan = plan_micro_batches([prompt_lens[u[0]] for u in units],
+                                  [sum(response_lens[b] for b in u) for u in units], token_budget, min_count)
+        plan = [sorted(b for j in group for b in units[j]) for group in plan]
+    else:
+        plan = plan_micro_batches(prompt_lens, response_lens, token_budget, min_count)
     out = []
     for rows in plan:
         idx = torch.tensor(rows, dtype=torch.long)

@@ -366,6 +366,8 @@ class ActorConfig:
     """an update whose loss or gradient norm is NaN/inf: skip (leave the weights and optimizer state untouched, counted in actor/skipped_steps) | stop (end the run with an error)"""
     micro_token_budget: int = -1
     """> 0: micro-batches of at most this many tokens (see ActorConfig; >= data.max_prompt_length + rollout.max_new_tokens), for the reference and critic too; -1: micro_batch_size x (data.max_prompt_length + rollout.max_new_tokens), the padded setting's memory bound with the padding cut; 0: micro_batch_size padded rows"""
+    share_prompts: bool = True
+    """compute each distinct prompt of a micro-batch once: its responses run as one packed sequence after it, each attending to the prompt and to itself (the log-probs of the policy and the reference, equal to separate rows to float rounding); with a token budget it counts each prompt once. false: one padded row per sample"""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     """low-rank adapters instead of full fine-tuning (lora.rank > 0)"""
 

@@ -17,7 +17,8 @@ import contextlib
 
 import torch
 
-from offstep.batch import Sample, TrainBatch, collate
+from offstep.batch import Sample, TrainBatch, collate, prompt_groups
+from offstep.models.prompt_sharing import shared_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -53,24 +54,30 @@ def autocast(device: torch.device, compute_dtype: str):
 
 
 def forward_response(
-    model, mb: TrainBatch, temperature: float, with_entropy: bool = False, compute_dtype: str = "float32"
+    model, mb: TrainBatch, temperature: float, with_entropy: bool = False, compute_dtype: str = "float32",
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of the response tokens (and their entropy) under ``model``.
 
     Logits are divided by the sampling temperature so that they match the distribution the
     rollout sampled from. Only the last R + 1 positions go through the LM head. Under a bfloat16
     ``compute_dtype`` the model runs in autocast; log-probs and entropy are taken in float32.
+    ``share_prompts``: rows with the same prompt run as one packed sequence, the prompt once
+    (``offstep.models.prompt_sharing``); the result has the same layout, equal to rounding.
     """
     R = mb.response_mask.shape[1]
+    groups = prompt_groups(mb) if share_prompts else None
+    layout = shared_layout(mb, groups) if groups is not None and len(groups) < len(mb) else None  # a prompt repeats
     with autocast(mb.input_ids.device, compute_dtype):
-        out = model(
-            input_ids=mb.input_ids,
-            attention_mask=mb.attention_mask,
-            position_ids=mb.position_ids,
-            use_cache=False,
-            logits_to_keep=R + 1,
-        )
-    logits = out.logits[:, :-1].float()
+        if layout is None:
+            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                        use_cache=False, logits_to_keep=R + 1)
+            logits = out.logits[:, :-1]
+        else:
+            out = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
+                        position_ids=layout.position_ids, use_cache=False, logits_to_keep=layout.keep)
+            logits = layout.logits(out.logits)
+    logits = logits.float()
     if temperature > 0:
         logits = logits / temperature
     logp = logprobs_from_logits(logits, mb.responses)
@@ -80,15 +87,16 @@ def forward_response(
 
 @torch.no_grad()
 def sequence_logprobs(model, sequences, pad_id: int, device, temperature: float, compute_dtype: str = "float32",
-                      micro_batch_size: int = 8) -> list[list[float]]:
+                      micro_batch_size: int = 8, share_prompts: bool = False) -> list[list[float]]:
     """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under ``model``,
-    as the trainer computes them: one padded batch, ``forward_response`` by micro-batches."""
+    as the trainer computes them: one padded batch, ``forward_response`` by micro-batches of
+    ``micro_batch_size`` rows (``share_prompts``: rows of one prompt packed after it)."""
     if not sequences:
         return []
     samples = [Sample(uid=0, prompt_ids=list(p), response_ids=list(r), rollout_logprobs=[0.0] * len(r),
                       finish_reason="", score=0.0, version=0) for p, r in sequences]
     batch = collate(samples, pad_id).to(device)
-    parts = [forward_response(model, mb, temperature, compute_dtype=compute_dtype)[0]
+    parts = [forward_response(model, mb, temperature, compute_dtype=compute_dtype, share_prompts=share_prompts)[0]
              for mb in batch.chunks(micro_batch_size)]
     logp = torch.cat(parts).cpu()
     return [logp[i, : len(r)].tolist() for i, (_, r) in enumerate(sequences)]

@@ -324,7 +324,8 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     rollout_pool = None if colocate else kept.pools[1] if kept else Pool.create(*rollout_spec)
     live = LiveStatus.create(console)
     ref_spec = (
-        RefSpec(cfg.model.dtype, cfg.model.compute_dtype, ro.temperature, cfg.actor.micro_batch_size)
+        RefSpec(cfg.model.dtype, cfg.model.compute_dtype, ro.temperature, cfg.actor.micro_batch_size,
+                cfg.actor.share_prompts)
         if cfg.algorithm.needs_reference and cfg.pipeline.ref_on_rollout else None
     )
     model = (inputs.model_path, cfg.model.dtype, cfg.model.compute_dtype)

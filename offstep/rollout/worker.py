@@ -62,6 +62,7 @@ class RefSpec:
     compute_dtype: str
     temperature: float
     micro_batch_size: int
+    share_prompts: bool = False  # actor.share_prompts: the trainer's forward, prompts computed once
 
 
 class RolloutWorker:
@@ -259,7 +260,7 @@ class RolloutWorker:
         ref, sequences = self.ref, [(s.prompt_ids, s.response_ids) for s in samples]
         if self.ref_model is not None:
             scored = sequence_logprobs(self.ref_model, sequences, self.pad_id, self.device, ref.temperature,
-                                       ref.compute_dtype, ref.micro_batch_size)
+                                       ref.compute_dtype, ref.micro_batch_size, ref.share_prompts)
         else:
             scored = self.engine.base_logprobs(sequences, ref.temperature, ref.compute_dtype, ref.micro_batch_size)
         for s, lp in zip(samples, scored):

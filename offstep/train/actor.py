@@ -87,17 +87,20 @@ class ActorWorker(RoleWorker):
         self.updates = 0  # update() calls so far: the step number, for error messages
         self._by_staleness: GroupedTokenStats | None = None  # correction metrics per staleness
 
+    def _forward_args(self) -> tuple:
+        """How a log-prob pass runs: micro-batch rows, compute dtype, token budget, shared prompts."""
+        cfg = self.cfg
+        return cfg.micro_batch_size, self.compute_dtype, cfg.micro_token_budget, cfg.share_prompts
+
     @timed
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._logprobs(
-            self.model, batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype, self.cfg.micro_token_budget
-        )
+        return self._logprobs(self.model, batch, self.temperature, *self._forward_args())
 
     @timed
     def compute_ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """The reference policy's log-probs: the frozen copy's (``reference``), or with LoRA this
         model with its adapters switched off (the base weights, which never train)."""
-        args = (batch, self.temperature, self.cfg.micro_batch_size, self.compute_dtype, self.cfg.micro_token_budget)
+        args = (batch, self.temperature, *self._forward_args())
         if self.ref_model is not None:
             return self._logprobs(self.ref_model, *args)
         with self.model.disable_adapter():
@@ -198,7 +201,7 @@ class ActorWorker(RoleWorker):
 
     def _micro_step(self, mb: TrainBatch, denom: float, m2po: tuple | None = None) -> dict[str, float]:
         algo, mask = self.algo, mb.response_mask
-        logp, ent = forward_response(self.model, mb, self.temperature, True, self.compute_dtype)
+        logp, ent = forward_response(self.model, mb, self.temperature, True, self.compute_dtype, self.cfg.share_prompts)
         old, weights, metrics = self._correction(mb, logp, m2po)
         horizon = algo.loss_agg_horizon or None  # Dr. GRPO's constant (load_config resolves 0 to rollout.max_new_tokens)
 
@@ -242,7 +245,8 @@ class ActorWorker(RoleWorker):
             for j, mini_batch in enumerate(local.chunks(mini)):
                 denom = self._denominator(mini_batch, self.algo.loss_agg_mode)
                 m2po = self._m2po(mini_batch)
-                parts = self._micro_batches(mini_batch, self.cfg.micro_batch_size, self.cfg.micro_token_budget)
+                parts = self._micro_batches(mini_batch, self.cfg.micro_batch_size, self.cfg.micro_token_budget,
+                                            self.cfg.share_prompts)
                 micros = [mb for _, mb in parts]
                 self.progress.plan(len(micros))
                 micro_metrics = [

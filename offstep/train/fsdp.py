@@ -126,20 +126,23 @@ class RoleWorker:
     def _local(self, batch: TrainBatch) -> TrainBatch:
         return rank_shard(batch, self.spec.rank, self.spec.world_size).to(self.device)
 
-    def _micro_batches(self, batch: TrainBatch, micro: int, token_budget: int) -> list[tuple[torch.Tensor, TrainBatch]]:
+    def _micro_batches(self, batch: TrainBatch, micro: int, token_budget: int,
+                       share_prompts: bool = False) -> list[tuple[torch.Tensor, TrainBatch]]:
         """(row indices, micro-batch) pairs of this rank's (mini-)batch: ``micro`` rows each, or
-        budget-planned and trimmed (``offstep.batch.micro_batches``), with the same number of
-        micro-batches on every rank so that FSDP's per-pass collectives pair up."""
-        parts = micro_batches(batch, micro, token_budget)
+        budget-planned and trimmed (``offstep.batch.micro_batches``; ``share_prompts``: planned by
+        prompt), with the same number of micro-batches on every rank so that FSDP's per-pass
+        collectives pair up."""
+        parts = micro_batches(batch, micro, token_budget, share_prompts=share_prompts)
         if token_budget > 0 and self.spec.world_size > 1:
             count = int(all_max(len(parts), self.device))
             if count > len(parts):
-                parts = micro_batches(batch, micro, token_budget, min_count=count)
+                parts = micro_batches(batch, micro, token_budget, min_count=count, share_prompts=share_prompts)
         return parts
 
     @torch.no_grad()
     def _logprobs(
-        self, model, batch: TrainBatch, temperature: float, micro: int, compute_dtype: str, token_budget: int = 0
+        self, model, batch: TrainBatch, temperature: float, micro: int, compute_dtype: str, token_budget: int = 0,
+        share_prompts: bool = False,
     ) -> torch.Tensor:
         """Log-probs of the whole batch, gathered from every rank (rank 0 returns them)."""
         local = self._local(batch)
@@ -147,8 +150,8 @@ class RoleWorker:
         model.eval()  # no dropout (e.g. LoRA's) in a log-prob pass: the policy itself, not a sample of it
         try:
             parts = [
-                (idx, forward_response(model, mb, temperature, compute_dtype=compute_dtype)[0])
-                for idx, mb in self._micro_batches(local, micro, token_budget)
+                (idx, forward_response(model, mb, temperature, compute_dtype=compute_dtype, share_prompts=share_prompts)[0])
+                for idx, mb in self._micro_batches(local, micro, token_budget, share_prompts)
             ]
         finally:
             model.train(was_training)
