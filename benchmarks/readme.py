@@ -257,7 +257,9 @@ SECTIONS = [
     Section("trl", "Against TRL's GRPOTrainer", "trl_side_by_side.py", ("results_trl.md", "results_trl_avx2.md"),
             "The same GRPO work in TRL's GRPOTrainer (in a virtual environment of its own) and in offstep, one run after "
             "the other: SmolLM2-135M-Instruct on the built-in arithmetic task, no KL; offstep one-step on a core per "
-            "pool, the same with the rollout's core lent to the trainer while it idles, and synchronous colocated. The ratio is TRL's median step over offstep's (above one: offstep is "
+            "pool (its defaults: each prompt computed once for its responses), the same with one padded row per sample "
+            "(`actor.share_prompts=false`), the same with the rollout's core lent to the trainer while it idles, and "
+            "synchronous colocated. The ratio is TRL's median step over offstep's (above one: offstep is "
             "faster). The script's docstring lists what else differs between the two.",
             tables_of(("results_trl.md", None), ("results_trl_avx2.md", None)),
             missing="Not run yet: `.venv/bin/python benchmarks/trl_side_by_side.py` installs TRL in "

@@ -16,9 +16,11 @@ emulate it, many times slower. Each kind of CPU keeps its own file: ``results_tr
 TRL runs in a virtual environment of its own, ``runs/bench_trl/venv`` (created here on the first
 call, with this checkout's pins for torch, transformers and accelerate and ``--trl``'s version), and
 the script records both tools' versions. What differs between the tools, so that the ratio is read
-right: TRL skips the old-policy forward with one PPO epoch (its ratio is 1 by construction), while
-offstep's decoupled correction runs it; the reward is the same rule (the reply's last number against
-the answer) in both.
+right: both skip the old-policy forward with one PPO epoch and one mini-batch (the ratio's old
+log-probs are the update's own forward, detached); offstep computes each prompt once for its n
+responses (``actor.share_prompts``, on by default; the row "one row per sample" turns it off), where
+TRL runs every sample as a padded row of its own; the reward is the same rule (the reply's last number
+against the answer) in both.
 """
 
 from __future__ import annotations
@@ -149,6 +151,7 @@ def run_offstep(name: str, overrides: list[str], dtype: str, steps: int) -> dict
 
 OFFSTEP_RUNS = {
     "one-step, 1 + 1 cores": ("onestep", ["pipeline.max_staleness=1"]),
+    "one-step, 1 + 1 cores, one row per sample": ("onestep_rows", ["pipeline.max_staleness=1", "actor.share_prompts=false"]),
     "one-step, 1 + 1 cores, rollout's core lent": ("onestep_lend", ["pipeline.max_staleness=1", "pipeline.lend_cores=true"]),
     "synchronous, colocated": ("sync", ["pipeline.max_staleness=0", "pipeline.colocate=true"]),
 }

@@ -10,7 +10,9 @@ repetition, settings interleaved. No optimizer step, so every repetition sees th
 Reported per setting: micro-batches, computed token slots (rows x width summed over micro-batches),
 the share of them that is padding, the median seconds per pass and update tokens/s (real, non-pad
 prompt + response tokens per second), the speed-up over the padded baseline, and the relative
-difference of the loss and gradient norm from the baseline (exactness check). With ``--packed``,
+difference of the loss and gradient norm from the baseline (exactness check). Last, the default
+budget planned by prompt with each prompt computed once for its responses (``actor.share_prompts``,
+offstep's default: ``offstep.models.prompt_sharing``); its token slots are the packed rows'. With ``--packed``,
 also the default budget's micro-batches packed: each micro-batch's real tokens in one sequence, the
 positions restarting per sample (transformers then masks attention block-diagonally), the LM head
 over only the positions that predict response tokens; a measurement of packing, done here by
@@ -35,10 +37,11 @@ from pathlib import Path
 import torch
 
 import offstep.train.actor as actor_module
-from offstep.batch import Sample, collate
+from offstep.batch import Sample, collate, prompt_groups, sample_lengths
 from offstep.models.forward import autocast, entropy_from_logits, logprobs_from_logits
 from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.loading import load_tokenizer, resolve_model
+from offstep.models.prompt_sharing import shared_layout
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
 from readme import command, provenance, publish
@@ -93,16 +96,19 @@ def packed_forward_response(model, mb, temperature: float, with_entropy: bool = 
     return logp, ent
 
 
-def one_pass(actor: ActorWorker, batch, micro: int, budget: int, packed: bool = False) -> tuple[float, float, float, int, int]:
-    """Forward + backward over ``batch`` (each micro-batch packed into one sequence if ``packed``):
+def one_pass(actor: ActorWorker, batch, micro: int, budget: int, packed: bool = False,
+             share: bool = False) -> tuple[float, float, float, int, int]:
+    """Forward + backward over ``batch`` (each micro-batch packed into one sequence if ``packed``;
+    each prompt computed once for its responses if ``share``, offstep's ``actor.share_prompts``):
     (seconds, loss, grad norm, micro-batches, token slots)."""
     actor.opt.zero_grad(set_to_none=True)
+    actor.cfg.share_prompts = share
     padded = actor_module.forward_response
     actor_module.forward_response = packed_forward_response if packed else padded
     try:
         t0 = time.perf_counter()
         denom = actor._denominator(batch, actor.algo.loss_agg_mode)
-        micros = actor._micro_batches(batch, micro, budget)
+        micros = actor._micro_batches(batch, micro, budget, share)
         loss = sum(actor._micro_step(mb, denom)["pg_loss"] for _, mb in micros)
         dt = time.perf_counter() - t0
     finally:
@@ -113,8 +119,16 @@ def one_pass(actor: ActorWorker, batch, micro: int, budget: int, packed: bool = 
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             sq += float(g.float().pow(2).sum())
     actor.opt.zero_grad(set_to_none=True)
-    slots = sum(int(mb.attention_mask.sum()) if packed else mb.input_ids.numel() for _, mb in micros)
-    return dt, loss, math.sqrt(sq), len(micros), slots
+    slots = sum(int(mb.attention_mask.sum()) if packed else shared_layout(mb).input_ids.numel() if share
+                else mb.input_ids.numel() for _, mb in micros)
+    computed = sum(_shared_real(mb) if share else int(mb.attention_mask.sum()) for _, mb in micros)
+    return dt, loss, math.sqrt(sq), len(micros), slots, computed
+
+
+def _shared_real(mb) -> int:
+    """Real tokens of ``mb``'s packed rows: each distinct prompt once, every response."""
+    prompts, responses = sample_lengths(mb)
+    return sum(prompts[g[0]] + sum(responses[b] for b in g) for g in prompt_groups(mb))
 
 
 def optimizer_steps(params: list, reps: int) -> list[tuple[str, float, float]]:
@@ -182,25 +196,28 @@ def main() -> None:
     resp = batch.response_mask.sum(-1).long().tolist()
 
     auto = args.micro_batch_size * batch.input_ids.shape[1]  # actor.micro_token_budget=-1 on this batch's layout
-    settings = [("padded, fixed count", 0, False)] + [(f"token budget {b}, trimmed", b, False) for b in args.budgets]
-    settings.append((f"token budget {auto} (the default -1: {args.micro_batch_size} x the longest), trimmed", auto, False))
+    # (name, budget, packed, shared prompts)
+    settings = [("padded, fixed count", 0, False, False)]
+    settings += [(f"token budget {b}, trimmed", b, False, False) for b in args.budgets]
+    settings.append((f"token budget {auto} (the default -1: {args.micro_batch_size} x the longest), trimmed", auto, False, False))
     if args.packed:  # the default budget's micro-batches, each packed into one sequence
-        settings.append((f"token budget {auto}, packed (no padding)", auto, True))
+        settings.append((f"token budget {auto}, packed (no padding)", auto, True, False))
+    settings.append((f"token budget {auto}, each prompt once (`actor.share_prompts`, the default)", auto, False, True))
     one_pass(actor, batch, args.micro_batch_size, 0)  # warm-up (allocator, kernels)
-    runs: dict[str, list] = {name: [] for name, _, _ in settings}
+    runs: dict[str, list] = {s[0]: [] for s in settings}
     for _ in range(args.reps):
-        for name, budget, packed in settings:  # interleaved, so drift affects every setting alike
-            runs[name].append(one_pass(actor, batch, args.micro_batch_size, budget, packed))
+        for name, budget, packed, share in settings:  # interleaved, so drift affects every setting alike
+            runs[name].append(one_pass(actor, batch, args.micro_batch_size, budget, packed, share))
             print(name, f"{runs[name][-1][0]:.2f} s", flush=True)
     params = list(actor.model.parameters())  # FSDP2's DTensors over one rank, as the actor's optimizer sees them
     adam = optimizer_steps([p for p in params if p.requires_grad], args.reps)
     actor.shutdown()
 
     base_t = statistics.median(r[0] for r in runs[settings[0][0]])
-    _, base_loss, base_norm, _, _ = runs[settings[0][0]][0]
+    _, base_loss, base_norm, *_ = runs[settings[0][0]][0]
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU, {args.threads} thread(s)"
     lines = [
-        "# Update throughput: padded fixed-count vs token-budget micro-batches (padding trimmed)",
+        "# Update throughput: padded fixed-count vs token-budget micro-batches (padding trimmed) vs each prompt once",
         "",
         provenance(),
         "",
@@ -216,12 +233,12 @@ def main() -> None:
         "| setting | micro-batches | token slots computed | padding share | s / pass (median) | update tokens/s | speed-up | loss rel. diff | grad-norm rel. diff |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, _, _ in settings:
+    for name, *_ in settings:
         rs = runs[name]
         t = statistics.median(r[0] for r in rs)
-        _, loss, norm, n_micro, slots = rs[0]
+        _, loss, norm, n_micro, slots, computed = rs[0]
         lines.append(
-            f"| {name} | {n_micro} | {slots} | {1 - real / slots:.0%} | {t:.2f} | {real / t:.0f} | {base_t / t:.2f}x | "
+            f"| {name} | {n_micro} | {slots} | {1 - computed / slots:.0%} | {t:.2f} | {real / t:.0f} | {base_t / t:.2f}x | "
             f"{abs(loss - base_loss) / max(abs(base_loss), 1e-12):.1e} | {abs(norm - base_norm) / max(base_norm, 1e-12):.1e} |"
         )
     lines += [
