@@ -228,11 +228,13 @@ SECTIONS = [
             "against collective, the paths alternating in one run.", tables_of(("results_weight_sync.md", None)),
             "under half a second for the default model"),
     Section("update", "Update throughput", "update_throughput.py",
-            ("results_update.md", "results_update_avx512.md", "results_compile.md"),
+            ("results_update.md", "results_update_avx512.md", "results_update_fp32_avx512.md", "results_compile.md"),
             "One forward and backward pass of the actor over one batch, padded fixed-count micro-batches against "
-            "token-budget micro-batches with padding trimmed; the loss and gradient norm must agree. Then the same "
+            "token-budget micro-batches with padding trimmed, and against each prompt computed once for its responses "
+            "(`actor.share_prompts`, the default); the loss and gradient norm must agree. Then the same "
             "pass compiled by torch.compile against eager (`compile_update.py`).",
-            tables_of(("results_update.md", None), ("results_update_avx512.md", None), ("results_compile.md", None))),
+            tables_of(("results_update.md", None), ("results_update_avx512.md", None),
+                      ("results_update_fp32_avx512.md", None), ("results_compile.md", None))),
     Section("controller", "Controller overhead", "controller_overhead.py", ("results_controller.md",),
             "The real controller loop with sleeping workers: the step time against the ideal schedule for the same "
             "sleeps, for each staleness bound. The overhead column is what the controller adds.",

@@ -70,8 +70,10 @@ def make_batch(n: int, group: int, vocab: int, pad_id: int, seed: int, prompt_ra
     return batch
 
 
-def packed_forward_response(model, mb, temperature: float, with_entropy: bool = False, compute_dtype: str = "float32"):
-    """``forward_response`` with the micro-batch packed: every row's real tokens (prompt and
+def packed_forward_response(model, mb, temperature: float, with_entropy: bool = False, compute_dtype: str = "float32",
+                            share_prompts: bool = False):
+    """``forward_response`` with the micro-batch packed (``share_prompts``: off in the settings that
+    use it): every row's real tokens (prompt and
     response, no padding) in one sequence, the positions restarting at each row, so transformers
     masks attention to each row's own tokens (block-diagonal causal); only the positions that
     predict a response token go through the LM head. Returns the same ``[B, R]`` log-probs (and

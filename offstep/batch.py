@@ -313,18 +313,30 @@ def prompt_groups(batch: TrainBatch) -> list[list[int]]:
     return list(groups.values())
 
 
+# A packed sequence (a prompt, then its responses end to end) is at most this many times as long as
+# its group's longest sample: attention over it costs about its length squared, and its mask is
+# dense, so a group of many long responses is packed in several sequences, not one.
+PACKED_LENGTH_FACTOR = 2
+
+
 def prompt_units(
-    groups: list[list[int]], prompt_lens: list[int], response_lens: list[int], token_budget: int, min_count: int = 1
+    groups: list[list[int]], prompt_lens: list[int], response_lens: list[int], token_budget: int | None = None,
+    min_count: int = 1,
 ) -> list[list[int]]:
-    """Rows sharing a prompt, cut into units that fit ``token_budget`` as one packed sequence (the
-    prompt once, then every response: ``offstep.models.prompt_sharing``). A group too long for the
-    budget is cut greedily, in row order; a row too long alone is a unit of its own. Then, while
-    there are fewer than ``min_count`` units, the one with most rows is halved."""
+    """Rows sharing a prompt, cut into units that each run as one packed sequence (the prompt once,
+    then every response: ``offstep.models.prompt_sharing``), at most ``token_budget`` tokens (None:
+    no budget) and ``PACKED_LENGTH_FACTOR`` times the group's longest sample. A group too long is
+    cut greedily, in row order; a row too long alone is a unit of its own. Then, while there are
+    fewer than ``min_count`` units, the one with most rows is halved."""
     units: list[list[int]] = []
     for rows in groups:
+        p = prompt_lens[rows[0]]
+        limit = PACKED_LENGTH_FACTOR * (p + max(response_lens[b] for b in rows))
+        if token_budget is not None:
+            limit = min(limit, token_budget)
         unit: list[int] = []
         for b in rows:
-            if unit and prompt_lens[rows[0]] + sum(response_lens[i] for i in unit) + response_lens[b] > token_budget:
+            if unit and p + sum(response_lens[i] for i in unit) + response_lens[b] > limit:
                 units.append(unit)
                 unit = []
             unit.append(b)

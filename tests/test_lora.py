@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,8 +192,11 @@ def test_rollout_reference_is_the_engines_own_base(tmp_path, tiny, engine):
     from offstep.rollout.worker import RefSpec, Request, RolloutWorker
 
     (tmp_path / "r.py").write_text(REWARD)
+    scratch = tmp_path / "run" / "tmp"  # the run folder's scratch (start_workers passes it)
+    vllm_temp = lambda: {p.name for p in Path(tempfile.gettempdir()).glob("offstep-vllm-lora-*")}  # noqa: E731
+    temp_before = vllm_temp()
     worker = RolloutWorker(tiny, "float32", "cpu", 1, RewardFunction(str(tmp_path / "r.py")), 1, 16,
-                           RefSpec("float32", "float32", 1.0, 8), None, engine, 0, LORA)
+                           RefSpec("float32", "float32", 1.0, 8), None, engine, 0, LORA, scratch=str(scratch))
     policy = add_adapters(load_causal_lm(tiny), LORA)  # the trainer's model
     requests = [Request(i, p, "arithmetic", "0") for i, p in enumerate(PROMPTS)]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
@@ -204,6 +209,10 @@ def test_rollout_reference_is_the_engines_own_base(tmp_path, tiny, engine):
                     for name, p in adapter_parameters(policy):
                         p.copy_(adapters[name])
                 worker.engine.load_adapters(adapters, version)  # what a sync's load does (RolloutWorker._apply)
+                if engine == "vllm":  # the adapter vLLM reads lies in the run's folder, none outside it
+                    written = [p for p in scratch.rglob("adapter_model.safetensors")]
+                    assert len(written) == 1 and f"adapter-{version}" in str(written[0]), written
+                    assert vllm_temp() <= temp_before
             samples, timing = worker.generate(requests, params, seed=10 + version)
             assert timing.ref is not None and {s.version for s in samples} == {version}
             for s in samples:

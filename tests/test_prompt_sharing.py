@@ -58,6 +58,9 @@ def test_units_hand_worked():
     assert prompt_units(groups, prompt_lens, response_lens, 20, min_count=4) == [[0], [1], [2], [3, 4]]
     with pytest.raises(ValueError, match="cannot split 2 rows into 3"):
         prompt_units([[0, 1]], [4, 4], [1, 1], 20, min_count=3)
+    # No budget: a packed sequence is at most twice the group's longest sample (2 x (2 + 3) = 10),
+    # so four responses of 3 after a prompt of 2 (14 tokens) go in two: 2 + 3 + 3 = 8, + 3 = 11 > 10.
+    assert prompt_units([[0, 1, 2, 3]], [2] * 4, [3] * 4) == [[0, 1], [2, 3]]
 
 
 def test_shared_micro_batches_keep_prompts_together():
@@ -77,8 +80,12 @@ def test_shared_micro_batches_keep_prompts_together():
         width = max(prompt_lens[int(idx[g[0]])] for g in groups) + max(
             sum(response_lens[int(idx[b])] for b in g) for g in groups)
         assert len(groups) * width <= 60 or len(groups) == 1
-    # every prompt's rows land in one micro-batch when its unit fits the budget (all do here)
-    assert sum(len(prompt_groups(mb)) for _, mb in parts) == 6
+    # the rows of each unit (a prompt's rows, cut to the budget and to twice its longest sample)
+    # land in one micro-batch together
+    where = {int(i): k for k, (idx, _) in enumerate(parts) for i in idx}
+    units = prompt_units(prompt_groups(batch), prompt_lens, response_lens, 60)
+    assert len(units) < len(batch)
+    assert all(len({where[b] for b in unit}) == 1 for unit in units)
 
 
 # ---------------------------------------------------------------- equal to one row per sample
@@ -154,6 +161,21 @@ def test_gradients_equal_rows(model):
     assert any(float(g.abs().max()) > 0 for g in rows)
     for a, b in zip(rows, shared):  # to float32 rounding of sums over many tokens: relative to each tensor's scale
         assert float((b - a).abs().max()) <= 1e-5 * float(a.abs().max()) + 1e-8
+
+
+def test_a_long_group_packs_in_several_sequences_and_still_equals_rows():
+    from offstep.batch import prompt_units as units_of
+
+    model = _llama()
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(3, 500, (3,), generator=g).tolist()
+    batch = collate([_sample(0, prompt, torch.randint(3, 500, (10,), generator=g).tolist()) for _ in range(4)], pad_id=0)
+    assert units_of(prompt_groups(batch), *sample_lengths(batch)) == [[0, 1], [2, 3]]  # 3 + 4 x 10 > 2 x 13
+    mask = batch.response_mask.bool()
+    with torch.no_grad():
+        rows = forward_response(model, batch, 1.0)[0]
+        shared = forward_response(model, batch, 1.0, share_prompts=True)[0]
+    torch.testing.assert_close(shared[mask], rows[mask], rtol=0, atol=2e-5)
 
 
 def test_distinct_prompts_run_unpacked():

@@ -60,7 +60,7 @@ def run_and_outside(tmp_path):
 
 @pytest.mark.parametrize("name", quick_cases(  # the quick tier: a file, a folder, a checkpoint shard, the lock
     ["config.yaml", "data", ".offstep-run.tmp", "metrics.jsonl", "timeline.jsonl", "checkpoints/step_000002/actor/__0_0.distcp",
-     "data/train.parquet.tmp", LOCK], ["config.yaml", "data", "checkpoints/step_000002/actor/__0_0.distcp", LOCK]))
+     "data/train.parquet.tmp", LOCK, "tmp"], ["config.yaml", "data", "checkpoints/step_000002/actor/__0_0.distcp", LOCK]))
 def test_a_link_among_the_run_files_is_refused_by_name_and_nothing_outside_changes(run_and_outside, name):
     out, outside = run_and_outside
     target = outside if name == "data" else outside / "notes.txt"
@@ -96,6 +96,22 @@ def test_writes_replace_a_link_instead_of_following_it(tmp_path):
     assert outside.read_text() == "theirs" and not (tmp_path / "config.yaml").is_symlink()
     assert (tmp_path / "config.yaml").read_text() == "ours\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml", "outside.txt"]  # no temporary left
+
+
+def test_a_killed_runs_scratch_is_no_record_and_is_emptied_at_the_next_start(tmp_path):
+    """Workers write scratch files into the run's ``tmp/`` (vLLM's LoRA adapters), never outside the
+    folder; a run killed before its first record leaves them there. The next start neither counts
+    them as records (the folder is still this run's, used again) nor keeps them."""
+    out = tmp_path / "run"
+    first = open_run(_cfg(out), lambda _: None)
+    adapter = out / "tmp" / "vllm-lora-x" / "adapter-3" / "adapter_model.safetensors"
+    adapter.parent.mkdir(parents=True)
+    adapter.write_bytes(b"weights")
+    first.lock.release()  # killed: no metrics, no checkpoint
+    again = open_run(_cfg(out), lambda _: None)
+    assert again.run_id == first.run_id and again.resume is None
+    assert not (out / "tmp").exists()
+    again.lock.release()
 
 
 def test_one_run_per_folder_the_second_start_names_the_first(tmp_path):

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from offstep.batch import Sample, TrainBatch, collate, prompt_groups
+from offstep.batch import Sample, TrainBatch, collate, prompt_groups, prompt_units, sample_lengths
 from offstep.models.prompt_sharing import shared_layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -66,8 +66,8 @@ def forward_response(
     (``offstep.models.prompt_sharing``); the result has the same layout, equal to rounding.
     """
     R = mb.response_mask.shape[1]
-    groups = prompt_groups(mb) if share_prompts else None
-    layout = shared_layout(mb, groups) if groups is not None and len(groups) < len(mb) else None  # a prompt repeats
+    units = prompt_units(prompt_groups(mb), *sample_lengths(mb)) if share_prompts else None
+    layout = shared_layout(mb, units) if units is not None and len(units) < len(mb) else None  # a prompt repeats
     with autocast(mb.input_ids.device, compute_dtype):
         if layout is None:
             out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,

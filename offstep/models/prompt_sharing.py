@@ -39,7 +39,8 @@ class SharedLayout:
 
 
 def shared_layout(mb: TrainBatch, groups: list[list[int]] | None = None) -> SharedLayout:
-    """The packed form of ``mb`` (``groups``: rows sharing a prompt; default ``prompt_groups``)."""
+    """The packed form of ``mb``: one row per group (``groups``: rows sharing a prompt, all rows
+    in some group once; default ``prompt_groups``; ``offstep.batch.prompt_units`` cuts long ones)."""
     groups = prompt_groups(mb) if groups is None else groups
     P, R = mb.prompt_len, mb.response_mask.shape[1]
     device = mb.input_ids.device

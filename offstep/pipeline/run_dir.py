@@ -10,7 +10,7 @@ the folder                                   trainer.resume=off / auto / a path
 ===========================================  ==================================================
 missing or empty                             a new run
 this run's, holding no records yet           off/auto: used again; a path: a new run
-(only config.yaml, data/, empty logs)
+(only config.yaml, data/, tmp/, empty logs)
 a run with an intact checkpoint              auto: continues the run from its latest (or from
                                              trainer.resume_step); off: refused
 a run with records but no intact checkpoint  refused (the run cannot be continued, and a new one
@@ -35,6 +35,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -50,9 +51,12 @@ from offstep.train.checkpoint import fsync_dir
 
 MARKER = ".offstep-run"
 LOCK = ".offstep-lock"
+# Scratch files of the run's workers (the vLLM engine's LoRA adapters, written at each sync for vLLM
+# to read), emptied at every start: a killed run leaves them here, never outside the folder.
+SCRATCH = "tmp"
 # What a run writes that does not make the folder worth keeping: the marker, the lock, the config
-# it rewrites at every start, and the built-in task's data, which it regenerates.
-_NOT_RECORDS = {MARKER, LOCK, "config.yaml", "data"}
+# it rewrites at every start, the built-in task's data, which it regenerates, and the scratch.
+_NOT_RECORDS = {MARKER, LOCK, "config.yaml", "data", SCRATCH}
 
 
 class RunLock:
@@ -218,6 +222,7 @@ def open_run(cfg: Config, log: Callable[[str], None] = print) -> Run:
         run.lock = lock
     else:  # the folder was moved aside (with its lock) and a new one claimed
         lock.release()
+    shutil.rmtree(out / SCRATCH, ignore_errors=True)  # a killed run's; a link there was refused above
     return run
 
 

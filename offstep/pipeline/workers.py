@@ -26,6 +26,7 @@ from offstep.models.loading import cache_dir
 from offstep.pipeline import keep
 from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S, Pool, Rendezvous, RoleGroup
+from offstep.pipeline.run_dir import SCRATCH
 from offstep.rollout.reward_worker import RewardWorker
 from offstep.rollout.worker import RefSpec, RolloutWorker
 from offstep.telemetry.names import Role, replica
@@ -351,7 +352,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
                 ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent), dict(
             sandbox=cfg.sandbox,
             reward_model=cfg.reward.model if cfg.reward.model.kind is not None else None, reward_pool=reward_workers,
-            sleep_mode=sleeps,
+            sleep_mode=sleeps, scratch=str(Path(cfg.trainer.output_dir) / SCRATCH),
         )
 
     actor_classes: dict[type, Any] = {}

@@ -85,6 +85,7 @@ class VLLMEngine:
         seed: int = 0,
         lora: Any = None,
         sleep_mode: bool = False,
+        scratch: str | os.PathLike | None = None,
         **llm_kwargs: Any,
     ):
         reason = vllm_unavailable_reason()
@@ -125,7 +126,13 @@ class VLLMEngine:
             from offstep.models.lora import adapter_shapes
 
             self._adapter_shapes = adapter_shapes(self.model_path, lora)
-            self._lora_dir = tempfile.mkdtemp(prefix="offstep-vllm-lora-")
+            # each sync's adapter is written here for vLLM to read: in the run's scratch folder
+            # (``scratch``, emptied at every start, so a killed run leaves nothing outside its
+            # folder), or a temporary folder of its own for an engine used alone
+            if scratch is not None:
+                Path(scratch).mkdir(parents=True, exist_ok=True)
+            self._lora_dir = tempfile.mkdtemp(prefix="vllm-lora-" if scratch is not None else "offstep-vllm-lora-",
+                                              dir=scratch)
             self._lora_ids = itertools.count(1)
             # The adapted layers only (vLLM would wrap every supported one, its LM head too, whose LoRA
             # logits path cannot score prompt tokens, which base_logprobs needs).

@@ -85,7 +85,9 @@ class RolloutWorker:
         reward_model: RewardModelConfig | None = None,
         reward_pool: list | None = None,
         sleep_mode: bool = False,
+        scratch: str | None = None,
     ):
+        """``scratch``: a folder of the run's for files this worker writes (vLLM's LoRA adapters)."""
         torch.set_num_threads(num_threads)
         if sandbox is not None:  # the code rewards' and the python tool's limits, in this process
             configure_sandbox(sandbox)
@@ -96,7 +98,8 @@ class RolloutWorker:
             from offstep.rollout.vllm_engine import VLLMEngine
 
             self.engine: RolloutEngine = VLLMEngine(model_path, tok, eos, dtype=dtype, max_batch_size=max_batch_size,
-                                     num_threads=num_threads, seed=seed, lora=lora, sleep_mode=sleep_mode)
+                                     num_threads=num_threads, seed=seed, lora=lora, sleep_mode=sleep_mode,
+                                     scratch=scratch)
         else:
             model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
             if lora is not None:  # the actor's peft layout; every sync fills the adapters
