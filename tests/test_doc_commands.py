@@ -98,6 +98,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/judge_agreement.py": BENCHMARK,
     "python benchmarks/compile_update.py": BENCHMARK,
     "python benchmarks/update_throughput.py --packed --out benchmarks/results_update_avx512.md": BENCHMARK,
+    "python benchmarks/update_throughput.py --compute-dtype float32 --out benchmarks/results_update_fp32_avx512.md": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --preset calculator_openai --seeds 0,1": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --preset calculator --seeds 0": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --label judge_only --preset default --seeds 0,1,2 --extra "
