@@ -352,7 +352,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
                 ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent), dict(
             sandbox=cfg.sandbox,
             reward_model=cfg.reward.model if cfg.reward.model.kind is not None else None, reward_pool=reward_workers,
-            sleep_mode=sleeps, scratch=str(Path(cfg.trainer.output_dir) / SCRATCH),
+            sleep_mode=sleeps, scratch=str(Path(cfg.trainer.output_dir).resolve() / SCRATCH),
         )
 
     actor_classes: dict[type, Any] = {}
