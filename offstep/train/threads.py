@@ -24,7 +24,10 @@ class ThreadLease:
             torch.set_num_threads(want)
 
     def follow(self, layers) -> None:
-        """Take the count at the start of each of ``layers``' forward passes (a backward pass runs on
-        the thread that started it, with the count its forward left)."""
+        """Take the count at the start of each of ``layers``' forward and backward passes (a CPU
+        backward runs on the thread that started it). Taking it in the backward too matters: a
+        micro-batch's backward is about two thirds of its pass, and an update may be one or two
+        micro-batches, so cores lent during a backward would otherwise wait for the next forward."""
         for layer in layers:
             layer.register_forward_pre_hook(lambda *_: self.apply())
+            layer.register_full_backward_pre_hook(lambda *_: self.apply())
