@@ -328,9 +328,8 @@ class OptimConfig:
 
 @dataclass
 class LoRAConfig:
-    """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685) on the actor, with ``peft``: the base
-    weights stay frozen, only the adapters train, travel to the rollout workers and are checkpointed;
-    the reference policy is the same model with its adapters switched off."""
+    """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685) on the actor, with ``peft``: the base weights stay frozen,
+    only the adapters train, travel to the rollout workers and are checkpointed; the reference is the base."""
 
     rank: int = 0
     """the adapters' rank r (0: full fine-tuning; e.g. 8, 16, 32)"""
@@ -349,10 +348,9 @@ class LoRAConfig:
 
 @dataclass
 class ActorConfig:
-    """With ``micro_token_budget > 0`` micro-batches are formed by tokens: samples sorted by length
-    and grouped so that rows x (longest prompt + longest response) <= the budget, each cut to the
-    columns its rows use (padding is not computed; equal to the padded setting within float32
-    rounding). With 0, ``micro_batch_size`` rows per micro-batch on the padded batch."""
+    """With ``micro_token_budget > 0`` micro-batches are formed by tokens: samples sorted by length and grouped so that
+    rows x (longest prompt + longest response) <= the budget, each cut to the columns its rows use (padding is not
+    computed; equal to the padded setting within float32 rounding). With 0, ``micro_batch_size`` padded rows each."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     """the actor's optimizer"""
