@@ -1,7 +1,9 @@
 """Cores that never idle: the default preset, one-step, with the rollout's cores lent to the trainer
 while the rollout idles (``pipeline.lend_cores=true``) against without, side by side in one run;
 with ``--budgets 0 -1`` also the update's micro-batches padded (``actor.micro_token_budget=0``,
-the old default) against cut to a token budget (-1, the default), each with and without lending.
+the old default) against cut to a token budget (-1, the default), each with and without lending;
+with ``--share false true`` also each prompt computed once for its samples (``actor.share_prompts``,
+the default) against a padded row per sample (the default preset before and after that change).
 
 For each trainer compute dtype, the settings alternate (off, on, off, on, ...) so that a change
 of the host's load falls on all of them. Reported per setting: the median step time over steps 2..N of
@@ -12,6 +14,7 @@ trainer busy) / cores, the step if every core-second of work were spread evenly 
     python benchmarks/lend_cores.py                                # float32 and bfloat16, 2 rounds
     python benchmarks/lend_cores.py --dtypes float32 --rounds 1 --steps 5
     python benchmarks/lend_cores.py --dtypes float32 --rounds 1 --steps 5 --budgets 0 -1
+    python benchmarks/lend_cores.py --rounds 1 --steps 5 --share false true
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from overlap import TRAINER_STAGES, rollout_busy
 from readme import cpu_kind, provenance, refresh
 
 
-def run(dtype: str, budget: int, lend: bool, steps: int, out: Path) -> list[dict]:
+def run(dtype: str, budget: int, share: bool, lend: bool, steps: int, out: Path) -> list[dict]:
     overrides = [
         "preset=default", f"trainer.total_steps={steps}", f"trainer.output_dir={out}", "trainer.progress=off",
         "trainer.val_before_train=false", "trainer.val_freq=-1", "trainer.save_last=false",
         f"model.compute_dtype={dtype}", f"pipeline.lend_cores={str(lend).lower()}", f"actor.micro_token_budget={budget}",
+        f"actor.share_prompts={str(share).lower()}",
     ]
     subprocess.run([sys.executable, "-m", "offstep.cli", "train", *overrides], check=True, stdout=subprocess.DEVNULL)
     return [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
@@ -58,38 +62,43 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="off/on pairs per dtype")
     ap.add_argument("--steps", type=int, default=6, help="steps per run (step 1, with warm-up, is not counted)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[-1], help="actor.micro_token_budget values to compare")
+    ap.add_argument("--share", nargs="+", choices=["false", "true"], default=["true"],
+                    help="actor.share_prompts values to compare")
     ap.add_argument("--out", default="benchmarks/results_lend.md")
     args = ap.parse_args()
     cores = os.cpu_count()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
-            settings = [(budget, lend) for budget in args.budgets for lend in (False, True)]
+            settings = [(budget, share == "true", lend) for budget in args.budgets for share in args.share
+                        for lend in (False, True)]
             runs: dict[tuple, list] = {s: [] for s in settings}
             for r in range(args.rounds):
-                for budget, lend in settings:
-                    runs[budget, lend].append(run(dtype, budget, lend, args.steps, Path(tmp) / f"{dtype}-{budget}-{lend}-{r}"))
-                    print(dtype, f"budget {budget}", "lend" if lend else "own cores", r, flush=True)
+                for budget, share, lend in settings:
+                    runs[budget, share, lend].append(
+                        run(dtype, budget, share, lend, args.steps, Path(tmp) / f"{dtype}-{budget}-{share}-{lend}-{r}"))
+                    print(dtype, f"budget {budget}", f"share_prompts {share}", "lend" if lend else "own cores", r, flush=True)
             res = {s: summarise(v) for s, v in runs.items()}
             first = res[settings[0]]
-            for (budget, lend), s in res.items():
-                unlent = res[budget, False]  # the limit of this budget's work: its unlent runs' busy seconds
+            for (budget, share, lend), s in res.items():
+                unlent = res[budget, share, False]  # the limit of this work: its unlent runs' busy seconds
                 limit = (unlent["rollout"] + unlent["trainer"]) / cores
                 rows.append(
-                    f"| {dtype} | {budget} | {'on' if lend else 'off'} | {s['step']:.2f} | {s['update']:.2f} | "
-                    f"{s['rollout']:.2f} | {s['trainer']:.2f} | {s['lent']:.2f} | {limit:.2f} | {s['step'] / limit:.2f} | "
-                    f"{first['step'] / s['step']:.2f}x | {s['steps']} |")
+                    f"| {dtype} | {budget} | {'on' if share else 'off'} | {'on' if lend else 'off'} | {s['step']:.2f} | "
+                    f"{s['update']:.2f} | {s['rollout']:.2f} | {s['rollout'] / s['step']:.0%} | {s['trainer']:.2f} | "
+                    f"{s['lent']:.2f} | {limit:.2f} | {s['step'] / limit:.2f} | {first['step'] / s['step']:.2f}x | {s['steps']} |")
     table = "\n".join([
         provenance(),
         "",
         f"Machine: {cores} cores ({cpu_kind()}); the default preset, one-step (`pipeline.ref_on_rollout=true`), "
         f"{args.rounds} alternating round(s) of {args.steps}-step runs per dtype and setting, medians over steps 2..N of a "
         f"setting's runs. Limit: (rollout busy + trainer busy) / cores of the unlent runs of the same "
-        f"`actor.micro_token_budget`. Speed: against the dtype's first row.",
+        f"`actor.micro_token_budget` and `actor.share_prompts`. Rollout busy share: rollout busy / step. Speed: against "
+        f"the dtype's first row.",
         "",
-        "| compute dtype | micro_token_budget | lend_cores | step s | update s | rollout busy s | trainer busy s | lent s "
-        "| equal-cores limit s | step / limit | speed vs first row | steps |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| compute dtype | micro_token_budget | share_prompts | lend_cores | step s | update s | rollout busy s | "
+        "rollout busy share | trainer busy s | lent s | equal-cores limit s | step / limit | speed vs first row | steps |",
+        "| --- " * 14 + "|",
         *rows,
     ])
     Path(args.out).write_text(table + "\n")

@@ -256,6 +256,13 @@ SECTIONS = [
             "(`pipeline.lend_cores=true`) against without; off and on alternate within one run. The equal-cores "
             "limit is the step if every core-second of the unlent runs' work were spread evenly over the cores.",
             tables_of(("results_lend.md", None)), "a step within 1.1x of the equal-cores limit"),
+    Section("lend-devices", "Lending the trainer's GPUs to the rollout, simulated", "lend_devices_sim.py",
+            ("results_lend_devices.md",),
+            "A discrete-event model of the fully asynchronous pipeline on GPUs (offstep's admission and take rule, a "
+            "load-dependent decode step, lognormal lengths): fixed trainer and rollout splits against lending the "
+            "trainer's GPUs to the rollout while it waits, by the cost of a switch. offstep does not lend trainer GPUs; "
+            "this is the study before building it. verl's figures are theirs, on real models and their own baselines.",
+            tables_of(("results_lend_devices.md", None))),
     Section("trl", "Against TRL's GRPOTrainer", "trl_side_by_side.py", ("results_trl.md", "results_trl_avx2.md"),
             "The same GRPO work in TRL's GRPOTrainer (in a virtual environment of its own) and in offstep, one run after "
             "the other: SmolLM2-135M-Instruct on the built-in arithmetic task, no KL; offstep one-step on a core per "

@@ -183,7 +183,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/calculator_runs.py --seeds 0": BENCHMARK,
     # docs/performance.md
     "offstep report RUN": ("synopsis", "`offstep report runs/default` runs here"),
-    "python benchmarks/lend_cores.py --rounds 1 --steps 5 --budgets 0 -1": BENCHMARK,
+    "python benchmarks/lend_cores.py --rounds 1 --steps 5 --share false true": BENCHMARK,
+    "python benchmarks/lend_devices_sim.py": BENCHMARK,
     ".venv/bin/offstep eval smollm2-135m-instruct --data runs/bench_calculator/seed0/no_tools/val.parquet --max-new-tokens 48":
         ("not run", "evaluates the data that benchmarks/calculator_runs.py writes (a benchmark)"),
     ".venv/bin/offstep eval smollm2-135m-instruct --data runs/bench_calculator/seed0/data/val.parquet "

@@ -4,9 +4,9 @@ replicas, their cores are lent to the trainer's ranks, and given back before the
 The fleet calls ``busy`` as it submits a generation and ``idle`` as one ends; the first and the
 last of overlapping generations send the change to every trainer rank, in the actor's
 ``LEND_GROUP`` (served at once, beside the update it is running). A rank takes the new thread
-count at its next decoder layer (``offstep.train.threads``). Generations are submitted at step
-boundaries, while the trainer waits between stages, so the cores are back before the rollout
-needs them; they are lent during the long stretch where the update runs alone.
+count at its next decoder layer, forward or backward (``offstep.train.threads``). Generations are
+submitted at step boundaries, while the trainer waits between stages, so the cores are back before
+the rollout needs them; they are lent during the long stretch where the update runs alone.
 
 The count a rank computes with then depends on when generation ended, and a CPU kernel's
 summation order depends on its thread count: results agree with an unlent run to rounding, not
