@@ -23,12 +23,12 @@ load-dependent:
   response tokens; linear scaling), then syncs: the standalone replicas pause ``sync_s`` between two
   decode steps and their samples continue (partial rollouts).
 * **Lending** (verl's policy, simplified): when the trainer would wait for its batch and its last
-  wait was longer than a round trip of switches, its hybrid replicas wake (``switch_in_s``: wake,
-  load the weights), samples are rebalanced over all replicas (in flight ones keep their tokens;
-  the re-prefill is not charged), and they decode until the batch is there. Then they are
-  reclaimed: their samples in flight go back to the queue's front with their tokens (verl aborts
-  them and retries them on the standalone replicas), and the trainer starts after ``switch_out_s``
-  (free the KV cache, reload its state).
+  wait was longer than a round trip of switches (always, with no standalone replica), its hybrid
+  replicas wake (``switch_in_s``: wake, load the weights), samples are rebalanced over all
+  replicas (in flight ones keep their tokens; the re-prefill is not charged), and they decode
+  until the batch is there. Then they are reclaimed: their samples in flight go back to the
+  queue's front with their tokens (verl aborts them and retries them on the standalone replicas),
+  and the trainer starts after ``switch_out_s`` (free the KV cache, reload its state).
 
 Measured: samples/s over steps 3..N (steps 1 and 2 fill the pipeline). Everything is simulated: a
 row is a schedule's ratio, not a model on a GPU.
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -48,8 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from offstep.pipeline.stream import must_take  # noqa: E402  (the real admission-and-take rule)
+from offstep.pipeline.stream import must_take  # the real admission-and-take rule
 
 OUT = Path(__file__).with_name("results_lend_devices.md")
 EPS = 1e-9
@@ -206,7 +204,8 @@ def simulate(s: Setting) -> Result:
                     lending, state, until = False, "switch_out", now + s.switch_out_s
                 else:
                     state, until = "train", train(batch)
-            elif state == "wait" and hybrid and not lent_step and (not standalone or last_wait > s.switch_in_s + s.switch_out_s):
+            elif (state == "wait" and hybrid and not lent_step
+                  and (not standalone or last_wait > s.switch_in_s + s.switch_out_s)):  # lend
                 lends, lent_step = lends + 1, True
                 state, until = "switch_in", now + s.switch_in_s
             elif state == "switch_in" and now >= until:
