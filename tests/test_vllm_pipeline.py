@@ -72,3 +72,28 @@ def test_vllm_collective_sync_equals_object_store(tmp_path, ray_session):
             assert x[key] == y[key], (x["step"], key)
         assert abs(y["actor/mismatch_kl_k1/staleness_0"]) < 1e-5
     assert sorted(e["version"] for e in tl if e["stage"] == "load_weights") == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_vllm_lora_run_reads_adapters_from_the_run_folder(tmp_path, ray_session):
+    """k = 0 with LoRA, through ``start_workers``: the workers are given the run's scratch folder
+    (``tmp/``) for the adapters each sync writes for vLLM (without it they would go to the system's
+    temp folder, and the engine would make no ``tmp/``), nothing is left in the system's temp
+    folder, and vLLM generates with the adapters: every batch after the first is sampled from
+    trained ones, and its rollout log-probs equal the trainer's to float32 rounding."""
+    import tempfile
+    from pathlib import Path
+
+    from offstep.pipeline.run_dir import SCRATCH
+
+    system_tmp = Path(tempfile.gettempdir())
+    before = set(system_tmp.glob("*vllm-lora-*"))
+    out = tmp_path / "run"
+    steps, _, timeline = _run(out, "vllm", 0, 3, "actor.lora.rank=8", "trainer.val_before_train=false")
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert (out / SCRATCH).is_dir()  # made by the engine for its adapters (a start empties it)
+    assert set(system_tmp.glob("*vllm-lora-*")) == before
+    assert sorted(e["version"] for e in timeline if e["stage"] == "load_weights") == [1, 2, 3]
+    for m in steps:
+        assert abs(m["actor/mismatch_kl_k1/staleness_0"]) < 1e-5, m
+        assert m["actor/grad_norm"] > 0
