@@ -148,7 +148,7 @@ def simulate(s: Setting) -> Result:
     now, version, held, admitted = 0.0, 0, 0, 0
     state, until = "wait", math.inf  # the trainer: wait | switch_in | switch_out | train | sync | done
     lending, lent_step = False, False  # hybrid replicas decoding now; lent in this step already
-    wait_from, last_wait, lent_from = 0.0, math.inf, 0.0
+    wait_from, lent_from = 0.0, 0.0
     waits, lent, ends, staleness, lends, decoded = [], [], [], 0, 0, 0.0
 
     def admit():
@@ -186,9 +186,8 @@ def simulate(s: Setting) -> Result:
                 r.active = on
 
     def train(batch: list[_Group]) -> float:
-        nonlocal staleness, last_wait
+        nonlocal staleness
         waits.append(now - wait_from)
-        last_wait = now - wait_from
         for a in batch:
             del groups[a.g]
         staleness = max(staleness, max(version - a.version for a in batch))
@@ -205,7 +204,7 @@ def simulate(s: Setting) -> Result:
                 else:
                     state, until = "train", train(batch)
             elif (state == "wait" and hybrid and not lent_step
-                  and (not standalone or last_wait > s.switch_in_s + s.switch_out_s)):  # lend
+                  and (not standalone or not waits or waits[-1] > s.switch_in_s + s.switch_out_s)):  # lend
                 lends, lent_step = lends + 1, True
                 state, until = "switch_in", now + s.switch_in_s
             elif state == "switch_in" and now >= until:
