@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import threading
 
-from offstep.sandbox.bwrap import SYSTEM_PYTHON, problem
+from offstep.sandbox.bwrap import SYSTEM_PYTHON
+from offstep.sandbox.launch import problem
 from offstep.sandbox.limits import Limits
 from offstep.sandbox.run import Result, Sandbox, SandboxUnavailable
 from offstep.sandbox.stats import Execution, SandboxLog

@@ -20,8 +20,6 @@ readable by root alone stay unreadable even if something were bound by mistake.
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 
 from offstep.sandbox.limits import Limits, bootstrap
 
@@ -36,9 +34,13 @@ BWRAP_ENV = {"PATH": "/usr/bin:/bin"}
 INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; scripts/setup.sh does it as root)"
 
 
-def command(limits: Limits, python: str, code_fd: int, info_fd: int, bwrap: str = "bwrap") -> list[str]:
+def command(limits: Limits, python: str, code_fd: int, info_fd: int, bwrap: str = "bwrap", block_fd: int | None = None,
+            seccomp_fd: int | None = None, whole_tree: bool = True) -> list[str]:
     """bwrap's argument list: the code is read from ``code_fd`` into ``/tmp/main.py``; bwrap writes
-    the sandbox's PID (as seen from outside) to ``info_fd`` as JSON."""
+    the sandbox's PID (as seen from outside) to ``info_fd`` as JSON, then waits for a byte on
+    ``block_fd`` before it starts anything inside (so that the caller can move that PID into a
+    cgroup first); ``seccomp_fd`` holds the filter (``offstep.sandbox.seccomp``); ``whole_tree``:
+    whether a cgroup bounds the sandbox (else the rlimits' per-process share)."""
     args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
             "--ro-bind", "/usr", "/usr"]
     for link in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
@@ -53,14 +55,19 @@ def command(limits: Limits, python: str, code_fd: int, info_fd: int, bwrap: str 
              "--file", str(code_fd), SCRIPT, "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
     for k, v in ENV.items():
         args += ["--setenv", k, v]
-    return args + ["--info-fd", str(info_fd), "--", *bootstrap(limits, python, SCRIPT)]
+    args += ["--info-fd", str(info_fd)]
+    if block_fd is not None:
+        args += ["--block-fd", str(block_fd)]
+    if seccomp_fd is not None:
+        args += ["--seccomp", str(seccomp_fd)]
+    return args + ["--", *bootstrap(limits, python, SCRIPT, whole_tree)]
 
 
-def code_file(code: str) -> int:
-    """A file descriptor of an anonymous in-memory file holding ``code``, at offset 0 (bwrap
-    copies it into the sandbox; a pipe would block on code larger than its buffer)."""
+def code_file(code: str | bytes) -> int:
+    """A file descriptor of an anonymous in-memory file holding ``code`` (or the seccomp filter),
+    at offset 0 (bwrap reads it; a pipe would block on code larger than its buffer)."""
     fd = os.memfd_create("offstep-sandbox-code", os.MFD_CLOEXEC)
-    os.write(fd, code.encode("utf-8", errors="surrogateescape"))
+    os.write(fd, code if isinstance(code, bytes) else code.encode("utf-8", errors="surrogateescape"))
     os.lseek(fd, 0, os.SEEK_SET)
     return fd
 
@@ -68,28 +75,3 @@ def code_file(code: str) -> int:
 def run_as() -> dict:
     """``subprocess.Popen``'s user arguments: ``nobody`` for a root caller, else the caller."""
     return {"user": NOBODY, "group": NOBODY, "extra_groups": []} if os.geteuid() == 0 else {}
-
-
-def problem(python: str = SYSTEM_PYTHON, bwrap: str = "bwrap") -> str | None:
-    """Why code cannot be sandboxed here (None: it can): bwrap missing, failing (no user
-    namespaces), or the interpreter missing. Runs ``print(1)`` in a sandbox once."""
-    path = shutil.which(bwrap)
-    if path is None:
-        return f"the sandbox needs bubblewrap (bwrap), which is not installed: {INSTALL}"
-    if not python.startswith("/usr/") or not os.path.isfile(python):
-        return f"the sandbox's interpreter {python} is not a file under /usr (the only tree bound into the sandbox)"
-    code = code_file("print(1)\n")
-    info_r, info_w = os.pipe()
-    try:
-        done = subprocess.run(command(Limits(), python, code, info_w, path), pass_fds=(code, info_w),
-                              capture_output=True, timeout=30, env=BWRAP_ENV, **run_as())
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"bubblewrap ({path}) could not run a sandbox: {exc}"
-    finally:
-        for fd in (code, info_r, info_w):
-            os.close(fd)
-    if done.returncode != 0 or done.stdout.strip() != b"1":
-        why = done.stderr.decode(errors="replace").strip()[-300:] or f"exit status {done.returncode}"
-        return (f"bubblewrap ({path}) is installed but cannot start a sandbox here ({why}); it needs user namespaces "
-                "(sysctl kernel.unprivileged_userns_clone=1 or user.max_user_namespaces > 0)")
-    return None

@@ -3,14 +3,14 @@
 
 Output is counted as it is read: past ``Limits.output_bytes`` the sandbox is killed, so a flood
 costs at most that much memory. The wall clock kills the sandbox's PID-namespace init, which
-takes every process of the namespace with it (daemons, double forks, zombies); bwrap, our
-child, then exits and is reaped, so nothing outlives an execution. A ``Sandbox`` lets at most
+takes every process of the namespace with it (daemons, double forks, zombies); bwrap and the
+reaper around it (``offstep.sandbox.launch``) then exit and are waited for, and the cgroup is
+emptied and removed, so nothing outlives an execution. A ``Sandbox`` lets at most
 ``concurrency`` executions run at once; the others wait, and the wait is measured.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import shutil
@@ -20,15 +20,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from offstep.sandbox.bwrap import BWRAP_ENV, INSTALL, SYSTEM_PYTHON, code_file, command, run_as
-from offstep.sandbox.limits import Limits
+from offstep.sandbox.bwrap import INSTALL, SYSTEM_PYTHON
+from offstep.sandbox.launch import SandboxUnavailable, start
+from offstep.sandbox.limits import MIB, Limits
 from offstep.sandbox.stats import Execution, SandboxLog
 
 _SIGNAL_LIMITS = {signal.SIGXCPU: "cpu", signal.SIGXFSZ: "file_size"}
-
-
-class SandboxUnavailable(RuntimeError):
-    """bubblewrap is missing or cannot start a sandbox; nothing runs unsandboxed instead."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +42,7 @@ class Result:
     seconds: float
     queue_wait_s: float
     truncated: bool = False  # output past Limits.output_bytes was dropped
+    memory_peak_mb: float | None = None  # the most the sandbox's cgroup held (None: no cgroup)
 
     @property
     def ok(self) -> bool:
@@ -87,27 +85,17 @@ class Sandbox:
 
     def _execute(self, bwrap: str, code: str, data: bytes, waited: float) -> Result:
         lim = self.limits
-        code_fd = code_file(code)
-        info_r, info_w = os.pipe()
         t0 = time.monotonic()
-        try:
-            proc = subprocess.Popen(command(lim, self.python, code_fd, info_w, bwrap), pass_fds=(code_fd, info_w),
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    start_new_session=True, env=BWRAP_ENV, **run_as())
-        except BaseException:
-            os.close(info_r)
-            raise
-        finally:
-            os.close(code_fd)
-            os.close(info_w)
+        started = start(lim, self.python, code, bwrap, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+        proc = started.proc
         feeder = threading.Thread(target=_feed, args=(proc.stdin, data), daemon=True, name="sandbox-stdin")
         feeder.start()
-        out, err, info = bytearray(), bytearray(), bytearray()
-        stopped, truncated = None, False
+        out, err = bytearray(), bytearray()
+        stopped, truncated, peak, oom = None, False, None, 0
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ, out)
         sel.register(proc.stderr, selectors.EVENT_READ, err)
-        sel.register(info_r, selectors.EVENT_READ, info)
         deadline = t0 + lim.timeout_s
         try:
             while sel.get_map():
@@ -116,43 +104,38 @@ class Sandbox:
                     stopped = "timeout"
                     break
                 for key, _ in sel.select(min(left, 1.0)):
-                    fd = key.fd if key.fileobj is info_r else key.fileobj.fileno()
-                    chunk = os.read(fd, 65536)
+                    chunk = os.read(key.fileobj.fileno(), 65536)
                     if not chunk:
                         sel.unregister(key.fileobj)
                         continue
-                    buf = key.data
-                    if buf is info:
-                        info += chunk
-                        continue
                     room = lim.output_bytes - len(out) - len(err)
-                    buf += chunk[: max(room, 0)]
+                    key.data.extend(chunk[: max(room, 0)])
                     if len(chunk) > room:
                         stopped, truncated = "output", True
                 if stopped:
                     break
             if stopped:
-                _kill(proc, info)
+                started.kill()
             try:
                 status = proc.wait(max(deadline - time.monotonic(), 0.0) + 1.0)
             except subprocess.TimeoutExpired:  # the code closed its output but runs on
                 stopped = stopped or "timeout"
-                _kill(proc, info)
+                started.kill()
                 status = proc.wait()
         finally:
             sel.close()
-            os.close(info_r)
             for f in (proc.stdout, proc.stderr):
                 f.close()
-            if proc.poll() is None:  # an exception of our own: never leave the sandbox running
-                _kill(proc, info)
-                proc.wait()
+            if started.group is not None:
+                peak, oom = started.group.peak(), started.group.oom_kills()
+            started.finish()  # an exception of our own too: never leave the sandbox running
         seconds = time.monotonic() - t0
         feeder.join(1.0)
         stdout, stderr = out.decode("utf-8", errors="replace"), err.decode("utf-8", errors="replace")
         exit_code = None if stopped else _exit_code(status)
-        limit = stopped or _limit_of(exit_code, stderr)
-        return Result(stdout, stderr, exit_code, stopped == "timeout", limit, seconds, waited, truncated)
+        limit = stopped or ("memory" if oom and exit_code else _limit_of(exit_code, stderr))
+        return Result(stdout, stderr, exit_code, stopped == "timeout", limit, seconds, waited, truncated,
+                      None if peak is None else peak / MIB)
 
 
 def _feed(pipe, data: bytes) -> None:
@@ -167,23 +150,6 @@ def _feed(pipe, data: bytes) -> None:
             pipe.close()
         except (BrokenPipeError, OSError):
             pass
-
-
-def _kill(proc: subprocess.Popen, info: bytearray) -> None:
-    """SIGKILL the sandbox's PID-namespace init, which ends every process inside; bwrap, its
-    parent, then exits normally. Before bwrap has said that PID, kill bwrap's process group
-    (``--die-with-parent`` takes the sandbox with it)."""
-    try:
-        child = int(json.loads(bytes(info))["child-pid"])
-    except (ValueError, KeyError, TypeError):
-        child = None
-    try:
-        if child is not None:
-            os.kill(child, signal.SIGKILL)
-        else:
-            os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def _exit_code(status: int) -> int:
