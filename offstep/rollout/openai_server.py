@@ -6,11 +6,13 @@ parser of ``rollout.agent.format`` and returned as ``tool_calls``; ``n``, ``temp
 ``top_p``, ``max_tokens``, ``stop``, ``logprobs``), ``POST /v1/completions`` and ``GET
 /v1/models``; under ``/s/<session>/v1/...`` the calls are recorded into that rollout's session
 (``offstep.rollout.openai_record``). It listens on 127.0.0.1 only, on a port the OS picks, and
-every request must carry the run's bearer token. Errors are OpenAI's error objects.
+every request must carry the run's bearer token. Errors are OpenAI's error objects. The body's
+size, the token and the connections' timeouts are checked in front of the app
+(``offstep.rollout.openai_limits``); a prompt and its ``max_tokens`` must fit the model's context.
 
 Generation goes through the engine's ``generate`` only (``RolloutEngine``), on one thread of its
 own: the requests that are waiting when the engine is free are generated together, grouped by
-their sampling settings. In training, ``sampling`` fixes temperature, top-p and top-k to the
+their sampling settings; a call that fails is split, so a request that fails fails alone. In training, ``sampling`` fixes temperature, top-p and top-k to the
 run's (the trainer's log-probs assume them); a request's own values are then ignored.
 """
 
@@ -23,14 +25,15 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from offstep.rollout.openai_limits import Guard, Limits, check_context, context_length
 from offstep.rollout.openai_record import Choice, Session, render
 from offstep.rollout.openai_schema import APIError, ChatRequest, CompletionRequest, parse
 from offstep.rollout.tool_parsers import make_parser
-from offstep.rollout.types import Completion, SamplingParams
+from offstep.rollout.types import Completion, SamplingParams, check_request
 
 class Batcher:
     """The engine's one caller while the endpoint serves: waiting requests go to ``generate``
@@ -67,17 +70,32 @@ class Batcher:
             for item in batch:
                 groups.setdefault(item[1], []).append(item)
             for params, items in groups.items():
-                try:
-                    out = self.engine.generate([p for p, _, _ in items], params, self.seed + self.batches)
-                except BaseException as exc:  # noqa: BLE001 - answered as a 500, raised by the call after
-                    self.error = exc
-                    for _, _, fut in items:
-                        fut.set_exception(exc)
-                    continue
-                finally:
-                    self.batches += 1
-                for k, (_, _, fut) in enumerate(items):
-                    fut.set_result(out[k * params.n:(k + 1) * params.n])
+                self._run(params, items)
+
+    def _run(self, params: SamplingParams, items: list) -> None:
+        """One ``generate`` for ``items``; if it fails, each half again, so that a request that
+        fails fails alone and the requests batched with it are answered."""
+        seed = self.seed + self.batches
+        self.batches += 1
+        try:
+            out = self.engine.generate([p for p, _, _ in items], params, seed)
+        except Exception as exc:  # noqa: BLE001 - answered to its own request
+            if len(items) > 1:
+                self._run(params, items[: len(items) // 2])
+                self._run(params, items[len(items) // 2:])
+                return
+            if not isinstance(exc, ValueError):  # the engine failed (a ValueError: the request's own fault)
+                self.error = exc
+            _settle(items[0][2], error=APIError(400, f"this request cannot be generated: {exc}", code="invalid_value")
+                    if isinstance(exc, ValueError) else exc)
+            return
+        except BaseException as exc:  # noqa: BLE001 - an interrupt: every request of the call fails
+            self.error = exc
+            for _, _, fut in items:
+                _settle(fut, error=exc)
+            return
+        for k, (_, _, fut) in enumerate(items):
+            _settle(fut, out[k * params.n:(k + 1) * params.n])
 
     def start_thread(self) -> None:
         """Run ``loop`` on a thread of its own (an engine that any thread may drive)."""
@@ -98,11 +116,15 @@ class OpenAIServer:
     rollout, ``close`` stops serving (the socket is closed)."""
 
     def __init__(self, engine, tokenizer, eos_ids, tool_format: str, budget: int, model_names: tuple[str, ...] = ("policy",),
-                 sampling: SamplingParams | None = None, seed: int = 0, token: str | None = None):
+                 sampling: SamplingParams | None = None, seed: int = 0, token: str | None = None,
+                 limits: Limits | None = None):
         self.engine, self.tok, self.eos = engine, tokenizer, set(int(e) for e in eos_ids)
         self.tool_format, self.budget, self.model_names, self.sampling = tool_format, budget, model_names, sampling
         self.seed = seed
         self.token = token or secrets.token_urlsafe(32)
+        self.limits = limits or Limits()
+        self.context_len = self.limits.context_len or context_length(engine)
+        self.guard = Guard(self.token, self.limits)
         self.sessions: dict[str, Session] = {}
         self.port = 0
         self._server = self._thread = self._sock = self.batcher = None
@@ -119,7 +141,8 @@ class OpenAIServer:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))  # loopback only; the OS picks the port
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(self.guard.app(self.app()), http=self.guard.protocol(), ws="none", log_level="warning",
+                                access_log=False, lifespan="off", timeout_keep_alive=self.limits.keep_alive_s)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
                                         name="openai-endpoint", daemon=True)
@@ -174,24 +197,15 @@ class OpenAIServer:
 
     # ---------------------------------------------------------------- the app
     def app(self):
-        from fastapi import FastAPI, Request
+        from fastapi import FastAPI
         from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse
         from starlette.exceptions import HTTPException
 
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
 
-        def error(exc: APIError) -> JSONResponse:
-            headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-            return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-        @app.middleware("http")
-        async def auth(request: Request, call_next):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
-                return error(APIError(401, "missing or wrong API key: pass the run's token as 'Authorization: Bearer "
-                                      "<token>'", code="invalid_api_key"))
-            return await call_next(request)
+        def error(exc: APIError) -> JSONResponse:  # the token and the body's size: openai_limits.Guard, in front
+            return JSONResponse(exc.body(), status_code=exc.status)
 
         @app.exception_handler(APIError)
         async def api_error(request, exc: APIError):
@@ -238,7 +252,7 @@ class OpenAIServer:
             raise APIError(422, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
                            "messages", "template_error") from exc
         extra_stop = parser.stop_strings() if parser else ()
-        choices, left = await self._generate(prompt, req, sess, extra_stop)
+        choices, left = await self._generate(prompt, req, sess, extra_stop, "messages")
         out = []
         for i, ch in enumerate(choices):
             text = _cut_stop(self.tok.decode(ch.ids, skip_special_tokens=True), req.stops())
@@ -263,7 +277,7 @@ class OpenAIServer:
         vocab = getattr(self.engine, "vocab_size", None) or len(self.tok)
         if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
             raise APIError(400, f"prompt: empty, or a token id outside the vocabulary [0, {vocab})", "prompt", "invalid_value")
-        choices, _ = await self._generate(prompt, req, sess, ())
+        choices, _ = await self._generate(prompt, req, sess, (), "prompt")
         out = []
         for i, ch in enumerate(choices):
             lp = None
@@ -290,10 +304,14 @@ class OpenAIServer:
                            "model", "model_not_found")
         return sess
 
-    async def _generate(self, prompt: list[int], req, sess: Session | None, extra_stop: tuple[str, ...]):
-        """Sample ``req.n`` choices for ``prompt`` within the session's budget; record them."""
+    async def _generate(self, prompt: list[int], req, sess: Session | None, extra_stop: tuple[str, ...], param: str):
+        """Sample ``req.n`` choices for ``prompt`` within the session's budget and the model's
+        context (``max_tokens`` unset: cut to fit; set: refused if it does not); record them."""
         left = sess.budget_left(prompt) if sess is not None else self.budget
         limit = min(req.limit() or left, left)
+        if self.context_len is not None and not req.limit():
+            limit = min(limit, self.context_len - len(prompt))
+        check_context(len(prompt), limit, self.context_len, param)
         if limit <= 0:  # the trajectory's response budget is spent: nothing is sampled
             if sess is not None:
                 sess.cut = True
@@ -304,6 +322,10 @@ class OpenAIServer:
         if self.sampling is not None:  # training: the run's sampling, which the trainer's log-probs assume
             params = dataclasses.replace(params, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
                                          top_k=self.sampling.top_k)
+        try:  # here, not in the engine's batch, where it would fail the requests batched with it
+            check_request([prompt], params, getattr(self.engine, "vocab_size", None) or len(self.tok))
+        except ValueError as exc:
+            raise APIError(400, f"{param}: {exc}", param, "invalid_value") from None
         completions: list[Completion] = await asyncio.wrap_future(self.batcher.submit(prompt, params))
         version = getattr(self.engine, "version", 0)
         choices = [Choice(list(c.response_ids), list(c.logprobs), list(c.versions) or [version] * len(c.response_ids),
@@ -358,3 +380,14 @@ def _streamed(response: dict, usage: bool):
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream")
+
+
+def _settle(fut: Future, result: Any = None, error: BaseException | None = None) -> None:
+    """Answer ``fut``, unless its caller gave up on it (which must not stop the engine's loop)."""
+    try:
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+    except InvalidStateError:
+        pass
