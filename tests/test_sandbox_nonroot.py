@@ -4,8 +4,8 @@ A root caller runs bwrap as ``nobody``; a non-root caller runs it as itself, thr
 user namespaces. The test suite runs as root on CI, so these tests start a child interpreter as
 an unprivileged uid (``setpriv``, util-linux) that drives the sandbox itself, and check from outside: the
 code runs, a listener the test opens on 127.0.0.1 is unreachable, a file the child's user can read
-outside (it reads it first, unsandboxed) stays unread inside, the limits hold, and no process of
-the child's user is left.
+outside (it reads it first, unsandboxed) stays unread inside, the limits hold (without a cgroup,
+which that user cannot make here: memfd is refused), and no process of the child's user is left.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ CHILD = textwrap.dedent("""
     run("secret", "print(open(input()).read())", secret)
     run("loop", "while True: pass")
     run("fork_bomb", "import os\\nwhile True:\\n    os.fork()")
+    run("memfd", "import os\\nos.memfd_create('m')")  # no cgroup for this user: memory no rlimit counts is refused
     print(json.dumps(out))
 """)
 
@@ -85,6 +86,7 @@ def test_a_non_root_caller_gets_the_same_isolation():
     assert not out["secret"]["ok"] and "TOP-SECRET" not in out["secret"]["stdout"]
     assert not out["loop"]["ok"] and "cpu limit" in out["loop"]["what"]  # cpu_s=2 comes before timeout_s=3
     assert not out["fork_bomb"]["ok"], out["fork_bomb"]
+    assert not out["memfd"]["ok"], out["memfd"]
     deadline = time.monotonic() + 5
     while (left := _uid_processes(uid) - before) and time.monotonic() < deadline:
         time.sleep(0.1)
