@@ -144,7 +144,8 @@ def test_a_body_within_the_limit_is_served(server):
     srv, spy = server
     with httpx.Client(timeout=30) as http:
         resp = http.post(srv.base_url() + "/chat/completions", headers=_auth(srv),
-                         json={"model": "policy", "messages": USER, "max_tokens": 2, "metadata": {"pad": "a" * (MB // 2)}})
+                         json={"model": "policy", "messages": USER, "max_tokens": 2,
+                               "metadata": {"pad": "a" * (MB // 2)}})
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1 and spy.calls == [1]
 
 
@@ -262,7 +263,8 @@ def test_connections_without_the_token_are_bounded(parts):
 @pytest.mark.heavy  # tiny-model generation
 def test_one_bad_request_fails_alone_in_its_batch(parts):
     """Four good requests and a poisoned one, batched together in one generate: the four are
-    answered, the poisoned one gets its own 500 error object."""
+    answered, the poisoned one gets its own 500 error object. A NaN temperature sent beside them
+    is refused on its own, before any batch."""
     tok, eos, engine = parts
     spy = Poisoned(engine)
     srv = OpenAIServer(spy, tok, eos, "tag", budget=40, limits=QUICK).start()
@@ -278,6 +280,10 @@ def test_one_bad_request_fails_alone_in_its_batch(parts):
                     await asyncio.sleep(0.01)
                 prompts = [[1, 67, 201], [1, 30], [1, Poisoned.POISON, 5], [1, 90], [1, 32, 23]]
                 rest = [asyncio.create_task(call(http, p)) for p in prompts]
+                nan = await http.post(srv.base_url() + "/completions",
+                                      headers={**_auth(srv), "Content-Type": "application/json"},
+                                      content=b'{"model": "policy", "prompt": [1, 30], "temperature": NaN}')
+                assert nan.status_code == 400 and nan.json()["error"]["param"] == "temperature"
                 while len(srv.batcher.pending) < len(prompts):  # ...until the five wait together
                     await asyncio.sleep(0.01)
                 spy.release.set()

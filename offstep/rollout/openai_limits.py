@@ -27,11 +27,16 @@ class Limits:
     a 128k-token conversation, with its tools, escaped."""
 
     max_body_bytes: int = 8 << 20
-    header_timeout_s: float = 5.0  # from connecting (or, once trusted, from a request's first byte) to its headers and token
-    keep_alive_s: float = 20.0  # an idle connection closes; longer than httpx's 5 s, so that clients drop theirs first
-    max_pending: int = 256  # connections that have not shown the token, kept at most...
-    evict_after_s: float = 1.0  # ...by closing the oldest of those waiting this long (a burst of agents connecting is spared)
-    context_len: int | None = None  # prompt and completion tokens at most; None: the engine's model's (context_length)
+    # from connecting (once trusted: from a request's first byte) to its headers, with the token
+    header_timeout_s: float = 5.0
+    # an idle connection closes: longer than httpx's 5 s, so that clients drop theirs first
+    keep_alive_s: float = 20.0
+    # connections that have not shown the token, kept at most, by closing the oldest of those that
+    # waited evict_after_s (a burst of agents connecting at once is spared)
+    max_pending: int = 256
+    evict_after_s: float = 1.0
+    # prompt and completion tokens at most; None: the engine's model's (context_length)
+    context_len: int | None = None
 
 
 def context_length(engine: Any) -> int | None:

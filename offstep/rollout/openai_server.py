@@ -12,8 +12,9 @@ size, the token and the connections' timeouts are checked in front of the app
 
 Generation goes through the engine's ``generate`` only (``RolloutEngine``), on one thread of its
 own: the requests that are waiting when the engine is free are generated together, grouped by
-their sampling settings; a call that fails is split, so a request that fails fails alone. In training, ``sampling`` fixes temperature, top-p and top-k to the
-run's (the trainer's log-probs assume them); a request's own values are then ignored.
+their sampling settings; a call that fails is split, so a request that fails fails alone. In
+training, ``sampling`` fixes temperature, top-p and top-k to the run's (the trainer's log-probs
+assume them); a request's own values are then ignored.
 """
 
 from __future__ import annotations
