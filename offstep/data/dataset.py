@@ -41,6 +41,7 @@ from typing import Any, Iterable
 
 from offstep.config.choices import AGENT_NAMES, OVERLONG_MODES, SINGLE_TURN, TOOL_AGENT, TRUNCATIONS
 from offstep.errors import DatasetError
+from offstep.data.render import render_all
 from offstep.data.truncate import truncate_prompt
 
 logger = logging.getLogger(__name__)
@@ -405,29 +406,6 @@ def check_rule_ground_truths(records: list[PromptRecord], path: str, keys: dict 
 # tokenization
 
 
-def _render(tokenizer: Any, record: PromptRecord, tools: list[dict] | None = None) -> str:
-    # A tool row's prompt carries the tools' schemas where the template renders them (Qwen2.5's
-    # system prompt); a template without tool support ignores them, and the row's own messages
-    # must describe the tools (the calculator task's system prompt does).
-    kwargs = {"tools": tools} if tools and record.agent_name == TOOL_AGENT else {}
-    try:
-        text = tokenizer.apply_chat_template(
-            record.messages, add_generation_prompt=True, tokenize=False, **kwargs
-        )
-    except Exception as exc:
-        raise DatasetError(
-            f"data_source {record.data_source!r} row {record.index}: the tokenizer's chat template "
-            f"failed ({type(exc).__name__}: {exc}). Fix: use an instruct/chat tokenizer that has a "
-            "chat_template, or set one on the tokenizer."
-        ) from exc
-    if not isinstance(text, str):
-        raise DatasetError(
-            f"data_source {record.data_source!r} row {record.index}: apply_chat_template returned "
-            f"{type(text).__name__}, not str. Fix: use a tokenizer whose chat template renders text."
-        )
-    return text
-
-
 def encode_prompts(
     records: Iterable[PromptRecord],
     tokenizer: Any,
@@ -458,7 +436,7 @@ def encode_prompts(
             "encode_prompts got no records. Fix: check that the dataset file has rows."
         )
 
-    texts = [_render(tokenizer, r, tools) for r in records]
+    texts = render_all(tokenizer, records, tools)  # under a time limit per row: a template may hang
     encoded = tokenizer(texts, add_special_tokens=False)
     all_ids = encoded["input_ids"]
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from offstep.errors import ModelError
 from offstep.files import refuse_links, write_file
+from offstep.models.chat_check import check_chat_template
 from offstep.models.builtin import (
     ALIASES,
     DEFAULT_MODEL,
@@ -190,6 +191,7 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
             )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
+    check_chat_template(tokenizer, folder)  # before any prompt is rendered: a template that hangs is named
     return tokenizer
 
 

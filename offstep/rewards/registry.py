@@ -26,8 +26,10 @@ from typing import Any, Callable, Iterable
 
 from offstep.errors import RewardConfigError, RewardError
 from offstep.rewards.sources import BUILTIN_SCORERS, builtin_scorer, unscored_sources
+from offstep.usercode import finishes_importing, hard_deadline
 
-__all__ = ["BUILTIN_SCORERS", "RewardFunction", "load_custom_scorer", "call_with_timeout", "CallTimeout", "score_of"]
+__all__ = ["BUILTIN_SCORERS", "RewardFunction", "load_custom_scorer", "call_with_timeout", "CallTimeout", "score_of",
+           "import_within"]
 
 Scorer = Callable[..., Any]
 SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
@@ -71,23 +73,24 @@ def load_custom_scorer(
     module = importlib.util.module_from_spec(spec)
     previous = sys.modules.get(module_name)
     sys.modules[module_name] = module  # lets dataclasses / pickle inside the file resolve
+    too_slow = (
+        f"{path_key}={path} did not finish importing within {timeout_s or 0:g} s ({timeout_key}): its top-level "
+        "code is still running (a sleep, a loop, a download, a lock?). Fix: make importing the file only "
+        "define the scorer (move slow set-up into the function, or under `if __name__ == \"__main__\":`), "
+        f"or raise {timeout_key}."
+    )
     try:
         if timeout_s is None:
             spec.loader.exec_module(module)
         else:  # a file whose top-level code never ends (a sleep, a loop, a download) must not hang the run
-            call_with_timeout(lambda: spec.loader.exec_module(module), timeout_s)
+            import_within(spec, module, timeout_s, too_slow)
     except BaseException as exc:
         if previous is None:
             sys.modules.pop(module_name, None)
         else:
             sys.modules[module_name] = previous
         if isinstance(exc, CallTimeout):
-            raise RewardConfigError(
-                f"{path_key}={path} did not finish importing within {timeout_s:g} s ({timeout_key}): its top-level "
-                "code is still running (a sleep, a loop, a download, a lock?). Fix: make importing the file only "
-                "define the scorer (move slow set-up into the function, or under `if __name__ == \"__main__\":`), "
-                f"or raise {timeout_key}."
-            ) from None
+            raise RewardConfigError(too_slow) from None
         if isinstance(exc, SystemExit):  # it would end the run, with exit code 0 for sys.exit(0)
             raise RewardConfigError(
                 f"custom reward file {path} called sys.exit({exc.code!r}) while being imported"
@@ -190,6 +193,17 @@ def call_with_timeout(fn: Callable[[], Any], timeout_s: float) -> Any:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def import_within(spec, module, timeout_s: float, message: str) -> None:
+    """Execute ``module`` within ``timeout_s`` seconds, or raise :class:`CallTimeout`: first in a
+    probe process (killed, with what it started, at the limit: a file that ignores SIGALRM or holds
+    the interpreter in C cannot switch it off), then here, under the alarm and, should the file hang
+    only now, a deadline that prints ``message`` and ends the process."""
+    if not finishes_importing(spec.origin, spec.name, timeout_s):
+        raise CallTimeout()
+    with hard_deadline(timeout_s + max(5.0, timeout_s), message):
+        call_with_timeout(lambda: spec.loader.exec_module(module), timeout_s)
 
 
 def _raised_by_the_call(exc: TypeError) -> bool:

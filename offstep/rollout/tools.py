@@ -37,7 +37,7 @@ from typing import Any, Callable
 from offstep import sandbox
 from offstep.config.schema import AgentConfig
 from offstep.errors import ToolConfigError
-from offstep.rewards.registry import CallTimeout, call_with_timeout
+from offstep.rewards.registry import CallTimeout, import_within
 
 
 @dataclass(frozen=True)
@@ -103,20 +103,21 @@ def import_file(path: str, timeout_s: float | None, keys: dict, what: str = "too
         raise ToolConfigError(f"{what} {path} cannot be imported as a Python module. Fix: give a .py file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    too_slow = (
+        f"{keys['path']}={path} did not finish importing within {timeout_s or 0:g} s ({keys['timeout']}, the "
+        "time limit of the tools' calls): its top-level code is still running (a sleep, a loop, a download, "
+        f"a lock?). Fix: make importing the file only define {defines} (move slow set-up into the functions, "
+        f"or under `if __name__ == \"__main__\":`), or raise {keys['timeout']}"
+    )
     try:
         if timeout_s is None:
             spec.loader.exec_module(module)
-        else:  # a file whose top-level code never ends must not hang the run (see call_with_timeout)
-            call_with_timeout(lambda: spec.loader.exec_module(module), timeout_s)
+        else:  # a file whose top-level code never ends must not hang the run (see import_within)
+            import_within(spec, module, timeout_s, too_slow)
     except BaseException as exc:
         sys.modules.pop(name, None)
         if isinstance(exc, CallTimeout):
-            raise ToolConfigError(
-                f"{keys['path']}={path} did not finish importing within {timeout_s:g} s ({keys['timeout']}, the "
-                "time limit of the tools' calls): its top-level code is still running (a sleep, a loop, a download, "
-                f"a lock?). Fix: make importing the file only define {defines} (move slow set-up into the functions, "
-                f"or under `if __name__ == \"__main__\":`), or raise {keys['timeout']}"
-            ) from None
+            raise ToolConfigError(too_slow) from None
         if not isinstance(exc, (Exception, SystemExit)):
             raise
         raise ToolConfigError(f"{what} {path} failed to import: {type(exc).__name__}: {exc}. Fix: make it "
