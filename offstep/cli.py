@@ -145,6 +145,8 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("model", help="a local Hugging Face model folder, a peft adapter folder (merged onto its "
                         "base), an alias (smollm2-135m-instruct, tiny), or a run directory / checkpoint (its latest policy)")
     parser.add_argument("--data", required=True, help="verl parquet or JSONL file")
+    parser.add_argument("--max-rows", type=int, default=10_000_000, help="rows the file may hold at most, checked "
+                        "before it is read (0: no limit; data.max_rows)")
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (best@n is reported for n > 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -215,7 +217,7 @@ def _eval(argv: list[str]) -> int:
             max_new_tokens=args.max_new_tokens, prompt_key=args.prompt_key, answer_key=args.answer_key,
             max_prompt_length=args.max_prompt_length, reward_path=args.reward_path, reward_name=args.reward_name,
             reward_timeout=args.reward_timeout or None, batch_size=args.batch_size, seed=args.seed, on_progress=progress,
-            agent=agent,
+            agent=agent, max_rows=args.max_rows,
         )
     except (ValueError, FileNotFoundError, RewardError, ConfigError) as e:
         print(f"offstep: {e}", file=sys.stderr)

@@ -122,9 +122,15 @@ def end_command(rc: int) -> int:
     stray = stray_threads()
     if not stray:
         return rc
-    names = ", ".join(repr(t.name) for t in stray[:5])
-    print(f"offstep: not waiting for {len(stray)} thread(s) still running at exit ({names}): threads started by a "
-          "reward, tool or agent file end with the command (start them with daemon=True)", file=sys.stderr)
+    # A thread pool's idle workers (the scorers', the tools') would end at a normal exit: not named.
+    from concurrent.futures import thread as pool_threads
+
+    pooled = set(getattr(pool_threads, "_threads_queues", {}))
+    named = [t for t in stray if t not in pooled]
+    if named:
+        names = ", ".join(repr(t.name) for t in named[:5])
+        print(f"offstep: not waiting for {len(named)} thread(s) still running at exit ({names}): threads started by "
+              "a reward, tool or agent file end with the command (start them with daemon=True)", file=sys.stderr)
     atexit._run_exitfuncs()  # Ray's, the loggers' and kill_descendants: what a normal exit runs
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -47,6 +47,8 @@ class DataConfig:
     """shuffle the training prompts every epoch"""
     val_max_samples: int = 0
     """validation prompts at most (0: the whole validation set)"""
+    max_rows: int = 10_000_000
+    """rows a data file may hold at most, checked before it is read (0: no limit; a small parquet file can hold millions of rows)"""
 
 
 @dataclass

@@ -41,6 +41,7 @@ from typing import Any, Iterable
 
 from offstep.config.choices import AGENT_NAMES, OVERLONG_MODES, SINGLE_TURN, TOOL_AGENT, TRUNCATIONS
 from offstep.errors import DatasetError
+from offstep.data.limits import DEFAULT_MAX_ROWS, check_size, out_of_memory
 from offstep.data.render import render_all
 from offstep.data.truncate import truncate_prompt
 
@@ -55,6 +56,7 @@ TRAIN_KEYS = {
     "max_prompt_length": "data.max_prompt_length",
     "tools": "rollout.agent.tools",
     "reward_path": "reward.custom_path",
+    "max_rows": "data.max_rows",
 }
 
 
@@ -119,6 +121,8 @@ def _read_parquet(path: str) -> tuple[list[dict], list[str]]:
         import pyarrow.parquet as pq
 
         table = pq.read_table(path)
+    except MemoryError:  # not the file's format: load_records says what to do
+        raise
     except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for damaged files
         raise DatasetError(
             f"{path}: cannot read the parquet file ({type(exc).__name__}: {exc}). "
@@ -128,6 +132,8 @@ def _read_parquet(path: str) -> tuple[list[dict], list[str]]:
     columns = list(table.column_names)
     try:
         rows = table.to_pylist()
+    except MemoryError:
+        raise
     except Exception as exc:
         raise DatasetError(
             f"{path}: cannot convert the parquet rows to Python values "
@@ -242,14 +248,15 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def load_records(
     path: str, prompt_key: str = "prompt", answer_key: str | None = None, default_agent: str = SINGLE_TURN,
-    keys: dict = TRAIN_KEYS,
+    keys: dict = TRAIN_KEYS, max_rows: int = DEFAULT_MAX_ROWS,
 ) -> list[PromptRecord]:
     """Read a verl-format ``.parquet`` or a ``.jsonl``/``.json`` file into :class:`PromptRecord` s.
 
     See the module docstring for the expected fields. ``data_source`` defaults to the file's stem
     when absent. Raises :class:`DatasetError` for a missing, unsupported, unreadable or empty file,
-    missing columns and malformed (or empty) prompts; its messages name the settings in ``keys``
-    (``TRAIN_KEYS``'s names).
+    missing columns and malformed (or empty) prompts, and, before it is read, a file of more than
+    ``max_rows`` rows (0: no limit) or more than memory holds; its messages name the settings in
+    ``keys`` (``TRAIN_KEYS``'s names).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -268,10 +275,11 @@ def load_records(
             f"{', '.join(SUPPORTED_EXTENSIONS)} (verl-format parquet or JSON lines)."
         )
 
-    if ext == ".parquet":
-        rows, columns = _read_parquet(path)
-    else:
-        rows, columns = _read_json(path)
+    size = check_size(path, ext, max_rows, keys)  # a 75 KB parquet file can hold 20 million rows
+    try:
+        rows, columns = _read_parquet(path) if ext == ".parquet" else _read_json(path)
+    except MemoryError:
+        raise out_of_memory(path, size, keys) from None
 
     if not rows:
         raise DatasetError(

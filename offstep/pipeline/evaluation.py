@@ -20,7 +20,8 @@ from offstep.telemetry.names import Val, per_source
 # What messages call the settings: offstep eval's flags (offstep.data.dataset.TRAIN_KEYS and
 # offstep.rollout.tools.TRAIN_KEYS name the config keys of offstep train).
 DATA_FLAGS = {"files": "--data", "prompt_key": "--prompt-key", "answer_key": "--answer-key",
-              "max_prompt_length": "--max-prompt-length", "tools": "--tools", "reward_path": "--reward-path"}
+              "max_prompt_length": "--max-prompt-length", "tools": "--tools", "reward_path": "--reward-path",
+              "max_rows": "--max-rows"}
 TOOL_FLAGS = {"path": "--tools-path", "names": "--tools", "timeout": "--tool-timeout"}
 
 
@@ -73,6 +74,7 @@ def run_eval(
     seed: int = 0,
     on_progress=None,
     agent=None,
+    max_rows: int = 10_000_000,
 ) -> tuple[dict[str, float], list[Sample]]:
     """Generate with the built-in engine and score with the training scorers (no Ray). A scorer
     call that takes over ``reward_timeout`` seconds (None: no limit) fails with the sample named.
@@ -90,7 +92,7 @@ def run_eval(
     check_model_path(model)
     reward = RewardFunction(reward_path, reward_name, reward_timeout, timeout_key="--reward-timeout",
                             path_key="--reward-path", name_key="--reward-name")
-    records = load_records(data, prompt_key=prompt_key, answer_key=answer_key, keys=DATA_FLAGS)
+    records = load_records(data, prompt_key=prompt_key, answer_key=answer_key, keys=DATA_FLAGS, max_rows=max_rows)
     if not reward_path:
         check_rule_ground_truths(records, data, DATA_FLAGS)
     reward.check_sources({r.data_source for r in records})

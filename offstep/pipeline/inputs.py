@@ -50,7 +50,7 @@ def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
     records = []
     for f in files:
         loaded = load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-                              default_agent=cfg.rollout.agent.default_agent)
+                              default_agent=cfg.rollout.agent.default_agent, max_rows=cfg.data.max_rows)
         scored = [r for r in loaded if r.agent_name != OPENAI_AGENT]  # an OpenAI agent's return is its reward
         if not cfg.reward.custom_path and cfg.reward.needs_rule:  # the built-in scorers compare with one string or number
             check_rule_ground_truths(scored, f)
