@@ -50,6 +50,11 @@ class LinkRefused(OffstepError):
     """A path among a run's own files (or a checkpoint's) is a symbolic link."""
 
 
+class NotAFile(OffstepError, ValueError):
+    """Where a run reads or writes a regular file there is something else (a FIFO, a device, a
+    folder), or a tree too large to be a run's."""
+
+
 class CheckpointError(OffstepError, ValueError):
     """A checkpoint that cannot be written (e.g. a full disk) or read (damaged, or holding
     something a checkpoint never holds); the message names the path and what to do."""

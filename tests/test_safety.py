@@ -260,15 +260,22 @@ def test_folders_that_are_not_this_runs_are_refused(tmp_path):
             _ended_run(_cfg(other, f"trainer.resume={resume}"), log)
     _ended_run(_cfg(other, "trainer.overwrite=true"), log)
     assert (next(tmp_path.glob("other.old-*")) / "notes.txt").read_text() == "mine"
-    # A run with metrics but no checkpoint (save_freq=0): resume=auto cannot continue it and would
-    # write over its metrics, so it is refused too.
+    # A run with metrics but no checkpoint (killed before its first, or save_freq=0): resume=auto
+    # cannot continue it, so the same command moves its records aside, in one line, and starts a
+    # new run; resume=off is still refused.
     run = tmp_path / "run"
     first = _ended_run(_cfg(run), log)
     (run / "metrics.jsonl").write_text("")  # a start that crashed before step 1: nothing to keep
     assert _ended_run(_cfg(run), log).run_id == first.run_id
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(ConfigError, match="holds run .*metrics.jsonl.* but no intact checkpoint"):
-        _ended_run(_cfg(run), log)
+    with pytest.raises(ConfigError, match="holds run .*metrics.jsonl.* trainer.resume=off would write over it"):
+        _ended_run(_cfg(run, "trainer.resume=off"), log)
+    said = []
+    second = _ended_run(_cfg(run), said.append)
+    assert second.run_id != first.run_id and second.resume is None and not (run / "metrics.jsonl").exists()
+    aside = next(tmp_path.glob("run.old-*"))
+    assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n' and read_marker(aside) == first.run_id
+    assert len(said) == 1 and f"run {first.run_id} has no intact checkpoint" in said[0] and str(aside) in said[0]
     # Missing and empty folders become new runs.
     (tmp_path / "empty").mkdir()
     assert _ended_run(_cfg(tmp_path / "empty"), log).resume is None

@@ -34,13 +34,13 @@ import dataclasses
 import hashlib
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from offstep.errors import CheckpointError, ConfigError, LinkRefused
-from offstep.files import MAX_CONFIG_BYTES, loads_json, loads_yaml, read_text, refuse_links_under, short
+from offstep.errors import CheckpointError, ConfigError, LinkRefused, NotAFile
+from offstep.files import (MAX_CONFIG_BYTES, loads_json, loads_yaml, open_regular, read_text, refuse_links, refuse_links_under,
+                           remove_tree, short, walk)
 from offstep.pipeline.trainer_state import STATE_FILE, TrainerState, decode_state, encode_state
 from offstep.telemetry.names import Role
 from offstep.train.checkpoint import check_role, fsync_tree, replace_dir, write_durably, write_failed
@@ -101,21 +101,20 @@ def read_config(text: str) -> dict:
 
 def file_digests(root: Path, skip: tuple[str, ...] = (STATE_FILE,)) -> dict[str, list]:
     """{relative path: [size, sha256]} of every file under ``root`` but ``skip`` (links refused)."""
-    refuse_links_under(root)
+    refuse_links(root)
     out = {}
-    for folder, dirs, files in os.walk(root):
-        dirs.sort()
-        for name in sorted(files):
-            f = Path(folder, name)
+    for _, _, others in walk(root):
+        for entry in others:
+            f = Path(entry.path)
             rel = f.relative_to(root).as_posix()
             if rel in skip:
                 continue
             h = hashlib.sha256()
-            with open(f, "rb") as fh:
+            with os.fdopen(open_regular(f), "rb") as fh:  # a link, FIFO or device: refused, never read
                 while chunk := fh.read(1 << 22):
                     h.update(chunk)
-            out[rel] = [f.stat().st_size, h.hexdigest()]
-    return out
+                out[rel] = [os.fstat(fh.fileno()).st_size, h.hexdigest()]
+    return dict(sorted(out.items()))
 
 
 def select(tree: dict, key: str):
@@ -155,7 +154,7 @@ def open_checkpoint(path: Path) -> Loaded:
 
     try:
         refuse_links_under(path)
-    except LinkRefused as e:
+    except (LinkRefused, NotAFile, OSError) as e:
         raise damaged(str(e)) from None
     try:
         state, run_id, files = decode_state(read_text(path / STATE_FILE))
@@ -174,7 +173,10 @@ def open_checkpoint(path: Path) -> Loaded:
         if (path / role).is_dir() and (problem := check_role(path / role)):
             raise damaged(problem)
     if files:  # format 2: every file as it was written
-        found = file_digests(path)  # a file added since is not read by a resume or an export
+        try:
+            found = file_digests(path)  # a file added since is not read by a resume or an export
+        except (LinkRefused, NotAFile, OSError) as e:
+            raise damaged(str(e)) from None
         changed = sorted(f for f in files if found.get(f) != files[f])
         if changed:
             raise damaged(f"{changed[0]} is not the file that was written (its size or SHA-256 differs, or it is "
@@ -217,11 +219,11 @@ class Checkpoints:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("*.partial"):
-                shutil.rmtree(stale, ignore_errors=True)
+                remove_tree(stale)
             for old in self.root.glob("step_*.replaced"):
                 final = old.with_name(old.name.removesuffix(".replaced"))
                 if final.exists():
-                    shutil.rmtree(old, ignore_errors=True)
+                    remove_tree(old)
                 else:
                     os.rename(old, final)
             path.mkdir()
@@ -243,7 +245,7 @@ class Checkpoints:
             before_publish()
             replace_dir(staging, final, final.with_name(final.name + ".replaced"))
         except OSError as e:
-            shutil.rmtree(staging, ignore_errors=True)  # give the space back; the last commit stays
+            remove_tree(staging)  # give the space back; the last commit stays
             raise write_failed(staging, e) from None
         phase("published", state.step)
         self._prune(state.step)
@@ -256,7 +258,7 @@ class Checkpoints:
         ours = [p for s, p in complete_checkpoints(self.root)
                 if s < committed and not p.name.endswith(".replaced") and read_run_id(p) == self.run_id]
         for path in ours[: max(0, len(ours) - (self.keep - 1))]:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
 
     def latest(self, log: Callable[[str], None] = print, step: int = 0) -> tuple[Loaded | None, list[Path]]:
         """The newest intact checkpoint of this run (of any run when ``run_id`` is empty), or that
@@ -333,21 +335,27 @@ def resolve_path(path: str | Path, step: int | None = None) -> Path:
     return found[step]
 
 
-def load_failed(path: Path, cause: BaseException) -> CheckpointError:
-    """The error for a checkpoint that passed :func:`open_checkpoint` but that a worker could not
-    load (bytes that only a load reveals): names the resume step to fall back to."""
+def earlier_intact(path: Path, use: str = "resume from", flag: str = "trainer.resume_step=") -> str:
+    """What to do about the damaged checkpoint ``path``: the newest intact one before it, named
+    with ``flag`` (``trainer.resume_step=`` for a resume, ``--step `` for an export)."""
     m = _NAME.match(path.name)
     step = int(m.group(1)) if m else None
-    earlier = []
-    for s, p in complete_checkpoints(path.parent):
+    for s, p in reversed(complete_checkpoints(path.parent)):
         if step is not None and s < step:
             try:
                 open_checkpoint(p)
-                earlier.append(s)
             except CheckpointError:
-                pass
-    fix = (f"resume from the intact checkpoint before it with trainer.resume_step={earlier[-1]}" if earlier else
-           "there is no earlier intact checkpoint: start afresh with another trainer.output_dir")
+                continue
+            return f"{use} the intact checkpoint before it with {flag}{s}"
+    return "there is no earlier intact checkpoint"
+
+
+def load_failed(path: Path, cause: BaseException) -> CheckpointError:
+    """The error for a checkpoint that passed :func:`open_checkpoint` but that a worker could not
+    load (bytes that only a load reveals): names the resume step to fall back to."""
+    fix = earlier_intact(path)
+    if fix.startswith("there is no"):
+        fix += ": start afresh with another trainer.output_dir"
     return CheckpointError(f"the checkpoint {path} could not be loaded ({str(cause)[:400]}); {fix}")
 
 

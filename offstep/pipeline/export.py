@@ -22,22 +22,25 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import fields
 from pathlib import Path
 
 from offstep.config.schema import LoRAConfig
-from offstep.errors import ConfigError, ModelError
+from offstep.errors import CheckpointError, ConfigError, ModelError, NotAFile
+from offstep.files import remove_tree, temp_name, walk
 from offstep.models.builtin import ALIASES, normalise_alias
 from offstep.models.forward import DTYPES
 from offstep.models.loading import cache_dir, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_base, adapter_parameters, add_adapters, is_adapter_folder, merged_model
-from offstep.pipeline.checkpoints import STATE_FILE, complete_checkpoints, file_digests, open_checkpoint, read_config, resolve_path, select
+from offstep.pipeline.checkpoints import LEGACY_STATE_FILE, STATE_FILE, complete_checkpoints, earlier_intact, file_digests, open_checkpoint, read_config, resolve_path, select
 from offstep.telemetry.names import Role
 from offstep.train.checkpoint import fsync_tree, load_model_weights, replace_dir, write_durably, write_failed
 
 DONE = ".offstep-export"  # written last: an export folder without it is incomplete
+# What marks a folder as a run or a checkpoint; an --out that holds one at any depth is never replaced.
+_RUN_NAMES = {".offstep-run", ".offstep-lock", "checkpoints", STATE_FILE, LEGACY_STATE_FILE}
+_MAX_OUT_ENTRIES = 10_000  # a model folder holds a few dozen files
 
 
 def _base_model(ckpt: Path, config_yaml: str, base: str | None) -> tuple[str, str]:
@@ -76,7 +79,11 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
     ``merge``, as a peft adapter folder. A non-empty ``out`` is refused unless ``force``.
     Returns ``out``."""
     out = Path(out)
-    loaded = open_checkpoint(resolve_path(run_or_checkpoint, step))
+    path = resolve_path(run_or_checkpoint, step)
+    try:
+        loaded = open_checkpoint(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}; {earlier_intact(path, 'export', '--step ')}") from None
     _check_destination(out, loaded.path)
     if (out.exists() or out.is_symlink()) and not force and not (out.is_dir() and not any(out.iterdir())):
         raise ConfigError(f"{out} exists and is not empty; give another --out, or --force to replace it (the old "
@@ -84,15 +91,18 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
     folder, dtype = _base_model(loaded.path, loaded.config_yaml, base)
     model = load_causal_lm(folder, dtype=DTYPES[dtype])
     lora = _lora_of(loaded.config_yaml)
-    if lora is None:
-        load_model_weights(loaded.path / Role.ACTOR, model)
-    else:
-        model = add_adapters(model, lora, base_path=folder)
-        load_model_weights(loaded.path / Role.ACTOR, model, names={n for n, _ in adapter_parameters(model)})
-        if merge:
-            model = model.merge_and_unload()
+    try:
+        if lora is None:
+            load_model_weights(loaded.path / Role.ACTOR, model)
+        else:
+            model = add_adapters(model, lora, base_path=folder)
+            load_model_weights(loaded.path / Role.ACTOR, model, names={n for n, _ in adapter_parameters(model)})
+    except CheckpointError as e:  # bytes that only a load reveals
+        raise CheckpointError(f"{e}; {earlier_intact(loaded.path, 'export', '--step ')}") from None
+    if lora is not None and merge:
+        model = model.merge_and_unload()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    tmp = new_folder(out)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(folder).save_pretrained(tmp)
@@ -105,8 +115,20 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
     except OSError as e:
         raise write_failed(tmp, e) from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # what a failed export left (gone after a rename)
+        remove_tree(tmp)  # what a failed export left (gone after a rename)
     return out
+
+
+def new_folder(out: Path) -> Path:
+    """A new empty folder beside ``out`` to write its replacement into (made here, so nothing that
+    was at that name, a link say, is written through)."""
+    while True:
+        tmp = temp_name(out)
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:
+            continue
 
 
 def _check_destination(out: Path, ckpt: Path) -> None:
@@ -117,10 +139,17 @@ def _check_destination(out: Path, ckpt: Path) -> None:
         raise ConfigError(f"--out {out} is, holds or lies inside the checkpoint being exported ({ckpt}); replacing it "
                           f"would destroy that checkpoint, even with --force. Give an --out outside it, e.g. "
                           f"{src.parents[1] / 'hf'}")
-    if dest.is_dir() and ((dest / ".offstep-run").exists() or (dest / "checkpoints").is_dir() or
-                          (dest / STATE_FILE).exists()):
-        raise ConfigError(f"--out {out} holds an offstep run or checkpoint; export never replaces one, even with "
-                          f"--force. Give another --out")
+    if not dest.is_dir() or dest.is_symlink():
+        return
+    try:
+        held = next((Path(folder) for folder, dirs, others in walk(dest, limit=_MAX_OUT_ENTRIES)
+                     if {e.name for e in dirs + others} & _RUN_NAMES), None)
+    except (NotAFile, OSError) as e:
+        raise ConfigError(f"--out {out} cannot be checked for runs and checkpoints ({e}); export replaces only a "
+                          f"model folder, even with --force. Give another --out") from None
+    if held is not None:
+        raise ConfigError(f"--out {out} holds an offstep run or checkpoint ({held}); export never replaces one, at any "
+                          f"depth, even with --force. Give another --out")
 
 
 def is_run_or_checkpoint(path: str | Path) -> bool:
@@ -171,7 +200,7 @@ def merge_adapter_folder(path: str | Path) -> Path:
     folder = resolve_model(name)
     model = merged_model(path, load_causal_lm(folder))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    tmp = new_folder(out)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         (load_tokenizer(path) if (path / "tokenizer_config.json").is_file() else load_tokenizer(folder)).save_pretrained(tmp)
@@ -181,5 +210,5 @@ def merge_adapter_folder(path: str | Path) -> Path:
     except OSError as e:
         raise write_failed(tmp, e) from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_tree(tmp)
     return out

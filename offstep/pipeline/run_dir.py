@@ -18,11 +18,17 @@ a run with records but no intact checkpoint  refused (the run cannot be continue
 not an offstep run, and not empty            refused
 ===========================================  ==================================================
 
+A run killed before its first checkpoint (or one that kept none) is not refused with
+``trainer.resume=auto``: the same command moves its records aside to ``<output_dir>.old-<time>``,
+saying so in one line, and starts afresh.
+
 One run at a time: a start takes an exclusive lock (``fcntl.flock`` on ``.offstep-lock``) for the
 run's whole life, and a second start into the folder is refused naming the holder. The folder
 holds no symbolic links among its own files (``config.yaml``, ``data/``, the records, the marker,
 ``checkpoints/``): each is refused by name, since writing or reading through one would leave the
 folder; what a run writes goes through a temporary name and ``os.replace`` (``offstep/files.py``).
+A file of the run's with a second hard link is replaced by a copy of its own before it is written,
+and a FIFO, device or socket where a run file or folder belongs is refused before anything is read.
 
 A resume from a checkpoint of this folder continues its run (checkpoints of later steps are then
 renamed ``.superseded``, so no later resume picks them); a resume from elsewhere starts a new run
@@ -35,8 +41,8 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import shutil
 import socket
+import stat
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,8 +51,11 @@ from typing import Callable
 
 from offstep.config.schema import Config
 from offstep.errors import ConfigError
-from offstep.files import loads_json, read_text, refuse_links, refuse_links_under, short, write_file
+from offstep.files import (kind, loads_json, open_regular, printable, read_text, refuse_links, refuse_links_under, remove_tree,
+                           short, walk, write_file)
 from offstep.pipeline.checkpoints import LEGACY_STATE_FILE, Checkpoints, Loaded, check_compatible, open_checkpoint, resolve_path
+from offstep.pipeline.replay import SCHEDULE_FILE
+from offstep.pipeline.trainer_state import RUN_ID
 from offstep.train.checkpoint import fsync_dir
 
 MARKER = ".offstep-run"
@@ -57,6 +66,9 @@ SCRATCH = "tmp"
 # What a run writes that does not make the folder worth keeping: the marker, the lock, the config
 # it rewrites at every start, the built-in task's data, which it regenerates, and the scratch.
 _NOT_RECORDS = {MARKER, LOCK, "config.yaml", "data", SCRATCH}
+# What each of the run's own names must be, where it exists.
+_FOLDERS = {"data", "checkpoints", SCRATCH}
+_FILES = {MARKER, LOCK, "config.yaml", "metrics.jsonl", "timeline.jsonl", "samples.jsonl", SCHEDULE_FILE}
 
 
 class RunLock:
@@ -71,14 +83,20 @@ class RunLock:
         out.mkdir(parents=True, exist_ok=True)
         path = out / LOCK
         refuse_links(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        if path.is_file() and os.lstat(path).st_nlink > 1:
+            write_file(path, "")  # a lock of its own: the other name of a hard link keeps its text
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 300, 0).decode("utf-8", errors="replace").strip() or "a run still starting"
             os.close(fd)
-            raise ConfigError(f"trainer.output_dir={out} is in use by another offstep run ({holder}); one run per "
-                              f"folder: wait for it to end or stop it, or give another trainer.output_dir") from None
+            raise ConfigError(f"trainer.output_dir={out} is in use by another offstep run ({printable(holder)}); one "
+                              f"run per folder: wait for it to end or stop it, or give another trainer.output_dir") from None
+        if os.fstat(fd).st_nlink > 1:  # linked while it was being taken
+            os.close(fd)
+            raise ConfigError(f"{path} was given a second hard link while this run started; delete it, or give "
+                              f"another trainer.output_dir")
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
                   .encode(), 0)
@@ -103,24 +121,35 @@ def read_marker(out: Path) -> str | None:
         return None
     try:
         doc = loads_json(read_text(path, limit=4096))
-        if not isinstance(doc, dict) or not isinstance(doc.get("run_id"), str):
-            raise ValueError(f"it is not an object with a string run_id: {short(doc)}")
+        if not isinstance(doc, dict) or not isinstance(doc.get("run_id"), str) or not RUN_ID.fullmatch(doc["run_id"]):
+            raise ValueError(f"it is not an object with a run_id of letters, digits, '_', '.' and '-': {short(doc)}")
         return doc["run_id"]
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path} cannot be read ({e}); if {out} is yours, delete that file, or give "
                           f"trainer.overwrite=true to move the folder aside, or another trainer.output_dir") from None
 
 
-def check_links(out: Path) -> None:
-    """Refuse a symbolic link among the run's own files: any entry of the folder itself, and
-    anything under ``data/`` and ``checkpoints/`` (a link there would be written or read through)."""
+def check_entries(out: Path) -> None:
+    """Refuse a symbolic link among the run's own files (any entry of the folder itself, and
+    anything under ``data/`` and ``checkpoints/``: a link there would be written or read through),
+    and anything but a regular file or folder where the run reads or writes (a FIFO blocks its
+    reader forever), or a file where it keeps a folder and the other way round."""
     if not out.is_dir():
         return
     for p in out.iterdir():
         refuse_links(p)
+        mode = os.lstat(p).st_mode
+        want_dir = p.name in _FOLDERS or (stat.S_ISDIR(mode) and p.name not in _FILES)
+        if stat.S_ISDIR(mode) != want_dir or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
+            raise ConfigError(f"{p} is {kind(mode)}, where a run keeps {'a folder' if want_dir else 'a regular file'}; "
+                              f"move it away, or give another trainer.output_dir")
     for sub in ("data", "checkpoints"):
         if (out / sub).is_dir():
             refuse_links_under(out / sub)
+            for _, _, others in walk(out / sub):
+                if bad := next((e for e in others if not e.is_file(follow_symlinks=False)), None):
+                    raise ConfigError(f"{bad.path} is {kind(os.lstat(bad.path).st_mode)}, where a run keeps regular "
+                                      f"files; delete it, or give another trainer.output_dir")
 
 
 def records(out: Path) -> list[str]:
@@ -135,14 +164,15 @@ def records(out: Path) -> list[str]:
             if n:
                 found.append(f"checkpoints/ ({n})")
         elif p.is_dir():
-            if any(f.is_file() and f.stat().st_size for f in p.rglob("*")):
+            if any(e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_size
+                   for _, _, others in walk(p) for e in others):
                 found.append(p.name + "/")
         elif not p.is_file() or p.stat().st_size:
             found.append(p.name)
     return found
 
 
-def _move_aside(out: Path, log: Callable[[str], None]) -> None:
+def _move_aside(out: Path, log: Callable[[str], None], why: str = "trainer.overwrite=true") -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, n = out.with_name(f"{out.name}.old-{stamp}"), 1
     while aside.exists():
@@ -152,7 +182,7 @@ def _move_aside(out: Path, log: Callable[[str], None]) -> None:
     except OSError as e:
         raise ConfigError(f"trainer.overwrite=true could not move {out} aside to {aside} ({e}); move it yourself, "
                           f"or give another trainer.output_dir") from None
-    log(f"offstep: trainer.overwrite=true: moved the previous contents of {out} to {aside}")
+    log(f"offstep: {why}: moved the previous contents of {out} to {aside}")
 
 
 def _claim(out: Path, run_id: str | None = None) -> str:
@@ -211,7 +241,7 @@ def open_run(cfg: Config, log: Callable[[str], None] = print) -> Run:
             raise ConfigError(f"trainer.overwrite=true would move aside {out}, which holds the checkpoint to resume "
                               f"from ({t.resume}); give another trainer.output_dir")
         _move_aside(out, log)
-    check_links(out)
+    check_entries(out)
     lock = RunLock.acquire(out)
     try:
         run = _open_locked(cfg, out, log)
@@ -222,7 +252,7 @@ def open_run(cfg: Config, log: Callable[[str], None] = print) -> Run:
         run.lock = lock
     else:  # the folder was moved aside (with its lock) and a new one claimed
         lock.release()
-    shutil.rmtree(out / SCRATCH, ignore_errors=True)  # a killed run's; a link there was refused above
+    remove_tree(out / SCRATCH)  # a killed run's; a link there was refused above
     return run
 
 
@@ -252,12 +282,16 @@ def _open_locked(cfg: Config, out: Path, log: Callable[[str], None]) -> Run:
     held = records(out) if marker is not None else sorted(p.name for p in out.iterdir() if p.name != LOCK)
     lock = None
     if held:
-        if not t.overwrite:
+        # A run of this folder killed before its first checkpoint: the same command starts afresh.
+        restart = marker is not None and t.resume == "auto" and loaded is None
+        if not (t.overwrite or restart):
             raise ConfigError(_refusal(out, marker, held, t.resume))
+
         if loaded is not None and out.resolve() in loaded.path.resolve().parents:
             raise ConfigError(f"trainer.overwrite=true would move aside {out}, which holds the checkpoint to resume "
                               f"from ({loaded.path}); give another trainer.output_dir")
-        _move_aside(out, log)
+        _move_aside(out, log, "trainer.overwrite=true" if t.overwrite else
+                    f"run {marker} has no intact checkpoint to continue from (killed before its first, or it kept none)")
         lock, marker = RunLock.acquire(out), None
     # A run of this folder that wrote nothing worth keeping continues under its id with resume=auto.
     return Run(_claim(out, marker if t.resume == "auto" else None), loaded, lock)

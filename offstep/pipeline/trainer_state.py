@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -21,6 +22,9 @@ from offstep.rollout.agent_loop import LOOP_LISTS, AgentResult
 
 STATE_FILE = "trainer_state.json"
 FORMAT = 2  # 2: with the files' digests (format 1, without them, is still read)
+# A run id as offstep writes it (a uuid4's hex); anything else read from a file is refused, so that
+# what the console prints of it holds no escape codes.
+RUN_ID = re.compile(r"[0-9A-Za-z_.-]{0,128}")
 
 
 @dataclass
@@ -234,8 +238,9 @@ def decode_state(text: str) -> tuple[TrainerState, str, dict[str, list]]:
     _check_stream(stream)
     if not (kl is None or (isinstance(kl, dict) and all(_num(v) for v in kl.values()))):
         raise ValueError(f"kl_ctrl is {short(kl)}, not an object of numbers")
-    if not _num(doc.get("t0")) or not isinstance(doc.get("run_id"), str):
-        raise ValueError("t0 is not a number or run_id not a string")
+    if not _num(doc.get("t0")) or not isinstance(doc.get("run_id"), str) or not RUN_ID.fullmatch(doc["run_id"]):
+        raise ValueError(f"t0 is not a number or run_id ({short(doc.get('run_id'))}) not a run id of letters, digits, "
+                         f"'_', '.' and '-'")
     files = doc.get("files", {})
     if not isinstance(files, dict) or not all(isinstance(v, list) and len(v) == 2 and _int(v[0]) and isinstance(v[1], str)
                                               for v in files.values()):

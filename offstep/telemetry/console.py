@@ -27,6 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from offstep.files import CONTROL
 from offstep.telemetry.names import Actor, Perf, ResponseLength, Reward, Rollout, Timing, Val
 
 # The compact per-step line: (metric key, label, format).
@@ -48,12 +49,11 @@ _LINE = (
 )
 
 # C0 controls except newline and tab, DEL, and C1 controls (ESC starts every ANSI sequence).
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def plain_text(text: str) -> str:
     """``text`` without control characters (a sample's text could carry any)."""
-    return _CONTROL.sub("", text)
+    return CONTROL.sub("", text)
 
 
 def eta_seconds(step_times: list[float], steps_left: int) -> float | None:
@@ -137,7 +137,7 @@ class ConsoleProgress:
         if self.mode == "off":
             return
         if self.progress is not None:
-            self.console.print(text, markup=False)
+            self.console.print(plain_text(text), markup=False)
         else:
             self.stream.write(plain_text(text) + "\n")
             self.stream.flush()

@@ -39,10 +39,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from offstep.errors import CheckpointError
-from offstep.files import loads_json, read_text
+from offstep.errors import CheckpointError, OffstepError
+from offstep.files import loads_json, open_regular, read_text, remove_tree, walk
 
 RANK_FORMAT = 1
+MAX_RANK_BYTES = 64 * 2**20  # RNG states and the scheduler: a few KB
 # A checkpoint holds what trains: the frozen base weights of a LoRA model are the base model's,
 # which the run's config names, and are not written (a full model has no frozen parameters).
 _TRAINED = StateDictOptions(ignore_frozen_params=True)
@@ -104,7 +105,7 @@ def _rng_problem(rng) -> str | None:
 def read_rank_file(path: Path) -> dict:
     """``rank<i>.json``: {rng, sched, extra}; a damaged file is a :class:`CheckpointError`."""
     try:
-        local = loads_json(read_text(path))
+        local = loads_json(read_text(path, limit=MAX_RANK_BYTES))
         if not isinstance(local, dict) or local.get("format") != RANK_FORMAT or not {"rng", "sched", "extra"} <= set(local):
             raise ValueError("not a rank state of this offstep version")
         problem = _rng_problem(local["rng"]) or (
@@ -112,7 +113,7 @@ def read_rank_file(path: Path) -> dict:
             None if isinstance(local["extra"], dict) else "extra is not an object")
         if problem:
             raise ValueError(problem)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, OffstepError) as e:
         raise CheckpointError(f"{path} cannot be read ({e})") from None
     return local
 
@@ -156,11 +157,11 @@ class SafeReader(FileSystemReader):
         rank = kwargs.get("rank")
         path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
         try:
-            with open(path, "rb") as f:
+            with os.fdopen(open_regular(path), "rb") as f:  # never a link or a FIFO
                 metadata = _MetadataUnpickler(f, path).load()
         except CheckpointError:
             raise
-        except (OSError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as e:
+        except (OSError, OffstepError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as e:
             raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
@@ -301,6 +302,8 @@ def _cause(e: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         inner = next(iter(failures.values()))
         e = inner[0] if isinstance(inner, tuple) else inner
+    if isinstance(e, pickle.UnpicklingError):  # not torch's advice to load it unrestricted: that runs its code
+        return "UnpicklingError: its bytes are not what torch wrote (garbled, or not plain tensors); refused unread"
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
@@ -334,6 +337,8 @@ def fsync_dir(path: Path) -> None:
 def write_durably(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` (never through a link) and fsync it (not its folder: the caller
     renames that)."""
+    if path.is_file() and not path.is_symlink() and os.lstat(path).st_nlink > 1:
+        os.unlink(path)  # a hard link's other name, outside the folder perhaps, is never written through
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -344,14 +349,14 @@ def write_durably(path: Path, text: str) -> None:
 def fsync_tree(root: Path) -> None:
     """fsync every file and folder under ``root`` (and ``root``), so that a rename of ``root``
     that follows publishes complete contents even after a power loss."""
-    for folder, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(folder, name), os.O_RDONLY)
+    for folder, _, others in walk(root):
+        for entry in others:
+            fd = open_regular(entry.path)  # a FIFO there is refused, not waited on
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        fsync_dir(Path(folder))
+        fsync_dir(folder)
 
 
 def replace_dir(new: Path, final: Path, aside: Path) -> None:
@@ -361,7 +366,4 @@ def replace_dir(new: Path, final: Path, aside: Path) -> None:
         os.rename(final, aside)
     os.rename(new, final)
     fsync_dir(final.parent)
-    if aside.is_dir() and not aside.is_symlink():
-        shutil.rmtree(aside)
-    elif aside.exists() or aside.is_symlink():
-        aside.unlink()
+    remove_tree(aside)
