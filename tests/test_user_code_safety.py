@@ -162,6 +162,7 @@ def test_a_chat_template_that_loops_for_ever_is_refused(tmp_path, capsys):
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.heavy
 def test_a_template_that_loops_on_one_row_names_the_row():
     from types import SimpleNamespace
 
