@@ -16,6 +16,13 @@ import os
 import sys
 
 
+def _say(e: BaseException) -> None:
+    """An error's message on stderr, its control characters (escape codes of a file's text) shown escaped."""
+    from offstep.files import printable
+
+    print(f"offstep: {printable(str(e))}", file=sys.stderr)
+
+
 def _unwrap(e: BaseException) -> BaseException:
     """The exception a Ray worker raised, without Ray's wrapper (whose text is a traceback)."""
     exceptions = sys.modules.get("ray.exceptions")
@@ -76,7 +83,7 @@ def _train(argv: list[str]) -> int:
     try:
         gpus, argv = _gpus_flag(argv, show)
     except ValueError as e:
-        print(f"offstep: {e}", file=sys.stderr)
+        _say(e)
         return 2
     overrides = [a for a in argv if a != "--cfg"]
     try:
@@ -90,7 +97,7 @@ def _train(argv: list[str]) -> int:
         if not show:
             check_ray_address(cfg.resources.ray_address)  # seconds, not the minutes of data preparation
     except ConfigError as e:
-        print(f"offstep: {e}", file=sys.stderr)
+        _say(e)
         return 2
     if show:
         print(to_yaml(cfg))
@@ -109,7 +116,7 @@ def _train(argv: list[str]) -> int:
         # in the message; a worker's traceback would only bury it. Anything else is a bug and keeps
         # its traceback.
         cause = _unwrap(e)
-        print(f"offstep: {cause}", file=sys.stderr)
+        _say(cause)
         return getattr(cause, "exit_code", 2)
     steps = [m["step"] for m in history if Reward.MEAN in m]
     if steps and steps[-1] < cfg.trainer.total_steps:  # stopped by Ctrl-C / SIGTERM between steps
@@ -132,7 +139,7 @@ def _report(argv: list[str]) -> int:
     try:
         out = write_report(args.runs, args.out)
     except (FileNotFoundError, ValueError, OffstepError) as e:
-        print(f"offstep: {e}", file=sys.stderr)
+        _say(e)
         return 2
     print(f"offstep: report in {out}")
     return 0
@@ -220,7 +227,7 @@ def _eval(argv: list[str]) -> int:
             agent=agent, max_rows=args.max_rows,
         )
     except (ValueError, FileNotFoundError, RewardError, ConfigError) as e:
-        print(f"offstep: {e}", file=sys.stderr)
+        _say(e)
         return 2
     result = {
         "model": args.model, "data": args.data, "n": args.n, "temperature": args.temperature, "metrics": metrics,
@@ -255,7 +262,7 @@ def _export(argv: list[str]) -> int:
     try:
         out = export_checkpoint(args.run, args.out, args.step, force=args.force, base=args.model, merge=args.merge)
     except (OffstepError, FileNotFoundError, ValueError) as e:
-        print(f"offstep: {e}", file=sys.stderr)
+        _say(e)
         return 2
     print(f"offstep: model written to {out}")
     return 0

@@ -234,3 +234,25 @@ def test_calls_queued_on_a_lost_replica_all_fail_when_no_replacement_can_start(m
         assert killed == [old, workers.rollout[0]]  # the lost replica, then its replacement that never started
 
     asyncio.run(main())
+
+
+@pytest.mark.ray
+def test_checkpoints_by_time_lose_minutes_not_the_run(tmp_path, ray_session):
+    """trainer.save_interval_s: a checkpoint after the first step that ends that long after the
+    last one (or the start), none in between, with no save_freq and no save_last."""
+    from offstep.pipeline.checkpoints import complete_checkpoints
+
+    interval = 0.5
+    cfg = sim.sim_config(tmp_path, 1, 10, f"trainer.save_interval_s={interval}", "trainer.keep_checkpoints=0")
+    sim.run_sim(cfg, gen_s=0.1, train_s=0.15, export_s=0.01, load_s=0.01)
+    saved = [s for s, _ in complete_checkpoints(tmp_path / "checkpoints")]
+    assert 1 <= len(saved) < 10, saved
+    ev = {(e["stage"], e["step"]): e for e in read_jsonl(tmp_path / "timeline.jsonl") if e["role"] == Role.TRAINER}
+    ends = [ev[(Stage.CHECKPOINT, s)]["end"] for s in saved]
+    starts = [ev[(Stage.CHECKPOINT, s)]["start"] for s in saved]
+    assert all(b - a >= interval for a, b in zip(ends, starts[1:])), (starts, ends)
+    # The step before each checkpoint's step ended less than the interval after the previous one.
+    steps = {s: e["end"] for (stage, s), e in ev.items() if stage == Stage.UPDATE_ACTOR}
+    for prev, s in zip([0, *saved], saved):
+        if s - 1 > prev:
+            assert steps[s - 1] - (ends[saved.index(prev)] if prev else 0.0) < interval + 0.5

@@ -1,7 +1,7 @@
 """``offstep train --help [KEY_OR_PREFIX]``: the configuration keys with their type, default and
 help, grouped by section.
 
-The help of a key is the string literal right after its field in ``schema.py`` (cleanrl's field
+The help of a key is the string literal right after its field in ``schema.py`` (or ``training.py``) (cleanrl's field
 docstrings); Python keeps no such strings at run time, so they are read by parsing the module's
 source with ``ast``, once. Defaults are the schema's; ``offstep train [overrides] --cfg`` prints
 the values that a preset and overrides give.
@@ -22,7 +22,7 @@ import textwrap
 from dataclasses import dataclass
 from typing import Callable
 
-from offstep.config import schema
+from offstep.config import schema, training
 
 USAGE = """\
 usage: offstep train [key=value ...] [--cfg] [--help [KEY_OR_PREFIX]]
@@ -48,10 +48,10 @@ class KeyHelp:
 
 @functools.cache
 def field_docs() -> dict[tuple[str, str], str]:
-    """``{(class name, field name): docstring}`` for the fields of ``schema.py``'s classes that have
-    one."""
+    """``{(class name, field name): docstring}`` for the fields of the classes of ``schema.py`` and
+    ``training.py`` that have one."""
     docs = {}
-    for node in ast.parse(inspect.getsource(schema)).body:
+    for node in (n for module in (schema, training) for n in ast.parse(inspect.getsource(module)).body):
         if not isinstance(node, ast.ClassDef):
             continue
         for stmt, after in zip(node.body, node.body[1:]):

@@ -6,6 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from offstep.config.training import (  # noqa: F401  (re-exported: the whole tree is importable from here)
+    KLControlConfig, AlgorithmConfig, OptimConfig, LoRAConfig, ActorConfig, CriticConfig,
+)
+
 
 @dataclass
 class ModelConfig:
@@ -225,168 +229,6 @@ class SandboxConfig:
 
 
 @dataclass
-class KLControlConfig:
-    """The coefficient of the KL penalty in the reward (``algorithm.use_kl_in_reward``)."""
-
-    type: str = "fixed"
-    """fixed | adaptive (Ziegler et al. 2019's proportional controller)"""
-    kl_coef: float = 0.001
-    """the (initial) coefficient"""
-    target_kl: float = 0.1
-    """adaptive: the per-token KL to steer towards"""
-    horizon: int = 10000
-    """adaptive: samples over which the coefficient may change by ~20%"""
-
-
-@dataclass
-class AlgorithmConfig:
-    """Dr. GRPO = ``adv_estimator=grpo`` + ``norm_adv_by_std=false`` +
-    ``loss_agg_mode=seq-mean-token-sum-norm`` (docs/algorithms.md)."""
-
-    adv_estimator: str = "grpo"
-    """how advantages are estimated (docs/algorithms.md): grpo | rloo | opo (length-weighted group baseline) | gpg | grpo_passk (only the best of a group is credited) | reinforce_plus_plus | reinforce_plus_plus_baseline | remax (greedy baseline) | gae (PPO with a critic)"""
-    norm_adv_by_std: bool = True
-    """grpo, grpo_passk: divide by the group's std (verl: norm_adv_by_std_in_grpo)"""
-    gamma: float = 1.0
-    """GAE, REINFORCE++: discount"""
-    lam: float = 1.0
-    """GAE: lambda"""
-    policy_loss: str = "ppo"
-    """the surrogate: ppo (clipped ratio) | gspo (sequence-level ratio) | cispo (clipped, detached importance weight; pg_loss logged as verl logs it, -sg[clip r] A log pi) | pg (importance-weighted policy gradient, no clipping)"""
-    clip_ratio_low: float = 0.2
-    """the ratio is clipped below at 1 - clip_ratio_low"""
-    clip_ratio_high: float = 0.2
-    """the ratio is clipped above at 1 + clip_ratio_high (> clip_ratio_low: DAPO's clip-higher)"""
-    clip_ratio_c: Optional[float] = None
-    """ppo only: dual-clip bound (> 1, e.g. 3.0); null: off"""
-    loss_agg_mode: str = "token-mean"
-    """how per-token losses are reduced: token-mean | token-sum (no normaliser) | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"""
-    loss_agg_horizon: int = 0
-    """seq-mean-token-sum-norm's constant divisor; 0: rollout.max_new_tokens"""
-    use_kl_loss: bool = True
-    """KL to the reference policy as a loss term"""
-    kl_coef: float = 0.001
-    """the KL loss's coefficient"""
-    kl_estimator: str = "low_var_kl"
-    """the KL loss's estimator: k1 (kl) | abs | mse (k2) | low_var_kl (k3); k1+ | k3+ | low_var_kl+ | abs+: that value with k2's gradient (straight-through)"""
-    use_kl_in_reward: bool = False
-    """KL to the reference policy as a penalty in the reward"""
-    kl_penalty: str = "k1"
-    """the reward penalty's estimator: k1 (kl) | abs | mse (k2) | low_var_kl (k3)"""
-    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
-    """the coefficient of the KL penalty in the reward"""
-    entropy_coeff: float = 0.0
-    """entropy bonus (entropy is reported either way)"""
-    correction_mode: str = "decoupled"
-    """the ratio's old policy: decoupled (the trainer's log-probs, the gap to the rollout's corrected by tis, rejection_*) | bypass (the rollout's; no extra forward) | off (the trainer's, uncorrected)"""
-    tis: bool = True
-    """decoupled: truncated importance weights pi_old / pi_rollout, capped at tis_cap"""
-    tis_cap: float = 2.0
-    """decoupled: the cap of the truncated importance weights"""
-    tis_level: str = "token"
-    """decoupled: importance weights per token | sequence"""
-    rejection_level: str = "off"
-    """decoupled: reject (weight 0) tokens/responses whose ratio pi_old / pi_rollout is outside [rejection_ratio_low, rejection_ratio_high] (verl's rollout_rs *_k1 bounds the inverse, pi_rollout / pi_old; its keys are converted): off | token (verl token_k1) | sequence (product; seq_sum_k1) | geometric (geometric mean; seq_mean_k1)"""
-    rejection_ratio_high: float = 2.0
-    """decoupled: the upper bound of pi_old / pi_rollout before a token/response is rejected"""
-    rejection_ratio_low: float = 0.0
-    """decoupled: the lower bound of pi_old / pi_rollout before a token/response is rejected (0: 1 / rejection_ratio_high)"""
-    rejection_kl: float = 0.0
-    """decoupled: > 0: also reject responses whose mean mismatch KL (k3) exceeds it (verl seq_mean_k3)"""
-    m2po_threshold: float = 0.0
-    """decoupled: > 0: M2PO's second-moment mask (arXiv:2510.01161): in each mini-batch (over all ranks) drop (weight 0) the tokens with the largest (log pi_old / pi_rollout)^2 until the mean over the rest is <= this (the paper's 0.04); 0: off"""
-    m2po_tokens: str = "all"
-    """m2po_threshold > 0: the tokens it may drop and averages over: all (AReaL's m2_threshold) | trust_region (the paper's: advantage > 0 with ratio > 1, or advantage < 0 with ratio < 1)"""
-    overlong_penalty: bool = False
-    """DAPO's soft overlong punishment, added to the reward before advantages: responses longer than rollout.max_new_tokens - overlong_buffer_len lose up to overlong_penalty_factor"""
-    overlong_buffer_len: int = 4
-    """overlong_penalty: the tokens before rollout.max_new_tokens over which the penalty grows to overlong_penalty_factor"""
-    overlong_penalty_factor: float = 1.0
-    """overlong_penalty: the largest penalty"""
-    dynamic_sampling: bool = False
-    """DAPO's dynamic sampling: drop groups whose rewards are all equal and generate more"""
-    dynamic_sampling_max_attempts: int = 10
-    """dynamic_sampling: generations per step at most"""
-
-    @property
-    def needs_reference(self) -> bool:
-        """Whether reference log-probs are needed (a KL loss or a KL penalty in the reward)."""
-        return self.use_kl_loss or self.use_kl_in_reward
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-6
-    """AdamW learning rate"""
-    weight_decay: float = 0.0
-    """AdamW weight decay"""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas"""
-    warmup_steps: int = 0
-    """optimizer steps of linear learning-rate warm-up"""
-    grad_clip: float = 1.0
-    """the gradient norm is clipped to this"""
-
-
-@dataclass
-class LoRAConfig:
-    """Low-rank adapters (Hu et al. 2021, arXiv:2106.09685) on the actor, with ``peft``: the base weights stay frozen,
-    only the adapters train, travel to the rollout workers and are checkpointed; the reference is the base."""
-
-    rank: int = 0
-    """the adapters' rank r (0: full fine-tuning; e.g. 8, 16, 32)"""
-    alpha: float = 0.0
-    """the adapters' scale is alpha / rank (0: alpha = 2 x rank, a scale of 2)"""
-    dropout: float = 0.0
-    """dropout on the adapters' input during the update (never in log-prob passes or generation)"""
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    """the linear layers that get adapters, by name or name suffix (default: every attention and MLP projection of Llama/Qwen/Mistral-style models)"""
-
-    @property
-    def scale_alpha(self) -> float:
-        """peft's lora_alpha: the alpha key, or 2 x rank when it is 0."""
-        return self.alpha or 2.0 * self.rank
-
-
-@dataclass
-class ActorConfig:
-    """With ``micro_token_budget > 0`` micro-batches are formed by tokens: samples sorted by length and grouped so that
-    rows x (longest prompt + longest response) <= the budget, each cut to the columns its rows use (padding is not
-    computed; equal to the padded setting within float32 rounding). With 0, ``micro_batch_size`` padded rows each."""
-
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """the actor's optimizer"""
-    ppo_epochs: int = 1
-    """passes over each batch"""
-    mini_batch_size: int = 0
-    """sequences per optimizer step; 0 = the whole batch"""
-    micro_batch_size: int = 8
-    """sequences per forward/backward (gradient accumulation)"""
-    nonfinite: str = "skip"
-    """an update whose loss or gradient norm is NaN/inf: skip (leave the weights and optimizer state untouched, counted in actor/skipped_steps) | stop (end the run with an error)"""
-    micro_token_budget: int = -1
-    """> 0: micro-batches of at most this many tokens (see ActorConfig; >= data.max_prompt_length + rollout.max_new_tokens), for the reference and critic too; -1: micro_batch_size x (data.max_prompt_length + rollout.max_new_tokens), the padded setting's memory bound with the padding cut; 0: micro_batch_size padded rows"""
-    share_prompts: bool = True
-    """compute each distinct prompt of a micro-batch once: its responses run as one packed sequence after it, each attending to the prompt and to itself (the log-probs of the policy and the reference, equal to separate rows to float rounding); with a token budget it counts each prompt once. false: one padded row per sample"""
-    lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """low-rank adapters instead of full fine-tuning (lora.rank > 0)"""
-
-
-@dataclass
-class CriticConfig:
-    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    """the critic's optimizer"""
-    value_clip: float = 0.5
-    """the value loss clips V to V_old +- value_clip"""
-    ppo_epochs: int = 1
-    """passes over each batch"""
-    warmup_steps: int = 0
-    """critic warm-up: the first warmup_steps steps train only the critic (the actor keeps its step-0 weights); not the learning-rate warm-up (optim.warmup_steps)"""
-    nonfinite: str = "skip"
-    """NaN/inf value loss or gradients: skip (drop that optimizer step, counted in critic/skipped_steps) | stop (end the run with an error naming the step)"""
-
-
-@dataclass
 class ResourcesConfig:
     trainer_workers: int = 1
     """the trainer pool: FSDP2 over this many processes (gloo on CPU, NCCL on GPU)"""
@@ -462,6 +304,8 @@ class TrainerConfig:
     """generations written each time (see log_samples_freq)"""
     save_freq: int = 0
     """a checkpoint under <output_dir>/checkpoints/step_<N> every save_freq steps and at the last step (0: none as the run goes; with > 0 a stopped run (Ctrl-C, SIGTERM) still writes one)"""
+    save_interval_s: float = 600.0
+    """also a checkpoint after the first step that ends this many seconds after the last checkpoint (or the start), so that a killed run loses minutes, not the run (0: none by time)"""
     save_last: bool = True
     """a checkpoint of the last step (and of a stopped run's step) even with save_freq=0, so a run keeps what it trained: offstep export / eval read it, and a resume continues it exactly"""
     resume: str = "auto"

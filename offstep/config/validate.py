@@ -404,6 +404,7 @@ def problems(cfg: Config) -> list[str]:
           f"training only; -1: never, not even after training)", e)
     t = cfg.trainer
     _need(t.save_freq >= 0, f"trainer.save_freq={t.save_freq} must be >= 0 (0: no periodic checkpoints)", e)
+    _need(t.save_interval_s >= 0, f"trainer.save_interval_s={t.save_interval_s} must be >= 0 (0: no checkpoints by time)", e)
     _need(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0: keep all)", e)
     _need(t.log_samples_freq >= 0, f"trainer.log_samples_freq={t.log_samples_freq} must be >= 0 (0: never)", e)
     _need(t.log_samples_freq == 0 or t.log_samples_count >= 1,

@@ -198,7 +198,7 @@ class Controller:
         if self.samples is not None:  # fully_async: the replicas start generating from the prompt stream
             saved = self.resumed.stream_groups if self.resumed is not None else None
             await self.samples.start(self.version, self.start_step * cfg.data.train_batch_size, saved)
-        t_step = time.time()
+        t_step = saved_at = time.time()
         for step in range(self.start_step + 1, N + 1):
             # Keep k batches generating ahead of the one this step consumes (batch mode), or take
             # the step's groups from the stream as they finish (fully_async).
@@ -238,13 +238,14 @@ class Controller:
                 m[Perf.LENT_CORES_S] = self.fleet.lending.take_seconds()
             m["policy_version"] = self.version
             save_freq, saves = cfg.trainer.save_freq, cfg.trainer.save_freq or cfg.trainer.save_last
-            saving = (save_freq and step % save_freq == 0) or (saves and (step == N or self.stop.requested))
+            saving = (save_freq and step % save_freq == 0) or (saves and (step == N or self.stop.requested)) or (
+                0 < cfg.trainer.save_interval_s <= now - saved_at)  # so that a kill loses minutes, not the run
             if saving and self.samples is not None:
                 self.samples.hold()  # nothing admitted between this step's sync and its checkpoint
             finishing = asyncio.ensure_future(self._finish_step(m, export.seconds, loads, val, finishing))
             if saving:
                 await self._save_checkpoint(step, pending, finishing)
-                t_step = time.time()  # a save is not part of the next step's time
+                t_step = saved_at = time.time()  # a save is not part of the next step's time
             if self.stop.requested:
                 self.console.log(f"offstep: stopped after step {step}" + (
                     "" if saves else " (no checkpoint: trainer.save_freq=0 and trainer.save_last=false)"))
