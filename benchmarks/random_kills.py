@@ -22,9 +22,9 @@ the next round starts in a fresh folder). The kinds of moment (``KINDS``):
                resume and starts afresh (elsewhere: as soon as a new step record is on disk)
 
 The first two kills are ``PLAN``'s (an ``early`` one and a ``pause`` one), the rest drawn.
-Every command carries ``trainer.overwrite=true``: with an intact checkpoint it resumes; killed
-before the first checkpoint, with records already written, it moves them aside and starts afresh
-(without it the folder is refused: "a run with records but no intact checkpoint").
+Every restart is the same command: with an intact checkpoint it resumes; killed before the first
+checkpoint, with records already written, it moves them aside (``<folder>.old-<time>``) and starts
+afresh, as ``trainer.resume=auto`` does for a run of the folder with no intact checkpoint.
 
 After each kill: no process of the run's session (``pgrep -s``), nor any process that descended
 from the driver, is left once Ray's workers have noticed (within ``LEFTOVER_S``); where the kill
@@ -104,7 +104,7 @@ def overrides(s: Setup, out: Path, reward: Path, steps: int, save_freq: int) -> 
     return ["preset=tiny", f"pipeline.mode={s.mode}", f"rollout.engine={s.engine}", f"actor.lora.rank={s.lora}", f"rollout.agent.default_agent={s.agent}",
             f"pipeline.max_staleness={s.k}", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
             f"trainer.save_freq={save_freq}", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress=plain",
-            f"reward.custom_path={reward}", "reward.num_threads=1", "trainer.overwrite=true"]
+            f"reward.custom_path={reward}", "reward.num_threads=1"]
 
 
 # ------------------------------------------------------------------ one run, maybe killed
@@ -385,7 +385,7 @@ def run_setup(s: Setup, kills: int, seed: int = 0, steps: int = 8, save_freq: in
                 if problems:
                     failure = f"round {rounds}"
                 break
-            for old in work.glob(f"round{rounds}.old-*"):  # what trainer.overwrite=true moved aside
+            for old in work.glob(f"round{rounds}.old-*"):  # the records a restart moved aside
                 shutil.rmtree(old, ignore_errors=True)
     landed = Counter(k.landed for k in done)
     summary = {
