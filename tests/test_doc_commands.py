@@ -71,6 +71,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
         ("synopsis", "`offstep eval runs/default --data ...` runs here; tests/test_eval.py runs --n and --out"),
     "offstep export": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     "offstep export --out": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
+    "offstep export --force": ("synopsis", "tests/test_run_files.py::test_export_force_never_replaces_a_folder_holding_runs_at_any_depth runs it"),
+    "offstep eval --max-rows": ("synopsis", "tests/test_user_code_safety.py refuses a 20M-row parquet file under the default --max-rows"),
     "offstep export RUN_DIR [--step N] --out DIR": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     ".venv/bin/python benchmarks/preset_runs.py --label default --preset default --seeds 1,2": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --label stale4_decoupled --preset default --seeds 0,1,2 --extra "
