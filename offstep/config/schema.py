@@ -319,6 +319,31 @@ class TrainerConfig:
 
 
 @dataclass
+class EnvConfig:
+    """An environment from the ecosystem, trained as it is (docs/environments.md): its tasks are the
+    prompts, its own rollout logic talks to the replica's OpenAI endpoint, its reward is the reward."""
+
+    kind: Optional[str] = None
+    """null (off: data.* gives the prompts) | verifiers (a verifiers taskset, by env.id) | openenv (an OpenEnv server per rollout, env.id a module:class)"""
+    id: Optional[str] = None
+    """verifiers: the taskset's id (its installed module); openenv: module:Environment class served on 127.0.0.1 (an agent in env.args.agent)"""
+    args: dict = field(default_factory=dict)
+    """the environment's arguments (verifiers: the taskset config's fields)"""
+    path: list[str] = field(default_factory=list)
+    """folders put on sys.path before env.id is imported (a taskset not installed as a package)"""
+    val_size: int = 0
+    """tasks held out from the end of the taskset as the validation set"""
+    timeout_s: float = 300.0
+    """one rollout (episode) longer than this fails: counted in env/timeouts, then as env.on_error says"""
+    max_concurrent: int = 0
+    """episodes run at once per rollout replica (0: all of a generation call)"""
+    on_error: str = "retry"
+    """a rollout whose environment raised or timed out: retry (again in a fresh session, env.retries times; then the run stops with the error) | drop (the run stops at once with the error; never trained as 0)"""
+    retries: int = 2
+    """retries of one failed rollout with env.on_error=retry"""
+
+
+@dataclass
 class Config:
     preset: str = "default"
     """the preset of offstep/config/preset/: default | tiny | calculator (SmolLM2 learning to call a calculator tool) | code (SmolLM2 writing small functions, scored in the sandbox)"""
@@ -344,3 +369,5 @@ class Config:
     """the run: steps, output, logging, checkpoints"""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """where model-written code runs (code rewards, the python tool)"""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """an environment from the ecosystem (verifiers, OpenEnv) instead of data.* (docs/environments.md)"""

@@ -116,10 +116,16 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
         if problem is not None:
             raise ModelError(f"rollout.engine=vllm cannot serve model.path={cfg.model.path}: {problem}")
     tok = load_tokenizer(model_path)
-    train_files, val_files = _files(cfg, out_dir)
-    train_records = _records(train_files, cfg)
-    val_records = _records(val_files, cfg) if val_files else []
-    agent, schemas = _tools_for(train_records + val_records, cfg)
+    if cfg.env.kind:  # an environment's tasks and rollouts (offstep.envs), loaded here first
+        from offstep.pipeline.env_inputs import env_inputs
+
+        train_records, val_records, agent = env_inputs(cfg)
+        schemas = None
+    else:
+        train_files, val_files = _files(cfg, out_dir)
+        train_records = _records(train_files, cfg)
+        val_records = _records(val_files, cfg) if val_files else []
+        agent, schemas = _tools_for(train_records + val_records, cfg)
     d = cfg.data
     train = encode_prompts(train_records, tok, d.max_prompt_length, overlong=d.overlong_prompts, tools=schemas)
     val = encode_prompts(val_records, tok, d.max_prompt_length, overlong=d.overlong_prompts, tools=schemas) if val_records else []

@@ -11,7 +11,7 @@ import torch
 from offstep.batch import GenTiming, Sample, TrainBatch
 from offstep.telemetry.metrics import Timeline
 from offstep.rewards.combine import FALLBACK, MODEL, RULE
-from offstep.telemetry.names import ResponseLength, Reward, Rollout, Sandbox, Stage, replica, reward_lane
+from offstep.telemetry.names import Env, ResponseLength, Reward, Rollout, Sandbox, Stage, replica, reward_lane
 
 
 def record_generation(timeline: Timeline, results: list[tuple[list[Sample], GenTiming]], step: int,
@@ -116,7 +116,19 @@ def batch_metrics(step: int, epoch: int, samples: list[Sample], batch: TrainBatc
         ResponseLength.CLIP_RATIO: sum(s.finish_reason == "length" for s in samples) / len(samples),
         **agent_metrics(samples),
         **reward_component_metrics(samples),
+        **env_metrics(samples),
     }
+
+
+def env_metrics(samples: list[Sample]) -> dict:
+    """An environment's reward parts (``reward/<name>``, means) and its failed rollouts
+    (``env/errors``, ``env/timeouts``, sums); none for a run without ``env.*``."""
+    keys = {k for s in samples for k in s.reward_extra if k.startswith(Env.PART_PREFIX) or k in (Env.ERRORS, Env.TIMEOUTS)}
+    m = {}
+    for k in sorted(keys):
+        values = [float(s.reward_extra[k]) for s in samples if k in s.reward_extra]
+        m[k] = sum(values) if k in (Env.ERRORS, Env.TIMEOUTS) else sum(values) / len(values)
+    return m
 
 
 def sample_rows(step: int, samples: list[Sample], prompt_text: dict[int, str], count: int) -> list[dict]:

@@ -71,7 +71,13 @@ class OpenAIRunner:
 
     def __init__(self, spec: AgentConfig, tokenizer, eos_ids):
         self.spec, self.tok, self.eos = spec, tokenizer, list(eos_ids)
-        self.fn = load_agent(spec.openai_path, spec.openai_name, spec.tool_timeout_s)
+        self.env = getattr(spec, "env", None)  # env.*: an environment's rollouts (offstep.envs)
+        if self.env is not None:
+            from offstep.envs.rows import rollouts
+
+            self.fn = rollouts(self.env)
+        else:
+            self.fn = load_agent(spec.openai_path, spec.openai_name, spec.tool_timeout_s)
 
     def run(self, engine, requests: list, params: SamplingParams, seed: int, progress=None) -> list[Sample]:
         """``params.n`` rollouts per request, request-major, through an endpoint that serves for the
@@ -100,7 +106,30 @@ class OpenAIRunner:
 
     async def rollout(self, server: OpenAIServer, http, r) -> tuple:
         """One rollout of row ``r`` (a ``worker.Request``) in a session of its own on ``server``:
-        the session and what the agent returned."""
+        the session and what the agent returned. An environment's failed rollout (``env.*``) is
+        counted and tried again in a fresh session (``offstep.envs.failures``)."""
+        if self.env is None:
+            return await self._rollout(server, http, r)
+        from offstep.envs.failures import ERRORS, TIMEOUTS, EnvRolloutFailed
+
+        counts = {ERRORS: 0.0, TIMEOUTS: 0.0}
+        tries = 1 + (self.env.retries if self.env.on_error == "retry" else 0)
+        for attempt in range(tries):
+            try:
+                session, result = await self._rollout(server, http, r)
+            except AgentError as exc:
+                if not isinstance(exc.__cause__, EnvRolloutFailed):
+                    raise
+                counts[TIMEOUTS if exc.__cause__.timed_out else ERRORS] += 1
+                if attempt + 1 == tries:
+                    raise AgentError(f"env {self.env.kind}:{self.env.id} failed {tries} time(s) on row "
+                                     f"{r.extra_info.get('index', r.uid)!r} (env.on_error={self.env.on_error}, "
+                                     f"env.retries={self.env.retries}): {exc.__cause__}") from exc.__cause__
+                continue
+            return session, {**result, **counts}
+        raise AssertionError("unreachable")
+
+    async def _rollout(self, server: OpenAIServer, http, r) -> tuple:
         import openai
 
         key = server.open_session()

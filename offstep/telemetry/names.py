@@ -112,6 +112,14 @@ class Reward:
     MODEL_FALLBACKS = "reward/model/fallbacks"  # samples given reward.model.fallback_score (timeout, failure, unparsed)
 
 
+class Env:
+    """``env/``: an environment's failed rollouts (``env.*``, offstep.envs), each retried or its run stopped."""
+
+    ERRORS = "env/errors"  # rollouts whose environment raised
+    TIMEOUTS = "env/timeouts"  # rollouts over env.timeout_s
+    PART_PREFIX = "reward/"  # an environment's reward parts: reward/<name>, weighted as in its rubric
+
+
 class Rollout:
     """``rollout/``: how off-policy the batch is, and the state of its generation."""
 
