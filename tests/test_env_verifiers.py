@@ -46,3 +46,19 @@ def test_verifiers_env_trains(tmp_path, ray_session):
         assert abs(m["reward/correct"] + m["reward/brief"] - m["reward/mean"]) < 1e-6
         assert m["env/errors"] == 0 and m["env/timeouts"] == 0
         assert m["agent/prefix_breaks"] == 0 and m["actor/grad_norm"] > 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_failing_env_is_counted_and_retried(tmp_path, ray_session):
+    """Every third episode's scoring raises: the run goes on, each failure counted in env/errors and
+    its rollout run again in a fresh session (env.on_error=retry), none trained as reward 0."""
+    from offstep.pipeline.controller import train
+
+    out = tmp_path / "run"
+    train(load_config(run_args(out, "pipeline.max_staleness=1", "+env.args.fail_every=3", "env.retries=3")))
+    metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert sum(m["env/errors"] for m in metrics) >= 1 and all(m["env/timeouts"] == 0 for m in metrics)
+    for m in metrics:  # the trained rewards are the rubric's, parts and all
+        assert abs(m["reward/correct"] + m["reward/brief"] - m["reward/mean"]) < 1e-6

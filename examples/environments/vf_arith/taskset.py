@@ -10,10 +10,15 @@ import verifiers.v1 as vf
 
 class ArithData(vf.TaskData):
     answer: int
+    fail_every: int = 0  # a failing environment, for tests: every n-th scoring raises
+
+
+_scored = [0]
 
 
 class ArithConfig(vf.TasksetConfig):
     size: int = 32
+    fail_every: int = 0
     tools: bool = False
     seed: int = 0
 
@@ -28,6 +33,9 @@ class Calculator(vf.Toolset):
 class ArithTask(vf.Task[ArithData]):
     @vf.reward(weight=1.0)
     async def correct(self, task: ArithData, trace: vf.Trace) -> float:
+        _scored[0] += 1
+        if task.fail_every and _scored[0] % task.fail_every == 0:
+            raise RuntimeError("the environment failed (fail_every)")
         numbers = re.findall(r"-?\d+", trace.last_reply or "")
         return float(bool(numbers) and int(numbers[-1]) == task.answer)
 
@@ -42,4 +50,4 @@ class ArithTaskset(vf.Taskset[ArithTask, ArithConfig]):
         for i in range(self.config.size):
             a, b = rng.randint(1, 20), rng.randint(1, 20)
             yield ArithTask(ArithData(id=f"sum-{i}", prompt=f"What is {a} + {b}? Answer with the number.",
-                                      answer=a + b), self.config.task)
+                                      answer=a + b, fail_every=self.config.fail_every), self.config.task)
