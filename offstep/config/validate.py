@@ -205,6 +205,10 @@ def _check_task(cfg: Config, e: list[str]) -> None:
         e.append(f"data.task={d.task!r} is not one of the built-in tasks {sorted(TASKS)}; pick one, or give your "
                  f"own data with data.train_files=[...]")
         return
+    check = getattr(TASKS[d.task], "check_options", None)  # a task whose options are a library's (reasoning_gym)
+    if check is not None:
+        e.extend(check(dict(d.task_options)))
+        return
     params = inspect.signature(TASKS[d.task]).parameters
     known = [name for name, p in params.items() if p.kind is p.KEYWORD_ONLY or
              (p.kind is p.POSITIONAL_OR_KEYWORD and name not in ("n", "seed"))]

@@ -33,6 +33,10 @@ Tasks
     "Write a Python function scale(x) that ...", with unit tests in verl's call-based format as the
     ground truth, scored by running them in the sandbox (data_source ``"code"``;
     ``offstep.data.code_task``).
+``reasoning_gym``
+    One of reasoning-gym's procedural datasets, scored by its own verifier: ``name`` (e.g.
+    ``leg_counting``), ``system_prompt`` and the dataset's config options (data_source
+    ``"reasoning_gym/<name>"``; ``offstep.data.reasoning_gym_task``).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from typing import Callable
 import numpy as np
 
 from offstep.data.code_task import code
+from offstep.data.reasoning_gym_task import reasoning_gym
 
 ARITHMETIC_INSTRUCTION = "Give the final answer as a single number at the end of your reply."
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -296,16 +301,18 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "calculator": calculator,
     "gsm8k_synthetic": gsm8k_synthetic,
     "code": code,
+    "reasoning_gym": reasoning_gym,
 }
 
 
 def write_task(
-    name: str, out_dir: str, n_train: int, n_val: int, seed: int, **kw
+    name: str, out_dir: str, /, n_train: int, n_val: int, seed: int, **kw
 ) -> tuple[str, str]:
     """Generate task ``name`` and write ``<out_dir>/train.parquet`` and ``<out_dir>/val.parquet``.
 
     The output is a deterministic function of ``(name, n_train, n_val, seed, kw)``; validation
-    questions never appear in the training file. Returns ``(train_path, val_path)``.
+    questions never appear in the training file. ``name`` and ``out_dir`` are positional only: a task
+    may take an option called ``name`` (reasoning_gym's dataset). Returns ``(train_path, val_path)``.
     """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}. Built-in tasks: {sorted(TASKS)}.")

@@ -1,7 +1,8 @@
 """The built-in scorer of each data source, with verl's signature ``(data_source, solution_str,
 ground_truth, extra_info=None, **kwargs)``: verl's ``default_compute_score`` routing for the math
 family, geo3k, Search-R1 and code (the model's program run in ``offstep.sandbox``, by
-``offstep.rewards.code``), plus offstep's own tasks (``gsm8k``, ``arithmetic``, ``calculator``, ``code``).
+``offstep.rewards.code``), plus offstep's own tasks (``gsm8k``, ``arithmetic``, ``calculator``, ``code``) and reasoning-gym's
+(``reasoning_gym/<dataset>``, ``offstep.rewards.reasoning_gym``).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, Callable, Iterable
 from offstep.rewards.code import code_score
 from offstep.rewards.math_answers import dapo_score, lighteval_math_score
 from offstep.rewards.math_grade import geo3k_score, prime_math_score
+from offstep.rewards.reasoning_gym import SOURCE_PREFIX as REASONING_GYM, reasoning_gym_score
 from offstep.rewards.scorers import gsm8k_score, last_number_score, plain_answer_score, search_r1_em_score
 
 Scorer = Callable[..., Any]
@@ -78,16 +80,19 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
 
 
 def builtin_scorer(data_source: str) -> Scorer | None:
-    """The built-in scorer of ``data_source`` (exact names, and ``aime*`` as verl routes it), or None."""
+    """The built-in scorer of ``data_source`` (exact names, ``aime*`` as verl routes it, and
+    ``reasoning_gym/<dataset>``: that dataset's own verifier), or None."""
     fn = BUILTIN_SCORERS.get(data_source)
     if fn is None and isinstance(data_source, str) and data_source.startswith(DAPO_PREFIX):
         return _dapo
+    if fn is None and isinstance(data_source, str) and data_source.startswith(REASONING_GYM):
+        return reasoning_gym_score
     return fn
 
 
 def builtin_names() -> list[str]:
     """The data sources with a built-in scorer, for messages."""
-    return sorted(BUILTIN_SCORERS) + [f"{DAPO_PREFIX}*"]
+    return sorted(BUILTIN_SCORERS) + [f"{DAPO_PREFIX}*", f"{REASONING_GYM}*"]
 
 
 def unscored_sources(data_sources: Iterable[str], custom_path: str | None = None,
