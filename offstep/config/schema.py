@@ -270,6 +270,10 @@ class PipelineConfig:
     """collective: bytes per broadcast, in MB (a bucket may split a tensor)"""
     weight_sync_timeout_s: float = 1800.0
     """collective: how long a transfer may wait for the other end, e.g. the actor for a rollout worker still generating up to max_staleness batches"""
+    weight_sync_delta: bool = False
+    """send only the weights that changed since the last sync, compared bit for bit in the rollout's dtype (rollout.dtype): per tensor nothing, the changed elements' indices and values, or the whole tensor, whichever is smaller; the replica applies it to the version it holds, refuses one made from another (then gets a full sync) and is digest-checked as for a full sync. Both transports (docs/performance.md#delta-weight-syncs)"""
+    weight_sync_full_every: int = 10
+    """weight_sync_delta: every this many syncs one is full (the first always is)"""
 
 
 @dataclass

@@ -7,6 +7,10 @@ made at start-up. The export of version v is queued behind the update that makes
 actor rank (:meth:`WeightSync.queue`), so no round trip separates the two; :meth:`finish` waits
 for it and queues the loads, each behind its replica's generation in flight.
 
+With ``pipeline.weight_sync_delta`` a sync carries only what changed since the version before
+(``offstep.sync.delta``); a replica that refuses one (it holds another version) gets the current
+weights whole (:meth:`_rebase`), and every ``weight_sync_full_every``-th sync is full.
+
 Every sync proves it arrived (``offstep.sync.digest``): the actor returns the digest of what it
 sent, every replica the digest of what its engine holds after the load, and :meth:`_check`
 compares them, in step order, as the loads end. A mismatch, or a replica whose weights did not
@@ -76,7 +80,9 @@ class WeightSync:
         self.queued: SyncCall | None = None
         # What every digest covers: the rollout side's manifest, given to the actor once.
         self.specs = ray.get(workers.rollout[0].weight_sync_manifest.remote())
-        ray.get(workers.actor.submit(ActorWorker.set_sync_manifest, self.specs))
+        full_every = cfg.weight_sync_full_every if cfg.weight_sync_delta else 0  # 0: every sync full
+        ray.get(workers.actor.submit(ActorWorker.set_sync_manifest, self.specs, full_every))
+        self.rebased = 0  # replicas that refused a delta and got a full sync instead
         self.sent: WeightDigest | None = None  # the digest of the last version sent
         self.held: list[WeightDigest | None] = [None] * len(workers.rollout)  # each replica's last load
         self._checked: asyncio.Future | None = None  # the last sync's check (they run in step order)
@@ -150,10 +156,24 @@ class WeightSync:
                 continue
             if isinstance(r, BaseException):
                 raise r
+            if r.refused:  # a delta that did not fit what the replica holds (which stays): a full sync
+                reports.append(await self._rebase(i))
+                continue
             check_load(i, version, sent, r.digest, previous, self.held[i])
             self.held[i] = r.digest
             reports.append(r)
         return SyncReport(reports, all(r is not None for r in reports), collective)
+
+    async def _rebase(self, replica: int) -> Loaded:
+        """The trainer's current weights, whole, to a replica that refused a delta (checked like a
+        sync); the next delta is made from them."""
+        async with self.lock:
+            ref, sent = await self.workers.actor.run(ActorWorker.export_weights, True)
+            loaded: Loaded = await self.workers.rollout[replica].load_weights.remote(ref, self.version)
+            check_load(replica, self.version, sent, loaded.digest, None, None)
+            self.held[replica] = loaded.digest
+            self.rebased += 1
+            return loaded
 
     async def reload(self, replica: int) -> None:
         """Give a freshly started replica the current weights (between updates), checked like a
@@ -161,7 +181,7 @@ class WeightSync:
         async with self.lock:
             if self.members is not None:
                 await self._rebuild()
-            ref, sent = await self.workers.actor.run(ActorWorker.export_weights)
+            ref, sent = await self.workers.actor.run(ActorWorker.export_weights, True)  # full, never a delta
             loaded: Loaded = await self.workers.rollout[replica].load_weights.remote(ref, self.version)
             check_load(replica, self.version, sent, loaded.digest, None, None)
             self.held[replica] = loaded.digest

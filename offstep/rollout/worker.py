@@ -23,6 +23,7 @@ from offstep.models.lora import add_adapters
 from offstep.rewards.combine import Combination, SampleReward
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
+from offstep.rollout.delta_load import DeltaLoads
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.interface import RolloutEngine
 from offstep.rollout.openai_agent import OpenAIRunner
@@ -30,6 +31,7 @@ from offstep.rollout.sleep import SleepState
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sandbox import Limits, configure, shared
 from offstep.sync.collective import TensorSpec, WeightReceiver
+from offstep.sync.delta import Delta, DeltaRefused
 from offstep.sync.digest import Loaded
 from offstep.sync.weights import unpack_state_dict
 from offstep.telemetry.names import Stage
@@ -332,29 +334,50 @@ class RolloutWorker:
         self.progress.start(Stage.SLEEP)
         return self._sleeping.sleep()
 
-    def load_weights(self, packed: dict, version: int) -> Loaded:
+    def load_weights(self, packed: dict | Delta, version: int) -> Loaded:
+        """Full weights, or a delta from the version held (``pipeline.weight_sync_delta``): one
+        that does not fit is refused, the weights left as they were (``Loaded.refused``)."""
         self._sleeping.wake(("weights",))  # a sleeping engine: the weights first, the load writes into them
         t0 = time.time()
         self.progress.start(Stage.LOAD_WEIGHTS, version=version)
-        tensors = unpack_state_dict(packed)
-        if getattr(self, "_stream", None) is not None:  # between two decode steps of the running engine
-            self._stream.load(lambda: self._apply(tensors, version))
-            self._generating_again()
+        if isinstance(packed, Delta):
+            run = self.deltas.loader(packed, version, self.weight_sync_manifest(), self._apply)
         else:
-            self._apply(tensors, version)
+            tensors = unpack_state_dict(packed)
+
+            def run():
+                self._apply(tensors, version)
+                self.deltas.loaded_full(self.weight_sync_manifest(), tensors)
+        try:
+            if getattr(self, "_stream", None) is not None:  # between two decode steps of the running engine
+                try:
+                    self._stream.load(run)
+                finally:
+                    self._generating_again()
+            else:
+                run()
+        except DeltaRefused as e:
+            return self._loaded(t0, version, str(e))
         return self._loaded(t0, version)
+
+    @property
+    def deltas(self) -> DeltaLoads:
+        if getattr(self, "_deltas", None) is None:
+            self._deltas = DeltaLoads(self.engine, isinstance(self.engine, TorchEngine) and self.lora is None)
+        return self._deltas
 
     def _apply(self, tensors: dict, version: int) -> None:
         """A sync's tensors into the engine: the adapters (LoRA) or every weight."""
         (self.engine.load_adapters if self.lora is not None else self.engine.load_weights)(tensors, version)
 
-    def _loaded(self, t0: float, version: int) -> Loaded:
+    def _loaded(self, t0: float, version: int, refused: str = "") -> Loaded:
         """The report of a load that began at ``t0``, with the digest of what the engine holds
         now, read back from the engine over the sync manifest (``offstep.sync.digest``)."""
         woke = self._sleeping.loaded()  # the KV cache wakes once the weights are in
         t_digest = time.perf_counter()
         digest = self.engine.weights_digest(self.weight_sync_manifest())
-        return Loaded(Span(t0, time.time(), version), digest, time.perf_counter() - t_digest, woke)
+        self.deltas.held(digest)
+        return Loaded(Span(t0, time.time(), version), digest, time.perf_counter() - t_digest, woke, refused)
 
     # Collective path (pipeline.weight_sync=collective): rank i + 1 of the weight-sync group, made
     # by offstep.sync.collective.connect (again, with every replica, when one is replaced). The
@@ -389,7 +412,10 @@ class RolloutWorker:
                                "(offstep.sync.collective.connect; a replaced worker needs a new group)")
         self.progress.start(Stage.LOAD_WEIGHTS, version=version)
         self._sleeping.wake(("weights",))
-        t0 = receiver.receive(version)
+        try:
+            t0 = receiver.receive(version, self.deltas.held_fp)
+        except DeltaRefused as e:  # received whole, applied to nothing
+            return self._loaded(time.time(), version, str(e))
         if receiver.model is None and getattr(self, "_stream", None) is not None:  # between two decode steps
             self._stream.load(lambda: self._apply(receiver.tensors(), version))
             self._generating_again()

@@ -50,7 +50,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from offstep.dist import bind_gloo_to_route, serve_store
-from offstep.sync.digest import tensor_sums
+from offstep.sync.delta import Delta, DeltaSender, apply
+from offstep.sync.digest import WeightDigest, tensor_sums
 
 _PREFIX = "offstep/weight_sync"
 
@@ -193,6 +194,7 @@ def _wait(works: list, device: torch.device) -> None:
 class _Snapshot:
     flat: dict[str, torch.Tensor]
     works: list
+    held: tuple = ()  # a delta's table and payload, alive until their broadcasts end
 
     def free(self) -> bool:
         if all(w.is_completed() for w in self.works):
@@ -250,18 +252,26 @@ class WeightSender:
         self.snapshots.append(oldest)
         return oldest
 
+    def _header(self, version: int, delta: Delta | None) -> torch.Tensor:
+        """version, elements, then (a delta) its base's fingerprint, table rows, payload bytes."""
+        extra = [0, 0, 0] if delta is None else [delta.base, len(delta.table), delta.payload.nbytes]
+        return torch.tensor([version, sum(self.totals.values()), *extra], dtype=torch.int64, device=self.device)
+
     @torch.no_grad()
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, tuple[int, int]]:
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int, delta: DeltaSender | None = None,
+             full: bool = False) -> dict[str, tuple[int, int]]:
         """Pack ``named`` full tensors and broadcast each bucket once it is full. Returns each
         tensor's checksum (``offstep.sync.digest.tensor_sums``) as packed, in the rollout's dtype,
-        taken while the copy is fresh in cache."""
+        taken while the copy is fresh in cache. With ``delta`` (``pipeline.weight_sync_delta``),
+        everything is packed first and, unless a full sync is due (or ``full``), only the change
+        from the version sent before goes out (``offstep.sync.delta``)."""
         if self.group is None:
             raise RuntimeError("weight sync: send() before connect()")
         snap = self._free_snapshot()
-        header = torch.tensor([version, sum(self.totals.values())], dtype=torch.int64, device=self.device)
-        works = [_broadcast(self.group, header)]
+        deferred = delta is not None
+        works = [] if deferred else [_broadcast(self.group, self._header(version, None))]
         left = [b.end - b.start for b in self.buckets]
-        posted = 0  # buckets go out in index order, the order the receivers post theirs in
+        posted = len(self.buckets) if deferred else 0  # buckets go out in index order, the order the receivers post theirs in
         seen = set()
         sums: dict[str, tuple[int, int]] = {}
         for name, t in named:
@@ -284,6 +294,16 @@ class WeightSender:
                 posted += 1
         if len(seen) != len(self.slots):
             raise KeyError(f"weight sync: the actor did not send {sorted(self.slots.keys() - seen)[:10]}")
+        if deferred:
+            views = {n: snap.flat[sl.dtype][sl.offset : sl.offset + sl.numel] for n, sl in self.slots.items()}
+            sent = WeightDigest(tuple(self.slots), tuple(sums[n] for n in self.slots))
+            d = delta.next(version, views, sent, full)
+            works.append(_broadcast(self.group, self._header(version, d)))
+            if d is None:
+                works += [_broadcast(self.group, snap.flat[b.dtype][b.start : b.end]) for b in self.buckets]
+            else:
+                snap.held = (torch.from_numpy(d.table).to(self.device), torch.from_numpy(d.payload).to(self.device))
+                works += [_broadcast(self.group, t) for t in snap.held if t.numel()]
         snap.works = works
         if self.blocking:
             _wait(works, self.device)
@@ -359,19 +379,28 @@ class WeightReceiver:
         return out
 
     @torch.no_grad()
-    def receive(self, version: int) -> float:
-        """Receive one version into the flat buffers; returns when its header arrived."""
+    def receive(self, version: int, held_fp: int | None = None) -> float:
+        """Receive one version into the flat buffers; returns when its header arrived. A delta
+        (``offstep.sync.delta``) is received whole, then applied to the flat buffers if their
+        digest's fingerprint is ``held_fp`` (else ``DeltaRefused``, the buffers untouched)."""
         if self.group is None:
             raise RuntimeError("weight sync: receive() before connect()")
-        header = torch.empty(2, dtype=torch.int64, device=self.device)
+        header = torch.empty(5, dtype=torch.int64, device=self.device)
         _wait([_broadcast(self.group, header)], self.device)
         t_header = time.time()
-        got, total = (int(x) for x in header.tolist())
+        got, total, base, rows, nbytes = (int(x) for x in header.tolist())
         if got != version or total != sum(self.totals.values()):
             raise RuntimeError(f"weight sync out of step: expected version {version} ({sum(self.totals.values())} "
                                f"elements), the actor sent version {got} ({total})")
-        works = [_broadcast(self.group, self.flat[b.dtype][b.start : b.end]) for b in self.buckets]
-        _wait(works, self.device)
+        if rows == 0 and nbytes == 0 and base == 0:  # a full sync
+            works = [_broadcast(self.group, self.flat[b.dtype][b.start : b.end]) for b in self.buckets]
+            _wait(works, self.device)
+            return t_header
+        table = torch.empty((rows, 4), dtype=torch.int64, device=self.device)
+        payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        _wait([_broadcast(self.group, t) for t in (table, payload) if t.numel()], self.device)
+        apply(Delta(version, -1, base, table.cpu().numpy(), payload.cpu().numpy()), self.own, self.tensors().__getitem__,
+              held_fp)
         return t_header
 
 

@@ -63,12 +63,14 @@ class Loaded:
     """A rollout worker's report on one weight load: when it ran (version-tagged), the digest of
     what its engine holds after it, the seconds that digest took (inside ``span``), and the wakes
     of a sleeping engine reported with it (``rollout.sleep_during_update``: its weights before
-    ``span``, its KV cache inside it)."""
+    ``span``, its KV cache inside it). ``refused``: why a delta sync was not applied (it did not
+    fit the weights held, which stay; ``offstep.sync.delta``); empty when the load happened."""
 
     span: Span
     digest: WeightDigest
     digest_s: float
     woke: tuple[Span, ...] = ()
+    refused: str = ""
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ from offstep.models.forward import DTYPES, forward_response
 from offstep.models.loading import load_causal_lm
 from offstep.models.lora import add_adapters, is_adapter_name
 from offstep.sync.collective import WeightSender, full_parameters, manifest
+from offstep.sync.delta import DeltaSender
 from offstep.sync.digest import WeightDigest, digest_of
 from offstep.sync.weights import pack_state_dict
 from offstep.telemetry.names import Stage
@@ -280,15 +281,18 @@ class ActorWorker(RoleWorker):
         metrics.update(self._staleness_metrics())
         return all_mean(metrics, self.device)
 
-    def set_sync_manifest(self, specs: list) -> None:
+    def set_sync_manifest(self, specs: list, full_every: int = 0) -> None:
         """The rollout side's sync manifest (``RolloutWorker.weight_sync_manifest``): what every
-        export's digest covers, in the rollout's names, order and dtypes (``offstep.sync.digest``)."""
+        export's digest covers, in the rollout's names, order and dtypes (``offstep.sync.digest``).
+        ``full_every`` > 0: delta syncs, a full one every that many (``offstep.sync.delta``)."""
         self._sync_specs = list(specs)
+        self._delta = DeltaSender(specs, full_every) if full_every > 0 and self.rank == 0 else None
 
-    def export_weights(self) -> list:
+    def export_weights(self, full: bool = False) -> list:
         """Full weights (with LoRA: the adapters only), put once into Ray's object store by rank
         0: ``[ref, digest]`` (or ``[]``); the digest of what was sent, over the rollout manifest
-        (``None`` before :meth:`set_sync_manifest`)."""
+        (``None`` before :meth:`set_sync_manifest`). With delta syncs, the ref holds the change
+        since the last export unless a full sync is due or ``full``."""
         if self.lora:  # every rank gathers the adapters' shards; the frozen base never travels
             sd = {name: t.cpu() for name, t in full_parameters(self.model, self._synced)}
         else:
@@ -296,6 +300,12 @@ class ActorWorker(RoleWorker):
         if self.rank != 0:
             return []
         specs = getattr(self, "_sync_specs", None)
+        delta = getattr(self, "_delta", None)
+        if delta is not None:
+            cast = delta.cast(sd.__getitem__)
+            sent = digest_of(specs, cast.__getitem__)
+            d = delta.next(delta.base_version + 1, cast, sent, full, keep=False)
+            return [ray.put(pack_state_dict(sd) if d is None else d), sent]
         return [ray.put(pack_state_dict(sd)), digest_of(specs, sd.__getitem__) if specs is not None else None]
 
     # Collective path (pipeline.weight_sync=collective): rank 0 is rank 0 of a group of its own with
@@ -314,7 +324,7 @@ class ActorWorker(RoleWorker):
         """Rank 0: join the group (blocks until every rollout worker has joined)."""
         self._weight_sender.connect(world_size, backend, specs, bucket_bytes, manifest(self.model, self._synced), max_in_flight)
 
-    def send_weights(self, version: int) -> WeightDigest | None:
+    def send_weights(self, version: int, full: bool = False) -> WeightDigest | None:
         """Every rank gathers the full parameters (FSDP2); rank 0 broadcasts them to the rollout
         workers and returns the digest of what it sent (the snapshot, in the rollout's dtypes)."""
         sender = getattr(self, "_weight_sender", None)
@@ -322,6 +332,6 @@ class ActorWorker(RoleWorker):
             for _ in full_parameters(self.model, self._synced):
                 pass
             return None
-        sums = sender.send(full_parameters(self.model, self._synced), version)
+        sums = sender.send(full_parameters(self.model, self._synced), version, getattr(self, "_delta", None), full)
         specs = getattr(self, "_sync_specs", None)
         return None if specs is None else WeightDigest(tuple(s.name for s in specs), tuple(sums[s.name] for s in specs))
