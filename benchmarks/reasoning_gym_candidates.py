@@ -33,6 +33,7 @@ CANDIDATES = {
     "chain_sum_2d": ("chain_sum", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}),
     "products_1d": ("products", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}),
     "letter_counting_3w": ("letter_counting", {"min_words": 1, "max_words": 3}),
+    "letter_counting_6w": ("letter_counting", {"min_words": 3, "max_words": 6}),
     "number_sorting_3": ("number_sorting", {"min_numbers": 3, "max_numbers": 3, "max_decimals": 0}),
     "spell_backward_3to5": ("spell_backward", {"min_word_len": 3, "max_word_len": 5}),
     "count_bits_small": ("count_bits", {"min_n": 1, "max_n": 63}),
@@ -56,7 +57,7 @@ def measure(label: str, rows: int, max_new_tokens: int, prompt: str, train: int,
         t0 = time.time()
         metrics, samples = run_eval("smollm2-135m-instruct", val, max_new_tokens=max_new_tokens, threads=1)
     tagged = sum("</answer>" in s.text for s in samples) / len(samples)
-    return {"label": label, "dataset": name, "options": options, "prompt": prompt, "example": example, "rows": rows,
+    return {"label": label, "dataset": name, "options": options, "prompt": prompt, "example": example, "train": train, "rows": rows,
             "max_new_tokens": max_new_tokens, "acc": metrics["acc"], "reward": metrics["reward/mean"], "tagged": tagged,
             "sample": samples[0].text[:120], "seconds": time.time() - t0, "load": round(os.getloadavg()[0], 1),
             "cpu": cpu_kind()}
@@ -64,13 +65,13 @@ def measure(label: str, rows: int, max_new_tokens: int, prompt: str, train: int,
 
 def write(rows: list[dict], out: Path) -> None:
     lines = ["# reasoning-gym candidates: SmolLM2-135M-Instruct before training", "",
-             "Held-out accuracy, greedy, on the validation rows a seed-0 run of `data.task=reasoning_gym` makes (items "
-             "200 and on), with the preset's budget of new tokens; `tagged`: the share of replies holding `</answer>` "
+             "Held-out accuracy, greedy, on the validation rows a seed-0 run of `data.task=reasoning_gym` makes after "
+             "`train` training rows, with the preset's budget of new tokens; `tagged`: the share of replies holding `</answer>` "
              "(no tags: score 0). One core for generation. Regenerate: `.venv/bin/python benchmarks/reasoning_gym_candidates.py`.",
-             "", "| candidate | dataset | options | system prompt | example | rows | new tokens | acc | reward | tagged | s | CPU | load |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "", "| candidate | dataset | options | system prompt | example | train | rows | new tokens | acc | reward | tagged | s | CPU | load |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['dataset']} | `{json.dumps(r['options'])}` | {r['prompt']} | {r.get('example', False)} | {r['rows']} | "
+        lines.append(f"| {r['label']} | {r['dataset']} | `{json.dumps(r['options'])}` | {r['prompt']} | {r.get('example', False)} | {r['train']} | {r['rows']} | "
                      f"{r['max_new_tokens']} | {100 * r['acc']:.0f}% | {r['reward']:.2f} | {100 * r['tagged']:.0f}% | "
                      f"{r['seconds']:.0f} | {r['cpu']} | {r['load']} |")
     out.write_text("\n".join(lines) + "\n")
