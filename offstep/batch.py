@@ -60,6 +60,8 @@ class Sample:
     # the weight version that sampled each response token (pipeline.mode=fully_async, where a load can land
     # inside a sample: a partial rollout), NO_VERSION on a tool turn's (masked); None: every token is of ``version``
     token_versions: Optional[list[int]] = None
+    # fully_async: the most versions its K/V cache lagged the weights that decoded it (rollout.max_kv_age)
+    kv_age: int = 0
 
     def __post_init__(self):
         if isinstance(self.agent, dict):  # from a checkpoint's JSON

@@ -122,6 +122,8 @@ class RolloutConfig:
     """colocated synchronous training (pipeline.colocate=true, pipeline.max_staleness=0): the replicas free their device memory (weights, KV cache) for the trainer's passes and update, and wake for the weight load that follows (verl's hybrid engine; docs/engines.md): auto (on exactly when the replicas share the trainer's GPUs) | true | false"""
     partial: str = "keep"
     """pipeline.mode=fully_async: how in-flight samples continue across a weight load: keep (their KV cache, computed under the old weights, stays; no extra work) | recompute (their prompt and tokens so far are prefilled again under the new weights) | off (they finish under the old weights before the load; no sample crosses a load)"""
+    max_kv_age: int = -1
+    """partial=keep: the most policy versions a sample's K/V cache may lag the weights it decodes with; after a load, a sample past it has its prompt and tokens prefilled again under the new weights, as partial=recompute does for every sample (0: recompute; -1: no bound, keep as is; docs/fully-async.md#kv-age)"""
     val_temperature: float = 0.0
     """validation sampling temperature (0: greedy; otherwise finite and >= 0.01)"""
     val_n: int = 1

@@ -251,6 +251,14 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
     p = cfg.pipeline
     _choice(p.mode, "pipeline.mode", PIPELINE_MODES, e)
     _choice(cfg.rollout.partial, "rollout.partial", PARTIAL_MODES, e)
+    age = cfg.rollout.max_kv_age
+    _need(age >= -1, f"rollout.max_kv_age={age} must be >= 0, or -1 (no bound)", e)
+    _need(not (cfg.rollout.engine == "vllm" and age > 0),
+          f"rollout.max_kv_age={age} with rollout.engine=vllm: vLLM prefills again all of its running requests or "
+          f"none (reset_prefix_cache(reset_running_requests=True)), not those past a bound; use 0 (every load "
+          f"recomputes, as rollout.partial=recompute) or -1, or rollout.engine=builtin", e)
+    _need(cfg.pipeline.weight_sync_full_every >= 1,
+          f"pipeline.weight_sync_full_every={cfg.pipeline.weight_sync_full_every} must be >= 1", e)
     if p.mode != "fully_async":
         _need(not p.replay, f"pipeline.replay={p.replay!r} with pipeline.mode={p.mode}: a batch-mode run needs no "
               f"replay (it is reproducible from its seeds); set pipeline.mode=fully_async, or pipeline.replay=''", e)

@@ -141,7 +141,7 @@ class SampleStream:
 
     async def _stream_start(self, worker, replay: list | None = None) -> None:
         prompts = [p.prompt_ids for p in self.inputs.train]
-        await worker.stream_start.remote(prompts, self.params, self.cfg.rollout.partial, replay)
+        await worker.stream_start.remote(prompts, self.params, self.cfg.rollout.partial, replay, self.cfg.rollout.max_kv_age)
 
     def _place(self, g: int) -> tuple[int, int, int]:
         """(replica, seed, first stream) of group ``g``: the batch mode's for its batch and position."""
@@ -298,6 +298,7 @@ class SampleStream:
         return {
             Rollout.VERSION_SPAN_MAX: max(spans),
             Rollout.PARTIAL_SAMPLES: sum(n > 1 for n in spans),
+            Rollout.KV_AGE_MAX: max(s.kv_age for s in samples),
             Rollout.QUEUE_DEPTH: sum(a.finished is not None for a in self.groups.values()),
             Rollout.IN_FLIGHT_GROUPS: sum(a.finished is None for a in self.groups.values()),
             Rollout.DROPPED_STALE: 0,  # admission holds back instead (see the module's docstring)

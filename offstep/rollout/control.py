@@ -7,7 +7,8 @@ engine's own thread at its next step boundary, so the in-flight samples continue
 weights (a partial rollout). ``partial`` says how they continue (``rollout.partial``):
 
 - ``keep``: their KV cache, computed under the old weights, stays (no extra work; the next tokens
-  attend to keys and values of the old weights);
+  attend to keys and values of the old weights), unless it would then lag the weights by more than
+  ``rollout.max_kv_age`` versions: that sample alone is prefilled again, as ``recompute`` does;
 - ``recompute``: their prompt and tokens so far are prefilled again under the new weights (one
   prefill of every running sample per load), so every later token is sampled from the new policy
   exactly;
@@ -40,10 +41,11 @@ SUSPENDED = "suspended"  # the finish reason of a sample a suspension ended
 
 
 class StepControl:
-    def __init__(self, partial: str):
+    def __init__(self, partial: str, max_kv_age: int = -1):
         if partial not in PARTIAL_MODES:
             raise ValueError(f"partial={partial!r} is not one of {list(PARTIAL_MODES)}")
         self.partial = partial
+        self.max_kv_age = max_kv_age  # keep: a sample's K/V may lag the weights by this many versions (-1: any)
         self._lock = threading.Lock()
         self._serving = False
         self._load: tuple[Callable[[], None], Future] | None = None
@@ -52,6 +54,14 @@ class StepControl:
         self._wake: Callable[[], None] = lambda: None
         self.schedule: Schedule | None = None
         self._feed = None  # the feed whose admissions the schedule names (use_schedule)
+
+    @property
+    def kv_bound(self) -> float:
+        """How many versions a running sample's K/V may lag the weights after a load before it is
+        prefilled again: 0 with ``recompute``, ``max_kv_age`` with ``keep`` (any when negative)."""
+        if self.partial == "recompute":
+            return 0
+        return float("inf") if self.max_kv_age < 0 else self.max_kv_age
 
     def use_schedule(self, schedule: Schedule, feed) -> None:
         """Record into, or replay, ``schedule``; ``feed`` (a ``StreamFeed``) holds the requests it admits."""

@@ -362,7 +362,7 @@ class TorchEngine:
             logprobs=row.logprobs,
             finish_reason=reason,
             text=text,
-            extra={"weight_version": self.version},
+            extra={"weight_version": self.version, "kv_age": row.kv_age},
             versions=row.versions,
         )
 

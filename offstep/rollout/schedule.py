@@ -26,7 +26,8 @@ def shared_prefix(prompts: list[list[int]]) -> int:
 class Row:
     """Decoding state of one sample (or one turn of an agent loop): at most ``limit`` tokens."""
 
-    __slots__ = ("index", "limit", "logprobs", "prompt", "prompt_index", "stop", "tokens", "versions")
+    __slots__ = ("index", "kv_age", "kv_version", "limit", "logprobs", "prompt", "prompt_index", "stop", "tokens",
+                 "versions")
 
     def __init__(self, index: int, prompt_index: int, limit: int, prompt: list[int] = (),
                  stop: tuple[str, ...] | None = None):
@@ -38,6 +39,24 @@ class Row:
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # the weight version that sampled each token
         self.stop = stop  # its own stop strings; None: the call's
+        self.kv_version = -1  # the version its oldest K/V entries were computed with (set when prefilled)
+        self.kv_age = 0  # the most versions its K/V lagged the weights it decoded with
+
+
+def stale_rows(rows: list[Row], version: int, control: StepControl) -> list[int]:
+    """After a load of ``version``: the rows whose K/V would lag it by more than the bound
+    (``rollout.max_kv_age``; ``recompute``: 0), to prefill again. The others keep their K/V and
+    record how far it lags."""
+    bound = control.kv_bound
+    stale = []
+    for j, r in enumerate(rows):
+        age = version - r.kv_version
+        if age > bound:
+            stale.append(j)
+            r.kv_version = version
+        else:
+            r.kv_age = max(r.kv_age, age)
+    return stale
 
 
 def _row(req: TurnRequest) -> Row:
@@ -70,8 +89,7 @@ def continuous(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, 
     # One slot more holds the shared prefix; admitted prompts copy it and prefill the rest.
     cache = runner.new_cache(slots + (shared > 0), plen + min(params.max_new_tokens, 256), plen + params.max_new_tokens)
     none = torch.zeros(0, dtype=torch.long, device=dev)
-    if shared:
-        runner.step(cache, none, none, [prompts[0][:shared]], [[slots]])
+    prefix_version = None  # the version the shared prefix's K/V was computed with: reused only by that version
     prefix_src = torch.full((slots,), slots, dtype=torch.long, device=dev)
     tok, pos, step = (torch.zeros(slots, dtype=torch.long, device=dev) for _ in range(3))
     uni = torch.zeros((slots, max(1, params.max_new_tokens)), dtype=torch.float64, device=dev)
@@ -92,12 +110,10 @@ def continuous(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, 
                 admit = False  # the running samples finish under the old weights first
             else:
                 control.run_load()
-                if shared:  # the shared prefix's K/V, which admitted prompts copy
-                    runner.step(cache, none, none, [prompts[0][:shared]], [[slots]])
-                if control.partial == "recompute" and rows:
-                    # Every running sample's K/V again under the new weights: its prompt and its
-                    # tokens but the last, which is the next step's input as before.
-                    runner.step(cache, none, none, [r.prompt + r.tokens[:-1] for r in rows], [[j] for j in range(len(rows))])
+                if stale := stale_rows(rows, engine.version, control):
+                    # Those samples' K/V again under the new weights: the prompt and the tokens but
+                    # the last, which is the next step's input as before.
+                    runner.step(cache, none, none, [rows[j].prompt + rows[j].tokens[:-1] for j in stale], [[j] for j in stale])
         b = len(rows)
         # ---- admit waiting requests into the free slots; each new prompt is prefilled once
         new = feed.take(slots - b, block=b == 0) if admit and open_feed and b < slots else []
@@ -119,7 +135,11 @@ def continuous(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, 
             new_slots[-1].append(len(rows))
             logit_row.append(b + len(new_prompts) - 1)
             rows.append(_row(req))
+            rows[-1].kv_version = engine.version
         bt = len(rows)
+        if shared and bt > b and prefix_version != engine.version:  # keyed by weight version: never a stale prefix
+            runner.step(cache, none, none, [prompts[0][:shared]], [[slots]])
+            prefix_version = engine.version
         if shared and bt > b:
             cache.move(prefix_src[: bt - b], torch.arange(b, bt, device=dev), shared)
         logits = runner.step(cache, tok[:b], pos[:b], new_prompts, new_slots, start=shared)
@@ -185,6 +205,8 @@ def static(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, cont
                         emit(row, SUSPENDED)
                     continue
                 control.run_load()
+            for row in rows:
+                row.kv_version = engine.version
             uniforms = _uniforms(chunk, params, seed, engine.device)
             _chunk(engine, {req.group: req.prompt_ids for req in chunk}, rows, params, uniforms, emit, control)
         if control is not None:
@@ -231,6 +253,7 @@ def _chunk(engine, prompts: dict[int, list[int]], rows: list[Row], params: Sampl
                 return
             if control.partial != "off":  # off: the load waits for the end of this sub-batch
                 control.run_load()
-                if control.partial == "recompute":  # each row's K/V again, under the new weights
+                # The rows of a sub-batch were prefilled together: all or none are past the bound.
+                if stale_rows([rows[i] for i in active], engine.version, control):  # their K/V again, under the new weights
                     _, batch = runner.prefill([rows[i].prompt + rows[i].tokens[:-1] for i in active], list(range(len(active))))
         logits = runner.decode(batch, tokens)

@@ -46,6 +46,7 @@ class SampleState:
     # a tool loop not finished when its group was suspended: its AgentResult (as a dict) at the start of
     # its last model turn; submitted again, the loop goes on from there (offstep.rollout.stream_agents)
     loop: dict | None = None
+    kv_age: int = 0  # the most versions its K/V lagged the weights it decoded with (rollout.max_kv_age)
 
 
 @dataclass
@@ -178,11 +179,11 @@ class StreamServer:
 
     def __init__(self, engine, prompts: list[list[int]], params: SamplingParams, partial: str, concurrency: int,
                  score: Callable, pool: ThreadPoolExecutor, tokenizer, on_sample: Callable[[], None] = lambda: None,
-                 share_prefix: bool = True, replay: list | None = None):
+                 share_prefix: bool = True, replay: list | None = None, max_kv_age: int = -1):
         self.engine, self.params, self.score, self.pool, self.tok = engine, params, score, pool, tokenizer
         self.on_sample = on_sample
         self.agents: dict[str, object] = {}
-        self.control = StepControl(partial)
+        self.control = StepControl(partial, max_kv_age)
         self.schedule = Schedule(replay)  # when each load, suspension and admission happened (offstep.rollout.replay)
         self.feed = StreamFeed(prompts, concurrency, share_prefix, self.schedule, self.control.run_posted)
         self.control.use_schedule(self.schedule, self.feed)
@@ -298,6 +299,7 @@ class StreamServer:
             s.tokens = s.tokens + list(c.response_ids)
             s.logprobs = s.logprobs + list(c.logprobs)
             s.versions = s.versions + list(c.versions)
+            s.kv_age = max(s.kv_age, int(c.extra.get("kv_age", 0)))
             if c.finish_reason == SUSPENDED:
                 return
             s.finish_reason = c.finish_reason
@@ -339,7 +341,7 @@ class StreamServer:
                           response_ids=s.tokens, rollout_logprobs=s.logprobs, finish_reason=s.finish_reason, score=s.score,
                           version=s.versions[0] if s.versions else self.engine.version, data_source=r.data_source,
                           text=s.text, reward_extra=s.extra, token_versions=s.versions, loss_mask=s.loss_mask,
-                          agent=s.agent)
+                          agent=s.agent, kv_age=s.kv_age)
                    for s in g.samples]
         self._finished.append(FinishedGroup(uid, samples, g.started, time.time()))
         self._lock.notify_all()

@@ -115,7 +115,7 @@ def _between_steps(engine, control: StepControl, live: dict[str, _Live], emit: C
         if control.partial == "off" and live:
             return False
         control.run_load()
-        if control.partial == "recompute" and live and not engine._engine.reset_prefix_cache(
+        if control.kv_bound == 0 and live and not engine._engine.reset_prefix_cache(  # recompute, or max_kv_age=0
                 reset_running_requests=True):
             raise RuntimeError("vLLM could not preempt its running requests to recompute them under the new weights")
     return True

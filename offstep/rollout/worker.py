@@ -275,7 +275,7 @@ class RolloutWorker:
     # (pipeline.mode=fully_async, offstep.rollout.stream): the actor runs these on several threads
     # (max_concurrency), so a load or a take is served while the engine generates.
     def stream_start(self, prompts: list[list[int]], params: SamplingParams, partial: str,
-                     replay: list | None = None) -> None:
+                     replay: list | None = None, max_kv_age: int = -1) -> None:
         """Start generating from a stream of prompt groups (``prompts``: every prompt that may come,
         for the engine's cache and shared prefix); ``replay``: a recorded schedule for it to follow
         (``offstep.rollout.replay``)."""
@@ -286,7 +286,8 @@ class RolloutWorker:
         self._generating_again()
         openai = self.agent is not None and bool(self.agent.openai_path or getattr(self.agent, "env", None))  # env.*: its rollouts too
         self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, self._score, self.pool,
-                                    self._tok, self.progress.advance, share_prefix=not openai, replay=replay)
+                                    self._tok, self.progress.advance, share_prefix=not openai, replay=replay,
+                                    max_kv_age=max_kv_age)
         if self.agent is not None:  # tool rows and OpenAI agents' rows: their loops' turns go through the stream
             attach_agents(self._stream, self._tool_loops(), self._openai_agents() if openai else None, self.engine, params)
 
