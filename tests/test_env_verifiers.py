@@ -62,3 +62,46 @@ def test_failing_env_is_counted_and_retried(tmp_path, ray_session):
     assert sum(m["env/errors"] for m in metrics) >= 1 and all(m["env/timeouts"] == 0 for m in metrics)
     for m in metrics:  # the trained rewards are the rubric's, parts and all
         assert abs(m["reward/correct"] + m["reward/brief"] - m["reward/mean"]) < 1e-6
+
+
+@pytest.mark.heavy
+def test_trajectories_are_the_endpoints_tokens(tmp_path):
+    """Without Ray: a verifiers environment's rollouts through the replica's endpoint on the tiny
+    model; each sample is, token for token, what the engine sampled for its calls (the tokens and
+    their log-probs, masked 1) after the prompt the endpoint rendered, and its reward verifiers'."""
+    import torch
+
+    from offstep.envs.rows import env_agent
+    from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+    from offstep.rollout.engine import TorchEngine
+    from offstep.rollout.openai_agent import OpenAIRunner
+    from offstep.rollout.types import SamplingParams
+    from offstep.rollout.worker import Request
+
+    cfg = load_config(run_args(tmp_path))
+    path = resolve_model("tiny")
+    tok = load_tokenizer(path)
+    eos = eos_token_ids(tok, path)
+    engine = TorchEngine(load_causal_lm(path, torch.float32), tok, eos)
+    calls = []  # (prompt, completion) of every generation the endpoint asked for
+    generate = engine.generate
+
+    def spy(prompts, params, seed, on_finish=None):
+        out = generate(prompts, params, seed, on_finish)
+        calls.extend((prompts[c.prompt_index], c) for c in out)
+        return out
+
+    engine.generate = spy
+    runner = OpenAIRunner(env_agent(cfg.rollout.agent, cfg.env), tok, eos)
+    rows = [Request(uid=i, prompt_ids=[], data_source="verifiers:vf_arith", ground_truth=None,
+                    extra_info={"env_task": i, "index": i}, agent_name="openai", messages=m)
+            for i, m in enumerate(runner.fn.prompts()[:2])]
+    samples = runner.run(engine, rows, SamplingParams(n=2, max_new_tokens=12, temperature=1.0), seed=3)
+    assert len(samples) == 4 and len(calls) == 4  # one call per single-turn episode
+    for s in samples:
+        sampled = [(p, c) for p, c in calls if p == s.prompt_ids and c.response_ids == s.response_ids]
+        assert len(sampled) >= 1, "a sample is not one of the endpoint's generations"
+        c = sampled[0][1]
+        assert s.rollout_logprobs == c.logprobs and s.loss_mask == [1] * len(c.response_ids)
+        assert s.reward_extra["env/errors"] == 0 and set(s.reward_extra) >= {"reward/correct", "reward/brief"}
+        assert abs(s.score - s.reward_extra["reward/correct"] - s.reward_extra["reward/brief"]) < 1e-9

@@ -330,11 +330,11 @@ class EnvConfig:
     prompts, its own rollout logic talks to the replica's OpenAI endpoint, its reward is the reward."""
 
     kind: Optional[str] = None
-    """null (off: data.* gives the prompts) | verifiers (a verifiers taskset, by env.id) | openenv (an OpenEnv server per rollout, env.id a module:class)"""
+    """null (off: data.* gives the prompts) | verifiers (a verifiers taskset, by env.id) | openenv (a pool of OpenEnv servers on 127.0.0.1, env.id module:attr)"""
     id: Optional[str] = None
-    """verifiers: the taskset's id (its installed module); openenv: module:Environment class served on 127.0.0.1 (an agent in env.args.agent)"""
+    """verifiers: the taskset's id (its installed module); openenv: module:attr, an openenv Environment class (built with env.args) or a package's server app"""
     args: dict = field(default_factory=dict)
-    """the environment's arguments (verifiers: the taskset config's fields)"""
+    """the environment's arguments (verifiers: the taskset config's fields; openenv: size, max_turns, system_prompt, action_field, observation_field, the rest the Environment's constructor's)"""
     path: list[str] = field(default_factory=list)
     """folders put on sys.path before env.id is imported (a taskset not installed as a package)"""
     val_size: int = 0
@@ -342,9 +342,9 @@ class EnvConfig:
     timeout_s: float = 300.0
     """one rollout (episode) longer than this fails: counted in env/timeouts, then as env.on_error says"""
     max_concurrent: int = 0
-    """episodes run at once per rollout replica (0: all of a generation call)"""
+    """episodes run at once per rollout replica (0: all of a generation call); openenv: its servers per replica"""
     on_error: str = "retry"
-    """a rollout whose environment raised or timed out: retry (again in a fresh session, env.retries times; then the run stops with the error) | drop (the run stops at once with the error; never trained as 0)"""
+    """a rollout whose environment raised or timed out (never trained as 0): retry (again in a fresh session, env.retries times; then as drop) | drop (its group is left out of the batch; fully_async: refused, and a retry's last failure stops the run)"""
     retries: int = 2
     """retries of one failed rollout with env.on_error=retry"""
 

@@ -1,10 +1,19 @@
-"""An environment's rollout that failed: counted and retried, never trained as reward 0."""
+"""An environment's rollout that failed: counted, retried, and then its group dropped or the run
+stopped (docs/environments.md, "Failures"); never trained as reward 0."""
 
 from __future__ import annotations
 
 from offstep.telemetry.names import Env
 
 ERRORS, TIMEOUTS = Env.ERRORS, Env.TIMEOUTS  # the keys a rollout's reward extras carry
+FAILED = "env/failed"  # a dropped rollout's placeholder sample: its group leaves the batch (never a metric)
+DROPPED_GROUPS = "env/dropped_groups"  # groups a step dropped for a failed rollout
+
+
+def split_failed(samples: list) -> tuple[list, list]:
+    """(samples of groups without a failed rollout, samples of groups with one)."""
+    bad = {s.uid for s in samples if s.reward_extra.get(FAILED)}
+    return [s for s in samples if s.uid not in bad], [s for s in samples if s.uid in bad]
 
 
 class EnvRolloutFailed(Exception):

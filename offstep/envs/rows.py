@@ -48,6 +48,7 @@ def rollouts(spec) -> Callable[..., Any]:
 @dataclass
 class EnvAgent(AgentConfig):
     env: Any = None  # the EnvConfig whose rollouts answer the rows
+    drop_failed: bool = False  # a rollout that failed for good drops its group (batch mode) instead of stopping the run
 
 
 def split(rows: list, val_size: int) -> tuple[list, list]:
@@ -56,10 +57,17 @@ def split(rows: list, val_size: int) -> tuple[list, list]:
     return (rows[: len(rows) - val_size], rows[len(rows) - val_size:]) if val_size else (rows, [])
 
 
-def env_agent(agent_cfg, spec):
-    """``rollout.agent`` carrying ``env`` to the rollout workers (their OpenAI runner loads it)."""
+def env_agent(agent_cfg, spec, fully_async: bool = False):
+    """``rollout.agent`` carrying ``env`` to the rollout workers (their OpenAI runner loads it). The
+    failure rule (docs/environments.md): a rollout that failed for good (at once with ``drop``,
+    after ``env.retries`` with ``retry``) drops its group in batch mode; in fully_async, whose stream
+    trains groups as they finish, it stops the run, and ``drop`` is refused before start."""
     import dataclasses
 
+    if fully_async and spec.on_error == "drop":
+        raise EnvLoadError("env.on_error=drop is not supported with pipeline.mode=fully_async (its stream does not "
+                           "drop groups). Fix: env.on_error=retry (a rollout still failing after env.retries stops "
+                           "the run), or pipeline.mode=batch")
     out = EnvAgent(**{f.name: getattr(agent_cfg, f.name) for f in dataclasses.fields(agent_cfg)})
-    out.env = spec
+    out.env, out.drop_failed = spec, not fully_async
     return out

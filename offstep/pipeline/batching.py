@@ -21,6 +21,7 @@ import torch
 from offstep.algos.dapo import dynamic_sampling_keep
 from offstep.batch import Sample
 from offstep.config.schema import AlgorithmConfig
+from offstep.envs.failures import split_failed
 
 
 def refill_indices(seed: int, batch_idx: int, attempt: int, num_items: int, size: int) -> list[int]:
@@ -39,6 +40,7 @@ class Generated:
     prompt_of: dict[int, int] = field(default_factory=dict)  # uid -> training-set index
     kept_groups: int = 0  # groups with unequal rewards (dynamic sampling)
     filled_groups: int = 0  # equal-reward groups used to fill a batch the attempts could not fill
+    dropped: list[Sample] = field(default_factory=list)  # groups with an environment's failed rollout (env.on_error)
 
 
 def assemble(samples: list[Sample], groups_needed: int) -> tuple[list[Sample], int, int]:
@@ -86,7 +88,12 @@ def generate_batch(submit: Callable[..., asyncio.Future], prompts: list, params,
         for attempt in range(attempts):
             results = await (first if attempt == 0 else submit_round(attempt))
             gen.rounds.append(results)
-            gen.samples.extend(s for samples, _ in results for s in samples)
+            kept, dropped = split_failed([s for samples, _ in results for s in samples])
+            gen.samples.extend(kept)
+            gen.dropped.extend(dropped)
+            if not gen.samples and attempt + 1 == attempts:
+                raise RuntimeError(f"every group of batch {batch_idx} had a rollout whose environment failed "
+                                   "(env.on_error): nothing is left to train. See env/errors, env/timeouts")
             if not algo.dynamic_sampling:
                 return gen
             chosen, gen.kept_groups, gen.filled_groups = assemble(gen.samples, bs)

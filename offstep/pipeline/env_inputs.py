@@ -11,6 +11,7 @@ def env_inputs(cfg) -> tuple[list[PromptRecord], list[PromptRecord], object]:
     that fails to load stops the run with its error before any worker starts), and the agent spec
     that makes the rollout workers answer them with the environment's rollouts."""
     spec = cfg.env
+    agent = env_agent(cfg.rollout.agent, spec, cfg.pipeline.mode == "fully_async")  # its refusals first
     fn = rollouts(spec)
     prompts = fn.prompts()
     if hasattr(fn, "close"):
@@ -20,4 +21,4 @@ def env_inputs(cfg) -> tuple[list[PromptRecord], list[PromptRecord], object]:
                             extra_info={"env_task": i, "index": i}, agent_name=OPENAI_AGENT)
                for i, m in enumerate(prompts)]
     train, val = split(records, spec.val_size)
-    return train, val, env_agent(cfg.rollout.agent, spec)
+    return train, val, agent

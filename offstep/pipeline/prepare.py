@@ -23,7 +23,7 @@ from offstep.errors import StalenessError
 from offstep.pipeline.advantage import compute_advantages, needs_old_logprobs
 from offstep.pipeline.batching import Generated
 from offstep.pipeline.inputs import Inputs
-from offstep.pipeline.step_metrics import batch_metrics, record_generation, reward_model_seconds, sample_rows, sandbox_metrics
+from offstep.pipeline.step_metrics import batch_metrics, dropped_metrics, record_generation, reward_model_seconds, sample_rows, sandbox_metrics
 from offstep.telemetry.loggers import RunLoggers
 from offstep.telemetry.metrics import Timeline
 from offstep.telemetry.names import Data, Perf, Role, Rollout, Stage, Timing
@@ -69,6 +69,7 @@ class BatchPreparer:
         batch.staleness = check_staleness(batch.versions, step - 1, self.cfg.pipeline.max_staleness)
         m = batch_metrics(step, epoch, gen.samples, batch, batch.staleness)
         m.update(sandbox_metrics([r for results in gen.rounds for r in results]))
+        m.update(dropped_metrics(gen.dropped, m))
         m[Data.PROMPTS_CRC32] = zlib.crc32(",".join(map(str, idx)).encode())
         if self.cfg.algorithm.dynamic_sampling:
             m[Rollout.DYNAMIC_SAMPLING_ATTEMPTS] = len(gen.rounds)

@@ -131,6 +131,18 @@ def env_metrics(samples: list[Sample]) -> dict:
     return m
 
 
+def dropped_metrics(dropped: list[Sample], m: dict) -> dict:
+    """The failures of the groups a step dropped (env.on_error) added to ``m``'s counts, and how many
+    groups were dropped; nothing for a run without ``env.*``."""
+    from offstep.envs.failures import DROPPED_GROUPS
+
+    if not dropped and Env.ERRORS not in m:
+        return {}
+    out = {k: m.get(k, 0.0) + sum(float(s.reward_extra.get(k, 0.0)) for s in dropped) for k in (Env.ERRORS, Env.TIMEOUTS)}
+    out[DROPPED_GROUPS] = len({s.uid for s in dropped})
+    return out
+
+
 def sample_rows(step: int, samples: list[Sample], prompt_text: dict[int, str], count: int) -> list[dict]:
     """``count`` samples spread evenly over the batch, for ``samples.jsonl``; ``prompt_text``
     maps a group (uid) to its prompt's last message."""

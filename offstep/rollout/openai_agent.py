@@ -107,10 +107,11 @@ class OpenAIRunner:
     async def rollout(self, server: OpenAIServer, http, r) -> tuple:
         """One rollout of row ``r`` (a ``worker.Request``) in a session of its own on ``server``:
         the session and what the agent returned. An environment's failed rollout (``env.*``) is
-        counted and tried again in a fresh session (``offstep.envs.failures``)."""
+        counted and tried again in a fresh session; one that failed for good drops its group (no
+        session: ``offstep.envs.failures``) or stops the run."""
         if self.env is None:
             return await self._rollout(server, http, r)
-        from offstep.envs.failures import ERRORS, TIMEOUTS, EnvRolloutFailed
+        from offstep.envs.failures import ERRORS, FAILED, TIMEOUTS, EnvRolloutFailed
 
         counts = {ERRORS: 0.0, TIMEOUTS: 0.0}
         tries = 1 + (self.env.retries if self.env.on_error == "retry" else 0)
@@ -121,6 +122,8 @@ class OpenAIRunner:
                 if not isinstance(exc.__cause__, EnvRolloutFailed):
                     raise
                 counts[TIMEOUTS if exc.__cause__.timed_out else ERRORS] += 1
+                if attempt + 1 == tries and getattr(self.spec, "drop_failed", False):
+                    return None, {"score": 0.0, FAILED: 1.0, **counts}  # its group leaves the batch
                 if attempt + 1 == tries:
                     raise AgentError(f"env {self.env.kind}:{self.env.id} failed {tries} time(s) on row "
                                      f"{r.extra_info.get('index', r.uid)!r} (env.on_error={self.env.on_error}, "
@@ -146,6 +149,10 @@ class OpenAIRunner:
         return session, result
 
     def sample(self, r, session, result, version: int) -> Sample:
+        if session is None:  # a dropped rollout (env.on_error): a placeholder its group's batch filters out
+            return Sample(uid=r.uid, prompt_ids=list(self.eos[:1]), response_ids=list(self.eos[:1]),
+                          rollout_logprobs=[0.0], finish_reason="abort", score=0.0, version=version,
+                          data_source=r.data_source, reward_extra=dict(result), loss_mask=[0])
         where = f"the agent {self.spec.openai_name!r} in {self.spec.openai_path} (row {r.extra_info.get('index', r.uid)!r})"
         try:
             score, extra = score_of(result)
