@@ -68,6 +68,16 @@ def _bits(x: float) -> bytes:
 
 
 # ------------------------------------------------------------------ trainer_state.json
+def test_every_sample_field_is_read_back_from_a_checkpoint():
+    """A field added to ``Sample`` is stored in a checkpoint's in-flight batches; if the reader
+    does not know it, every such checkpoint reads as damaged and a resume starts afresh."""
+    import dataclasses
+
+    from offstep.pipeline.trainer_state import _SAMPLE_CHECKS
+
+    assert {f.name for f in dataclasses.fields(Sample)} == set(_SAMPLE_CHECKS)
+
+
 def test_trainer_state_round_trips_exactly():
     rng = np.random.default_rng(0)
     samples = [

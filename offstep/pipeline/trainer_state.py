@@ -83,7 +83,7 @@ _SAMPLE_CHECKS: dict[str, Callable] = {
     "data_source": lambda v: isinstance(v, str), "text": lambda v: isinstance(v, str),
     "reward_extra": lambda v: isinstance(v, dict), "ref_logprobs": lambda v: v is None or _nums(v),
     "baseline_score": lambda v: v is None or _num(v), "baseline_length": lambda v: v is None or _int(v),
-    "loss_mask": lambda v: v is None or _ints(v), "token_versions": lambda v: v is None or _ints(v),
+    "loss_mask": lambda v: v is None or _ints(v), "token_versions": lambda v: v is None or _ints(v), "kv_age": _int,
     "agent": lambda v: v is None or (isinstance(v, dict) and set(v) <= {f.name for f in fields(AgentStats)}
                                      and all(isinstance(x, (int, float)) for x in v.values())),  # max_turns_hit a bool
 }
