@@ -122,11 +122,9 @@ def test_verl_fully_async_script(name, data):
            "resources.trainer_workers": want["workers"][0], "rollout.replicas": want["workers"][1]}
     assert {k: at(cfg, k) for k in got} == got
     assert any("verl's fully-async trainer -> pipeline.mode=fully_async" in n for n in notes)
-    found = problems(cfg)
-    if name == "dapo_7b_math_fsdp2_4_12":  # 512 x 16 samples a step over 12 trainer workers
-        assert found and all("resources.trainer_workers=12" in p for p in found), found
-    else:
-        assert found == []
+    # dapo_7b_math_fsdp2_4_12 too: its 512 x 16 samples a step are split unevenly over 12 trainer
+    # workers (offstep.train.shards), as verl balances them
+    assert problems(cfg) == []
 
 
 # ------------------------------------------------------------------ each conversion, by hand

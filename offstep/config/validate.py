@@ -488,13 +488,11 @@ def problems(cfg: Config) -> list[str]:
     _need(rw.num_threads >= 1, f"reward.num_threads={rw.num_threads} must be >= 1", e)
     _check_reward_model(cfg, e)
     if W >= 1 and B >= 1:  # rollout.n or train_batch_size < 1 is reported above
-        _need(B % W == 0, f"a batch of data.train_batch_size x rollout.n = {d.train_batch_size} x {r.n} = {B} "
-              f"samples does not divide over resources.trainer_workers={W}; change one of them", e)
+        # neither need divide over the W ranks: offstep.train.shards pads the shares with filler rows
         mini = a.mini_batch_size or B
         _need(a.mini_batch_size >= 0 and B % mini == 0,
               f"actor.mini_batch_size={a.mini_batch_size} must divide the batch of {B} samples "
               f"(data.train_batch_size x rollout.n), or be 0 for one mini-batch", e)
-        _need(mini % W == 0, f"actor.mini_batch_size={mini} must be a multiple of resources.trainer_workers={W}", e)
 
     res = cfg.resources
     for key, v in (("resources.cpus_per_trainer_worker", res.cpus_per_trainer_worker), ("rollout.cpus_per_replica", r.cpus_per_replica)):

@@ -234,9 +234,8 @@ class ActorWorker(RoleWorker):
     @timed
     def update(self, batch: TrainBatch) -> dict[str, float]:
         """PPO epochs over mini-batches of micro-batches; returns metrics averaged over ranks."""
-        local = self._local(batch)
-        world = self.spec.world_size
-        mini = (self.cfg.mini_batch_size or len(batch)) // world
+        local = self._local(batch, self.cfg.mini_batch_size)
+        mini = self._local_mini(batch, self.cfg.mini_batch_size)
         sums: dict[str, float] = {}
         n_mini = 0
         self.updates += 1

@@ -62,13 +62,12 @@ class CriticWorker(RoleWorker):
     def compute_values(self, batch: TrainBatch) -> torch.Tensor:
         local = self._local(batch)
         parts = [(idx, self._values(mb)) for idx, mb in self._micro_batches(local, self.micro, self.token_budget)]
-        return self._gather(scatter_rows(parts, len(local), local.response_mask.shape[1]))
+        return self._gather(scatter_rows(parts, len(local), local.response_mask.shape[1]), len(batch))
 
     @timed
     def update(self, batch: TrainBatch) -> dict[str, float]:
-        local = self._local(batch)
-        world = self.spec.world_size
-        mini = (self.mini or len(batch)) // world
+        local = self._local(batch, self.mini)
+        mini = self._local_mini(batch, self.mini)
         sums, n_mini = {}, 0
         self.updates += 1
         for epoch in range(self.cfg.ppo_epochs):

@@ -21,6 +21,7 @@ from offstep.errors import NonFiniteError
 from offstep.models.forward import forward_response
 from offstep.models.lora import base_of
 from offstep.train.distributed import GroupSpec, all_max, all_sum, setup
+from offstep.train.shards import divides, local_mini, shard_plan, take_rows, unshard
 from offstep.train.threads import ThreadLease
 
 
@@ -123,8 +124,18 @@ class RoleWorker:
     def rank(self) -> int:
         return self.spec.rank
 
-    def _local(self, batch: TrainBatch) -> TrainBatch:
-        return rank_shard(batch, self.spec.rank, self.spec.world_size).to(self.device)
+    def _local(self, batch: TrainBatch, mini: int = 0) -> TrainBatch:
+        """This rank's rows of ``batch`` (``offstep.train.shards``: padded with filler rows where the
+        batch or its mini-batch of ``mini`` rows, 0 for one, does not divide over the ranks)."""
+        world, mini = self.spec.world_size, mini or len(batch)
+        self._plan = None if divides(len(batch), world, mini) else shard_plan(len(batch), world, mini)
+        if self._plan is None:
+            return rank_shard(batch, self.spec.rank, world).to(self.device)
+        return take_rows(batch, self._plan[self.spec.rank]).to(self.device)
+
+    def _local_mini(self, batch: TrainBatch, mini: int) -> int:
+        """Rows of this rank's mini-batches under ``_local(batch, mini)``."""
+        return local_mini(len(batch), self.spec.world_size, mini or len(batch))
 
     def _micro_batches(self, batch: TrainBatch, micro: int, token_budget: int,
                        share_prompts: bool = False) -> list[tuple[torch.Tensor, TrainBatch]]:
@@ -155,7 +166,7 @@ class RoleWorker:
             ]
         finally:
             model.train(was_training)
-        return self._gather(scatter_rows(parts, len(local), local.response_mask.shape[1]))
+        return self._gather(scatter_rows(parts, len(local), local.response_mask.shape[1]), len(batch))
 
     def _denominator(self, mb: TrainBatch, loss_agg_mode: str) -> float:
         """This rank's share of a mini-batch's loss normaliser (global tokens for token-mean,
@@ -163,15 +174,19 @@ class RoleWorker:
         dividing by global / world gives exactly the mini-batch's loss."""
         if loss_agg_mode == "token-sum":
             return 1.0 / self.spec.world_size
-        count = float(mb.response_mask.sum()) if loss_agg_mode == "token-mean" else float(len(mb))
+        valid = mb.response_mask.sum(-1)  # sequences with a valid token, as aggregate_loss counts (no filler)
+        count = float(valid.sum()) if loss_agg_mode == "token-mean" else float((valid > 0).sum())
         return all_sum(count, self.device) / self.spec.world_size
 
-    def _gather(self, t: torch.Tensor) -> torch.Tensor:
+    def _gather(self, t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+        """Every rank's rows of ``t`` (this rank's under the last ``_local``), in the batch's order."""
         if self.spec.world_size == 1:
             return t.cpu()
         out = [torch.empty_like(t) for _ in range(self.spec.world_size)]
         dist.all_gather(out, t.contiguous())
-        return torch.cat(out).cpu()
+        whole = torch.cat(out).cpu()
+        plan = getattr(self, "_plan", None)
+        return whole if rows is None or plan is None else unshard(whole, plan, rows)
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """Unsharded weights on CPU (on rank 0; other ranks get an empty dict)."""
