@@ -259,8 +259,11 @@ def test_pruning_never_deletes_another_runs_checkpoint(tmp_path):
     assert read_run_id(foreign) == "someone-else"
 
 
+QUIET_LOG = lambda _: None  # noqa: E731
+
+
 def test_folders_that_are_not_this_runs_are_refused(tmp_path):
-    log = lambda _: None  # noqa: E731
+    log = QUIET_LOG
     # Not an offstep run, not empty: refused with either resume mode; overwrite moves it aside.
     other = tmp_path / "other"
     other.mkdir()
@@ -286,6 +289,11 @@ def test_folders_that_are_not_this_runs_are_refused(tmp_path):
     aside = next(tmp_path.glob("run.old-*"))
     assert (aside / "metrics.jsonl").read_text() == '{"step": 1}\n' and read_marker(aside) == first.run_id
     assert len(said) == 1 and f"run {first.run_id} has no intact checkpoint" in said[0] and str(aside) in said[0]
+    # With checkpoints that are all damaged it is refused, never restarted over them.
+    damaged = _commit(Checkpoints(run, 0, second.run_id), 1)
+    (damaged / STATE_FILE).write_text("{")
+    with pytest.raises(ConfigError, match="holds run .*checkpoints/ \\(1\\).* but no intact checkpoint"):
+        _ended_run(_cfg(run), QUIET_LOG)
     # Missing and empty folders become new runs.
     (tmp_path / "empty").mkdir()
     assert _ended_run(_cfg(tmp_path / "empty"), log).resume is None

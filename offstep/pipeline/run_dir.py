@@ -20,7 +20,7 @@ not an offstep run, and not empty            refused
 
 A run killed before its first checkpoint (or one that kept none) is not refused with
 ``trainer.resume=auto``: the same command moves its records aside to ``<output_dir>.old-<time>``,
-saying so in one line, and starts afresh.
+saying so in one line, and starts afresh. One with checkpoints, all damaged, is still refused.
 
 One run at a time: a start takes an exclusive lock (``fcntl.flock`` on ``.offstep-lock``) for the
 run's whole life, and a second start into the folder is refused naming the holder. The folder
@@ -283,7 +283,9 @@ def _open_locked(cfg: Config, out: Path, log: Callable[[str], None]) -> Run:
     lock = None
     if held:
         # A run of this folder killed before its first checkpoint: the same command starts afresh.
-        restart = marker is not None and t.resume == "auto" and loaded is None
+        # One whose checkpoints are all damaged is refused instead, naming them (never set aside unread).
+        restart = marker is not None and t.resume == "auto" and loaded is None and not any(
+            h.startswith("checkpoints/") for h in held)
         if not (t.overwrite or restart):
             raise ConfigError(_refusal(out, marker, held, t.resume))
 
