@@ -107,7 +107,7 @@ def _train(argv: list[str]) -> int:
     from offstep.telemetry.names import Reward
 
     try:
-        history = train(cfg)
+        history = train(cfg, validated=True)  # checked above, with the verl keys' refusals
     except KeyboardInterrupt:
         print("offstep: interrupted", file=sys.stderr)
         return 130

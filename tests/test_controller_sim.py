@@ -90,7 +90,9 @@ def test_records_stay_in_step_order_when_a_validation_is_slow(tmp_path):
     being on disk first (``Controller._finish_step``). On one replica its call order alone would
     hide this; here the futures complete in the other order."""
     from offstep.batch import GenTiming, Span
-    from offstep.pipeline.controller import Controller
+    from types import SimpleNamespace
+
+    from offstep.pipeline.controller import Controller, StepRecord
     from offstep.pipeline.weight_sync import SyncReport
     from offstep.sync.digest import Loaded, digest
     from offstep.telemetry.metrics import Timeline
@@ -109,12 +111,14 @@ def test_records_stay_in_step_order_when_a_validation_is_slow(tmp_path):
         val = [([Sample(uid=0, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0], finish_reason="stop",
                         score=1.0, version=2)], GenTiming(Span(0.0, 1.0, 2)))]
         loaded = SyncReport([Loaded(Span(0.0, 0.1, 2), digest([]), 0.0)], verified=True, collective=False)
-        s2 = asyncio.ensure_future(ctl._finish_step({"step": 2}, 0.0, later(loaded, 0), later(val, 0.3), None))
-        s3 = asyncio.ensure_future(ctl._finish_step({"step": 3}, 0.0, later(loaded, 0), None, s2))
+        s2 = asyncio.ensure_future(ctl._finish_step(StepRecord(2, 2, {"step": 2}, 0.0, later(loaded, 0), True,
+                                                               later(val, 0.3)), None))
+        s3 = asyncio.ensure_future(ctl._finish_step(StepRecord(3, 3, {"step": 3}, 0.0, later(loaded, 0), False), s2))
         await s3
 
     ctl = Controller.__new__(Controller)
     ctl.history, ctl.loggers, ctl.console = [], Records(), Records()
+    ctl.source = SimpleNamespace(loaded=lambda version: None)
     ctl.timeline = Timeline(tmp_path / "timeline.jsonl")
     asyncio.run(steps())
     assert [m["step"] for m in ctl.history] == [2, 3] and ctl.loggers == [2, 3]

@@ -147,14 +147,14 @@ def test_a_checkpoint_with_samples_ahead_resumes_in_its_own_mode(mode, stored):
     from offstep.errors import ConfigError
     from offstep.pipeline.batching import Generated
     from offstep.pipeline.checkpoints import TrainerState
-    from offstep.pipeline.controller import _check_mode_of
+    from offstep.pipeline.sources import check_mode_of
 
     ahead = [(3, 0, [1, 2], Generated())] if stored == "batch" else []
     groups = {"admitted": 8, "drawn": [], "epoch": 0, "groups": [{"g": 6}]} if stored == "fully_async" else None
     state = TrainerState(2, 2, 0.0, {}, ahead, 0, None, groups)
     with pytest.raises(ConfigError, match=f"resume with pipeline.mode={stored}"):
-        _check_mode_of(state, load_config(["preset=tiny", f"pipeline.mode={mode}"]), "ckpt")
-    _check_mode_of(state, load_config(["preset=tiny", f"pipeline.mode={stored}"]), "ckpt")  # its own mode: fine
+        check_mode_of(state, load_config(["preset=tiny", f"pipeline.mode={mode}"]), "ckpt")
+    check_mode_of(state, load_config(["preset=tiny", f"pipeline.mode={stored}"]), "ckpt")  # its own mode: fine
 
 
 def test_must_take_counts_the_groups_later_steps_could_not_fit():

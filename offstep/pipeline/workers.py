@@ -22,6 +22,7 @@ import ray
 
 from offstep.config.schema import Config
 from offstep.config.validate import rollout_sleeps
+from offstep.errors import RolloutFailed, TrainerFailed
 from offstep.models.loading import cache_dir
 from offstep.pipeline import keep
 from offstep.pipeline.inputs import Inputs
@@ -181,6 +182,18 @@ def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
     worker_class = re.search(r"class_name: (\w+)|ray::(\w+)\.", text)
     role = getattr(e, "role", None) or _ROLES.get(worker_class and (worker_class.group(1) or worker_class.group(2)), Role.TRAINER)
     return role, cause, init_failed or hasattr(e, "role")
+
+
+def failure(e: ray.exceptions.RayActorError, checkpoints: list) -> RolloutFailed | TrainerFailed:
+    """The error a run ends with when a worker died (``checkpoints``: the run's complete ones)."""
+    role, cause, failed_start = worker_failure(e)
+    if failed_start:
+        problem = f"the {role} worker failed to start: {cause}. Fix that (the worker's log above has the traceback)"
+    else:
+        last = f"the last checkpoint, {checkpoints[-1][1]}, is intact: continue with trainer.resume=auto" if checkpoints \
+            else "no checkpoint was written (set trainer.save_freq to write them as the run goes)"
+        problem = f"the {role} worker died: {cause}; {last}"
+    return (RolloutFailed if role.startswith(Role.ROLLOUT) else TrainerFailed)(problem)
 
 
 LOOPBACK = "127.0.0.1"
