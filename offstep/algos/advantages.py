@@ -40,7 +40,7 @@
 All return ``(advantages, returns)``, zero on padding. ``group_ids`` are any integers; responses
 with equal ids share a prompt. A group of one response has no baseline to compare with:
 GRPO, RLOO, OPO, GPG and GRPO pass@k give it advantage 0 (verl gives GRPO's ``r / (1 + eps)``
-and OPO's ``r``), and REINFORCE++-baseline keeps its raw score before the batch whitening (as
+and RLOO's and OPO's ``r``: ``alone="score"``, ``algorithm.one_response_groups``), and REINFORCE++-baseline keeps its raw score before the batch whitening (as
 verl), after which it is ``(r - mu) / sigma`` of the batch. ``offstep.config.validate`` asks for
 ``rollout.n >= 2`` for all of them.
 """
@@ -87,12 +87,14 @@ def grpo_outcome_advantage(
     response_mask: torch.Tensor,
     norm_by_std: bool = True,
     eps: float = 1e-6,
+    alone: str = "zero",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage: ``(score - group mean) / (group std + eps)`` on every valid token.
 
     ``scores`` ``[B]`` are per-response rewards, ``group_ids`` ``[B]`` (any integers) say which
     responses share a prompt. The std is the unbiased one (as ``torch.std``). A group of size 1
-    has no baseline to compare with and gets advantage 0. Returns ``(advantages, returns)``, both
+    has no baseline to compare with and gets advantage 0 (``alone="score"``: verl's mean 0 and std 1,
+    ``score / (1 + eps)``, or the score without the std). Returns ``(advantages, returns)``, both
     ``[B, R]`` with the same values (outcome-only methods use the advantage as the return).
     """
     scores = _float(scores)
@@ -100,40 +102,50 @@ def grpo_outcome_advantage(
     centered = scores - mean[inverse]
     std = _group_std(scores, inverse, counts, one_hot, mean)
     adv = centered / (std[inverse] + eps) if norm_by_std else centered
-    adv = torch.where(counts[inverse] > 1, adv, torch.zeros_like(adv))
+    single = scores / (1.0 + eps) if norm_by_std else scores
+    adv = torch.where(counts[inverse] > 1, adv, _alone(single, alone))
     adv = _broadcast(adv, response_mask)
     return adv, adv.clone()
 
 
+def _alone(scores: torch.Tensor, alone: str) -> torch.Tensor:
+    """The advantage of a response alone in its group: 0 (``zero``) or verl's ``scores`` (``score``)."""
+    if alone not in ("zero", "score"):
+        raise ValueError(f"one_response_groups={alone!r}: expected zero or score")
+    return scores if alone == "score" else torch.zeros_like(scores)
+
+
 def rloo_advantage(
-    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor, alone: str = "zero"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RLOO: ``A_i = r_i - (sum_{j in group, j != i} r_j) / (n - 1)`` on every valid token.
 
     Written as ``n / (n - 1) * (r_i - group mean)``, which is the same number. A group of size 1
-    gets advantage 0. Returns ``(advantages, advantages)``.
+    gets advantage 0 (``alone="score"``: its score, as verl). Returns ``(advantages, advantages)``.
     """
     scores = _float(scores)
     inverse, counts, _, mean = _groups(scores, group_ids)
     n = counts[inverse]
-    adv = torch.where(n > 1, n / (n - 1.0).clamp_min(1.0) * (scores - mean[inverse]), torch.zeros_like(scores))
+    adv = torch.where(n > 1, n / (n - 1.0).clamp_min(1.0) * (scores - mean[inverse]), _alone(scores, alone))
     adv = _broadcast(adv, response_mask)
     return adv, adv.clone()
 
 
 def opo_advantage(
-    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor, alone: str = "zero"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """OPO: ``A_i = r_i - sum_j |o_j| r_j / sum_j |o_j|`` over the group, with ``|o_j|`` the valid
-    tokens of response j, on every valid token. A group of size 1 gets advantage 0 (so does a group
-    whose responses have no valid token). Returns ``(advantages, advantages)``."""
+    tokens of response j, on every valid token. A group of size 1 gets advantage 0 (``alone="score"``:
+    its score, as verl; a group whose responses have no valid token gets 0). Returns
+    ``(advantages, advantages)``."""
     scores = _float(scores)
     inverse, counts, one_hot, _ = _groups(scores, group_ids)
     lengths = response_mask.bool().sum(-1).to(scores.dtype)
     weight = one_hot @ lengths
     baseline = (one_hot @ (lengths * scores)) / weight.clamp_min(1.0)
     keep = (counts[inverse] > 1) & (weight[inverse] > 0)
-    adv = torch.where(keep, scores - baseline[inverse], torch.zeros_like(scores))
+    single = torch.where((counts[inverse] == 1) & (weight[inverse] > 0), _alone(scores, alone), torch.zeros_like(scores))
+    adv = torch.where(keep, scores - baseline[inverse], single)
     adv = _broadcast(adv, response_mask)
     return adv, adv.clone()
 

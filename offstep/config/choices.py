@@ -20,6 +20,8 @@ LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-tok
 TIS_LEVELS = ("token", "sequence")
 REJECTION_LEVELS = ("off", "token", "sequence", "geometric")
 M2PO_TOKENS = ("all", "trust_region")  # algorithm.m2po_tokens
+ONE_RESPONSE_GROUPS = ("zero", "score")  # algorithm.one_response_groups
+SCORE_ALONE_ESTIMATORS = ("grpo", "rloo", "opo")  # the estimators where one_response_groups=score applies
 CORRECTION_MODES = ("decoupled", "bypass", "off")  # no table: the actor and the controller compare with each name
 
 # rollout.*

@@ -31,6 +31,8 @@ class AlgorithmConfig:
     """how advantages are estimated (docs/algorithms.md): grpo | rloo | opo (length-weighted group baseline) | gpg | grpo_passk (only the best of a group is credited) | reinforce_plus_plus | reinforce_plus_plus_baseline | remax (greedy baseline) | gae (PPO with a critic)"""
     norm_adv_by_std: bool = True
     """grpo, grpo_passk: divide by the group's std (verl: norm_adv_by_std_in_grpo)"""
+    one_response_groups: str = "zero"
+    """what grpo, rloo and opo give a group of one response (rollout.n=1, odd data, dynamic sampling): zero (offstep's: no other response to compare with, so advantage 0, out of the gradient) | score (verl's: group mean 0 and std 1, so the advantage is the score, / (1 + 1e-6) for grpo with norm_adv_by_std; a verl command line gets it); score lets those estimators run with rollout.n=1"""
     gamma: float = 1.0
     """GAE, REINFORCE++: discount"""
     lam: float = 1.0

@@ -22,6 +22,7 @@ from offstep.config.choices import (
     LOSS_AGG_MODES,
     M2PO_TOKENS,
     NONFINITE_POLICIES,
+    ONE_RESPONSE_GROUPS,
     OPENAI_AGENT,
     OVERLONG_MODES,
     PARTIAL_MODES,
@@ -32,6 +33,7 @@ from offstep.config.choices import (
     REWARD_MODEL_KINDS,
     REWARD_PLACEMENTS,
     REJECTION_LEVELS,
+    SCORE_ALONE_ESTIMATORS,
     ROLLOUT_ENGINES,
     SLEEP_MODES,
     TIS_LEVELS,
@@ -82,11 +84,14 @@ def _check_algorithm(cfg: Config, e: list[str]) -> None:
     _choice(a.tis_level, "algorithm.tis_level", TIS_LEVELS, e)
     _choice(a.rejection_level, "algorithm.rejection_level", REJECTION_LEVELS, e)
     _choice(a.m2po_tokens, "algorithm.m2po_tokens", M2PO_TOKENS, e)
+    _choice(a.one_response_groups, "algorithm.one_response_groups", ONE_RESPONSE_GROUPS, e)
     est = a.adv_estimator
-    _need(not (est in GROUP_ESTIMATORS and r.n == 1),  # n < 1 is refused on its own
+    alone = a.one_response_groups == "score" and est in SCORE_ALONE_ESTIMATORS  # verl's: the advantage is the score
+    _need(not (est in GROUP_ESTIMATORS and r.n == 1 and not alone),  # n < 1 is refused on its own
           f"algorithm.adv_estimator={est} compares the rewards of the samples of one prompt with each other, so it "
           f"needs rollout.n >= 2 (got {r.n}); with rollout.n=1 every advantage would be 0. Set rollout.n=4, or use "
-          f"algorithm.adv_estimator=reinforce_plus_plus, remax or gae", e)
+          f"algorithm.adv_estimator=reinforce_plus_plus, remax or gae (or, for grpo, rloo and opo, "
+          f"algorithm.one_response_groups=score: verl's advantage, the score itself)", e)
     _need(not (est == "remax" and r.temperature == 0),
           "algorithm.adv_estimator=remax compares sampled responses with a greedy one, but rollout.temperature=0 "
           "samples greedily too (every advantage would be 0); set rollout.temperature > 0", e)

@@ -92,11 +92,12 @@ def compute_advantages(
 
     est = algo.adv_estimator
     if est == "grpo":
-        adv, ret = grpo_outcome_advantage(seq_scores, batch.group_ids, mask, norm_by_std=algo.norm_adv_by_std)
+        adv, ret = grpo_outcome_advantage(seq_scores, batch.group_ids, mask, norm_by_std=algo.norm_adv_by_std,
+                                          alone=algo.one_response_groups)
     elif est == "rloo":
-        adv, ret = rloo_advantage(seq_scores, batch.group_ids, mask)
+        adv, ret = rloo_advantage(seq_scores, batch.group_ids, mask, alone=algo.one_response_groups)
     elif est == "opo":
-        adv, ret = opo_advantage(seq_scores, batch.group_ids, mask)
+        adv, ret = opo_advantage(seq_scores, batch.group_ids, mask, alone=algo.one_response_groups)
     elif est == "gpg":
         adv, ret = gpg_advantage(seq_scores, batch.group_ids, mask)
     elif est == "grpo_passk":

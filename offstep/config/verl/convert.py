@@ -132,7 +132,10 @@ def kl_type(key: str, v: Any) -> Any:
 
 
 def boolean(key: str, v: Any) -> bool:
-    """true or false, nothing else."""
+    """true or false; an empty value (an unset shell variable, ``key=${unset}``) is false, as verl's
+    untyped config reads it (``if ''`` is false)."""
+    if v == "":
+        return False
     if not isinstance(v, bool):
         raise fail(key, v, "expected true or false")
     return v

@@ -145,7 +145,7 @@ def verl_defaults(cfg: Config, t: Translation) -> list[str]:
     if not is_verl_command(t):
         return []
     direct = _direct(t)
-    notes = _warmup(cfg, t, direct)
+    notes = _warmup(cfg, t, direct) + _one_response_groups(cfg, direct)
     key = "actor_rollout_ref.rollout.dtype"
     if key not in t.given and "rollout.dtype" not in direct and cfg.rollout.dtype != "bfloat16":
         if _rollout_on_gpu(cfg):
@@ -155,6 +155,21 @@ def verl_defaults(cfg: Config, t: Translation) -> list[str]:
             notes.append(f"rollout.dtype={cfg.rollout.dtype}: verl generates in bf16 ({key}), which a CPU rollout "
                          f"runs slower; set {key}=bf16 to match verl")
     return notes
+
+
+def _one_response_groups(cfg: Config, direct: set[str]) -> list[str]:
+    """verl scores a group of one response with mean 0 and std 1 (the advantage is the score); a
+    verl command line gets that, said where every group has one response (rollout.n=1)."""
+    algo = cfg.algorithm
+    if "algorithm.one_response_groups" in direct or algo.one_response_groups == "score":
+        return []
+    algo.one_response_groups = "score"
+    if cfg.rollout.n != 1 or algo.adv_estimator not in ("grpo", "rloo", "opo"):
+        return []
+    return [f"algorithm.one_response_groups=zero -> score: with rollout.n=1 every group of "
+            f"algorithm.adv_estimator={algo.adv_estimator} has one response, which verl scores with group mean 0 and "
+            f"std 1, so the advantage is the score (offstep's own convention gives 0, no gradient; "
+            f"docs/from-verl.md)"]
 
 
 def nodes_of(overrides: list[str]) -> int:

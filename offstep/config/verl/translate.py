@@ -62,6 +62,17 @@ def is_offstep_key(key: str) -> bool:
     return True
 
 
+def _is_bool_key(key: str) -> bool:
+    from omegaconf import OmegaConf
+    from omegaconf.nodes import BooleanNode
+
+    node: Any = OmegaConf.structured(Config)
+    *parents, leaf = key.split(".")
+    for part in parents:
+        node = node[part]
+    return isinstance(node._get_node(leaf), BooleanNode)
+
+
 def refusals(errors: list[str]) -> str:
     """Every refusal of a command line as one message (one refusal: its own message)."""
     if len(errors) == 1:
@@ -139,6 +150,11 @@ def translate(overrides: list[str], collect: bool = False) -> Translation:
         else:
             try:
                 _claim(out, rule.key, key)
+                if value == "" and rule.convert is None and _is_bool_key(rule.key):
+                    out.notes.append(f"{key}='' (empty, as an unset shell variable gives) -> {rule.key}=false, as "
+                                     f"verl's untyped config reads it")
+                    out.overrides.append(f"{rule.key}=false")
+                    continue
                 converted = value if rule.convert is None else rule.convert(key, value)
             except VerlKeyError as e:
                 out.errors.append(str(e))
