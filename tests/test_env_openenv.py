@@ -52,8 +52,9 @@ def test_a_server_that_fails_to_start_is_refused_with_its_error(tmp_path):
 
 
 def servers_of(record: Path) -> list[tuple[int, int]]:
-    return [(int(p), int(port)) for kind, p, port in (line.split() + [""] * 2 for line in
-                                                       record.read_text().splitlines()) if kind == "server"]
+    """(pid, port) of each server, as the environment logged them (once per environment it built)."""
+    lines = [x.split() for x in record.read_text().splitlines() if x.startswith("server ")]
+    return sorted({(int(x[1]), int(x[2])) for x in lines})
 
 
 def assert_gone(servers: list[tuple[int, int]]) -> None:
