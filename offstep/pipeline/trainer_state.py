@@ -115,7 +115,8 @@ def _encode_generated(g: Generated) -> dict:
         rounds.append(per_replica)
     chosen = [where[id(s)] if id(s) in where else dataclasses.asdict(s) for s in g.samples]
     return {"round_samples": flat, "rounds": rounds, "samples": chosen, "prompt_of": [[u, i] for u, i in g.prompt_of.items()],
-            "kept_groups": g.kept_groups, "filled_groups": g.filled_groups}
+            "kept_groups": g.kept_groups, "filled_groups": g.filled_groups,
+            "dropped": [where[id(s)] for s in g.dropped if id(s) in where]}  # env.on_error's, for the step's counts
 
 
 def _decode_generated(d: dict) -> Generated:
@@ -134,8 +135,11 @@ def _decode_generated(d: dict) -> Generated:
     samples = [flat[x] if _int(x) and 0 <= x < len(flat) else _sample(x) for x in d["samples"]]
     if not all(isinstance(p, list) and len(p) == 2 and _int(p[0]) and _int(p[1]) for p in d["prompt_of"]):
         raise ValueError("prompt_of is not a list of [uid, prompt index] pairs")
+    dropped = d.get("dropped", [])  # absent from a checkpoint written before groups were dropped
+    if not isinstance(dropped, list) or not all(_int(x) and 0 <= x < len(flat) for x in dropped):
+        raise ValueError("dropped is not a list of indices into the rounds' samples")
     return Generated(rounds, samples, {u: i for u, i in d["prompt_of"]}, _get_int(d, "kept_groups"),
-                     _get_int(d, "filled_groups"))
+                     _get_int(d, "filled_groups"), [flat[x] for x in dropped])
 
 
 _STATE_CHECKS: dict[str, Callable] = {
