@@ -69,7 +69,8 @@ def start_server(target: str, args: dict, path: list[str]) -> Server:
         if proc.poll() is not None:
             raise ServerStartError(f"the OpenEnv server of {target} exited ({proc.returncode}) before serving:\n{_tail(log)}")
         if os.path.exists(port_file):
-            server = Server(proc, int(open(port_file).read()), log)
+            with open(port_file) as f:
+                server = Server(proc, int(f.read()), log)
             try:
                 with urllib.request.urlopen(server.url + "/health", timeout=2) as r:
                     if r.status == 200:
