@@ -174,7 +174,8 @@ def test_verl_config_file_with_a_local_default(tmp_path):
 def test_every_problem_in_one_pass(capsys):
     # a refused verl key, a bad verl value, an unknown verl key and offstep's own check at once
     rc = main(["train", "--cfg", *TINY, "actor_rollout_ref.actor.strategy=megatron", "data.truncation=sideways",
-               "actor_rollout_ref.rollout.something_new=1", "algorithm.adv_estimator=grpo", "rollout.n=1"])
+               "actor_rollout_ref.rollout.something_new=1", "algorithm.adv_estimator=grpo", "rollout.n=1",
+               "algorithm.one_response_groups=zero"])  # offstep's convention, given: n=1 is its check's problem
     err = capsys.readouterr().err
     assert rc == 2
     assert "\noffstep: 4 problems, each with its fix" in err, err  # after the notes
