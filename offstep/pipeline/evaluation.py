@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from offstep.batch import Sample
+from offstep.envs.failures import FAILED
 from offstep.pipeline.step_metrics import agent_metrics
 from offstep.rewards.combine import RULE
 from offstep.telemetry.names import Val, per_source
@@ -32,7 +33,9 @@ def is_correct(s: Sample) -> float:
 def summarise(samples: list[Sample], prefix: str = Val.PREFIX) -> dict[str, float]:
     """Metrics named ``{prefix}acc``, ``{prefix}reward/mean``, ``{prefix}<source>/acc``,
     ``{prefix}<source>/reward/mean``, and with several samples per prompt
-    ``{prefix}<source>/acc/best@n``."""
+    ``{prefix}<source>/acc/best@n``. An environment's rollouts that failed for good (env.on_error)
+    are left out, never scored as 0."""
+    samples = [s for s in samples if not s.reward_extra.get(FAILED)]
     if not samples:
         return {}
     m = {
