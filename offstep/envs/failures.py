@@ -7,7 +7,7 @@ from offstep.telemetry.names import Env
 
 ERRORS, TIMEOUTS = Env.ERRORS, Env.TIMEOUTS  # the keys a rollout's reward extras carry
 FAILED = "env/failed"  # a dropped rollout's placeholder sample: its group leaves the batch (never a metric)
-DROPPED_GROUPS = "env/dropped_groups"  # groups a step dropped for a failed rollout
+DROPPED_GROUPS = Env.DROPPED_GROUPS
 
 
 def split_failed(samples: list) -> tuple[list, list]:

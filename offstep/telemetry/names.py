@@ -113,10 +113,11 @@ class Reward:
 
 
 class Env:
-    """``env/``: an environment's failed rollouts (``env.*``, offstep.envs), each retried or its run stopped."""
+    """``env/``: an environment's failed rollouts (``env.*``, offstep.envs): retried, then their groups dropped or the run stopped."""
 
     ERRORS = "env/errors"  # rollouts whose environment raised
     TIMEOUTS = "env/timeouts"  # rollouts over env.timeout_s
+    DROPPED_GROUPS = "env/dropped_groups"  # groups left out of a batch for a rollout that failed for good
     PART_PREFIX = "reward/"  # an environment's reward parts: reward/<name>, weighted as in its rubric
 
 
