@@ -323,6 +323,13 @@ SECTIONS = [
             "the new weights, and what each mode costs. `keep` attends to the old weights' cache, `recompute` "
             "prefills again, `off` makes the load wait for the running samples.",
             tables_of(("results_partial.md", None))),
+    Section("delta-sync", "Delta weight syncs and K/V age", "delta_sync.py", ("results_delta_sync.md",),
+            "Bytes and seconds per weight sync, whole against only what changed in the rollout's dtype "
+            "(`pipeline.weight_sync_delta`, [performance.md](../docs/performance.md#delta-weight-syncs)), after real "
+            "AdamW steps at the default lr; and how far log-probs drift when a sample's K/V cache is older than the "
+            "weights (`rollout.max_kv_age`, [fully-async.md](../docs/fully-async.md#kv-age)).",
+            tables_of(("results_delta_sync.md", None)),
+            missing="Not run yet: `python benchmarks/delta_sync.py` writes `results_delta_sync.md` and this section."),
     Section("replay", "Replaying a fully asynchronous run", "replay_runs.py", ("results_replay.md",),
             "Runs of `pipeline.mode=fully_async` in which weight loads land inside samples, so that a rerun of the "
             "same config differs; each recorded, replayed from its `schedule.jsonl` (`pipeline.replay`), and rerun "

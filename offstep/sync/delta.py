@@ -77,13 +77,14 @@ def encode(specs: list, new: Mapping[str, torch.Tensor], base: Mapping[str, torc
     rows, chunks, offset = [], [], 0
     for i, s in enumerate(specs):
         a, b = new[s.name], base[s.name]
-        changed = (_bits(a) != _bits(b)).nonzero().reshape(-1)
-        k = int(changed.numel())
+        diff = _bits(a) != _bits(b)
+        k = int(diff.sum())  # counted first: the indices are listed only when they are worth sending
         if k == 0:
             continue
         size = a.element_size()
         flat = a.detach().contiguous().reshape(-1)
         if k * (4 + size) < flat.numel() * size:
+            changed = diff.nonzero().reshape(-1)
             parts = [changed.to(torch.int32).cpu(), flat[changed].cpu()]
             rows.append((i, SPARSE, k, offset))
         else:
@@ -146,6 +147,7 @@ class DeltaSender:
         self.specs, self.full_every = list(specs), max(1, int(full_every))
         self.base: dict[str, torch.Tensor] | None = None
         self.base_version, self.base_fp, self.since_full = 0, 0, 0
+        self.last: Delta | None = None  # the last delta sent (None: the last sync was full)
 
     def rebase(self) -> None:
         self.base = None
@@ -169,5 +171,5 @@ class DeltaSender:
         else:
             self.since_full = 0
         self.base = {k: v.clone() for k, v in new.items()} if keep else new
-        self.base_version, self.base_fp = int(version), fingerprint(new_digest)
+        self.base_version, self.base_fp, self.last = int(version), fingerprint(new_digest), out
         return out
