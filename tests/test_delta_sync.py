@@ -190,3 +190,22 @@ def test_collective_delta_equals_full_and_refuses_another_base(rollout_dtype):
         got = digest_of(specs, model.get_parameter)
         assert got == want
         held = fingerprint(got)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("path", ["object_store", "collective"])
+def test_tiny_run_with_deltas_equals_full_syncs(tmp_path, ray_session, path):
+    """k = 0, bfloat16 rollout weights: a run whose syncs are deltas (a full one every 2) gives the
+    run of full syncs, step for step, every sync verified."""
+    from test_sync import _run
+
+    extra = ("pipeline.max_staleness=0", f"pipeline.weight_sync={path}", "rollout.dtype=bfloat16")
+    a, _ = _run(tmp_path / "full", *extra)
+    b, tl = _run(tmp_path / "delta", *extra, "pipeline.weight_sync_delta=true", "pipeline.weight_sync_full_every=2")
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert y["sync/verified"] == 1
+        for key in ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm"):
+            assert x[key] == y[key], (x["step"], key)
+    assert sorted(e["version"] for e in tl if e["stage"] == "load_weights") == [1, 2, 3]
