@@ -50,6 +50,21 @@ def test_verifiers_env_trains(tmp_path, ray_session):
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_verifiers_env_trains_fully_async(tmp_path, ray_session):
+    """pipeline.mode=fully_async: the stream runs the episodes (its OpenAI runner for env rows)."""
+    from offstep.pipeline.controller import train
+
+    out = tmp_path / "run"
+    train(load_config(run_args(out, "pipeline.mode=fully_async", "pipeline.max_staleness=1")))
+    metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert abs(m["reward/correct"] + m["reward/brief"] - m["reward/mean"]) < 1e-6
+        assert m["env/errors"] == 0 and m["agent/prefix_breaks"] == 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_failing_env_is_counted_and_retried(tmp_path, ray_session):
     """Every third episode's scoring raises: the run goes on, each failure counted in env/errors and
     its rollout run again in a fresh session (env.on_error=retry), none trained as reward 0."""
@@ -105,3 +120,35 @@ def test_trajectories_are_the_endpoints_tokens(tmp_path):
         assert s.rollout_logprobs == c.logprobs and s.loss_mask == [1] * len(c.response_ids)
         assert s.reward_extra["env/errors"] == 0 and set(s.reward_extra) >= {"reward/correct", "reward/brief"}
         assert abs(s.score - s.reward_extra["reward/correct"] - s.reward_extra["reward/brief"]) < 1e-9
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_kill_resumes_and_trains_every_group_once(tmp_path, ray_session):
+    """SIGKILL after the step-2 checkpoint (k = 1: it holds the batch generating then, its episodes
+    in verifiers' chat programs); the resumed run trains steps 3 and 4, each batch's prompts once."""
+    import os
+    import signal
+    import time
+
+    from test_checkpoint import _cli, _wait_for
+
+    from offstep.pipeline.controller import train
+
+    run = tmp_path / "run"
+    args = run_args(run, "trainer.total_steps=4", "trainer.save_freq=2", "pipeline.max_staleness=1")
+    proc = _cli(args)
+    _wait_for(run / "checkpoints" / "step_000002" / "trainer_state.json", proc, timeout=900)
+    time.sleep(1.0)  # into step 3, its batch's episodes in flight
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = [m["step"] for m in read_jsonl(run / "metrics.jsonl")]
+    assert before and max(before) < 4, "the run was meant to be killed before it finished"
+
+    history = train(load_config(args))  # trainer.resume=auto
+    assert [m["step"] for m in history] == [3, 4]
+    metrics = [m for m in read_jsonl(run / "metrics.jsonl") if m["step"] >= 1]
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # none lost, none repeated
+    crcs = [m["data/prompts_crc32"] for m in metrics]
+    assert len(set(crcs)) == 4, crcs  # each batch's prompts trained once
+    assert all(m["env/errors"] == 0 and m["agent/prefix_breaks"] == 0 for m in metrics)
