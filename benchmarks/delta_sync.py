@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import threading
 import time
@@ -27,12 +26,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme import HERE, provenance, refresh  # noqa: E402
+from readme import HERE, provenance, refresh
 
-from offstep.models.loading import load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
-from offstep.sync.collective import WeightReceiver, WeightSender, manifest  # noqa: E402
-from offstep.sync.delta import DeltaSender, fingerprint  # noqa: E402
-from offstep.sync.digest import digest_of  # noqa: E402
+from offstep.models.loading import load_causal_lm, load_tokenizer, resolve_model
+from offstep.sync.collective import WeightReceiver, WeightSender, manifest
+from offstep.sync.delta import DeltaSender, fingerprint
+from offstep.sync.digest import digest_of
 
 LR = 1e-5  # offstep/config/preset/default.yaml: actor.optim.lr
 OUT = HERE / "results_delta_sync.md"
@@ -215,7 +214,7 @@ def write(rows: list[dict], drift: list[dict], load: tuple, threads: int) -> Non
     ]
     for r in rows:
         ratio = "–" if r["delta"] is None else f"{r['delta'] / r['full']:.3f}"
-        ts = lambda t: "–" if t is None else f"{t:.2f}"  # noqa: E731
+        ts = lambda t: "–" if t is None else f"{t:.2f}"
         lines.append(f"| {r['model']} | {r['dtype']} | {r['step']} | {100 * r['changed'] / r['numel']:.2f}% | "
                      f"{mb(r['full'])} | {mb(r['delta'])} | {ratio} | {ts(r['t_full'])} | {ts(r['t_delta'])} |")
     lines += [

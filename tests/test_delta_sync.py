@@ -17,12 +17,20 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-
 from test_sync import _connect, _run_threads
 
 from offstep.models.loading import load_causal_lm
 from offstep.sync.collective import WeightReceiver, manifest
-from offstep.sync.delta import DENSE, SPARSE, Delta, DeltaRefused, DeltaSender, apply, encode, fingerprint
+from offstep.sync.delta import (
+    DENSE,
+    SPARSE,
+    Delta,
+    DeltaRefused,
+    DeltaSender,
+    apply,
+    encode,
+    fingerprint,
+)
 from offstep.sync.digest import check_load, digest, digest_of
 from offstep.sync.weights import pack_state_dict
 
@@ -129,7 +137,7 @@ def test_delta_on_another_version_is_refused_then_a_full_sync_rebases():
     _step(actor, 2)
     export(2)  # version 2 never reaches the worker (another replica's, say)
     _step(actor, 3)
-    d3, sent3 = export(3)  # made from version 2
+    d3, _ = export(3)  # made from version 2
     loaded = worker.load_weights(d3, 3)
     assert "needs a full sync" in loaded.refused
     assert worker.engine.version == 1
@@ -185,7 +193,7 @@ def test_collective_delta_equals_full_and_refuses_another_base(rollout_dtype):
                 receiver.receive(version, held ^ 1)
             assert digest_of(specs, model.get_parameter) == before
             continue
-        _run_threads([lambda v=version: receiver.receive(v, held)])
+        _run_threads([lambda v=version, h=held: receiver.receive(v, h)])
         want = digest_of(specs, {k: v.to(DT[rollout_dtype]) for k, v in actor.state_dict().items()}.__getitem__)
         got = digest_of(specs, model.get_parameter)
         assert got == want

@@ -18,7 +18,6 @@ import threading
 
 import pytest
 import torch
-
 from test_engine import _random_lm, prompts, tiny, tok  # noqa: F401 (fixtures)
 from test_partial_rollout import _teacher_under, _weights
 

@@ -21,7 +21,7 @@ METRICS = {
     "reward/mean", "reward/max", "reward/min", "reward/overlong_penalty", "reward/kl_penalty", "reward/kl_coef",
     "reward/greedy_baseline", "reward/rule/mean", "reward/model/mean", "reward/model/fallbacks",
     "rollout/staleness_max", "rollout/staleness_mean", "rollout/version_min", "rollout/version_span_max",
-    "rollout/partial_samples", "rollout/queue_depth", "rollout/in_flight_groups", "rollout/dropped_stale",
+    "rollout/partial_samples", "rollout/kv_age_max", "rollout/queue_depth", "rollout/in_flight_groups", "rollout/dropped_stale",
     "rollout/length_bias", "rollout/dynamic_sampling_attempts", "rollout/dynamic_sampling_filled_groups",
     "response_length/mean", "response_length/max", "response_length/clip_ratio", "response_length/generated_mean",
     "adv/mean", "adv/abs_mean", "adv/max", "adv/min",
