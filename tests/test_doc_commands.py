@@ -75,6 +75,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep eval --max-rows": ("synopsis", "tests/test_user_code_safety.py refuses a 20M-row parquet file under the default --max-rows"),
     "offstep export RUN_DIR [--step N] --out DIR": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     ".venv/bin/python benchmarks/preset_runs.py --label default --preset default --seeds 1,2": BENCHMARK,
+    "python benchmarks/delta_sync.py": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --label stale4_decoupled --preset default --seeds 0,1,2 --extra "
     "pipeline.mode=fully_async pipeline.max_staleness=4 algorithm.correction_mode=decoupled": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --label stale4_off --preset default --seeds 0,1,2 --extra "
