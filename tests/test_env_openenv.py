@@ -119,3 +119,32 @@ def test_drop_leaves_the_failed_groups_out(tmp_path, ray_session):
     dropped = sum(m["env/dropped_groups"] for m in metrics)
     assert 1 <= dropped <= errors + hangs
     assert_gone(servers_of(record))
+
+
+@pytest.mark.heavy
+def test_the_agent_loop_plays_an_episode(tmp_path):
+    """Without Ray or a model: a scripted client answers wrong, then right; the loop sends each reply
+    as the action and each observation as the next user turn, and the reward is the steps' sum."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from offstep.envs.rows import rollouts
+
+    fn = rollouts(load_config(run_args(tmp_path)).env)
+    try:
+        prompt = fn.prompts()[5][-1]["content"]  # "What is a + b? ..."
+        a, b = (int(x) for x in prompt.split("is ")[1].split("?")[0].split(" + "))
+        seen = []
+
+        async def create(model, messages):
+            seen.append([m["content"] for m in messages])
+            text = "0" if len(seen) == 1 else f"It is {a + b}"
+            return SimpleNamespace(choices=[SimpleNamespace(message=SimpleNamespace(content=text))])
+
+        client = SimpleNamespace(chat=SimpleNamespace(completions=SimpleNamespace(create=create)))
+        out = asyncio.run(fn(client, {"extra_info": {"env_task": 5}, "model": "policy"}))
+    finally:
+        fn.close()
+    assert out == {"score": 1.0}
+    assert seen == [[prompt], [prompt, "0", "Wrong. Try again: answer with the number."]]
+    assert all(p.poll() is not None for p in fn.pool._procs)  # close stopped every server
