@@ -193,6 +193,13 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/offstep eval smollm2-135m-instruct --data runs/bench_calculator/seed0/data/val.parquet "
     "--tools calculator --max-turns 3 --max-new-tokens 48":
         ("not run", "evaluates the data that benchmarks/calculator_runs.py writes (a benchmark)"),
+    # docs/environments.md (the runs themselves: tests/test_env_verifiers.py, tests/test_env_openenv.py)
+    "offstep train preset=tiny env.kind=verifiers env.id=vf_arith env.path=[examples/environments] +env.args.size=16 "
+    "data.train_batch_size=2 rollout.n=2 trainer.total_steps=2 trainer.val_before_train=false": CFG,
+    "offstep train preset=tiny env.kind=openenv env.id=oe_arith:ArithEnvironment env.path=[examples/environments] "
+    "+env.args.size=16 data.train_batch_size=2 rollout.n=2 trainer.total_steps=2 trainer.val_before_train=false": CFG,
+    "python -m offstep.envs.openenv_server": ("not run", "a server's own entry point, started by offstep's pool "
+                                              "(tests/test_env_openenv.py runs it through train)"),
 }
 
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
