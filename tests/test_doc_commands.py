@@ -76,6 +76,19 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep export RUN_DIR [--step N] --out DIR": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
     ".venv/bin/python benchmarks/preset_runs.py --label default --preset default --seeds 1,2": BENCHMARK,
     "python benchmarks/delta_sync.py": BENCHMARK,
+    # docs/environments.md, reasoning-gym
+    ".venv/bin/offstep train preset=reasoning_gym": CFG,
+    ".venv/bin/offstep train preset=tiny data.task=reasoning_gym +data.task_options.name=chain_sum "
+    "+data.task_options.max_terms=2 data.max_prompt_length=512": CFG,
+    ".venv/bin/python -m offstep.data.reasoning_gym --name leg_counting --out data/legs --train-size 400 --val-size 100 "
+    "--option min_animals=1 --option max_animals=2":
+        ("synopsis", "tests/test_reasoning_gym.py::test_verl_export_round_trips_and_scores_the_same runs it with 5 and 3 rows"),
+    ".venv/bin/offstep eval smollm2-135m-instruct --data data/legs/val.parquet --max-new-tokens 32":
+        ("synopsis", "`offstep eval runs/default --data ...` runs here; the exported parquet is verl's format, which eval reads"),
+    ".venv/bin/python benchmarks/reasoning_gym_candidates.py --example --train 100": BENCHMARK,
+    ".venv/bin/python benchmarks/preset_runs.py --preset reasoning_gym --seeds 0,1,2": BENCHMARK,
+    'python -c "import reasoning_gym.factory as f; print(sorted(f.DATASETS))"':
+        ("not run", "prints the library's own list of dataset names; tests/test_reasoning_gym.py reads the same registry"),
     ".venv/bin/python benchmarks/preset_runs.py --label stale4_decoupled --preset default --seeds 0,1,2 --extra "
     "pipeline.mode=fully_async pipeline.max_staleness=4 algorithm.correction_mode=decoupled": BENCHMARK,
     ".venv/bin/python benchmarks/preset_runs.py --label stale4_off --preset default --seeds 0,1,2 --extra "
@@ -107,9 +120,6 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/python benchmarks/preset_runs.py --label judge_only --preset default --seeds 0,1,2 --extra "
     "reward.model.kind=generative reward.model.path=smollm2-135m-instruct reward.model.template=yes_no "
     "reward.model.parser=yes_no": BENCHMARK,
-    "offstep train reward.model.kind=discriminative reward.model.path=/models/my-rm reward.model.placement=pool "
-    "resources.reward_workers=1 resources.gpus_per_reward_worker=1 reward.model.dtype=bfloat16 reward.model.rule_weight=0.5":
-        ("not run", "needs a reward model on disk and a GPU; tests/test_reward_models_e2e.py runs a reward pool on CPU"),
     # docs/clusters-and-gpus.md
     "python benchmarks/gpu_check.py": ("not run", "needs a GPU (CUDA); its CPU form at tiny shapes runs in tests/test_gpu_check.py"),
     "python benchmarks/gpu_check.py --device cpu --tiny":
