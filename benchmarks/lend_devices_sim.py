@@ -16,7 +16,7 @@ load-dependent:
   Queued samples go to the least-loaded replica with a free slot. Lengths are lognormal
   (``median``, ``sigma``; capped at ``cap``), drawn per sample from its own random stream, the same
   in every setting.
-* **The stream** is offstep's fully asynchronous one (``offstep.pipeline.stream``): group ``g`` is
+* **The stream** is offstep's fully asynchronous one (``offstep.pipeline.sample_stream``): group ``g`` is
   admitted while ``g < (held + k + 1) x groups``; a step takes ``groups`` finished groups earliest
   deadline first, and waits for those ``must_take`` says are due (the real function).
 * **The trainer** takes ``train_s_per_token x tokens / trainer`` seconds for a batch (prompt and
@@ -47,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from offstep.pipeline.stream import must_take  # the real admission-and-take rule
+from offstep.pipeline.sample_stream import must_take  # the real admission-and-take rule
 
 OUT = Path(__file__).with_name("results_lend_devices.md")
 EPS = 1e-9
@@ -285,7 +285,7 @@ def render(rows: list[dict], base: Setting, share: float, took: float, cmd: str)
     lines = [
         "# Lending the trainer's GPUs to the rollout, simulated", "",
         provenance(), "",
-        f"`{cmd}` ({took:.0f} s). A discrete-event model of the fully asynchronous pipeline (`offstep.pipeline.stream`'s "
+        f"`{cmd}` ({took:.0f} s). A discrete-event model of the fully asynchronous pipeline (`offstep.pipeline.sample_stream`'s "
         f"admission and `must_take`) on {base.devices} simulated GPUs, not a run of offstep's workers: offstep does not "
         f"lend trainer GPUs. Replicas of {base.per_replica} GPUs with {base.slots} slots ({base.hybrid_slots} for a "
         f"hybrid one, whose memory the trainer's state shares); a decode step takes {base.step0_s * 1000:g} ms + "

@@ -27,7 +27,7 @@ from readme import refresh  # noqa: E402
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
 from offstep.rollout.control import StepControl  # noqa: E402
 from offstep.rollout.engine import TorchEngine  # noqa: E402
-from offstep.rollout.stream import StreamFeed  # noqa: E402
+from offstep.rollout.replica_stream import StreamFeed  # noqa: E402
 from offstep.rollout.types import SamplingParams, TurnRequest  # noqa: E402
 
 PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=48)

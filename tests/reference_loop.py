@@ -16,7 +16,7 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
 
     from offstep.algos.advantages import grpo_outcome_advantage
     from offstep.batch import collate
-    from offstep.data.stream import PromptStream
+    from offstep.data.prompt_stream import PromptStream
     from offstep.pipeline.fleet import gen_seed
     from offstep.pipeline.inputs import prepare_inputs, to_request
     from offstep.rollout.types import SamplingParams

@@ -139,7 +139,7 @@ def test_multi_turn_samples_survive_a_checkpoint_whole():
     """Samples of a batch generating at save time are stored in the trainer state (JSON) and come
     back with their mask and loop statistics."""
     from offstep.batch import GenTiming, Span
-    from offstep.pipeline.batching import Generated
+    from offstep.pipeline.dynamic_sampling import Generated
     from offstep.pipeline.trainer_state import TrainerState, decode_state, encode_state
 
     samples = _samples()

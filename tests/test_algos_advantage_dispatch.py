@@ -1,4 +1,4 @@
-"""Tests for offstep.pipeline.advantage.compute_advantages: every estimator picked by config, the
+"""Tests for offstep.pipeline.compute_advantages.compute_advantages: every estimator picked by config, the
 reward shaping before it (overlong penalty, KL in the reward), and the errors for missing inputs."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from offstep.algos import advantages as estimators
 from offstep.batch import Sample, collate
 from offstep.config.schema import AlgorithmConfig, KLControlConfig
-from offstep.pipeline.advantage import (
+from offstep.pipeline.compute_advantages import (
     ADV_ESTIMATORS,
     build_kl_controller,
     compute_advantages,

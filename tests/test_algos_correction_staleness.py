@@ -19,7 +19,7 @@ from offstep.algos.correction import (
 )
 from offstep.config.loader import load_config
 from offstep.config.verl.derive import verl_k1_bounds
-from offstep.pipeline.advantage import needs_old_logprobs
+from offstep.pipeline.compute_advantages import needs_old_logprobs
 
 F64 = torch.float64
 

@@ -18,7 +18,7 @@ from conftest import ENGINES_SLOW_VLLM, needs_vllm
 
 from offstep.config.loader import ConfigError, load_config, to_yaml
 from offstep.pipeline.checkpoints import TrainerState, Checkpoints, check_compatible, complete_checkpoints, resolve_path
-from offstep.pipeline.stream import WHEN_FINISHED
+from offstep.pipeline.sample_stream import WHEN_FINISHED
 
 # A reward that is deterministic and not constant (the tiny model earns nothing on arithmetic), and
 # that blocks forever once the file named by $BLOCK_AFTER exists: the run is then stuck mid-step

@@ -158,9 +158,9 @@ def test_choice_lists_match_the_dispatch():
 
     from offstep.algos import common, correction, kl_control, losses, policy_losses
     from offstep.config import choices as v
-    from offstep.pipeline import advantage
+    from offstep.pipeline import compute_advantages
 
-    assert v.ADV_ESTIMATORS is advantage.ADV_ESTIMATORS
+    assert v.ADV_ESTIMATORS is compute_advantages.ADV_ESTIMATORS
     assert v.POLICY_LOSSES is policy_losses.POLICY_LOSSES
     assert v.LOSS_AGG_MODES is common.AGG_MODES
     assert v.KL_ESTIMATORS is losses.KL_ESTIMATORS

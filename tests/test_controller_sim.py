@@ -157,7 +157,7 @@ def test_a_batch_is_submitted_to_the_replicas_before_its_launch_returns():
     from types import SimpleNamespace
 
     from offstep.config.schema import AlgorithmConfig, RolloutConfig
-    from offstep.pipeline.batching import generate_batch
+    from offstep.pipeline.dynamic_sampling import generate_batch
     from offstep.pipeline.fleet import RolloutFleet
 
     order = []

@@ -1,4 +1,4 @@
-"""Tests for offstep.data.stream: the prompt stream (epochs, shuffling, resume)."""
+"""Tests for offstep.data.prompt_stream: the prompt stream (epochs, shuffling, resume)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from offstep.data.stream import PromptStream
+from offstep.data.prompt_stream import PromptStream
 
 
 def take(stream, n):

@@ -10,7 +10,7 @@ from conftest import ENGINES
 
 from offstep.batch import Sample
 from offstep.config.loader import load_config
-from offstep.pipeline.batching import assemble, refill_indices
+from offstep.pipeline.dynamic_sampling import assemble, refill_indices
 
 
 def _s(uid: int, score: float) -> Sample:

@@ -145,9 +145,9 @@ def test_lora_runs_in_the_mode(tmp_path, ray_session):
 @pytest.mark.parametrize("mode,stored", [("fully_async", "batch"), ("batch", "fully_async")])
 def test_a_checkpoint_with_samples_ahead_resumes_in_its_own_mode(mode, stored):
     from offstep.errors import ConfigError
-    from offstep.pipeline.batching import Generated
+    from offstep.pipeline.dynamic_sampling import Generated
     from offstep.pipeline.checkpoints import TrainerState
-    from offstep.pipeline.sources import check_mode_of
+    from offstep.pipeline.batch_source import check_mode_of
 
     ahead = [(3, 0, [1, 2], Generated())] if stored == "batch" else []
     groups = {"admitted": 8, "drawn": [], "epoch": 0, "groups": [{"g": 6}]} if stored == "fully_async" else None
@@ -161,7 +161,7 @@ def test_must_take_counts_the_groups_later_steps_could_not_fit():
     """Earliest deadline first (a group admitted at version a is due by a + k), B = 2, k = 1."""
     from types import SimpleNamespace
 
-    from offstep.pipeline.stream import must_take
+    from offstep.pipeline.sample_stream import must_take
 
     def groups(*versions):
         return [SimpleNamespace(version=v) for v in versions]

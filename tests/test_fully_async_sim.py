@@ -29,7 +29,7 @@ import zlib
 import fakes as sim
 import pytest
 
-from offstep.data.stream import PromptStream
+from offstep.data.prompt_stream import PromptStream
 from offstep.pipeline.inputs import prepare_inputs
 from offstep.telemetry.metrics import read_jsonl
 from offstep.telemetry.names import Data, Rollout, Stage, replica_index
@@ -204,8 +204,8 @@ def test_a_checkpoint_waits_for_the_groups_a_poll_is_bringing(tmp_path):
     from types import SimpleNamespace
 
     from offstep.config.loader import load_config
-    from offstep.pipeline.stream import SampleStream
-    from offstep.rollout.stream import FinishedGroup
+    from offstep.pipeline.sample_stream import SampleStream
+    from offstep.rollout.replica_stream import FinishedGroup
     from offstep.rollout.types import SamplingParams
 
     cfg = load_config(["preset=tiny", "pipeline.mode=fully_async", "pipeline.max_staleness=0",

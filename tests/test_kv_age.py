@@ -24,7 +24,7 @@ from test_partial_rollout import _teacher_under, _weights
 from offstep.rollout import schedule
 from offstep.rollout.control import StepControl
 from offstep.rollout.engine import TorchEngine
-from offstep.rollout.stream import StreamFeed
+from offstep.rollout.replica_stream import StreamFeed
 from offstep.rollout.types import SamplingParams, TurnRequest
 
 pytestmark = pytest.mark.heavy

@@ -41,3 +41,14 @@ def test_every_module_is_in_a_layer():
         modules.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     outside = [m for m in modules if m not in UNPLACED and not any(m == p or m.startswith(p + ".") for p in placed)]
     assert not outside, f"modules in no layer of pyproject.toml's [tool.importlinter] layers contract: {outside}"
+
+
+def test_no_module_file_name_is_used_twice():
+    """A file name says what a module is: two ``stream.py`` in one package make every mention of
+    one ambiguous (``__init__.py`` aside)."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "offstep").rglob("*.py")):
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not twice, f"module file names used more than once: {twice}"

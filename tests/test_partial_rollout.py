@@ -31,7 +31,7 @@ from test_engine import _random_lm, prompts, tiny, tok  # noqa: F401 (fixtures)
 
 from offstep.rollout.control import SUSPENDED, StepControl
 from offstep.rollout.engine import TorchEngine
-from offstep.rollout.stream import StreamFeed
+from offstep.rollout.replica_stream import StreamFeed
 from offstep.rollout.types import SamplingParams, TurnRequest
 
 pytestmark = pytest.mark.heavy

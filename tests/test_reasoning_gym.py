@@ -16,7 +16,7 @@ from offstep.config.validate import problems  # noqa: E402
 from offstep.data.dataset import check_rule_ground_truths, load_records  # noqa: E402
 from offstep.data.reasoning_gym import main as export_main  # noqa: E402
 from offstep.data.tasks import write_task  # noqa: E402
-from offstep.rewards.reasoning_gym import INFO_KEY, decode  # noqa: E402
+from offstep.rewards.reasoning_gym_scorer import INFO_KEY, decode  # noqa: E402
 from offstep.rewards.registry import RewardFunction  # noqa: E402
 
 # two datasets with enough distinct questions that the first items have no repeat

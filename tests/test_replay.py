@@ -1,4 +1,4 @@
-"""Replaying a fully asynchronous run from its recorded schedule (``offstep.rollout.replay``,
+"""Replaying a fully asynchronous run from its recorded schedule (``offstep.rollout.replica_schedule``,
 ``offstep.pipeline.replay``, ``pipeline.replay``).
 
 - The schedule's rules by hand: what is due before which decode step, and what may run.
@@ -32,8 +32,8 @@ from offstep.pipeline.preflight import environment_problems
 from offstep.pipeline.replay import read_schedule
 from offstep.rollout.control import StepControl
 from offstep.rollout.engine import TorchEngine
-from offstep.rollout.replay import ADMIT, LOAD, UNTIL, Schedule
-from offstep.rollout.stream import StreamFeed
+from offstep.rollout.replica_schedule import ADMIT, LOAD, UNTIL, Schedule
+from offstep.rollout.replica_stream import StreamFeed
 from offstep.telemetry.metrics import read_jsonl
 
 

@@ -17,7 +17,7 @@ from offstep.errors import RewardError
 from offstep.rewards.combine import FALLBACK, MODEL, RULE, Combination, ModelScore, SampleReward, combine
 from offstep.rewards.judge import parse_score, render_judge_prompt
 from offstep.rewards.registry import RewardFunction
-from offstep.rollout.reward_model import DiscriminativeScorer, Item, JudgeScorer, ModelBatcher, render_chat
+from offstep.rollout.replica_reward_model import DiscriminativeScorer, Item, JudgeScorer, ModelBatcher, render_chat
 from tests.reward_model_helpers import build_classifier
 
 CPU = torch.device("cpu")

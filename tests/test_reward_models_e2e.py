@@ -93,7 +93,7 @@ def test_a_dead_reward_worker_falls_back_and_is_replaced(tmp_path, ray_free, tin
 
     from offstep.config.schema import RewardModelConfig
     from offstep.rewards.combine import ModelScore
-    from offstep.rollout.reward_model import build_model_reward
+    from offstep.rollout.replica_reward_model import build_model_reward
     from offstep.rollout.reward_worker import RewardWorker
 
     folder = build_classifier(tmp_path / "rm", "llama", tiny[1])

@@ -32,7 +32,7 @@ from offstep.config.schema import AgentConfig
 from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.engine import TorchEngine
 from offstep.rollout.openai_agent import OpenAIRunner
-from offstep.rollout.stream import GroupWork, StreamServer
+from offstep.rollout.replica_stream import GroupWork, StreamServer
 from offstep.rollout.stream_agents import attach_agents
 from offstep.rollout.types import SamplingParams
 from offstep.rollout.worker import Request

@@ -18,7 +18,7 @@ from offstep.config.choices import OPENAI_AGENT, TOOL_AGENT
 from offstep.config.schema import AgentConfig
 from offstep.rollout.agent_loop import AgentRunner
 from offstep.rollout.openai_agent import OpenAIRunner
-from offstep.rollout.stream import GroupWork, StreamServer
+from offstep.rollout.replica_stream import GroupWork, StreamServer
 from offstep.rollout.stream_agents import attach_agents
 from offstep.rollout.types import SamplingParams
 

@@ -8,7 +8,7 @@ contract in pyproject.toml keeps it at the bottom layer.
 
 from __future__ import annotations
 
-# algorithm.* (offstep.pipeline.advantage and offstep.algos dispatch on these). GROUP_ESTIMATORS compare
+# algorithm.* (offstep.pipeline.compute_advantages and offstep.algos dispatch on these). GROUP_ESTIMATORS compare
 # the responses to one prompt with each other: they need rollout.n >= 2.
 GROUP_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "opo", "gpg", "grpo_passk")
 ADV_ESTIMATORS = (*GROUP_ESTIMATORS, "reinforce_plus_plus", "remax", "gae")
@@ -37,7 +37,7 @@ AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT)  # verl's agent_name value
 TOOL_FORMATS = ("hermes", "tag")  # rollout.agent.format: how tool calls are written (offstep.rollout.tool_parsers)
 TOOL_ROLES = ("tool", "user")  # rollout.agent.tool_role
 
-# reward.model.* (offstep.rewards.combine, offstep.rewards.judge and offstep.rollout.reward_model dispatch on these)
+# reward.model.* (offstep.rewards.combine, offstep.rewards.judge and offstep.rollout.replica_reward_model dispatch on these)
 REWARD_MODEL_KINDS = ("discriminative", "generative")
 REWARD_COMBINE = ("weighted", "abstain")
 REWARD_PLACEMENTS = ("rollout", "pool")

@@ -143,7 +143,7 @@ class RolloutConfig:
 @dataclass
 class RewardModelConfig:
     """A model that scores the responses, on each rollout replica beside its engine
-    (``offstep/rollout/reward_model.py``; docs/reward-models.md)."""
+    (``offstep/rollout/replica_reward_model.py``; docs/reward-models.md)."""
 
     kind: Optional[str] = None
     """null (rules only) | discriminative (a sequence-classification reward model: one score per chat) | generative (an LLM judge: its answer parsed into a score)"""

@@ -122,7 +122,7 @@ def _check_engine(cfg: Config, e: list[str]) -> None:
 
 def _check_mode(cfg: Config, e: list[str]) -> None:
     """``pipeline.mode`` and ``rollout.partial``: what the fully asynchronous mode runs with
-    (``offstep.pipeline.stream``); a combination it does not run is refused here, before start."""
+    (``offstep.pipeline.sample_stream``); a combination it does not run is refused here, before start."""
     p = cfg.pipeline
     choice(p.mode, "pipeline.mode", PIPELINE_MODES, e)
     choice(cfg.rollout.partial, "rollout.partial", PARTIAL_MODES, e)

@@ -1,2 +1,2 @@
 """Prompt data: dataset files and tokenization (``dataset.py``), the resumable prompt stream
-(``stream.py``), built-in tasks (``tasks.py``)."""
+(``prompt_stream.py``), built-in tasks (``tasks.py``)."""

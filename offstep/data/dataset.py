@@ -41,7 +41,7 @@ from typing import Any, Iterable
 
 from offstep.config.choices import AGENT_NAMES, OVERLONG_MODES, SINGLE_TURN, TOOL_AGENT, TRUNCATIONS
 from offstep.errors import DatasetError
-from offstep.data.limits import DEFAULT_MAX_ROWS, check_size, out_of_memory
+from offstep.data.row_limits import DEFAULT_MAX_ROWS, check_size, out_of_memory
 from offstep.data.render import render_all
 from offstep.data.truncate import truncate_prompt
 

@@ -17,7 +17,7 @@ import sys
 
 from offstep.data.reasoning_gym_task import DEFAULT_PROMPT
 from offstep.data.tasks import write_task
-from offstep.rewards.reasoning_gym import reasoning_gym_score as compute_score
+from offstep.rewards.reasoning_gym_scorer import reasoning_gym_score as compute_score
 
 __all__ = ["compute_score", "export", "main"]
 

@@ -11,7 +11,7 @@ Each row: a system prompt asking for the answer in ``<answer>`` tags (``system_p
 library's ``SYSTEM_PROMPTS``, or the text itself; default ``direct``), with ``example: true`` one more item
 of the dataset answered in tags as a demonstration turn, the question as the user's message,
 data_source ``reasoning_gym/<name>``, the item's answer as the ground truth and, in ``extra_info``, the
-item and config as JSON for the dataset's own ``score_answer`` (``offstep.rewards.reasoning_gym``).
+item and config as JSON for the dataset's own ``score_answer`` (``offstep.rewards.reasoning_gym_scorer``).
 reasoning_gym is imported only when this task is used.
 """
 
@@ -21,7 +21,7 @@ import dataclasses
 import difflib
 import json
 
-from offstep.rewards.reasoning_gym import INFO_KEY, SOURCE_PREFIX, dataset, decode, encode
+from offstep.rewards.reasoning_gym_scorer import INFO_KEY, SOURCE_PREFIX, dataset, decode, encode
 
 DEFAULT_PROMPT = "direct"
 OWN_OPTIONS = ("name", "system_prompt", "example")  # offstep's options; the rest go to the library's config

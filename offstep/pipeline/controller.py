@@ -10,7 +10,7 @@ instead of whole batches, and the loop is the same. Every sample carries the pol
 generated it; ``check_staleness`` (``prepare.py``) is the one place the bound is enforced.
 
 The parts around the loop each have a file: where a step's batch comes from, prepared off the
-critical path, in either mode (``sources.py``), the trainer's stages on it (``train_stages.py``),
+critical path, in either mode (``batch_source.py``), the trainer's stages on it (``train_stages.py``),
 the workers (``workers.py``), the rollout fleet (``fleet.py``), the weight sync
 (``weight_sync.py``), checkpoints (``checkpoints.py``), a step's metrics (``step_metrics.py``)
 and Ctrl-C handling (``stop.py``).
@@ -27,9 +27,9 @@ import ray
 
 from offstep.config.loader import to_yaml
 from offstep.config.schema import Config
-from offstep.data.stream import PromptStream
+from offstep.data.prompt_stream import PromptStream
 from offstep.files import write_file
-from offstep.pipeline.advantage import build_kl_controller
+from offstep.pipeline.compute_advantages import build_kl_controller
 from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints, load_failed, phase
 from offstep.pipeline.evaluation import summarise
 from offstep.pipeline.fleet import RolloutFleet
@@ -38,7 +38,7 @@ from offstep.pipeline.lending import CoreLending
 from offstep.pipeline.prepare import BatchPreparer, Prepared
 from offstep.pipeline.replay import SCHEDULE_FILE
 from offstep.pipeline.run_dir import open_run
-from offstep.pipeline.sources import AheadBatches, StreamBatches, check_mode_of, make_source, sampling_params, unless_failed
+from offstep.pipeline.batch_source import AheadBatches, StreamBatches, check_mode_of, make_source, sampling_params, unless_failed
 from offstep.pipeline.step_metrics import record_generation
 from offstep.pipeline.stop import StopRequest
 from offstep.pipeline.train_stages import TrainerStages

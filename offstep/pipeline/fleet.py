@@ -105,7 +105,7 @@ class RolloutFleet:
         later batch than the one the trainer waits for, which would otherwise be sent to a
         replacement that never starts, and wait for it forever. For the same reason the
         replacement is killed: a weight load sent to it meanwhile fails instead of waiting. The
-        fully asynchronous stream (``offstep.pipeline.stream``) replaces its replicas here too."""
+        fully asynchronous stream (``offstep.pipeline.sample_stream``) replaces its replicas here too."""
         async with self._replacing.setdefault(i, asyncio.Lock()):
             if i in self._failed:
                 raise self._failed[i]

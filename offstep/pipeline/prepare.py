@@ -20,8 +20,8 @@ import torch
 from offstep.batch import TrainBatch, collate
 from offstep.config.schema import Config
 from offstep.errors import StalenessError
-from offstep.pipeline.advantage import compute_advantages, needs_old_logprobs
-from offstep.pipeline.batching import Generated
+from offstep.pipeline.compute_advantages import compute_advantages, needs_old_logprobs
+from offstep.pipeline.dynamic_sampling import Generated
 from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.step_metrics import batch_metrics, dropped_metrics, record_generation, reward_model_seconds, sample_rows, sandbox_metrics
 from offstep.telemetry.loggers import RunLoggers
@@ -74,7 +74,7 @@ class BatchPreparer:
         if self.cfg.algorithm.dynamic_sampling:
             m[Rollout.DYNAMIC_SAMPLING_ATTEMPTS] = len(gen.rounds)
             m[Rollout.DYNAMIC_SAMPLING_FILLED_GROUPS] = gen.filled_groups
-        if gen.rounds:  # the fully asynchronous mode's stream gives its own (offstep.pipeline.stream)
+        if gen.rounds:  # the fully asynchronous mode's stream gives its own (offstep.pipeline.sample_stream)
             m[Timing.GEN] = gen_s
             m[Perf.GEN_TOKENS_PER_S] = float(batch.response_mask.sum()) / max(gen_s, 1e-9)
         if ref_s:

@@ -12,7 +12,7 @@ import ray
 
 from offstep.batch import Span, TrainBatch
 from offstep.config.schema import Config
-from offstep.pipeline.advantage import needs_old_logprobs
+from offstep.pipeline.compute_advantages import needs_old_logprobs
 from offstep.pipeline.pools import RoleGroup
 from offstep.pipeline.prepare import Prepared
 from offstep.telemetry.names import Actor, Role, Stage, Timing, actor, critic

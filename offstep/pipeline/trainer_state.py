@@ -17,7 +17,7 @@ import numpy as np
 
 from offstep.batch import AgentStats, GenTiming, Sample, Span
 from offstep.files import loads_json, short
-from offstep.pipeline.batching import Generated
+from offstep.pipeline.dynamic_sampling import Generated
 from offstep.rollout.agent_loop import LOOP_LISTS, AgentResult
 
 STATE_FILE = "trainer_state.json"

@@ -2,7 +2,7 @@
 ground_truth, extra_info=None, **kwargs)``: verl's ``default_compute_score`` routing for the math
 family, geo3k, Search-R1 and code (the model's program run in ``offstep.sandbox``, by
 ``offstep.rewards.code``), plus offstep's own tasks (``gsm8k``, ``arithmetic``, ``calculator``, ``code``) and reasoning-gym's
-(``reasoning_gym/<dataset>``, ``offstep.rewards.reasoning_gym``).
+(``reasoning_gym/<dataset>``, ``offstep.rewards.reasoning_gym_scorer``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 from offstep.rewards.code import code_score
 from offstep.rewards.math_answers import dapo_score, lighteval_math_score
 from offstep.rewards.math_grade import geo3k_score, prime_math_score
-from offstep.rewards.reasoning_gym import SOURCE_PREFIX as REASONING_GYM, reasoning_gym_score
+from offstep.rewards.reasoning_gym_scorer import SOURCE_PREFIX as REASONING_GYM, reasoning_gym_score
 from offstep.rewards.scorers import gsm8k_score, last_number_score, plain_answer_score, search_r1_em_score
 
 Scorer = Callable[..., Any]

@@ -1,4 +1,4 @@
-"""Agents' rows on a streaming replica (``pipeline.mode=fully_async``, ``offstep.rollout.stream``):
+"""Agents' rows on a streaming replica (``pipeline.mode=fully_async``, ``offstep.rollout.replica_stream``):
 tool loops (``agent_name=tool_agent``, ``offstep.rollout.agent_loop``) and OpenAI agents
 (``openai``, ``offstep.rollout.openai_agent``).
 
@@ -28,7 +28,7 @@ from offstep.rollout.agent_loop import AgentResult, AgentRunner, agent_stats, me
 from offstep.rollout.control import SUSPENDED
 from offstep.rollout.openai_agent import MODEL_NAME, OpenAIRunner
 from offstep.rollout.openai_server import OpenAIServer
-from offstep.rollout.stream import GroupWork, SampleState, StreamServer
+from offstep.rollout.replica_stream import GroupWork, SampleState, StreamServer
 from offstep.rollout.types import Completion, SamplingParams
 
 CALL_STREAMS = 1 << 48  # an OpenAI call's random streams start here, apart from the samples' own

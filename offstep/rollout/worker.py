@@ -114,10 +114,10 @@ class RolloutWorker:
             self.engine = TorchEngine(model, tok, eos, device=self.device, max_batch_size=max_batch_size)
         self.lora = lora
         self.reward = reward
-        # reward.model: a reward model or judge beside the engine, fed as samples finish (offstep.rollout.reward_model)
+        # reward.model: a reward model or judge beside the engine, fed as samples finish (offstep.rollout.replica_reward_model)
         self.model_reward = None
         if reward_model is not None and reward_model.kind is not None:
-            from offstep.rollout.reward_model import build_model_reward
+            from offstep.rollout.replica_reward_model import build_model_reward
 
             self.model_reward = build_model_reward(reward_model, self.device, reward_pool)  # pool: its workers
             reward_threads = max(reward_threads, reward_model.max_concurrency)  # the batcher gathers what waits
@@ -272,14 +272,14 @@ class RolloutWorker:
             s.ref_logprobs = lp
 
     # ---------------------------------------------------------------- fully asynchronous mode
-    # (pipeline.mode=fully_async, offstep.rollout.stream): the actor runs these on several threads
+    # (pipeline.mode=fully_async, offstep.rollout.replica_stream): the actor runs these on several threads
     # (max_concurrency), so a load or a take is served while the engine generates.
     def stream_start(self, prompts: list[list[int]], params: SamplingParams, partial: str,
                      replay: list | None = None, max_kv_age: int = -1) -> None:
         """Start generating from a stream of prompt groups (``prompts``: every prompt that may come,
         for the engine's cache and shared prefix); ``replay``: a recorded schedule for it to follow
-        (``offstep.rollout.replay``)."""
-        from offstep.rollout.stream import StreamServer
+        (``offstep.rollout.replica_schedule``)."""
+        from offstep.rollout.replica_stream import StreamServer
         from offstep.rollout.stream_agents import attach_agents
 
         self._sleeping.before_generation()
@@ -315,7 +315,7 @@ class RolloutWorker:
         self.progress.start(Stage.GEN, total=0, version=self.engine.version)
 
     def stream_schedule(self) -> list:
-        """The schedule's events recorded since the last call (``offstep.rollout.replay``)."""
+        """The schedule's events recorded since the last call (``offstep.rollout.replica_schedule``)."""
         return self._stream.schedule.drain()
 
     def stream_suspend(self) -> list:

@@ -9,11 +9,11 @@ from typing import Any, Callable
 
 from offstep.config.choices import OVERLONG_MODES
 from offstep.config.schema import Config
-from offstep.config.verl.dapo import dapo_recipe, rollout_is_threshold
+from offstep.config.verl.dapo_keys import dapo_recipe, rollout_is_threshold
 from offstep.config.verl.convert import fail, training_rows, whole
 from offstep.config.verl.fully_async import fully_async_mode
 from offstep.config.verl.layout import colocated_layout, verl_defaults, verl_values
-from offstep.config.verl.reward_model import reward_model
+from offstep.config.verl.reward_model_keys import reward_model
 from offstep.config.verl.translate import Translation, async_signals, refusals
 from offstep.errors import OffstepError, VerlKeyError
 

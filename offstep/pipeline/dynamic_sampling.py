@@ -91,7 +91,7 @@ def generate_batch(submit: Callable[..., asyncio.Future], prompts: list, params,
             kept, dropped = split_failed([s for samples, _ in results for s in samples])
             gen.samples.extend(kept)
             gen.dropped.extend(dropped)
-            if not gen.samples and attempt + 1 == attempts:
+            if gen.dropped and not gen.samples and attempt + 1 == attempts:
                 raise RuntimeError(f"every group of batch {batch_idx} had a rollout whose environment failed "
                                    "(env.on_error): nothing is left to train. See env/errors, env/timeouts")
             if not algo.dynamic_sampling:

@@ -5,7 +5,7 @@ controller's loop reads the same in both (``controller.py``).
   the one a step consumes, each prepared (collated, measured, advantages where the trainer adds
   nothing) as soon as its samples arrive.
 * :class:`StreamBatches` (``pipeline.mode=fully_async``): the step's groups taken from the sample
-  stream as they finish (``stream.py``), prepared the same way.
+  stream as they finish (``sample_stream.py``), prepared the same way.
 
 A source is started once (from a checkpoint's state when resuming), asked for each step's
 :class:`Prepared` batch, told when every replica holds a new version, and frozen around a
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from offstep.config.schema import Config
 from offstep.errors import ConfigError
-from offstep.pipeline.batching import generate_batch
+from offstep.pipeline.dynamic_sampling import generate_batch
 from offstep.pipeline.prepare import BatchPreparer, Prepared
-from offstep.pipeline.stream import SampleStream
+from offstep.pipeline.sample_stream import SampleStream
 from offstep.pipeline.trainer_state import TrainerState
 from offstep.rollout.types import SamplingParams
 from offstep.telemetry.names import Perf, Timing

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from offstep.batch import Sample
 from offstep.rollout.control import SUSPENDED, StepControl
-from offstep.rollout.replay import ADMIT, Schedule, request_key
+from offstep.rollout.replica_schedule import ADMIT, Schedule, request_key
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
 
 
@@ -77,7 +77,7 @@ class StreamFeed:
     weight load or suspension is posted (it then returns ``[]``, so the engine can act), or the
     feed is closed (``None``). ``pause`` holds back the queued requests (for a suspension).
     ``schedule`` records which requests each take admitted; replaying, a take admits exactly the
-    requests due at the coming decode step, waiting for them (``offstep.rollout.replay``), and
+    requests due at the coming decode step, waiting for them (``offstep.rollout.replica_schedule``), and
     ``while_waiting`` runs meanwhile (the work posted to the engine's thread)."""
 
     def __init__(self, prompts: list[list[int]], concurrency: int, share_prefix: bool = True,
@@ -184,7 +184,7 @@ class StreamServer:
         self.on_sample = on_sample
         self.agents: dict[str, object] = {}
         self.control = StepControl(partial, max_kv_age)
-        self.schedule = Schedule(replay)  # when each load, suspension and admission happened (offstep.rollout.replay)
+        self.schedule = Schedule(replay)  # when each load, suspension and admission happened (offstep.rollout.replica_schedule)
         self.feed = StreamFeed(prompts, concurrency, share_prefix, self.schedule, self.control.run_posted)
         self.control.use_schedule(self.schedule, self.feed)
         self._lock = threading.Condition()
