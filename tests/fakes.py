@@ -182,7 +182,7 @@ class FakeActor:
     def compute_logprobs(self, batch) -> tuple[torch.Tensor, Span]:
         return torch.zeros_like(batch.rollout_logprobs), self._sleep(self._work_s(batch))
 
-    def set_sync_manifest(self, specs: list) -> None:
+    def set_sync_manifest(self, specs: list, full_every: int = 0) -> None:
         pass
 
     def export_weights(self) -> list:
