@@ -68,9 +68,13 @@ def assert_gone(servers: list[tuple[int, int]]) -> None:
     while time.time() < deadline and any(alive(p) for p, _ in servers):
         time.sleep(0.2)
     assert not [p for p, _ in servers if alive(p)]
-    for _, port in servers:
-        with socket.socket() as s:
-            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} still listening"
+    ports = {port for _, port in servers}
+    # A port may be taken again by another process once its server is gone (tests run side by side):
+    # what must be gone is a listener that is an environment server.
+    held = [(c.laddr.port, c.pid) for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid
+            and "openenv_server" in " ".join(_cmdline(c.pid))]
+    assert not held, f"environment servers still listening: {held}"
 
 
 def failures_of(record: Path) -> tuple[int, int]:
@@ -148,3 +152,10 @@ def test_the_agent_loop_plays_an_episode(tmp_path):
     assert out == {"score": 1.0}
     assert seen == [[prompt], [prompt, "0", "Wrong. Try again: answer with the number."]]
     assert all(p.poll() is not None for p in fn.pool._procs)  # close stopped every server
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
