@@ -103,7 +103,8 @@ class FakeRollout:
         self.__init__(gen_s, load_s, self.progress, profile)
 
     # The fully asynchronous mode (the real worker's methods; see the module's docstring).
-    def stream_start(self, prompts: list[list[int]], params, partial: str, replay: list | None = None) -> None:
+    def stream_start(self, prompts: list[list[int]], params, partial: str, replay: list | None = None,
+                     max_kv_age: int = -1) -> None:
         if replay is not None:
             raise ValueError("FakeRollout does not replay a schedule (it has no decode steps)")
         if self.profile is None:
