@@ -186,7 +186,7 @@ class FakeActor:
     def set_sync_manifest(self, specs: list, full_every: int = 0) -> None:
         pass
 
-    def export_weights(self) -> list:
+    def export_weights(self, full: bool = False) -> list:
         time.sleep(self.export_s)
         return [ray.put({"version": self.updates}), digest([("w", torch.tensor([float(self.updates)]))])]
 

@@ -78,6 +78,17 @@ def test_every_sample_field_is_read_back_from_a_checkpoint():
     assert {f.name for f in dataclasses.fields(Sample)} == set(_SAMPLE_CHECKS)
 
 
+def test_every_stream_sample_state_field_is_read_back_from_a_checkpoint():
+    """The same for the fully asynchronous stream's unfinished samples (``SampleState``): a field
+    the reader does not know (``kv_age`` was one) makes every fully async checkpoint damaged."""
+    import dataclasses
+
+    from offstep.pipeline.trainer_state import _STATE_CHECKS
+    from offstep.rollout.replica_stream import SampleState
+
+    assert {f.name for f in dataclasses.fields(SampleState)} == set(_STATE_CHECKS)
+
+
 def test_trainer_state_round_trips_exactly():
     rng = np.random.default_rng(0)
     samples = [

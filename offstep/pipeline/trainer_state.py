@@ -147,7 +147,7 @@ _STATE_CHECKS: dict[str, Callable] = {
     "score": lambda v: v is None or _num(v), "extra": lambda v: isinstance(v, dict), "text": lambda v: isinstance(v, str),
     "loss_mask": lambda v: v is None or _ints(v), "agent": lambda v: v is None or isinstance(v, dict),
     "info": lambda v: v is None or isinstance(v, dict), "prompt_ids": lambda v: v is None or _ints(v),
-    "loop": lambda v: v is None or _loop(v),
+    "loop": lambda v: v is None or _loop(v), "kv_age": _int,
 }
 
 
