@@ -9,6 +9,7 @@ response (log-probs, advantages, ...) has shape [B, R].
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -62,6 +63,11 @@ class Sample:
     token_versions: Optional[list[int]] = None
     # fully_async: the most versions its K/V cache lagged the weights that decoded it (rollout.max_kv_age)
     kv_age: int = 0
+    # distill.teacher: the teacher's log-prob of each response token, and with loss_mode=forward_kl_topk
+    # its k most likely ids at each position and their log-probs ([len(response_ids)][k])
+    teacher_logprobs: Optional[list[float]] = None
+    teacher_topk_ids: Optional[list[list[int]]] = None
+    teacher_topk_logprobs: Optional[list[list[float]]] = None
 
     def __post_init__(self):
         if isinstance(self.agent, dict):  # from a checkpoint's JSON
@@ -92,6 +98,7 @@ class GenTiming:
     tools: tuple[Span, ...] = ()  # when tools ran (merged over samples), for the timeline
     sandbox: tuple = ()  # offstep.sandbox.Execution of each sandboxed run (code rewards, the python tool)
     reward: tuple[Span, ...] = ()  # the reward model's batches (reward.model), for the timeline
+    teacher: tuple[Span, ...] = ()  # the distillation teacher's batches (distill.teacher), for the timeline
 
 
 @dataclass
@@ -113,6 +120,9 @@ class TrainBatch:
     staleness: Optional[torch.Tensor] = None  # [B] long: trainer version - sample version
     baseline_scores: Optional[torch.Tensor] = None  # [B] float: ReMax's greedy-response scores
     baseline_lengths: Optional[torch.Tensor] = None  # [B] float: their lengths (overlong penalty)
+    teacher_logprobs: Optional[torch.Tensor] = None  # [B, R]: distill.teacher's log-probs of the response tokens
+    teacher_topk_ids: Optional[torch.Tensor] = None  # [B, R, k] long: its top-k ids (forward_kl_topk)
+    teacher_topk_logprobs: Optional[torch.Tensor] = None  # [B, R, k]: their log-probs (-inf: no id)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -196,12 +206,17 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
             input_ids[i, P : P + r] = torch.tensor(s.response_ids, dtype=torch.long)
             response_mask[i, :r] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
             rollout_logprobs[i, :r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    ref_logprobs = None
-    if all(s.ref_logprobs is not None for s in samples):
-        ref_logprobs = torch.zeros((B, R), dtype=torch.float32)
+    ref_logprobs = _per_token(samples, "ref_logprobs", B, R)
+    teacher = _per_token(samples, "teacher_logprobs", B, R)
+    topk_ids = topk_logprobs = None
+    if all(s.teacher_topk_ids is not None for s in samples):
+        k = max((len(row) for s in samples for row in s.teacher_topk_ids), default=1)
+        topk_ids = torch.zeros((B, R, k), dtype=torch.long)
+        topk_logprobs = torch.full((B, R, k), -math.inf, dtype=torch.float32)
         for i, s in enumerate(samples):
-            if s.response_ids:
-                ref_logprobs[i, : len(s.response_ids)] = torch.tensor(s.ref_logprobs, dtype=torch.float32)
+            for t, (ids, lps) in enumerate(zip(s.teacher_topk_ids, s.teacher_topk_logprobs)):
+                topk_ids[i, t, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+                topk_logprobs[i, t, : len(lps)] = torch.tensor(lps, dtype=torch.float32)
     baseline_scores = baseline_lengths = None
     if all(s.baseline_score is not None for s in samples):
         baseline_scores = torch.tensor([s.baseline_score for s in samples], dtype=torch.float32)
@@ -221,7 +236,22 @@ def collate(samples: list[Sample], pad_id: int) -> TrainBatch:
         ref_logprobs=ref_logprobs,
         baseline_scores=baseline_scores,
         baseline_lengths=baseline_lengths,
+        teacher_logprobs=teacher,
+        teacher_topk_ids=topk_ids,
+        teacher_topk_logprobs=topk_logprobs,
     )
+
+
+def _per_token(samples: list[Sample], name: str, B: int, R: int) -> Optional[torch.Tensor]:
+    """A per-token list field of every sample as a [B, R] tensor (zero past each response), or None
+    unless every sample has it."""
+    if not all(getattr(s, name) is not None for s in samples):
+        return None
+    out = torch.zeros((B, R), dtype=torch.float32)
+    for i, s in enumerate(samples):
+        if s.response_ids:
+            out[i, : len(s.response_ids)] = torch.tensor(getattr(s, name), dtype=torch.float32)
+    return out
 
 
 # ------------------------------------------------------------------ micro-batching by token budget
@@ -300,8 +330,8 @@ def trim_padding(mb: TrainBatch) -> TrainBatch:
     out = {}
     for f in dataclasses.fields(mb):
         t = getattr(mb, f.name)
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            continue
+        if not isinstance(t, torch.Tensor) or t.dim() < 2:
+            continue  # [B, P+R], [B, R] and [B, R, k] fields are cut
         out[f.name] = t[:, P - keep_p : P + keep_r] if f.name in SEQUENCE_FIELDS else t[:, :keep_r]
     return dataclasses.replace(mb, prompt_len=keep_p, **out)
 

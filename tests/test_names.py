@@ -16,7 +16,7 @@ METRICS = {
     "timing_s/step", "timing_s/gen", "timing_s/wait_gen", "timing_s/ref", "timing_s/ref_rollout", "timing_s/values",
     "timing_s/old_logprobs", "timing_s/adv", "timing_s/update_critic", "timing_s/update_actor",
     "timing_s/sync_weights", "timing_s/sync_verify", "timing_s/reward_model", "timing_s/rollout_sleep",
-    "timing_s/rollout_wake",
+    "timing_s/rollout_wake", "timing_s/teacher",
     "perf/tokens_per_s", "perf/samples_per_s", "perf/gen_tokens_per_s", "perf/lent_cores_s",
     "reward/mean", "reward/max", "reward/min", "reward/overlong_penalty", "reward/kl_penalty", "reward/kl_coef",
     "reward/greedy_baseline", "reward/rule/mean", "reward/model/mean", "reward/model/fallbacks",
@@ -25,6 +25,7 @@ METRICS = {
     "rollout/length_bias", "rollout/dynamic_sampling_attempts", "rollout/dynamic_sampling_filled_groups",
     "response_length/mean", "response_length/max", "response_length/clip_ratio", "response_length/generated_mean",
     "adv/mean", "adv/abs_mean", "adv/max", "adv/min",
+    "distill/reverse_kl", "distill/teacher_logprob",
     "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "actor/mismatch_kl_k1", "actor/is_weight_mean",
     "actor/frozen",
     "sync/verified", "sync/collective",
@@ -33,11 +34,11 @@ METRICS = {
     "data/prompts_crc32",
 }
 GROUPS = {names.Timing: "timing_s/", names.Perf: "perf/", names.Reward: "reward/", names.Rollout: "rollout/",
-          names.ResponseLength: "response_length/", names.Adv: "adv/", names.Actor: "actor/", names.Sync: "sync/",
+          names.ResponseLength: "response_length/", names.Adv: "adv/", names.Distill: "distill/", names.Actor: "actor/", names.Sync: "sync/",
           names.Sandbox: "sandbox/", names.Val: "val/", names.Data: "data/"}
 STAGES = {"gen", "gen_more", "val", "ref", "tool", "load_weights", "wait_gen", "values", "old_logprobs",
           "update_critic", "update_actor", "sync", "sync_export", "checkpoint", "prepare", "reward_model", "sleep",
-          "wake"}
+          "wake", "teacher"}
 
 
 def _values(cls) -> list[str]:

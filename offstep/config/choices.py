@@ -41,6 +41,7 @@ TOOL_ROLES = ("tool", "user")  # rollout.agent.tool_role
 REWARD_MODEL_KINDS = ("discriminative", "generative")
 REWARD_COMBINE = ("weighted", "abstain")
 REWARD_PLACEMENTS = ("rollout", "pool")
+DISTILL_LOSS_MODES = ("k1", "forward_kl_topk")  # distill.loss_mode
 JUDGE_PARSERS = ("last_number", "yes_no")  # and regex:PATTERN
 JUDGE_TEMPLATES = ("score", "yes_no")  # reward.model.template names (texts in offstep.rewards.judge), or a template of its own
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from offstep.config.training import (  # noqa: F401  (re-exported: the whole tree is importable from here)
-    KLControlConfig, AlgorithmConfig, OptimConfig, LoRAConfig, ActorConfig, CriticConfig,
+    KLControlConfig, AlgorithmConfig, OptimConfig, LoRAConfig, ActorConfig, CriticConfig, TeacherConfig, DistillConfig,
 )
 
 
@@ -246,6 +246,12 @@ class ResourcesConfig:
     """CPU cores of each reward worker"""
     gpus_per_reward_worker: int = 0
     """GPUs of each reward worker"""
+    teacher_workers: int = 1
+    """distill.teacher.placement=pool: the teacher pool's workers, each holding the teacher"""
+    cpus_per_teacher_worker: int = 1
+    """CPU cores of each teacher worker"""
+    gpus_per_teacher_worker: int = 0
+    """GPUs of each teacher worker"""
     ray_address: Optional[str] = None
     """an existing Ray cluster ("auto" or an address); null starts a local one"""
     placement_timeout_s: float = 60.0
@@ -375,5 +381,7 @@ class Config:
     """the run: steps, output, logging, checkpoints"""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """where model-written code runs (code rewards, the python tool)"""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """on-policy distillation from a teacher model (docs/distillation.md)"""
     env: EnvConfig = field(default_factory=EnvConfig)
     """an environment from the ecosystem (verifiers, OpenEnv) instead of data.* (docs/environments.md)"""

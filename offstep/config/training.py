@@ -170,3 +170,44 @@ class CriticConfig:
     """critic warm-up: the first warmup_steps steps train only the critic (the actor keeps its step-0 weights); not the learning-rate warm-up (optim.warmup_steps)"""
     nonfinite: str = "skip"
     """NaN/inf value loss or gradients: skip (drop that optimizer step, counted in critic/skipped_steps) | stop (end the run with an error naming the step)"""
+
+
+@dataclass
+class TeacherConfig:
+    """The teacher of on-policy distillation: a frozen model that scores the student's samples."""
+
+    path: Optional[str] = None
+    """a causal-LM folder (save_pretrained, safetensors) or an alias (tiny, smollm2-135m-instruct); null: no distillation. Its tokenizer must be the policy's (same vocabulary): offstep refuses others before start"""
+    placement: str = "rollout"
+    """where it runs: rollout (on each rollout replica, beside the engine) | pool (a pool of its own: resources.teacher_workers x resources.cpus_per_teacher_worker / gpus_per_teacher_worker; the replicas send it their finished samples)"""
+    engine: str = "builtin"
+    """what computes its log-probs: builtin (a transformers forward, as the trainer's) | vllm (prompt log-probs of one vLLM engine; loss_mode=k1, temperature 1)"""
+    dtype: str = "float32"
+    """its weights: float32 | bfloat16"""
+    batch_size: int = 8
+    """finished samples scored together in one forward at most"""
+    timeout_s: float = 300.0
+    """a batch the teacher has not scored in this many seconds fails the run, saying so (the teacher's signal is never silently dropped)"""
+
+
+@dataclass
+class DistillConfig:
+    """On-policy distillation (docs/distillation.md): the teacher gives each sampled token its
+    log-probability; the student is trained to lower the reverse KL to it."""
+
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    """the teacher model and where it runs"""
+    loss_mode: str = "k1"
+    """k1 (per-token advantage log p_teacher - log p_student on the sampled token, by the policy gradient) | forward_kl_topk (a supervised loss: the teacher's top-k log-probs at each position against the student's on the same ids; builtin teacher engine)"""
+    topk: int = 8
+    """loss_mode=forward_kl_topk: the teacher's most likely tokens kept per position"""
+    coef: float = 1.0
+    """the weight of the distillation signal (verl: distillation_loss_coef)"""
+    use_task_rewards: bool = True
+    """true: the task reward's advantage plus coef x the distillation signal; false: pure distillation (rewards are still computed and logged)"""
+    log_prob_min_clamp: float = -10.0
+    """log-probs below this are raised to it first (a token the teacher finds all but impossible)"""
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher.path is not None

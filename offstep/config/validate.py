@@ -32,7 +32,7 @@ from offstep.config.choices import (
 )
 from offstep.config.checks import choice, floats, need
 from offstep.config.schema import Config
-from offstep.config.validate_training import check_algorithm, check_optim
+from offstep.config.validate_training import check_algorithm, check_distill, check_optim
 from offstep.rewards.judge import parser_problem, template_problem
 
 
@@ -313,6 +313,7 @@ def problems(cfg: Config) -> list[str]:
     _check_agent(cfg, e)
     _check_task(cfg, e)
     check_algorithm(cfg, e)
+    check_distill(cfg, e)
 
     r, d, a = cfg.rollout, cfg.data, cfg.actor
     need(r.n >= 1, f"rollout.n={r.n} must be >= 1", e)

@@ -10,6 +10,8 @@ from offstep.config.checks import choice, need
 from offstep.config.choices import (
     ADV_ESTIMATORS,
     CORRECTION_MODES,
+    DISTILL_LOSS_MODES,
+    DTYPE_NAMES,
     GROUP_ESTIMATORS,
     KL_CONTROLLERS,
     KL_ESTIMATORS,
@@ -17,6 +19,8 @@ from offstep.config.choices import (
     M2PO_TOKENS,
     ONE_RESPONSE_GROUPS,
     POLICY_LOSSES,
+    REWARD_PLACEMENTS,
+    ROLLOUT_ENGINES,
     REJECTION_LEVELS,
     SCORE_ALONE_ESTIMATORS,
     TIS_LEVELS,
@@ -117,3 +121,37 @@ def check_optim(o: OptimConfig, key: str, e: list[str]) -> None:
           f"{key}.betas={list(o.betas)} must be two numbers in [0, 1), e.g. [0.9, 0.999]", e)
     need(o.grad_clip > 0, f"{key}.grad_clip={o.grad_clip} must be a number > 0 (inf: no clipping)", e)
     need(o.warmup_steps >= 0, f"{key}.warmup_steps={o.warmup_steps} must be >= 0 (0: no warm-up)", e)
+
+
+def check_distill(cfg: Config, e: list[str]) -> None:
+    """``distill`` (docs/distillation.md); whether the teacher's folder holds a causal LM with the
+    policy's vocabulary is the preflight's."""
+    d, t, res = cfg.distill, cfg.distill.teacher, cfg.resources
+    if not d.enabled:
+        need(d.use_task_rewards, "distill.use_task_rewards=false trains on the teacher's signal alone, but no teacher is "
+              "given: set distill.teacher.path to a model folder or alias, or drop distill.use_task_rewards", e)
+        return
+    choice(t.placement, "distill.teacher.placement", REWARD_PLACEMENTS, e)
+    choice(t.engine, "distill.teacher.engine", ROLLOUT_ENGINES, e)
+    choice(t.dtype, "distill.teacher.dtype", DTYPE_NAMES, e)
+    choice(d.loss_mode, "distill.loss_mode", DISTILL_LOSS_MODES, e)
+    need(t.batch_size >= 1, f"distill.teacher.batch_size={t.batch_size} must be >= 1", e)
+    need(t.timeout_s > 0, f"distill.teacher.timeout_s={t.timeout_s} must be > 0 seconds", e)
+    need(d.loss_mode != "forward_kl_topk" or d.topk >= 1, f"distill.topk={d.topk} must be >= 1 with loss_mode=forward_kl_topk", e)
+    need(math.isfinite(d.coef) and d.coef > 0, f"distill.coef={d.coef} must be a finite number > 0 (no teacher: drop "
+          f"distill.teacher.path)", e)
+    need(math.isfinite(d.log_prob_min_clamp) and d.log_prob_min_clamp < 0,
+          f"distill.log_prob_min_clamp={d.log_prob_min_clamp} must be a finite number below 0 (e.g. -10)", e)
+    for key, v, low in (("teacher_workers", res.teacher_workers, 1), ("cpus_per_teacher_worker", res.cpus_per_teacher_worker, 1),
+                        ("gpus_per_teacher_worker", res.gpus_per_teacher_worker, 0)):
+        need(v >= low, f"resources.{key}={v} must be >= {low}", e)
+    if t.engine == "vllm":
+        need(d.loss_mode != "forward_kl_topk", "distill.teacher.engine=vllm gives the sampled tokens' log-probs only; "
+              "distill.loss_mode=forward_kl_topk needs distill.teacher.engine=builtin", e)
+        need(cfg.rollout.temperature == 1.0, f"distill.teacher.engine=vllm scores untempered log-probs, and the student "
+              f"samples at rollout.temperature={cfg.rollout.temperature}; set rollout.temperature=1.0 or "
+              f"distill.teacher.engine=builtin (which scores at the rollout's temperature)", e)
+        need(not (t.placement == "rollout" and cfg.rollout.engine == "vllm"),
+              "distill.teacher.engine=vllm with distill.teacher.placement=rollout and rollout.engine=vllm would put two "
+              "vLLM engines in one replica's process; put the teacher in a pool of its own "
+              "(distill.teacher.placement=pool) or set distill.teacher.engine=builtin", e)

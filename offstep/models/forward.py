@@ -65,6 +65,16 @@ def forward_response(
     ``share_prompts``: rows with the same prompt run as one packed sequence, the prompt once
     (``offstep.models.prompt_sharing``); the result has the same layout, equal to rounding.
     """
+    logits = response_logits(model, mb, temperature, compute_dtype, share_prompts)
+    logp = logprobs_from_logits(logits, mb.responses)
+    ent = entropy_from_logits(logits) if with_entropy else None
+    return logp, ent
+
+
+def response_logits(model, mb: TrainBatch, temperature: float, compute_dtype: str = "float32",
+                    share_prompts: bool = False) -> torch.Tensor:
+    """The float32 logits [B, R, V] that predict each response token, divided by ``temperature``
+    (> 0): ``forward_response``'s, for a loss over the vocabulary (``distill.loss_mode=forward_kl_topk``)."""
     R = mb.response_mask.shape[1]
     units = prompt_units(prompt_groups(mb), *sample_lengths(mb)) if share_prompts else None
     layout = shared_layout(mb, units) if units is not None and len(units) < len(mb) else None  # a prompt repeats
@@ -80,9 +90,7 @@ def forward_response(
     logits = logits.float()
     if temperature > 0:
         logits = logits / temperature
-    logp = logprobs_from_logits(logits, mb.responses)
-    ent = entropy_from_logits(logits) if with_entropy else None
-    return logp, ent
+    return logits
 
 
 @torch.no_grad()
@@ -100,3 +108,25 @@ def sequence_logprobs(model, sequences, pad_id: int, device, temperature: float,
              for mb in batch.chunks(micro_batch_size)]
     logp = torch.cat(parts).cpu()
     return [logp[i, : len(r)].tolist() for i, (_, r) in enumerate(sequences)]
+
+
+@torch.no_grad()
+def sequence_topk(model, sequences, pad_id: int, device, temperature: float, k: int, compute_dtype: str = "float32",
+                  micro_batch_size: int = 8) -> list[tuple[list[float], list[list[int]], list[list[float]]]]:
+    """``sequence_logprobs`` with, at each response position, the ``k`` most likely ids and their
+    log-probs (a distillation teacher's top-k: ``offstep.algos.distill.topk_forward_kl``)."""
+    if not sequences:
+        return []
+    samples = [Sample(uid=0, prompt_ids=list(p), response_ids=list(r), rollout_logprobs=[0.0] * len(r),
+                      finish_reason="", score=0.0, version=0) for p, r in sequences]
+    batch = collate(samples, pad_id).to(device)
+    out = []
+    for j, mb in enumerate(batch.chunks(micro_batch_size)):
+        logits = response_logits(model, mb, temperature, compute_dtype)
+        logp = logprobs_from_logits(logits, mb.responses).cpu()
+        top = torch.log_softmax(logits, -1).topk(min(k, logits.shape[-1]), dim=-1)
+        values, ids = top.values.cpu(), top.indices.cpu()
+        for i in range(len(mb)):
+            n = len(sequences[j * micro_batch_size + i][1])
+            out.append((logp[i, :n].tolist(), ids[i, :n].tolist(), values[i, :n].tolist()))
+    return out

@@ -19,6 +19,7 @@ from offstep.algos.advantages import (
 )
 from offstep.algos.common import masked_mean
 from offstep.algos.dapo import overlong_penalty
+from offstep.algos.distill import distill_advantages, distill_metrics
 from offstep.algos.kl_control import (
     FixedKLController,
     kl_controller,
@@ -26,8 +27,8 @@ from offstep.algos.kl_control import (
 )
 from offstep.batch import TrainBatch
 from offstep.config.choices import ADV_ESTIMATORS
-from offstep.config.schema import AlgorithmConfig, Config
-from offstep.telemetry.names import Adv, Reward
+from offstep.config.schema import AlgorithmConfig, Config, DistillConfig
+from offstep.telemetry.names import Adv, Distill, Reward
 
 
 def needs_old_logprobs(cfg: Config, batch_size: int, actor_frozen: bool = False) -> bool:
@@ -55,13 +56,17 @@ def compute_advantages(
     algo: AlgorithmConfig,
     kl_ctrl: FixedKLController | None = None,
     max_response_length: int | None = None,
+    distill: DistillConfig | None = None,
 ) -> dict[str, float]:
     """Set ``batch.advantages`` and ``batch.returns``; return metrics.
 
     Needs ``batch.values`` for GAE, ``batch.baseline_scores`` for ReMax, ``batch.ref_logprobs``
     and ``batch.old_logprobs`` for the KL penalty in the reward (``kl_ctrl`` gives its
     coefficient and is updated with the measured KL), and ``max_response_length`` for the
-    overlong penalty. ``batch.scores`` are left as the task rewards.
+    overlong penalty. ``batch.scores`` are left as the task rewards. With a distillation teacher
+    (``distill``; ``batch.teacher_logprobs``), loss_mode=k1 adds ``coef x (teacher - student)`` per
+    token to the task advantage, or replaces it (``use_task_rewards=false``); the student's
+    log-probs are the trainer's old ones where computed, else the rollout's.
     """
     mask = batch.response_mask
     m: dict[str, float] = {}
@@ -115,7 +120,12 @@ def compute_advantages(
         adv, ret = gae_advantage(token_rewards, batch.values, mask, gamma=algo.gamma, lam=algo.lam)
     else:
         raise ValueError(f"unknown algorithm.adv_estimator={est!r}; expected one of {ADV_ESTIMATORS}")
-    batch.advantages, batch.returns = adv, ret
+    if distill is not None and distill.enabled:
+        m.update(_distill(batch, adv, distill))
+        adv = batch.advantages
+    else:
+        batch.advantages = adv
+    batch.returns = ret
     valid = mask.bool()
     if valid.any():
         m.update({
@@ -125,3 +135,18 @@ def compute_advantages(
             Adv.MIN: float(adv[valid].min()),
         })
     return m
+
+
+def _distill(batch: TrainBatch, task, d: DistillConfig) -> dict[str, float]:
+    """Set ``batch.advantages`` from the task's ``task`` and the teacher's signal; its metrics."""
+    if batch.teacher_logprobs is None:
+        raise ValueError("distill.teacher is set but the batch has no teacher log-probs (a sample came back unscored)")
+    student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+    mask = batch.response_mask
+    if d.loss_mode == "k1":
+        batch.advantages = distill_advantages(task if d.use_task_rewards else None, student, batch.teacher_logprobs,
+                                              mask, d.coef, d.log_prob_min_clamp)
+    else:  # forward_kl_topk: the teacher's signal is a loss term of the actor's (offstep.train.actor)
+        batch.advantages = task if d.use_task_rewards else task.new_zeros(task.shape)
+    kl, teacher = distill_metrics(student, batch.teacher_logprobs, mask)
+    return {Distill.REVERSE_KL: kl, Distill.TEACHER_LOGPROB: teacher}

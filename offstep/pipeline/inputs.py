@@ -33,6 +33,7 @@ class Inputs:
     val: list[EncodedPrompt]
     reward: RewardFunction
     agent: AgentConfig | None = None  # rollout.agent, set when some row is answered by a tool loop
+    teacher_path: str | None = None  # distill.teacher.path's folder, its vocabulary checked against the policy's
 
 
 def _files(cfg: Config, out_dir: Path) -> tuple[list[str], list[str]]:
@@ -143,7 +144,13 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
         reward.check_sources({r.data_source for r in scored})
     if scored and (cfg.reward.needs_rule or cfg.reward.custom_path):
         reward.check_call(scored[0].data_source, scored[0].ground_truth, scored[0].extra_info or {})
-    return Inputs(model_path, tok.pad_token_id, train, val, reward, agent)
+    teacher = None
+    if cfg.distill.enabled:
+        from offstep.models.teacher import resolve_teacher
+
+        teacher = resolve_teacher(cfg.distill.teacher.path, tok, cfg.model.path)
+        check_safetensors(teacher)
+    return Inputs(model_path, tok.pad_token_id, train, val, reward, agent, teacher)
 
 
 def to_request(p: EncodedPrompt, uid: int) -> Request:

@@ -135,12 +135,16 @@ def _check_devices(cfg: Config, cpu_count: int | None, gpu_count: int | None, e:
     need = W * res.cpus_per_trainer_worker + (0 if colocated else r.replicas * r.cpus_per_replica)
     need += res.reward_workers * res.cpus_per_reward_worker if pool else 0
     reward = " + resources.reward_workers x resources.cpus_per_reward_worker" if pool else ""
+    teachers = cfg.distill.enabled and cfg.distill.teacher.placement == "pool"  # a teacher pool of its own
+    need += res.teacher_workers * res.cpus_per_teacher_worker if teachers else 0
+    reward += " + resources.teacher_workers x resources.cpus_per_teacher_worker" if teachers else ""
     _need(need <= cpus or gpus_simulated() is not None, f"the run needs {need} CPU cores (resources.trainer_workers x "
           f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica{reward}) but this "
           f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
           f"to share cores, or give resources.ray_address of a larger Ray cluster", e)
     gpus_needed = W * res.gpus_per_trainer_worker + (0 if colocated else r.replicas * r.gpus_per_replica)
     gpus_needed += res.reward_workers * res.gpus_per_reward_worker if pool else 0
+    gpus_needed += res.teacher_workers * res.gpus_per_teacher_worker if teachers else 0
     gpus = available_gpus() if gpu_count is None else gpu_count
     _need(gpus_needed <= gpus, f"the run needs {gpus_needed} GPUs (resources.gpus_per_trainer_worker, "
           f"rollout.gpus_per_replica{', resources.gpus_per_reward_worker' if pool else ''}) but {gpus} are visible; "

@@ -79,9 +79,10 @@ class BatchPreparer:
             m[Perf.GEN_TOKENS_PER_S] = float(batch.response_mask.sum()) / max(gen_s, 1e-9)
         if ref_s:
             m[Timing.REF_ROLLOUT] = ref_s
-        scored = [s for s in map(reward_model_seconds, gen.rounds) if s is not None]
-        if scored:
-            m[Timing.REWARD_MODEL] = sum(scored)
+        for key, field in ((Timing.REWARD_MODEL, "reward"), (Timing.TEACHER, "teacher")):
+            scored = [s for s in (reward_model_seconds(r, field) for r in gen.rounds) if s is not None]
+            if scored:
+                m[key] = sum(scored)
         ready = Prepared(batch, m)
         if not trainer_first and not needs_old_logprobs(self.cfg, len(batch)):
             ready.stored = self.advantages_and_put(batch, m)  # nothing needed from the trainer
@@ -93,7 +94,7 @@ class BatchPreparer:
         if algo.correction_mode == "bypass":  # the rollout's log-probs are the old policy: no forward pass
             batch.old_logprobs = batch.rollout_logprobs
         t0 = time.time()
-        m.update(compute_advantages(batch, algo, self.kl_ctrl, self.cfg.rollout.max_new_tokens))
+        m.update(compute_advantages(batch, algo, self.kl_ctrl, self.cfg.rollout.max_new_tokens, self.cfg.distill))
         m[Timing.ADV] = time.time() - t0
         return ray.put(batch)  # one copy in the object store, read by every rank
 

@@ -107,7 +107,7 @@ class SampleStream:
         self.groups: dict[int, Admitted] = {}  # admitted, not yet trained
         self.held = 0  # the policy version every replica holds
         self.generated_lengths: list[int] = []  # lengths of the samples finished since the last batch
-        self.reward_spans: list[tuple[int, object]] = []  # (replica, span) of the reward model's batches since the last batch
+        self.reward_spans: list[tuple[int, str, object]] = []  # (replica, stage, span): the reward model's and the teacher's batches since the last batch
         self.tool_spans: list[tuple[int, object]] = []  # (replica, span) of the tool loops' tools running, since the last batch
         self.executions: list = []  # the sandboxed runs (offstep.sandbox.Execution) since the last batch, for sandbox/*
         self._changed = asyncio.Event()
@@ -207,7 +207,8 @@ class SampleStream:
         for f in await self.workers.rollout[r].stream_take.remote(wait_s):
             self.groups[f.uid - self.B].finished = f
             self.generated_lengths.extend(len(s.response_ids) for s in f.samples)
-            self.reward_spans.extend((r, span) for span in getattr(f, "reward_spans", ()))
+            self.reward_spans.extend((r, Stage.REWARD_MODEL, span) for span in getattr(f, "reward_spans", ()))
+            self.reward_spans.extend((r, Stage.TEACHER, span) for span in getattr(f, "teacher_spans", ()))
             self.tool_spans.extend((r, span) for span in getattr(f, "tool_spans", ()))
             self.executions.extend(getattr(f, "sandbox", ()))
             self._changed.set()
@@ -287,8 +288,8 @@ class SampleStream:
             if mine:
                 self.timeline.add(replica(r), Stage.GEN, step, min(a.finished.start for a in mine),
                                   max(a.finished.end for a in mine), version=min(a.version for a in mine))
-        for r, span in self.reward_spans:  # the reward model's batches (reward.model), on the replica's reward lane
-            self.timeline.add(reward_lane(r), Stage.REWARD_MODEL, step, span.start, span.end)
+        for r, stage, span in self.reward_spans:  # the reward model's and the teacher's batches, on the replica's reward lane
+            self.timeline.add(reward_lane(r), stage, step, span.start, span.end)
         self.reward_spans = []
         for r, span in self.tool_spans:  # tools running for the tool loops, on the replica's lane (as in batch mode)
             self.timeline.add(replica(r), Stage.TOOL, step, span.start, span.end)

@@ -30,14 +30,17 @@ def record_generation(timeline: Timeline, results: list[tuple[list[Sample], GenT
             timeline.add(replica(i), Stage.TOOL, step, span.start, span.end)
         for span in t.reward:  # the reward model's batches, beside the generation
             timeline.add(reward_lane(i), Stage.REWARD_MODEL, step, span.start, span.end)
+        for span in t.teacher:  # the distillation teacher's batches, on the same lane
+            timeline.add(reward_lane(i), Stage.TEACHER, step, span.start, span.end)
     return samples, gen_s, ref_s
 
 
-def reward_model_seconds(results: list[tuple[list[Sample], GenTiming]]) -> float | None:
-    """The slowest replica's seconds in reward-model batches, or None without a reward model."""
-    if not any(t.reward for _, t in results):
+def reward_model_seconds(results: list[tuple[list[Sample], GenTiming]], field: str = "reward") -> float | None:
+    """The slowest replica's seconds in reward-model batches (``field="teacher"``: the teacher's),
+    or None without one."""
+    if not any(getattr(t, field) for _, t in results):
         return None
-    return max(sum(s.seconds for s in t.reward) for _, t in results)
+    return max(sum(s.seconds for s in getattr(t, field)) for _, t in results)
 
 
 def reward_component_metrics(samples: list[Sample]) -> dict:

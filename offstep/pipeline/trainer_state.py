@@ -84,6 +84,9 @@ _SAMPLE_CHECKS: dict[str, Callable] = {
     "reward_extra": lambda v: isinstance(v, dict), "ref_logprobs": lambda v: v is None or _nums(v),
     "baseline_score": lambda v: v is None or _num(v), "baseline_length": lambda v: v is None or _int(v),
     "loss_mask": lambda v: v is None or _ints(v), "token_versions": lambda v: v is None or _ints(v), "kv_age": _int,
+    "teacher_logprobs": lambda v: v is None or _nums(v),
+    "teacher_topk_ids": lambda v: v is None or (isinstance(v, list) and all(_ints(row) for row in v)),
+    "teacher_topk_logprobs": lambda v: v is None or (isinstance(v, list) and all(_nums(row) for row in v)),
     "agent": lambda v: v is None or (isinstance(v, dict) and set(v) <= {f.name for f in fields(AgentStats)}
                                      and all(isinstance(x, (int, float)) for x in v.values())),  # max_turns_hit a bool
 }

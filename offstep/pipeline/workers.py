@@ -29,6 +29,7 @@ from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S, Pool, Rendezvous, RoleGroup
 from offstep.pipeline.run_dir import SCRATCH
 from offstep.rollout.reward_worker import RewardWorker
+from offstep.rollout.teacher_scoring import TeacherSpec, TeacherWorker
 from offstep.rollout.worker import RefSpec, RolloutWorker
 from offstep.telemetry.names import Role, replica
 from offstep.telemetry.progress import LiveStatus
@@ -61,6 +62,8 @@ class Workers:
     lend_cores: int = 0  # cores each trainer rank borrows while the rollout idles (pipeline.lend_cores; 0: none)
     reward: list = field(default_factory=list)  # the reward pool's workers (reward.model.placement=pool)
     reward_pool: Pool | None = None
+    teacher: list = field(default_factory=list)  # the teacher pool's workers (distill.teacher.placement=pool)
+    teacher_pool: Pool | None = None
     sleeps: bool = False  # the replicas sleep while the trainer updates (rollout.sleep_during_update)
     shape: tuple | None = None  # what the processes are fixed to, when they may be kept for the next run (offstep.pipeline.keep)
     rebuilding: list = field(default_factory=list)  # kept workers' rebuilds under way (ObjectRefs)
@@ -88,6 +91,7 @@ class Workers:
         """``(role, handle)`` of every worker: "rollout replica 0", "actor rank 0", ..."""
         roles = [(f"rollout replica {i}", w) for i, w in enumerate(self.rollout)]
         roles += [(f"reward worker {i}", w) for i, w in enumerate(self.reward)]
+        roles += [(f"teacher worker {i}", w) for i, w in enumerate(self.teacher)]
         return roles + [(f"{g.name} rank {rank}", h) for g in self.groups for rank, h in enumerate(g.handles)]
 
     def ready(self) -> None:
@@ -132,9 +136,9 @@ class Workers:
         self.live.close()
         for g in self.groups:
             g.kill()
-        for w in [*self.rollout, *self.reward]:
+        for w in [*self.rollout, *self.reward, *self.teacher]:
             ray.kill(w)
-        for p in [*self.pools, *([self.reward_pool] if self.reward_pool else [])]:
+        for p in [*self.pools, *(p for p in (self.reward_pool, self.teacher_pool) if p is not None)]:
             p.remove()
         if self.owns_ray:
             ray.shutdown()
@@ -160,7 +164,8 @@ def node_of(_worker) -> str:
 
 
 _ROLES = {ActorWorker.__name__: Role.ACTOR, CriticWorker.__name__: Role.CRITIC,
-          RolloutWorker.__name__: "rollout replica", RewardWorker.__name__: "reward worker"}
+          RolloutWorker.__name__: "rollout replica", RewardWorker.__name__: "reward worker",
+          TeacherWorker.__name__: "teacher worker"}
 
 
 def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
@@ -304,6 +309,19 @@ def start_reward_pool(cfg: Config, env: dict) -> tuple[Pool | None, list]:
                   .remote(m, pool.device, pool.cpus_per_bundle) for i in range(pool.bundles)]
 
 
+def start_teacher_pool(cfg: Config, spec: TeacherSpec | None, env: dict) -> tuple[Pool | None, list]:
+    """The teacher pool and its workers (``distill.teacher.placement=pool``), or (None, [])."""
+    res = cfg.resources
+    if spec is None or cfg.distill.teacher.placement != "pool":
+        return None, []
+    pool = Pool.create(Role.TEACHER, res.teacher_workers, res.cpus_per_teacher_worker, res.gpus_per_teacher_worker,
+                       timeout_s=res.placement_timeout_s)
+    remote = ray.remote(TeacherWorker)
+    env = {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)}
+    return pool, [remote.options(**pool.options(i, 1.0, env)).remote(spec, pool.device, pool.cpus_per_bundle)
+                  for i in range(pool.bundles)]
+
+
 def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[[int], type] = lambda i: RolloutWorker) -> Workers:
     """Place the pools and start every role on them (one bundle per trainer rank or replica).
     ``rollout_class(i)``: the class replica ``i``'s actor runs (a test gives one a subclass that
@@ -349,7 +367,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     rendezvous = Rendezvous(host or ray.util.get_node_ip_address())
     roles = dict(kept=kept.roles if kept else {}, lendable=lend > 0)
     actor = RoleGroup.create(Role.ACTOR, ActorWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.actor,
-                             cfg.algorithm, temperature, live.client(Role.TRAINER), ref_on_trainer, **roles)
+                             cfg.algorithm, temperature, live.client(Role.TRAINER), ref_on_trainer, cfg.distill, **roles)
     ref = actor if ref_on_trainer else None  # the actor's frozen copy, or with LoRA its base
     critic = (
         RoleGroup.create(Role.CRITIC, CriticWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.critic,
@@ -358,6 +376,8 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     )
     pool = rollout_pool or trainer_pool
     reward_pool, reward_workers = start_reward_pool(cfg, env)
+    teacher = TeacherSpec.of(cfg, inputs.teacher_path) if inputs.teacher_path else None
+    teacher_pool, teacher_workers = start_teacher_pool(cfg, teacher, env)
     sleeps = rollout_sleeps(cfg)
 
     def rollout_args(i: int) -> tuple[tuple, dict]:
@@ -366,6 +386,7 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
             sandbox=cfg.sandbox,
             reward_model=cfg.reward.model if cfg.reward.model.kind is not None else None, reward_pool=reward_workers,
             sleep_mode=sleeps, scratch=str(Path(cfg.trainer.output_dir).resolve() / SCRATCH),
+            teacher=teacher, teacher_pool=teacher_workers,
         )
 
     actor_classes: dict[type, Any] = {}
@@ -389,7 +410,8 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     workers = Workers(actor, rollout, make_rollout, live, ref, critic,
                       [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
                       rollout_pool=pool,
-                      lend_cores=lend, reward=reward_workers, reward_pool=reward_pool, sleeps=sleeps, shape=shape,
+                      lend_cores=lend, reward=reward_workers, reward_pool=reward_pool, teacher=teacher_workers,
+                      teacher_pool=teacher_pool, sleeps=sleeps, shape=shape,
                       rebuilding=[*rebuilding, *(r for g in (actor, ref, critic) if g is not None for r in g.rebuilding)])
     try:
         workers.ready()

@@ -183,6 +183,14 @@ class ModelBatcher:
         finally:
             self._slots.release()
 
+    def submit(self, item: Any) -> Future:
+        """Queue one item for the next batch without waiting (no concurrency limit, no timeout): its
+        future holds the batch's result for it, or the batch's exception (a distillation teacher's
+        log-probs, ``offstep.rollout.teacher_scoring``)."""
+        job = _Job(item)
+        self._queue.put(job)
+        return job.future
+
     def _run(self) -> None:
         while True:
             jobs = [self._queue.get()]

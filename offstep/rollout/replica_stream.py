@@ -68,6 +68,7 @@ class FinishedGroup:
     start: float  # the group's generation span on the replica
     end: float
     reward_spans: tuple = ()  # the reward model's batches since the replica's last take (reward.model), for the timeline
+    teacher_spans: tuple = ()  # the distillation teacher's batches since the last take (distill.teacher), for the timeline
     sandbox: tuple = ()  # the sandboxed runs since the replica's last take (offstep.sandbox.Execution), for sandbox/*
     tool_spans: tuple = ()  # when the tool loops' tools ran (merged Spans) since the replica's last take, for the timeline
 

@@ -28,6 +28,7 @@ from offstep.rollout.engine import TorchEngine
 from offstep.rollout.interface import RolloutEngine
 from offstep.rollout.openai_agent import OpenAIRunner
 from offstep.rollout.sleep import SleepState
+from offstep.rollout.teacher_scoring import Teacher, TeacherSpec
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sandbox import Limits, configure, shared
 from offstep.sync.collective import TensorSpec, WeightReceiver
@@ -88,8 +89,11 @@ class RolloutWorker:
         reward_pool: list | None = None,
         sleep_mode: bool = False,
         scratch: str | None = None,
+        teacher: "TeacherSpec | None" = None,
+        teacher_pool: list | None = None,
     ):
-        """``scratch``: a folder of the run's for files this worker writes (vLLM's LoRA adapters)."""
+        """``scratch``: a folder of the run's for files this worker writes (vLLM's LoRA adapters).
+        ``teacher``: a distillation teacher, here or (``teacher_pool``: its workers) in a pool of its own."""
         torch.set_num_threads(num_threads)
         if sandbox is not None:  # the code rewards' and the python tool's limits, in this process
             configure_sandbox(sandbox)
@@ -123,6 +127,8 @@ class RolloutWorker:
             reward_threads = max(reward_threads, reward_model.max_concurrency)  # the batcher gathers what waits
         self.scoring = SampleReward(reward, self.model_reward,
                                     Combination.of(reward_model) if self.model_reward is not None else None)
+        # distill.teacher: each finished sample's tokens scored by the teacher (offstep.rollout.teacher_scoring)
+        self.teacher = Teacher(teacher, self.device, teacher_pool, num_threads) if teacher is not None else None
         self.ref = ref
         self.ref_model = None
         # The reference, for the KL term: with LoRA, the engine's own base with the adapters off
@@ -158,17 +164,20 @@ class RolloutWorker:
         t0 = time.time()
         version = self.engine.version
         futures: dict[int, Future] = {}
+        taught: dict[int, Future] = {}  # the teacher's log-probs, asked for as each sample finishes
 
         def score(c: Completion) -> tuple[float, dict]:
             return self._score(requests[c.prompt_index], c.text)
 
         def on_finish(c: Completion) -> None:
             futures[id(c)] = self.pool.submit(score, c)
+            if self.teacher is not None and with_ref:
+                taught[id(c)] = self.teacher.submit(requests[c.prompt_index].prompt_ids, c.response_ids)
             self.progress.advance()
 
         self.progress.start(Stage.GEN, total=len(requests) * params.n, version=version)
         completions = self.engine.generate([r.prompt_ids for r in requests], params, seed, on_finish=on_finish)
-        samples = []
+        samples, pending = [], {}
         for c in completions:
             fut = futures.get(id(c)) or self.pool.submit(score, c)
             try:
@@ -192,9 +201,11 @@ class RolloutWorker:
                     reward_extra=extra,
                 )
             )
+            if id(c) in taught:
+                pending[id(samples[-1])] = taught[id(c)]
         if params.greedy_baseline:
             self._attach_greedy_baseline(requests, samples, params, seed)
-        return self._finish(samples, Span(t0, time.time(), version), with_ref)
+        return self._finish(samples, Span(t0, time.time(), version), with_ref, pending=pending)
 
     def _score(self, r: Request, text: str, extra_info: dict | None = None) -> tuple[float, dict]:
         """One finished sample's reward: the rule, the reward model, or both (``reward.model``)."""
@@ -202,13 +213,19 @@ class RolloutWorker:
                             prompt=r.messages)
 
     def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = (),
-                earlier: tuple = ()) -> tuple[list[Sample], GenTiming]:
+                earlier: tuple = (), pending: dict | None = None) -> tuple[list[Sample], GenTiming]:
+        """The call's report; for training (``with_ref``), the teacher's log-probs (those asked for
+        as the samples finished, ``pending``) and the reference's attached first."""
+        taught = ()
+        if self.teacher is not None and with_ref:
+            self.teacher.attach(samples, pending)
+            taught = self.teacher.take_spans()
         ref = None
         if self.ref is not None and with_ref:
             self._attach_ref_logprobs(samples)
             ref = Span(gen.end, time.time())
         scored = self.model_reward.take_spans() if self.model_reward is not None else ()
-        return samples, GenTiming(gen, ref, tools, (*earlier, *shared().log.drain()), scored)
+        return samples, GenTiming(gen, ref, tools, (*earlier, *shared().log.drain()), scored, taught)
 
     def _generate_with_tools(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool):
         """A call with tool rows or OpenAI agents' rows: those through their agent loops
@@ -298,6 +315,9 @@ class RolloutWorker:
         """The groups finished since the last take (reference log-probs attached when this replica
         holds the reference), waiting up to ``wait_s`` seconds for one."""
         out = self._stream.take(wait_s)
+        if out and self.teacher is not None:  # the teacher's batches run on its own thread (or pool)
+            self.teacher.attach([s for g in out for s in g.samples])
+            out[0].teacher_spans = self.teacher.take_spans()
         if out and self.ref is not None:  # on the engine's thread, between two decode steps: one core
             self._stream.between_steps(lambda: self._attach_ref_logprobs([s for g in out for s in g.samples]))
             self._generating_again()

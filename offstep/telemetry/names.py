@@ -22,6 +22,7 @@ class Role:
     ACTOR = "actor"
     CRITIC = "critic"
     REWARD = "reward"  # a reward model beside replica i: lane reward_lane(i)
+    TEACHER = "teacher"  # the distillation teacher's pool (distill.teacher.placement=pool)
 
 
 def replica(i: int) -> str:
@@ -53,6 +54,7 @@ class Stage:
     SLEEP = "sleep"  # the engine frees its device memory for the update (rollout.sleep_during_update)
     WAKE = "wake"  # and takes it back, for the load that follows
     REWARD_MODEL = "reward_model"  # a batch scored by the reward model, on its own lane
+    TEACHER = "teacher"  # a batch scored by the distillation teacher, on the reward model's lane
     # the trainer's
     WAIT_GEN = "wait_gen"
     VALUES = "values"
@@ -86,6 +88,7 @@ class Timing:
     ROLLOUT_SLEEP = "timing_s/rollout_sleep"  # the slowest replica's sleep (rollout.sleep_during_update)
     ROLLOUT_WAKE = "timing_s/rollout_wake"  # the slowest replica's wake, before and around its load
     REWARD_MODEL = "timing_s/reward_model"  # the slowest replica's seconds in reward-model batches
+    TEACHER = "timing_s/teacher"  # the slowest replica's seconds waiting on the teacher's batches (distill.teacher)
 
 
 class Perf:
@@ -154,6 +157,13 @@ class Adv:
     ABS_MEAN = "adv/abs_mean"
     MAX = "adv/max"
     MIN = "adv/min"
+
+
+class Distill:
+    """``distill/``: on-policy distillation (``distill.teacher``), over the batch's response tokens."""
+
+    REVERSE_KL = "distill/reverse_kl"  # mean per token of log p_student - log p_teacher (k1)
+    TEACHER_LOGPROB = "distill/teacher_logprob"  # mean per token of the teacher's log-prob
 
 
 class Actor:

@@ -42,7 +42,7 @@ STAGE_COLORS = {
     Stage.GEN: "tab:blue", Stage.VAL: "tab:cyan", Stage.REF: "tab:purple", Stage.LOAD_WEIGHTS: "tab:gray",
     Stage.WAIT_GEN: "#dddddd", Stage.OLD_LOGPROBS: "tab:pink", Stage.VALUES: "tab:olive", Stage.UPDATE_CRITIC: "tab:brown",
     Stage.UPDATE_ACTOR: "tab:orange", Stage.SYNC_EXPORT: "tab:red", Stage.GEN_MORE: "tab:blue", Stage.CHECKPOINT: "black",
-    Stage.PREPARE: "goldenrod", Stage.TOOL: "limegreen", Stage.REWARD_MODEL: "teal", Stage.SLEEP: "#eeeeee", Stage.WAKE: "darkgray",
+    Stage.PREPARE: "goldenrod", Stage.TOOL: "limegreen", Stage.REWARD_MODEL: "teal", Stage.TEACHER: "cadetblue", Stage.SLEEP: "#eeeeee", Stage.WAKE: "darkgray",
 }
 
 

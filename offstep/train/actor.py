@@ -29,11 +29,12 @@ from offstep.algos.correction import (
     truncated_flags,
     truncated_importance_weights,
 )
+from offstep.algos.distill import topk_forward_kl
 from offstep.algos.losses import kl_penalty
 from offstep.algos.policy_losses import policy_loss
 from offstep.batch import TrainBatch
-from offstep.config.schema import ActorConfig, AlgorithmConfig
-from offstep.models.forward import DTYPES, forward_response
+from offstep.config.schema import ActorConfig, AlgorithmConfig, DistillConfig
+from offstep.models.forward import DTYPES, entropy_from_logits, forward_response, logprobs_from_logits, response_logits
 from offstep.models.loading import load_causal_lm
 from offstep.models.lora import add_adapters, is_adapter_name
 from offstep.sync.collective import WeightSender, full_parameters, manifest
@@ -61,9 +62,12 @@ class ActorWorker(RoleWorker):
         temperature: float,
         progress: ProgressClient | None = None,
         reference: bool = False,
+        distill: DistillConfig | None = None,
     ):
+        """``distill``: with ``loss_mode=forward_kl_topk``, the teacher's top-k term is added to the loss."""
         super().__init__(spec, seed)
         self.cfg, self.algo, self.temperature = actor, algo, temperature
+        self.distill = distill if distill is not None and distill.enabled and distill.loss_mode == "forward_kl_topk" else None
         self.compute_dtype = compute_dtype
         model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
         # LoRA: the base frozen, adapters trained; the reference is this model with them off.
@@ -202,7 +206,12 @@ class ActorWorker(RoleWorker):
 
     def _micro_step(self, mb: TrainBatch, denom: float, m2po: tuple | None = None) -> dict[str, float]:
         algo, mask = self.algo, mb.response_mask
-        logp, ent = forward_response(self.model, mb, self.temperature, True, self.compute_dtype, self.cfg.share_prompts)
+        logits = None
+        if self.distill is not None and mb.teacher_topk_ids is not None:  # the whole vocabulary is needed
+            logits = response_logits(self.model, mb, self.temperature, self.compute_dtype, self.cfg.share_prompts)
+            logp, ent = logprobs_from_logits(logits, mb.responses), entropy_from_logits(logits)
+        else:
+            logp, ent = forward_response(self.model, mb, self.temperature, True, self.compute_dtype, self.cfg.share_prompts)
         old, weights, metrics = self._correction(mb, logp, m2po)
         horizon = algo.loss_agg_horizon or None  # Dr. GRPO's constant (load_config resolves 0 to rollout.max_new_tokens)
 
@@ -224,6 +233,12 @@ class ActorWorker(RoleWorker):
                 loss = loss + algo.kl_coef * reduce(kl)
         if algo.entropy_coeff:
             loss = loss - algo.entropy_coeff * reduce(ent)
+        if logits is not None:  # distill.loss_mode=forward_kl_topk: the teacher's top-k, the student's on its ids
+            ids = mb.teacher_topk_ids.clamp(max=logits.shape[-1] - 1)
+            student = torch.log_softmax(logits, -1).gather(-1, ids)
+            kd = topk_forward_kl(mb.teacher_topk_logprobs, student, mask)
+            metrics["distill_topk_kl"] = masked_mean(kd.detach(), mask)
+            loss = loss + self.distill.coef * reduce(kd)
         loss.backward()
         self.progress.advance()
         metrics["entropy"] = masked_mean(ent.detach(), mask)
