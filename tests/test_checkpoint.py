@@ -34,8 +34,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
 
 def _overrides(out: Path, reward: Path, k: int, steps: int = 6, engine: str = "builtin", lora: int = 0,
-               agent: str = "single_turn_agent", mode: str = "batch") -> list[str]:
-    return [
+               agent: str = "single_turn_agent", mode: str = "batch", teacher: bool = False) -> list[str]:
+    # a teacher scoring one sample a batch: its log-probs then never depend on which samples it was batched with
+    return [*(["distill.teacher.path=tiny", "distill.teacher.batch_size=1", "distill.coef=0.5"] if teacher else []),
         "preset=tiny", f"pipeline.mode={mode}", f"rollout.engine={engine}", f"actor.lora.rank={lora}", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
         f"rollout.agent.default_agent={agent}",
         "trainer.save_freq=3",
@@ -153,13 +154,13 @@ def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
 # These cases (about 45-70 s each) are not marked slow although they are over 30 s: they are the
 # check that a resume equals no interruption (LoRA's adapters and tool rows included); vLLM's is slow.
 @pytest.mark.ray
-@pytest.mark.parametrize("k,engine,lora,agent,mode", [
-    (0, "builtin", 0, "single_turn_agent", "batch"), (1, "builtin", 0, "single_turn_agent", "batch"),
-    pytest.param(1, "vllm", 0, "single_turn_agent", "batch", marks=[needs_vllm, pytest.mark.slow]),
-    (1, "builtin", 8, "single_turn_agent", "batch"), (1, "builtin", 0, "tool_agent", "batch"),
-    (0, "builtin", 0, "single_turn_agent", "fully_async")],
-    ids=["sync", "one-step", "one-step-vllm", "one-step-lora", "one-step-tools", "fully-async-k0"])
-def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, engine, lora, agent, mode):
+@pytest.mark.parametrize("k,engine,lora,agent,mode,teacher", [
+    (0, "builtin", 0, "single_turn_agent", "batch", False), (1, "builtin", 0, "single_turn_agent", "batch", True),
+    pytest.param(1, "vllm", 0, "single_turn_agent", "batch", False, marks=[needs_vllm, pytest.mark.slow]),
+    (1, "builtin", 8, "single_turn_agent", "batch", False), (1, "builtin", 0, "tool_agent", "batch", False),
+    (0, "builtin", 0, "single_turn_agent", "fully_async", False)],
+    ids=["sync", "one-step-teacher", "one-step-vllm", "one-step-lora", "one-step-tools", "fully-async-k0"])
+def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, engine, lora, agent, mode, teacher):
     """6 steps in one go == 3 steps, SIGKILL mid-step 4/5, resume for the rest: same prompts,
     rewards, losses, KL, entropy and gradient norms at every step, bit for bit (CPU, fixed seeds;
     in one-step mode the batch generating at save time is stored in the checkpoint). With vLLM the
@@ -171,13 +172,14 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, e
     on timing. In the fully asynchronous mode with k = 0, admission is held from the step's sync
     to its checkpoint, so no group is generating when it is written (with k >= 1, where loads land
     inside generation at moments that depend on timing, tests/test_fully_async.py checks that a
-    resume loses and repeats no group)."""
+    resume loses and repeats no group). The one-step case distils from a teacher (distill.teacher):
+    the in-flight batch keeps its samples' teacher log-probs."""
     from offstep.pipeline.controller import train
 
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
     full, killed = tmp_path / "full", tmp_path / "killed"
-    train(load_config(_overrides(full, reward, k, engine=engine, lora=lora, agent=agent, mode=mode)))
+    train(load_config(_overrides(full, reward, k, engine=engine, lora=lora, agent=agent, mode=mode, teacher=teacher)))
     if lora:  # adapters and their AdamW moments, nothing of the frozen base
         from offstep.train.checkpoint import SafeReader
 
@@ -187,19 +189,20 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, e
         assert any(".lora_" in k and "exp_avg" in k for k in keys)
 
     gate = killed / "checkpoints" / "step_000003" / "trainer_state.json"
-    proc = _cli(_overrides(killed, reward, k, engine=engine, lora=lora, agent=agent, mode=mode), env={**os.environ, "BLOCK_AFTER": str(gate)})
+    proc = _cli(_overrides(killed, reward, k, engine=engine, lora=lora, agent=agent, mode=mode, teacher=teacher), env={**os.environ, "BLOCK_AFTER": str(gate)})
     _wait_for(gate, proc)
     time.sleep(1.0)  # let it get into step 4, whose generation (k=0) or the next one (k=1) now blocks
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert max(_records(killed)) < 6, "the run was meant to be killed before it finished"
 
-    history = train(load_config(_overrides(killed, reward, k, engine=engine, lora=lora, agent=agent, mode=mode)))  # trainer.resume=auto is the default
+    history = train(load_config(_overrides(killed, reward, k, engine=engine, lora=lora, agent=agent, mode=mode, teacher=teacher)))  # trainer.resume=auto is the default
     assert [m["step"] for m in history] == [4, 5, 6]
     a, b = _records(full), _records(killed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
     for step in a:
         assert a[step] == b[step], f"step {step} differs after resume"
+    assert not teacher or all("distill/reverse_kl" in a[step] for step in a)
 
 
 @pytest.mark.ray

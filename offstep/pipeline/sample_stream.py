@@ -288,9 +288,14 @@ class SampleStream:
             if mine:
                 self.timeline.add(replica(r), Stage.GEN, step, min(a.finished.start for a in mine),
                                   max(a.finished.end for a in mine), version=min(a.version for a in mine))
-        for r, stage, span in self.reward_spans:  # the reward model's and the teacher's batches, on the replica's reward lane
+        busy: dict[tuple[str, int], float] = {}  # seconds in the reward model's and the teacher's batches, per replica
+        for r, stage, span in self.reward_spans:  # on the replica's reward lane
             self.timeline.add(reward_lane(r), stage, step, span.start, span.end)
+            busy[stage, r] = busy.get((stage, r), 0.0) + span.seconds
         self.reward_spans = []
+        scored = {key: max(v for (stage, _), v in busy.items() if stage == name)
+                  for name, key in ((Stage.REWARD_MODEL, Timing.REWARD_MODEL), (Stage.TEACHER, Timing.TEACHER))
+                  if any(stage == name for stage, _ in busy)}
         for r, span in self.tool_spans:  # tools running for the tool loops, on the replica's lane (as in batch mode)
             self.timeline.add(replica(r), Stage.TOOL, step, span.start, span.end)
         self.tool_spans = []
@@ -308,6 +313,7 @@ class SampleStream:
             Rollout.LENGTH_BIAS: (sum(trained) / len(trained)) / max(mean_gen, 1e-9) - 1.0,
             ResponseLength.GENERATED_MEAN: mean_gen,
             Timing.GEN: gen_s,
+            **scored,  # the slowest replica's seconds in them, as in batch mode
             **executions_metrics(executions),
         }
 
