@@ -127,3 +127,30 @@ def test_pure_distillation_from_a_teacher_equal_to_the_student_changes_nothing(t
     for m in metrics:
         assert abs(m[Distill.REVERSE_KL]) < 1e-5 and m[Adv.ABS_MEAN] < 1e-5 and m[Adv.MAX] < 1e-4
         assert m["actor/grad_norm"] < 1e-3
+
+
+def test_verl_distillation_keys_translate():
+    notes: list[str] = []
+    cfg = load_config(["preset=tiny", "distillation.enabled=True", "distillation.teacher_model.model_path=tiny",
+                       "distillation.teacher_model.enable_resource_pool=True", "distillation.num_workers=2",
+                       "distillation.distillation_loss.loss_mode=forward_kl_topk",
+                       "distillation.distillation_loss.use_policy_gradient=False", "distillation.distillation_loss.topk=16",
+                       "distillation.distillation_loss.use_task_rewards=False",
+                       "distillation.distillation_loss.distillation_loss_coef=0.5"], notes=notes)
+    d = cfg.distill
+    assert (d.teacher.path, d.teacher.placement, cfg.resources.teacher_workers) == ("tiny", "pool", 2)
+    assert (d.loss_mode, d.topk, d.use_task_rewards, d.coef) == ("forward_kl_topk", 16, False, 0.5)
+    assert any("distill.loss_mode=forward_kl_topk" in n for n in notes)
+    later: list[str] = []
+    off = load_config(["preset=tiny", "distillation.teacher_model.model_path=tiny"], notes=later)
+    assert not off.distill.enabled and any("no effect (distillation.enabled is not True)" in n for n in later)
+
+
+@pytest.mark.parametrize("mode,gradient", [("k3", "True"), ("k1", "False"), ("jsd", "False")])
+def test_verl_distillation_modes_offstep_lacks_are_refused(mode, gradient):
+    from offstep.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"loss_mode='{mode}': with use_policy_gradient={gradient} has no offstep"):
+        load_config(["preset=tiny", "distillation.enabled=True", "distillation.teacher_model.model_path=tiny",
+                     f"distillation.distillation_loss.loss_mode={mode}",
+                     f"distillation.distillation_loss.use_policy_gradient={gradient}"])

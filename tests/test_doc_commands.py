@@ -165,6 +165,15 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "bash scripts/train.sh actor.lora.rank=16 actor.optim.lr=1e-4 trainer.total_steps=10 trainer.val_freq=10": CFG,
     ".venv/bin/offstep export runs/default --out adapter": ("test", "tests/test_lora.py::test_export_peft_folder_and_merged_model"),
     ".venv/bin/offstep export runs/default --out merged --merge": ("test", "tests/test_lora.py::test_export_peft_folder_and_merged_model"),
+    # docs/distillation.md
+    "offstep train trainer.output_dir=runs/teacher trainer.total_steps=25": CFG,
+    "offstep export runs/teacher --out models/teacher":
+        ("not run", "needs the teacher's run; tests/test_checkpoint.py::test_export_writes_a_loadable_model_equal_to_the_checkpoint runs export"),
+    "offstep train trainer.output_dir=runs/student distill.teacher.path=models/teacher":
+        ("not run", "needs the exported teacher on disk; tests/test_distill.py trains with tiny teachers built in code"),
+    "offstep train distill.teacher.path=models/teacher distill.teacher.placement=pool resources.teacher_workers=1 "
+    "resources.gpus_per_teacher_worker=1":
+        ("not run", "needs a teacher on disk and a GPU; tests/test_distill.py runs a teacher pool on CPU"),
     # docs/reward-models.md
     "offstep train reward.model.kind=discriminative reward.model.path=/models/Skywork-Reward-V2-Qwen3-0.6B":
         ("not run", "needs a reward model on disk; tests/test_reward_models_e2e.py trains with tiny ones built in code"),

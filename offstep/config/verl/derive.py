@@ -13,6 +13,7 @@ from offstep.config.verl.dapo_keys import dapo_recipe, rollout_is_threshold
 from offstep.config.verl.convert import fail, training_rows, whole
 from offstep.config.verl.fully_async import fully_async_mode
 from offstep.config.verl.layout import colocated_layout, verl_defaults, verl_values
+from offstep.config.verl.distill_keys import distillation
 from offstep.config.verl.reward_model_keys import reward_model
 from offstep.config.verl.translate import Translation, async_signals, refusals
 from offstep.errors import OffstepError, VerlKeyError
@@ -268,7 +269,7 @@ def _critic_model(cfg: Config, t: Translation) -> list[str]:
 # (the warm-up among them) last.
 DERIVATIONS: list[Callable[[Config, Translation], list[str]]] = [
     verl_values, _resources, colocated_layout, _mini_batches, _clip_ratio, _sampling, fully_async_mode, _steps, _prompts,
-    _correction, _resume, _critic_model, reward_model, dapo_recipe, rollout_is_threshold, verl_defaults,
+    _correction, _resume, _critic_model, reward_model, distillation, dapo_recipe, rollout_is_threshold, verl_defaults,
 ]
 
 

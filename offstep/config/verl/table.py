@@ -26,7 +26,7 @@ from offstep.config.verl.convert import (dict_or_empty, dtype, estimator, files,
 
 # First parts of verl's keys that offstep's schema does not have: such a key is verl's, and one the
 # table does not know is refused. (data, algorithm, trainer, critic, rollout are shared.)
-VERL_ONLY_ROOTS = ("actor_rollout_ref", "reward_model", "reward_manager", "custom_reward_function",
+VERL_ONLY_ROOTS = ("actor_rollout_ref", "reward_model", "reward_manager", "custom_reward_function", "distillation",
                    "global_profiler", "ray_kwargs", "transfer_queue", "async_training")
 
 
@@ -253,6 +253,17 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "reward_model.micro_batch_size": Derived("reward.model.batch_size", "with reward_model.enable=True; per replica"),
     "reward_model.model.trust_remote_code": Derived("reward.model.trust_remote_code", "with reward_model.enable=True"),
     "reward_model.max_length": Derived("reward.model.max_length", "with reward_model.enable=True"),
+    "distillation.enabled": Derived("distill.teacher.path", "True: a teacher, with distillation.teacher_model.model_path (docs/distillation.md)"),
+    "distillation.teacher_model.model_path": Derived("distill.teacher.path", "with distillation.enabled=True"),
+    "distillation.teacher_model.enable_resource_pool": Derived("distill.teacher.placement", "True: pool"),
+    "distillation.num_workers": Derived("resources.teacher_workers", "with enable_resource_pool=True"),
+    "distillation.distillation_loss.loss_mode": Derived("distill.loss_mode", "k1 with use_policy_gradient=True; forward_kl_topk with use_policy_gradient=False"),
+    "distillation.distillation_loss.use_policy_gradient": Derived("distill.loss_mode", "with loss_mode"),
+    "distillation.distillation_loss.topk": Derived("distill.topk", "with distillation.enabled=True"),
+    "distillation.distillation_loss.use_task_rewards": Derived("distill.use_task_rewards", "with distillation.enabled=True"),
+    "distillation.distillation_loss.distillation_loss_coef": Derived("distill.coef", "with distillation.enabled=True"),
+    "distillation.distillation_loss.log_prob_min_clamp": Derived("distill.log_prob_min_clamp", "with distillation.enabled=True"),
+    "distillation.distillation_loss.loss_max_clamp": Note("offstep bounds the k1 signal by log_prob_min_clamp; its top-k term is a KL of renormalised distributions"),
     "reward_model.model.input_tokenizer": Note("offstep always renders the chat with the reward model's own tokenizer and chat template"),
     "reward_model.reward_manager": Refuse("offstep scores one response per call (naive); DAPO's overlong buffer is algorithm.overlong_penalty", allow=("naive", "dapo")),
     "reward_model.reward_kwargs.overlong_buffer_cfg.enable": To("algorithm.overlong_penalty"),
@@ -430,6 +441,16 @@ DERIVED_TARGETS = {
     "reward_model.micro_batch_size": ("reward.model.batch_size",),
     "reward_model.model.trust_remote_code": ("reward.model.trust_remote_code",),
     "reward_model.max_length": ("reward.model.max_length",),
+    "distillation.enabled": ("distill.teacher.path",),
+    "distillation.teacher_model.model_path": ("distill.teacher.path",),
+    "distillation.teacher_model.enable_resource_pool": ("distill.teacher.placement",),
+    "distillation.num_workers": ("resources.teacher_workers",),
+    "distillation.distillation_loss.loss_mode": ("distill.loss_mode",),
+    "distillation.distillation_loss.use_policy_gradient": ("distill.loss_mode",),
+    "distillation.distillation_loss.topk": ("distill.topk",),
+    "distillation.distillation_loss.use_task_rewards": ("distill.use_task_rewards",),
+    "distillation.distillation_loss.distillation_loss_coef": ("distill.coef",),
+    "distillation.distillation_loss.log_prob_min_clamp": ("distill.log_prob_min_clamp",),
 }
 
 
