@@ -27,6 +27,14 @@ def test_summarise_hand_worked():
     assert "val/b/acc/best@1" not in m
     # Overall: correct = 1 + 0 + 0 + 0 + 1 = 2 of 5; reward (1 + 0.5) / 5.
     assert m["val/acc"] == pytest.approx(0.4) and m["val/reward/mean"] == pytest.approx(0.3)
+    # The standard error, over prompts: their mean accuracies 0.5, 0, 1 (mean 0.5); squared deviations
+    # 0 + 0.25 + 0.25 = 0.5, over n - 1 = 2: 0.25, root 0.5; over sqrt(3): 0.2887.
+    assert m["val/acc_stderr"] == pytest.approx(0.5 / 3 ** 0.5)
+    # four prompts of one sample, correct 1, 1, 0, 1: squares 3 x 0.0625 + 0.5625 = 0.75, / 3 = 0.25,
+    # root 0.5, / sqrt(4) = 0.25; one prompt alone: 0
+    four = summarise([_s(i, "a", v) for i, v in enumerate([1.0, 1.0, 0.0, 1.0])], prefix="val/")
+    assert four["val/acc_stderr"] == pytest.approx(0.25)
+    assert summarise([_s(0, "a", 1.0)], prefix="val/")["val/acc_stderr"] == 0.0
 
 
 def test_eval_tiny_model(tmp_path):

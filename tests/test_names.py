@@ -30,7 +30,7 @@ METRICS = {
     "actor/frozen",
     "sync/verified", "sync/collective",
     "sandbox/executions", "sandbox/timeouts", "sandbox/seconds_mean", "sandbox/seconds_p95", "sandbox/queue_wait_s",
-    "val/acc", "val/policy_version",
+    "val/acc", "val/acc_stderr", "val/policy_version",
     "data/prompts_crc32",
 }
 GROUPS = {names.Timing: "timing_s/", names.Perf: "perf/", names.Reward: "reward/", names.Rollout: "rollout/",

@@ -30,8 +30,24 @@ def is_correct(s: Sample) -> float:
     return float(s.reward_extra.get("acc", s.reward_extra.get(RULE, s.score) >= 1.0))
 
 
+def acc_stderr(samples: list[Sample]) -> float:
+    """The standard error of the accuracy over prompts: each prompt's mean accuracy (its samples are
+    not independent of one another), their standard deviation (n - 1) over the square root of the
+    number of prompts; 0 for a single prompt. A held-out accuracy that moves by less than about
+    twice this between two validations has not clearly moved."""
+    per_prompt: dict[tuple, list[float]] = defaultdict(list)
+    for s in samples:
+        per_prompt[s.data_source, s.uid].append(is_correct(s))
+    means = [sum(v) / len(v) for v in per_prompt.values()]
+    if len(means) < 2:
+        return 0.0
+    mu = sum(means) / len(means)
+    return (sum((a - mu) ** 2 for a in means) / (len(means) - 1)) ** 0.5 / len(means) ** 0.5
+
+
 def summarise(samples: list[Sample], prefix: str = Val.PREFIX) -> dict[str, float]:
-    """Metrics named ``{prefix}acc``, ``{prefix}reward/mean``, ``{prefix}<source>/acc``,
+    """Metrics named ``{prefix}acc`` (and its standard error ``{prefix}acc_stderr``),
+    ``{prefix}reward/mean``, ``{prefix}<source>/acc``,
     ``{prefix}<source>/reward/mean``, and with several samples per prompt
     ``{prefix}<source>/acc/best@n``. An environment's rollouts that failed for good (env.on_error)
     are left out, never scored as 0."""
@@ -40,6 +56,7 @@ def summarise(samples: list[Sample], prefix: str = Val.PREFIX) -> dict[str, floa
         return {}
     m = {
         f"{prefix}acc": sum(map(is_correct, samples)) / len(samples),
+        f"{prefix}acc_stderr": acc_stderr(samples),
         f"{prefix}reward/mean": sum(s.score for s in samples) / len(samples),
         **agent_metrics(samples, f"{prefix}agent/"),
     }

@@ -180,9 +180,13 @@ class StreamServer:
 
     def __init__(self, engine, prompts: list[list[int]], params: SamplingParams, partial: str, concurrency: int,
                  score: Callable, pool: ThreadPoolExecutor, tokenizer, on_sample: Callable[[], None] = lambda: None,
-                 share_prefix: bool = True, replay: list | None = None, max_kv_age: int = -1):
+                 share_prefix: bool = True, replay: list | None = None, max_kv_age: int = -1,
+                 teach: Callable[[list[int], list[int]], Future] | None = None):
+        """``teach(prompt_ids, response_ids)``: hands each finished sample to a distillation teacher
+        (``offstep.rollout.teacher_scoring``); its future is kept for the take (``teaching``)."""
         self.engine, self.params, self.score, self.pool, self.tok = engine, params, score, pool, tokenizer
-        self.on_sample = on_sample
+        self.on_sample, self.teach = on_sample, teach
+        self.teaching: dict[tuple[int, int], Future] = {}  # (uid, sample index) -> the teacher's answer, until taken
         self.agents: dict[str, object] = {}
         self.control = StepControl(partial, max_kv_age)
         self.schedule = Schedule(replay)  # when each load, suspension and admission happened (offstep.rollout.replica_schedule)
@@ -313,6 +317,9 @@ class StreamServer:
         s = g.samples[j]
         s.text = self.tok.decode(s.tokens, skip_special_tokens=True)
         info = {**g.request.extra_info, **s.info} if s.info is not None else None
+        if self.teach is not None:
+            prompt = g.request.prompt_ids if s.prompt_ids is None else s.prompt_ids
+            self.teaching[uid, j] = self.teach(list(prompt), list(s.tokens))
         fut: Future = self.pool.submit(self.score, g.request, s.text, info)
         fut.add_done_callback(lambda f: self._scored(uid, j, f))
 

@@ -304,7 +304,7 @@ class RolloutWorker:
         openai = self.agent is not None and bool(self.agent.openai_path or getattr(self.agent, "env", None))  # env.*: its rollouts too
         self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, self._score, self.pool,
                                     self._tok, self.progress.advance, share_prefix=not openai, replay=replay,
-                                    max_kv_age=max_kv_age)
+                                    max_kv_age=max_kv_age, teach=self.teacher.submit if self.teacher is not None else None)
         if self.agent is not None:  # tool rows and OpenAI agents' rows: their loops' turns go through the stream
             attach_agents(self._stream, self._tool_loops(), self._openai_agents() if openai else None, self.engine, params)
 
@@ -315,8 +315,9 @@ class RolloutWorker:
         """The groups finished since the last take (reference log-probs attached when this replica
         holds the reference), waiting up to ``wait_s`` seconds for one."""
         out = self._stream.take(wait_s)
-        if out and self.teacher is not None:  # the teacher's batches run on its own thread (or pool)
-            self.teacher.attach([s for g in out for s in g.samples])
+        if out and self.teacher is not None:  # asked for as each sample finished; on its own thread (or pool)
+            asked = {id(s): self._stream.teaching.pop((g.uid, j), None) for g in out for j, s in enumerate(g.samples)}
+            self.teacher.attach([s for g in out for s in g.samples], {k: f for k, f in asked.items() if f is not None})
             out[0].teacher_spans = self.teacher.take_spans()
         if out and self.ref is not None:  # on the engine's thread, between two decode steps: one core
             self._stream.between_steps(lambda: self._attach_ref_logprobs([s for g in out for s in g.samples]))

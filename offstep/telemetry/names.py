@@ -210,6 +210,7 @@ class Val:
 
     PREFIX = "val/"
     ACC = "val/acc"
+    ACC_STDERR = "val/acc_stderr"  # the standard error of val/acc over the held-out prompts
     POLICY_VERSION = "val/policy_version"
 
 

@@ -101,7 +101,9 @@ def plot_reward(runs: list[Run], out: Path) -> Path:
         if r.val:
             vx = [m["step"] for m in r.val]
             vy = [m[Val.ACC] for m in r.val]
-            ax_s.plot(vx, vy, "s--", color=line.get_color(), alpha=0.7, label=f"{r.name} val acc")
+            err = [m.get(Val.ACC_STDERR, 0.0) for m in r.val]  # runs before the standard error was logged: none
+            ax_s.errorbar(vx, vy, yerr=err, fmt="s--", color=line.get_color(), alpha=0.7, capsize=3,
+                          label=f"{r.name} val acc (± 1 s.e.)")
     ax_s.set(xlabel="step", ylabel="reward / accuracy", title="reward and validation accuracy")
     ax_t.set(xlabel="wall-clock seconds since step 1 began", ylabel="reward", title="reward over time")
     for ax in (ax_s, ax_t):
