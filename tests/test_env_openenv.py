@@ -92,7 +92,7 @@ def test_openenv_trains_retries_failures_and_stops_its_servers(tmp_path, ray_ses
 
     out, record = tmp_path / "run", tmp_path / "record"
     train(load_config(run_args(out, "data.train_batch_size=2", "rollout.n=2", f"+env.args.record={record}",
-                               "+env.args.fail_every=3", "+env.args.hang_at=4", "env.timeout_s=45", "env.retries=3")))
+                               "+env.args.fail_every=3", "+env.args.hang_at=4", "env.timeout_s=25", "env.retries=3")))
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
     assert [m["step"] for m in metrics] == [1, 2]
     errors, hangs = failures_of(record)
@@ -115,7 +115,7 @@ def test_drop_leaves_the_failed_groups_out(tmp_path, ray_session):
     out, record = tmp_path / "run", tmp_path / "record"
     train(load_config(run_args(out, "data.train_batch_size=4", "rollout.n=2", f"+env.args.record={record}",
                                "+env.args.tries=1", "+env.args.fail_every=3", "+env.args.hang_at=5",
-                               "env.timeout_s=45", "env.on_error=drop")))
+                               "env.timeout_s=25", "env.on_error=drop")))
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
     assert [m["step"] for m in metrics] == [1, 2]
     errors, hangs = failures_of(record)
