@@ -297,6 +297,12 @@ SECTIONS = [
             "held-out accuracy with and without the tool, well-formed calls, and the training reward. What it is: "
             "[tools-and-agents.md](../docs/tools-and-agents.md#the-calculator-preset).",
             tables_of(("results_calculator.md", None))),
+    Section("distill", "On-policy distillation against RL alone", "distill_runs.py", ("results_distill.md",),
+            "The default preset from the untrained SmolLM2, per seed, on one split of the task: RL alone, and the same "
+            "run distilling from a teacher (a checkpoint of the first RL run) on every sampled token, the task reward kept. "
+            "What it is: [distillation.md](../docs/distillation.md).", tables_of(("results_distill.md", None)),
+            missing="Not run yet: `.venv/bin/python benchmarks/distill_runs.py --teacher` starts it "
+                    "(its docstring gives the rest)."),
     Section("presets", "Presets per seed", "preset_runs.py", ("results_presets.md",),
             "A preset or a variant of it (a label), one run per seed: held-out accuracy before and after training, the "
             "training reward, and the step split into generation (rewards and tools included), the trainer's wait, "
