@@ -151,6 +151,9 @@ def _eval(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="offstep eval", description="accuracy and reward per data source")
     parser.add_argument("model", help="a local Hugging Face model folder, a peft adapter folder (merged onto its "
                         "base), an alias (smollm2-135m-instruct, tiny), or a run directory / checkpoint (its latest policy)")
+    parser.add_argument("--best", nargs="?", const="val/acc", default=None, metavar="METRIC",
+                        help="with a run directory: its checkpoint whose step scored the highest METRIC at its "
+                        "validation (default val/acc) instead of its latest")
     parser.add_argument("--data", required=True, help="verl parquet or JSONL file")
     parser.add_argument("--max-rows", type=int, default=10_000_000, help="rows the file may hold at most, checked "
                         "before it is read (0: no limit; data.max_rows)")
@@ -211,14 +214,14 @@ def _eval(argv: list[str]) -> int:
 
     from offstep.errors import ConfigError
     from offstep.config.schema import AgentConfig
-    from offstep.pipeline.export import model_for_eval
+    from offstep.pipeline.export import best_step, model_for_eval
 
     agent = None
     if args.tools:
         agent = AgentConfig(tools=args.tools.split(","), tools_path=args.tools_path, format=args.tool_format,
                             max_turns=args.max_turns, tool_timeout_s=args.tool_timeout)
     try:
-        model = model_for_eval(args.model)
+        model = model_for_eval(args.model, best_step(args.model, args.best) if args.best else None)
         metrics, samples = run_eval(
             model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
             max_new_tokens=args.max_new_tokens, prompt_key=args.prompt_key, answer_key=args.answer_key,
@@ -246,7 +249,11 @@ def _eval(argv: list[str]) -> int:
 def _export(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="offstep export", description="a run checkpoint as a Hugging Face model folder")
     parser.add_argument("run", help="a run directory (trainer.output_dir) or one of its checkpoints/step_<N> folders")
-    parser.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")
+    which = parser.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")
+    which.add_argument("--best", nargs="?", const="val/acc", default=None, metavar="METRIC",
+                       help="the checkpoint whose step scored the highest METRIC at its validation (default val/acc; "
+                       "trainer.keep_best keeps it)")
     parser.add_argument("--out", required=True, help="the folder to write (safetensors, config, tokenizer); it must "
                         "not exist or be empty")
     parser.add_argument("--force", action="store_true", help="replace a non-empty --out (deleted only once the new "
@@ -257,10 +264,11 @@ def _export(argv: list[str]) -> int:
                         "(a plain Hugging Face folder) instead of a peft adapter folder")
     args = parser.parse_args(argv)
     from offstep.errors import OffstepError
-    from offstep.pipeline.export import export_checkpoint
+    from offstep.pipeline.export import best_step, export_checkpoint
 
     try:
-        out = export_checkpoint(args.run, args.out, args.step, force=args.force, base=args.model, merge=args.merge)
+        step = best_step(args.run, args.best) if args.best else args.step
+        out = export_checkpoint(args.run, args.out, step, force=args.force, base=args.model, merge=args.merge)
     except (OffstepError, FileNotFoundError, ValueError) as e:
         _say(e)
         return 2

@@ -125,6 +125,74 @@ def test_keep_checkpoints_prunes_oldest_complete(tmp_path):
     assert [s for s, _ in complete_checkpoints(ck.root)] == [4, 6]
 
 
+def _scores(run: Path, **by_step: float) -> None:
+    """metrics.jsonl of ``run`` with val/acc at the given steps (``s4=0.5``)."""
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": int(k[1:]), "val/acc": v}) + "\n" for k, v in by_step.items()))
+
+
+def test_keep_best_spares_the_best_scoring_checkpoint_from_pruning(tmp_path):
+    from offstep.pipeline.checkpoints import best_checkpoint
+
+    ck = Checkpoints(tmp_path, keep=1, run_id="", best_metric="val/acc")
+    for step, score in ((2, 0.5), (4, 0.9), (6, 0.7), (8, 0.6)):  # each step's record is on disk before its commit
+        with open(tmp_path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "val/acc": score}) + "\n")
+        _fake_commit(ck, step)
+    assert [s for s, _ in complete_checkpoints(ck.root)] == [4, 8]
+    assert best_checkpoint(tmp_path)[::2] == (4, 0.9)
+    # equal scores: the later (more trained) one; non-numbers, NaN and steps without a checkpoint are passed over
+    _scores(tmp_path, s4=0.9, s8=0.9)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "val/acc": NaN}\n{"step": 3, "val/acc": 1.0}\n{"step": 4, "val/acc": true}\n')
+    assert best_checkpoint(tmp_path)[0] == 8
+    assert best_checkpoint(tmp_path, "val/reward/mean") is None
+
+
+@pytest.mark.parametrize("damage", ["garbled", "fifo", "link"])
+def test_best_checkpoint_refuses_unreadable_scores_without_blocking(tmp_path, damage):
+    from offstep.pipeline.checkpoints import best_checkpoint
+
+    _fake_commit(Checkpoints(tmp_path), 2)
+    metrics = tmp_path / "metrics.jsonl"
+    if damage == "garbled":
+        metrics.write_text('{"step": 2, "val/acc": 1.0}\n[1, 2]\n')
+    elif damage == "fifo":
+        os.mkfifo(metrics)
+    else:
+        (tmp_path / "elsewhere.jsonl").write_text('{"step": 2, "val/acc": 1.0}\n')
+        metrics.symlink_to(tmp_path / "elsewhere.jsonl")
+    with pytest.raises(ConfigError, match="cannot be read.*--step"):
+        best_checkpoint(tmp_path)
+
+
+def test_best_step_names_the_fix(tmp_path):
+    from offstep.cli import main
+    from offstep.pipeline.export import best_step
+
+    path = _fake_commit(Checkpoints(tmp_path), 2)
+    with pytest.raises(ConfigError, match="save_freq a multiple of trainer.val_freq"):
+        best_step(tmp_path)  # no metrics.jsonl
+    with pytest.raises(ConfigError, match="give the run directory"):
+        best_step(path)
+    _scores(tmp_path, s2=0.25)
+    assert best_step(tmp_path) == 2
+    with pytest.raises(SystemExit):  # one of --step and --best
+        main(["export", str(tmp_path), "--step", "2", "--best", "--out", str(tmp_path / "x")])
+    assert main(["eval", str(tmp_path / "nothing"), "--best", "--data", str(tmp_path / "d.jsonl")]) == 2
+
+
+@pytest.mark.parametrize("save_freq,val_freq", [(0, 5), (5, 0), (5, 2)])
+def test_keep_best_needs_every_checkpoint_scored(save_freq, val_freq):
+    from offstep.pipeline.preflight import validate
+
+    with pytest.raises(ConfigError, match="trainer.keep_best=true .* trainer.save_freq a multiple"):
+        validate(load_config(["preset=tiny", "trainer.keep_best=true", f"trainer.save_freq={save_freq}",
+                              f"trainer.val_freq={val_freq}"]))
+    with pytest.raises(ConfigError, match="best_metric='acc' must be a validation metric"):
+        validate(load_config(["preset=tiny", "trainer.best_metric=acc"]))
+
+
 def test_resolve_path_errors_name_the_fix(tmp_path):
     with pytest.raises(ConfigError, match="no complete checkpoint.*save_freq"):
         resolve_path(tmp_path)
@@ -214,13 +282,24 @@ def test_export_writes_a_loadable_model_equal_to_the_checkpoint(tmp_path, ray_se
     from offstep.models.loading import load_causal_lm, resolve_model
     from offstep.pipeline.controller import train
 
-    run = tmp_path / "run"
-    train(load_config(["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=2", "trainer.save_freq=1",
+    run, reward = tmp_path / "run", tmp_path / "reward.py"
+    reward.write_text(REWARD)  # scores that differ from step to step, so that one step is the best
+    train(load_config(["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=3", "trainer.save_freq=1",
+                       "trainer.val_freq=1", "trainer.keep_checkpoints=1", "trainer.keep_best=true",
+                       "trainer.best_metric=val/reward/mean", f"reward.custom_path={reward}",
                        "trainer.val_before_train=false", "trainer.progress=off"]))
-    assert main(["export", str(run), "--step", "2", "--out", str(tmp_path / "hf")]) == 0
+    # keep_checkpoints=1 with keep_best: the last step's checkpoint and the best-scoring one stay
+    scores = {m["step"]: m["val/reward/mean"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    best = max(scores, key=lambda s: (scores[s], s))
+    assert [s for s, _ in complete_checkpoints(run / "checkpoints")] == sorted({best, 3}), scores
+    assert main(["export", str(run), "--best", "val/reward/mean", "--out", str(tmp_path / "best")]) == 0
+    assert json.loads((tmp_path / "best" / ".offstep-export").read_text())["step"] == best
+    assert main(["eval", str(run), "--best", "val/reward/mean", "--data", str(run / "data" / "val.parquet"),
+                 "--max-new-tokens", "4", "--out", str(tmp_path / "eval.json")]) == 0
+    assert main(["export", str(run), "--step", "3", "--out", str(tmp_path / "hf")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     # An independent reading of the same shards: torch's own DCP-to-torch.save converter.
-    dcp_to_torch_save(run / "checkpoints" / "step_000002" / "actor", tmp_path / "full.pt")
+    dcp_to_torch_save(run / "checkpoints" / "step_000003" / "actor", tmp_path / "full.pt")
     reference = torch.load(tmp_path / "full.pt", weights_only=False)["model"]
     initial = load_causal_lm(resolve_model("tiny")).state_dict()
     got = exported.state_dict()

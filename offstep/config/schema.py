@@ -324,6 +324,10 @@ class TrainerConfig:
     """auto (the latest checkpoint in output_dir, if any) | off | a checkpoint path"""
     keep_checkpoints: int = 0
     """keep the newest M complete checkpoints (0: all)"""
+    keep_best: bool = False
+    """with keep_checkpoints: also keep the checkpoint whose step scored the highest best_metric at its validation (offstep export --best, offstep eval RUN --best use it)"""
+    best_metric: str = "val/acc"
+    """the validation metric (higher is better) that picks the best checkpoint"""
     resume_step: int = 0
     """with resume=auto or a run directory: continue from the checkpoint of this step instead of the latest intact one (0: the latest)"""
     overwrite: bool = False

@@ -293,6 +293,11 @@ def problems(cfg: Config) -> list[str]:
     need(t.save_freq >= 0, f"trainer.save_freq={t.save_freq} must be >= 0 (0: no periodic checkpoints)", e)
     need(t.save_interval_s >= 0, f"trainer.save_interval_s={t.save_interval_s} must be >= 0 (0: no checkpoints by time)", e)
     need(t.keep_checkpoints >= 0, f"trainer.keep_checkpoints={t.keep_checkpoints} must be >= 0 (0: keep all)", e)
+    need(t.best_metric.startswith("val/"), f"trainer.best_metric={t.best_metric!r} must be a validation metric (val/...)", e)
+    need(not t.keep_best or (t.val_freq > 0 and t.save_freq > 0 and t.save_freq % t.val_freq == 0),
+         f"trainer.keep_best=true keeps the best-scoring checkpoint, so every checkpoint must be scored: it needs "
+         f"trainer.val_freq > 0 and trainer.save_freq a multiple of it (now val_freq={t.val_freq}, "
+         f"save_freq={t.save_freq}); e.g. trainer.save_freq={max(t.val_freq, 1)}", e)
     need(t.log_samples_freq >= 0, f"trainer.log_samples_freq={t.log_samples_freq} must be >= 0 (0: never)", e)
     need(t.log_samples_freq == 0 or t.log_samples_count >= 1,
           f"trainer.log_samples_count={t.log_samples_count} must be >= 1 while trainer.log_samples_freq="

@@ -16,7 +16,9 @@ the folder is renamed to ``step_<s>``. Re-saving a step that exists renames the 
 copy exists (a ``.replaced`` folder left by a crash counts as that step until the next save cleans
 it up). A crash while writing leaves at most a ``.partial`` folder, which no resume picks and the
 next save clears away. Pruning (``trainer.keep_checkpoints``) deletes only checkpoints whose
-``trainer_state.json`` carries this run's id, never the one just written.
+``trainer_state.json`` carries this run's id, never the one just written, nor (``trainer.keep_best``)
+the one whose step scored best at its validation, as the run's ``metrics.jsonl`` records it
+(:func:`best_checkpoint`; the step's record is on disk before its checkpoint is committed).
 
 Reading runs no code of the checkpoint's: ``trainer_state.json`` is JSON decoded field by field,
 each value's type checked (``offstep/pipeline/trainer_state.py``), ``config.yaml`` is read as plain YAML data with no aliases (an OmegaConf
@@ -32,13 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from offstep.errors import CheckpointError, ConfigError, LinkRefused, NotAFile
+from offstep.errors import CheckpointError, ConfigError, LinkRefused, NotAFile, OffstepError
 from offstep.files import (MAX_CONFIG_BYTES, loads_json, loads_yaml, open_regular, read_text, refuse_links, refuse_links_under,
                            remove_tree, short, walk)
 from offstep.pipeline.trainer_state import STATE_FILE, TrainerState, decode_state, encode_state
@@ -204,13 +207,42 @@ def check_saved_config(saved: dict) -> None:
         raise ValueError(f"actor.lora.target_modules is {short(modules)}, not a list of module names")
 
 
-class Checkpoints:
-    """The checkpoints of the run ``run_id`` under ``<output_dir>/checkpoints``."""
+def best_checkpoint(run_dir: str | Path, metric: str = "val/acc") -> tuple[int, Path, float] | None:
+    """(step, folder, score) of the complete checkpoint whose step scored the highest ``metric``
+    in ``<run_dir>/metrics.jsonl`` (the later of equals: the more trained of two policies that
+    score the same); ``None`` where no checkpointed step has a finite score."""
+    run_dir = Path(run_dir)
+    found = dict(complete_checkpoints(run_dir / "checkpoints"))
+    path = run_dir / "metrics.jsonl"
+    if not found or not (path.exists() or path.is_symlink()):
+        return None
+    from offstep.telemetry.metrics import read_jsonl
 
-    def __init__(self, output_dir: str | Path, keep: int = 0, run_id: str = ""):
+    try:
+        records = read_jsonl(path)
+    except (OSError, ValueError, OffstepError) as e:
+        raise ConfigError(f"the best checkpoint is picked by the scores in {path}, which cannot be read ({e}); "
+                          f"name the checkpoint with --step instead") from None
+    scores: dict[int, float] = {}
+    for r in records:
+        step, v = r.get("step"), r.get(metric)
+        if type(step) is int and step in found and type(v) in (int, float) and math.isfinite(v):
+            scores[step] = float(v)
+    if not scores:
+        return None
+    step = max(scores, key=lambda s: (scores[s], s))
+    return step, found[step], scores[step]
+
+
+class Checkpoints:
+    """The checkpoints of the run ``run_id`` under ``<output_dir>/checkpoints``; with ``best_metric``
+    pruning spares the best-scoring one (``trainer.keep_best``)."""
+
+    def __init__(self, output_dir: str | Path, keep: int = 0, run_id: str = "", best_metric: str | None = None):
         self.root = Path(output_dir) / "checkpoints"
         self.keep = keep
         self.run_id = run_id
+        self.best_metric = best_metric
 
     def staging(self, step: int) -> Path:
         """A clean ``.partial`` folder to write the checkpoint of ``step`` into (clearing what an
@@ -252,11 +284,14 @@ class Checkpoints:
         return final
 
     def _prune(self, committed: int) -> None:
-        """Keep the checkpoint just written and the newest ``keep - 1`` older ones of this run."""
+        """Keep the checkpoint just written, the newest ``keep - 1`` older ones of this run, and
+        with ``best_metric`` the best-scoring one."""
         if self.keep <= 0:
             return
+        best = best_checkpoint(self.root.parent, self.best_metric) if self.best_metric else None
         ours = [p for s, p in complete_checkpoints(self.root)
-                if s < committed and not p.name.endswith(".replaced") and read_run_id(p) == self.run_id]
+                if s < committed and not p.name.endswith(".replaced") and read_run_id(p) == self.run_id
+                and (best is None or s != best[0])]
         for path in ours[: max(0, len(ours) - (self.keep - 1))]:
             remove_tree(path)
 

@@ -90,7 +90,8 @@ class Controller:
 
     def _prepare_run(self, run) -> None:
         cfg = self.cfg
-        self.checkpoints = Checkpoints(self.out, cfg.trainer.keep_checkpoints, run.run_id)
+        self.checkpoints = Checkpoints(self.out, cfg.trainer.keep_checkpoints, run.run_id,
+                                       cfg.trainer.best_metric if cfg.trainer.keep_best else None)
         self.resume_from = run.resume.path if run.resume is not None else None
         self.resumed: TrainerState | None = run.resume.state if run.resume is not None else None
         if self.resumed is not None:

@@ -33,7 +33,7 @@ from offstep.models.builtin import ALIASES, normalise_alias
 from offstep.models.forward import DTYPES
 from offstep.models.loading import cache_dir, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_base, adapter_parameters, add_adapters, is_adapter_folder, merged_model
-from offstep.pipeline.checkpoints import LEGACY_STATE_FILE, STATE_FILE, complete_checkpoints, earlier_intact, file_digests, open_checkpoint, read_config, resolve_path, select
+from offstep.pipeline.checkpoints import LEGACY_STATE_FILE, STATE_FILE, best_checkpoint, complete_checkpoints, earlier_intact, file_digests, open_checkpoint, read_config, resolve_path, select
 from offstep.telemetry.names import Role
 from offstep.train.checkpoint import fsync_tree, load_model_weights, replace_dir, write_durably, write_failed
 
@@ -157,7 +157,19 @@ def is_run_or_checkpoint(path: str | Path) -> bool:
     return (p / STATE_FILE).is_file() or (p / "checkpoints").is_dir()
 
 
-def model_for_eval(path: str | Path) -> str:
+def best_step(run: str | Path, metric: str = "val/acc") -> int:
+    """The step of the run's best-scoring checkpoint (``--best``), or an error that names the fix."""
+    if (Path(run) / STATE_FILE).is_file():
+        raise ConfigError(f"--best picks among a run's checkpoints: give the run directory, not the checkpoint {run}")
+    found = best_checkpoint(run, metric)
+    if found is None:
+        raise ConfigError(f"{run} has no checkpoint of a step whose {metric} its metrics.jsonl records: train with "
+                          f"trainer.save_freq a multiple of trainer.val_freq (trainer.keep_best=true keeps the best "
+                          f"one when trainer.keep_checkpoints prunes), or name a checkpoint with --step")
+    return found[0]
+
+
+def model_for_eval(path: str | Path, step: int | None = None) -> str:
     """A model folder for ``offstep eval``: run directories and checkpoints are exported once
     into the offstep cache, under the digest of the checkpoint's files (a LoRA run's merged), and
     that export is reused while the files are the same; a peft adapter folder is merged onto its
@@ -172,7 +184,7 @@ def model_for_eval(path: str | Path) -> str:
         raise ConfigError(f"the run {path} has no checkpoint, so it kept no trained policy to evaluate: it ran with "
                           f"trainer.save_last=false and trainer.save_freq=0. Train with trainer.save_last=true (the "
                           f"default) or trainer.save_freq=N, or give a model folder")
-    loaded = open_checkpoint(resolve_path(path))
+    loaded = open_checkpoint(resolve_path(path, step))
     digest = hashlib.sha256(loaded.config_yaml.encode())
     for name, (size, sha) in sorted(file_digests(loaded.path / Role.ACTOR, skip=()).items()):
         digest.update(f"{name} {size} {sha}\n".encode())
