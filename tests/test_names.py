@@ -18,7 +18,7 @@ METRICS = {
     "timing_s/sync_weights", "timing_s/sync_verify", "timing_s/reward_model", "timing_s/rollout_sleep",
     "timing_s/rollout_wake", "timing_s/teacher",
     "perf/tokens_per_s", "perf/samples_per_s", "perf/gen_tokens_per_s", "perf/lent_cores_s",
-    "reward/mean", "reward/max", "reward/min", "reward/overlong_penalty", "reward/kl_penalty", "reward/kl_coef",
+    "reward/mean", "reward/max", "reward/min", "reward/uniform_group_frac", "reward/overlong_penalty", "reward/kl_penalty", "reward/kl_coef",
     "reward/greedy_baseline", "reward/rule/mean", "reward/model/mean", "reward/model/fallbacks",
     "rollout/staleness_max", "rollout/staleness_mean", "rollout/version_min", "rollout/version_span_max",
     "rollout/partial_samples", "rollout/kv_age_max", "rollout/queue_depth", "rollout/in_flight_groups", "rollout/dropped_stale",

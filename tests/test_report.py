@@ -26,7 +26,7 @@ def two_runs(tmp_path_factory, ray_session):
 @pytest.mark.ray
 def test_report_files_and_numbers(two_runs, tmp_path):
     out = write_report(two_runs, tmp_path / "rep")
-    for name in ("reward.png", "timing.png", "timeline.png", "offpolicy.png"):
+    for name in ("reward.png", "timing.png", "timeline.png", "offpolicy.png", "health.png"):
         f = out / name
         assert f.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         img = mpimg.imread(f)

@@ -114,6 +114,7 @@ def batch_metrics(step: int, epoch: int, samples: list[Sample], batch: TrainBatc
         Reward.MEAN: float(batch.scores.mean()),
         Reward.MAX: float(batch.scores.max()),
         Reward.MIN: float(batch.scores.min()),
+        **uniform_group_frac(samples),
         ResponseLength.MEAN: float(lengths.mean()),
         ResponseLength.MAX: float(lengths.max()),
         ResponseLength.CLIP_RATIO: sum(s.finish_reason == "length" for s in samples) / len(samples),
@@ -121,6 +122,16 @@ def batch_metrics(step: int, epoch: int, samples: list[Sample], batch: TrainBatc
         **reward_component_metrics(samples),
         **env_metrics(samples),
     }
+
+
+def uniform_group_frac(samples: list[Sample]) -> dict:
+    """``reward/uniform_group_frac``: the share of groups of two samples or more whose scores are all
+    equal (their advantages are all 0 under GRPO); none where every group has one sample."""
+    groups: dict[int, list[float]] = {}
+    for s in samples:
+        groups.setdefault(s.uid, []).append(float(s.score))
+    sized = [g for g in groups.values() if len(g) > 1]
+    return {Reward.UNIFORM_GROUP_FRAC: sum(max(g) == min(g) for g in sized) / len(sized)} if sized else {}
 
 
 def env_metrics(samples: list[Sample]) -> dict:

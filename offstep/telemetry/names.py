@@ -106,6 +106,9 @@ class Reward:
     MEAN = "reward/mean"
     MAX = "reward/max"
     MIN = "reward/min"
+    # groups (of two samples or more) whose samples all scored the same: no GRPO signal; rising
+    # with a falling actor/entropy, the policy is collapsing onto answers it always or never gets
+    UNIFORM_GROUP_FRAC = "reward/uniform_group_frac"
     OVERLONG_PENALTY = "reward/overlong_penalty"
     KL_PENALTY = "reward/kl_penalty"
     KL_COEF = "reward/kl_coef"

@@ -8,6 +8,8 @@ Plots (written into the first run's directory, under ``report/``):
 * ``timeline.png``    — the pipeline timeline: one lane per role (rollout replicas, trainer), a bar
                         per stage and step, so overlap and idle gaps are visible at a glance;
 * ``offpolicy.png``   — staleness and rollout-vs-trainer mismatch metrics over steps.
+* ``health.png``      — the signs of a collapse coming: entropy, groups with no signal, KL to the
+  reference, response length.
 
 Several runs (e.g. synchronous vs one-step) share the line plots and get a panel each otherwise.
 """
@@ -26,7 +28,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from offstep.files import refuse_links, write_file  # noqa: E402
 from offstep.telemetry.metrics import read_jsonl  # noqa: E402
-from offstep.telemetry.names import Actor, Reward, Role, Rollout, Stage, Timing, Val  # noqa: E402
+from offstep.telemetry.names import Actor, ResponseLength, Reward, Role, Rollout, Stage, Timing, Val  # noqa: E402
 
 # Trainer-side stages stacked in timing.png, in execution order.
 TIMING_STACK = (
@@ -159,6 +161,11 @@ def _lanes_max(runs: list[Run]) -> int:
 def plot_offpolicy(runs: list[Run], out: Path) -> Path:
     keys = [(Rollout.STALENESS_MAX, "staleness (max)"), (Actor.MISMATCH_KL_K1, "mismatch KL k1"),
             (Actor.IS_WEIGHT_MEAN, "IS weight mean"), (Actor.KL, "KL to reference")]
+    return _plot_series(runs, keys, out / "offpolicy.png")
+
+
+def _plot_series(runs: list[Run], keys: list[tuple[str, str]], path: Path) -> Path:
+    """One panel per (metric, title), a line per run over steps."""
     fig, axes = plt.subplots(1, len(keys), figsize=(15, 3.6))
     for ax, (key, title) in zip(axes, keys):
         for r in runs:
@@ -168,7 +175,13 @@ def plot_offpolicy(runs: list[Run], out: Path) -> Path:
         ax.set(xlabel="step", title=title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    return _save(fig, out / "offpolicy.png")
+    return _save(fig, path)
+
+
+def plot_health(runs: list[Run], out: Path) -> Path:
+    keys = [(Actor.ENTROPY, "entropy (nats per token)"), (Reward.UNIFORM_GROUP_FRAC, "groups with one score (no signal)"),
+            (Actor.KL, "KL to reference"), (ResponseLength.MEAN, "response length (mean)")]
+    return _plot_series(runs, keys, out / "health.png")
 
 
 def summary(runs: list[Run]) -> str:
@@ -205,7 +218,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     if not out_dir:
         refuse_links(out)  # the run's own report folder: not a link out of it
     out.mkdir(parents=True, exist_ok=True)
-    plots = [plot_reward(runs, out), plot_timing(runs, out), plot_timeline(runs, out), plot_offpolicy(runs, out)]
+    plots = [plot_reward(runs, out), plot_timing(runs, out), plot_timeline(runs, out), plot_offpolicy(runs, out),
+             plot_health(runs, out)]
     text = ["# offstep report", "", summary(runs), ""]
     text += [f"![{p.stem}]({p.name})" for p in plots]
     write_file(out / "summary.md", "\n".join(text) + "\n", durable=False)
