@@ -51,6 +51,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     ".venv/bin/offstep report runs/default": RUN,
     "offstep report": ("synopsis", "`offstep report runs/default` runs here"),
     "offstep report RUN_DIR [RUN_DIR ...]": ("synopsis", "`offstep report runs/default` runs here; tests/test_report.py::test_report_cli reports two runs"),
+    "offstep train rollout.agent.tool_config_path=gsm8k_tool_config.yaml rollout.agent.format=hermes "
+    "rollout.agent.default_agent=tool_agent": CFG,
     "offstep eval RUN --best": ("test", "tests/test_checkpoint.py::test_export_writes_a_loadable_model_equal_to_the_checkpoint"),
     "offstep eval RUN --best --data FILE": ("test", "tests/test_checkpoint.py::test_export_writes_a_loadable_model_equal_to_the_checkpoint"),
     "offstep export --best": ("test", "tests/test_checkpoint.py::test_export_writes_a_loadable_model_equal_to_the_checkpoint"),

@@ -146,7 +146,6 @@ REFUSED = [
     ("actor_rollout_ref.actor.strategy=megatron", "FSDP2"),
     ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "FSDP2"),
     ("reward_model.enable=True", "needs reward_model.model.path"),
-    ("actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml", "Python functions"),
     ("actor_rollout_ref.rollout.expert_parallel_size=2", "expert parallelism"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "surrogates"),
     ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "warm-up"),

@@ -68,6 +68,8 @@ class AgentConfig:
     """the tools: function names in tools_path, or built-in tools (calculator)"""
     tools_path: Optional[str] = None
     """a Python file defining the tool functions (sync or async; schema from the docstring, or fn.schema); null: built-in tools only"""
+    tool_config_path: Optional[str] = None
+    """a verl tool config YAML (tools: class_name, config, tool_schema; offstep/rollout/verl_tools.py): its tools replace rollout.agent.tools"""
     format: str = "tag"
     """how the model calls a tool: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, Qwen2.5's templates) | tag (<calculator>47*86</calculator>, for templates without tool support)"""
     max_turns: int = 4

@@ -200,7 +200,9 @@ def _check_agent(cfg: Config, e: list[str]) -> None:
     need(ag.max_tool_response_chars >= 1,
           f"rollout.agent.max_tool_response_chars={ag.max_tool_response_chars} must be >= 1", e)
     need(ag.tool_threads >= 1, f"rollout.agent.tool_threads={ag.tool_threads} must be >= 1", e)
-    need(bool(ag.tools), "rollout.agent.tools is empty; name the tools (e.g. [calculator])", e)
+    need(bool(ag.tools) or bool(ag.tool_config_path), "rollout.agent.tools is empty; name the tools (e.g. [calculator])", e)
+    need(not (ag.tool_config_path and ag.tools_path), f"rollout.agent.tool_config_path={ag.tool_config_path} (verl's "
+         f"tools) and rollout.agent.tools_path={ag.tools_path} (offstep's) are both set; the tools come from one of them", e)
     need(ag.default_agent != OPENAI_AGENT or bool(ag.openai_path),
           f"rollout.agent.default_agent={OPENAI_AGENT} needs rollout.agent.openai_path: set it to the Python file that "
           "defines the agent, async def rollout(client, row) -> float | dict (docs/openai-agents.md)", e)

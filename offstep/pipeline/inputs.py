@@ -19,7 +19,7 @@ from offstep.files import refuse_links_under
 from offstep.models.loading import load_tokenizer, resolve_model, with_config_overrides
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.openai_agent import load_agent
-from offstep.rollout.tools import load_tools
+from offstep.rollout.tools import agent_tools
 from offstep.rollout.worker import Request
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def _tools_for(records: list[PromptRecord], cfg: Config) -> tuple[AgentConfig | 
         load_agent(cfg.rollout.agent.openai_path, cfg.rollout.agent.openai_name, cfg.rollout.agent.tool_timeout_s)
     if TOOL_AGENT not in names:
         return cfg.rollout.agent, None
-    tools = load_tools(cfg.rollout.agent.tools_path, list(cfg.rollout.agent.tools), cfg.rollout.agent.tool_timeout_s)
+    tools = agent_tools(cfg.rollout.agent)
     return cfg.rollout.agent, [t.schema for t in tools]
 
 

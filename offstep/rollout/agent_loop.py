@@ -37,7 +37,7 @@ from typing import Any, Callable
 from offstep.batch import NO_VERSION, AgentStats
 from offstep.config.schema import AgentConfig
 from offstep.rollout.tool_parsers import ToolCall, make_parser
-from offstep.rollout.tools import Tool, ToolResult, load_tools, run_tool
+from offstep.rollout.tools import Tool, ToolResult, agent_tools, run_tool
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
 
 
@@ -180,7 +180,7 @@ class AgentRunner:
     def __init__(self, spec: AgentConfig, tokenizer: Any, eos_ids: list[int]):
         self.spec = spec
         self.tok = tokenizer
-        self.tools: dict[str, Tool] = {t.name: t for t in load_tools(spec.tools_path, list(spec.tools), spec.tool_timeout_s)}
+        self.tools: dict[str, Tool] = {t.name: t for t in agent_tools(spec)}
         self.parser = make_parser(spec.format, {n: t.schema for n, t in self.tools.items()})
         self.renderer = ToolTurnRenderer(tokenizer, spec.tool_role, list(eos_ids))
         self.executor = ThreadPoolExecutor(max_workers=max(1, spec.tool_threads), thread_name_prefix="tool")

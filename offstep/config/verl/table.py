@@ -73,9 +73,6 @@ _ULYSSES = ("offstep has no sequence parallelism: each device holds whole sequen
             "and actor.micro_batch_size or actor.micro_token_budget bound the memory")
 MEGATRON = "offstep trains with FSDP2 only; drop the megatron keys (and use strategy=fsdp2)"
 
-_TOOLS = ("offstep's tools are Python functions: rollout.agent.tools_path=FILE.py rollout.agent.tools=[names] "
-          "(examples/tools/shop_tools.py); rows pick the loop with verl's agent_name column")
-
 TABLE: dict[str, To | Derived | Note | Refuse] = {
     # model
     "actor_rollout_ref.model.path": To("model.path"),
@@ -205,7 +202,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": To("rollout.agent.max_calls_per_turn"),
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": To("rollout.agent.max_tool_response_chars"),
     "actor_rollout_ref.rollout.multi_turn.format": To("rollout.agent.format", note="offstep's formats: hermes | tag"),
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": Refuse(_TOOLS, allow=(None,)),
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": To("rollout.agent.tool_config_path", note="verl's bundled gsm8k and sandbox-fusion tools run as offstep code, a BaseTool subclass of yours through verl's protocol (docs/tools-and-agents.md)"),
     "actor_rollout_ref.rollout.multi_turn.interaction_config_path": Refuse("offstep has tools but no simulated-user interactions", allow=(None,)),
     "actor_rollout_ref.rollout.agent.default_agent_loop": To("rollout.agent.default_agent"),
     # data
@@ -242,7 +239,7 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "data.sampler.class_name": Note("used only with data.sampler.class_path"),
     "data.datagen.path": Refuse("offstep's data are files or a built-in data.task", allow=(None,)),
     "data.datagen.name": Note("used only with data.datagen.path"),
-    "data.tool_config_path": Refuse(_TOOLS, allow=(None,)),
+    "data.tool_config_path": Note("verl's dataset reads it to count the tool schemas in prompt lengths; offstep's tools come from actor_rollout_ref.rollout.multi_turn.tool_config_path (rollout.agent.tool_config_path)"),
     "data.apply_chat_template_kwargs": Refuse("offstep applies the chat template with its defaults", allow=({}, None)),
     # reward
     "custom_reward_function.path": To("reward.custom_path"),
