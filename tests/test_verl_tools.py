@@ -13,7 +13,8 @@ import pytest
 
 from offstep.config.loader import load_config
 from offstep.errors import ToolConfigError
-from offstep.rollout.tools import agent_tools, run_tool
+from offstep.rollout.agent_tools import agent_tools
+from offstep.rollout.tools import run_tool
 from offstep.rollout.verl_tools import load_verl_tools
 
 # verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as verl ships it

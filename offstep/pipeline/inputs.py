@@ -19,7 +19,7 @@ from offstep.files import refuse_links_under
 from offstep.models.loading import load_tokenizer, resolve_model, with_config_overrides
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.openai_agent import load_agent
-from offstep.rollout.tools import agent_tools
+from offstep.rollout.agent_tools import agent_tools
 from offstep.rollout.worker import Request
 
 log = logging.getLogger(__name__)

@@ -37,7 +37,8 @@ from typing import Any, Callable
 from offstep.batch import NO_VERSION, AgentStats
 from offstep.config.schema import AgentConfig
 from offstep.rollout.tool_parsers import ToolCall, make_parser
-from offstep.rollout.tools import Tool, ToolResult, agent_tools, run_tool
+from offstep.rollout.agent_tools import agent_tools
+from offstep.rollout.tools import Tool, ToolResult, run_tool
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
 
 

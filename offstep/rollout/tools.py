@@ -125,16 +125,6 @@ def import_file(path: str, timeout_s: float | None, keys: dict, what: str = "too
     return module
 
 
-def agent_tools(spec: AgentConfig) -> list[Tool]:
-    """The tools of the agent settings ``spec``: a verl tool config's (``tool_config_path``), or
-    ``tools`` from ``tools_path`` and the built-in ones."""
-    if spec.tool_config_path:
-        from offstep.rollout.verl_tools import load_verl_tools
-
-        return load_verl_tools(spec.tool_config_path, spec.tool_timeout_s)
-    return load_tools(spec.tools_path, list(spec.tools), spec.tool_timeout_s)
-
-
 def load_tools(
     path: str | None, names: list[str] | tuple[str, ...], timeout_s: float | None = IMPORT_TIMEOUT_S,
     keys: dict = TRAIN_KEYS,
