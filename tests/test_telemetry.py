@@ -115,6 +115,17 @@ def test_plain_status_lines_are_rate_limited():
     assert len(out.getvalue().splitlines()) == 1
 
 
+def test_a_falling_entropy_is_warned_once():
+    out = _Stream(tty=False)
+    con = ConsoleProgress(total=9, mode="plain", status_interval_s=3600, stream=out)
+    # 2.0 at step 1: 0.6 is 30% of it (no warning), 0.48 is 24% (warned), 0.1 later: not again
+    for step, e in [(0, None), (1, 2.0), (2, 1.2), (3, 0.6), (4, 0.48), (5, 0.1)]:
+        con.step({"step": step, Timing.STEP: 1.0, **({} if e is None else {Actor.ENTROPY: e})})
+    warnings = [line for line in out.getvalue().splitlines() if "collapsing" in line]
+    assert warnings == [warnings[0]] and "from 2 to 0.48 nats per token by step 4" in warnings[0]
+    assert "docs/running.md" in warnings[0]
+
+
 def test_off_prints_nothing():
     out = _Stream(tty=True)
     con = ConsoleProgress(total=2, mode="off", stream=out)

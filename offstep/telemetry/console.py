@@ -108,6 +108,20 @@ def auto_mode(stream) -> str:
     return "bar"
 
 
+ENTROPY_WARN_FRACTION = 0.25  # warn once the entropy is under this share of the first step's
+
+
+def entropy_warning(first: float | None, m: dict) -> str | None:
+    """The warning for a step whose ``actor/entropy`` fell under ENTROPY_WARN_FRACTION of ``first``
+    (the first step's of this process), or None."""
+    e = m.get(Actor.ENTROPY)
+    if first is None or e is None or not first > 0 or e >= ENTROPY_WARN_FRACTION * first:
+        return None
+    return (f"offstep: actor/entropy fell from {first:.3g} to {e:.3g} nats per token by step {m['step']}: the policy "
+            f"may be collapsing onto the answers it already gives; watch reward/uniform_group_frac and val/acc, and "
+            f"see the knobs in docs/running.md (Seeing a collapse coming)")
+
+
 class ConsoleProgress:
     def __init__(self, total: int, mode: str = "auto", status_interval_s: float = 30.0, stream=None):
         self.stream = stream if stream is not None else sys.stdout
@@ -116,6 +130,8 @@ class ConsoleProgress:
         self.status_interval_s = status_interval_s
         self.step_times: list[float] = []
         self.done = 0
+        self.first_entropy: float | None = None
+        self.warned_entropy = False
         self.info = ""
         self._t0 = self._last_print = time.monotonic()
         self.progress = None
@@ -161,6 +177,11 @@ class ConsoleProgress:
         self.done = max(self.done, int(metrics["step"]))
         eta = self.eta() if 0 < self.done < self.total else None
         self.log(step_line(metrics, eta))
+        if metrics["step"] >= 1 and self.first_entropy is None:
+            self.first_entropy = metrics.get(Actor.ENTROPY)
+        if not self.warned_entropy and (warning := entropy_warning(self.first_entropy, metrics)):
+            self.warned_entropy = True
+            self.log(warning)
         if self.progress is not None:
             self.progress.update(self.task, completed=self.done, eta=format_duration(self.eta()))
 
