@@ -105,6 +105,23 @@ def test_openenv_trains_retries_failures_and_stops_its_servers(tmp_path, ray_ses
 
 
 @pytest.mark.ray
+def test_openenv_trains_fully_async_and_stops_its_servers(tmp_path, ray_session):
+    """pipeline.mode=fully_async: the stream plays the episodes; two steps trained, every sample an
+    episode's (the agent loop's turns recorded), no server left after ``train`` returns."""
+    from offstep.pipeline.controller import train
+
+    out, record = tmp_path / "run", tmp_path / "record"
+    train(load_config(run_args(out, "pipeline.mode=fully_async", "data.train_batch_size=2", "rollout.n=2",
+                               f"+env.args.record={record}")))
+    metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["env/errors"] == 0 and m["env/timeouts"] == 0 for m in metrics), metrics
+    servers = servers_of(record)
+    assert len(servers) >= 2  # the driver's (its prompts) and the replica's pool
+    assert_gone(servers)
+
+
+@pytest.mark.ray
 @pytest.mark.slow
 def test_drop_leaves_the_failed_groups_out(tmp_path, ray_session):
     """env.on_error=drop: a group with a failed rollout (every third step raises, the 5th hangs; one
