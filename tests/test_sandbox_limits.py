@@ -52,7 +52,7 @@ def test_many_children_share_one_memory_limit():
         import os, sys, time
         for _ in range(8):
             if os.fork() == 0:
-                block = bytearray(100 << 20)  # touched: zero-filled
+                block = b'x' * (100 << 20)  # every page written
                 print('ok', flush=True)
                 time.sleep(2)
                 os._exit(0)
@@ -61,7 +61,10 @@ def test_many_children_share_one_memory_limit():
     """)
     r = Sandbox(TIGHT).run(code)
     oks = r.stdout.split().count("ok")
-    assert oks * 100 <= BOUND_MB, (oks, r)  # without the cgroup all 8 hold 100 MB each: 800 MB
+    # Without the cgroup all 8 hold 100 MB each at once: 800 MB. With it, the kernel kills children to stay
+    # under the bound, and may pick one that has already printed, so the count of "ok" is not the
+    # memory held at one time; the cgroup's own peak is.
+    assert oks < 8, (oks, r)
     _check_peak(r)
 
 
