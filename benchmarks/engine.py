@@ -45,7 +45,7 @@ from offstep.models.loading import (
     load_tokenizer,
     resolve_model,
 )
-from offstep.rollout.engine import TorchEngine
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.types import SamplingParams
 from readme import provenance, refresh
 

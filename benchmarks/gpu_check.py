@@ -9,7 +9,7 @@ For each shape, in order, until ``--budget-s`` (default 420 s) would be passed (
 estimate, from the same check at the previous shape scaled by parameters, does not fit is skipped
 with a line saying so):
 
-* ``engine``: ``TorchEngine`` (``offstep/rollout/engine.py``) in bfloat16 on a GRPO-shaped batch
+* ``engine``: ``TorchEngine`` (``offstep/rollout/engines/torch_engine.py``) in bfloat16 on a GRPO-shaped batch
   (prompts x samples, temperature 1, every sample runs to ``max_new_tokens``: random weights
   almost never sample the eos token): generated tokens/s and peak memory (the engine's own: its
   weights plus the most its call allocated above what was resident before it). Then its log-probs
@@ -97,7 +97,7 @@ from offstep.batch import Sample, collate  # noqa: E402
 from offstep.config.schema import ActorConfig, AlgorithmConfig, LoRAConfig  # noqa: E402
 from offstep.models.forward import DTYPES  # noqa: E402
 from offstep.models.loading import load_causal_lm  # noqa: E402
-from offstep.rollout.engine import TorchEngine  # noqa: E402
+from offstep.rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from offstep.rollout.types import SamplingParams  # noqa: E402
 from offstep.train.distributed import GroupSpec  # noqa: E402
 from readme import refresh  # noqa: E402

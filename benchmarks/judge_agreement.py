@@ -7,7 +7,7 @@ The untrained policy (the default preset's model) answers held-out problems of t
 preset's task (``arithmetic``, one digit) with its token budget at temperature 1, so both right and
 wrong answers come up; the task's rule
 scores each (1: the final number is right). The generative judge of ``reward.model.kind=generative``
-(offstep.rollout.replica_reward_model.JudgeScorer, the same code the runs use, greedy) then scores every
+(offstep.rollout.scoring.replica_reward_model.JudgeScorer, the same code the runs use, greedy) then scores every
 (question, response, ground truth) once per template and parser below. Reported per judge
 setting: agreement with the rule (a judge score >= 0.5 counts as "right"), the confusion counts,
 Cohen's kappa, the share of answers the parser could not read (those get the fallback score 0 in
@@ -64,7 +64,7 @@ def judge(rows: list[dict], samples: list, template: str, parser: str, model: st
     import torch
 
     from offstep.config.loader import load_config
-    from offstep.rollout.replica_reward_model import Item, JudgeScorer
+    from offstep.rollout.scoring.replica_reward_model import Item, JudgeScorer
 
     rm = load_config(["reward.model.kind=generative", f"reward.model.path={model}"]).reward.model
     rm = replace(rm, parser=parser, template=template)

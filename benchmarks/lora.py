@@ -54,7 +54,7 @@ def part_engine(model: str) -> dict:
     from offstep.config.schema import LoRAConfig
     from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
     from offstep.models.lora import adapter_parameters, add_adapters
-    from offstep.rollout.engine import TorchEngine
+    from offstep.rollout.engines.torch_engine import TorchEngine
     from offstep.rollout.types import SamplingParams
 
     torch.set_num_threads(1)

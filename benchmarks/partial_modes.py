@@ -25,9 +25,9 @@ from lora import cpu_kind  # noqa: E402
 from readme import refresh  # noqa: E402
 
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
-from offstep.rollout.control import StepControl  # noqa: E402
-from offstep.rollout.engine import TorchEngine  # noqa: E402
-from offstep.rollout.replica_stream import StreamFeed  # noqa: E402
+from offstep.rollout.engines.control import StepControl  # noqa: E402
+from offstep.rollout.engines.torch_engine import TorchEngine  # noqa: E402
+from offstep.rollout.stream.replica_stream import StreamFeed  # noqa: E402
 from offstep.rollout.types import SamplingParams, TurnRequest  # noqa: E402
 
 PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=48)

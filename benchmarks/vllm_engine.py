@@ -38,7 +38,7 @@ import torch
 
 from offstep.data.tasks import arithmetic, gsm8k_synthetic
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
-from offstep.rollout.engine import TorchEngine
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.types import SamplingParams
 from offstep.sync.weights import pack_state_dict, unpack_state_dict
 from readme import provenance, refresh
@@ -73,7 +73,7 @@ def start(name: str, path: str, tok, eos, dtype: str, threads: int):
     if name == "builtin":
         engine = TorchEngine(load_causal_lm(path, dtype=getattr(torch, dtype)), tok, eos)
     else:
-        from offstep.rollout.vllm_engine import VLLMEngine
+        from offstep.rollout.engines.vllm_engine import VLLMEngine
 
         engine = VLLMEngine(path, tok, eos, dtype=dtype, num_threads=threads, enforce_eager=(name == "vllm"))
     return engine, time.perf_counter() - t0

@@ -21,7 +21,7 @@ NO_VERSION = -1  # the token_versions entry of a tool turn's token: no policy sa
 
 @dataclass
 class AgentStats:
-    """How a sample's agent loop went (``offstep.rollout.agent_loop``)."""
+    """How a sample's agent loop went (``offstep.rollout.agents.agent_loop``)."""
 
     turns: int = 1  # model turns
     tool_calls: int = 0  # calls that ran a tool

@@ -15,7 +15,7 @@ the trained batch can read every token's version back (``FakeActor``'s ``record`
 ``stream_submit`` (``GroupWork`` s), ``stream_take`` (``FinishedGroup`` s whose ``Sample`` s have
 ``token_versions``) and ``stream_suspend`` (the unfinished ``GroupWork`` s with their
 ``SampleState`` s), with the real worker's signatures and the real types
-(``offstep.rollout.replica_stream``). A background thread runs the decode steps; a ``load_weights``
+(``offstep.rollout.stream.replica_stream``). A background thread runs the decode steps; a ``load_weights``
 posted meanwhile lands between two steps and takes ``load_s`` (no step runs during it), and the
 in-flight samples continue under the new version (a partial rollout); ``rollout.partial=off``
 admits no new sample until the running ones finish, then loads; ``recompute`` adds one step (the
@@ -39,7 +39,7 @@ import numpy as np
 import ray
 
 from offstep.batch import Sample
-from offstep.rollout.replica_stream import FinishedGroup, GroupWork, SampleState
+from offstep.rollout.stream.replica_stream import FinishedGroup, GroupWork, SampleState
 
 if TYPE_CHECKING:
     from fakes import FakeRollout
@@ -100,7 +100,7 @@ class _Pacer:
 
 
 class SimStream:
-    """The replica's side of the fully asynchronous mode, simulated (``offstep.rollout.replica_stream``'s
+    """The replica's side of the fully asynchronous mode, simulated (``offstep.rollout.stream.replica_stream``'s
     ``StreamServer``): a thread of decode steps over the submitted groups' samples."""
 
     def __init__(self, owner: "FakeRollout", params, partial: str):

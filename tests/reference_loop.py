@@ -20,7 +20,7 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
     from offstep.pipeline.fleet import gen_seed
     from offstep.pipeline.inputs import prepare_inputs, to_request
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import RolloutWorker
+    from offstep.rollout.worker import RolloutSpec, RolloutWorker
     from offstep.sync.weights import pack_state_dict
     from offstep.train.actor import ActorWorker
     from offstep.train.distributed import GroupSpec
@@ -30,7 +30,7 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
     stream = PromptStream(len(inputs.train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     r = cfg.rollout
     params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
-    rollout = RolloutWorker(inputs.model_path, "float32", "cpu", 1, inputs.reward, 1, r.max_batch_size, agent=inputs.agent)
+    rollout = RolloutWorker(RolloutSpec.local(inputs.model_path, inputs.reward, r.max_batch_size, agent=inputs.agent))
     spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
     actor = ActorWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature,
                         reference=cfg.algorithm.needs_reference)

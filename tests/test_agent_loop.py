@@ -1,4 +1,4 @@
-"""Multi-turn agent rollouts with tools (offstep.rollout.agent_loop): the tool turn's tokens as the
+"""Multi-turn agent rollouts with tools (offstep.rollout.agents.agent_loop): the tool turn's tokens as the
 chat template renders them, the loop's token-in/token-out bookkeeping and stop rules against a
 scripted engine, tool failures in the loop, and the real engine continuing from given token ids.
 The tools and call formats themselves: test_tools.py. No Ray."""
@@ -12,8 +12,8 @@ import time
 import pytest
 
 from offstep.config.schema import AgentConfig
-from offstep.rollout.agent_loop import AgentFeed, AgentRunner, ToolTurnRenderer, merge_spans, run_tool_rows
-from offstep.rollout.tools import calculator, make_tool
+from offstep.rollout.agents.agent_loop import AgentFeed, AgentRunner, ToolTurnRenderer, merge_spans, run_tool_rows
+from offstep.rollout.agents.tools import calculator, make_tool
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
 from test_tools import tool_file  # noqa: F401 (a fixture)
 
@@ -327,7 +327,7 @@ def test_builtin_engine_serves_continuations_from_given_ids(tok, eos):
     from agent_helpers import check_serves_continuation
 
     from offstep.models.loading import load_causal_lm, resolve_model
-    from offstep.rollout.engine import TorchEngine
+    from offstep.rollout.engines.torch_engine import TorchEngine
 
     model = load_causal_lm(resolve_model("tiny"))
     check_serves_continuation(TorchEngine(model, tok, eos), model, tok, atol=1e-4)
@@ -339,10 +339,10 @@ def test_a_loop_without_calls_is_the_single_turn_sample(tmp_path):
     from offstep.config.schema import AgentConfig
     from offstep.models.loading import resolve_model
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import Request, RolloutWorker
+    from offstep.rollout.worker import Request, RolloutSpec, RolloutWorker
 
     path = resolve_model("tiny")
-    worker = RolloutWorker(path, "float32", "cpu", 1, RewardFunction(), 1, 16, agent=AgentConfig())
+    worker = RolloutWorker(RolloutSpec.local(path, RewardFunction(), 16, agent=AgentConfig()))
     prompts = [_prompt(worker._tok, q) for q in ("What is 3 + 4?", "What is 12 + 30?")]
     p = SamplingParams(n=2, temperature=1.0, max_new_tokens=12)
     rows = lambda agent: [Request(i, ids, "arithmetic", "7", {}, agent) for i, ids in enumerate(prompts)]  # noqa: E731

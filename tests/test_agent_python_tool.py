@@ -1,4 +1,4 @@
-"""The built-in python tool (offstep/rollout/tools.py): a program run in the sandbox, its output
+"""The built-in python tool (offstep/rollout/agents/tools.py): a program run in the sandbox, its output
 (or its failure, as text counted in agent/tool_errors) back to the model, nothing kept between
 calls. No Ray."""
 
@@ -10,8 +10,8 @@ import pytest
 from test_agent_loop import ScriptedEngine, _prompt, eos, tok  # noqa: F401 (fixtures)
 
 from offstep.config.schema import AgentConfig
-from offstep.rollout.agent_loop import AgentRunner
-from offstep.rollout.tools import PYTHON_OUTPUT_CHARS, load_tools, run_tool
+from offstep.rollout.agents.agent_loop import AgentRunner
+from offstep.rollout.agents.tools import PYTHON_OUTPUT_CHARS, load_tools, run_tool
 from offstep.rollout.types import SamplingParams
 from offstep.sandbox import Limits, configure
 

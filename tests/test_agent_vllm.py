@@ -17,7 +17,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def test_vllm_serves_continuations_from_given_ids():
     from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
-    from offstep.rollout.vllm_engine import VLLMEngine
+    from offstep.rollout.engines.vllm_engine import VLLMEngine
 
     path = resolve_model("tiny")
     tok = load_tokenizer(path)

@@ -303,7 +303,7 @@ def test_reward_file_import_is_cut_off(where, tmp_path):
 @pytest.mark.heavy
 @pytest.mark.parametrize("where", ["main thread", "worker thread"])
 def test_tool_file_import_is_cut_off(where, tmp_path):
-    from offstep.rollout.tools import ToolConfigError, load_tools
+    from offstep.rollout.agents.tools import ToolConfigError, load_tools
 
     path = write(tmp_path / "sleepy_tools.py", SLEEPS_AT_IMPORT)
     t0 = time.monotonic()
@@ -320,7 +320,7 @@ def test_tool_file_import_is_cut_off(where, tmp_path):
 
 def test_files_that_import_in_time_load(tmp_path):
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.tools import load_tools
+    from offstep.rollout.agents.tools import load_tools
 
     quick = write(tmp_path / "quick.py", SLEEPS_AT_IMPORT.replace("time.sleep(3600)", "time.sleep(0.1)"))
     assert RewardFunction(quick, timeout_s=5)("src", "x", "1") == (0.0, {})

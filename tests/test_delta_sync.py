@@ -88,9 +88,9 @@ def test_truncated_or_damaged_delta_writes_nothing():
 
 def _worker(dtype):
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RolloutWorker
+    from offstep.rollout.worker import RolloutSpec, RolloutWorker
 
-    return RolloutWorker("tiny", dtype, "cpu", 1, RewardFunction(), 1, 8)
+    return RolloutWorker(RolloutSpec.local("tiny", RewardFunction(), 8, dtype=dtype))
 
 
 @pytest.mark.heavy

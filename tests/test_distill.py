@@ -28,7 +28,7 @@ def _direct(model, prompt: list[int], response: list[int], temperature: float) -
 
 @pytest.mark.heavy
 def test_the_teachers_logprobs_equal_a_direct_forward(tiny):
-    from offstep.rollout.teacher_scoring import TeacherModel, TeacherSpec
+    from offstep.rollout.scoring.teacher_scoring import TeacherModel, TeacherSpec
 
     path, tok, model, _ = tiny
     seqs = [(tok("What is 2+3?")["input_ids"], [11, 12, 13, 14]), (tok("1+1")["input_ids"], [7, 8])]

@@ -1,4 +1,4 @@
-"""The built-in PyTorch rollout engine (offstep.rollout.engine and its runners, offstep.rollout.sampling)
+"""The built-in PyTorch rollout engine (offstep.rollout.engines.torch_engine and its runners, offstep.rollout.engines.sampling)
 on the tiny random model: what is its own (continuous batching, the runners, the sampler). What every
 engine does is ``test_engine_contract.py``."""
 
@@ -15,7 +15,7 @@ from offstep.models.loading import (
     load_tokenizer,
     resolve_model,
 )
-from offstep.rollout.engine import TorchEngine
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.types import Completion, SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -298,7 +298,7 @@ def test_freed_slot_is_refilled_at_the_next_step(tiny, prompts):
 def test_shared_prompt_prefix_is_prefilled_once(tiny):
     # Prompts that share a system message: the common prefix is prefilled once, each prompt only
     # prefills the rest, and the samples are those of an engine that prefills every prompt whole.
-    from offstep.rollout.schedule import shared_prefix
+    from offstep.rollout.engines.schedule import shared_prefix
 
     _, tok, model, eos = tiny
     system = "You are a helpful assistant. Answer the question step by step."
@@ -331,7 +331,7 @@ def test_shared_prompt_prefix_is_prefilled_once(tiny):
 def test_runner_mixed_step_matches_model_forward(model):
     # One step that decodes running slots at different positions and prefills a new prompt into two
     # slots gives the model's own next-token logits for every sequence.
-    from offstep.rollout.llama_runner import LlamaRunner
+    from offstep.rollout.engines.llama_runner import LlamaRunner
 
     runner = LlamaRunner(model)
     a, b, c = [5, 9, 13, 2, 7], [4, 4, 8], [11, 3, 6, 1, 9, 10, 12]

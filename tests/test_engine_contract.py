@@ -1,4 +1,4 @@
-"""The contract of a rollout engine (``offstep.rollout.interface.RolloutEngine``), one suite over
+"""The contract of a rollout engine (``offstep.rollout.engines.interface.RolloutEngine``), one suite over
 both engines (``conftest.ENGINES_IN_PROCESS``: the built-in one and vLLM, whose case runs in a
 pytest process of its own, ``own_process``), on the built-in tiny random Llama. What only one
 engine does is tested in its own file: ``test_engine.py`` (continuous batching, the runners) and
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from conftest import ENGINES_IN_PROCESS, assert_implements
-from offstep.rollout.engine import TorchEngine
-from offstep.rollout.interface import RolloutEngine
+from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.engines.interface import RolloutEngine
 from offstep.rollout.types import Completion, SamplingParams
 
 QUESTIONS = ["What is 12 + 7?", "Hi", "Count the apples: one, two, three, four, five, six."]
@@ -25,7 +25,7 @@ THREADS = min(2, os.cpu_count() or 1)
 def engine(request, tiny):
     path, tok, model, eos = tiny
     if request.param == "vllm":
-        from offstep.rollout.vllm_engine import VLLMEngine
+        from offstep.rollout.engines.vllm_engine import VLLMEngine
 
         built = VLLMEngine(path, tok, eos, dtype="float32", num_threads=THREADS)
     else:

@@ -1,4 +1,4 @@
-"""Agents' rows in ``pipeline.mode=fully_async`` through Ray (offstep.rollout.stream_agents), on a
+"""Agents' rows in ``pipeline.mode=fully_async`` through Ray (offstep.rollout.stream.stream_agents), on a
 tiny model built in code whose continuations are scripted (tests/scripted_model.py: after every
 assistant header it calls the tool ``x``), saved where ``model.path`` points: a tool loop and an
 OpenAI agent, each a few steps. The samples a checkpoint stores have every model token tagged

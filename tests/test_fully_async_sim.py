@@ -205,7 +205,7 @@ def test_a_checkpoint_waits_for_the_groups_a_poll_is_bringing(tmp_path):
 
     from offstep.config.loader import load_config
     from offstep.pipeline.sample_stream import SampleStream
-    from offstep.rollout.replica_stream import FinishedGroup
+    from offstep.rollout.stream.replica_stream import FinishedGroup
     from offstep.rollout.types import SamplingParams
 
     cfg = load_config(["preset=tiny", "pipeline.mode=fully_async", "pipeline.max_staleness=0",

@@ -1,5 +1,5 @@
 """A bound on how old a sample's KV cache may be (``rollout.max_kv_age``) and the shared prompt
-prefix keyed by weight version, on the built-in engine (``offstep.rollout.schedule``).
+prefix keyed by weight version, on the built-in engine (``offstep.rollout.engines.schedule``).
 
 A hand-built schedule: samples admitted at versions 0 and 1, loads of versions 1, 2 and 3 posted
 from the engine's own thread at fixed token counts (deterministic). Then:
@@ -21,10 +21,10 @@ import torch
 from test_engine import _random_lm, prompts, tiny, tok  # noqa: F401 (fixtures)
 from test_partial_rollout import _teacher_under, _weights
 
-from offstep.rollout import schedule
-from offstep.rollout.control import StepControl
-from offstep.rollout.engine import TorchEngine
-from offstep.rollout.replica_stream import StreamFeed
+from offstep.rollout.engines import schedule
+from offstep.rollout.engines.control import StepControl
+from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.stream.replica_stream import StreamFeed
 from offstep.rollout.types import SamplingParams, TurnRequest
 
 pytestmark = pytest.mark.heavy

@@ -88,7 +88,7 @@ def test_lora_defaults_validate():
 def test_engine_adapters_equal_peft_forward(tiny, runner, merge):
     """The engine's log-probs with adapters (added as B(A x) in the slot runner, through peft's
     layers in the fallback, or merged) are peft's teacher-forced ones; with them off, the base's."""
-    from offstep.rollout.engine import TorchEngine
+    from offstep.rollout.engines.torch_engine import TorchEngine
 
     tok = load_tokenizer(tiny)
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def test_engine_adapters_equal_peft_forward(tiny, runner, merge):
 def test_engine_refuses_adapters_that_do_not_match(tiny):
     """An adapter set with other names (e.g. another adapter name, a missing layer) is refused
     before anything is copied, instead of being silently ignored as peft's loader would."""
-    from offstep.rollout.engine import TorchEngine
+    from offstep.rollout.engines.torch_engine import TorchEngine
 
     tok = load_tokenizer(tiny)
     model = add_adapters(load_causal_lm(tiny), LORA)
@@ -189,14 +189,14 @@ def test_rollout_reference_is_the_engines_own_base(tmp_path, tiny, engine):
     adapter load and after each of two, while what it samples follows the adapters (peft's forward
     with them on), which the reference then differs from."""
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RefSpec, Request, RolloutWorker
+    from offstep.rollout.worker import RefSpec, Request, RolloutSpec, RolloutWorker
 
     (tmp_path / "r.py").write_text(REWARD)
     scratch = tmp_path / "run" / "tmp"  # the run folder's scratch (start_workers passes it)
     vllm_temp = lambda: {p.name for p in Path(tempfile.gettempdir()).glob("offstep-vllm-lora-*")}  # noqa: E731
     temp_before = vllm_temp()
-    worker = RolloutWorker(tiny, "float32", "cpu", 1, RewardFunction(str(tmp_path / "r.py")), 1, 16,
-                           RefSpec("float32", "float32", 1.0, 8), None, engine, 0, LORA, scratch=str(scratch))
+    worker = RolloutWorker(RolloutSpec.local(tiny, RewardFunction(str(tmp_path / "r.py")), 16, engine=engine, lora=LORA,
+                                             scratch=str(scratch), ref=RefSpec("float32", "float32", 1.0, 8)))
     policy = add_adapters(load_causal_lm(tiny), LORA)  # the trainer's model
     requests = [Request(i, p, "arithmetic", "0") for i, p in enumerate(PROMPTS)]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
@@ -243,7 +243,7 @@ def test_every_adapter_sync_reaches_the_rollout_engine(ray_free, tmp_path, tiny,
 
     from offstep.batch import collate
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RefSpec, Request, RolloutWorker
+    from offstep.rollout.worker import RefSpec, Request, RolloutSpec, RolloutWorker
     from offstep.sync.collective import connect
     from offstep.train.actor import ActorWorker
     from offstep.train.distributed import GroupSpec
@@ -255,8 +255,8 @@ def test_every_adapter_sync_reaches_the_rollout_engine(ray_free, tmp_path, tiny,
     actor = ray.remote(ActorWorker).options(num_cpus=0.01, **env).remote(
         GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1), 0, tiny, "float32", "float32", actor_cfg, algo, 1.0)
     rollout = ray.remote(RolloutWorker).options(num_cpus=0.01, **env).remote(
-        tiny, "float32", "cpu", 1, RewardFunction(str(tmp_path / "r.py")), 1, 16,
-        RefSpec("float32", "float32", 1.0, 8), None, engine, 0, LORA)
+        RolloutSpec.local(tiny, RewardFunction(str(tmp_path / "r.py")), 16, engine=engine, lora=LORA,
+                          ref=RefSpec("float32", "float32", 1.0, 8)))
     requests = [Request(i, p, "arithmetic", "0") for i, p in enumerate(PROMPTS)]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10)
     try:

@@ -256,7 +256,7 @@ def test_smollm2_gguf_found_without_import():
 def test_smollm2_converts_and_answers(request, tmp_path_factory):
     # Part of the default suite (about 30 s): the real default model's path from the PyPI
     # package's GGUF file; `-m "not slow"` leaves it out.
-    from offstep.rollout.engine import TorchEngine
+    from offstep.rollout.engines.torch_engine import TorchEngine
     from offstep.rollout.types import SamplingParams
 
     old = os.environ.get("OFFSTEP_CACHE")

@@ -1,4 +1,4 @@
-"""The OpenAI endpoint of a rollout replica (offstep.rollout.openai_server, openai_record,
+"""The OpenAI endpoint of a rollout replica (offstep.rollout.agents.openai_server, openai_record,
 openai_agent): the real ``openai`` SDK against the real server on the built-in engine, with a tiny
 model built in code whose continuations are scripted (tests/scripted_model.py: it calls the tool
 ``x``). Tool calls, n > 1, text completions, error objects and status codes, the token, loopback
@@ -18,11 +18,11 @@ import pytest
 from scripted_model import CALL_TEXT, X_TOOL, scripted_model
 
 from offstep.config.schema import AgentConfig
-from offstep.rollout.agent_loop import AgentRunner
-from offstep.rollout.engine import TorchEngine
+from offstep.rollout.agents.agent_loop import AgentRunner
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.errors import ToolConfigError
-from offstep.rollout.openai_agent import AgentError, OpenAIRunner, load_agent
-from offstep.rollout.openai_server import OpenAIServer
+from offstep.rollout.agents.openai_agent import AgentError, OpenAIRunner, load_agent
+from offstep.rollout.agents.openai_server import OpenAIServer
 from offstep.rollout.types import SamplingParams
 from offstep.rollout.worker import Request
 

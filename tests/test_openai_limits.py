@@ -1,4 +1,4 @@
-"""The OpenAI endpoint's limits (offstep.rollout.openai_limits, openai_server), each attack of the
+"""The OpenAI endpoint's limits (offstep.rollout.agents.openai_limits, openai_server), each attack of the
 audit as a test: a body over the size limit is a 413 before it is read (the process's memory does
 not grow with it), a prompt longer than the model's context is a 400 before anything is
 generated, connections that hold a socket without sending their headers and the token are closed,
@@ -19,9 +19,9 @@ import psutil
 import pytest
 from test_openai_endpoint import USER, parts  # noqa: F401 - the tiny scripted model's fixture
 
-from offstep.rollout.openai_limits import Limits, check_context, context_length
-from offstep.rollout.openai_schema import APIError
-from offstep.rollout.openai_server import OpenAIServer
+from offstep.rollout.agents.openai_limits import Limits, check_context, context_length
+from offstep.rollout.agents.openai_schema import APIError
+from offstep.rollout.agents.openai_server import OpenAIServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

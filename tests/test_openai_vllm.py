@@ -11,7 +11,7 @@ from conftest import needs_vllm
 from scripted_model import scripted_model
 from test_openai_endpoint import Spy, _client, _tool_agent
 
-from offstep.rollout.openai_server import OpenAIServer
+from offstep.rollout.agents.openai_server import OpenAIServer
 
 pytestmark = [needs_vllm, pytest.mark.own_process]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def test_vllm_behind_the_endpoint(tmp_path):
     from offstep.models.loading import eos_token_ids, load_tokenizer, resolve_model
-    from offstep.rollout.vllm_engine import VLLMEngine
+    from offstep.rollout.engines.vllm_engine import VLLMEngine
 
     tiny = resolve_model("tiny")
     tok = load_tokenizer(tiny)

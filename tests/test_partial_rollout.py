@@ -1,4 +1,4 @@
-"""Partial rollouts on the built-in engine (``offstep.rollout.control``): a weight load posted while
+"""Partial rollouts on the built-in engine (``offstep.rollout.engines.control``): a weight load posted while
 the engine serves lands between two decode steps; every token carries the version that sampled it.
 
 For each forward path (the slot runner: a Qwen2-structured random model; the model's own forward:
@@ -13,7 +13,7 @@ a Qwen3 one) and each way of continuing (``rollout.partial``):
 A suspension ends every running sample with its tokens so far; continued with the same seed, stream
 and offset (``TurnRequest``), it draws what an uninterrupted sample draws.
 
-The vLLM engine (``offstep.rollout.vllm_engine``, the tiny model on vLLM-CPU, in a pytest process of
+The vLLM engine (``offstep.rollout.engines.vllm_engine``, the tiny model on vLLM-CPU, in a pytest process of
 its own: ``own_process``) is held to the same checks in each mode, the load posted between two of
 vLLM's engine steps; its suspension keeps each sample's tokens so far, and a recomputed
 continuation is deterministic.
@@ -29,9 +29,9 @@ import torch
 from conftest import needs_vllm
 from test_engine import _random_lm, prompts, tiny, tok  # noqa: F401 (fixtures)
 
-from offstep.rollout.control import SUSPENDED, StepControl
-from offstep.rollout.engine import TorchEngine
-from offstep.rollout.replica_stream import StreamFeed
+from offstep.rollout.engines.control import SUSPENDED, StepControl
+from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.stream.replica_stream import StreamFeed
 from offstep.rollout.types import SamplingParams, TurnRequest
 
 pytestmark = pytest.mark.heavy
@@ -225,7 +225,7 @@ VLLM_LOAD_AT = 6  # the engine step in which the load is posted: it lands after 
 
 @pytest.fixture(scope="module")
 def vllm_setup(tiny):  # noqa: F811 (a fixture)
-    from offstep.rollout.vllm_engine import VLLMEngine
+    from offstep.rollout.engines.vllm_engine import VLLMEngine
 
     path, tok, model, _ = tiny
     engine = VLLMEngine(path, tok, [10_000_000 % len(tok)], dtype="float32", num_threads=2)  # an eos met late

@@ -1,4 +1,4 @@
-"""Replaying a fully asynchronous run from its recorded schedule (``offstep.rollout.replica_schedule``,
+"""Replaying a fully asynchronous run from its recorded schedule (``offstep.rollout.engines.replica_schedule``,
 ``offstep.pipeline.replay``, ``pipeline.replay``).
 
 - The schedule's rules by hand: what is due before which decode step, and what may run.
@@ -30,10 +30,10 @@ from offstep.config.loader import load_config
 from offstep.config.validate import problems
 from offstep.pipeline.preflight import environment_problems
 from offstep.pipeline.replay import read_schedule
-from offstep.rollout.control import StepControl
-from offstep.rollout.engine import TorchEngine
-from offstep.rollout.replica_schedule import ADMIT, LOAD, UNTIL, Schedule
-from offstep.rollout.replica_stream import StreamFeed
+from offstep.rollout.engines.control import StepControl
+from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.engines.replica_schedule import ADMIT, LOAD, UNTIL, Schedule
+from offstep.rollout.stream.replica_stream import StreamFeed
 from offstep.telemetry.metrics import read_jsonl
 
 

@@ -17,7 +17,7 @@ from offstep.errors import RewardError
 from offstep.rewards.combine import FALLBACK, MODEL, RULE, Combination, ModelScore, SampleReward, combine
 from offstep.rewards.judge import parse_score, render_judge_prompt
 from offstep.rewards.registry import RewardFunction
-from offstep.rollout.replica_reward_model import DiscriminativeScorer, Item, JudgeScorer, ModelBatcher, render_chat
+from offstep.rollout.scoring.replica_reward_model import DiscriminativeScorer, Item, JudgeScorer, ModelBatcher, render_chat
 from tests.reward_model_helpers import build_classifier
 
 CPU = torch.device("cpu")
@@ -173,7 +173,7 @@ def test_a_timeout_or_a_failure_falls_back_and_never_hangs():
 
 
 def test_judge_scores_with_the_engine_and_parses_its_text(tiny):
-    from offstep.rollout.engine import TorchEngine
+    from offstep.rollout.engines.torch_engine import TorchEngine
     from offstep.rollout.types import SamplingParams
 
     path, tok, model, eos = tiny
@@ -210,12 +210,12 @@ def test_a_judge_on_vllm_answers_as_on_the_builtin_engine():
 
 def test_rollout_worker_scores_with_the_reward_model_as_samples_finish(tmp_path, tiny):
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import Request, RolloutWorker
+    from offstep.rollout.worker import Request, RolloutSpec, RolloutWorker
 
     path, tok, _, _ = tiny
     folder = build_classifier(tmp_path / "rm", "qwen2", tok)
     m = RewardModelConfig(kind="discriminative", path=str(folder), rule_weight=1.0, weight=0.5, batch_size=4)
-    worker = RolloutWorker(path, "float32", "cpu", 1, RewardFunction(), 1, 8, reward_model=m)
+    worker = RolloutWorker(RolloutSpec.local(path, RewardFunction(), 8, reward_model=m))
     messages = [[{"role": "user", "content": f"What is {i} + 1?"}] for i in range(3)]
     ids = [tok(tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
            for msg in messages]

@@ -93,8 +93,8 @@ def test_a_dead_reward_worker_falls_back_and_is_replaced(tmp_path, ray_free, tin
 
     from offstep.config.schema import RewardModelConfig
     from offstep.rewards.combine import ModelScore
-    from offstep.rollout.replica_reward_model import build_model_reward
-    from offstep.rollout.reward_worker import RewardWorker
+    from offstep.rollout.scoring.replica_reward_model import build_model_reward
+    from offstep.rollout.scoring.reward_worker import RewardWorker
 
     folder = build_classifier(tmp_path / "rm", "llama", tiny[1])
     m = RewardModelConfig(kind="discriminative", path=str(folder), timeout_s=20.0)

@@ -1,5 +1,5 @@
 """A colocated rollout replica's sleep while the trainer updates (``rollout.sleep_during_update``,
-offstep/rollout/sleep.py): the key's resolution and refusals, the replica's sleep/wake state
+offstep/rollout/engines/sleep.py): the key's resolution and refusals, the replica's sleep/wake state
 machine on the built-in engine, a colocated run that sleeps equal to one that does not, and (on a
 CUDA GPU) the built-in engine's device memory going down while it sleeps."""
 
@@ -12,8 +12,8 @@ import torch
 
 from offstep.config.loader import load_config
 from offstep.config.validate import problems, rollout_sleeps
-from offstep.rollout.engine import TorchEngine
-from offstep.rollout.sleep import PARTS, SleepState
+from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.engines.sleep import PARTS, SleepState
 from offstep.rollout.types import SamplingParams
 
 KEY = "rollout.sleep_during_update"
@@ -110,10 +110,10 @@ class Recording(TorchEngine):
 def worker(tiny):
     """A real rollout worker on the tiny model (CPU, built-in engine), its engine recording."""
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RolloutWorker
+    from offstep.rollout.worker import RolloutSpec, RolloutWorker
 
     path = tiny[0]
-    w = RolloutWorker(path, "float32", "cpu", 1, RewardFunction(), 1, 8)
+    w = RolloutWorker(RolloutSpec.local(path, RewardFunction(), 8))
     w.engine = Recording(w.engine.model, w._tok, w._eos)
     w._sleeping = SleepState(w.engine, w.ref_model, w.device)
     return w
@@ -246,7 +246,7 @@ def test_a_colocated_run_that_sleeps_equals_one_that_does_not(tmp_path, ray_sess
 def test_the_builtin_engine_frees_its_gpu_memory_while_asleep(tiny):
     """On CUDA the built-in engine's sleep moves its weights to CPU memory: the device memory in use
     drops by at least their size, and after the wake it generates what it did before."""
-    from offstep.rollout.llama_runner import _fused
+    from offstep.rollout.engines.llama_runner import _fused
 
     path, tok, model, eos = tiny
     engine = TorchEngine(copy.deepcopy(model), tok, eos, device="cuda")

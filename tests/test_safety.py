@@ -84,7 +84,7 @@ def test_every_stream_sample_state_field_is_read_back_from_a_checkpoint():
     import dataclasses
 
     from offstep.pipeline.trainer_state import _STATE_CHECKS
-    from offstep.rollout.replica_stream import SampleState
+    from offstep.rollout.stream.replica_stream import SampleState
 
     assert {f.name for f in dataclasses.fields(SampleState)} == set(_STATE_CHECKS)
 

@@ -1,12 +1,12 @@
-"""The built-in engine's pure parts, no model: the sampler's inverse CDF (offstep.rollout.sampling)
-and the scheduler's shared prompt prefix (offstep.rollout.schedule)."""
+"""The built-in engine's pure parts, no model: the sampler's inverse CDF (offstep.rollout.engines.sampling)
+and the scheduler's shared prompt prefix (offstep.rollout.engines.schedule)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from offstep.rollout.sampling import sample_tokens
+from offstep.rollout.engines.sampling import sample_tokens
 from offstep.rollout.types import SamplingParams
 
 
@@ -41,7 +41,7 @@ def test_sample_tokens_quantiles_match_distribution():
 
 
 def test_shared_prefix_length():
-    from offstep.rollout.schedule import shared_prefix
+    from offstep.rollout.engines.schedule import shared_prefix
 
     assert shared_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
     assert shared_prefix([[1, 2, 3], [1, 2, 3]]) == 2  # each prompt keeps one token of its own

@@ -28,10 +28,10 @@ def test_a_rollout_worker_reports_the_executions_of_its_code_rewards():
     from offstep.models.loading import resolve_model
     from offstep.rewards.registry import RewardFunction
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import Request, RolloutWorker
+    from offstep.rollout.worker import Request, RolloutSpec, RolloutWorker
 
-    worker = RolloutWorker(resolve_model("tiny"), "float32", "cpu", 1, RewardFunction(), 1, 8,
-                           sandbox=SandboxConfig(timeout_s=3, concurrency=1))
+    worker = RolloutWorker(RolloutSpec.local(resolve_model("tiny"), RewardFunction(), 8,
+                                             sandbox=SandboxConfig(timeout_s=3, concurrency=1)))
     shared().log.drain()  # executions of earlier tests in this process belong to no generation of this worker
     truth = json.dumps({"inputs": ["1", "2"], "outputs": ["1", "2"]})
     prompt = worker._tok("Write a program.", add_special_tokens=False).input_ids

@@ -1,4 +1,4 @@
-"""Agents' rows on a streaming replica (``offstep.rollout.stream_agents``, ``pipeline.mode=fully_async``)
+"""Agents' rows on a streaming replica (``offstep.rollout.stream.stream_agents``, ``pipeline.mode=fully_async``)
 on the built-in engine, without Ray: a tool loop and an OpenAI agent (the real ``openai`` SDK
 against the replica's endpoint) whose trajectory crosses a weight load posted between two decode
 steps. The model is tests/scripted_model.py's: it calls the tool ``x`` after every assistant
@@ -29,11 +29,11 @@ from scripted_model import X_TOOL, scripted_model
 from offstep.batch import NO_VERSION
 from offstep.config.choices import OPENAI_AGENT, TOOL_AGENT
 from offstep.config.schema import AgentConfig
-from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
-from offstep.rollout.engine import TorchEngine
-from offstep.rollout.openai_agent import OpenAIRunner
-from offstep.rollout.replica_stream import GroupWork, StreamServer
-from offstep.rollout.stream_agents import attach_agents
+from offstep.rollout.agents.agent_loop import AgentRunner, run_tool_rows
+from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.agents.openai_agent import OpenAIRunner
+from offstep.rollout.stream.replica_stream import GroupWork, StreamServer
+from offstep.rollout.stream.stream_agents import attach_agents
 from offstep.rollout.types import SamplingParams
 from offstep.rollout.worker import Request
 

@@ -16,10 +16,10 @@ from test_stream_agents import AGENT, FIRST_TURN, TOOL, _check_trajectory, _prom
 
 from offstep.config.choices import OPENAI_AGENT, TOOL_AGENT
 from offstep.config.schema import AgentConfig
-from offstep.rollout.agent_loop import AgentRunner
-from offstep.rollout.openai_agent import OpenAIRunner
-from offstep.rollout.replica_stream import GroupWork, StreamServer
-from offstep.rollout.stream_agents import attach_agents
+from offstep.rollout.agents.agent_loop import AgentRunner
+from offstep.rollout.agents.openai_agent import OpenAIRunner
+from offstep.rollout.stream.replica_stream import GroupWork, StreamServer
+from offstep.rollout.stream.stream_agents import attach_agents
 from offstep.rollout.types import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,7 +29,7 @@ pytestmark = [needs_vllm, pytest.mark.own_process]
 @pytest.fixture(scope="module")
 def vllm_parts(tmp_path_factory):
     from offstep.models.loading import eos_token_ids, load_tokenizer, resolve_model
-    from offstep.rollout.vllm_engine import VLLMEngine
+    from offstep.rollout.engines.vllm_engine import VLLMEngine
 
     tiny = resolve_model("tiny")
     tok = load_tokenizer(tiny)

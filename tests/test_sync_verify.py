@@ -93,8 +93,9 @@ def test_worker_digest_reads_back_what_the_engine_holds(dtype):
     from offstep.models.loading import load_causal_lm
     from offstep.rewards.registry import RewardFunction
     from offstep.sync.weights import pack_state_dict
+    from offstep.rollout.worker import RolloutSpec
 
-    worker = faulty_class("corrupt", 2)("tiny", dtype, "cpu", 1, RewardFunction(), 1, 8)
+    worker = faulty_class("corrupt", 2)(RolloutSpec.local("tiny", RewardFunction(), 8, dtype=dtype))
     specs = worker.weight_sync_manifest()
     actor = load_causal_lm("tiny", dtype=torch.float32)
 

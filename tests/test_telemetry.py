@@ -282,7 +282,7 @@ def test_worker_hooks_report_samples_and_micro_batches(tiny_inputs, ray_session)
     from offstep.batch import collate
     from offstep.pipeline.inputs import to_request
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import RolloutWorker
+    from offstep.rollout.worker import RolloutSpec, RolloutWorker
     from offstep.train.actor import ActorWorker
     from offstep.train.distributed import GroupSpec
 
@@ -291,7 +291,7 @@ def test_worker_hooks_report_samples_and_micro_batches(tiny_inputs, ray_session)
     hub = launch_hub()
     actor = None
     try:
-        rollout = RolloutWorker(inputs.model_path, "float32", "cpu", 1, inputs.reward, 1, r.max_batch_size,
+        rollout = RolloutWorker(RolloutSpec.local(inputs.model_path, inputs.reward, r.max_batch_size),
                                 progress=ProgressClient(hub, replica(0)))
         reqs = [to_request(p, i) for i, p in enumerate(inputs.train[:8])]
         params = SamplingParams(n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=r.max_new_tokens)

@@ -1,4 +1,4 @@
-"""Tools for multi-turn rollouts (offstep.rollout.tools, tool_parsers): the calculator, tools loaded
+"""Tools for multi-turn rollouts (offstep.rollout.agents.tools, tool_parsers): the calculator, tools loaded
 from a user's file, tool failures as error text, the call formats, and the docs' example tool file.
 No model, no Ray."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from offstep.rollout.tool_parsers import make_parser
-from offstep.rollout.tools import CalcError, ToolConfigError, calculator, evaluate, load_tools, run_tool
+from offstep.rollout.agents.tool_parsers import make_parser
+from offstep.rollout.agents.tools import CalcError, ToolConfigError, calculator, evaluate, load_tools, run_tool
 
 
 # ------------------------------------------------------------------ the calculator

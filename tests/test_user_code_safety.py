@@ -114,7 +114,7 @@ def test_an_import_that_ignores_sigalrm_is_cut_off(tmp_path):
 def test_files_that_ignore_sigalrm_are_refused_in_process(tmp_path):
     """The probe process is what times out: this process never runs the file's loop."""
     from offstep.rewards.registry import RewardConfigError, RewardFunction
-    from offstep.rollout.tools import ToolConfigError, load_tools
+    from offstep.rollout.agents.tools import ToolConfigError, load_tools
 
     deaf = tmp_path / "deaf.py"
     deaf.write_text(DEAF_LOOP + SCORE)

@@ -1,4 +1,4 @@
-"""verl's tool configs (rollout.agent.tool_config_path, offstep/rollout/verl_tools.py): verl's bundled
+"""verl's tool configs (rollout.agent.tool_config_path, offstep/rollout/agents/verl_tools.py): verl's bundled
 gsm8k and sandbox-fusion tools as offstep code, a user's BaseTool subclass driven through verl's
 protocol without verl installed, bad configs refused by name, and a tiny run with a verl tool config."""
 
@@ -13,9 +13,9 @@ import pytest
 
 from offstep.config.loader import load_config
 from offstep.errors import ToolConfigError
-from offstep.rollout.agent_tools import agent_tools
-from offstep.rollout.tools import run_tool
-from offstep.rollout.verl_tools import load_verl_tools
+from offstep.rollout.agents.agent_tools import agent_tools
+from offstep.rollout.agents.tools import run_tool
+from offstep.rollout.agents.verl_tools import load_verl_tools
 
 # verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as verl ships it
 GSM8K_YAML = """

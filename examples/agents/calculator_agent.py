@@ -9,7 +9,7 @@ it is offstep's but the calculator itself: the same function runs against any Op
 import json
 import re
 
-from offstep.rollout.tools import calculator  # an exact, eval-free arithmetic evaluator
+from offstep.rollout.agents.tools import calculator  # an exact, eval-free arithmetic evaluator
 
 TOOLS = [{"type": "function", "function": {
     "name": "calculator", "description": "Evaluate an arithmetic expression exactly and return its value.",

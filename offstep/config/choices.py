@@ -34,10 +34,10 @@ SLEEP_MODES = ("auto", "true", "false")  # rollout.sleep_during_update (offstep.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (v0.32)
 SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT = "single_turn_agent", "tool_agent", "openai"
 AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT)  # verl's agent_name values that offstep runs (rollout.agent.default_agent)
-TOOL_FORMATS = ("hermes", "tag")  # rollout.agent.format: how tool calls are written (offstep.rollout.tool_parsers)
+TOOL_FORMATS = ("hermes", "tag")  # rollout.agent.format: how tool calls are written (offstep.rollout.agents.tool_parsers)
 TOOL_ROLES = ("tool", "user")  # rollout.agent.tool_role
 
-# reward.model.* (offstep.rewards.combine, offstep.rewards.judge and offstep.rollout.replica_reward_model dispatch on these)
+# reward.model.* (offstep.rewards.combine, offstep.rewards.judge and offstep.rollout.scoring.replica_reward_model dispatch on these)
 REWARD_MODEL_KINDS = ("discriminative", "generative")
 REWARD_COMBINE = ("weighted", "abstain")
 REWARD_PLACEMENTS = ("rollout", "pool")

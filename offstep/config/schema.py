@@ -57,7 +57,7 @@ class DataConfig:
 
 @dataclass
 class AgentConfig:
-    """Multi-turn rollouts with tools (``offstep/rollout/agent_loop.py``) for rows whose
+    """Multi-turn rollouts with tools (``offstep/rollout/agents/agent_loop.py``) for rows whose
     ``agent_name`` is ``tool_agent``: generate, run the tool calls found, append the tool turn,
     generate again, within rollout.max_new_tokens response tokens (model and tool tokens together);
     tool tokens are masked out of the loss."""
@@ -69,7 +69,7 @@ class AgentConfig:
     tools_path: Optional[str] = None
     """a Python file defining the tool functions (sync or async; schema from the docstring, or fn.schema); null: built-in tools only"""
     tool_config_path: Optional[str] = None
-    """a verl tool config YAML (tools: class_name, config, tool_schema; offstep/rollout/verl_tools.py): its tools replace rollout.agent.tools"""
+    """a verl tool config YAML (tools: class_name, config, tool_schema; offstep/rollout/agents/verl_tools.py): its tools replace rollout.agent.tools"""
     format: str = "tag"
     """how the model calls a tool: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>, Qwen2.5's templates) | tag (<calculator>47*86</calculator>, for templates without tool support)"""
     max_turns: int = 4
@@ -145,7 +145,7 @@ class RolloutConfig:
 @dataclass
 class RewardModelConfig:
     """A model that scores the responses, on each rollout replica beside its engine
-    (``offstep/rollout/replica_reward_model.py``; docs/reward-models.md)."""
+    (``offstep/rollout/scoring/replica_reward_model.py``; docs/reward-models.md)."""
 
     kind: Optional[str] = None
     """null (rules only) | discriminative (a sequence-classification reward model: one score per chat) | generative (an LLM judge: its answer parsed into a score)"""

@@ -11,7 +11,7 @@ File formats
 * ``extra_info`` (struct / dict, optional): passed through to the scorer; with a tool agent its
   ``tools_kwargs`` (``{tool name: {"create_kwargs": {...}}}``, verl's) are per-row tool arguments.
 * ``agent_name`` (str, optional, verl's): ``single_turn_agent`` or ``tool_agent``, the loop that
-  answers the row (``offstep.rollout.agent_loop``); absent: ``rollout.agent.default_agent``.
+  answers the row (``offstep.rollout.agents.agent_loop``); absent: ``rollout.agent.default_agent``.
 
 ``.jsonl`` / ``.json`` -- one JSON object per line with the same fields (a ``.json`` file holding a
 single JSON array of such objects is accepted too). The ``prompt_key`` field holds either a list of

@@ -1,5 +1,5 @@
 """What offstep takes from an environment: its tasks as prompt rows, and its rollout as the agent
-function of those rows (``agent_name=openai``, ``offstep.rollout.openai_agent``)."""
+function of those rows (``agent_name=openai``, ``offstep.rollout.agents.openai_agent``)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from offstep.rewards.combine import RULE
 from offstep.telemetry.names import Val, per_source
 
 # What messages call the settings: offstep eval's flags (offstep.data.dataset.TRAIN_KEYS and
-# offstep.rollout.tools.TRAIN_KEYS name the config keys of offstep train).
+# offstep.rollout.agents.tools.TRAIN_KEYS name the config keys of offstep train).
 DATA_FLAGS = {"files": "--data", "prompt_key": "--prompt-key", "answer_key": "--answer-key",
               "max_prompt_length": "--max-prompt-length", "tools": "--tools", "reward_path": "--reward-path",
               "max_rows": "--max-rows"}
@@ -107,7 +107,7 @@ def run_eval(
     from offstep.pipeline.inputs import check_safetensors, to_request
     from offstep.rewards.registry import RewardFunction
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import RolloutWorker
+    from offstep.rollout.worker import RolloutSpec, RolloutWorker
 
     check_model_path(model)
     reward = RewardFunction(reward_path, reward_name, reward_timeout, timeout_key="--reward-timeout",
@@ -121,12 +121,12 @@ def run_eval(
     check_safetensors(path)
     schemas = None
     if agent is not None:
-        from offstep.rollout.tools import load_tools
+        from offstep.rollout.agents.tools import load_tools
 
         schemas = [t.schema for t in load_tools(agent.tools_path, list(agent.tools), agent.tool_timeout_s, TOOL_FLAGS)]
     prompts = encode_prompts(records, load_tokenizer(path), max_prompt_length, tools=schemas, keys=DATA_FLAGS)
-    worker = RolloutWorker(path, "float32", "cpu", threads or os.cpu_count() or 1, reward, 2, max(batch_size * n, 1),
-                           agent=agent)
+    worker = RolloutWorker(RolloutSpec.local(path, reward, max(batch_size * n, 1), num_threads=threads or os.cpu_count() or 1,
+                                             reward_threads=2, agent=agent))
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     samples: list[Sample] = []
     for start in range(0, len(prompts), batch_size):

@@ -4,7 +4,7 @@ it (``pipeline.replay``).
 With ``pipeline.max_staleness >= 1`` where a weight load lands inside a replica's samples, which
 samples share its batches and which finished groups a step trains all depend on timing, so two runs
 of one config differ. Each run records them: a replica's decode-step schedule
-(``offstep.rollout.replica_schedule``) and the groups each step trained. A run of the same config given that
+(``offstep.rollout.engines.replica_schedule``) and the groups each step trained. A run of the same config given that
 record makes every replica load, admit and suspend at the recorded decode steps and every step train
 the recorded groups; everything else in a run is already a function of its seeds.
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from offstep.rollout.replica_schedule import ADMIT, LOAD, SUSPEND, UNTIL
+from offstep.rollout.engines.replica_schedule import ADMIT, LOAD, SUSPEND, UNTIL
 
 KINDS = {LOAD, SUSPEND, ADMIT, UNTIL}
 

@@ -51,7 +51,7 @@ from offstep.pipeline.fleet import gen_seed, split
 from offstep.pipeline.inputs import to_request
 from offstep.pipeline.replay import SCHEDULE_FILE, read_schedule
 from offstep.pipeline.step_metrics import executions_metrics
-from offstep.rollout.replica_stream import GroupWork, SampleState
+from offstep.rollout.stream.replica_stream import GroupWork, SampleState
 from offstep.telemetry.metrics import JsonlWriter
 from offstep.telemetry.names import ResponseLength, Rollout, Stage, Timing, replica, reward_lane
 
@@ -376,7 +376,7 @@ class SampleStream:
 
     def _restore(self, saved: dict) -> None:
         from offstep.pipeline.trainer_state import decode_stream_groups
-        from offstep.rollout.replica_stream import FinishedGroup
+        from offstep.rollout.stream.replica_stream import FinishedGroup
 
         self.admitted, self.drawn, self.epoch = saved["admitted"], list(saved["drawn"]), saved["epoch"]
         for d in decode_stream_groups(saved, len(self.inputs.train), self.R):

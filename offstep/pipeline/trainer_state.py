@@ -18,7 +18,7 @@ import numpy as np
 from offstep.batch import AgentStats, GenTiming, Sample, Span
 from offstep.files import loads_json, short
 from offstep.pipeline.dynamic_sampling import Generated
-from offstep.rollout.agent_loop import LOOP_LISTS, AgentResult
+from offstep.rollout.agents.agent_loop import LOOP_LISTS, AgentResult
 
 STATE_FILE = "trainer_state.json"
 FORMAT = 2  # 2: with the files' digests (format 1, without them, is still read)

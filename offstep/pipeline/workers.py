@@ -28,9 +28,10 @@ from offstep.pipeline import keep
 from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S, Pool, Rendezvous, RoleGroup
 from offstep.pipeline.run_dir import SCRATCH
-from offstep.rollout.reward_worker import RewardWorker
-from offstep.rollout.teacher_scoring import TeacherSpec, TeacherWorker
-from offstep.rollout.worker import RefSpec, RolloutWorker
+from offstep.rollout.scoring.reward_worker import RewardWorker
+from offstep.rollout.scoring.teacher_scoring import TeacherSpec, TeacherWorker
+from offstep.rollout.engines.build import EngineSpec
+from offstep.rollout.worker import RefSpec, RolloutSpec, RolloutWorker
 from offstep.telemetry.names import Role, replica
 from offstep.telemetry.progress import LiveStatus
 from offstep.train.actor import ActorWorker
@@ -380,14 +381,13 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     teacher_pool, teacher_workers = start_teacher_pool(cfg, teacher, env)
     sleeps = rollout_sleeps(cfg)
 
-    def rollout_args(i: int) -> tuple[tuple, dict]:
-        return (inputs.model_path, ro.dtype, pool.device, pool.cpus_per_bundle, inputs.reward, cfg.reward.num_threads,
-                ro.max_batch_size, ref_spec, live.client(replica(i)), ro.engine, cfg.trainer.seed, lora, inputs.agent), dict(
-            sandbox=cfg.sandbox,
-            reward_model=cfg.reward.model if cfg.reward.model.kind is not None else None, reward_pool=reward_workers,
-            sleep_mode=sleeps, scratch=str(Path(cfg.trainer.output_dir).resolve() / SCRATCH),
-            teacher=teacher, teacher_pool=teacher_workers,
-        )
+    engine = EngineSpec(ro.engine, inputs.model_path, ro.dtype, ro.max_batch_size, pool.cpus_per_bundle, cfg.trainer.seed,
+                        lora, sleeps, str(Path(cfg.trainer.output_dir).resolve() / SCRATCH))
+    spec = RolloutSpec(engine, pool.device, inputs.reward, cfg.reward.num_threads, ref_spec, inputs.agent, cfg.sandbox,
+                       cfg.reward.model if cfg.reward.model.kind is not None else None, teacher)
+
+    def rollout_args(i: int) -> tuple:
+        return spec, live.client(replica(i)), reward_workers, teacher_workers
 
     actor_classes: dict[type, Any] = {}
 
@@ -398,13 +398,11 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
         cls = rollout_class(i)
         if cls not in actor_classes:
             actor_classes[cls] = ray.remote(cls)
-        args, kwargs = rollout_args(i)
-        return actor_classes[cls].options(**opts).remote(*args, **kwargs)
+        return actor_classes[cls].options(**opts).remote(*rollout_args(i))
 
     if kept:
         rollout = kept.rollout
-        calls = [rollout_args(i) for i in range(len(rollout))]
-        rebuilding = [h.__ray_call__.remote(keep.rebuild, *args, **kwargs) for h, (args, kwargs) in zip(rollout, calls)]
+        rebuilding = [h.__ray_call__.remote(keep.rebuild, *rollout_args(i)) for i, h in enumerate(rollout)]
     else:
         rollout, rebuilding = [make_rollout(i) for i in range(ro.replicas)], []
     workers = Workers(actor, rollout, make_rollout, live, ref, critic,

@@ -1,6 +1,6 @@
 """A generative judge's text as a score, and its prompt (``reward.model.kind=generative``).
 
-Pure string work, no model: the judge itself runs in ``offstep.rollout.replica_reward_model``. A parser
+Pure string work, no model: the judge itself runs in ``offstep.rollout.scoring.replica_reward_model``. A parser
 returns None when the text holds no score it accepts; the caller gives that sample the fallback
 score and counts it.
 """

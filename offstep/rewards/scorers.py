@@ -102,7 +102,7 @@ def plain_answer_score(final_turn: str, ground_truth, ended_by: str | None, call
     """A tool task's score: ``last_number_score`` of the model's final turn, counted only when that
     turn is a plain answer, else 0.0.
 
-    ``ended_by`` is why the tool loop ended (``offstep.rollout.agent_loop``): only ``"answer"`` (a
+    ``ended_by`` is why the tool loop ended (``offstep.rollout.agents.agent_loop``): only ``"answer"`` (a
     turn without a call) counts; ``"budget"`` (the token budget ran out, e.g. inside a call) and
     ``"max_turns"`` (a call that was never run) score 0, whatever number they hold. ``None``: the
     row was answered in one turn, without a loop (the no-tool baseline); it counts unless it

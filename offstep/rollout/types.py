@@ -9,7 +9,7 @@ from typing import Protocol
 
 def mix_seed(seed: int, index: int) -> int:
     """SplitMix64 of (seed, index): well-spread 63-bit seeds for per-sample generators (sample
-    ``index``'s own random stream in both engines: ``offstep.rollout.sampling`` and vLLM's per-request seed)."""
+    ``index``'s own random stream in both engines: ``offstep.rollout.engines.sampling`` and vLLM's per-request seed)."""
     mask = (1 << 64) - 1
     z = (int(seed) * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
@@ -64,7 +64,7 @@ class TurnRequest:
     before, token for token), to be continued by at most ``max_new_tokens`` tokens.
 
     ``index`` names the request in ``on_finish(index, completion)``. ``stream`` picks the random
-    stream its tokens are sampled with (``offstep.rollout.sampling``): a sample's index in plain
+    stream its tokens are sampled with (``offstep.rollout.engines.sampling``): a sample's index in plain
     generation, so a sample's first turn draws exactly what it draws in ``generate``; ``seed`` and
     ``offset`` let a request continue a stream begun elsewhere (a suspended sample, resumed). Requests of
     one ``group`` taken together have the same ``prompt_ids`` (the samples of one prompt) and are

@@ -19,16 +19,16 @@ from offstep.config.choices import OPENAI_AGENT, SINGLE_TURN, TOOL_AGENT
 from offstep.config.schema import AgentConfig, LoRAConfig, RewardModelConfig, SandboxConfig
 from offstep.models.forward import DTYPES, sequence_logprobs
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
-from offstep.models.lora import add_adapters
 from offstep.rewards.combine import Combination, SampleReward
 from offstep.rewards.registry import RewardFunction
-from offstep.rollout.agent_loop import AgentRunner, run_tool_rows
-from offstep.rollout.delta_load import DeltaLoads
-from offstep.rollout.engine import TorchEngine
-from offstep.rollout.interface import RolloutEngine
-from offstep.rollout.openai_agent import OpenAIRunner
-from offstep.rollout.sleep import SleepState
-from offstep.rollout.teacher_scoring import Teacher, TeacherSpec
+from offstep.rollout.agents.agent_loop import AgentRunner, run_tool_rows
+from offstep.rollout.engines.delta_load import DeltaLoads
+from offstep.rollout.engines.build import BUILTIN, EngineSpec, build_engine
+from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.engines.interface import RolloutEngine
+from offstep.rollout.agents.openai_agent import OpenAIRunner
+from offstep.rollout.engines.sleep import SleepState
+from offstep.rollout.scoring.teacher_scoring import Teacher, TeacherSpec
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sandbox import Limits, configure, shared
 from offstep.sync.collective import TensorSpec, WeightReceiver
@@ -48,7 +48,7 @@ class Request:
     data_source: str
     ground_truth: object
     extra_info: dict = field(default_factory=dict)
-    agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agent_loop); openai: openai_agent
+    agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agents.agent_loop); openai: openai_agent
     messages: list = field(default_factory=list)  # the prompt's chat messages (an OpenAI agent starts from them; a reward model reads them)
 
 
@@ -68,80 +68,71 @@ class RefSpec:
     share_prompts: bool = False  # actor.share_prompts: the trainer's forward, prompts computed once
 
 
-class RolloutWorker:
-    def __init__(
-        self,
-        model_path: str,
-        dtype: str,
-        device: str,
-        num_threads: int,
-        reward: RewardFunction,
-        reward_threads: int,
-        max_batch_size: int,
-        ref: "RefSpec | None" = None,
-        progress: ProgressClient | None = None,
-        engine: str = "builtin",
-        seed: int = 0,
-        lora: LoRAConfig | None = None,
-        agent: AgentConfig | None = None,
-        sandbox: SandboxConfig | None = None,
-        reward_model: RewardModelConfig | None = None,
-        reward_pool: list | None = None,
-        sleep_mode: bool = False,
-        scratch: str | None = None,
-        teacher: "TeacherSpec | None" = None,
-        teacher_pool: list | None = None,
-    ):
-        """``scratch``: a folder of the run's for files this worker writes (vLLM's LoRA adapters).
-        ``teacher``: a distillation teacher, here or (``teacher_pool``: its workers) in a pool of its own."""
-        torch.set_num_threads(num_threads)
-        if sandbox is not None:  # the code rewards' and the python tool's limits, in this process
-            configure_sandbox(sandbox)
-        self.device = torch.device("cuda" if device == "cuda" else "cpu")
-        tok = load_tokenizer(model_path)
-        eos = eos_token_ids(tok, model_path)
-        if engine == "vllm":  # one vLLM engine per replica, in this process (offstep/rollout/vllm_engine.py)
-            from offstep.rollout.vllm_engine import VLLMEngine
+@dataclass(frozen=True)
+class RolloutSpec:
+    """What a rollout replica is: its engine, where it runs, how it scores, and what it serves
+    besides plain sampling. ``ref``: reference log-probs here (``pipeline.ref_on_rollout``);
+    ``agent``: the tool loops and OpenAI agents of the rows that name one (``rollout.agent``);
+    ``sandbox``: the code rewards' and the python tool's limits; ``reward_model``: a reward model or
+    judge beside the rule (``reward.model``); ``teacher``: a distillation teacher (``distill``)."""
 
-            self.engine: RolloutEngine = VLLMEngine(model_path, tok, eos, dtype=dtype, max_batch_size=max_batch_size,
-                                     num_threads=num_threads, seed=seed, lora=lora, sleep_mode=sleep_mode,
-                                     scratch=scratch)
-        else:
-            model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
-            if lora is not None:  # the actor's peft layout; every sync fills the adapters
-                model = add_adapters(model, lora)
-            # The adapters stay a low-rank term B(A x) at every forward, not merged into the weights:
-            # merging is ~20% faster generation (benchmarks/results_lora.md: 17.3 vs 21.4 s a default
-            # batch, 0.5 s a load) but unmerging before the next load rounds the base weights a
-            # little further at every sync, so the reference (adapters off) would drift from the base
-            # and a resumed run (a fresh base) would no longer equal an uninterrupted one.
-            self.engine = TorchEngine(model, tok, eos, device=self.device, max_batch_size=max_batch_size)
-        self.lora = lora
-        self.reward = reward
-        # reward.model: a reward model or judge beside the engine, fed as samples finish (offstep.rollout.replica_reward_model)
+    engine: EngineSpec
+    device: str
+    reward: RewardFunction
+    reward_threads: int = 1
+    ref: RefSpec | None = None
+    agent: AgentConfig | None = None
+    sandbox: SandboxConfig | None = None
+    reward_model: RewardModelConfig | None = None
+    teacher: TeacherSpec | None = None
+
+    @classmethod
+    def local(cls, model_path: str, reward: RewardFunction, max_batch_size: int, *, dtype: str = "float32",
+              num_threads: int = 1, reward_threads: int = 1, engine: str = BUILTIN, lora: LoRAConfig | None = None,
+              scratch: str | None = None, **rest) -> "RolloutSpec":
+        """A replica on this process's CPU (``offstep eval``, tests); ``rest``: the other fields."""
+        spec = EngineSpec(engine, model_path, dtype, max_batch_size, num_threads, lora=lora, scratch=scratch)
+        return cls(spec, "cpu", reward, reward_threads, **rest)
+
+
+class RolloutWorker:
+    def __init__(self, spec: RolloutSpec, progress: ProgressClient | None = None, reward_pool: list | None = None,
+                 teacher_pool: list | None = None):
+        """``progress``: the live display's client; ``reward_pool``, ``teacher_pool``: the workers of
+        the reward model's and the teacher's own pools, where they have one."""
+        e = spec.engine
+        torch.set_num_threads(e.num_threads)
+        if spec.sandbox is not None:  # the code rewards' and the python tool's limits, in this process
+            configure_sandbox(spec.sandbox)
+        self.device = torch.device("cuda" if spec.device == "cuda" else "cpu")
+        tok = load_tokenizer(e.path)
+        eos = eos_token_ids(tok, e.path)
+        self.engine: RolloutEngine = build_engine(e, tok, eos, self.device)
+        self.lora, self.ref, self.reward = e.lora, spec.ref, spec.reward
+        reward_model, reward_threads = spec.reward_model, spec.reward_threads
+        # reward.model: a reward model or judge beside the engine, fed as samples finish (offstep.rollout.scoring.replica_reward_model)
         self.model_reward = None
         if reward_model is not None and reward_model.kind is not None:
-            from offstep.rollout.replica_reward_model import build_model_reward
+            from offstep.rollout.scoring.replica_reward_model import build_model_reward
 
             self.model_reward = build_model_reward(reward_model, self.device, reward_pool)  # pool: its workers
             reward_threads = max(reward_threads, reward_model.max_concurrency)  # the batcher gathers what waits
-        self.scoring = SampleReward(reward, self.model_reward,
+        self.scoring = SampleReward(spec.reward, self.model_reward,
                                     Combination.of(reward_model) if self.model_reward is not None else None)
-        # distill.teacher: each finished sample's tokens scored by the teacher (offstep.rollout.teacher_scoring)
-        self.teacher = Teacher(teacher, self.device, teacher_pool, num_threads) if teacher is not None else None
-        self.ref = ref
+        # distill.teacher: each finished sample's tokens scored by the teacher (offstep.rollout.scoring.teacher_scoring)
+        self.teacher = Teacher(spec.teacher, self.device, teacher_pool, e.num_threads) if spec.teacher is not None else None
         self.ref_model = None
         # The reference, for the KL term: with LoRA, the engine's own base with the adapters off
         # (the built-in engine's model under disable_adapter, vLLM's requests that name no adapter);
         # otherwise a frozen copy of the initial policy.
-        if ref is not None and lora is None:
-            self.ref_model = load_causal_lm(model_path, dtype=DTYPES[ref.dtype]).to(self.device)
+        if self.ref is not None and self.lora is None:
+            self.ref_model = load_causal_lm(e.path, dtype=DTYPES[self.ref.dtype]).to(self.device)
             self.ref_model.requires_grad_(False)
         self.pad_id = tok.pad_token_id
         self._sleeping = SleepState(self.engine, self.ref_model, self.device)  # rollout.sleep_during_update
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
         self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
-        self.agent = agent  # rollout.agent: the tool loops and OpenAI agents of their rows, started at their first call
+        self.agent = spec.agent  # rollout.agent: the tool loops and OpenAI agents of their rows, started at their first call
         self._agent_runner: AgentRunner | None = None
         self._openai_runner: OpenAIRunner | None = None
         self._tok, self._eos = tok, eos
@@ -229,7 +220,7 @@ class RolloutWorker:
 
     def _generate_with_tools(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool):
         """A call with tool rows or OpenAI agents' rows: those through their agent loops
-        (``offstep.rollout.agent_loop``, ``openai_agent``), the others of the call as plain
+        (``offstep.rollout.agents.agent_loop``, ``openai_agent``), the others of the call as plain
         generation before them."""
         t0 = time.time()
         version = self.engine.version
@@ -289,15 +280,15 @@ class RolloutWorker:
             s.ref_logprobs = lp
 
     # ---------------------------------------------------------------- fully asynchronous mode
-    # (pipeline.mode=fully_async, offstep.rollout.replica_stream): the actor runs these on several threads
+    # (pipeline.mode=fully_async, offstep.rollout.stream.replica_stream): the actor runs these on several threads
     # (max_concurrency), so a load or a take is served while the engine generates.
     def stream_start(self, prompts: list[list[int]], params: SamplingParams, partial: str,
                      replay: list | None = None, max_kv_age: int = -1) -> None:
         """Start generating from a stream of prompt groups (``prompts``: every prompt that may come,
         for the engine's cache and shared prefix); ``replay``: a recorded schedule for it to follow
-        (``offstep.rollout.replica_schedule``)."""
-        from offstep.rollout.replica_stream import StreamServer
-        from offstep.rollout.stream_agents import attach_agents
+        (``offstep.rollout.engines.replica_schedule``)."""
+        from offstep.rollout.stream.replica_stream import StreamServer
+        from offstep.rollout.stream.stream_agents import attach_agents
 
         self._sleeping.before_generation()
         self._generating_again()
@@ -336,7 +327,7 @@ class RolloutWorker:
         self.progress.start(Stage.GEN, total=0, version=self.engine.version)
 
     def stream_schedule(self) -> list:
-        """The schedule's events recorded since the last call (``offstep.rollout.replica_schedule``)."""
+        """The schedule's events recorded since the last call (``offstep.rollout.engines.replica_schedule``)."""
         return self._stream.schedule.drain()
 
     def stream_suspend(self) -> list:
@@ -352,7 +343,7 @@ class RolloutWorker:
 
     def sleep(self) -> Span | None:
         """Free the engine's device memory while a colocated trainer updates (``rollout.sleep_during_update``;
-        ``offstep.rollout.sleep``) until the next load or generation wakes it; ``None``: asleep already."""
+        ``offstep.rollout.engines.sleep``) until the next load or generation wakes it; ``None``: asleep already."""
         self.progress.start(Stage.SLEEP)
         return self._sleeping.sleep()
 

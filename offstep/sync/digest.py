@@ -11,7 +11,7 @@ adapter's scale alpha / r). The trainer
 digests the tensors as it sends them (the collective path: its snapshot, already cast). A
 rollout worker reads back what its engine holds, mapped back to those names (the built-in
 engine: its parameters; vLLM: its parameters, fused q/k/v and gate/up rows split again, each
-linear weight read as vLLM-CPU packs it for its GEMM kernels: ``offstep.rollout.vllm_internals``),
+linear weight read as vLLM-CPU packs it for its GEMM kernels: ``offstep.rollout.engines.vllm_internals``),
 never the message it received.
 
 The checksum. A tensor's bytes, row by row along its last dimension, are read as 32-bit integers

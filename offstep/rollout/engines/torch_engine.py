@@ -1,5 +1,5 @@
 """The built-in rollout engine: the scheduler of a PyTorch engine over a transformers causal LM,
-implementing ``offstep.rollout.interface.RolloutEngine``.
+implementing ``offstep.rollout.engines.interface.RolloutEngine``.
 
 ``TorchEngine`` schedules with **continuous batching** (Orca, Yu et al., OSDI 2022; vLLM, Kwon et
 al., SOSP 2023) on Llama-family models: up to ``max_batch_size`` samples occupy the slots of a
@@ -11,16 +11,16 @@ dense, and a waiting sample takes the free slot at the next step. When all promp
 with the same tokens (a system prompt, a chat-template header), that prefix is prefilled once and
 its K/V copied into each admitted slot (the idea of vLLM's automatic prefix caching and SGLang's
 RadixAttention, Zheng et al., 2024, reduced to the one longest common prefix of the call). The
-forward pass over slots is ``offstep.rollout.llama_runner``; the two decode loops (this one and
-the fallback's) are ``offstep.rollout.schedule``.
+forward pass over slots is ``offstep.rollout.engines.llama_runner``; the two decode loops (this one and
+the fallback's) are ``offstep.rollout.engines.schedule``.
 
 Other architectures (sliding-window or hybrid attention, q/k norms, ...) use the fallback: the
-model's own forward with a transformers ``DynamicCache`` (``offstep.rollout.hf_runner``), in static
+model's own forward with a transformers ``DynamicCache`` (``offstep.rollout.engines.hf_runner``), in static
 sub-batches of ``max_batch_size`` samples (unique prompts prefilled once, left-padded; finished rows
 leave the batch).
 
 Sampling, and the per-sample random streams that make a sample's tokens independent of the batch
-it shares, are ``offstep.rollout.sampling``.
+it shares, are ``offstep.rollout.engines.sampling``.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from torch import Tensor
 
 from offstep.models.forward import sequence_logprobs
 from offstep.models.lora import adapter_parameters, base_of, is_adapter_name
-from offstep.rollout import schedule
-from offstep.rollout.control import StepControl
-from offstep.rollout.hf_runner import HFRunner
-from offstep.rollout.interface import RolloutEngine
-from offstep.rollout.llama_runner import LlamaRunner, unsupported_reason
-from offstep.rollout.schedule import Row
+from offstep.rollout.engines import schedule
+from offstep.rollout.engines.control import StepControl
+from offstep.rollout.engines.hf_runner import HFRunner
+from offstep.rollout.engines.interface import RolloutEngine
+from offstep.rollout.engines.llama_runner import LlamaRunner, unsupported_reason
+from offstep.rollout.engines.schedule import Row
 from offstep.rollout.types import Completion, SamplingParams, TurnFeed, check_request, serve_prompts
 from offstep.sync.collective import manifest
 from offstep.sync.digest import WeightDigest, digest_of
@@ -134,7 +134,7 @@ class TorchEngine:
         request); each request has its own token limit and random stream (``TurnRequest``).
         ``generate`` is this with the feed of its prompts. ``control``: weight loads and
         suspensions posted from other threads, carried out between two decode steps
-        (``offstep.rollout.control``); a feed that blocks must wake up when one is posted."""
+        (``offstep.rollout.engines.control``); a feed that blocks must wake up when one is posted."""
 
         def emit(row: Row, reason: str) -> None:
             on_finish(row.index, self._finish(row, reason))

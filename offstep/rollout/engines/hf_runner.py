@@ -1,11 +1,11 @@
 """The fallback forward of the rollout engine: the model's own forward over a transformers
-``DynamicCache``, for architectures the slot runner (``offstep.rollout.llama_runner``) does not
+``DynamicCache``, for architectures the slot runner (``offstep.rollout.engines.llama_runner``) does not
 serve (sliding-window or hybrid attention, q/k norms, ...).
 
 A static batch of rows decodes together: the unique prompts of the batch are prefilled once,
 left-padded, and each row gets a copy of its prompt's cache; rows that finish are dropped from
 the cache (``HFBatch.select``). The scheduling (which rows form a batch, sampling, when a row
-finishes) is ``offstep.rollout.engine``'s.
+finishes) is ``offstep.rollout.engines.torch_engine``'s.
 """
 
 from __future__ import annotations

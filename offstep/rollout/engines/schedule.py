@@ -1,4 +1,4 @@
-"""The two schedulers of the built-in engine (``offstep.rollout.engine.TorchEngine``): continuous
+"""The two schedulers of the built-in engine (``offstep.rollout.engines.torch_engine.TorchEngine``): continuous
 batching over the slots of a KV cache (``continuous``, the slot runner), and static sub-batches for
 the fallback on the model's own forward (``static``). Each takes the engine whose runner, sampling
 state and token bookkeeping (``_append``) it drives; ``TorchEngine.serve`` picks one."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from offstep.rollout.control import SUSPENDED, StepControl
-from offstep.rollout.sampling import sample_tokens, sample_uniforms
+from offstep.rollout.engines.control import SUSPENDED, StepControl
+from offstep.rollout.engines.sampling import sample_tokens, sample_uniforms
 from offstep.rollout.types import PromptFeed, SamplingParams, TurnFeed, TurnRequest
 
 

@@ -5,8 +5,8 @@ with ``pipeline.max_staleness >= 1`` can be reproduced although where a load lan
 (``docs/fully-async.md``, "Replaying a run").
 
 The engine's serving loop is not changed for it: the schedule is consulted by the loop's
-:class:`~offstep.rollout.control.StepControl` (loads, suspensions, and the wait at each step boundary
-for what is due there) and by its :class:`~offstep.rollout.replica_stream.StreamFeed` (admissions). The loop
+:class:`~offstep.rollout.engines.control.StepControl` (loads, suspensions, and the wait at each step boundary
+for what is due there) and by its :class:`~offstep.rollout.stream.replica_stream.StreamFeed` (admissions). The loop
 reports each decode step (``StepControl.decoded``).
 
 An event is ``[t, kind, keys]``: before decode step ``t`` (counted from 0 since the stream started)

@@ -1,12 +1,12 @@
 """A worker of the reward pool (``reward.model.placement=pool``): one reward model, scoring the
-batches the rollout replicas send it (``offstep.rollout.replica_reward_model.PoolScorer``)."""
+batches the rollout replicas send it (``offstep.rollout.scoring.replica_reward_model.PoolScorer``)."""
 
 from __future__ import annotations
 
 import torch
 
 from offstep.config.schema import RewardModelConfig
-from offstep.rollout.replica_reward_model import Item, make_scorer
+from offstep.rollout.scoring.replica_reward_model import Item, make_scorer
 
 
 class RewardWorker:

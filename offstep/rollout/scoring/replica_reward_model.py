@@ -8,7 +8,7 @@ unparseable judgement gives it no value (``ModelScore.value`` None: the fallback
 by ``offstep.rewards.combine``), so a slow or broken model never hangs the run.
 
 The scorer runs here, on the replica, or in the reward pool of its own
-(``reward.model.placement=pool``: ``offstep.rollout.reward_worker``), to which ``PoolScorer``
+(``reward.model.placement=pool``: ``offstep.rollout.scoring.reward_worker``), to which ``PoolScorer``
 sends each batch. Two scorers fill a batch: ``DiscriminativeScorer``, a sequence-classification reward model that
 reads the policy's chat rendered with the reward model's own tokenizer and chat template (as verl
 re-templates for a reward model with another tokenizer), and ``JudgeScorer``, a causal LM that
@@ -32,12 +32,12 @@ import torch
 from offstep.batch import Span
 from offstep.config.schema import RewardModelConfig
 from offstep.models.forward import DTYPES
-from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
+from offstep.models.loading import eos_token_ids, load_tokenizer
 from offstep.models.reward_models import judge_folder, load_reward_model
 from offstep.rewards.combine import ModelScore
 from offstep.rewards.judge import parse_score, render_judge_prompt
-from offstep.rollout.engine import TorchEngine
-from offstep.rollout.interface import RolloutEngine
+from offstep.rollout.engines.build import EngineSpec, build_engine
+from offstep.rollout.engines.interface import RolloutEngine
 from offstep.rollout.types import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -102,14 +102,9 @@ class JudgeScorer:
         folder = judge_folder(cfg.path)
         self.tok = load_tokenizer(folder)
         eos = eos_token_ids(self.tok, folder)
-        if engine is None and cfg.engine == "vllm":  # reward.model.engine=vllm
-            from offstep.rollout.vllm_engine import VLLMEngine
-
-            engine = VLLMEngine(folder, self.tok, eos, dtype=cfg.dtype, max_batch_size=cfg.batch_size,
-                                num_threads=torch.get_num_threads())
-        elif engine is None:
-            model = load_causal_lm(folder, dtype=DTYPES[cfg.dtype]).to(device)
-            engine = TorchEngine(model, self.tok, eos, device=device, max_batch_size=cfg.batch_size)
+        if engine is None:  # reward.model.engine: the built-in engine or vLLM
+            spec = EngineSpec(cfg.engine, folder, cfg.dtype, cfg.batch_size, torch.get_num_threads())
+            engine = build_engine(spec, self.tok, eos, device)
         self.engine, self.cfg = engine, cfg
         self.params = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.max_new_tokens)
         self.last_texts: list[str] = []  # the judge's answers of the last batch (for logs and tests)
@@ -186,7 +181,7 @@ class ModelBatcher:
     def submit(self, item: Any) -> Future:
         """Queue one item for the next batch without waiting (no concurrency limit, no timeout): its
         future holds the batch's result for it, or the batch's exception (a distillation teacher's
-        log-probs, ``offstep.rollout.teacher_scoring``)."""
+        log-probs, ``offstep.rollout.scoring.teacher_scoring``)."""
         job = _Job(item)
         self._queue.put(job)
         return job.future

@@ -1,6 +1,6 @@
 """Forward passes of Llama-family decoders over a slot-based, pre-allocated KV cache.
 
-The continuous-batching scheduler in ``offstep.rollout.engine`` needs one forward pass that, in a
+The continuous-batching scheduler in ``offstep.rollout.engines.torch_engine`` needs one forward pass that, in a
 single read of the weights, (a) advances every running sequence by one token, each at its own
 position, and (b) prefills newly admitted prompts of different lengths. transformers' forward
 takes one position layout and one cache length for the whole batch, so this module calls the

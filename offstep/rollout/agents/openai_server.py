@@ -1,14 +1,14 @@
 """An OpenAI-compatible HTTP endpoint on a rollout replica (FastAPI, served by uvicorn), for agents
-written against the OpenAI API (``offstep.rollout.openai_agent``; docs/openai-agents.md).
+written against the OpenAI API (``offstep.rollout.agents.openai_agent``; docs/openai-agents.md).
 
 Routes: ``POST /v1/chat/completions`` (``tools`` and ``tool_choice``, calls parsed by the tool
 parser of ``rollout.agent.format`` and returned as ``tool_calls``; ``n``, ``temperature``,
 ``top_p``, ``max_tokens``, ``stop``, ``logprobs``), ``POST /v1/completions`` and ``GET
 /v1/models``; under ``/s/<session>/v1/...`` the calls are recorded into that rollout's session
-(``offstep.rollout.openai_record``). It listens on 127.0.0.1 only, on a port the OS picks, and
+(``offstep.rollout.agents.openai_record``). It listens on 127.0.0.1 only, on a port the OS picks, and
 every request must carry the run's bearer token. Errors are OpenAI's error objects. The body's
 size, the token and the connections' timeouts are checked in front of the app
-(``offstep.rollout.openai_limits``); a prompt and its ``max_tokens`` must fit the model's context.
+(``offstep.rollout.agents.openai_limits``); a prompt and its ``max_tokens`` must fit the model's context.
 
 Generation goes through the engine's ``generate`` only (``RolloutEngine``), on one thread of its
 own: the requests that are waiting when the engine is free are generated together, grouped by
@@ -30,10 +30,10 @@ from concurrent.futures import Future, InvalidStateError
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from offstep.rollout.openai_limits import Guard, Limits, check_context, context_length
-from offstep.rollout.openai_record import Choice, Session, render
-from offstep.rollout.openai_schema import APIError, ChatRequest, CompletionRequest, parse
-from offstep.rollout.tool_parsers import make_parser
+from offstep.rollout.agents.openai_limits import Guard, Limits, check_context, context_length
+from offstep.rollout.agents.openai_record import Choice, Session, render
+from offstep.rollout.agents.openai_schema import APIError, ChatRequest, CompletionRequest, parse
+from offstep.rollout.agents.tool_parsers import make_parser
 from offstep.rollout.types import Completion, SamplingParams, check_request
 
 class Batcher:

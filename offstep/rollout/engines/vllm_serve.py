@@ -1,6 +1,6 @@
-"""The serving loop of the vLLM engine (``offstep.rollout.vllm_engine.VLLMEngine.serve``): this
+"""The serving loop of the vLLM engine (``offstep.rollout.engines.vllm_engine.VLLMEngine.serve``): this
 thread steps vLLM's ``LLMEngine`` itself, one decode step per ``step()``, so that what another
-thread posts to a ``StepControl`` (``offstep.rollout.control``: weight loads, suspensions, work)
+thread posts to a ``StepControl`` (``offstep.rollout.engines.control``: weight loads, suspensions, work)
 is carried out between two decode steps, and each step's tokens are tagged with the version of the
 weights that sampled them. It uses vLLM's public request API only (``add_request``, ``step``,
 ``abort_request``, ``reset_prefix_cache``); how each ``rollout.partial`` maps onto vLLM:
@@ -13,7 +13,7 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from offstep.rollout.control import SUSPENDED, StepControl
+from offstep.rollout.engines.control import SUSPENDED, StepControl
 from offstep.rollout.types import Completion, SamplingParams, TurnFeed
 
 _CALLS = itertools.count()  # request ids unique within the process

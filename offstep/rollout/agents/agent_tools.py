@@ -1,12 +1,12 @@
 """The tools an agent loop offers the model: from a verl tool config (``rollout.agent.tool_config_path``,
-:mod:`offstep.rollout.verl_tools`), or offstep's tool functions (``rollout.agent.tools`` from
-``tools_path`` and the built-in ones, :mod:`offstep.rollout.tools`)."""
+:mod:`offstep.rollout.agents.verl_tools`), or offstep's tool functions (``rollout.agent.tools`` from
+``tools_path`` and the built-in ones, :mod:`offstep.rollout.agents.tools`)."""
 
 from __future__ import annotations
 
 from offstep.config.schema import AgentConfig
-from offstep.rollout.tools import Tool, load_tools
-from offstep.rollout.verl_tools import load_verl_tools
+from offstep.rollout.agents.tools import Tool, load_tools
+from offstep.rollout.agents.verl_tools import load_verl_tools
 
 
 def agent_tools(spec: AgentConfig) -> list[Tool]:

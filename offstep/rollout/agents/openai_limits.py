@@ -1,4 +1,4 @@
-"""What the OpenAI endpoint (``offstep.rollout.openai_server``) refuses before a request reaches it:
+"""What the OpenAI endpoint (``offstep.rollout.agents.openai_server``) refuses before a request reaches it:
 a body over a size limit (413, answered from its ``Content-Length`` before anything is read, or as
 soon as a chunked body grows past the limit), a missing or wrong token (401), and connections that
 hold a socket without sending their headers and the token within a few seconds (closed).
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from offstep.rollout.openai_schema import APIError
+from offstep.rollout.agents.openai_schema import APIError
 
 
 @dataclass(frozen=True)

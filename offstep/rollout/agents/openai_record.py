@@ -1,4 +1,4 @@
-"""What the OpenAI endpoint (``offstep.rollout.openai_server``) records of one rollout, and the
+"""What the OpenAI endpoint (``offstep.rollout.agents.openai_server``) records of one rollout, and the
 sample it becomes: token for token, nothing decoded and re-tokenized.
 
 Rendering. A chat request's messages go through the chat template, except the assistant messages

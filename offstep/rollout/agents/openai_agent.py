@@ -2,11 +2,11 @@
 
 The agent is a Python function loaded from a file, ``async def rollout(client, row) -> float |
 dict``: ``client`` is an ``openai.AsyncOpenAI`` on the replica's endpoint
-(``offstep.rollout.openai_server``), its own session for this rollout; ``row`` holds the row's
+(``offstep.rollout.agents.openai_server``), its own session for this rollout; ``row`` holds the row's
 ``messages``, ``data_source``, ``ground_truth``, ``extra_info`` and the served ``model`` name. What
 it returns is the reward (a number, or a dict with ``score`` and extras, as ``compute_score``'s).
 Each row is rolled out ``rollout.n`` times, every rollout concurrently on one event loop; its
-sample is what its session recorded (``offstep.rollout.openai_record``). docs/openai-agents.md.
+sample is what its session recorded (``offstep.rollout.agents.openai_record``). docs/openai-agents.md.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from offstep.batch import AgentStats, Sample
 from offstep.config.schema import AgentConfig
 from offstep.errors import RewardError, ToolConfigError
 from offstep.rewards.registry import score_of
-from offstep.rollout.openai_server import OpenAIServer
-from offstep.rollout.tools import IMPORT_TIMEOUT_S, import_file
+from offstep.rollout.agents.openai_server import OpenAIServer
+from offstep.rollout.agents.tools import IMPORT_TIMEOUT_S, import_file
 from offstep.rollout.types import SamplingParams
 
 KEYS = {"path": "rollout.agent.openai_path", "name": "rollout.agent.openai_name", "timeout": "rollout.agent.tool_timeout_s"}

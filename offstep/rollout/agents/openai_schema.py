@@ -1,4 +1,4 @@
-"""The request bodies the OpenAI endpoint (``offstep.rollout.openai_server``) accepts, checked with
+"""The request bodies the OpenAI endpoint (``offstep.rollout.agents.openai_server``) accepts, checked with
 pydantic; what is wrong becomes a 400 error object naming the parameter. Parameters that this
 endpoint does not act on (``presence_penalty``, ``seed``, ``user``, ...) are accepted and ignored,
 as OpenAI-compatible servers commonly do; those it cannot honour are refused (``stream`` of text

@@ -1,6 +1,6 @@
-"""Agents' rows on a streaming replica (``pipeline.mode=fully_async``, ``offstep.rollout.replica_stream``):
-tool loops (``agent_name=tool_agent``, ``offstep.rollout.agent_loop``) and OpenAI agents
-(``openai``, ``offstep.rollout.openai_agent``).
+"""Agents' rows on a streaming replica (``pipeline.mode=fully_async``, ``offstep.rollout.stream.replica_stream``):
+tool loops (``agent_name=tool_agent``, ``offstep.rollout.agents.agent_loop``) and OpenAI agents
+(``openai``, ``offstep.rollout.agents.openai_agent``).
 
 Each sample of such a row is a loop whose model turns are requests of the replica's feed
 (``StreamServer.submit_turn``): they decode beside the plain samples, and a weight load lands
@@ -24,11 +24,11 @@ import threading
 from concurrent.futures import Future
 
 from offstep.batch import Span
-from offstep.rollout.agent_loop import AgentResult, AgentRunner, agent_stats, merge_spans, resume_loop
-from offstep.rollout.control import SUSPENDED
-from offstep.rollout.openai_agent import MODEL_NAME, OpenAIRunner
-from offstep.rollout.openai_server import OpenAIServer
-from offstep.rollout.replica_stream import GroupWork, SampleState, StreamServer
+from offstep.rollout.agents.agent_loop import AgentResult, AgentRunner, agent_stats, merge_spans, resume_loop
+from offstep.rollout.engines.control import SUSPENDED
+from offstep.rollout.agents.openai_agent import MODEL_NAME, OpenAIRunner
+from offstep.rollout.agents.openai_server import OpenAIServer
+from offstep.rollout.stream.replica_stream import GroupWork, SampleState, StreamServer
 from offstep.rollout.types import Completion, SamplingParams
 
 CALL_STREAMS = 1 << 48  # an OpenAI call's random streams start here, apart from the samples' own

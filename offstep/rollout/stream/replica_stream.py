@@ -1,6 +1,6 @@
 """A rollout replica generating without pause (``pipeline.mode=fully_async``): prompt groups come
 in whenever the controller admits them, finished groups go out as soon as all their samples are
-scored, and weight loads land between decode steps (``offstep.rollout.control``).
+scored, and weight loads land between decode steps (``offstep.rollout.engines.control``).
 
 The engine's ``serve`` runs on a thread of its own over a :class:`StreamFeed`. A group is ``n``
 samples of one prompt; each sample has its own random stream ``(seed, stream0 + j)``, so where and
@@ -8,7 +8,7 @@ when it runs does not change what it draws. A sample carries the weight version 
 tokens. A suspension (for a checkpoint) hands back every unfinished group with its samples as far
 as they got (:class:`SampleState`); submitted again, each continues where it stopped: its prompt
 and tokens so far are prefilled, and its stream goes on from the draw it had reached. The samples of
-agents' rows (tool loops, OpenAI agents) are loops run by ``offstep.rollout.stream_agents``, whose
+agents' rows (tool loops, OpenAI agents) are loops run by ``offstep.rollout.stream.stream_agents``, whose
 model turns are requests of the same feed.
 """
 
@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from offstep.batch import Sample
-from offstep.rollout.control import SUSPENDED, StepControl
-from offstep.rollout.replica_schedule import ADMIT, Schedule, request_key
+from offstep.rollout.engines.control import SUSPENDED, StepControl
+from offstep.rollout.engines.replica_schedule import ADMIT, Schedule, request_key
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
 
 
@@ -44,7 +44,7 @@ class SampleState:
     info: dict | None = None  # what its reward finds in extra_info besides the row's (num_turns, ...)
     prompt_ids: list[int] | None = None  # its own prompt (an OpenAI agent's rendered chat); None: the row's
     # a tool loop not finished when its group was suspended: its AgentResult (as a dict) at the start of
-    # its last model turn; submitted again, the loop goes on from there (offstep.rollout.stream_agents)
+    # its last model turn; submitted again, the loop goes on from there (offstep.rollout.stream.stream_agents)
     loop: dict | None = None
     kv_age: int = 0  # the most versions its K/V lagged the weights it decoded with (rollout.max_kv_age)
 
@@ -78,7 +78,7 @@ class StreamFeed:
     weight load or suspension is posted (it then returns ``[]``, so the engine can act), or the
     feed is closed (``None``). ``pause`` holds back the queued requests (for a suspension).
     ``schedule`` records which requests each take admitted; replaying, a take admits exactly the
-    requests due at the coming decode step, waiting for them (``offstep.rollout.replica_schedule``), and
+    requests due at the coming decode step, waiting for them (``offstep.rollout.engines.replica_schedule``), and
     ``while_waiting`` runs meanwhile (the work posted to the engine's thread)."""
 
     def __init__(self, prompts: list[list[int]], concurrency: int, share_prefix: bool = True,
@@ -175,7 +175,7 @@ class StreamServer:
     """The replica's side of the fully asynchronous mode (see the module's docstring).
     ``score(request, text, extra_info=None) -> (score, extra)`` runs on ``pool``; ``tokenizer``
     decodes texts. ``agents`` maps an ``agent_name`` to what runs its rows' samples
-    (``offstep.rollout.stream_agents``): their model turns are requests of this feed (``submit_turn``),
+    (``offstep.rollout.stream.stream_agents``): their model turns are requests of this feed (``submit_turn``),
     and each sample comes back whole (``agent_done``)."""
 
     def __init__(self, engine, prompts: list[list[int]], params: SamplingParams, partial: str, concurrency: int,
@@ -183,13 +183,13 @@ class StreamServer:
                  share_prefix: bool = True, replay: list | None = None, max_kv_age: int = -1,
                  teach: Callable[[list[int], list[int]], Future] | None = None):
         """``teach(prompt_ids, response_ids)``: hands each finished sample to a distillation teacher
-        (``offstep.rollout.teacher_scoring``); its future is kept for the take (``teaching``)."""
+        (``offstep.rollout.scoring.teacher_scoring``); its future is kept for the take (``teaching``)."""
         self.engine, self.params, self.score, self.pool, self.tok = engine, params, score, pool, tokenizer
         self.on_sample, self.teach = on_sample, teach
         self.teaching: dict[tuple[int, int], Future] = {}  # (uid, sample index) -> the teacher's answer, until taken
         self.agents: dict[str, object] = {}
         self.control = StepControl(partial, max_kv_age)
-        self.schedule = Schedule(replay)  # when each load, suspension and admission happened (offstep.rollout.replica_schedule)
+        self.schedule = Schedule(replay)  # when each load, suspension and admission happened (offstep.rollout.engines.replica_schedule)
         self.feed = StreamFeed(prompts, concurrency, share_prefix, self.schedule, self.control.run_posted)
         self.control.use_schedule(self.schedule, self.feed)
         self._lock = threading.Condition()

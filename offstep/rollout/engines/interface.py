@@ -1,6 +1,6 @@
 """``RolloutEngine``: everything the rollout worker, its stream server and its agent loops call on
-an inference engine. The built-in engine (``offstep.rollout.engine.TorchEngine``) and vLLM's
-(``offstep.rollout.vllm_engine.VLLMEngine``) implement all of it; where an engine cannot do
+an inference engine. The built-in engine (``offstep.rollout.engines.torch_engine.TorchEngine``) and vLLM's
+(``offstep.rollout.engines.vllm_engine.VLLMEngine``) implement all of it; where an engine cannot do
 something, its method says so with an error. ``tests/test_engine_contract.py`` runs one suite over
 both."""
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
-    from offstep.rollout.control import StepControl
+    from offstep.rollout.engines.control import StepControl
     from offstep.rollout.types import Completion, SamplingParams, TurnFeed
     from offstep.sync.digest import WeightDigest
 
@@ -41,7 +41,7 @@ class RolloutEngine(Protocol):
               control: StepControl | None = None) -> None:
         """Generate the requests of ``feed`` as they come until it is exhausted, calling
         ``on_finish(request index, completion)`` as each finishes. ``control``: weight loads and
-        suspensions carried out between two decode steps (``offstep.rollout.control``; an engine
+        suspensions carried out between two decode steps (``offstep.rollout.engines.control``; an engine
         that cannot raises ``NotImplementedError``)."""
         ...
 

@@ -36,9 +36,9 @@ from typing import Any, Callable
 
 from offstep.batch import NO_VERSION, AgentStats
 from offstep.config.schema import AgentConfig
-from offstep.rollout.tool_parsers import ToolCall, make_parser
-from offstep.rollout.agent_tools import agent_tools
-from offstep.rollout.tools import Tool, ToolResult, run_tool
+from offstep.rollout.agents.tool_parsers import ToolCall, make_parser
+from offstep.rollout.agents.agent_tools import agent_tools
+from offstep.rollout.agents.tools import Tool, ToolResult, run_tool
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
 
 

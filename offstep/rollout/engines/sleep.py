@@ -12,7 +12,7 @@ import time
 import torch
 
 from offstep.batch import Span
-from offstep.rollout.interface import RolloutEngine
+from offstep.rollout.engines.interface import RolloutEngine
 
 PARTS = ("weights", "kv_cache")  # what a sleep frees, in the order a load wakes them
 

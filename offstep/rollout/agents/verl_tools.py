@@ -8,7 +8,7 @@ A verl tool config is a YAML file::
         config: {type: native}
         tool_schema: {type: function, function: {name: calc_gsm8k_reward, parameters: {...}}}
 
-Each entry becomes one offstep :class:`~offstep.rollout.tools.Tool` whose schema, the one the model
+Each entry becomes one offstep :class:`~offstep.rollout.agents.tools.Tool` whose schema, the one the model
 sees, is the entry's ``tool_schema`` as written:
 
 * verl's bundled tools that can run here map onto offstep code doing the same:
@@ -18,7 +18,7 @@ sees, is the entry's ``tool_schema`` as written:
   server. Those that need a service offstep cannot start (search, MCP) or images are refused.
 * any other ``class_name`` (``package.module.Class``, importable from the Python path) is a
   user's ``BaseTool`` subclass: its module is imported within ``rollout.agent.tool_timeout_s``
-  and, without verl installed, against verl's tool API as :mod:`offstep.rollout.verl_tool_api`
+  and, without verl installed, against verl's tool API as :mod:`offstep.rollout.agents.verl_tool_api`
   provides it. It is driven as verl's tool agent loop drives it: for each call ``create`` (with the
   row's ``create_kwargs``), ``execute(instance_id, arguments)``, whose response text the model
   reads, then ``release``, also when ``execute`` raised. Step rewards and ``calc_reward`` are
@@ -40,7 +40,7 @@ from offstep.errors import OffstepError, ToolConfigError
 from offstep.files import MAX_CONFIG_BYTES, loads_yaml, read_text
 from offstep.rewards.registry import CallTimeout, import_within
 from offstep.rewards.scorers import gsm8k_score
-from offstep.rollout.tools import Tool, ToolError, python
+from offstep.rollout.agents.tools import Tool, ToolError, python
 
 KEY = "rollout.agent.tool_config_path"
 GSM8K = "verl.tools.gsm8k_tool.Gsm8kTool"
@@ -144,7 +144,7 @@ def _sandbox_fusion(schema: dict):
 
 def _instance(cls_name: str, config: dict, schema: dict, path, timeout_s: float | None):
     """An instance of the user's tool class ``cls_name`` (``package.module.Class``)."""
-    from offstep.rollout import verl_tool_api
+    from offstep.rollout.agents import verl_tool_api
 
     verl_tool_api.install()
     module_name, _, attr = cls_name.rpartition(".")
@@ -163,7 +163,7 @@ def _instance(cls_name: str, config: dict, schema: dict, path, timeout_s: float 
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("create", "execute", "release")):
         raise ToolConfigError(f"{KEY}={path}: {cls_name} is not a verl tool class (a BaseTool subclass with create, "
                               f"execute and release). {fix}")
-    from offstep.rollout.verl_tool_api import OpenAIFunctionToolSchema
+    from offstep.rollout.agents.verl_tool_api import OpenAIFunctionToolSchema
 
     try:
         return cls(config, OpenAIFunctionToolSchema.model_validate(schema))

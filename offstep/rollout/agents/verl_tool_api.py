@@ -83,7 +83,7 @@ def install() -> None:
                                       "ToolResponse": ToolResponse},
              "verl.utils.rollout_trace": {"rollout_trace_op": rollout_trace_op}}
     for name, attrs in names.items():
-        module = types.ModuleType(name, f"offstep's stand-in for {name} (offstep/rollout/verl_tool_api.py)")
+        module = types.ModuleType(name, f"offstep's stand-in for {name} (offstep/rollout/agents/verl_tool_api.py)")
         module.__path__ = []  # a package, so that its submodules resolve
         module.__dict__.update(attrs)
         sys.modules[name] = module

@@ -26,7 +26,8 @@ from offstep.batch import Sample
 from offstep.errors import OffstepError
 from offstep.models.forward import DTYPES, sequence_logprobs, sequence_topk
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
-from offstep.rollout.replica_reward_model import ModelBatcher, PoolScorer
+from offstep.rollout.engines.build import VLLM, EngineSpec, build_engine
+from offstep.rollout.scoring.replica_reward_model import ModelBatcher, PoolScorer
 
 
 class TeacherError(OffstepError):
@@ -73,11 +74,9 @@ class TeacherModel:
         tok = load_tokenizer(spec.path)
         self.pad_id = tok.pad_token_id
         self.model = self.engine = None
-        if spec.engine == "vllm":
-            from offstep.rollout.vllm_engine import VLLMEngine
-
-            self.engine = VLLMEngine(spec.path, tok, eos_token_ids(tok, spec.path), dtype=spec.dtype,
-                                     max_batch_size=spec.batch_size, num_threads=num_threads)
+        if spec.engine == VLLM:  # its prompt log-probs; the built-in path is the trainer's forward, not an engine
+            engine = EngineSpec(VLLM, spec.path, spec.dtype, spec.batch_size, num_threads)
+            self.engine = build_engine(engine, tok, eos_token_ids(tok, spec.path), device)
         else:
             self.model = load_causal_lm(spec.path, dtype=DTYPES[spec.dtype]).to(device).requires_grad_(False)
 
