@@ -22,7 +22,7 @@ larger of the two); the fully asynchronous one can approach the ideal.
 Measured: samples/s = 32 / the mean ``timing_s/step`` over steps 3..N (steps 1 and 2 fill the
 pipeline). Each row is one run; run-to-run noise on a shared 2-core machine is a few percent.
 
-    python benchmarks/async_sim.py              # writes results_async_sim.md and its section of README.md
+    python -m benchmarks.async_sim              # writes results_async_sim.md and its section of README.md
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,11 +38,11 @@ from pathlib import Path
 import numpy as np
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fakes import FakePool, GpuProfile, sim_config, train_on  # noqa: E402  (the simulated workers are a test helper)
-from readme import cpu_kind, provenance, refresh  # noqa: E402
+from benchmarks.common import RESULTS, cpu_kind, provenance
+from benchmarks.readme import refresh
+from tests.fakes import FakePool, GpuProfile, sim_config, train_on  # the simulated workers are a test helper
 
-OUT = Path(__file__).with_name("results_async_sim.md")
+OUT = RESULTS / "results_async_sim.md"
 B, N, R = 8, 4, 2  # groups a step, samples a group, replicas
 SLOTS = B * N // R
 MODES = [("batch", 0, "sync (batch, k=0)"), ("batch", 1, "one-step (batch, k=1)"), ("batch", 4, "batch, k=4"),
@@ -122,7 +121,7 @@ def main() -> None:
 
 
 def render(rows: list[dict], args, took: float) -> str:
-    cmd = "python benchmarks/async_sim.py" + (f" --steps {args.steps}" if args.steps != 9 else "")
+    cmd = "python -m benchmarks.async_sim" + (f" --steps {args.steps}" if args.steps != 9 else "")
     sync = {(r["sigma"], r["ratio"]): r["sps"] for r in rows if r["mode"] == "batch" and r["k"] == 0}
     lines = [
         "# Fully asynchronous against batch, simulated",

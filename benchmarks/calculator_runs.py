@@ -1,7 +1,7 @@
 """``preset=calculator`` per seed: does SmolLM2-135M learn to use the calculator tool?
 
-    .venv/bin/python benchmarks/calculator_runs.py --seeds 0      # one run (10-20 min on 2 cores)
-    .venv/bin/python benchmarks/calculator_runs.py --table        # the table from the runs so far
+    .venv/bin/python -m benchmarks.calculator_runs --seeds 0      # one run (10-20 min on 2 cores)
+    .venv/bin/python -m benchmarks.calculator_runs --table        # the table from the runs so far
 
 Trains the preset as it ships (12 steps, validation at steps 0, 6 and 12) once per seed; the seed
 also draws the task's problems, so each seed has its own 32 held-out ones. Per run it records,
@@ -12,7 +12,7 @@ training; the training reward (first and last 3 steps) and budget-cut share; the
 median step time; and the baseline: the untrained model on the same held-out problems as plain
 questions without tools (task option ``tools=false``, greedy, the same token budget), through
 ``offstep eval``'s code path. Each run appends its row to ``--rows`` (JSON lines); every call
-rewrites ``benchmarks/results_calculator.md`` from all rows there: per seed, then mean and range.
+rewrites ``benchmarks/results/results_calculator.md`` from all rows there: per seed, then mean and range.
 """
 
 from __future__ import annotations
@@ -22,15 +22,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
-from readme import NOT_RECORDED, cpu_kind, refresh  # noqa: E402
-from training_runs import train_and_read  # noqa: E402
+from benchmarks.common import NOT_RECORDED, RESULTS, cpu_kind
+from benchmarks.readme import refresh
+from benchmarks.training_runs import train_and_read
 
 STEPS, VAL_FREQ = 12, 6  # the preset's own (offstep/config/preset/calculator.yaml)
 
@@ -141,7 +139,7 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
         lines += [f"| {what} | {a} | {b} |" for what, a, b in summary_rows(rows)]
         lines += ["", f"Wall time {_spread([r['wall_s'] / 60 for r in rows], False)} min, median step "
                   f"{_spread([r['step_s'] for r in rows], False)} s."]
-    lines += ["", "Regenerate: `.venv/bin/python benchmarks/calculator_runs.py --seeds 0`, then `--seeds 1`, `--seeds 2` "
+    lines += ["", "Regenerate: `.venv/bin/python -m benchmarks.calculator_runs --seeds 0`, then `--seeds 1`, `--seeds 2` "
               "(each run under `flock /tmp/offstep-heavy.lock` on a shared machine), then `--table`."]
     out.write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
@@ -151,9 +149,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="", help="comma-separated seeds to run now (each replaces its earlier row)")
     ap.add_argument("--table", action="store_true", help="only rewrite the results file from --rows")
-    ap.add_argument("--rows", default=str(HERE / "results_calculator.jsonl"))
+    ap.add_argument("--rows", default=str(RESULTS / "results_calculator.jsonl"))
     ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran on the machine)")
-    ap.add_argument("--out", default=str(HERE / "results_calculator.md"))
+    ap.add_argument("--out", default=str(RESULTS / "results_calculator.md"))
     ap.add_argument("--steps", type=int, default=STEPS, help="a smoke run of this script: fewer steps (with --extra)")
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides, for a smoke run (not for the results)")
     args = ap.parse_args()

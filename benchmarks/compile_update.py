@@ -9,8 +9,8 @@ every micro-batch. The model is the plain transformers model, without FSDP's one
 Eager and compiled passes alternate after the compile, and the first compiled pass's seconds
 (compile included, from an empty inductor cache) are reported apart.
 
-    python benchmarks/compile_update.py                  # SmolLM2-135M, 1 thread, float32
-    python benchmarks/compile_update.py --reps 5 --threads 2
+    python -m benchmarks.compile_update                  # SmolLM2-135M, 1 thread, float32
+    python -m benchmarks.compile_update --reps 5 --threads 2
 """
 
 from __future__ import annotations
@@ -21,17 +21,17 @@ import platform
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 
 from offstep.batch import micro_batches
 from offstep.models.forward import forward_response
 from offstep.models.loading import load_tokenizer, resolve_model
-from readme import provenance, publish
-from update_throughput import make_batch
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import publish
+from benchmarks.update_throughput import make_batch
 
-OUT = Path(__file__).with_name("results_compile.md")
+OUT = RESULTS / "results_compile.md"
 
 
 def one_pass(model, params, micros, compute_dtype: str) -> tuple[float, float, float]:

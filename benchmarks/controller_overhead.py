@@ -13,8 +13,8 @@ worker's cycle (gen + load, its calls run in submission order) overlap, so the s
 split between the side that pays it. Reported: the median ``timing_s/step`` over steps 3..N (step 1
 and 2 fill the pipeline), the ideal, and the overhead ``step / ideal - 1``.
 
-    python benchmarks/controller_overhead.py                  # k = 0, 1, 2 x three duration settings
-    python benchmarks/controller_overhead.py --steps 12 --settings 0.5,0.5 1.0,0.5
+    python -m benchmarks.controller_overhead                  # k = 0, 1, 2 x three duration settings
+    python -m benchmarks.controller_overhead --steps 12 --settings 0.5,0.5 1.0,0.5
 """
 
 from __future__ import annotations
@@ -23,15 +23,14 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import ray
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fakes import ideal_step, run_sim, sim_config  # noqa: E402  (the simulated workers are a test helper)
-from readme import provenance, publish  # noqa: E402
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import publish
+from tests.fakes import ideal_step, run_sim, sim_config  # the simulated workers are a test helper
 
 
 def main() -> None:
@@ -41,7 +40,7 @@ def main() -> None:
     ap.add_argument("--settings", nargs="+", default=["0.5,0.5", "1.0,0.5", "0.5,1.0"], help="gen_s,train_s pairs")
     ap.add_argument("--export-s", type=float, default=0.05)
     ap.add_argument("--load-s", type=float, default=0.05)
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results_controller.md")))
+    ap.add_argument("--out", default=str(RESULTS / "results_controller.md"))
     args = ap.parse_args()
     if args.steps < 3:
         ap.error(f"--steps {args.steps}: at least 3 (the medians are over steps 3 and later)")
@@ -81,7 +80,7 @@ def main() -> None:
     ]
     for gen_s, train_s, k, med, lo, hi, ideal in rows:
         lines.append(f"| {gen_s:g} | {train_s:g} | {k} | {med:.3f} | {lo:.3f} | {hi:.3f} | {ideal:.3f} | {med / ideal - 1:+.1%} |")
-    lines += ["", f"Regenerate: `python benchmarks/controller_overhead.py --steps {args.steps}`."]
+    lines += ["", f"Regenerate: `python -m benchmarks.controller_overhead --steps {args.steps}`."]
     publish("controller", args.out, lines)
 
 

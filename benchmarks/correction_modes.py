@@ -1,11 +1,11 @@
 """Final reward of one-step off-policy training with each off-policy correction mode, against
 the synchronous run: same preset, seed and number of steps.
 
-    .venv/bin/python benchmarks/correction_modes.py [--preset default] [--steps 12]
+    .venv/bin/python -m benchmarks.correction_modes [--preset default] [--steps 12]
 
 Runs, one after another: k=0 (synchronous, decoupled correction: the reference), then k=1 with
 ``algorithm.correction_mode`` = decoupled (a), bypass (b) and off (c). Writes
-``benchmarks/results_correction.md``: mean training reward over the first and last 5 steps, the
+``benchmarks/results/results_correction.md``: mean training reward over the first and last 5 steps, the
 final validation accuracy, the largest mismatch KL and the median step time.
 """
 
@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
-from offstep.config.loader import load_config  # noqa: E402
-from offstep.pipeline.controller import train  # noqa: E402
-from readme import provenance, refresh  # noqa: E402
+from offstep.config.loader import load_config
+from offstep.pipeline.controller import train
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import refresh
 
 RUNS = [
     ("synchronous (k=0)", ["pipeline.max_staleness=0", "algorithm.correction_mode=decoupled"]),
@@ -37,7 +35,7 @@ def main() -> None:
     ap.add_argument("--preset", default="default")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(HERE / "results_correction.md"))
+    ap.add_argument("--out", default=str(RESULTS / "results_correction.md"))
     args = ap.parse_args()
     rows = []
     for name, extra in RUNS:

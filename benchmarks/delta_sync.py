@@ -1,7 +1,7 @@
 """Delta weight syncs (``pipeline.weight_sync_delta``) against full ones, and how far log-probs
 drift when a sample's K/V cache is older than the weights (``rollout.max_kv_age``).
 
-    python benchmarks/delta_sync.py            # writes results_delta_sync.md and its README section
+    python -m benchmarks.delta_sync            # writes results_delta_sync.md and its README section
 
 1. Bytes and seconds per sync. A model takes real AdamW steps at the default preset's lr (1e-5) on a
    batch of arithmetic problems with their answers (the default task's kind of text); after each,
@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme import HERE, provenance, refresh
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import refresh
 
 from offstep.models.loading import load_causal_lm, load_tokenizer, resolve_model
 from offstep.sync.collective import WeightReceiver, WeightSender, manifest
@@ -34,7 +32,7 @@ from offstep.sync.delta import DeltaSender, fingerprint
 from offstep.sync.digest import digest_of
 
 LR = 1e-5  # offstep/config/preset/default.yaml: actor.optim.lr
-OUT = HERE / "results_delta_sync.md"
+OUT = RESULTS / "results_delta_sync.md"
 DT = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 INT = {4: torch.int32, 2: torch.int16}
 

@@ -1,9 +1,9 @@
 """On-policy distillation against RL alone, from the same untrained SmolLM2 on the default task.
 
-    .venv/bin/python benchmarks/distill_runs.py --teacher             # RL seed 0, saved every 5 steps; its teacher exported
-    .venv/bin/python benchmarks/distill_runs.py --arm rl --seeds 1,2
-    .venv/bin/python benchmarks/distill_runs.py --arm distill --seeds 0,1,2
-    .venv/bin/python benchmarks/distill_runs.py --table               # the table from the rows so far
+    .venv/bin/python -m benchmarks.distill_runs --teacher             # RL seed 0, saved every 5 steps; its teacher exported
+    .venv/bin/python -m benchmarks.distill_runs --arm rl --seeds 1,2
+    .venv/bin/python -m benchmarks.distill_runs --arm distill --seeds 0,1,2
+    .venv/bin/python -m benchmarks.distill_runs --table               # the table from the rows so far
 
 Every run trains the default preset as it ships (25 steps, validation every 5: greedy, 35 held-out
 problems) on one split of the task, written once with seed 0 (``--work``/data): a run's seed draws
@@ -22,7 +22,7 @@ held-out problems and every run is scored on the same 35.
 Per run: held-out accuracy at every validation and its standard error, the first validation that
 reaches the teacher's own held-out accuracy, the training reward, the reverse KL to the teacher (the
 distillation arm's), the median step time and the wall time. Rows go to ``--rows`` (JSON lines; a
-rerun replaces its row); every call rewrites ``benchmarks/results_distill.md`` and its section.
+rerun replaces its row); every call rewrites ``benchmarks/results/results_distill.md`` and its section.
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
-from readme import cpu_kind, refresh  # noqa: E402
-from training_runs import Run, train_and_read  # noqa: E402
+from benchmarks.common import RESULTS, cpu_kind
+from benchmarks.readme import refresh
+from benchmarks.training_runs import Run, train_and_read
 
 STEPS, VAL_FREQ, TEACHER_BAR = 25, 5, 0.94  # the preset's; the issue's bar for the teacher
 
@@ -135,7 +134,7 @@ def write_table(rows: list[dict], teacher: dict | None, out: Path, remark: str) 
             lines.append(f"| {arm} | {', '.join(str(r['seed']) for r in rs)} | {_spread([r['val_curve'][-1][1] for r in rs])} "
                          f"| {_spread([max(a for _, a in r['val_curve'][1:]) for r in rs])} | {len(reached)} of {len(rs)} "
                          f"| {_spread([float(s) for s in reached], '{:.0f}')} | {_spread([r['step_s'] for r in rs], '{:.1f}')} |")
-    lines += ["", "Regenerate: `.venv/bin/python benchmarks/distill_runs.py --teacher`, then `--arm rl --seeds 1,2` and "
+    lines += ["", "Regenerate: `.venv/bin/python -m benchmarks.distill_runs --teacher`, then `--arm rl --seeds 1,2` and "
                   "`--arm distill --seeds 0,1,2` (one run at a time; about 6 minutes a run on 2 AVX-512 BF16 cores), "
                   "then `--table`."]
     out.write_text("\n".join(lines) + "\n")
@@ -149,9 +148,9 @@ def main() -> None:
     ap.add_argument("--seeds", default="", help="comma-separated seeds to run now (each replaces its earlier row)")
     ap.add_argument("--table", action="store_true", help="only rewrite the results file from --rows")
     ap.add_argument("--work", default="runs/bench_distill", help="the runs, the data split and the teacher")
-    ap.add_argument("--rows", default=str(HERE / "results_distill.jsonl"))
+    ap.add_argument("--rows", default=str(RESULTS / "results_distill.jsonl"))
     ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran on the machine)")
-    ap.add_argument("--out", default=str(HERE / "results_distill.md"))
+    ap.add_argument("--out", default=str(RESULTS / "results_distill.md"))
     ap.add_argument("--steps", type=int, default=STEPS, help="a smoke run of this script: fewer steps, validating "
                     "every step (with --work, --rows and --out elsewhere; not for the results)")
     args = ap.parse_args()
@@ -174,7 +173,7 @@ def main() -> None:
         keep(row_of(run, "rl", 0, teacher))
     for seed in ([] if args.table else [int(s) for s in args.seeds.split(",") if s]):
         if teacher is None or not Path(teacher["path"]).is_dir():
-            raise SystemExit("no teacher yet: run `python benchmarks/distill_runs.py --teacher` first")
+            raise SystemExit("no teacher yet: run `python -m benchmarks.distill_runs --teacher` first")
         keep(row_of(run_arm(args.arm, seed, work, teacher), args.arm, seed, teacher))
     print(write_table(rows, teacher, Path(args.out), args.remark))
     refresh("distill", args.out)

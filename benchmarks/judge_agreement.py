@@ -1,7 +1,7 @@
 """How well SmolLM2-135M-Instruct judges the arithmetic task's answers, against the rule that knows.
 
-    .venv/bin/python benchmarks/judge_agreement.py                 # 64 problems, 2 answers each
-    .venv/bin/python benchmarks/judge_agreement.py --problems 16   # a quick look
+    .venv/bin/python -m benchmarks.judge_agreement                 # 64 problems, 2 answers each
+    .venv/bin/python -m benchmarks.judge_agreement --problems 16   # a quick look
 
 The untrained policy (the default preset's model) answers held-out problems of the default
 preset's task (``arithmetic``, one digit) with its token budget at temperature 1, so both right and
@@ -11,7 +11,7 @@ scores each (1: the final number is right). The generative judge of ``reward.mod
 (question, response, ground truth) once per template and parser below. Reported per judge
 setting: agreement with the rule (a judge score >= 0.5 counts as "right"), the confusion counts,
 Cohen's kappa, the share of answers the parser could not read (those get the fallback score 0 in
-a run), and the judge's seconds per sample. Writes ``benchmarks/results_judge.md``.
+a run), and the judge's seconds per sample. Writes ``benchmarks/results/results_judge.md``.
 """
 
 from __future__ import annotations
@@ -21,16 +21,14 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
-from readme import cpu_kind, provenance, refresh  # noqa: E402
+from benchmarks.common import RESULTS, cpu_kind, provenance
+from benchmarks.readme import refresh
 
 # (name, reward.model.template, parser): the shipped default first
 SETTINGS = [("default template, last_number", "score", "last_number"), ("yes/no template, yes_no", "yes_no", "yes_no")]
@@ -109,7 +107,7 @@ def write(results: dict, args, n_samples: int, right: int, out: Path) -> str:
     lines += ["", "The judge's first answers per setting (what the parser reads):", ""]
     for name, r in results.items():
         lines.append(f"- {name}: " + "; ".join(json.dumps(t) for t in r["examples"]))
-    lines += ["", "Regenerate: `.venv/bin/python benchmarks/judge_agreement.py`."]
+    lines += ["", "Regenerate: `.venv/bin/python -m benchmarks.judge_agreement`."]
     out.write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
@@ -120,7 +118,7 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=64, help="held-out problems (the one-digit task has 155 in all)")
     ap.add_argument("--answers", type=int, default=2, help="sampled answers per problem")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(HERE / "results_judge.md"))
+    ap.add_argument("--out", default=str(RESULTS / "results_judge.md"))
     ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran on the machine)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

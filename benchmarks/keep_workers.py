@@ -8,8 +8,8 @@ transformers and loads its model); a kept run builds its workers inside the proc
 before it kept. Reported per setting: the median, lowest and highest wall time of a whole
 ``train`` call, and whether every kept run's metrics (timings aside) equalled the fresh runs'.
 
-    python benchmarks/keep_workers.py                 # 5 rounds of 2-step runs
-    python benchmarks/keep_workers.py --rounds 3 --steps 4
+    python -m benchmarks.keep_workers                 # 5 rounds of 2-step runs
+    python -m benchmarks.keep_workers --rounds 3 --steps 4
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from readme import cpu_kind, provenance, publish
+from benchmarks.common import RESULTS, cpu_kind, provenance
+from benchmarks.readme import publish
 
 _TIMED = ("timing_s/", "perf/", "/busy", "_s/", "wait")
 
@@ -41,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results_keep.md")))
+    ap.add_argument("--out", default=str(RESULTS / "results_keep.md"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -86,7 +87,7 @@ def main() -> None:
         med = statistics.median(ts)
         lines.append(f"| {setting} | {len(ts)} | {med:.2f} | {min(ts):.2f} | {max(ts):.2f} | {fresh / med:.1f}x |")
     lines += ["", f"Every run's metrics, timings aside, equal the first run's: {'yes' if same else 'NO'}.", "",
-              f"Regenerate: `python benchmarks/keep_workers.py --rounds {args.rounds} --steps {args.steps}`."]
+              f"Regenerate: `python -m benchmarks.keep_workers --rounds {args.rounds} --steps {args.steps}`."]
     publish("keep", args.out, lines)
 
 

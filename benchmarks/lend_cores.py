@@ -11,10 +11,10 @@ its runs, the median rollout-busy and trainer-busy seconds, the seconds the trai
 rollout's cores, and the step against the equal-cores limit of the unlent runs: (rollout busy +
 trainer busy) / cores, the step if every core-second of work were spread evenly over the cores.
 
-    python benchmarks/lend_cores.py                                # float32 and bfloat16, 2 rounds
-    python benchmarks/lend_cores.py --dtypes float32 --rounds 1 --steps 5
-    python benchmarks/lend_cores.py --dtypes float32 --rounds 1 --steps 5 --budgets 0 -1
-    python benchmarks/lend_cores.py --rounds 1 --steps 5 --share false true
+    python -m benchmarks.lend_cores                                # float32 and bfloat16, 2 rounds
+    python -m benchmarks.lend_cores --dtypes float32 --rounds 1 --steps 5
+    python -m benchmarks.lend_cores --dtypes float32 --rounds 1 --steps 5 --budgets 0 -1
+    python -m benchmarks.lend_cores --rounds 1 --steps 5 --share false true
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from overlap import TRAINER_STAGES, rollout_busy
-from readme import cpu_kind, provenance, refresh
+from benchmarks.common import RESULTS, cpu_kind, provenance
+from benchmarks.overlap import TRAINER_STAGES, rollout_busy
+from benchmarks.readme import refresh
 
 
 def run(dtype: str, budget: int, share: bool, lend: bool, steps: int, out: Path) -> list[dict]:
@@ -64,7 +65,7 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[-1], help="actor.micro_token_budget values to compare")
     ap.add_argument("--share", nargs="+", choices=["false", "true"], default=["true"],
                     help="actor.share_prompts values to compare")
-    ap.add_argument("--out", default="benchmarks/results_lend.md")
+    ap.add_argument("--out", default=str(RESULTS / "results_lend.md"))
     args = ap.parse_args()
     cores = os.cpu_count()
     rows = []

@@ -33,7 +33,7 @@ load-dependent:
 Measured: samples/s over steps 3..N (steps 1 and 2 fill the pipeline). Everything is simulated: a
 row is a schedule's ratio, not a model on a GPU.
 
-    python benchmarks/lend_devices_sim.py             # writes results_lend_devices.md and its section of README.md
+    python -m benchmarks.lend_devices_sim             # writes results_lend_devices.md and its section of README.md
 """
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 
+from benchmarks.common import RESULTS
 from offstep.pipeline.sample_stream import must_take  # the real admission-and-take rule
 
-OUT = Path(__file__).with_name("results_lend_devices.md")
+OUT = RESULTS / "results_lend_devices.md"
 EPS = 1e-9
 
 
@@ -279,7 +279,7 @@ def scenario(base: Setting, sigma: float, k: int, switch_s: float) -> dict:
 
 
 def render(rows: list[dict], base: Setting, share: float, took: float, cmd: str) -> list[str]:
-    from readme import provenance
+    from benchmarks.common import provenance
 
     mean = mean_length(base)
     lines = [
@@ -330,11 +330,11 @@ def main() -> None:
     t0 = time.time()
     base = with_share(Setting(), args.share)
     rows = [scenario(base, sigma, k, sw) for sigma in args.sigmas for k in args.ks for sw in args.switches]
-    lines = render(rows, base, args.share, time.time() - t0, "python benchmarks/lend_devices_sim.py")
+    lines = render(rows, base, args.share, time.time() - t0, "python -m benchmarks.lend_devices_sim")
     if args.no_readme:
         print("\n".join(lines))
     else:
-        from readme import publish
+        from benchmarks.readme import publish
 
         publish("lend-devices", OUT, lines)
 

@@ -1,10 +1,10 @@
 """Full fine-tuning vs LoRA (actor.lora.rank 8 and 32) on the default model and preset.
 
-    .venv/bin/python benchmarks/lora.py [--parts engine,memory,runs] [--preset default] [--steps 0]
+    .venv/bin/python -m benchmarks.lora [--parts engine,memory,runs] [--preset default] [--steps 0]
         [--updates 3] [--runs 0::0+1+2,8:1e-4:0+1,32:1e-4:0+1] [--only NAME,...] [--list]
 
-Three parts, each merged into ``benchmarks/results_lora.json`` (what was measured, per part and
-per run) and rendered from it into ``benchmarks/results_lora.md``, so the runs can be made one at a
+Three parts, each merged into ``benchmarks/results/results_lora.json`` (what was measured, per part and
+per run) and rendered from it into ``benchmarks/results/results_lora.md``, so the runs can be made one at a
 time (``--parts runs --only r0-lr1e-05-s0``, e.g. each under the shared CPU lock) and the table
 still shows them side by side:
 
@@ -35,11 +35,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
-from readme import command, refresh  # noqa: E402
-from training_runs import train_and_read  # noqa: E402
+from benchmarks.common import AVX2_FLOAT32, RESULTS, command, cpu_kind_and_dtype
+from benchmarks.readme import refresh
+from benchmarks.training_runs import train_and_read
 
 RANKS = (8, 32)
 
@@ -274,24 +273,12 @@ class LoadAverage:
 
     def record(self) -> dict:
         return {"started": self.started, "load_mean": statistics.mean(self.samples), "load_max": max(self.samples),
-                "cpu": cpu_kind(), "command": command()}
-
-
-# What the parts and runs recorded before they recorded their CPU: all ran on AVX2-only cores.
-AVX2 = "AVX2, no AVX-512 BF16: the trainer computes in float32"
-
-
-def cpu_kind() -> str:
-    """This CPU as far as the numbers depend on it: ``model.compute_dtype=auto`` trains in bf16
-    where the CPU has native bf16, else in float32 (see docs/running.md, "Reproducibility")."""
-    from offstep.config.loader import cpu_has_native_bf16
-
-    return "AVX-512 BF16: the trainer computes in bf16" if cpu_has_native_bf16() else AVX2
+                "cpu": cpu_kind_and_dtype(), "command": command()}
 
 
 def recorded_cpus(results: dict) -> str:
     parts = [results[k] for k in ("engine", "memory") if k in results] + list(results.get("runs", {}).values())
-    return "; ".join(sorted({p.get("cpu", AVX2) for p in parts})) or cpu_kind()
+    return "; ".join(sorted({p.get("cpu", AVX2_FLOAT32) for p in parts})) or cpu_kind_and_dtype()
 
 
 def measured(fn, *args) -> dict:
@@ -302,7 +289,7 @@ def measured(fn, *args) -> dict:
 
 def _out_arg(out: Path) -> str:
     """The ``--out`` to name in a command, when it is not the default file."""
-    return "" if out.resolve() == (HERE / "results_lora.md").resolve() else f" --out benchmarks/{out.name}"
+    return "" if out.resolve() == (RESULTS / "results_lora.md").resolve() else f" --out benchmarks/results/{out.name}"
 
 
 def runs_arg(runs: dict) -> str:
@@ -313,7 +300,7 @@ def runs_arg(runs: dict) -> str:
     return ",".join(f"{rank}:{lr:g}:{'+'.join(map(str, sorted(seeds)))}" for (rank, lr), seeds in sorted(groups.items()))
 
 
-def render(results: dict, preset: str, regenerate: str, out: Path = HERE / "results_lora.md") -> str:
+def render(results: dict, preset: str, regenerate: str, out: Path = RESULTS / "results_lora.md") -> str:
     import peft
     import torch
 
@@ -322,8 +309,8 @@ def render(results: dict, preset: str, regenerate: str, out: Path = HERE / "resu
              f"peft {peft.__version__}, Python {platform.python_version()}. Each part and run below says when it ran and "
              "the load average meanwhile: the 2 cores were shared with other engineers' jobs (tests, other benchmarks).",
              "", f"Regenerate: `{regenerate}` (every part, one run after another), or one run at a time: "
-             f"`.venv/bin/python benchmarks/lora.py --parts runs --only r0-lr1e-05-s0{_out_arg(out)}` (`--list` names them); "
-             f"each invocation merges into `benchmarks/{out.with_suffix('.json').name}` and rewrites this file from it."]
+             f"`.venv/bin/python -m benchmarks.lora --parts runs --only r0-lr1e-05-s0{_out_arg(out)}` (`--list` names them); "
+             f"each invocation merges into `benchmarks/results/{out.with_suffix('.json').name}` and rewrites this file from it."]
     if "engine" in results:
         lines += [""] + render_engine(results["engine"])
     if "memory" in results:
@@ -343,7 +330,7 @@ def main() -> None:
                     help="runs: rank:lr:seeds items (empty lr: the preset's; seeds joined by +)")
     ap.add_argument("--only", default="", help="runs: only these run names (comma-separated; see --list)")
     ap.add_argument("--list", action="store_true", help="print the run names of --runs and exit")
-    ap.add_argument("--out", default=str(HERE / "results_lora.md"), help="the table; its .json beside it holds the results")
+    ap.add_argument("--out", default=str(RESULTS / "results_lora.md"), help="the table; its .json beside it holds the results")
     args = ap.parse_args()
     from offstep.config.loader import load_config
 
@@ -364,7 +351,7 @@ def main() -> None:
     def save() -> None:  # after every part and run: a stopped benchmark keeps what it measured
         store.write_text(json.dumps(results, indent=1) + "\n")
         out = Path(args.out)
-        out.write_text(render(results, args.preset, f".venv/bin/python benchmarks/lora.py --preset {args.preset} --steps "
+        out.write_text(render(results, args.preset, f".venv/bin/python -m benchmarks.lora --preset {args.preset} --steps "
                                                     f"{steps} --updates {args.updates} --runs {runs_arg(results.get('runs', {})) or args.runs}"
                                                     f"{_out_arg(out)}", out))
 

@@ -1,11 +1,11 @@
 """What makes two installs' default runs differ? Fingerprints of each step from the GGUF file to the
 first sampled token, for the packages and CPU this process runs with.
 
-    .venv/bin/python benchmarks/numerics_probe.py --save /tmp/a.pt
+    .venv/bin/python -m benchmarks.numerics_probe --save /tmp/a.pt
     pip install --no-deps --target /tmp/tf transformers==5.24.0
-    PYTHONPATH=/tmp/tf .venv/bin/python benchmarks/numerics_probe.py --save /tmp/b.pt   # another version
-    ATEN_CPU_CAPABILITY=default .venv/bin/python benchmarks/numerics_probe.py --save /tmp/c.pt  # another CPU ISA
-    .venv/bin/python benchmarks/numerics_probe.py --compare /tmp/a.pt /tmp/b.pt
+    PYTHONPATH=/tmp/tf .venv/bin/python -m benchmarks.numerics_probe --save /tmp/b.pt   # another version
+    ATEN_CPU_CAPABILITY=default .venv/bin/python -m benchmarks.numerics_probe --save /tmp/c.pt  # another CPU ISA
+    .venv/bin/python -m benchmarks.numerics_probe --compare /tmp/a.pt /tmp/b.pt
 
 Prints one JSON line: the hash of the de-quantised weights (a fresh conversion in a temporary
 folder), of the prompts' token ids, of float32 logits and of greedy continuations; ``--compare``

@@ -15,8 +15,8 @@ rollout-busy (generation, plus reference log-probs where the rollout computes th
 trainer-busy time, and the overlap efficiency of the one-step run,
 ``(max(busy generation, busy training) + sync) / step time`` (1.0 is the physical limit).
 
-    python benchmarks/overlap.py                      # tiny and default presets
-    python benchmarks/overlap.py --presets tiny --steps 8
+    python -m benchmarks.overlap                      # tiny and default presets
+    python -m benchmarks.overlap --presets tiny --steps 8
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from readme import provenance, refresh
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import refresh
 
 MODES = {
     "sync-colocated": ["pipeline.max_staleness=0", "pipeline.colocate=true", "resources.cpus_per_trainer_worker={cores}", "pipeline.ref_on_rollout=false"],
@@ -74,7 +75,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", nargs="+", default=["tiny", "default"])
     ap.add_argument("--steps", type=int, default=0, help="steps per run (default: 10 tiny, 6 default)")
-    ap.add_argument("--out", default="benchmarks/results_overlap.md")
+    ap.add_argument("--out", default=str(RESULTS / "results_overlap.md"))
     args = ap.parse_args()
     cores = os.cpu_count()
     rows = []
@@ -95,7 +96,7 @@ def main() -> None:
         provenance(),
         "",
         f"Machine: {platform.machine()}, {cores} cores, {platform.python_version()}; medians over steps 2..N of one run each, "
-        f"run one after another by `python benchmarks/overlap.py`.",
+        f"run one after another by `python -m benchmarks.overlap`.",
         "",
         "| preset | mode | step s | rollout busy s | trainer busy s | sync s | speed vs sync-colocated | overlap efficiency |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",

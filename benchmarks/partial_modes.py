@@ -7,34 +7,32 @@ The "new" weights are the model moved by one Adam-sized step at the default pres
 is that of one real policy version. 8 arithmetic prompts x 4 samples, up to 48 new tokens, T = 1;
 the load is posted once ``LOAD_AT`` tokens have been sampled in all (about a third of the way).
 
-    .venv/bin/python benchmarks/partial_modes.py      # writes benchmarks/results_partial.md
+    .venv/bin/python -m benchmarks.partial_modes      # writes benchmarks/results/results_partial.md
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lora import cpu_kind  # noqa: E402
-from readme import refresh  # noqa: E402
+from benchmarks.common import RESULTS, cpu_kind_and_dtype
+from benchmarks.readme import refresh
 
-from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
-from offstep.rollout.engines.control import StepControl  # noqa: E402
-from offstep.rollout.engines.torch_engine import TorchEngine  # noqa: E402
-from offstep.rollout.stream.replica_stream import StreamFeed  # noqa: E402
-from offstep.rollout.types import SamplingParams, TurnRequest  # noqa: E402
+from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
+from offstep.rollout.engines.control import StepControl
+from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.stream.replica_stream import StreamFeed
+from offstep.rollout.types import SamplingParams, TurnRequest
 
 PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=48)
 LR = 1e-5  # the default preset's actor.optim.lr
 LOAD_AT = 32 * 12  # tokens sampled in all before the load is posted
 REPEATS = 3
-OUT = Path(__file__).resolve().parent / "results_partial.md"
+OUT = RESULTS / "results_partial.md"
 
 
 def _prompts(tok) -> list[list[int]]:
@@ -88,6 +86,7 @@ def _teacher(model, prompt, response):
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.set_num_threads(1)
     path = resolve_model("smollm2-135m-instruct")
     tok = load_tokenizer(path)
@@ -128,7 +127,7 @@ def main() -> None:
     lines = [
         "# rollout.partial: mismatch and cost of each way of continuing across a weight load",
         "",
-        f"`.venv/bin/python benchmarks/partial_modes.py` on {cpu_kind()}, 1 thread; "
+        f"`.venv/bin/python -m benchmarks.partial_modes` on {cpu_kind_and_dtype()}, 1 thread; "
         f"{time.strftime('%Y-%m-%d')}. SmolLM2-135M-Instruct, float32, built-in engine (slot runner); 8 prompts x "
         f"{PARAMS.n} samples, up to {PARAMS.max_new_tokens} new tokens, T = 1; the new weights are the model moved by "
         f"{LR:g} x a random sign per parameter (one Adam-sized step at the default lr); the load is posted after "

@@ -1,14 +1,14 @@
 """A preset (or a variant of one) trained per seed: held-out accuracy before and after, and the step split.
 
-    .venv/bin/python benchmarks/preset_runs.py --preset code --seeds 0,1,2
-    .venv/bin/python benchmarks/preset_runs.py --preset calculator_openai --seeds 0,1
-    .venv/bin/python benchmarks/preset_runs.py --label judge_only --preset default --seeds 0 --extra reward.model.kind=generative ...
-    .venv/bin/python benchmarks/preset_runs.py --table        # the tables from the rows so far
-    .venv/bin/python benchmarks/preset_runs.py --label long_tail --seeds 0 --reread   # a row again from its run folder
+    .venv/bin/python -m benchmarks.preset_runs --preset code --seeds 0,1,2
+    .venv/bin/python -m benchmarks.preset_runs --preset calculator_openai --seeds 0,1
+    .venv/bin/python -m benchmarks.preset_runs --label judge_only --preset default --seeds 0 --extra reward.model.kind=generative ...
+    .venv/bin/python -m benchmarks.preset_runs --table        # the tables from the rows so far
+    .venv/bin/python -m benchmarks.preset_runs --label long_tail --seeds 0 --reread   # a row again from its run folder
 
 Each run trains the preset as it ships (its own steps and validation), with ``--extra`` overrides
 under its ``--label``, and appends one row per (label, seed) to ``--rows`` (JSON lines; a rerun
-on the same kind of CPU replaces its row). Every call rewrites ``benchmarks/results_presets.md`` from all rows: per seed,
+on the same kind of CPU replaces its row). Every call rewrites ``benchmarks/results/results_presets.md`` from all rows: per seed,
 then the mean and range per label. The seed also draws the task's problems, so each seed has its own
 held-out set; labels compare side by side only on the same seeds.
 
@@ -28,15 +28,13 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
-from readme import NOT_RECORDED, cpu_kind, refresh  # noqa: E402
-from training_runs import Run, read_jsonl, train_and_read  # noqa: E402
+from benchmarks.common import NOT_RECORDED, RESULTS, cpu_kind
+from benchmarks.readme import refresh
+from benchmarks.training_runs import Run, read_jsonl, train_and_read
 
 KEPT = ("timing_s/", "sandbox/", "reward/", "agent/", "val/", "rollout/")  # per-step metrics a row keeps (medians)
 
@@ -174,10 +172,10 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
     for label in labels:
         r = next(r for r in rows if r["label"] == label)
         lines.append(f"- `{label}`: `preset={r['preset']}`" + "".join(f" `{e}`" for e in r["extra"])
-                     + f"; regenerate with `.venv/bin/python benchmarks/preset_runs.py --label {label} --preset "
+                     + f"; regenerate with `.venv/bin/python -m benchmarks.preset_runs --label {label} --preset "
                      f"{r['preset']} --seeds {','.join(str(x['seed']) for x in rows if x['label'] == label)}"
                      + (f" --extra {' '.join(r['extra'])}" if r["extra"] else "") + "`.")
-    lines += ["", "Regenerate the tables from the stored rows: `.venv/bin/python benchmarks/preset_runs.py --table`."]
+    lines += ["", "Regenerate the tables from the stored rows: `.venv/bin/python -m benchmarks.preset_runs --table`."]
     out.write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
@@ -249,12 +247,12 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="only rewrite the results file from --rows")
     ap.add_argument("--reread", action="store_true", help="recompute the rows of --label and --seeds from their run "
                     "folders (runs/bench_presets/LABEL/seedN) without training, then rewrite the results file")
-    ap.add_argument("--rows", default=str(HERE / "results_presets.jsonl"))
+    ap.add_argument("--rows", default=str(RESULTS / "results_presets.jsonl"))
     ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran on the machine)")
-    ap.add_argument("--out", default=str(HERE / "results_presets.md"))
+    ap.add_argument("--out", default=str(RESULTS / "results_presets.md"))
     ap.add_argument("--plot", default="", help="comma-separated labels: draw their curves (mean and range over seeds) "
                     "into --plot-out, and nothing else")
-    ap.add_argument("--plot-out", default=str(HERE / "presets.png"))
+    ap.add_argument("--plot-out", default=str(RESULTS / "presets.png"))
     ap.add_argument("--plot-cpu", default="", help="only the seeds run on this kind of CPU (e.g. AVX2, 'AVX-512 BF16')")
     args = ap.parse_args()
     label = args.label or args.preset

@@ -1,7 +1,7 @@
 """Kills at random moments: a tiny run is SIGKILLed (its whole process group) again and again and
 resumed each time, until it completes; every record must equal an uninterrupted run's.
 
-    .venv/bin/python benchmarks/random_kills.py --only builtin-k0 builtin-k1 builtin-k2 [--kills 20] [--seed 0]
+    .venv/bin/python -m benchmarks.random_kills --only builtin-k0 builtin-k1 builtin-k2 [--kills 20] [--seed 0]
 
 Per configuration (``SETUPS``): one uninterrupted reference run, then runs of the same command
 (``offstep train``, in its own session, so the process group of the driver is what is killed)
@@ -33,7 +33,7 @@ complete checkpoint: before the first; else between); and the records so far mus
 reference's (``check_records``). A resume is exact when the records after the run that follows it
 (killed again, or complete) pass. The last run's records must equal the reference's in full.
 
-Writes ``benchmarks/results_random_kills.json`` (every kill) and ``.md`` (per configuration:
+Writes ``benchmarks/results/results_random_kills.json`` (every kill) and ``.md`` (per configuration:
 kills, where they landed, exact resumes, time); rows of other configurations are kept.
 """
 
@@ -56,13 +56,12 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from offstep.pipeline.checkpoints import PHASES  # noqa: E402
-from readme import cpu_kind, refresh  # noqa: E402
-from run_records import Records, check_records, checkpoint_steps, partial_writes, read_lines  # noqa: E402
+from benchmarks.common import RESULTS, ROOT, cpu_kind
+from benchmarks.readme import refresh
+from benchmarks.run_records import Records, check_records, checkpoint_steps, partial_writes, read_lines
+from offstep.pipeline.checkpoints import PHASES
 
-RESULTS = ROOT / "benchmarks" / "results_random_kills"
+STORE = RESULTS / "results_random_kills"  # .json: every kill; .md: the tables
 LEFTOVER_S = 30.0  # Ray's workers end when their raylet is gone (a few seconds here)
 KINDS = ("startup", "running", "partial", "pause")
 POINTS = PHASES[1:]  # where a ``pause`` holds a write; at ``begin`` none has begun (the ``early`` kill)
@@ -463,9 +462,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--save-freq", type=int, default=2)
     p.add_argument("--work", type=Path, help="where the runs go (default: a temporary folder, deleted after)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results_random_kills.* as they are")
+    p.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results/results_random_kills.* as they are")
     a = p.parse_args()
-    store = RESULTS.with_suffix(".json")
+    store = STORE.with_suffix(".json")
     results = json.loads(store.read_text()) if store.exists() and not a.no_write else {}
     ok = True
     for name in a.only:
@@ -474,7 +473,7 @@ def main() -> int:
         r = run_setup(s, a.kills or s.kills, a.seed, a.steps, a.save_freq, work, plan=PLAN)
         passed = r["failure"] is None and r["exact"] == r["kills"]
         ok &= passed
-        r["command"] = f"python benchmarks/random_kills.py --only {name}" + (f" --kills {a.kills}" if a.kills else "") + (
+        r["command"] = f"python -m benchmarks.random_kills --only {name}" + (f" --kills {a.kills}" if a.kills else "") + (
             f" --seed {a.seed}" if a.seed else "")
         r["cpu"], r["date"] = cpu_kind(), time.strftime("%Y-%m-%d")
         results[name] = r
@@ -484,7 +483,7 @@ def main() -> int:
             print(f"{name}: the runs and their logs are in {work}")
         if not a.no_write:
             store.write_text(json.dumps(results, indent=1) + "\n")
-            write_report(results, RESULTS.with_suffix(".md"))
+            write_report(results, STORE.with_suffix(".md"))
     if not a.no_write:
         refresh("random-kills")
     return 0 if ok else 1

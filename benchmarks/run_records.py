@@ -6,13 +6,11 @@ Also what a run folder shows of its checkpoints: complete ones, and writes under
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from offstep.pipeline.sample_stream import WHEN_FINISHED  # noqa: E402
+from offstep.pipeline.sample_stream import WHEN_FINISHED
 
 # Wall-clock figures, the only fields of a metrics record not compared: their prefixes, and the
 # names ending in "_s" (seconds: agent/tool_time_s); and the fully asynchronous stream's WHEN_FINISHED.

@@ -7,8 +7,8 @@ and their difference. Throughput: ``--jobs`` executions of a short CPU-bound pro
 (``--work`` loop iterations) submitted from as many threads as the concurrency, through one
 ``Sandbox`` with that concurrency: executions per second and the mean queue wait.
 
-    python benchmarks/sandbox.py                       # 40 runs; concurrency 1, 2, 8
-    python benchmarks/sandbox.py --runs 100 --concurrency 1 2 4 8 16
+    python -m benchmarks.sandbox                       # 40 runs; concurrency 1, 2, 8
+    python -m benchmarks.sandbox --runs 100 --concurrency 1 2 4 8 16
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from readme import provenance, refresh  # noqa: E402
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import refresh
 
-from offstep.sandbox import SYSTEM_PYTHON, Limits, Sandbox, problem  # noqa: E402
+from offstep.sandbox import SYSTEM_PYTHON, Limits, Sandbox, problem
 
 
 def p95(xs: list[float]) -> float:
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 8])
     ap.add_argument("--jobs", type=int, default=32)
     ap.add_argument("--work", type=int, default=200_000)
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results_sandbox.md")))
+    ap.add_argument("--out", default=str(RESULTS / "results_sandbox.md"))
     args = ap.parse_args()
     why = problem()
     if why is not None:

@@ -1,14 +1,14 @@
 """Soak test: a long tiny run in one-step mode must hold every process's memory, open files and
 threads flat.
 
-    .venv/bin/python benchmarks/soak.py [--steps 200] [--every 10] [--warmup 20]
+    .venv/bin/python -m benchmarks.soak [--steps 200] [--every 10] [--warmup 20]
 
 Runs ``offstep train preset=tiny pipeline.max_staleness=1 trainer.total_steps=STEPS`` in a
 subprocess and, every ``--every`` steps (read from its metrics.jsonl), samples with psutil the
 resident memory (RSS), open file descriptors and threads of the driver and of every process it
 started (Ray's GCS and raylet, the rollout / actor / reference workers). The first samples at or
 after ``--warmup`` steps are the baseline: allocators, caches and Ray's pools settle in the first
-steps; each process's first and last values are medians of three samples. Writes ``benchmarks/results_soak.md`` (baseline vs last sample, growth, and a least-squares
+steps; each process's first and last values are medians of three samples. Writes ``benchmarks/results/results_soak.md`` (baseline vs last sample, growth, and a least-squares
 slope per step) and exits 1 if any process grew beyond the thresholds below, or if the run failed.
 """
 
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from readme import provenance, refresh
+from benchmarks.common import RESULTS, ROOT, provenance
+from benchmarks.readme import refresh
 
-ROOT = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
 
 # "Flat" means: over the measured window, each process's RSS grows by at most RSS_LIMIT_MIB, and
@@ -121,7 +121,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--every", type=int, default=10, help="sample every N steps")
     ap.add_argument("--warmup", type=int, default=20, help="the baseline is the first sample at or after this step")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results_soak.md"))
+    ap.add_argument("--out", default=str(RESULTS / "results_soak.md"))
     ap.add_argument("overrides", nargs="*", help="extra offstep train overrides")
     args = ap.parse_args()
 

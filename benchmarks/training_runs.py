@@ -1,5 +1,5 @@
 """One training run for a benchmark, and what the benchmarks read from its run folder. Shared by
-``engine_runs.py`` and ``lora.py`` (run from ``benchmarks/``: the scripts' folder is on sys.path)."""
+the training benchmarks (``benchmarks.engine_runs``, ``benchmarks.lora``, ``benchmarks.preset_runs``, ...)."""
 
 from __future__ import annotations
 

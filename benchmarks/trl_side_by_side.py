@@ -1,7 +1,7 @@
 """The same GRPO work in TRL's GRPOTrainer and in offstep, one run after the other on this machine.
 
-    .venv/bin/python benchmarks/trl_side_by_side.py                    # writes results_trl.md (AVX-512 BF16)
-    .venv/bin/python benchmarks/trl_side_by_side.py --dtypes float32 --steps 6
+    .venv/bin/python -m benchmarks.trl_side_by_side                    # writes results_trl.md (AVX-512 BF16)
+    .venv/bin/python -m benchmarks.trl_side_by_side --dtypes float32 --steps 6
 
 The work (issue 28's): SmolLM2-135M-Instruct, 64 single-digit arithmetic prompts (the built-in task,
 seed 0), 8 prompts x 4 samples a step, at most 48 new tokens, T = 1, lr 1e-6 constant, no KL, seed 0.
@@ -35,11 +35,11 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from benchmarks.common import RESULTS, ROOT
+
 WORK = ROOT / "runs" / "bench_trl"
 VENV = WORK / "venv"
-OUTS = {"AVX-512 BF16": HERE / "results_trl.md", "AVX2": HERE / "results_trl_avx2.md"}
+OUTS = {"AVX-512 BF16": RESULTS / "results_trl.md", "AVX2": RESULTS / "results_trl_avx2.md"}
 PROMPTS, BATCH, N, NEW_TOKENS, LR = 64, 8, 4, 48, 1e-6
 
 
@@ -132,12 +132,13 @@ def run_trl(python: Path, model: str, dtype: str, steps: int, threads: int) -> d
     spec_file, result_file = WORK / f"spec_{dtype}.json", WORK / f"trl_{dtype}.json"
     spec_file.write_text(json.dumps(spec))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
-    subprocess.run([str(python), __file__, "--child", str(spec_file), str(result_file)], check=True, env=env)
+    subprocess.run([str(python), "-m", "benchmarks.trl_side_by_side", "--child", str(spec_file), str(result_file)],
+                   check=True, env=env, cwd=ROOT)
     return json.loads(result_file.read_text())
 
 
 def run_offstep(name: str, overrides: list[str], dtype: str, steps: int) -> dict:
-    from training_runs import train_and_read
+    from benchmarks.training_runs import train_and_read
 
     out = WORK / f"offstep_{name}_{dtype}"
     run = train_and_read(
@@ -163,7 +164,7 @@ def _median(steps: list[dict], key: str) -> float | None:
 
 
 def write_results(rows: list[dict], versions: dict, steps: int, out: Path) -> str:
-    from readme import provenance
+    from benchmarks.common import provenance
 
     f = lambda v: "—" if v is None else f"{v:.1f}"  # noqa: E731
     lines = ["# offstep against TRL's GRPOTrainer, the same work on this machine", "", provenance(),
@@ -195,8 +196,8 @@ def main() -> None:
         result = trl_child(json.loads(Path(args.child[0]).read_text()))
         Path(args.child[1]).write_text(json.dumps(result))
         return
-    sys.path.insert(0, str(ROOT))
-    from readme import cpu_kind, refresh
+    from benchmarks.common import cpu_kind
+    from benchmarks.readme import refresh
 
     from offstep.models.loading import resolve_model
 

@@ -19,9 +19,9 @@ over only the positions that predict response tokens; a measurement of packing, 
 swapping the actor's forward, not a path offstep's update takes. Then the AdamW step over the same
 parameters: torch's per-tensor loop against the fused kernel offstep uses.
 
-    python benchmarks/update_throughput.py                    # SmolLM2-135M, 32 samples, 1 thread
-    python benchmarks/update_throughput.py --reps 5 --threads 2 --budgets 1024 2048
-    python benchmarks/update_throughput.py --packed --out benchmarks/results_update_avx512.md
+    python -m benchmarks.update_throughput                    # SmolLM2-135M, 32 samples, 1 thread
+    python -m benchmarks.update_throughput --reps 5 --threads 2 --budgets 1024 2048
+    python -m benchmarks.update_throughput --packed --out benchmarks/results/results_update_avx512.md
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
@@ -44,7 +43,8 @@ from offstep.models.loading import load_tokenizer, resolve_model
 from offstep.models.prompt_sharing import shared_layout
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
-from readme import command, provenance, publish
+from benchmarks.common import RESULTS, command, provenance
+from benchmarks.readme import publish
 
 
 def make_batch(n: int, group: int, vocab: int, pad_id: int, seed: int, prompt_range, resp_median: float, resp_sigma: float, resp_range):
@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--packed", action="store_true", help="also the default budget's micro-batches packed into one "
                     "sequence each (block-diagonal attention, no padding): a measurement, not offstep's path")
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results_update.md")))
+    ap.add_argument("--out", default=str(RESULTS / "results_update.md"))
     args = ap.parse_args()
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -16,8 +16,8 @@ the best, and the model's size over that time (GB/s; every worker receives all o
 every rollout engine's weights are checked against the actor's, and every sync's digests
 (``offstep.sync.digest``) must match; their cost is reported beside the sync's.
 
-    python benchmarks/weight_sync.py                      # SmolLM2-135M fp32, writes results_weight_sync.md
-    python benchmarks/weight_sync.py --model tiny --reps 3 --out /tmp/ws.md
+    python -m benchmarks.weight_sync                      # SmolLM2-135M fp32, writes results_weight_sync.md
+    python -m benchmarks.weight_sync --model tiny --reps 3 --out /tmp/ws.md
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ import torch
 from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.loading import cache_dir, resolve_model
 from offstep.rewards.registry import RewardFunction
-from offstep.rollout.worker import RolloutWorker
+from offstep.rollout.worker import RolloutSpec, RolloutWorker
 from offstep.sync.collective import connect
 from offstep.sync.digest import digest_of
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
-from readme import provenance, refresh
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import refresh
 
 
 def _timed_call(self, method: str, *args):
@@ -83,7 +84,7 @@ def bench(model: str, replicas: int, reps: int, bucket_mb: float, dtype: str) ->
         spec, 0, model, "float32", "float32", ActorConfig(), AlgorithmConfig(), 1.0
     )
     rollouts = [
-        ray.remote(RolloutWorker).options(num_cpus=0.01, **env).remote(model, dtype, "cpu", 1, RewardFunction(), 1, 8)
+        ray.remote(RolloutWorker).options(num_cpus=0.01, **env).remote(RolloutSpec.local(model, RewardFunction(), 8, dtype=dtype))
         for _ in range(replicas)
     ]
     try:
@@ -119,7 +120,7 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--dtype", default="float32", help="rollout.dtype")
-    ap.add_argument("--out", default=str(Path(__file__).with_name("results_weight_sync.md")))
+    ap.add_argument("--out", default=str(RESULTS / "results_weight_sync.md"))
     args = ap.parse_args()
     resolve_model(args.model)  # convert/build the alias once, before the workers race for it
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
@@ -144,7 +145,7 @@ def main() -> None:
         f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, Python {platform.python_version()}; "
         f"model `{args.model}`, actor fp32, rollout {args.dtype}, {nbytes / 1e9:.3f} GB of parameters (fp32); "
         f"collective bucket {args.bucket_mb:g} MB (gloo); median and best of {args.reps} syncs per path, the paths "
-        "alternating in one run (`python benchmarks/weight_sync.py`)."),
+        "alternating in one run (`python -m benchmarks.weight_sync`)."),
         "",
         ("Seconds from the actor starting its export to the last rollout worker having the weights in its engine; "
          "GB/s = model size / median (every worker receives the whole model). Every sync is verified "

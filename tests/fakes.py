@@ -42,7 +42,10 @@ from offstep.sync.digest import Loaded, digest
 from offstep.telemetry.names import Role, Stage, replica
 from offstep.telemetry.progress import LiveStatus, ProgressClient
 
-from fakes_stream import TOKEN0, GpuProfile, SimStream, logprob  # noqa: E402  (beside this file)
+if __package__:  # imported as tests.fakes (the benchmarks, run as python -m benchmarks.NAME from the checkout's root)
+    from .fakes_stream import TOKEN0, GpuProfile, SimStream, logprob
+else:  # imported as fakes, from beside this file (the tests)
+    from fakes_stream import TOKEN0, GpuProfile, SimStream, logprob  # noqa: E402
 
 # Imported by path or as a test helper: Ray ships these classes by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

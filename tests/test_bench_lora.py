@@ -1,11 +1,6 @@
 """benchmarks/lora.py: the command its table names remakes every stored run."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import lora  # noqa: E402
+from benchmarks import lora
 
 
 def test_regenerate_runs_name_every_stored_run_and_only_those():

@@ -1,19 +1,22 @@
 """benchmarks/README.md is written by code: every section sits between the markers of a section that
 benchmarks/readme.py registers, each section's script writes it, and the stored results give the
-committed page exactly (a hand edit fails here; `python benchmarks/readme.py` rewrites the page)."""
+committed page exactly (a hand edit fails here; `python -m benchmarks.readme` rewrites the page).
+And the package's shape: scripts run as `python -m benchmarks.NAME`, no sys.path edits, the page
+builder imports no script."""
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from benchmarks import common, readme
 
-import readme  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
 
 
 def test_every_heading_is_inside_the_markers_of_its_registered_section():
@@ -45,7 +48,7 @@ def test_every_section_is_written_by_its_script():
 
 def test_the_stored_results_give_the_committed_page():
     assert readme.README.read_text(encoding="utf-8") == readme.page(), (
-        "benchmarks/README.md differs from what the stored results give: run `python benchmarks/readme.py` "
+        "benchmarks/README.md differs from what the stored results give: run `python -m benchmarks.readme` "
         "(sections are written by the benchmark scripts, not by hand)")
 
 
@@ -64,12 +67,12 @@ def test_write_section_replaces_in_place_and_inserts_in_registry_order(tmp_path)
 
 
 def test_a_results_file_records_command_cpu_and_date():
-    text = "# t\n\nCommand: `python benchmarks/x.py --n 2`. CPU: AVX2. Date: 2026-12-05.\n\n| a |\n| --- |\n| 1 |\n"
-    assert readme.recorded_command(text) == "`python benchmarks/x.py --n 2`"
+    text = "# t\n\nCommand: `python -m benchmarks.x --n 2`. CPU: AVX2. Date: 2026-12-05.\n\n| a |\n| --- |\n| 1 |\n"
+    assert readme.recorded_command(text) == "`python -m benchmarks.x --n 2`"
     assert readme.recorded_cpu(text) == "AVX2" and readme.recorded_dates(text) == "2026-12-05"
     assert readme.recorded_cpu("Machine: x86_64 (AVX2, no AVX-512 BF16)") == "AVX2"
     assert readme.recorded_cpu("Machine: x86_64 (AVX-512 BF16)") == "AVX-512 BF16"
-    assert readme.recorded_cpu("Machine: AMD EPYC") == readme.NOT_RECORDED == readme.recorded_dates("no date")
+    assert readme.recorded_cpu("Machine: AMD EPYC") == common.NOT_RECORDED == readme.recorded_dates("no date")
     assert readme.blocks("# t\n\ncaption\n\n| a |\n| --- |\n| 1 |\n\n## sub\n\nsecond\n\n| b |\n|---|\n") == [
         ("caption", "| a |\n| --- |\n| 1 |"), ("**sub**\n\nsecond", "| b |\n|---|")]
 
@@ -81,13 +84,47 @@ def test_preset_runs_draws_the_committed_rows(tmp_path, labels, cpu):
     import json
     import subprocess
 
-    rows = [json.loads(line) for line in (BENCH / "results_presets.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in (common.RESULTS / "results_presets.jsonl").read_text().splitlines() if line.strip()]
     assert set(labels.split(",")) <= {r["label"] for r in rows if r.get("cpu") == cpu}
     out = tmp_path / "p.png"
-    subprocess.run([sys.executable, str(BENCH / "preset_runs.py"), "--plot", labels, "--plot-cpu", cpu,
-                    "--plot-out", str(out)], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "benchmarks.preset_runs", "--plot", labels, "--plot-cpu", cpu,
+                    "--plot-out", str(out)], check=True, capture_output=True, cwd=ROOT)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    import preset_runs
+    from benchmarks import preset_runs
 
     with pytest.raises(SystemExit, match="no rows labelled 'nope'"):
         preset_runs.plot_labels(rows, ["nope"], tmp_path / "q.png")
+
+
+def test_every_results_file_and_plot_lives_in_results():
+    """Scripts write into benchmarks/results/, and only the page and the code sit beside them."""
+    stray = sorted(p.name for p in BENCH.iterdir() if p.is_file() and (p.name.startswith("results") or p.suffix == ".png"))
+    assert not stray, f"results outside benchmarks/results/: {stray}"
+
+
+def test_no_script_edits_sys_path_and_the_page_imports_no_script():
+    """Run as `python -m benchmarks.NAME` from the checkout's root, the scripts import each other as
+    `benchmarks.NAME`; the page builder imports only benchmarks.common, so no script that refreshes
+    its section is imported back by it (no import circle)."""
+    for path in sorted(BENCH.glob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        assert not re.search(r"sys\.path\.(insert|append)|sys\.path\s*[+=]", text), f"{path.name} edits sys.path"
+        here = {p.stem for p in BENCH.glob("*.py")}
+        for node in ast.walk(ast.parse(text)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            for name in names:
+                assert name.split(".")[0] not in here, f"{path.name} imports {name} (a module of benchmarks/ by its bare name)"
+    imported = {node.module for node in ast.walk(ast.parse((BENCH / "readme.py").read_text(encoding="utf-8")))
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("benchmarks")}
+    assert imported == {"benchmarks.common"}, imported
+    common_imports = {node.module for node in ast.walk(ast.parse((BENCH / "common.py").read_text(encoding="utf-8")))
+                      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("benchmarks")}
+    assert not common_imports, common_imports
+
+
+def test_the_recorded_command_is_the_module_form(monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "lora.py"), "--parts", "runs", "--only", "r0 x"])
+    assert common.command() == "python -m benchmarks.lora --parts runs --only 'r0 x'"
+    monkeypatch.setattr(sys, "argv", ["/elsewhere/tool.py", "--n", "2"])
+    assert common.command() == "python /elsewhere/tool.py --n 2"

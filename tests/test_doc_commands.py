@@ -80,8 +80,12 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep export --force": ("synopsis", "tests/test_run_files.py::test_export_force_never_replaces_a_folder_holding_runs_at_any_depth runs it"),
     "offstep eval --max-rows": ("synopsis", "tests/test_user_code_safety.py refuses a 20M-row parquet file under the default --max-rows"),
     "offstep export RUN_DIR [--step N] --out DIR": ("synopsis", "`offstep export runs/default --out DIR` runs here"),
-    ".venv/bin/python benchmarks/preset_runs.py --label default --preset default --seeds 1,2": BENCHMARK,
-    "python benchmarks/delta_sync.py": BENCHMARK,
+    ".venv/bin/python -m benchmarks.preset_runs --label default --preset default --seeds 1,2": BENCHMARK,
+    "python -m benchmarks.delta_sync": BENCHMARK,
+    # docs/testing.md
+    "python -m benchmarks.NAME": ("synopsis", "every concrete benchmark command on the pages is listed here"),
+    "python -m benchmarks.readme --check":
+        ("test", "tests/test_bench_readme.py::test_the_stored_results_give_the_committed_page"),
     # docs/environments.md, reasoning-gym
     ".venv/bin/offstep train preset=reasoning_gym": CFG,
     ".venv/bin/offstep train preset=tiny data.task=reasoning_gym +data.task_options.name=chain_sum "
@@ -91,44 +95,44 @@ COVERAGE: dict[str, tuple[str, str]] = {
         ("synopsis", "tests/test_reasoning_gym.py::test_verl_export_round_trips_and_scores_the_same runs it with 5 and 3 rows"),
     ".venv/bin/offstep eval smollm2-135m-instruct --data data/legs/val.parquet --max-new-tokens 32":
         ("synopsis", "`offstep eval runs/default --data ...` runs here; the exported parquet is verl's format, which eval reads"),
-    ".venv/bin/python benchmarks/reasoning_gym_candidates.py --example --train 100": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --preset reasoning_gym --seeds 0,1,2": BENCHMARK,
+    ".venv/bin/python -m benchmarks.reasoning_gym_candidates --example --train 100": BENCHMARK,
+    ".venv/bin/python -m benchmarks.preset_runs --preset reasoning_gym --seeds 0,1,2": BENCHMARK,
     'python -c "import reasoning_gym.factory as f; print(sorted(f.DATASETS))"':
         ("not run", "prints the library's own list of dataset names; tests/test_reasoning_gym.py reads the same registry"),
-    ".venv/bin/python benchmarks/preset_runs.py --label stale4_decoupled --preset default --seeds 0,1,2 --extra "
+    ".venv/bin/python -m benchmarks.preset_runs --label stale4_decoupled --preset default --seeds 0,1,2 --extra "
     "pipeline.mode=fully_async pipeline.max_staleness=4 algorithm.correction_mode=decoupled": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --label stale4_off --preset default --seeds 0,1,2 --extra "
+    ".venv/bin/python -m benchmarks.preset_runs --label stale4_off --preset default --seeds 0,1,2 --extra "
     "pipeline.mode=fully_async pipeline.max_staleness=4 algorithm.correction_mode=off": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --label fully_async --preset default --seeds 1,2 --extra pipeline.mode=fully_async":
+    ".venv/bin/python -m benchmarks.preset_runs --label fully_async --preset default --seeds 1,2 --extra pipeline.mode=fully_async":
         BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-cpu AVX2 --plot-out "
-    "benchmarks/fully_async_vs_one_step.png":
+    ".venv/bin/python -m benchmarks.preset_runs --plot default,fully_async --plot-cpu AVX2 --plot-out "
+    "benchmarks/results/fully_async_vs_one_step.png":
         ("test", "tests/test_bench_readme.py::test_preset_runs_draws_the_committed_rows"),
-    ".venv/bin/python benchmarks/preset_runs.py --plot default,fully_async --plot-cpu 'AVX-512 BF16' --plot-out "
-    "benchmarks/fully_async_vs_one_step_avx512.png":
+    ".venv/bin/python -m benchmarks.preset_runs --plot default,fully_async --plot-cpu 'AVX-512 BF16' --plot-out "
+    "benchmarks/results/fully_async_vs_one_step_avx512.png":
         ("test", "tests/test_bench_readme.py::test_preset_runs_draws_the_committed_rows"),
-    ".venv/bin/python benchmarks/preset_runs.py --label long_tail --preset default --seeds 0,1,2 --extra "
+    ".venv/bin/python -m benchmarks.preset_runs --label long_tail --preset default --seeds 0,1,2 --extra "
     "+data.task_options.num_operands=[2,2,2,3,5,8] rollout.max_new_tokens=128 trainer.total_steps=15 "
     "actor.micro_token_budget=1024": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --label long_tail_fully_async --preset default --seeds 0,1,2 --extra "
+    ".venv/bin/python -m benchmarks.preset_runs --label long_tail_fully_async --preset default --seeds 0,1,2 --extra "
     "+data.task_options.num_operands=[2,2,2,3,5,8] rollout.max_new_tokens=128 trainer.total_steps=15 "
     "actor.micro_token_budget=1024 pipeline.mode=fully_async": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --plot long_tail,long_tail_fully_async --plot-cpu AVX2 --plot-out "
-    "benchmarks/long_tail_fully_async_vs_one_step.png":
+    ".venv/bin/python -m benchmarks.preset_runs --plot long_tail,long_tail_fully_async --plot-cpu AVX2 --plot-out "
+    "benchmarks/results/long_tail_fully_async_vs_one_step.png":
         ("test", "tests/test_bench_readme.py::test_preset_runs_draws_the_committed_rows"),
-    ".venv/bin/python benchmarks/preset_runs.py --preset code --seeds 0,1,2": BENCHMARK,
-    ".venv/bin/python benchmarks/judge_agreement.py": BENCHMARK,
-    "python benchmarks/compile_update.py": BENCHMARK,
-    "python benchmarks/update_throughput.py --packed --out benchmarks/results_update_avx512.md": BENCHMARK,
-    "python benchmarks/update_throughput.py --compute-dtype float32 --out benchmarks/results_update_fp32_avx512.md": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --preset calculator_openai --seeds 0,1": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --preset calculator --seeds 0": BENCHMARK,
-    ".venv/bin/python benchmarks/preset_runs.py --label judge_only --preset default --seeds 0,1,2 --extra "
+    ".venv/bin/python -m benchmarks.preset_runs --preset code --seeds 0,1,2": BENCHMARK,
+    ".venv/bin/python -m benchmarks.judge_agreement": BENCHMARK,
+    "python -m benchmarks.compile_update": BENCHMARK,
+    "python -m benchmarks.update_throughput --packed --out benchmarks/results/results_update_avx512.md": BENCHMARK,
+    "python -m benchmarks.update_throughput --compute-dtype float32 --out benchmarks/results/results_update_fp32_avx512.md": BENCHMARK,
+    ".venv/bin/python -m benchmarks.preset_runs --preset calculator_openai --seeds 0,1": BENCHMARK,
+    ".venv/bin/python -m benchmarks.preset_runs --preset calculator --seeds 0": BENCHMARK,
+    ".venv/bin/python -m benchmarks.preset_runs --label judge_only --preset default --seeds 0,1,2 --extra "
     "reward.model.kind=generative reward.model.path=smollm2-135m-instruct reward.model.template=yes_no "
     "reward.model.parser=yes_no": BENCHMARK,
     # docs/clusters-and-gpus.md
-    "python benchmarks/gpu_check.py": ("not run", "needs a GPU (CUDA); its CPU form at tiny shapes runs in tests/test_gpu_check.py"),
-    "python benchmarks/gpu_check.py --device cpu --tiny":
+    "python -m benchmarks.gpu_check": ("not run", "needs a GPU (CUDA); its CPU form at tiny shapes runs in tests/test_gpu_check.py"),
+    "python -m benchmarks.gpu_check --device cpu --tiny":
         ("test", "tests/test_gpu_check.py::test_the_cpu_form_runs_without_ray_and_prints_every_check"),
     "ray start --head --port=6379": MULTI_MACHINE,
     "ray start --address=HEAD_IP:6379": MULTI_MACHINE,
@@ -165,7 +169,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep train pipeline.mode=fully_async trainer.output_dir=runs/first": CFG,
     "offstep train pipeline.mode=fully_async trainer.output_dir=runs/again pipeline.replay=runs/first":
         ("test", "tests/test_replay.py::test_a_replayed_run_reproduces_the_recorded_one"),
-    "python benchmarks/replay_runs.py": BENCHMARK,
+    "python -m benchmarks.replay_runs": BENCHMARK,
     # docs/lora.md
     ".venv/bin/offstep train actor.lora.rank=16 actor.optim.lr=1e-4": CFG,
     "bash scripts/train.sh actor.lora.rank=16 actor.optim.lr=1e-4 trainer.total_steps=10 trainer.val_freq=10": CFG,
@@ -193,10 +197,10 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep eval smollm2-135m-instruct --data runs/default/data/val.parquet --max-new-tokens 32":
         ("not run", "needs a default run's data folder; `offstep eval` of a run's data runs here on the tiny run"),
     # docs/safety.md
-    ".venv/bin/python benchmarks/random_kills.py --only builtin-k0 builtin-k1 builtin-k2": BENCHMARK,
-    ".venv/bin/python benchmarks/random_kills.py --only lora-k1 tools-k1 vllm-k1": BENCHMARK,
-    "python benchmarks/random_kills.py --only fully-async-k0": BENCHMARK,
-    ".venv/bin/python benchmarks/trl_side_by_side.py": BENCHMARK,
+    ".venv/bin/python -m benchmarks.random_kills --only builtin-k0 builtin-k1 builtin-k2": BENCHMARK,
+    ".venv/bin/python -m benchmarks.random_kills --only lora-k1 tools-k1 vllm-k1": BENCHMARK,
+    "python -m benchmarks.random_kills --only fully-async-k0": BENCHMARK,
+    ".venv/bin/python -m benchmarks.trl_side_by_side": BENCHMARK,
     # docs/tools-and-agents.md
     "offstep train data.train_files=[examples/tools/shop.jsonl] data.val_files=[examples/tools/shop.jsonl] "
     "data.train_batch_size=2 rollout.agent.tools_path=examples/tools/shop_tools.py "
@@ -208,11 +212,11 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "offstep train preset=calculator_openai": CFG,
 
     "offstep train preset=code": CFG,
-    ".venv/bin/python benchmarks/calculator_runs.py --seeds 0": BENCHMARK,
+    ".venv/bin/python -m benchmarks.calculator_runs --seeds 0": BENCHMARK,
     # docs/performance.md
     "offstep report RUN": ("synopsis", "`offstep report runs/default` runs here"),
-    "python benchmarks/lend_cores.py --rounds 1 --steps 5 --share false true": BENCHMARK,
-    "python benchmarks/lend_devices_sim.py": BENCHMARK,
+    "python -m benchmarks.lend_cores --rounds 1 --steps 5 --share false true": BENCHMARK,
+    "python -m benchmarks.lend_devices_sim": BENCHMARK,
     ".venv/bin/offstep eval smollm2-135m-instruct --data runs/bench_calculator/seed0/no_tools/val.parquet --max-new-tokens 48":
         ("not run", "evaluates the data that benchmarks/calculator_runs.py writes (a benchmark)"),
     ".venv/bin/offstep eval smollm2-135m-instruct --data runs/bench_calculator/seed0/data/val.parquet "

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMAND = "python benchmarks/gpu_check.py --device cpu --tiny"
+COMMAND = "python -m benchmarks.gpu_check --device cpu --tiny"
 ABSENT = ("ray", "hydra", "omegaconf", "vllm")  # not on the lent GPU machine
 
 
@@ -24,7 +24,7 @@ def test_the_cpu_form_runs_without_ray_and_prints_every_check(tmp_path):
         (blocked / name).mkdir(parents=True)
         (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed on the GPU machine')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(blocked), str(ROOT), os.environ.get("PYTHONPATH")]))}
-    results = ROOT / "benchmarks" / "results_gpu.md"
+    results = ROOT / "benchmarks" / "results" / "results_gpu.md"
     before = results.read_text(encoding="utf-8") if results.exists() else None
     argv = COMMAND.split()
     p = subprocess.run([sys.executable, *argv[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -2,14 +2,11 @@
 one GPU for the trainer and one replica of one GPU, equal lengths (sigma 0), so that every event
 falls on a whole second."""
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from lend_devices_sim import Setting, simulate, with_share  # noqa: E402
+from benchmarks.lend_devices_sim import Setting, simulate, with_share
 
 # 1 group of 4 samples a step, each 10 tokens, no prompt; a decode step 1 s whatever the load; the
 # update 0.5 s a token: 20 s a batch on the trainer's one GPU; a sync 1 s

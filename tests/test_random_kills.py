@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import random_kills as rk
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import random_kills as rk  # noqa: E402
 
 
 def _write(run: Path, metrics: list[dict], events: list[dict], rows: list[dict], torn: str = "") -> None:

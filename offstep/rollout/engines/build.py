@@ -52,7 +52,7 @@ def build_engine(spec: EngineSpec, tok, eos: list[int], device: torch.device) ->
     if spec.lora is not None:  # the actor's peft layout; every sync fills the adapters
         model = add_adapters(model, spec.lora)
     # The adapters stay a low-rank term B(A x) at every forward, not merged into the weights:
-    # merging is ~20% faster generation (benchmarks/results_lora.md: 17.3 vs 21.4 s a default
+    # merging is ~20% faster generation (benchmarks/results/results_lora.md: 17.3 vs 21.4 s a default
     # batch, 0.5 s a load) but unmerging before the next load rounds the base weights a little
     # further at every sync, so the reference (adapters off) would drift from the base and a
     # resumed run (a fresh base) would no longer equal an uninterrupted one.
