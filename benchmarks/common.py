@@ -28,7 +28,7 @@ AVX2_FLOAT32 = "AVX2, no AVX-512 BF16: the trainer computes in float32"
 def cpu_kind() -> str:
     """The CPU as far as the numbers depend on it: with native bf16 the trainer computes in bf16
     (``model.compute_dtype=auto``), a different computation from the float32 of an AVX2 CPU."""
-    from offstep.config.loader import cpu_has_native_bf16
+    from offstep.launch.loader import cpu_has_native_bf16
 
     return "AVX-512 BF16" if cpu_has_native_bf16() else "AVX2"
 

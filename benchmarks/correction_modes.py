@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from benchmarks.common import RESULTS, provenance
 from benchmarks.readme import refresh

@@ -47,7 +47,7 @@ STEPS, VAL_FREQ, TEACHER_BAR = 25, 5, 0.94  # the preset's; the issue's bar for 
 
 def split(work: Path) -> list[str]:
     """The data overrides of every run: the default task written once with seed 0."""
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.data.tasks import write_task
 
     d = load_config(["preset=default"]).data

@@ -370,7 +370,7 @@ def host_cpu(device: torch.device) -> str:
         from benchmarks.common import cpu_kind
 
         return cpu_kind()
-    except ImportError:  # offstep.config.loader needs Hydra
+    except ImportError:  # offstep.launch.loader needs Hydra
         return platform.machine()
 
 

@@ -41,7 +41,7 @@ def policy_answers(model: str, problems: int, n: int, seed: int, out: Path) -> t
     from offstep.data.tasks import write_task
     from offstep.pipeline.evaluation import run_eval
 
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
 
     d, ro = (cfg := load_config([])).data, cfg.rollout  # the default preset's task and token budget
     _, val = write_task(d.task, str(out), 8, problems, seed, **d.task_options)
@@ -61,7 +61,7 @@ def cohen_kappa(a: list[int], b: list[int]) -> float:
 def judge(rows: list[dict], samples: list, template: str, parser: str, model: str) -> dict:
     import torch
 
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.rollout.scoring.replica_reward_model import Item, JudgeScorer
 
     rm = load_config(["reward.model.kind=generative", f"reward.model.path={model}"]).reward.model

@@ -28,7 +28,7 @@ _TIMED = ("timing_s/", "perf/", "/busy", "_s/", "wait")
 
 
 def run(steps: int, out: Path) -> tuple[float, list[dict]]:
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.pipeline.controller import train
 
     cfg = load_config(["preset=tiny", "pipeline.max_staleness=1", f"trainer.total_steps={steps}",
@@ -48,7 +48,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import ray
 
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.pipeline.keep import keep_workers, release
     from offstep.pipeline.workers import init_ray
 

@@ -332,7 +332,7 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="print the run names of --runs and exit")
     ap.add_argument("--out", default=str(RESULTS / "results_lora.md"), help="the table; its .json beside it holds the results")
     args = ap.parse_args()
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
 
     preset_cfg = load_config([f"preset={args.preset}"])
     steps = args.steps or preset_cfg.trainer.total_steps

@@ -49,7 +49,7 @@ def run_dir(label: str, seed: int) -> Path:
 
 
 def run_one(label: str, preset: str, seed: int, extra: list[str], steps: int | None) -> dict:
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
 
     shipped = load_config([f"preset={preset}", *extra]).trainer  # the preset's own steps and validation
     steps = steps or shipped.total_steps

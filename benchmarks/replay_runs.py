@@ -49,7 +49,7 @@ def texts(run: Path) -> list:
 
 
 def timed_run(overrides: list[str]) -> float:
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.pipeline.controller import train
 
     t0 = time.time()

@@ -54,7 +54,7 @@ def train_and_read(overrides: list[str], out: Path, steps: int, val_freq: int = 
     """Train with ``overrides`` for ``steps`` steps into ``out`` (a rerun moves the previous run
     aside), validating before, after and every ``val_freq`` steps (0: before and after only), with
     plain progress; return what the run recorded."""
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.pipeline.controller import train
 
     cfg = load_config([*overrides, f"trainer.total_steps={steps}", f"trainer.output_dir={out}", "trainer.overwrite=true",

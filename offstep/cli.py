@@ -64,20 +64,22 @@ def _visible_gpus(gpus: int | None):
 
 
 def _nodes(overrides: list[str]) -> int:
-    from offstep.config.verl.layout import nodes_of
+    from offstep.launch.verl.layout import nodes_of
 
     return nodes_of(overrides)
 
 
 def _train(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
-        from offstep.config.help import print_help
-        from offstep.config.verl.keyhelp import describe
+        from offstep.launch.help import print_help
+        from offstep.launch.verl.keyhelp import describe
 
         return print_help(argv, describe)
-    from offstep.config.loader import load_config, to_yaml
+    from offstep.config.schema import to_yaml
+    from offstep.launch.loader import load_config
     from offstep.errors import ConfigError
-    from offstep.pipeline.preflight import check_ray_address, simulated_notes, validate
+    from offstep.launch.preflight import simulated_notes, validate
+    from offstep.pipeline.ray_address import check_ray_address
 
     show = "--cfg" in argv
     try:
@@ -107,7 +109,7 @@ def _train(argv: list[str]) -> int:
     from offstep.telemetry.names import Reward
 
     try:
-        history = train(cfg, validated=True)  # checked above, with the verl keys' refusals
+        history = train(cfg)  # checked above, once, with the verl keys' refusals
     except KeyboardInterrupt:
         print("offstep: interrupted", file=sys.stderr)
         return 130
@@ -183,7 +185,7 @@ def _eval(argv: list[str]) -> int:
     # The flags are checked here, before anything loads (the engine refuses them only after the model has).
     import math
 
-    from offstep.config.validate import temperature_problem
+    from offstep.launch.validate import temperature_problem
 
     at_least_one = {
         "--n": (args.n, "samples per prompt"),

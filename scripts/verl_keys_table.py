@@ -1,4 +1,4 @@
-"""Write the verl key table (offstep/config/verl/table.py) into docs/from-verl.md: its summary line
+"""Write the verl key table (offstep/launch/verl/table.py) into docs/from-verl.md: its summary line
 and the Markdown table between the ``<!-- key-table -->`` markers. tests/test_verl_compat.py keeps
 the page equal to what this renders.
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from offstep.config.verl.table import PREFIXES, TABLE, Derived, Note, To  # noqa: E402  (the checkout's offstep)
+from offstep.launch.verl.table import PREFIXES, TABLE, Derived, Note, To  # noqa: E402  (the checkout's offstep)
 
 PAGE = ROOT / "docs" / "from-verl.md"
 TABLE_SPAN = re.compile(r"(<!-- key-table -->\n)(.*)(\n<!-- /key-table -->)", re.S)

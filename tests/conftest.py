@@ -174,7 +174,7 @@ def ray_session():
     process's start, seconds of CPU, is paid once per shape, not once per run)."""
     import ray
 
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.pipeline.keep import keep_workers
     from offstep.pipeline.workers import init_ray
 

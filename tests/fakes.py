@@ -32,7 +32,7 @@ import ray
 import torch
 
 from offstep.batch import GenTiming, Sample, Span
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.config.schema import Config
 from offstep.pipeline.controller import train
 from offstep.pipeline.pools import RoleGroup
@@ -299,7 +299,7 @@ def run_sim(cfg: Config, gen_s: float, train_s: float, export_s: float, load_s: 
 def train_on(cfg: Config, start) -> list[dict]:
     """``train(cfg, start)`` without the check that the run's cores fit this machine (simulated
     workers take none)."""
-    from offstep.pipeline import preflight
+    from offstep.launch import preflight
 
     check = preflight._check_devices
     preflight._check_devices = lambda *args: None

@@ -7,7 +7,7 @@ import pytest
 from conftest import FAST_ONE_STEP, needs_vllm
 from reference_loop import assert_matches_in_process_reference
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 

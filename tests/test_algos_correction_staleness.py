@@ -17,8 +17,8 @@ from offstep.algos.correction import (
     second_moment_keep,
     truncated_importance_weights,
 )
-from offstep.config.loader import load_config
-from offstep.config.verl.derive import verl_k1_bounds
+from offstep.launch.loader import load_config
+from offstep.launch.verl.derive import verl_k1_bounds
 from offstep.pipeline.compute_advantages import needs_old_logprobs
 
 F64 = torch.float64
@@ -232,7 +232,7 @@ def test_equal_to_verl(name, verl_is, verl_rs, tis_level, rejection_level, scale
     # verl: the loss weight of a token is its IS weight (1 without IS) where the RS mask keeps it
     ref_w = verl_is_weights(log_ratio, mask, *verl_is) if verl_is else mask
     ref_keep = verl_rs_mask(log_ratio, mask, *verl_rs) if verl_rs else mask
-    # offstep, with the keys its verl translation sets (offstep.config.verl)
+    # offstep, with the keys its verl translation sets (offstep.launch.verl)
     weights = mask
     if tis_level is not None:
         weights, _ = truncated_importance_weights(old, rollout, mask, cap=verl_is[1], level=tis_level)

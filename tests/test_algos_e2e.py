@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 

@@ -159,7 +159,7 @@ def test_bad_option_is_refused_with_one_message(case, show, tmp_path, capsys):
 
 @pytest.mark.parametrize("value", [0.0, 0.01, 0.7, 1.0, 2.0])
 def test_greedy_and_ordinary_temperatures_pass(value):
-    from offstep.config.validate import temperature_problem
+    from offstep.launch.validate import temperature_problem
 
     assert temperature_problem(value, "rollout.temperature") is None
 

@@ -193,7 +193,7 @@ def test_worker_failure_keeps_the_cause_and_names_the_role(text, init_failed, ro
     exception (not Ray's banner or the traceback)."""
     import ray
 
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.errors import OffstepError
     from offstep.pipeline.controller import train
 

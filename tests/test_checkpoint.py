@@ -16,7 +16,8 @@ import pytest
 import torch
 from conftest import ENGINES_SLOW_VLLM, needs_vllm
 
-from offstep.config.loader import ConfigError, load_config, to_yaml
+from offstep.config.schema import to_yaml
+from offstep.launch.loader import ConfigError, load_config
 from offstep.pipeline.checkpoints import TrainerState, Checkpoints, check_compatible, complete_checkpoints, resolve_path
 from offstep.pipeline.sample_stream import WHEN_FINISHED
 
@@ -184,7 +185,7 @@ def test_best_step_names_the_fix(tmp_path):
 
 @pytest.mark.parametrize("save_freq,val_freq", [(0, 5), (5, 0), (5, 2)])
 def test_keep_best_needs_every_checkpoint_scored(save_freq, val_freq):
-    from offstep.pipeline.preflight import validate
+    from offstep.launch.preflight import validate
 
     with pytest.raises(ConfigError, match="trainer.keep_best=true .* trainer.save_freq a multiple"):
         validate(load_config(["preset=tiny", "trainer.keep_best=true", f"trainer.save_freq={save_freq}",
@@ -212,7 +213,7 @@ def test_resume_refuses_a_different_run():
 
 
 def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
-    from offstep.pipeline.preflight import validate
+    from offstep.launch.preflight import validate
 
     with pytest.raises(ConfigError, match="trainer.resume=.*does not exist"):
         validate(load_config(["preset=tiny", f"trainer.resume={tmp_path / 'nope'}"]))

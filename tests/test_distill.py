@@ -11,8 +11,8 @@ import shutil
 import pytest
 import torch
 
-from offstep.config.loader import load_config
-from offstep.config.validate import problems
+from offstep.launch.loader import load_config
+from offstep.launch.validate import problems
 from offstep.errors import ModelError
 from offstep.telemetry.metrics import read_jsonl
 from offstep.telemetry.names import Adv, Distill, Stage, Timing, reward_lane

@@ -9,7 +9,7 @@ import pytest
 from conftest import ENGINES
 
 from offstep.batch import Sample
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline.dynamic_sampling import assemble, refill_indices
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.telemetry.metrics import read_jsonl
 
 pytest.importorskip("openenv.core.env_server.http_server")

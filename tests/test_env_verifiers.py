@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.telemetry.metrics import read_jsonl
 
 verifiers = pytest.importorskip("verifiers.v1")

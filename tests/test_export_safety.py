@@ -10,7 +10,8 @@ import pytest
 import torch
 from test_safety import _ended_run, _recraft
 
-from offstep.config.loader import load_config, to_yaml
+from offstep.config.schema import to_yaml
+from offstep.launch.loader import load_config
 from offstep.pipeline.checkpoints import Checkpoints
 from offstep.pipeline.trainer_state import TrainerState
 from offstep.train.checkpoint import save_role

@@ -12,8 +12,8 @@ import pytest
 from conftest import needs_vllm
 from reference_loop import assert_matches_in_process_reference
 
-from offstep.config.loader import load_config
-from offstep.config.validate import problems
+from offstep.launch.loader import load_config
+from offstep.launch.validate import problems
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 

@@ -17,7 +17,7 @@ from scripted_model import X_TOOL, scripted_model
 from test_fully_async import STREAM_METRICS
 
 from offstep.batch import NO_VERSION
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 from offstep.telemetry.names import Stage, replica_index

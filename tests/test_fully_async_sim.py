@@ -203,7 +203,7 @@ def test_a_checkpoint_waits_for_the_groups_a_poll_is_bringing(tmp_path):
     import asyncio
     from types import SimpleNamespace
 
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.pipeline.sample_stream import SampleStream
     from offstep.rollout.stream.replica_stream import FinishedGroup
     from offstep.rollout.types import SamplingParams

@@ -9,7 +9,7 @@ import os
 import pytest
 import ray
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline import keep
 from offstep.pipeline.controller import train
 

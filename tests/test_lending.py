@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from offstep.config.loader import load_config
-from offstep.config.validate import problems
+from offstep.launch.loader import load_config
+from offstep.launch.validate import problems
 from offstep.pipeline.lending import CoreLending
 from offstep.pipeline.pools import LEND_GROUP, RoleGroup
 from offstep.train.threads import ThreadLease

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline import workers
 from offstep.pipeline.workers import init_ray, keep_token_private, listen_summary
 
@@ -214,13 +214,13 @@ def test_joining_a_cluster_on_loopback_keeps_its_address(tmp_path, monkeypatch, 
     127.0.0.1 to the machine's address, where the cluster's GCS does not listen, and waits forever."""
     from ray._private import ray_constants
 
-    import offstep.pipeline.preflight as preflight
+    import offstep.pipeline.ray_address as ray_address
 
     monkeypatch.setenv("HOME", str(tmp_path))
     calls = []
     monkeypatch.setattr(workers.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(workers.ray, "init", lambda **kw: calls.append((kw, ray_constants.ENABLE_RAY_CLUSTER)))
-    monkeypatch.setattr(preflight, "check_ray_address", lambda a: None)
+    monkeypatch.setattr(ray_address, "check_ray_address", lambda a: None)
     before = ray_constants.ENABLE_RAY_CLUSTER
     init_ray(load_config(["preset=tiny", f"trainer.output_dir={tmp_path}", f"resources.ray_address={address}"]))
     [(kwargs, cluster_mode)] = calls

@@ -16,7 +16,7 @@ from conftest import ENGINES, needs_vllm
 
 pytest.importorskip("peft")  # a dependency of offstep from this change on; skipped until it is installed
 
-from offstep.config.loader import ConfigError, load_config
+from offstep.launch.loader import ConfigError, load_config
 from offstep.config.schema import ActorConfig, AlgorithmConfig, LoRAConfig, OptimConfig
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_parameters, add_adapters
@@ -51,7 +51,7 @@ def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tens
     (["actor.lora.dropout=1.5"], "actor.lora.dropout=1.5 must be in"),
 ])
 def test_lora_config_errors_name_the_fix(overrides, match):
-    from offstep.pipeline.preflight import validate
+    from offstep.launch.preflight import validate
 
     with pytest.raises(ConfigError, match=match):
         validate(load_config(["preset=tiny", "actor.lora.rank=8", *overrides]), cpu_count=8, gpu_count=0)
@@ -62,7 +62,7 @@ def test_vllm_lora_reference_on_rollout_needs_an_untempered_reference():
     """vLLM scores the reference (its base) with prompt log-probs, which it does not temper and its
     LoRA LM head cannot give: at another temperature, or with lm_head adapted, the reference on the
     rollout side is refused, with the ways out."""
-    from offstep.pipeline.preflight import validate
+    from offstep.launch.preflight import validate
 
     base = ["preset=tiny", "actor.lora.rank=8", "rollout.engine=vllm", "pipeline.ref_on_rollout=true"]
     with pytest.raises(ConfigError, match="rollout.temperature=0.7.*pipeline.ref_on_rollout=false"):
@@ -74,7 +74,7 @@ def test_vllm_lora_reference_on_rollout_needs_an_untempered_reference():
 
 
 def test_lora_defaults_validate():
-    from offstep.pipeline.preflight import validate
+    from offstep.launch.preflight import validate
 
     cfg = load_config(["preset=tiny", "actor.lora.rank=16"])
     validate(cfg, cpu_count=8, gpu_count=0)
@@ -139,7 +139,7 @@ def test_export_peft_folder_and_merged_model(tiny, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from offstep.config.loader import to_yaml
+    from offstep.config.schema import to_yaml
     from offstep.pipeline.checkpoints import Checkpoints, TrainerState
     from offstep.pipeline.export import export_checkpoint, model_for_eval
     from offstep.train.checkpoint import save_role

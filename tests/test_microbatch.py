@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from offstep.batch import Sample, collate, micro_batches, plan_micro_batches, sample_lengths, scatter_rows, trim_padding
-from offstep.config.loader import ConfigError, load_config
+from offstep.launch.loader import ConfigError, load_config
 from offstep.config.schema import ActorConfig, AlgorithmConfig
-from offstep.pipeline.preflight import validate
+from offstep.launch.preflight import validate
 
 # ---------------------------------------------------------------- the planner (pure)
 

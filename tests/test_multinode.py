@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from test_checkpoint import REWARD, _records  # _records: per step, everything but wall-clock figures
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline.checkpoints import complete_checkpoints
 
 # Slow enough (0.2 s a sample, 8 samples a batch) that a node can be removed while the run is
@@ -272,7 +272,7 @@ def test_rollout_node_lost_without_a_spare_stops_cleanly_and_resumes(tmp_path):
 
 # ------------------------------------------------------------------ no Ray: the placement check
 def test_the_placement_wait_must_be_positive():
-    from offstep.config.validate import problems
+    from offstep.launch.validate import problems
 
     assert any("resources.placement_timeout_s=0.0 must be > 0" in m
                for m in problems(load_config(["preset=tiny", "resources.placement_timeout_s=0"])))
@@ -299,8 +299,8 @@ def test_check_placeable_names_the_key_and_what_nodes_have():
 
 
 def test_custom_resources_need_a_cluster_and_positive_amounts():
-    from offstep.config.loader import ConfigError, load_config
-    from offstep.pipeline.preflight import validate
+    from offstep.launch.loader import ConfigError, load_config
+    from offstep.launch.preflight import validate
 
     with pytest.raises(ConfigError, match=rf"{TRAIN}=\{{'node_train': 1.0\}} asks for custom Ray resources.*resources.ray_address"):
         validate(load_config(["preset=tiny", f"+{TRAIN}.node_train=1"]))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from offstep.cli import main
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.config.schema import OptimConfig
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl

@@ -347,8 +347,8 @@ def test_load_agent_names_the_key_and_the_fix(tmp_path):
 
 
 def test_config_needs_the_agent_file_before_start():
-    from offstep.config.loader import load_config
-    from offstep.config.validate import problems
+    from offstep.launch.loader import load_config
+    from offstep.launch.validate import problems
 
     (msg,) = problems(load_config(["preset=tiny", "rollout.agent.default_agent=openai"]))
     assert "needs rollout.agent.openai_path" in msg
@@ -362,8 +362,8 @@ def test_the_calculator_openai_preset(tmp_path, monkeypatch):
     file resolves from the repository's root; nothing refused before start."""
     from pathlib import Path
 
-    from offstep.config.loader import load_config
-    from offstep.config.validate import problems
+    from offstep.launch.loader import load_config
+    from offstep.launch.validate import problems
     from offstep.data.tasks import write_task
 
     monkeypatch.chdir(Path(__file__).resolve().parent.parent)
@@ -379,9 +379,9 @@ def test_the_calculator_openai_preset(tmp_path, monkeypatch):
 def test_a_dataset_only_agents_score_is_not_refused(tmp_path):
     """Rows answered by an OpenAI agent need no scorer: a data source without one and a ground
     truth no rule scorer reads are fine, for the checks before start and the inputs' preparation."""
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.pipeline.inputs import prepare_inputs
-    from offstep.pipeline.preflight import environment_problems
+    from offstep.launch.preflight import environment_problems
 
     data = tmp_path / "tasks.jsonl"
     row = {"prompt": [{"role": "user", "content": "Book a table."}], "data_source": "my_env",

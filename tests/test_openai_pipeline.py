@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import FAST_ONE_STEP
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 

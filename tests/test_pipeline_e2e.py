@@ -10,7 +10,8 @@ import yaml
 from conftest import ENGINES
 from reference_loop import assert_matches_in_process_reference
 
-from offstep.config.loader import load_config, to_yaml
+from offstep.config.schema import to_yaml
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 

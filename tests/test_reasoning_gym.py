@@ -11,8 +11,8 @@ import pytest
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
-from offstep.config.loader import load_config  # noqa: E402
-from offstep.config.validate import problems  # noqa: E402
+from offstep.launch.loader import load_config  # noqa: E402
+from offstep.launch.validate import problems  # noqa: E402
 from offstep.data.dataset import check_rule_ground_truths, load_records  # noqa: E402
 from offstep.data.reasoning_gym import main as export_main  # noqa: E402
 from offstep.data.tasks import write_task  # noqa: E402

@@ -26,9 +26,9 @@ from test_checkpoint import _records
 from test_engine import _random_lm, prompts, tiny, tok  # noqa: F401 (fixtures)
 from test_partial_rollout import LOAD_AT, PARAMS, _requests, _weights
 
-from offstep.config.loader import load_config
-from offstep.config.validate import problems
-from offstep.pipeline.preflight import environment_problems
+from offstep.launch.loader import load_config
+from offstep.launch.validate import problems
+from offstep.launch.preflight import environment_problems
 from offstep.pipeline.replay import read_schedule
 from offstep.rollout.engines.control import StepControl
 from offstep.rollout.engines.torch_engine import TorchEngine
@@ -242,7 +242,7 @@ def test_what_cannot_be_replayed_is_refused(tmp_path):
 
     assert any("no schedule.jsonl there" in m for m in env())
     cfg = load_config(["preset=tiny", "pipeline.mode=fully_async", f"trainer.output_dir={run}"])
-    from offstep.config.loader import to_yaml
+    from offstep.config.schema import to_yaml
 
     (run / "config.yaml").write_text(to_yaml(cfg))
     start = {"step": 0, "start": True, "replicas": 1, "batch": 4}

@@ -6,7 +6,7 @@ import matplotlib.image as mpimg
 import pytest
 
 from offstep.cli import main
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 from offstep.telemetry.names import Reward, Rollout, Val

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from offstep.config.loader import load_config
-from offstep.config.validate import problems
+from offstep.launch.loader import load_config
+from offstep.launch.validate import problems
 from offstep.errors import ModelError
 from offstep.models.reward_models import check_reward_model
 from tests.reward_model_helpers import build_classifier
@@ -81,7 +81,7 @@ def test_the_folder_must_hold_a_model_of_the_kind(tmp_path, tiny):
 
 
 def test_the_preflight_reports_a_wrong_folder(tmp_path):
-    from offstep.pipeline.preflight import environment_problems
+    from offstep.launch.preflight import environment_problems
 
     cfg = load_config(["preset=tiny", "reward.model.kind=discriminative", "reward.model.path=tiny",
                        f"trainer.output_dir={tmp_path / 'run'}"])
@@ -90,7 +90,7 @@ def test_the_preflight_reports_a_wrong_folder(tmp_path):
 
 
 def test_the_preflight_counts_the_reward_pool(tmp_path):
-    from offstep.pipeline.preflight import environment_problems
+    from offstep.launch.preflight import environment_problems
 
     base = ["preset=tiny", "reward.model.kind=generative", "reward.model.path=tiny", f"trainer.output_dir={tmp_path / 'run'}"]
     assert not [p for p in environment_problems(load_config(base), cpu_count=2, gpu_count=0) if "CPU cores" in p]

@@ -9,7 +9,7 @@ import time
 import pytest
 from conftest import ENGINES_SLOW_VLLM
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.models.loading import load_tokenizer, resolve_model
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl

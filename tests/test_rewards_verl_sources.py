@@ -211,8 +211,8 @@ def _parquet(path, sources):
 
 def test_cfg_refuses_data_sources_without_a_scorer(tmp_path):
     # `offstep train --cfg` and training both call validate, before any worker starts
-    from offstep.config.loader import ConfigError, load_config
-    from offstep.pipeline.preflight import read_data_sources, validate
+    from offstep.launch.loader import ConfigError, load_config
+    from offstep.launch.preflight import read_data_sources, validate
 
     train = _parquet(tmp_path / "train.parquet", ["lighteval/MATH", "math_dapo", "my/task", None])
     val = tmp_path / "val.jsonl"

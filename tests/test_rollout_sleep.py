@@ -10,8 +10,9 @@ import copy
 import pytest
 import torch
 
-from offstep.config.loader import load_config
-from offstep.config.validate import problems, rollout_sleeps
+from offstep.launch.loader import load_config
+from offstep.config.schema import rollout_sleeps
+from offstep.launch.validate import problems
 from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.engines.sleep import PARTS, SleepState
 from offstep.rollout.types import SamplingParams

@@ -16,7 +16,8 @@ from conftest import quick_cases
 
 os.environ.setdefault("OFFSTEP_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "offstep"))
 
-from offstep.config.loader import ConfigError, load_config, to_yaml  # noqa: E402
+from offstep.config.schema import to_yaml  # noqa: E402
+from offstep.launch.loader import ConfigError, load_config  # noqa: E402
 from offstep.files import LinkRefused, loads_json, loads_yaml, write_file  # noqa: E402
 from offstep.pipeline.checkpoints import Checkpoints, TrainerState, load_failed  # noqa: E402
 from offstep.pipeline.run_dir import LOCK, open_run  # noqa: E402

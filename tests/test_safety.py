@@ -19,7 +19,8 @@ import torch
 from conftest import quick_cases
 
 from offstep.batch import GenTiming, Sample, Span
-from offstep.config.loader import ConfigError, load_config, to_yaml
+from offstep.config.schema import to_yaml
+from offstep.launch.loader import ConfigError, load_config
 from offstep.pipeline.dynamic_sampling import Generated
 from offstep.pipeline.checkpoints import (
     Checkpoints, check_compatible, complete_checkpoints, file_digests, open_checkpoint, read_run_id,

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from offstep.config.loader import load_config
-from offstep.pipeline.preflight import environment_problems
+from offstep.launch.loader import load_config
+from offstep.launch.preflight import environment_problems
 from offstep.sandbox import Limits, Sandbox, problem
 
 FAST = Limits(timeout_s=5, cpu_s=5, memory_mb=256, processes=16, file_mb=1, open_files=32, tmp_mb=8, output_bytes=4096)

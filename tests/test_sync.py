@@ -66,8 +66,8 @@ def test_manifest_lists_tied_weights_once():
     ],
 )
 def test_invalid_weight_sync_config_names_the_key(overrides, key):
-    from offstep.config.loader import ConfigError, load_config
-    from offstep.pipeline.preflight import validate
+    from offstep.launch.loader import ConfigError, load_config
+    from offstep.launch.preflight import validate
 
     validate(load_config(["preset=tiny", "pipeline.weight_sync=collective"]), cpu_count=2, gpu_count=0)
     with pytest.raises(ConfigError, match=key):
@@ -288,7 +288,7 @@ def test_ray_workers_collective_and_object_store_agree(ray_free, tmp_path):
 
 # ------------------------------------------------------------------ a tiny run end to end
 def _run(out, *extra):
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.pipeline.controller import train
     from offstep.telemetry.metrics import read_jsonl
 

@@ -130,7 +130,7 @@ TWO_REPLICAS = ("rollout.replicas=2", "pipeline.max_staleness=0", "pipeline.colo
 
 
 def _run(tmp_path, *extra, start=None):
-    from offstep.config.loader import load_config
+    from offstep.launch.loader import load_config
     from offstep.pipeline.controller import train
     from offstep.telemetry.metrics import read_jsonl
 
@@ -187,7 +187,7 @@ def test_lora_adapter_syncs_are_verified_and_a_corrupted_one_is_caught(tmp_path,
 
 def test_no_fault_key_in_the_configuration():
     """Faults are injected by the tests' own worker, not by a key of the user's configuration."""
-    from offstep.config.loader import ConfigError, load_config
+    from offstep.launch.loader import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="unknown configuration key 'pipeline.sync_fault'"):
         load_config(["preset=tiny", "pipeline.sync_fault=drop:1:2"])

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from offstep.config.loader import ConfigError, load_config
+from offstep.launch.loader import ConfigError, load_config
 from offstep.telemetry.console import ConsoleProgress, auto_mode, eta_seconds, format_duration, plain_text, step_line
 from offstep.telemetry.loggers import RunLoggers, WandbLogger, resolve_wandb_mode
 from offstep.telemetry.metrics import read_jsonl
@@ -226,7 +226,7 @@ def test_run_loggers_fan_out(tmp_path, monkeypatch):
 
 
 def test_config_checks_for_telemetry_keys():
-    from offstep.pipeline.preflight import validate
+    from offstep.launch.preflight import validate
 
     for override, key in (("trainer.wandb_mode=sometimes", "trainer.wandb_mode"),
                           ("trainer.status_interval_s=-1", "trainer.status_interval_s"),

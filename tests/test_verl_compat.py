@@ -1,4 +1,4 @@
-"""verl's command lines in offstep (offstep/config/verl/): a verl one-step GRPO command of
+"""verl's command lines in offstep (offstep/launch/verl/): a verl one-step GRPO command of
 45 keys translated key by key, every unsupported key's documented treatment, verl's meaning for the
 rejection thresholds (a hand-worked case), strings for data files, conflicts, and the docs table."""
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from offstep.algos.correction import rejection_mask
-from offstep.config.loader import ConfigError, load_config
-from offstep.config.verl.derive import verl_k1_bounds
-from offstep.config.verl.table import DERIVED_TARGETS
-from offstep.pipeline.preflight import validate
+from offstep.launch.loader import ConfigError, load_config
+from offstep.launch.verl.derive import verl_k1_bounds
+from offstep.launch.verl.table import DERIVED_TARGETS
+from offstep.launch.preflight import validate
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "from-verl.md"
 
@@ -304,8 +304,8 @@ def test_conflicts_and_errors_name_the_verl_key():
 
 @pytest.mark.heavy
 def test_every_table_entry_is_a_known_kind_and_targets_exist():
-    from offstep.config.verl.table import PREFIXES, TABLE, Derived, Note, Refuse, To
-    from offstep.config.verl.translate import is_offstep_key
+    from offstep.launch.verl.table import PREFIXES, TABLE, Derived, Note, Refuse, To
+    from offstep.launch.verl.translate import is_offstep_key
 
     for key, rule in [*TABLE.items(), *PREFIXES]:
         assert isinstance(rule, (To, Derived, Note, Refuse)), key

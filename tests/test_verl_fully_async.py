@@ -1,4 +1,4 @@
-"""verl's fully-async command lines in offstep (offstep/config/verl/fully_async.py):
+"""verl's fully-async command lines in offstep (offstep/launch/verl/fully_async.py):
 verl's twelve scripts of verl/experimental/fully_async_policy/shell/ (their arguments are the
 fixtures in tests/verl_fully_async/) each fail in one message listing all their refusals, none
 of them an async key; without the refused keys each resolves to pipeline.mode=fully_async with
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from offstep.cli import main
-from offstep.config.loader import ConfigError, load_config
-from offstep.config.validate import problems
+from offstep.launch.loader import ConfigError, load_config
+from offstep.launch.validate import problems
 
 SCRIPTS = Path(__file__).resolve().parent / "verl_fully_async"
 ROWS = 600  # training rows of the synthetic data the scripts read here

@@ -1,4 +1,4 @@
-"""verl's launch layout and defaults (offstep/config/verl/layout.py): a main_ppo command line (its
+"""verl's launch layout and defaults (offstep/launch/verl/layout.py): a main_ppo command line (its
 hybrid engine, trainer GPUs only) becomes colocated synchronous training; `offstep train --cfg
 --gpus N` checks a GPU script on this machine; and no preset default or offstep convention changes
 what the verl command line means without a note (warm-up, rollout dtype, SGLang, test_freq <= 0)."""
@@ -10,10 +10,10 @@ import importlib.util
 import pytest
 
 from offstep.cli import main
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.config.machine import available_gpus, gpus_simulated, simulated_gpus
-from offstep.config.verl.layout import nodes_of
-from offstep.pipeline.preflight import validate
+from offstep.launch.verl.layout import nodes_of
+from offstep.launch.preflight import validate
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from offstep.cli import main
-from offstep.config.loader import ConfigError, load_config
+from offstep.launch.loader import ConfigError, load_config
 
 TINY = ["preset=tiny", "rollout.n=2"]
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from offstep.algos.advantages import grpo_outcome_advantage, opo_advantage, rloo_advantage
-from offstep.config.loader import ConfigError, load_config
-from offstep.config.validate import problems
+from offstep.launch.loader import ConfigError, load_config
+from offstep.launch.validate import problems
 
 
 def load(args):

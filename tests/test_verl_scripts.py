@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from test_verl_fully_async import recorded_args
 
 from offstep.cli import main
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 
 SCRIPTS = Path(__file__).resolve().parent / "verl_scripts"
 ROWS = 4096  # training rows: the largest train_batch_size of the scripts (4096 prompts)

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.errors import ToolConfigError
 from offstep.rollout.agents.agent_tools import agent_tools
 from offstep.rollout.agents.tools import run_tool
@@ -182,8 +182,8 @@ def test_a_tool_module_that_hangs_on_import_is_refused(tmp_path, monkeypatch):
 
 
 def test_both_sources_of_tools_are_refused_and_verl_keys_translate():
-    from offstep.config.loader import ConfigError
-    from offstep.pipeline.preflight import validate
+    from offstep.launch.loader import ConfigError
+    from offstep.launch.preflight import validate
 
     with pytest.raises(ConfigError, match="are both set; the tools come from one of them"):
         validate(load_config(["preset=tiny", "rollout.agent.tool_config_path=a.yaml", "rollout.agent.tools_path=b.py"]))

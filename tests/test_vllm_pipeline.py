@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from conftest import needs_vllm
 
-from offstep.config.loader import load_config
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 

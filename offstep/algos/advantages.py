@@ -41,7 +41,7 @@ All return ``(advantages, returns)``, zero on padding. ``group_ids`` are any int
 with equal ids share a prompt. A group of one response has no baseline to compare with:
 GRPO, RLOO, OPO, GPG and GRPO pass@k give it advantage 0 (verl gives GRPO's ``r / (1 + eps)``
 and RLOO's and OPO's ``r``: ``alone="score"``, ``algorithm.one_response_groups``), and REINFORCE++-baseline keeps its raw score before the batch whitening (as
-verl), after which it is ``(r - mu) / sigma`` of the batch. ``offstep.config.validate`` asks for
+verl), after which it is ``(r - mu) / sigma`` of the batch. ``offstep.launch.validate`` asks for
 ``rollout.n >= 2`` for all of them.
 """
 

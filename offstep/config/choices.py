@@ -1,6 +1,6 @@
 """The allowed values of the configuration's choice keys, defined once.
 
-The config checks (``offstep.config.validate``) and the code that dispatches on the same names
+The config checks (``offstep.launch.validate``) and the code that dispatches on the same names
 (the algorithms, the rollout engines and agents, the loggers, the trainer) both read them from
 here. This module imports nothing, so validating a config loads no torch; the import-linter
 contract in pyproject.toml keeps it at the bottom layer.
@@ -30,7 +30,7 @@ ROLLOUT_ENGINES = ("builtin", "vllm")
 # (pipeline.mode=fully_async): keep their KV cache (computed under the old weights), recompute it
 # under the new weights, or off (finish them before the load; no sample crosses a load)
 PARTIAL_MODES = ("keep", "recompute", "off")
-SLEEP_MODES = ("auto", "true", "false")  # rollout.sleep_during_update (offstep.config.validate.rollout_sleeps)
+SLEEP_MODES = ("auto", "true", "false")  # rollout.sleep_during_update (offstep.config.schema.rollout_sleeps)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (v0.32)
 SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT = "single_turn_agent", "tool_agent", "openai"
 AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT)  # verl's agent_name values that offstep runs (rollout.agent.default_agent)

@@ -1,5 +1,5 @@
 """What this machine has, read where a config's derived defaults follow from it (verl's GPU counts,
-``offstep.config.verl.derive``) and by the checks before a run starts (``offstep.pipeline.preflight``).
+``offstep.launch.verl.derive``) and by the checks before a run starts (``offstep.launch.preflight``).
 
 ``simulated_gpus(n)`` makes both see ``n`` GPUs on each node instead (``offstep train --cfg
 --gpus N``): a launch script for a GPU cluster resolves and is checked on a laptop."""

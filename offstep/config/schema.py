@@ -391,3 +391,18 @@ class Config:
     """on-policy distillation from a teacher model (docs/distillation.md)"""
     env: EnvConfig = field(default_factory=EnvConfig)
     """an environment from the ecosystem (verifiers, OpenEnv) instead of data.* (docs/environments.md)"""
+
+
+def to_yaml(cfg: Config) -> str:
+    """The config as YAML (a run's ``config.yaml``, ``offstep train --cfg``)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def rollout_sleeps(cfg: Config) -> bool:
+    """``rollout.sleep_during_update`` resolved: ``auto`` is on exactly when the replicas share the
+    trainer's GPUs (colocated, synchronous). A bool given on the command line arrives as "True"/"False"."""
+    mode = str(cfg.rollout.sleep_during_update).lower()
+    colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
+    return mode == "true" or (mode == "auto" and colocated and cfg.resources.gpus_per_trainer_worker > 0)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import ray
 
-from offstep.config.loader import to_yaml
+from offstep.config.schema import to_yaml
 from offstep.config.schema import Config
 from offstep.data.prompt_stream import PromptStream
 from offstep.files import write_file
@@ -275,13 +275,10 @@ class Controller:
         self.lock.release()
 
 
-def train(cfg: Config, start=None, validated: bool = False) -> list[dict]:
-    """Validate (unless the caller did: ``offstep train`` has), set up, run the loop, clean up.
-    Returns the per-step metrics. ``start`` starts the workers (see :meth:`Controller.start`)."""
-    from offstep.pipeline.preflight import validate
-
-    if not validated:
-        validate(cfg)
+def train(cfg: Config, start=None) -> list[dict]:
+    """Set up, run the loop, clean up; ``cfg`` is checked already (``offstep.launch.run`` or
+    ``offstep train``). Returns the per-step metrics. ``start`` starts the workers (see
+    :meth:`Controller.start`)."""
     ctl = Controller(cfg)
     finished = False
     try:

@@ -21,7 +21,7 @@ from typing import Any
 import ray
 
 from offstep.config.schema import Config
-from offstep.config.validate import rollout_sleeps
+from offstep.config.schema import rollout_sleeps
 from offstep.errors import RolloutFailed, TrainerFailed
 from offstep.models.loading import cache_dir
 from offstep.pipeline import keep
@@ -259,7 +259,7 @@ def init_ray(cfg: Config) -> bool:
         return False
     kwargs = dict(include_dashboard=False, log_to_driver=True, logging_level="WARNING")
     if cfg.resources.ray_address:
-        from offstep.pipeline.preflight import check_ray_address
+        from offstep.pipeline.ray_address import check_ray_address
 
         check_ray_address(cfg.resources.ray_address)  # Ray would retry for 25 s, then raise with no fix
         keep_token_private(create=False)

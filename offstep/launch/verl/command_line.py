@@ -15,7 +15,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from offstep.config.verl.translate import _literal
+from offstep.launch.verl.translate import _literal
 from offstep.errors import VerlKeyError
 
 FLAGS = {"--config-path": "path", "-cp": "path", "--config-dir": "path", "-cd": "path",

@@ -1,6 +1,6 @@
 """Checks a config's consistency before any process starts: every message names the key and the
 fix. Nothing here looks outside the config (files, packages, devices, the network): those checks
-are ``offstep.pipeline.preflight``'s, which runs these too (``problems``) and reports both together."""
+are ``offstep.launch.preflight``'s, which runs these too (``problems``) and reports both together."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from offstep.config.choices import (
     WANDB_MODES,
     WEIGHT_SYNC_PATHS,
 )
-from offstep.config.checks import choice, floats, need
+from offstep.launch.checks import choice, floats, need
 from offstep.config.schema import Config
-from offstep.config.validate_training import check_algorithm, check_distill, check_optim
+from offstep.launch.validate_training import check_algorithm, check_distill, check_optim
 from offstep.rewards.judge import parser_problem, template_problem
 
 
@@ -95,16 +95,8 @@ def _check_task(cfg: Config, e: list[str]) -> None:
                      f"(offstep/data/tasks.py). Fix: {hint}drop it")
 
 
-def rollout_sleeps(cfg: Config) -> bool:
-    """``rollout.sleep_during_update`` resolved: ``auto`` is on exactly when the replicas share the
-    trainer's GPUs (colocated, synchronous). A bool given on the command line arrives as "True"/"False"."""
-    mode = str(cfg.rollout.sleep_during_update).lower()
-    colocated = cfg.pipeline.colocate and cfg.pipeline.max_staleness == 0
-    return mode == "true" or (mode == "auto" and colocated and cfg.resources.gpus_per_trainer_worker > 0)
-
-
 def _check_engine(cfg: Config, e: list[str]) -> None:
-    """``rollout.engine`` (whether vLLM is installed, and which build: ``offstep.pipeline.preflight``)
+    """``rollout.engine`` (whether vLLM is installed, and which build: ``offstep.launch.preflight``)
     and ``rollout.sleep_during_update``."""
     choice(cfg.rollout.engine, "rollout.engine", ROLLOUT_ENGINES, e)
     key, mode, p = "rollout.sleep_during_update", str(cfg.rollout.sleep_during_update).lower(), cfg.pipeline
@@ -158,7 +150,7 @@ def _check_mode(cfg: Config, e: list[str]) -> None:
 
 
 def _check_lora(cfg: Config, e: list[str]) -> None:
-    """``actor.lora`` (the peft package and the model's own layers: ``offstep.pipeline.preflight``)."""
+    """``actor.lora`` (the peft package and the model's own layers: ``offstep.launch.preflight``)."""
     lora = cfg.actor.lora
     if lora.rank == 0:
         return

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from offstep.config.checks import choice, need
+from offstep.launch.checks import choice, need
 from offstep.config.choices import (
     ADV_ESTIMATORS,
     CORRECTION_MODES,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 
 from offstep.config.schema import Config
-from offstep.config.verl.convert import DOC, fail, whole
-from offstep.config.verl.translate import Translation
+from offstep.launch.verl.convert import DOC, fail, whole
+from offstep.launch.verl.translate import Translation
 from offstep.errors import VerlKeyError
 
 FG = "algorithm.filter_groups."

@@ -10,8 +10,8 @@ keys apply only when ``enabled`` is True."""
 from __future__ import annotations
 
 from offstep.config.schema import Config
-from offstep.config.verl.convert import fail, whole
-from offstep.config.verl.translate import Translation
+from offstep.launch.verl.convert import fail, whole
+from offstep.launch.verl.translate import Translation
 
 ENABLED, PATH = "distillation.enabled", "distillation.teacher_model.model_path"
 POOL, WORKERS = "distillation.teacher_model.enable_resource_pool", "distillation.num_workers"

@@ -1,7 +1,7 @@
 """verl's command line as offstep overrides, before Hydra composes the config (``translate``): each
-verl key by its entry of ``offstep.config.verl.table``; every refusal is collected and reported
+verl key by its entry of ``offstep.launch.verl.table``; every refusal is collected and reported
 at once, in one message (``refusals``). What needs the composed config is left, in the
-``Translation``, for ``offstep.config.verl.derive.apply_derived``."""
+``Translation``, for ``offstep.launch.verl.derive.apply_derived``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from offstep.config.schema import Config
-from offstep.config.verl.convert import DOC
-from offstep.config.verl.table import (DERIVED_TARGETS, MEGATRON, TABLE, VERL_ONLY_ROOTS, Derived, Note, Refuse,
+from offstep.launch.verl.convert import DOC
+from offstep.launch.verl.table import (DERIVED_TARGETS, MEGATRON, TABLE, VERL_ONLY_ROOTS, Derived, Note, Refuse,
                                        prefix_of, rule_for)
 from offstep.errors import VerlKeyError
 

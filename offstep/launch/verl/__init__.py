@@ -10,6 +10,6 @@
   (``fully_async``: verl's fully-async command line).
 
 Nothing is silently ignored, and every refusal of a command line is reported at once, in one
-message. ``offstep.config.loader.load_config`` calls ``translate`` and ``apply_derived`` and prints
+message. ``offstep.launch.loader.load_config`` calls ``translate`` and ``apply_derived`` and prints
 the notes; ``scripts/verl_keys_table.py`` writes the table into docs/from-verl.md.
 """

@@ -2,7 +2,7 @@
 the packages it needs, this machine's cores and GPUs, the model folder, a Ray cluster's address.
 
 ``validate`` runs them together with the config's own consistency checks
-(``offstep.config.validate.problems``) and raises one ``ConfigError`` that lists every problem.
+(``offstep.launch.validate.problems``) and raises one ``ConfigError`` that lists every problem.
 ``offstep train`` calls it (and ``check_ray_address``) before anything starts, and so does
 ``offstep.pipeline.controller.train``; nothing heavy is imported unless the config asks for LoRA."""
 
@@ -12,16 +12,15 @@ import importlib.util
 import json
 import math
 import os
-import socket
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from offstep.config.choices import OPENAI_AGENT
 from offstep.config.machine import available_gpus, gpus_simulated
 from offstep.config.schema import Config
-from offstep.config.validate import problems
-from offstep.config.verl.translate import refusals
+from offstep.launch.validate import problems
+from offstep.launch.verl.translate import refusals
 from offstep.errors import ConfigError, ModelError
+from offstep.pipeline.ray_address import check_ray_address
 from offstep.pipeline.replay import replay_problems
 
 
@@ -53,29 +52,6 @@ def _check_output_dir(out: str, e: list[str]) -> None:
         what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
         e.append(f"trainer.output_dir={out!r} {what} by this user; give a directory you can write to, e.g. "
                  f"trainer.output_dir=runs/my_run")
-
-
-def check_ray_address(address: str | None, timeout_s: float = 3.0) -> None:
-    """Fail fast when ``resources.ray_address`` names a host and port where nothing listens (Ray
-    itself retries for about 25 s and then raises a ConnectionError with no fix): a TCP connect
-    of at most ``timeout_s`` seconds. "auto", "local" and addresses without a port are left to Ray."""
-    if not address or address in ("auto", "local"):
-        return
-    parts = urlsplit(address if "://" in address else f"ray://{address}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError:  # a port that is not a number
-        host, port = None, None
-    if not host or port is None:
-        return
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as err:
-        why = "timed out" if isinstance(err, TimeoutError) else (err.strerror or type(err).__name__)
-        raise ConfigError(
-            f"resources.ray_address={address!r}: no Ray cluster answers at {host}:{port} ({why}). Fix: start the "
-            f"cluster there first (`ray start --head --port={port}` on that machine), or leave "
-            f"resources.ray_address empty (null) for a local Ray started by this run") from None
 
 
 def vllm_build() -> str | None:

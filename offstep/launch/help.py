@@ -128,7 +128,7 @@ def format_keys(keys: list[KeyHelp], width: int = 100) -> str:
 
 def help_text(query: str | None = None, verl: Callable[[str], str | None] | None = None) -> str:
     """``offstep train --help [query]``: the usage and every key, or only the keys of ``query``.
-    ``verl`` (``offstep.config.verl.keyhelp.describe``, passed in by the command: this module sits
+    ``verl`` (``offstep.launch.verl.keyhelp.describe``, passed in by the command: this module sits
     below the translation) says what a verl key becomes; it answers a query that is no offstep key
     or prefix, and is added to an offstep key that verl has too (data.train_batch_size)."""
     width = min(100, shutil.get_terminal_size((100, 24)).columns)

@@ -10,8 +10,8 @@ import math
 from typing import Any
 
 from offstep.config.schema import Config
-from offstep.config.verl.convert import DOC, at_least_one, boolean, fail, never, training_rows, whole
-from offstep.config.verl.translate import Translation, async_signals
+from offstep.launch.verl.convert import DOC, at_least_one, boolean, fail, never, training_rows, whole
+from offstep.launch.verl.translate import Translation, async_signals
 from offstep.errors import OffstepError, VerlKeyError
 
 # verl's fully-async defaults (fully_async_ppo_trainer.yaml, ppo_trainer.yaml) for the keys that

@@ -8,8 +8,8 @@ reward model."""
 from __future__ import annotations
 
 from offstep.config.schema import Config
-from offstep.config.verl.convert import fail, whole
-from offstep.config.verl.translate import Translation
+from offstep.launch.verl.convert import fail, whole
+from offstep.launch.verl.translate import Translation
 
 ENABLE, PATH = "reward_model.enable", "reward_model.model.path"
 BATCH_KEYS = ("reward_model.micro_batch_size_per_gpu", "reward_model.micro_batch_size")

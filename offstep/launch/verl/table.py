@@ -2,10 +2,10 @@
 or ``PREFIXES`` (groups of keys), one of:
 
 * ``To(key)``: translated to an offstep key, its value converted where the conventions differ
-  (``offstep.config.verl.convert``);
+  (``offstep.launch.verl.convert``);
 * ``Derived(targets)``: translated from several keys, or with the composed config (verl counts
   ``ppo_mini_batch_size`` in prompts, offstep ``actor.mini_batch_size`` in sequences, so it needs
-  ``rollout.n``): the derivations of ``offstep.config.verl.derive`` run on the typed config after
+  ``rollout.n``): the derivations of ``offstep.launch.verl.derive`` run on the typed config after
   composition, and set the keys ``DERIVED_TARGETS`` lists;
 * ``Note(why)``: accepted, with a one-line note (engine or memory tuning that does not apply);
 * ``Refuse(why)``: refused with a message naming the key and what offstep does instead;
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from offstep.config.verl.convert import (dict_or_empty, dtype, estimator, files, function_name, kl_type, loggers,
+from offstep.launch.verl.convert import (dict_or_empty, dtype, estimator, files, function_name, kl_type, loggers,
                                          loss_mode, never, never_validate, target_modules, top_k, val_max_samples,
                                          whole, zero_if_null)
 

@@ -1,7 +1,7 @@
 """The offstep keys that verl keys derive after Hydra composes the config (the table's ``Derived``
 entries): from several verl keys, or with the config (``rollout.n``, the trainer workers), or
 from the data files (verl's epochs count the training rows). ``apply_derived`` runs them in
-order, verl's fully-async command line among them (``offstep.config.verl.fully_async``)."""
+order, verl's fully-async command line among them (``offstep.launch.verl.fully_async``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ from typing import Any, Callable
 
 from offstep.config.choices import OVERLONG_MODES
 from offstep.config.schema import Config
-from offstep.config.verl.dapo_keys import dapo_recipe, rollout_is_threshold
-from offstep.config.verl.convert import fail, training_rows, whole
-from offstep.config.verl.fully_async import fully_async_mode
-from offstep.config.verl.layout import colocated_layout, verl_defaults, verl_values
-from offstep.config.verl.distill_keys import distillation
-from offstep.config.verl.reward_model_keys import reward_model
-from offstep.config.verl.translate import Translation, async_signals, refusals
+from offstep.launch.verl.dapo_keys import dapo_recipe, rollout_is_threshold
+from offstep.launch.verl.convert import fail, training_rows, whole
+from offstep.launch.verl.fully_async import fully_async_mode
+from offstep.launch.verl.layout import colocated_layout, verl_defaults, verl_values
+from offstep.launch.verl.distill_keys import distillation
+from offstep.launch.verl.reward_model_keys import reward_model
+from offstep.launch.verl.translate import Translation, async_signals, refusals
 from offstep.errors import OffstepError, VerlKeyError
 
 

@@ -16,9 +16,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, InterpolationResolutionError, OmegaConfBaseException
 
 from offstep.config.schema import Config
-from offstep.config.verl.command_line import command_line
-from offstep.config.verl.derive import apply_derived
-from offstep.config.verl.translate import is_entry_flag, refusals, translate
+from offstep.launch.verl.command_line import command_line
+from offstep.launch.verl.derive import apply_derived
+from offstep.launch.verl.translate import is_entry_flag, refusals, translate
 from offstep.errors import ConfigError, VerlKeyError
 
 _registered = False
@@ -126,7 +126,7 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
 def load_config(overrides: list[str] | None = None, notes: list[str] | None = None,
                 errors: list[str] | None = None) -> Config:
     """Return the typed, resolved config for ``offstep train`` with ``overrides`` (``key=value``)
-    applied. verl's key names are translated (``offstep.config.verl``); what the translation
+    applied. verl's key names are translated (``offstep.launch.verl``); what the translation
     says about them goes to ``notes`` when a list is given, else to stderr. With ``errors``, the
     refusals of verl keys go there and the config is returned (the caller reports them with its own
     checks, in one pass); without, they raise ``ConfigError``."""
@@ -156,7 +156,3 @@ def load_config(overrides: list[str] | None = None, notes: list[str] | None = No
     elif said:
         print("offstep: verl keys:\n  " + "\n  ".join(said), file=sys.stderr)
     return resolve(typed)
-
-
-def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

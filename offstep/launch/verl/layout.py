@@ -6,7 +6,7 @@ same devices, taking turns, one policy version at a time. A command line with tr
 ``rollout.nnodes``, no fully-async key) becomes ``pipeline.colocate=true
 pipeline.max_staleness=0``: one rollout replica per trainer worker, on its devices. verl's
 one-step scripts (``verl.experimental.one_step_off_policy``) name the rollout pool and keep
-their own (``offstep.config.verl.derive``).
+their own (``offstep.launch.verl.derive``).
 
 ``verl_defaults``: where verl's default differs from the preset's, and the command line gives
 neither the verl key nor the offstep key, the translation uses verl's value (``verl_values``: the
@@ -21,8 +21,8 @@ from functools import lru_cache
 from typing import Any
 
 from offstep.config.schema import Config
-from offstep.config.verl.convert import whole
-from offstep.config.verl.translate import Translation, async_signals, is_offstep_key
+from offstep.launch.verl.convert import whole
+from offstep.launch.verl.translate import Translation, async_signals, is_offstep_key
 
 TRAINER_POOL = ("trainer.n_gpus_per_node", "trainer.nnodes")
 ROLLOUT_POOL = ("rollout.n_gpus_per_node", "rollout.nnodes")

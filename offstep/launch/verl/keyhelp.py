@@ -1,5 +1,5 @@
 """``offstep train --help VERL_KEY``: what a verl key becomes in offstep, read from the one table
-(``offstep.config.verl.table``): translated (To), derived from several keys (Derived), accepted with
+(``offstep.launch.verl.table``): translated (To), derived from several keys (Derived), accepted with
 no effect (Note) or refused (Refuse), with the entry's own text; a group of verl keys
 (``actor_rollout_ref.actor``) lists the entry of each key under it."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import re
 
-from offstep.config.help import format_keys, select
-from offstep.config.verl.table import PREFIXES, TABLE, VERL_ONLY_ROOTS, Derived, Note, Refuse, To, prefix_of, rule_for
+from offstep.launch.help import format_keys, select
+from offstep.launch.verl.table import PREFIXES, TABLE, VERL_ONLY_ROOTS, Derived, Note, Refuse, To, prefix_of, rule_for
 
 DOC = "docs/from-verl.md"
 
