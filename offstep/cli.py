@@ -35,7 +35,9 @@ def _unwrap(e: BaseException) -> BaseException:
 
 
 def _gpus_flag(argv: list[str], show: bool) -> tuple[int | None, list[str]]:
-    """``--gpus N`` (or ``--gpus=N``) and the arguments without it; ValueError naming the fix."""
+    """``--gpus N`` (or ``--gpus=N``) and the arguments without it; ConfigError naming the fix."""
+    from offstep.errors import ConfigError
+
     rest, gpus, i = [], None, 0
     while i < len(argv):
         arg = argv[i]
@@ -43,13 +45,13 @@ def _gpus_flag(argv: list[str], show: bool) -> tuple[int | None, list[str]]:
             value = arg.partition("=")[2] if "=" in arg else (argv[i + 1] if i + 1 < len(argv) else "")
             i += 1 if "=" in arg else 2
             if not value.isdigit():
-                raise ValueError(f"--gpus {value!r}: give the GPUs of each node as a whole number, e.g. --gpus 8")
+                raise ConfigError(f"--gpus {value!r}: give the GPUs of each node as a whole number, e.g. --gpus 8")
             gpus = int(value)
             continue
         rest.append(arg)
         i += 1
     if gpus is not None and not show:
-        raise ValueError(f"--gpus {gpus} only checks a config (offstep train --cfg --gpus {gpus} ...): a run uses the "
+        raise ConfigError(f"--gpus {gpus} only checks a config (offstep train --cfg --gpus {gpus} ...): a run uses the "
                          f"GPUs it finds. Fix: add --cfg, or drop --gpus")
     return gpus, rest
 
@@ -84,7 +86,7 @@ def _train(argv: list[str]) -> int:
     show = "--cfg" in argv
     try:
         gpus, argv = _gpus_flag(argv, show)
-    except ValueError as e:
+    except ConfigError as e:
         _say(e)
         return 2
     overrides = [a for a in argv if a != "--cfg"]
@@ -113,10 +115,9 @@ def _train(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("offstep: interrupted", file=sys.stderr)
         return 130
-    except (OffstepError, ValueError, FileNotFoundError) as e:
-        # offstep's own errors (and the data, task and logger checks' ValueErrors) carry their fix
-        # in the message; a worker's traceback would only bury it. Anything else is a bug and keeps
-        # its traceback.
+    except OffstepError as e:
+        # offstep's own errors carry their fix in the message; a worker's traceback would only bury
+        # it. Anything else is a bug and keeps its traceback.
         cause = _unwrap(e)
         _say(cause)
         return getattr(cause, "exit_code", 2)
@@ -140,7 +141,7 @@ def _report(argv: list[str]) -> int:
 
     try:
         out = write_report(args.runs, args.out)
-    except (FileNotFoundError, ValueError, OffstepError) as e:
+    except OffstepError as e:
         _say(e)
         return 2
     print(f"offstep: report in {out}")
@@ -209,13 +210,12 @@ def _eval(argv: list[str]) -> int:
     import json
 
     from offstep.pipeline.evaluation import run_eval
-    from offstep.errors import RewardError
 
     def progress(done: int, total: int) -> None:
         print(f"offstep eval: {done}/{total} prompts", file=sys.stderr, flush=True)
 
-    from offstep.errors import ConfigError
     from offstep.config.schema import AgentConfig
+    from offstep.errors import OffstepError
     from offstep.pipeline.export import best_step, model_for_eval
 
     agent = None
@@ -231,7 +231,7 @@ def _eval(argv: list[str]) -> int:
             reward_timeout=args.reward_timeout or None, batch_size=args.batch_size, seed=args.seed, on_progress=progress,
             agent=agent, max_rows=args.max_rows,
         )
-    except (ValueError, FileNotFoundError, RewardError, ConfigError) as e:
+    except OffstepError as e:
         _say(e)
         return 2
     result = {
@@ -271,7 +271,7 @@ def _export(argv: list[str]) -> int:
     try:
         step = best_step(args.run, args.best) if args.best else args.step
         out = export_checkpoint(args.run, args.out, step, force=args.force, base=args.model, merge=args.merge)
-    except (OffstepError, FileNotFoundError, ValueError) as e:
+    except OffstepError as e:
         _say(e)
         return 2
     print(f"offstep: model written to {out}")

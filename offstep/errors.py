@@ -55,6 +55,11 @@ class NotAFile(OffstepError, ValueError):
     folder), or a tree too large to be a run's."""
 
 
+class RunFileError(OffstepError, ValueError):
+    """A run's own file (``metrics.jsonl``, ``timeline.jsonl``) that is missing or cannot be read;
+    the message names the file and the line."""
+
+
 class CheckpointError(OffstepError, ValueError):
     """A checkpoint that cannot be written (e.g. a full disk) or read (damaged, or holding
     something a checkpoint never holds); the message names the path and what to do."""

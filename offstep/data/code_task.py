@@ -10,6 +10,8 @@ by offstep's own reference functions; the model's code only ever runs in the san
 
 from __future__ import annotations
 
+from offstep.errors import ConfigError
+
 import json
 import string
 from typing import Callable
@@ -61,7 +63,7 @@ def code(n: int, seed: int) -> list[dict]:
     """``n`` distinct "write a function" problems (see the module docstring), in a seeded order."""
     problems = [(f, p) for f in FAMILIES for p in f[3]]
     if n > len(problems):
-        raise ValueError(f"task 'code': only {len(problems)} distinct problems, {n} requested. Fix: request fewer "
+        raise ConfigError(f"task 'code': only {len(problems)} distinct problems, {n} requested. Fix: request fewer "
                          "(data.task_train_size + data.task_val_size)")
     rng = np.random.default_rng([int(seed), 0xC0DE])
     rows = []

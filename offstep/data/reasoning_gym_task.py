@@ -21,6 +21,7 @@ import dataclasses
 import difflib
 import json
 
+from offstep.errors import ConfigError
 from offstep.rewards.reasoning_gym_scorer import INFO_KEY, SOURCE_PREFIX, dataset, decode, encode
 
 DEFAULT_PROMPT = "direct"
@@ -111,7 +112,7 @@ def _check_round_trip(name: str, config: dict, entries: list[dict]) -> None:
         answer = entry.get("answer")
         for response in (None if answer is None else str(answer), "?"):
             if scorer.score_answer(response, entry) != scorer.score_answer(response, back):
-                raise ValueError(f"reasoning-gym's {name}: its items do not survive being stored as JSON (its scorer "
+                raise ConfigError(f"reasoning-gym's {name}: its items do not survive being stored as JSON (its scorer "
                                  f"judges the stored item differently). Fix: pick another dataset ({KEY}.name)")
 
 
@@ -128,7 +129,7 @@ def _distinct(rg, name: str, seed: int, n: int, options: dict) -> tuple[list[dic
                 if len(items) == n:
                     return items, ds.category
         if size >= 50 * n + 2000:  # as the built-in tasks: a problem space too small fails clearly
-            raise ValueError(f"reasoning-gym's {name}: only {len(items)} distinct questions in its first {size} items, "
+            raise ConfigError(f"reasoning-gym's {name}: only {len(items)} distinct questions in its first {size} items, "
                              f"{n} requested. Fix: request fewer (data.task_train_size + data.task_val_size) or widen "
                              f"its options ({KEY})")
         start, size = size, 2 * size  # a larger size keeps the items so far: item i is seeded with seed + i
@@ -141,7 +142,7 @@ def reasoning_gym(n: int, seed: int, name: str = "", system_prompt: str = DEFAUL
     a demonstration turn before each question (a small model learns the tags from it)."""
     problems = check_options({"name": name, "system_prompt": system_prompt, **options})
     if problems:
-        raise ValueError("; ".join(problems))
+        raise ConfigError("; ".join(problems))
     rg, _, prompts = library()
     system = prompts.get(system_prompt, system_prompt)
     config = json.loads(json.dumps(options))  # what the scorer rebuilds the dataset from

@@ -46,6 +46,7 @@ from typing import Callable
 
 import numpy as np
 
+from offstep.errors import ConfigError
 from offstep.data.code_task import code
 from offstep.data.reasoning_gym_task import reasoning_gym
 
@@ -67,7 +68,7 @@ class _Unique:
         while len(rows) < self.n:
             attempts += 1
             if attempts > self.max_attempts:
-                raise ValueError(
+                raise ConfigError(
                     f"task {self.task!r}: could only generate {len(rows)} distinct problems of "
                     f"the {self.n} requested. Fix: request fewer (n_train + n_val) or {self.hint}."
                 )
@@ -113,15 +114,15 @@ def arithmetic(
     ops_list = [o for o in ops if not o.isspace()] if isinstance(ops, str) else list(ops)
     bad = [o for o in ops_list if o not in ("+", "-", "*")]
     if not ops_list or bad:
-        raise ValueError(f"arithmetic: ops must be drawn from '+', '-', '*', got {ops!r}.")
+        raise ConfigError(f"arithmetic: ops must be drawn from '+', '-', '*', got {ops!r}.")
     if int(digits) < 1:
-        raise ValueError(f"arithmetic: digits must be >= 1, got {digits}.")
+        raise ConfigError(f"arithmetic: digits must be >= 1, got {digits}.")
     if not counts or min(counts) < 2:
-        raise ValueError(f"arithmetic: num_operands must be >= 2 (or a list of such counts), got {num_operands}.")
+        raise ConfigError(f"arithmetic: num_operands must be >= 2 (or a list of such counts), got {num_operands}.")
     hi = 10 ** int(digits) - 1
     lo = int(min_value)
     if lo > hi:
-        raise ValueError(f"arithmetic: min_value={lo} exceeds the largest {digits}-digit number.")
+        raise ConfigError(f"arithmetic: min_value={lo} exceeds the largest {digits}-digit number.")
 
     rng = np.random.default_rng([int(seed), 0xA51])
 
@@ -270,9 +271,9 @@ def gsm8k_synthetic(n: int, seed: int, max_value: int = 20, two_step: float = 0.
     """``n`` distinct GSM8K-style word problems (see the module docstring)."""
     m = int(max_value)
     if m < 3:
-        raise ValueError(f"gsm8k_synthetic: max_value must be >= 3, got {max_value}.")
+        raise ConfigError(f"gsm8k_synthetic: max_value must be >= 3, got {max_value}.")
     if not 0.0 <= float(two_step) <= 1.0:
-        raise ValueError(f"gsm8k_synthetic: two_step must be in [0, 1], got {two_step}.")
+        raise ConfigError(f"gsm8k_synthetic: two_step must be in [0, 1], got {two_step}.")
     rng = np.random.default_rng([int(seed), 0x65A])
 
     def draw():
@@ -315,10 +316,10 @@ def write_task(
     may take an option called ``name`` (reasoning_gym's dataset). Returns ``(train_path, val_path)``.
     """
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}. Built-in tasks: {sorted(TASKS)}.")
+        raise ConfigError(f"unknown task {name!r}. Built-in tasks: {sorted(TASKS)}.")
     n_train, n_val = int(n_train), int(n_val)
     if n_train < 1 or n_val < 1:
-        raise ValueError(
+        raise ConfigError(
             f"write_task needs n_train >= 1 and n_val >= 1, got n_train={n_train}, n_val={n_val}. "
             "Fix: set data.task_train_size and data.task_val_size to at least 1."
         )

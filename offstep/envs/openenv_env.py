@@ -21,6 +21,7 @@ import asyncio
 import json
 import urllib.request
 
+from offstep.errors import ConfigError
 from offstep.envs.failures import EnvRolloutFailed
 from offstep.envs.openenv_pool import ServerPool
 
@@ -34,7 +35,7 @@ def action_field(schema: dict, target: str) -> str:
     props = {k: v for k, v in schema.get("properties", {}).items() if k != "metadata"}
     strings = [k for k, v in props.items() if v.get("type") == "string"]
     if len(strings) != 1:
-        raise ValueError(f"{target}: its action has string fields {strings} (of {sorted(props)}); name the one the "
+        raise ConfigError(f"{target}: its action has string fields {strings} (of {sorted(props)}); name the one the "
                          "model's reply fills: +env.args.action_field=NAME")
     return strings[0]
 

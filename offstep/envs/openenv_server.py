@@ -8,6 +8,8 @@ server exits when its parent does (a killed Ray worker cannot stop its children 
 
 from __future__ import annotations
 
+from offstep.errors import ConfigError
+
 import functools
 import importlib
 import json
@@ -25,17 +27,17 @@ def build_app(target: str, args: dict):
 
     module, _, attr = target.partition(":")
     if not attr:
-        raise ValueError(f"env.id={target!r} is not module:attr (an app, or an openenv Environment class)")
+        raise ConfigError(f"env.id={target!r} is not module:attr (an app, or an openenv Environment class)")
     obj = getattr(importlib.import_module(module), attr)
     if not (isinstance(obj, type) and issubclass(obj, Environment)):
         if args:
-            raise ValueError(f"env.id={target} is an app: env.args {sorted(args)} cannot reach its environment")
+            raise ConfigError(f"env.id={target} is an app: env.args {sorted(args)} cannot reach its environment")
         return obj
     hints = typing.get_type_hints(obj.step)
     action_cls = hints.get("action")
     obs_cls = typing.get_type_hints(obj.reset).get("return") or hints.get("return")
     if action_cls is None or obs_cls is None:
-        raise ValueError(f"{target}: annotate step(self, action: MyAction) -> MyObservation (openenv's own rule)")
+        raise ConfigError(f"{target}: annotate step(self, action: MyAction) -> MyObservation (openenv's own rule)")
     return create_app(functools.partial(obj, **args), action_cls, obs_cls, env_name=attr, max_concurrent_envs=1)
 
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from offstep.errors import ModelError
 from offstep.config.schema import LoRAConfig
 
 if TYPE_CHECKING:
@@ -140,7 +141,7 @@ def adapter_base(path: str | Path) -> str:
     cfg = json.loads((Path(path).expanduser() / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
     if not isinstance(base, str) or not base:
-        raise ValueError(f"{Path(path) / ADAPTER_CONFIG} names no base_model_name_or_path")
+        raise ModelError(f"{Path(path) / ADAPTER_CONFIG} names no base_model_name_or_path")
     return base
 
 

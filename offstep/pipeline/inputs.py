@@ -14,7 +14,7 @@ from offstep.config.choices import OPENAI_AGENT, TOOL_AGENT
 from offstep.config.schema import AgentConfig, Config
 from offstep.data.dataset import EncodedPrompt, PromptRecord, check_rule_ground_truths, encode_prompts, load_records
 from offstep.data.tasks import write_task
-from offstep.errors import ModelError
+from offstep.errors import ConfigError, DatasetError, ModelError
 from offstep.files import refuse_links_under
 from offstep.models.loading import load_tokenizer, resolve_model, with_config_overrides
 from offstep.rewards.registry import RewardFunction
@@ -69,7 +69,7 @@ def _tools_for(records: list[PromptRecord], cfg: Config) -> tuple[AgentConfig | 
     if not names & {TOOL_AGENT, OPENAI_AGENT}:
         return None, None
     if cfg.algorithm.adv_estimator == "remax":
-        raise ValueError("algorithm.adv_estimator=remax with tool rows or OpenAI agents (agent_name=tool_agent or "
+        raise ConfigError("algorithm.adv_estimator=remax with tool rows or OpenAI agents (agent_name=tool_agent or "
                          "openai): its greedy baseline is a single-turn response; use grpo, rloo or another estimator")
     if OPENAI_AGENT in names:
         load_agent(cfg.rollout.agent.openai_path, cfg.rollout.agent.openai_name, cfg.rollout.agent.tool_timeout_s)
@@ -133,7 +133,7 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
     if cfg.data.val_max_samples:
         val = val[: cfg.data.val_max_samples]
     if len(train) < cfg.data.train_batch_size:
-        raise ValueError(
+        raise DatasetError(
             f"the training set has {len(train)} usable prompts, fewer than data.train_batch_size="
             f"{cfg.data.train_batch_size}; lower data.train_batch_size or add data"
         )

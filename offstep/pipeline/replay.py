@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from offstep.errors import ConfigError
 from offstep.rollout.engines.replica_schedule import ADMIT, LOAD, SUSPEND, UNTIL
 
 KINDS = {LOAD, SUSPEND, ADMIT, UNTIL}
@@ -55,25 +56,25 @@ def read_schedule(replay: str) -> Recorded:
     lines = read_jsonl(path)
     starts = [r for r in lines if r.get("start")]
     if len(starts) != 1 or lines[0] is not starts[0]:
-        raise ValueError(f"{path} records {len(starts)} starts of the stream (a resumed run); only an uninterrupted "
+        raise ConfigError(f"{path} records {len(starts)} starts of the stream (a resumed run); only an uninterrupted "
                          f"run can be replayed")
     try:
         rec = Recorded(int(starts[0]["replicas"]), int(starts[0]["batch"]))
         rec.events = [[] for _ in range(rec.replicas)]
         for r in lines[1:]:
             if r.get("replaced"):
-                raise ValueError(f"{path}: a replica was replaced at step {r['step']} (rollout.max_restarts); a run "
+                raise ConfigError(f"{path}: a replica was replaced at step {r['step']} (rollout.max_restarts); a run "
                                  f"with a replaced replica cannot be replayed")
             rec.steps[int(r["step"])] = [int(g) for g in r["groups"]]
             if len(r["events"]) != rec.replicas:
-                raise ValueError(f"{path}: step {r['step']} has events of {len(r['events'])} replicas, not {rec.replicas}")
+                raise ConfigError(f"{path}: step {r['step']} has events of {len(r['events'])} replicas, not {rec.replicas}")
             for mine, new in zip(rec.events, r["events"]):
                 mine.extend([int(e[0]), str(e[1]), *e[2:]] for e in new)
                 if {e[1] for e in new} - KINDS:
-                    raise ValueError(f"{path}: step {r['step']} has events of kinds {sorted({e[1] for e in new} - KINDS)}"
+                    raise ConfigError(f"{path}: step {r['step']} has events of kinds {sorted({e[1] for e in new} - KINDS)}"
                                      f", not one of {sorted(KINDS)}")
     except (KeyError, TypeError, IndexError) as e:
-        raise ValueError(f"{path} is not a schedule an offstep run wrote ({type(e).__name__}: {e})") from None
+        raise ConfigError(f"{path} is not a schedule an offstep run wrote ({type(e).__name__}: {e})") from None
     return rec
 
 

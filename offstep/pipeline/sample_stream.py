@@ -45,7 +45,7 @@ from pathlib import Path
 import ray
 
 from offstep.batch import NO_VERSION
-from offstep.errors import RolloutFailed
+from offstep.errors import ConfigError, RolloutFailed
 from offstep.pipeline.dynamic_sampling import Generated
 from offstep.pipeline.fleet import gen_seed, split
 from offstep.pipeline.inputs import to_request
@@ -130,7 +130,7 @@ class SampleStream:
         self._schedule = JsonlWriter(Path(self.cfg.trainer.output_dir) / SCHEDULE_FILE, append=consumed > 0)
         self._schedule.write({"step": consumed // self.B, "start": True, "replicas": self.R, "batch": self.B})
         if self.replay is not None and (self.replay.replicas, self.replay.batch) != (self.R, self.B):
-            raise ValueError(f"pipeline.replay: the recorded run had {self.replay.replicas} replicas and batches of "
+            raise ConfigError(f"pipeline.replay: the recorded run had {self.replay.replicas} replicas and batches of "
                              f"{self.replay.batch} groups, this one {self.R} and {self.B}")
         events = self.replay.events if self.replay is not None else [None] * self.R
         await asyncio.gather(*(self._stream_start(w, e) for w, e in zip(self.workers.rollout, events)))

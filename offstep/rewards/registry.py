@@ -252,7 +252,7 @@ class RewardFunction:
         arguments name the settings in messages (``offstep eval`` has flags). ``abstain``: a scorer
         may return None, which is passed on (``reward.model.combine=abstain``)."""
         if timeout_s is not None and not float(timeout_s) > 0:
-            raise ValueError(
+            raise RewardConfigError(
                 f"reward timeout must be positive or None, got {timeout_s}. "
                 f"Fix: set {timeout_key} to a positive number of seconds (or null)."
             )

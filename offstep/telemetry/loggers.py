@@ -15,6 +15,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from offstep.errors import ConfigError
 from offstep.config.choices import WANDB_MODES
 from offstep.files import open_record
 from offstep.telemetry.metrics import JsonlWriter
@@ -29,7 +30,7 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ValueError("trainer.loggers includes tensorboard but the tensorboard package is missing: "
+            raise ConfigError("trainer.loggers includes tensorboard but the tensorboard package is missing: "
                              "pip install 'offstep[tensorboard]' (or remove it from trainer.loggers)") from e
         self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
 
@@ -52,7 +53,7 @@ def resolve_wandb_mode(configured: str, env: dict) -> str:
     mode = configured or env.get("WANDB_MODE", "") or "offline"
     if mode not in WANDB_MODES:
         source = "trainer.wandb_mode" if configured else "the WANDB_MODE environment variable"
-        raise ValueError(f"{source}={mode!r} is not one of {list(WANDB_MODES)}")
+        raise ConfigError(f"{source}={mode!r} is not one of {list(WANDB_MODES)}")
     return mode
 
 
@@ -66,12 +67,12 @@ class WandbLogger:
         try:
             import wandb
         except ImportError as e:
-            raise ValueError("trainer.loggers includes wandb but the wandb package is missing: "
+            raise ConfigError("trainer.loggers includes wandb but the wandb package is missing: "
                              "pip install 'offstep[wandb]' (or remove it from trainer.loggers)") from e
         self._wandb = wandb
         mode = resolve_wandb_mode(mode, os.environ)
         if mode == "online" and not wandb.login(prompt=False, verify=False):
-            raise ValueError("trainer.wandb_mode=online needs W&B credentials (WANDB_API_KEY or `wandb login`); "
+            raise ConfigError("trainer.wandb_mode=online needs W&B credentials (WANDB_API_KEY or `wandb login`); "
                              "use trainer.wandb_mode=offline to log locally and `wandb sync` later")
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(

@@ -9,6 +9,7 @@ import math
 import time
 from pathlib import Path
 
+from offstep.errors import RunFileError
 from offstep.files import loads_json, open_record, read_text, write_file
 
 
@@ -54,9 +55,9 @@ def read_jsonl(path: str | Path) -> list[dict]:
             try:
                 record = loads_json(line)
             except ValueError as e:
-                raise ValueError(f"{path}: line {n} cannot be read ({e})") from None
+                raise RunFileError(f"{path}: line {n} cannot be read ({e})") from None
             if not isinstance(record, dict):
-                raise ValueError(f"{path}: line {n} is a JSON {type(record).__name__}, not an object")
+                raise RunFileError(f"{path}: line {n} is a JSON {type(record).__name__}, not an object")
             records.append(record)
     return records
 

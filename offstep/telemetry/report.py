@@ -26,6 +26,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from offstep.errors import RunFileError
 from offstep.files import refuse_links, write_file  # noqa: E402
 from offstep.telemetry.metrics import read_jsonl  # noqa: E402
 from offstep.telemetry.names import Actor, ResponseLength, Reward, Role, Rollout, Stage, Timing, Val  # noqa: E402
@@ -61,7 +62,7 @@ class Run:
         path = Path(path)
         metrics_file = path / "metrics.jsonl"
         if not metrics_file.is_file():
-            raise FileNotFoundError(f"{metrics_file} does not exist: give the trainer.output_dir of an offstep run")
+            raise RunFileError(f"{metrics_file} does not exist: give the trainer.output_dir of an offstep run")
         records = read_jsonl(metrics_file)
         timeline_file = path / "timeline.jsonl"
         return cls(
@@ -213,7 +214,7 @@ def summary(runs: list[Run]) -> str:
 def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) -> Path:
     runs = [Run.load(d) for d in run_dirs]
     if not any(r.steps for r in runs):
-        raise ValueError(f"no training steps in {', '.join(str(d) for d in run_dirs)}: metrics.jsonl has none yet")
+        raise RunFileError(f"no training steps in {', '.join(str(d) for d in run_dirs)}: metrics.jsonl has none yet")
     out = Path(out_dir) if out_dir else runs[0].path / "report"
     if not out_dir:
         refuse_links(out)  # the run's own report folder: not a link out of it
