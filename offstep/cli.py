@@ -71,7 +71,8 @@ def _nodes(overrides: list[str]) -> int:
     return nodes_of(overrides)
 
 
-def _train(argv: list[str]) -> int:
+def train_command(argv: list[str], on_phase=None) -> int:
+    """``offstep train ARGV``: its exit code. ``on_phase``: see ``offstep.pipeline.controller.train``."""
     if "--help" in argv or "-h" in argv:
         from offstep.launch.help import print_help
         from offstep.launch.verl.keyhelp import describe
@@ -111,7 +112,7 @@ def _train(argv: list[str]) -> int:
     from offstep.telemetry.names import Reward
 
     try:
-        history = train(cfg)  # checked above, once, with the verl keys' refusals
+        history = train(cfg, on_phase=on_phase)  # checked above, once, with the verl keys' refusals
     except KeyboardInterrupt:
         print("offstep: interrupted", file=sys.stderr)
         return 130
@@ -296,7 +297,7 @@ def _main(argv: list[str]) -> int:
     parser.add_argument("command", choices=["train", "report", "eval", "export"], help="what to do")
     args, rest = parser.parse_known_args(argv[:1])
     if args.command == "train":
-        return _train(argv[1:])
+        return train_command(argv[1:])
     if args.command == "eval":
         return _eval(argv[1:])
     if args.command == "export":

@@ -5,8 +5,8 @@ one checkpoint write, so that a kill can be timed into that window on purpose.
 
 At ``phase`` (``offstep.pipeline.checkpoints.PHASES``) of the checkpoint of ``step`` the driver
 creates ``<marker file>`` and sleeps for an hour (until it is killed), holding what the write holds.
-The rest of the arguments go to ``offstep`` as they are. A run started any other way has no
-observer, so nothing here is part of the product."""
+The rest of the arguments go to ``offstep train`` as they are, with the hold passed through its seam
+(``offstep.cli.train_command(argv, on_phase=...)``); a run started any other way has none."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ def parse(spec: str) -> tuple[str, int, Path]:
     return name, int(step), Path(marker)
 
 
-def arm(spec: str) -> None:
-    """Hold the driver at the phase and step ``spec`` names (see the module's docstring)."""
+def arm(spec: str):
+    """The ``on_phase`` that holds the driver at the phase and step ``spec`` names (see the module's docstring)."""
     want, want_step, marker = parse(spec)
 
     def hold(name: str, step: int) -> None:
@@ -35,11 +35,12 @@ def arm(spec: str) -> None:
             part.rename(marker)
             time.sleep(3600)
 
-    checkpoints.phase_observers.append(hold)
+    return hold
 
 
 if __name__ == "__main__":
-    from offstep.cli import main
+    from offstep.cli import train_command
 
-    arm(sys.argv[1])
-    sys.exit(main(sys.argv[2:]))
+    if sys.argv[2:3] != ["train"]:
+        sys.exit("usage: python tests/kill_points.py <phase>:<step>:<marker file> train key=value ...")
+    sys.exit(train_command(sys.argv[3:], on_phase=arm(sys.argv[1])))

@@ -82,15 +82,15 @@ def test_records_of_a_killed_run_may_stop_short_but_not_repeat(tmp_path, referen
 
 def test_the_launcher_holds_the_named_phase_only(tmp_path):
     import kill_points
-    from offstep.pipeline.checkpoints import phase, phase_observers
+    from offstep.pipeline.checkpoints import Checkpoints
 
     marker = tmp_path / "paused"
-    assert phase_observers == []  # a run has no observer
-    phase("state", 2)  # none: returns at once
+    Checkpoints(tmp_path).phase("state", 2)  # a run without the seam: returns at once
     with pytest.raises(ValueError, match="must be one of"):
         kill_points.parse(f"nowhere:2:{marker}")
-    code = (f"import kill_points; kill_points.arm('state:2:' + {str(marker)!r}); "
-            "from offstep.pipeline.checkpoints import phase as p; p('state', 1); p('shards', 2); print('passed'); p('state', 2)")
+    code = (f"import kill_points; from offstep.pipeline.checkpoints import Checkpoints; "
+            f"c = Checkpoints({str(tmp_path)!r}, on_phase=kill_points.arm('state:2:' + {str(marker)!r})); "
+            "c.phase('state', 1); c.phase('shards', 2); print('passed'); c.phase('state', 2)")
     proc = subprocess.Popen([sys.executable, "-u", "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:

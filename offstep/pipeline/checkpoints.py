@@ -55,16 +55,6 @@ LEGACY_STATE_FILE = "trainer_state.pt"  # offstep before the JSON format: a pick
 # roles' shards written), ``state`` (``trainer_state.json`` written and everything fsynced, not yet
 # renamed), ``published`` (renamed to ``step_<N>``, not yet pruned).
 PHASES = ("begin", "staged", "shards", "state", "published")
-# Called with (phase, step) as a write reaches each phase; empty in a run. A timing seam: the
-# random-kill tests' launcher (tests/kill_points.py) holds the driver at one to kill it there.
-phase_observers: list[Callable[[str, int], None]] = []
-
-
-def phase(name: str, step: int) -> None:
-    for observe in phase_observers:
-        observe(name, step)
-
-
 ROLES = (Role.ACTOR, Role.CRITIC)  # a checkpoint's role folders, named after the role groups
 # Keys a resumed run must share with the run that wrote the checkpoint, or it would not be the
 # same run continued (the rest, e.g. total_steps, logging, may change).
@@ -236,13 +226,21 @@ def best_checkpoint(run_dir: str | Path, metric: str = "val/acc") -> tuple[int, 
 
 class Checkpoints:
     """The checkpoints of the run ``run_id`` under ``<output_dir>/checkpoints``; with ``best_metric``
-    pruning spares the best-scoring one (``trainer.keep_best``)."""
+    pruning spares the best-scoring one (``trainer.keep_best``). ``on_phase`` is called with
+    ``(phase, step)`` as a write reaches each of ``PHASES``: a timing seam, by which the random-kill
+    tests' launcher (``tests/kill_points.py``) holds the driver at one to kill it there."""
 
-    def __init__(self, output_dir: str | Path, keep: int = 0, run_id: str = "", best_metric: str | None = None):
+    def __init__(self, output_dir: str | Path, keep: int = 0, run_id: str = "", best_metric: str | None = None,
+                 on_phase: Callable[[str, int], None] | None = None):
         self.root = Path(output_dir) / "checkpoints"
         self.keep = keep
         self.run_id = run_id
         self.best_metric = best_metric
+        self.on_phase = on_phase
+
+    def phase(self, name: str, step: int) -> None:
+        if self.on_phase is not None:
+            self.on_phase(name, step)
 
     def staging(self, step: int) -> Path:
         """A clean ``.partial`` folder to write the checkpoint of ``step`` into (clearing what an
@@ -273,13 +271,13 @@ class Checkpoints:
             write_durably(staging / "config.yaml", config_yaml)
             write_durably(staging / STATE_FILE, encode_state(state, self.run_id, file_digests(staging)))
             fsync_tree(staging)
-            phase("state", state.step)
+            self.phase("state", state.step)
             before_publish()
             replace_dir(staging, final, final.with_name(final.name + ".replaced"))
         except OSError as e:
             remove_tree(staging)  # give the space back; the last commit stays
             raise write_failed(staging, e) from None
-        phase("published", state.step)
+        self.phase("published", state.step)
         self._prune(state.step)
         return final
 

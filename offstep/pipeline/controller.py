@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import ray
 
-from offstep.config.schema import to_yaml
-from offstep.config.schema import Config
+from offstep.config.schema import Config, to_yaml
 from offstep.data.prompt_stream import PromptStream
 from offstep.files import write_file
 from offstep.pipeline.compute_advantages import build_kl_controller
-from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints, load_failed, phase
+from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints, load_failed
 from offstep.pipeline.evaluation import summarise
 from offstep.pipeline.fleet import RolloutFleet
 from offstep.pipeline.inputs import prepare_inputs
@@ -69,8 +69,9 @@ class Controller:
     """Everything that needs no worker is prepared here (config, data, resume point, logs);
     :meth:`start` starts the workers, :meth:`fit` runs the loop, :meth:`close` cleans up."""
 
-    def __init__(self, cfg: Config):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, on_phase: Callable[[str, int], None] | None = None):
+        """``on_phase``: called at each phase of a checkpoint write (``Checkpoints``; the kill tests)."""
+        self.cfg, self.on_phase = cfg, on_phase
         self.out = Path(cfg.trainer.output_dir)
         progress = cfg.trainer.progress if "console" in cfg.trainer.loggers else "off"
         self.console = ConsoleProgress(cfg.trainer.total_steps, progress, cfg.trainer.status_interval_s)
@@ -91,7 +92,7 @@ class Controller:
     def _prepare_run(self, run) -> None:
         cfg = self.cfg
         self.checkpoints = Checkpoints(self.out, cfg.trainer.keep_checkpoints, run.run_id,
-                                       cfg.trainer.best_metric if cfg.trainer.keep_best else None)
+                                       cfg.trainer.best_metric if cfg.trainer.keep_best else None, self.on_phase)
         self.resume_from = run.resume.path if run.resume is not None else None
         self.resumed: TrainerState | None = run.resume.state if run.resume is not None else None
         if self.resumed is not None:
@@ -249,12 +250,12 @@ class Controller:
         t0 = time.time()
         self.console.status(f"step {step}: writing checkpoint")
         await finishing  # this step's metrics are on disk before the checkpoint that covers them
-        phase("begin", step)
+        self.checkpoints.phase("begin", step)
         in_flight = await self.source.freeze()
         staging = self.checkpoints.staging(step)
-        phase("staged", step)  # checkpoints.phase_observers: a kill test holds the write here
+        self.checkpoints.phase("staged", step)  # on_phase: a kill test holds the write here
         await asyncio.gather(*(g.run(RoleWorker.save_checkpoint, str(staging / g.name)) for g in self.workers.stateful))
-        phase("shards", step)
+        self.checkpoints.phase("shards", step)
         state = TrainerState(step, self.version, self.timeline.t0, self.stream.state_dict(), in_flight, self.fleet.restarts,
                              self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None, self.source.stored_groups())
         # Its timeline entry goes in before the checkpoint is published: killed just after, a
@@ -275,11 +276,11 @@ class Controller:
         self.lock.release()
 
 
-def train(cfg: Config, start=None) -> list[dict]:
-    """Set up, run the loop, clean up; ``cfg`` is checked already (``offstep.launch.run`` or
-    ``offstep train``). Returns the per-step metrics. ``start`` starts the workers (see
-    :meth:`Controller.start`)."""
-    ctl = Controller(cfg)
+def train(cfg: Config, start=None, on_phase: Callable[[str, int], None] | None = None) -> list[dict]:
+    """Set up, run the loop, clean up; ``cfg`` is checked already (``offstep train`` checks it:
+    ``offstep.launch.preflight.validate``). Returns the per-step metrics. ``start`` starts the
+    workers (see :meth:`Controller.start`); ``on_phase`` sees each phase of a checkpoint write."""
+    ctl = Controller(cfg, on_phase)
     finished = False
     try:
         ctl.start(start)
