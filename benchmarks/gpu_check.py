@@ -28,7 +28,7 @@ What the lent machine lacks. It has torch, transformers, peft and pytest, no Ray
 OmegaConf or vLLM, and no network. ``offstep.train.actor`` imports ``ray`` at module level (it
 uses it only to export weights, which this check never does), so when Ray is missing a stand-in
 module that raises on any use takes its place; nothing imported here needs Hydra or OmegaConf.
-``tests/test_gpu_check.py`` runs the CPU form with Ray, Hydra, OmegaConf and vLLM made
+``tests/project/test_gpu_check.py`` runs the CPU form with Ray, Hydra, OmegaConf and vLLM made
 unimportable, so a new import of one of them fails CI.
 
 Weights. The models are built in code from transformers' ``Qwen2Config`` with the published

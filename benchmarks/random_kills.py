@@ -93,7 +93,7 @@ SETUPS = {s.name: s for s in [
     # no new kind of moment.
     Setup("vllm-k1", 1, 3, engine="vllm"), Setup("lora-k1", 1, 5, lora=8), Setup("tools-k1", 1, 5, agent="tool_agent"),
     # The fully asynchronous mode with k = 0, the setting in which its records are reproducible (with
-    # k >= 1 where a load lands inside a sample depends on timing; tests/test_fully_async.py checks
+    # k >= 1 where a load lands inside a sample depends on timing; tests/pipeline/test_fully_async.py checks
     # that a resume there trains every stored group once).
     Setup("fully-async-k0", 0, 10, mode="fully_async"),
 ]}

@@ -338,7 +338,7 @@ SECTIONS = [
             tables_of(("results_gpu.md", None)),
             missing="Not run on a GPU yet: on a GPU, `python -m benchmarks.gpu_check` writes `results_gpu.md` and this "
                     "section. `python -m benchmarks.gpu_check --device cpu --tiny` runs the same checks at tiny shapes "
-                    "on CPU in `tests/test_gpu_check.py`, so the script keeps working until then."),
+                    "on CPU in `tests/project/test_gpu_check.py`, so the script keeps working until then."),
     Section("sandbox", "The sandbox's cost", "sandbox.py", ("results_sandbox.md",),
             "What running model-written code in the sandbox costs ([docs/sandbox.md](../docs/sandbox.md)): the "
             "start-up of one execution against a plain subprocess of the same interpreter (median and p95), and "

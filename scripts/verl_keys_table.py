@@ -1,5 +1,5 @@
 """Write the verl key table (offstep/launch/verl/table.py) into docs/from-verl.md: its summary line
-and the Markdown table between the ``<!-- key-table -->`` markers. tests/test_verl_compat.py keeps
+and the Markdown table between the ``<!-- key-table -->`` markers. tests/launch/test_verl_compat.py keeps
 the page equal to what this renders.
 
     python scripts/verl_keys_table.py            # rewrite the page's table

@@ -1,4 +1,4 @@
-"""A check shared by the engines' agent tests (tests/test_agent_loop.py, tests/test_agent_vllm.py):
+"""A check shared by the engines' agent tests (tests/rollout/test_agent_loop.py, tests/rollout/test_agent_vllm.py):
 an engine's ``serve`` continuing a first turn from given token ids."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def pad(x, k, fill):
 needs_vllm = pytest.mark.vllm
 # Pipeline tests that hold for every rollout engine take ``engine`` from this list.
 ENGINES = ["builtin", pytest.param("vllm", marks=needs_vllm)]
-# The engines themselves, built inside pytest's process (``tests/test_engine_contract.py``): the
+# The engines themselves, built inside pytest's process (``tests/rollout/test_engine_contract.py``): the
 # vLLM case is also ``own_process``, so that scripts/test.sh runs it in a pytest process of its own.
 ENGINES_IN_PROCESS = ["builtin", pytest.param("vllm", marks=[needs_vllm, pytest.mark.own_process])]
 # The same as ENGINES, where the vLLM case is a ``slow`` test (more than ~30 s: a vLLM engine starts in about a

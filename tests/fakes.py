@@ -15,7 +15,7 @@ The replicas' GPU-like profile and their fully asynchronous mode are simulated i
 ``tests/fakes_stream.py``.
 
 Like the real workers, they push their progress to the live-status hub. Used by
-``tests/test_controller_sim.py``, ``tests/test_fully_async_sim.py``,
+``tests/pipeline/test_controller_sim.py``, ``tests/pipeline/test_fully_async_sim.py``,
 ``benchmarks/controller_overhead.py`` and ``benchmarks/async_sim.py``.
 """
 

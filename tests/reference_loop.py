@@ -1,6 +1,6 @@
 """The synchronous loop written out in one process (no Ray, no asyncio, the obvious order), for the
-invariant that k = 0 through Ray equals it step for step (tests/test_pipeline_e2e.py with plain
-rows, tests/test_agent_pipeline.py with tool rows)."""
+invariant that k = 0 through Ray equals it step for step (tests/e2e/test_pipeline_e2e.py with plain
+rows, tests/e2e/test_agent_pipeline.py with tool rows)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A test-only rollout worker that drops or corrupts its load of one weight version, for the tests
-of the sync check (``tests/test_sync_verify.py``): the digest check must stop the run, naming the
+of the sync check (``tests/sync/test_sync_verify.py``): the digest check must stop the run, naming the
 worker and the version. Installed by the test, never by a configuration:
 
     train(cfg, start=faulty_start("drop", replica=1, version=2))

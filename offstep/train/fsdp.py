@@ -39,7 +39,7 @@ def make_optimizer(params, cfg: OptimConfig):
     """AdamW over the parameters that train (all of them, or a LoRA model's adapters), fused: one
     kernel over every tensor instead of torch's per-tensor loop, about 9x faster on a CPU core
     (``benchmarks/update_throughput.py``), equal to it within float32 rounding (a few ulp;
-    ``tests/test_optimizer.py``)."""
+    ``tests/train/test_optimizer.py``)."""
     opt = torch.optim.AdamW(
         [p for p in params if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
         fused=True,

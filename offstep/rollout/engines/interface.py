@@ -1,7 +1,7 @@
 """``RolloutEngine``: everything the rollout worker, its stream server and its agent loops call on
 an inference engine. The built-in engine (``offstep.rollout.engines.torch_engine.TorchEngine``) and vLLM's
 (``offstep.rollout.engines.vllm_engine.VLLMEngine``) implement all of it; where an engine cannot do
-something, its method says so with an error. ``tests/test_engine_contract.py`` runs one suite over
+something, its method says so with an error. ``tests/rollout/test_engine_contract.py`` runs one suite over
 both."""
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ def _refresh_tied_lm_head_on_worker(worker) -> None:
     A tied LM head shares the embedding's weight, but vLLM-CPU multiplies by a copy packed for its
     GEMM kernels when the model is loaded (``dispatch_cpu_unquantized_gemm``). ``reload_weights``
     skips the head (its weight arrives as the embedding's) and so leaves that packed copy stale:
-    the logits keep the old embedding (found by ``tests/test_vllm_engine.py``, vLLM 0.32). On other
+    the logits keep the old embedding (found by ``tests/rollout/test_vllm_engine.py``, vLLM 0.32). On other
     backends the head reads the shared weight itself and this is a no-op."""
     head = worker.model_runner.get_model().lm_head
     method = getattr(head, "quant_method", None)
