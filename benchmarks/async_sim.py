@@ -45,8 +45,13 @@ from tests.fakes import FakePool, GpuProfile, sim_config, train_on  # the simula
 OUT = RESULTS / "results_async_sim.md"
 B, N, R = 8, 4, 2  # groups a step, samples a group, replicas
 SLOTS = B * N // R
-MODES = [("batch", 0, "sync (batch, k=0)"), ("batch", 1, "one-step (batch, k=1)"), ("batch", 4, "batch, k=4"),
-         ("fully_async", 1, "fully async, k=1"), ("fully_async", 4, "fully async, k=4")]
+MODES = [
+    ("batch", 0, "sync (batch, k=0)"),
+    ("batch", 1, "one-step (batch, k=1)"),
+    ("batch", 4, "batch, k=4"),
+    ("fully_async", 1, "fully async, k=1"),
+    ("fully_async", 4, "fully async, k=4"),
+]
 PEERS = [
     ("verl fully-async (128 GPUs), against its sync", "2.35x"),
     ("verl fully-async (32 GPUs), against its sync", "2.66x"),
@@ -70,9 +75,12 @@ def main() -> None:
     ap.add_argument("--median", type=float, default=60.0, help="median response length, tokens")
     ap.add_argument("--cap", type=int, default=1024, help="rollout.max_new_tokens")
     ap.add_argument("--sigmas", type=float, nargs="+", default=[0.5, 1.0, 1.5], help="lognormal sigmas (the tail)")
-    ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 1.0, 2.0],
-                    help="trainer time / ideal rollout time a step")
-    ap.add_argument("--no-readme", action="store_true", help="print the table only: leave results_async_sim.md and README.md alone")
+    ap.add_argument(
+        "--ratios", type=float, nargs="+", default=[0.5, 1.0, 2.0], help="trainer time / ideal rollout time a step"
+    )
+    ap.add_argument(
+        "--no-readme", action="store_true", help="print the table only: leave results_async_sim.md and README.md alone"
+    )
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -97,20 +105,42 @@ def main() -> None:
                 per_token = train_s / (B * N * mean_tok)
                 ideal = B * N / max(train_s, roll_s)
                 for mode, k, label in MODES:
-                    cfg = sim_config(Path(d) / f"{sigma}-{ratio}-{mode}-{k}", k, args.steps, f"pipeline.mode={mode}",
-                                     "rollout.replicas=2", f"rollout.max_new_tokens={args.cap}", "pipeline.colocate=false",
-                                     "rollout.partial=keep")
+                    cfg = sim_config(
+                        Path(d) / f"{sigma}-{ratio}-{mode}-{k}",
+                        k,
+                        args.steps,
+                        f"pipeline.mode={mode}",
+                        "rollout.replicas=2",
+                        f"rollout.max_new_tokens={args.cap}",
+                        "pipeline.colocate=false",
+                        "rollout.partial=keep",
+                    )
                     hist = train_on(cfg, pool.start(0.0, 0.0, 0.01, 0.02, profile=profile, train_s_per_token=per_token))
                     steps = [m for m in hist if m["step"] >= 3]
                     step_s = statistics.mean(m["timing_s/step"] for m in steps)
                     partial = sum(m.get("rollout/partial_samples", 0) for m in steps) / len(steps)
                     wait = statistics.mean(m["timing_s/wait_gen"] for m in steps)
-                    rows.append(dict(sigma=sigma, ratio=ratio, label=label, mode=mode, k=k, sps=B * N / step_s, ideal=ideal,
-                                     step_s=step_s, wait=wait, partial=partial, mean_len=mean_len,
-                                     stale=max(m["rollout/staleness_max"] for m in steps)))
-                    print(f"sigma {sigma} ratio {ratio} {label}: {B * N / step_s:.1f} samples/s "
-                          f"(ideal {ideal:.1f}), step {step_s:.3f} s, trainer wait {wait:.3f} s, partial {partial:.1f}",
-                          flush=True)
+                    rows.append(
+                        dict(
+                            sigma=sigma,
+                            ratio=ratio,
+                            label=label,
+                            mode=mode,
+                            k=k,
+                            sps=B * N / step_s,
+                            ideal=ideal,
+                            step_s=step_s,
+                            wait=wait,
+                            partial=partial,
+                            mean_len=mean_len,
+                            stale=max(m["rollout/staleness_max"] for m in steps),
+                        )
+                    )
+                    print(
+                        f"sigma {sigma} ratio {ratio} {label}: {B * N / step_s:.1f} samples/s "
+                        f"(ideal {ideal:.1f}), step {step_s:.3f} s, trainer wait {wait:.3f} s, partial {partial:.1f}",
+                        flush=True,
+                    )
     finally:
         ray.shutdown()
     section = render(rows, args, time.time() - t_start)
@@ -147,11 +177,18 @@ def render(rows: list[dict], args, took: float) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        lines.append(f"| {r['sigma']:g} | {r['ratio']:g} | {r['mean_len']:.0f} | {r['label']} | {r['sps']:.1f} | "
-                     f"{r['sps'] / r['ideal']:.0%} | {r['sps'] / sync[r['sigma'], r['ratio']]:.2f}x | {r['wait']:.2f} | "
-                     f"{r['partial']:.1f} | {r['stale']} |")
-    lines += ["", "Published speed-ups of peers, **theirs, not ours** (real models on GPUs, their own baselines):", "",
-              "| system | speed-up |", "| --- | --- |"]
+        lines.append(
+            f"| {r['sigma']:g} | {r['ratio']:g} | {r['mean_len']:.0f} | {r['label']} | {r['sps']:.1f} | "
+            f"{r['sps'] / r['ideal']:.0%} | {r['sps'] / sync[r['sigma'], r['ratio']]:.2f}x | {r['wait']:.2f} | "
+            f"{r['partial']:.1f} | {r['stale']} |"
+        )
+    lines += [
+        "",
+        "Published speed-ups of peers, **theirs, not ours** (real models on GPUs, their own baselines):",
+        "",
+        "| system | speed-up |",
+        "| --- | --- |",
+    ]
     lines += [f"| {name} | {x} |" for name, x in PEERS]
     return "\n".join(lines)
 

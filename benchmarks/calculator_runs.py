@@ -25,7 +25,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 from benchmarks.common import NOT_RECORDED, RESULTS, cpu_kind
 from benchmarks.readme import refresh
 from benchmarks.training_runs import train_and_read
@@ -39,8 +38,14 @@ def no_tool_baseline(cfg, out: Path) -> float:
     from offstep.pipeline.evaluation import run_eval
 
     d = cfg.data
-    _, val = write_task(d.task, str(out / "no_tools"), d.task_train_size, d.task_val_size, cfg.trainer.seed,
-                        **{**d.task_options, "tools": False})
+    _, val = write_task(
+        d.task,
+        str(out / "no_tools"),
+        d.task_train_size,
+        d.task_val_size,
+        cfg.trainer.seed,
+        **{**d.task_options, "tools": False},
+    )
     metrics, _ = run_eval(cfg.model.path, val, max_new_tokens=cfg.rollout.max_new_tokens, threads=2)
     return metrics["acc"]
 
@@ -53,22 +58,32 @@ def run_one(seed: int, out: Path, steps: int = STEPS, val_freq: int = VAL_FREQ, 
     first, last = val[0], val[-1]
 
     def held_out(m: dict) -> dict:
-        return {"acc": m["val/acc"], "tool_use": m.get("val/agent/tool_use_frac", 0.0),
-                "well_formed": m.get("val/agent/well_formed_calls/frac", 0.0),
-                "budget_cut": m.get("val/agent/budget_cut_frac", 0.0)}
+        return {
+            "acc": m["val/acc"],
+            "tool_use": m.get("val/agent/tool_use_frac", 0.0),
+            "well_formed": m.get("val/agent/well_formed_calls/frac", 0.0),
+            "budget_cut": m.get("val/agent/budget_cut_frac", 0.0),
+        }
 
     return {
-        "seed": seed, "start": held_out(first), "end": held_out(last), "val_curve": [(m["step"], m["val/acc"]) for m in val],
+        "seed": seed,
+        "start": held_out(first),
+        "end": held_out(last),
+        "val_curve": [(m["step"], m["val/acc"]) for m in val],
         "no_tools": no_tool_baseline(run.cfg, out),
-        "reward_first3": run.reward(first=True), "reward_last3": run.reward(first=False),
+        "reward_first3": run.reward(first=True),
+        "reward_last3": run.reward(first=False),
         "rewards": [m["reward/mean"] for m in run.steps],
         "train_budget_cut_first": run.steps[0].get("agent/budget_cut_frac", 0.0),
         "train_budget_cut_last": run.steps[-1].get("agent/budget_cut_frac", 0.0),
         "train_tool_use_first": run.steps[0].get("agent/tool_use_frac", 0.0),
         "train_tool_use_last": run.steps[-1].get("agent/tool_use_frac", 0.0),
         "calls_per_sample_last": run.steps[-1].get("agent/tool_calls/mean", 0.0),
-        "wall_s": run.wall_s, "step_s": run.median("timing_s/step"), "load": [round(load0, 1), round(load1, 1)],
-        "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": cpu_kind(),
+        "wall_s": run.wall_s,
+        "step_s": run.median("timing_s/step"),
+        "load": [round(load0, 1), round(load1, 1)],
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "cpu": cpu_kind(),
     }
 
 
@@ -79,21 +94,38 @@ def _spread(values: list[float], pct: bool) -> str:
 
 def summary_rows(rows: list[dict]) -> list[tuple[str, str, str]]:
     """(what, start, end) with the mean and range over the seeds: the table in benchmarks/README.md."""
+
     def col(key: str, at: str) -> list[float]:
         return [r[at][key] for r in rows]
 
     return [
         ("held-out accuracy, no tools (untrained)", _spread([r["no_tools"] for r in rows], True), "–"),
         ("held-out accuracy, with tools", _spread(col("acc", "start"), True), _spread(col("acc", "end"), True)),
-        ("held-out samples with a well-formed call", _spread(col("tool_use", "start"), True), _spread(col("tool_use", "end"), True)),
-        ("held-out call attempts well-formed", _spread(col("well_formed", "start"), True),
-         _spread(col("well_formed", "end"), True)),
-        ("held-out samples cut by the token budget", _spread(col("budget_cut", "start"), True),
-         _spread(col("budget_cut", "end"), True)),
-        ("training reward, first / last 3 steps", _spread([r["reward_first3"] for r in rows], False),
-         _spread([r["reward_last3"] for r in rows], False)),
-        ("training samples with a well-formed call, step 1 / last", _spread([r["train_tool_use_first"] for r in rows], True),
-         _spread([r["train_tool_use_last"] for r in rows], True)),
+        (
+            "held-out samples with a well-formed call",
+            _spread(col("tool_use", "start"), True),
+            _spread(col("tool_use", "end"), True),
+        ),
+        (
+            "held-out call attempts well-formed",
+            _spread(col("well_formed", "start"), True),
+            _spread(col("well_formed", "end"), True),
+        ),
+        (
+            "held-out samples cut by the token budget",
+            _spread(col("budget_cut", "start"), True),
+            _spread(col("budget_cut", "end"), True),
+        ),
+        (
+            "training reward, first / last 3 steps",
+            _spread([r["reward_first3"] for r in rows], False),
+            _spread([r["reward_last3"] for r in rows], False),
+        ),
+        (
+            "training samples with a well-formed call, step 1 / last",
+            _spread([r["train_tool_use_first"] for r in rows], True),
+            _spread([r["train_tool_use_last"] for r in rows], True),
+        ),
     ]
 
 
@@ -108,7 +140,7 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
         f"{platform.python_version()}. The preset as it ships ({STEPS} steps, validation at 0, {VAL_FREQ} and {STEPS}: "
         "32 held-out problems, greedy); one run at a time.",
         "CPU of each seed's run: " + "; ".join(f"{r['seed']}: {r.get('cpu', NOT_RECORDED)}" for r in rows) + ".",
-        *([f"", remark] if remark else []),
+        *(["", remark] if remark else []),
         "",
         "Held-out, before → after training (with tools; the scorer counts a number only in a plain final answer, "
         "not inside a call, not when the token budget cut the loop):",
@@ -119,28 +151,47 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
     ]
     for r in rows:
         s, e = r["start"], r["end"]
-        lines.append(f"| {r['seed']} | {pct(r['no_tools'])} | {pct(s['acc'])} → {pct(e['acc'])} | {pct(s['tool_use'])} → "
-                     f"{pct(e['tool_use'])} | {pct(s['well_formed'])} → {pct(e['well_formed'])} | {pct(s['budget_cut'])} → "
-                     f"{pct(e['budget_cut'])} | {' / '.join(pct(a) for _, a in r['val_curve'])} |")
-    lines += ["", "Training (T = 1, 8 prompts x 4 samples a step):", "",
-              "| seed | reward, first 3 / last 3 steps | reward by step | samples with a well-formed call, step 1 → last "
-              "| cut by budget, step 1 → last | calls per sample, last step | wall s | median step s "
-              "| load average, start / end | finished (UTC) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['seed']} | {pct(r['no_tools'])} | {pct(s['acc'])} → {pct(e['acc'])} | {pct(s['tool_use'])} → "
+            f"{pct(e['tool_use'])} | {pct(s['well_formed'])} → {pct(e['well_formed'])} | {pct(s['budget_cut'])} → "
+            f"{pct(e['budget_cut'])} | {' / '.join(pct(a) for _, a in r['val_curve'])} |"
+        )
+    lines += [
+        "",
+        "Training (T = 1, 8 prompts x 4 samples a step):",
+        "",
+        "| seed | reward, first 3 / last 3 steps | reward by step | samples with a well-formed call, step 1 → last "
+        "| cut by budget, step 1 → last | calls per sample, last step | wall s | median step s "
+        "| load average, start / end | finished (UTC) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['seed']} | {r['reward_first3']:.2f} / {r['reward_last3']:.2f} | "
-                     f"{' '.join(f'{v:.2f}' for v in r['rewards'])} | {pct(r['train_tool_use_first'])} → "
-                     f"{pct(r['train_tool_use_last'])} | {pct(r['train_budget_cut_first'])} → {pct(r['train_budget_cut_last'])} | "
-                     f"{r['calls_per_sample_last']:.2f} | {r['wall_s']:.0f} | "
-                     f"{r['step_s']:.0f} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |")
+        lines.append(
+            f"| {r['seed']} | {r['reward_first3']:.2f} / {r['reward_last3']:.2f} | "
+            f"{' '.join(f'{v:.2f}' for v in r['rewards'])} | {pct(r['train_tool_use_first'])} → "
+            f"{pct(r['train_tool_use_last'])} | {pct(r['train_budget_cut_first'])} → {pct(r['train_budget_cut_last'])} | "
+            f"{r['calls_per_sample_last']:.2f} | {r['wall_s']:.0f} | "
+            f"{r['step_s']:.0f} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |"
+        )
     if len(rows) > 1:
-        lines += ["", f"Mean (range) over seeds {', '.join(str(r['seed']) for r in rows)}:", "",
-                  "| | before | after |", "| --- | --- | --- |"]
+        lines += [
+            "",
+            f"Mean (range) over seeds {', '.join(str(r['seed']) for r in rows)}:",
+            "",
+            "| | before | after |",
+            "| --- | --- | --- |",
+        ]
         lines += [f"| {what} | {a} | {b} |" for what, a, b in summary_rows(rows)]
-        lines += ["", f"Wall time {_spread([r['wall_s'] / 60 for r in rows], False)} min, median step "
-                  f"{_spread([r['step_s'] for r in rows], False)} s."]
-    lines += ["", "Regenerate: `.venv/bin/python -m benchmarks.calculator_runs --seeds 0`, then `--seeds 1`, `--seeds 2` "
-              "(each run under `flock /tmp/offstep-heavy.lock` on a shared machine), then `--table`."]
+        lines += [
+            "",
+            f"Wall time {_spread([r['wall_s'] / 60 for r in rows], False)} min, median step "
+            f"{_spread([r['step_s'] for r in rows], False)} s.",
+        ]
+    lines += [
+        "",
+        "Regenerate: `.venv/bin/python -m benchmarks.calculator_runs --seeds 0`, then `--seeds 1`, `--seeds 2` "
+        "(each run under `flock /tmp/offstep-heavy.lock` on a shared machine), then `--table`.",
+    ]
     out.write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
@@ -156,10 +207,17 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides, for a smoke run (not for the results)")
     args = ap.parse_args()
     rows_path = Path(args.rows)
-    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()] if rows_path.exists() else []
-    for seed in ([] if args.table else [int(s) for s in args.seeds.split(",") if s]):
-        row = run_one(seed, Path("runs") / "bench_calculator" / f"seed{seed}", args.steps, min(VAL_FREQ, args.steps),
-                      tuple(args.extra))
+    rows = (
+        [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()] if rows_path.exists() else []
+    )
+    for seed in [] if args.table else [int(s) for s in args.seeds.split(",") if s]:
+        row = run_one(
+            seed,
+            Path("runs") / "bench_calculator" / f"seed{seed}",
+            args.steps,
+            min(VAL_FREQ, args.steps),
+            tuple(args.extra),
+        )
         rows = [r for r in rows if r["seed"] != seed] + [row]
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in sorted(rows, key=lambda r: r["seed"])))
         print(json.dumps(row), flush=True)

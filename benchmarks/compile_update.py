@@ -24,12 +24,12 @@ import time
 
 import torch
 
-from offstep.batch import micro_batches
-from offstep.models.forward import forward_response
-from offstep.models.loading import load_tokenizer, resolve_model
 from benchmarks.common import RESULTS, provenance
 from benchmarks.readme import publish
 from benchmarks.update_throughput import make_batch
+from offstep.batch import micro_batches
+from offstep.models.forward import forward_response
+from offstep.models.loading import load_tokenizer, resolve_model
 
 OUT = RESULTS / "results_compile.md"
 
@@ -104,8 +104,11 @@ def main() -> None:
         f"| torch.compile | {c:.2f} | {e / c:.2f}x | {first[0]:.0f} | "
         f"{abs(comp[0][1] - eager[0][1]) / abs(eager[0][1]):.1e} | {abs(comp[0][2] - eager[0][2]) / eager[0][2]:.1e} |",
         "",
-        (f"The compile pays for itself after about {first[0] / saved:.0f} passes (one pass a step at this batch)."
-         if saved > 0 else "The compiled pass is not faster: the compile never pays for itself."),
+        (
+            f"The compile pays for itself after about {first[0] / saved:.0f} passes (one pass a step at this batch)."
+            if saved > 0
+            else "The compiled pass is not faster: the compile never pays for itself."
+        ),
     ]
     publish("update", args.out, lines)
 

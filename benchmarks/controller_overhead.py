@@ -58,8 +58,11 @@ def main() -> None:
                 steps = [m["timing_s/step"] for m in hist if m["step"] >= 3]
                 med, ideal = statistics.median(steps), ideal_step(k, gen_s, train_s, args.export_s, args.load_s)
                 rows.append((gen_s, train_s, k, med, min(steps), max(steps), ideal))
-                print(f"gen {gen_s} train {train_s} k={k}: step {med:.3f} s, ideal {ideal:.3f} s, "
-                      f"overhead {med / ideal - 1:+.1%}", flush=True)
+                print(
+                    f"gen {gen_s} train {train_s} k={k}: step {med:.3f} s, ideal {ideal:.3f} s, "
+                    f"overhead {med / ideal - 1:+.1%}",
+                    flush=True,
+                )
     finally:
         ray.shutdown()
 
@@ -79,7 +82,9 @@ def main() -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for gen_s, train_s, k, med, lo, hi, ideal in rows:
-        lines.append(f"| {gen_s:g} | {train_s:g} | {k} | {med:.3f} | {lo:.3f} | {hi:.3f} | {ideal:.3f} | {med / ideal - 1:+.1%} |")
+        lines.append(
+            f"| {gen_s:g} | {train_s:g} | {k} | {med:.3f} | {lo:.3f} | {hi:.3f} | {ideal:.3f} | {med / ideal - 1:+.1%} |"
+        )
     lines += ["", f"Regenerate: `python -m benchmarks.controller_overhead --steps {args.steps}`."]
     publish("controller", args.out, lines)
 

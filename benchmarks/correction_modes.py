@@ -16,11 +16,10 @@ import statistics
 import time
 from pathlib import Path
 
-
-from offstep.launch.loader import load_config
-from offstep.pipeline.controller import train
 from benchmarks.common import RESULTS, provenance
 from benchmarks.readme import refresh
+from offstep.launch.loader import load_config
+from offstep.pipeline.controller import train
 
 RUNS = [
     ("synchronous (k=0)", ["pipeline.max_staleness=0", "algorithm.correction_mode=decoupled"]),
@@ -41,17 +40,36 @@ def main() -> None:
     for name, extra in RUNS:
         out = Path("runs") / "bench_correction" / name.split()[0].strip(",") / extra[1].split("=")[1]
         # A rerun moves the previous run's folder aside (trainer.overwrite) rather than refusing.
-        cfg = load_config([f"preset={args.preset}", f"trainer.total_steps={args.steps}", f"trainer.seed={args.seed}",
-                           f"trainer.output_dir={out}", "trainer.overwrite=true", f"trainer.val_freq={args.steps}", "trainer.progress=plain", *extra])
+        cfg = load_config(
+            [
+                f"preset={args.preset}",
+                f"trainer.total_steps={args.steps}",
+                f"trainer.seed={args.seed}",
+                f"trainer.output_dir={out}",
+                "trainer.overwrite=true",
+                f"trainer.val_freq={args.steps}",
+                "trainer.progress=plain",
+                *extra,
+            ]
+        )
         t0 = time.time()
         history = train(cfg)
         steps = [m for m in history if "reward/mean" in m]
         rewards = [m["reward/mean"] for m in steps]
         val = [m["val/acc"] for m in history if "val/acc" in m]
         mism = [m.get("actor/mismatch_kl_k1", 0.0) or 0.0 for m in steps]
-        rows.append((name, statistics.mean(rewards[:5]), statistics.mean(rewards[-5:]), val[0] if val else float("nan"),
-                     val[-1] if val else float("nan"), max(mism), statistics.median(m["timing_s/step"] for m in steps[1:]),
-                     time.time() - t0))
+        rows.append(
+            (
+                name,
+                statistics.mean(rewards[:5]),
+                statistics.mean(rewards[-5:]),
+                val[0] if val else float("nan"),
+                val[-1] if val else float("nan"),
+                max(mism),
+                statistics.median(m["timing_s/step"] for m in steps[1:]),
+                time.time() - t0,
+            )
+        )
     lines = [
         provenance(),
         "",

@@ -25,7 +25,6 @@ import torch
 
 from benchmarks.common import RESULTS, provenance
 from benchmarks.readme import refresh
-
 from offstep.models.loading import load_causal_lm, load_tokenizer, resolve_model
 from offstep.sync.collective import WeightReceiver, WeightSender, manifest
 from offstep.sync.delta import DeltaSender, fingerprint
@@ -38,9 +37,19 @@ INT = {4: torch.int32, 2: torch.int16}
 
 
 def arithmetic_batch(tok) -> torch.Tensor:
-    texts = [f"Question: what is {a} {op} {b}? Answer: {a + b if op == '+' else a - b}"
-             for a, b, op in [(3, 4, "+"), (9, 2, "-"), (7, 8, "+"), (6, 5, "-"), (1, 9, "+"), (8, 3, "-"),
-                              (5, 5, "+"), (4, 7, "-")]]
+    texts = [
+        f"Question: what is {a} {op} {b}? Answer: {a + b if op == '+' else a - b}"
+        for a, b, op in [
+            (3, 4, "+"),
+            (9, 2, "-"),
+            (7, 8, "+"),
+            (6, 5, "-"),
+            (1, 9, "+"),
+            (8, 3, "-"),
+            (5, 5, "+"),
+            (4, 7, "-"),
+        ]
+    ]
     ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
     width = min(len(x) for x in ids)
     return torch.tensor([x[:width] for x in ids])
@@ -78,8 +87,10 @@ class Link:
         self.sender = WeightSender("127.0.0.1", torch.device("cpu"), timeout_s=1800)
         host, port = self.sender.endpoint
         self.specs = manifest(self.rollout)
-        _threads(lambda: self.sender.connect(2, "gloo", self.specs, 64 << 20, manifest(model)),
-                 lambda: self.receiver.connect(host, port, 1, 2, "gloo", self.specs, 64 << 20, 1800))
+        _threads(
+            lambda: self.sender.connect(2, "gloo", self.specs, 64 << 20, manifest(model)),
+            lambda: self.receiver.connect(host, port, 1, 2, "gloo", self.specs, 64 << 20, 1800),
+        )
         self.delta = DeltaSender(self.specs, full_every=1 << 30)
         self.version = 0
         self.send(delta=True)  # version 0, whole: the first base
@@ -87,22 +98,35 @@ class Link:
     def send(self, delta: bool) -> float:
         held = fingerprint(digest_of(self.specs, self.rollout.get_parameter)) if delta else None
         t0 = time.perf_counter()
-        _threads(lambda: self.sender.send(self.model.named_parameters(), self.version, self.delta if delta else None),
-                 lambda: self.receiver.receive(self.version, held))
+        _threads(
+            lambda: self.sender.send(self.model.named_parameters(), self.version, self.delta if delta else None),
+            lambda: self.receiver.receive(self.version, held),
+        )
         return time.perf_counter() - t0
 
     def row(self, name: str, step: int) -> dict:
         """After an update: the elements that changed in the rollout's dtype, then the delta and the full sync."""
         self.version += 1
-        n_changed = sum(changed(p.detach().to(DT[self.dtype]), self.rollout.get_parameter(n))
-                        for n, p in self.model.named_parameters())
+        n_changed = sum(
+            changed(p.detach().to(DT[self.dtype]), self.rollout.get_parameter(n))
+            for n, p in self.model.named_parameters()
+        )
         t_delta = self.send(delta=True)
         want = digest_of(self.specs, lambda n: self.model.get_parameter(n).detach().to(DT[self.dtype]))
         assert digest_of(self.specs, self.rollout.get_parameter) == want, "the delta did not give the full weights"
         t_full = self.send(delta=False)
         numel = sum(s.numel for s in self.specs)
-        return dict(model=name, dtype=self.dtype, step=step, changed=n_changed, numel=numel,
-                    full=numel * DT[self.dtype].itemsize, delta=self.delta.last.nbytes, t_full=t_full, t_delta=t_delta)
+        return dict(
+            model=name,
+            dtype=self.dtype,
+            step=step,
+            changed=n_changed,
+            numel=numel,
+            full=numel * DT[self.dtype].itemsize,
+            delta=self.delta.last.nbytes,
+            t_full=t_full,
+            t_delta=t_delta,
+        )
 
 
 def load_causal_lm_like(model, dtype):
@@ -142,8 +166,16 @@ def big_rows(tok) -> list[dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                      num_attention_heads=32, num_key_value_heads=4, tie_word_embeddings=True, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+    )
     model = LlamaForCausalLM(cfg).to(torch.float32)
     link = Link(model, "bfloat16")
     ids = arithmetic_batch(tok)
@@ -157,8 +189,19 @@ def big_rows(tok) -> list[dict]:
             fp32_changed += changed(p, old)
     numel = sum(p.numel() for p in model.parameters())
     rows = [link.row("random Llama 1.1B", 1)]
-    rows.append(dict(model="random Llama 1.1B", dtype="float32", step=1, changed=fp32_changed, numel=numel,
-                     full=numel * 4, delta=None, t_full=None, t_delta=None))
+    rows.append(
+        dict(
+            model="random Llama 1.1B",
+            dtype="float32",
+            step=1,
+            changed=fp32_changed,
+            numel=numel,
+            full=numel * 4,
+            delta=None,
+            t_full=None,
+            t_delta=None,
+        )
+    )
     return rows
 
 
@@ -188,8 +231,15 @@ def drift_rows(model, ids, kept) -> list[dict]:
         tail = lp(model(ids[:, half:], past_key_values=first.past_key_values, use_cache=True).logits)
         whole = lp(model(ids).logits[:, half:])
         diff = (tail - whole).abs()
-        out.append(dict(age=age, max=float(diff.max()), mean=float(diff.mean()), tokens=int(diff.numel()),
-                        moved=float((whole - start).abs().mean())))
+        out.append(
+            dict(
+                age=age,
+                max=float(diff.max()),
+                mean=float(diff.mean()),
+                tokens=int(diff.numel()),
+                moved=float((whole - start).abs().mean()),
+            )
+        )
     return out
 
 
@@ -210,11 +260,16 @@ def write(rows: list[dict], drift: list[dict], load: tuple, threads: int) -> Non
         "| model | rollout dtype | after step | elements changed | full MB | delta MB | delta / full | full s | delta s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+
+    def ts(t: float | None) -> str:
+        return "–" if t is None else f"{t:.2f}"
+
     for r in rows:
         ratio = "–" if r["delta"] is None else f"{r['delta'] / r['full']:.3f}"
-        ts = lambda t: "–" if t is None else f"{t:.2f}"
-        lines.append(f"| {r['model']} | {r['dtype']} | {r['step']} | {100 * r['changed'] / r['numel']:.2f}% | "
-                     f"{mb(r['full'])} | {mb(r['delta'])} | {ratio} | {ts(r['t_full'])} | {ts(r['t_delta'])} |")
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['step']} | {100 * r['changed'] / r['numel']:.2f}% | "
+            f"{mb(r['full'])} | {mb(r['delta'])} | {ratio} | {ts(r['t_full'])} | {ts(r['t_delta'])} |"
+        )
     lines += [
         "",
         "Float32 weights: nearly every element moves at every step (AdamW's step is lr-sized on every weight with a "
@@ -230,8 +285,11 @@ def write(rows: list[dict], drift: list[dict], load: tuple, threads: int) -> Non
         "| K/V age (versions) | keep against recompute: max abs log-prob difference | mean abs | the policy's own move since version 0: mean abs | keep's error / the move | tokens |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    lines += [f"| {d['age']} | {d['max']:.2e} | {d['mean']:.2e} | {d['moved']:.2e} | {d['mean'] / d['moved']:.2f} | "
-              f"{d['tokens']} |" for d in drift]
+    lines += [
+        f"| {d['age']} | {d['max']:.2e} | {d['mean']:.2e} | {d['moved']:.2e} | {d['mean'] / d['moved']:.2f} | "
+        f"{d['tokens']} |"
+        for d in drift
+    ]
     OUT.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 

@@ -93,9 +93,11 @@ def build_prompts(tok, count: int, interleave: bool) -> list[list[int]]:
     arithmetic first (``--engine builtin`` takes every fourth prompt for ``eos-n4``), or
     interleaved (``--engine vllm`` takes the first ones; every slice has both kinds)."""
     a, g = arithmetic(count - count // 2, seed=0), gsm8k_synthetic(count // 2, seed=0)
-    rows = [r for pair in zip(a, g) for r in pair] + a[len(g):] if interleave else a + g
+    rows = [r for pair in zip(a, g) for r in pair] + a[len(g) :] if interleave else a + g
     return [
-        tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+        tok(
+            tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        ).input_ids
         for r in rows
     ]
 
@@ -125,9 +127,17 @@ def run_hf(model, tok, prompts, max_new: int, eos: list[int], fixed: bool, seed:
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-            max_new_tokens=max_new, min_new_tokens=max_new if fixed else 0, eos_token_id=eos,
-            pad_token_id=tok.pad_token_id, num_return_sequences=n,
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max_new,
+            min_new_tokens=max_new if fixed else 0,
+            eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
+            num_return_sequences=n,
         )
     dt = time.perf_counter() - t0
     n = 0
@@ -221,12 +231,26 @@ def bench_builtin_dtype(model, tok, eos, prompts, args, dtype_name: str) -> list
             plain.append(n_p / t_p)
             hf.append(n_h / t_h)
             ratios.append((n_o / t_o) / (n_h / t_h))
-            print(f"{dtype_name} {case} rep {rep}: offstep {n_o} tok {t_o:.2f}s {n_o / t_o:.1f} tok/s | no prefix sharing "
-                  f"{n_p / t_p:.1f} tok/s | generate {n_h} tok {t_h:.2f}s {n_h / t_h:.1f} tok/s | x{ratios[-1]:.2f}", flush=True)
+            print(
+                f"{dtype_name} {case} rep {rep}: offstep {n_o} tok {t_o:.2f}s {n_o / t_o:.1f} tok/s | no prefix sharing "
+                f"{n_p / t_p:.1f} tok/s | generate {n_h} tok {t_h:.2f}s {n_h / t_h:.1f} tok/s | x{ratios[-1]:.2f}",
+                flush=True,
+            )
         engines[fixed].min_shared_prefix = TorchEngine.min_shared_prefix
         share = matmul_share(engines[fixed], case_prompts, args.max_new_tokens, n)
-        rows.append((dtype_name, case, statistics.median(ours), statistics.median(plain), statistics.median(hf),
-                     statistics.median(ratios), min(ratios), max(ratios), share))
+        rows.append(
+            (
+                dtype_name,
+                case,
+                statistics.median(ours),
+                statistics.median(plain),
+                statistics.median(hf),
+                statistics.median(ratios),
+                min(ratios),
+                max(ratios),
+                share,
+            )
+        )
     return rows
 
 
@@ -291,16 +315,27 @@ def main_builtin(args) -> None:
     ]
     for dtype_name, case, o, pl, h, r, lo, hi, share in rows:
         part, n, fixed = BUILTIN_CASES[case]
-        what = f"{len(prompts) // part} prompts x {n}, " + (f"all {args.max_new_tokens} tokens" if fixed else "ends at eos")
+        what = f"{len(prompts) // part} prompts x {n}, " + (
+            f"all {args.max_new_tokens} tokens" if fixed else "ends at eos"
+        )
         limit = o / (h * share)
-        lines.append(f"| {dtype_name} | {case} ({what}) | {o:.1f} | {pl:.1f} | {h:.1f} | **{r:.2f}x** ({lo:.2f}-{hi:.2f}) "
-                     f"| {share:.0%} | {limit:.2f}x |")
+        lines.append(
+            f"| {dtype_name} | {case} ({what}) | {o:.1f} | {pl:.1f} | {h:.1f} | **{r:.2f}x** ({lo:.2f}-{hi:.2f}) "
+            f"| {share:.0%} | {limit:.2f}x |"
+        )
     by = {(d, c): (o, h) for d, c, o, _, h, *_ in rows}
-    cross = [(c, by[("bfloat16", c)][0] / by[("float32", c)][1]) for c in args.cases.split(",")
-             if ("bfloat16", c) in by and ("float32", c) in by]
+    cross = [
+        (c, by[("bfloat16", c)][0] / by[("float32", c)][1])
+        for c in args.cases.split(",")
+        if ("bfloat16", c) in by and ("float32", c) in by
+    ]
     if cross:
-        lines += ["", "A rollout in bfloat16 (`rollout.dtype=bfloat16`) against `generate` in float32, from the medians above: "
-                  + ", ".join(f"{c} **{x:.2f}x**" for c, x in cross) + "."]
+        lines += [
+            "",
+            "A rollout in bfloat16 (`rollout.dtype=bfloat16`) against `generate` in float32, from the medians above: "
+            + ", ".join(f"{c} **{x:.2f}x**" for c, x in cross)
+            + ".",
+        ]
     bound_s = (weight_bytes + kv_bytes) / (bw * 1e9)
     compute_s = flops / (peak * 1e9)
     lines += [
@@ -374,8 +409,11 @@ def bench_vllm_dtype(path, tok, eos, prompts, args, dtype: str) -> tuple[list[tu
         _, first_s = run_lengths(engine, prompts[:4], 1, 8, seed=0)  # first call: lazy allocations, kernel JIT
         load_s, gbps = weight_load(engine, sd)
         setup.append((dtype, name, startup_s, first_s, load_s, gbps))
-        print(f"{dtype} {name}: start-up {startup_s:.1f}s, first call {first_s:.1f}s, weight load {load_s:.2f}s "
-              f"({gbps:.2f} GB/s)", flush=True)
+        print(
+            f"{dtype} {name}: start-up {startup_s:.1f}s, first call {first_s:.1f}s, weight load {load_s:.2f}s "
+            f"({gbps:.2f} GB/s)",
+            flush=True,
+        )
         engines[name] = engine
     rows = []
     for case in args.cases.split(","):
@@ -385,22 +423,36 @@ def bench_vllm_dtype(path, tok, eos, prompts, args, dtype: str) -> tuple[list[tu
         lengths = {name: [] for name in names}
         ratios: dict[str, list[float]] = {name: [] for name in names[1:]}
         for rep in range(args.reps):
-            order = names[rep % len(names):] + names[: rep % len(names)]
+            order = names[rep % len(names) :] + names[: rep % len(names)]
             got = {}
             for name in order:
                 lens, dt = run_lengths(engines[name], case_prompts, n, max_new, seed=100 + rep)
                 got[name] = sum(lens) / dt
                 speed[name].append(got[name])
                 lengths[name] += lens
-                print(f"{dtype} {case} rep {rep} {name}: {sum(lens)} tok in {dt:.2f}s = {got[name]:.1f} tok/s", flush=True)
+                print(
+                    f"{dtype} {case} rep {rep} {name}: {sum(lens)} tok in {dt:.2f}s = {got[name]:.1f} tok/s", flush=True
+                )
             for name in names[1:]:
                 ratios[name].append(got[name] / got["builtin"])
         for name in names:
             ls = lengths[name]
             ratio = ratios.get(name)
-            rows.append((dtype, case, name, statistics.median(speed[name]), ratio and statistics.median(ratio),
-                         ratio and min(ratio), ratio and max(ratio), sum(ls) / args.reps,
-                         percentile(ls, 0.5), percentile(ls, 0.9), max(ls)))
+            rows.append(
+                (
+                    dtype,
+                    case,
+                    name,
+                    statistics.median(speed[name]),
+                    ratio and statistics.median(ratio),
+                    ratio and min(ratio),
+                    ratio and max(ratio),
+                    sum(ls) / args.reps,
+                    percentile(ls, 0.5),
+                    percentile(ls, 0.9),
+                    max(ls),
+                )
+            )
     for engine in engines.values():
         if hasattr(engine, "close"):
             engine.close()
@@ -461,35 +513,53 @@ def main_vllm(args) -> None:
     ]
     for dtype, name, startup_s, first_s, load_s, gbps in setup:
         lines.append(f"| {dtype} | {name} | {startup_s:.1f} s | {first_s:.1f} s | {load_s:.2f} s | {gbps:.2f} |")
-    lines += ["", f"Regenerate: `python -m benchmarks.engine --engine vllm --reps {args.reps}"
-              f"{' --compiled' if args.compiled else ''} --dtypes {args.dtypes}`."]
+    lines += [
+        "",
+        f"Regenerate: `python -m benchmarks.engine --engine vllm --reps {args.reps}"
+        f"{' --compiled' if args.compiled else ''} --dtypes {args.dtypes}`.",
+    ]
     Path(args.out).write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
     refresh("vllm", args.out)
 
 
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--engine", choices=("builtin", "vllm"), default="builtin",
-                    help="builtin: the built-in engine against transformers generate; vllm: vLLM against the built-in engine")
+    ap.add_argument(
+        "--engine",
+        choices=("builtin", "vllm"),
+        default="builtin",
+        help="builtin: the built-in engine against transformers generate; vllm: vLLM against the built-in engine",
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads, the same for every engine (default: torch's own with builtin, 2 with vllm)")
-    ap.add_argument("--cases", default=None, help=f"comma-separated (default: all; builtin: {', '.join(BUILTIN_CASES)}; "
-                                                  f"vllm: {', '.join(VLLM_CASES)})")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads, the same for every engine (default: torch's own with builtin, 2 with vllm)",
+    )
+    ap.add_argument(
+        "--cases",
+        default=None,
+        help=f"comma-separated (default: all; builtin: {', '.join(BUILTIN_CASES)}; vllm: {', '.join(VLLM_CASES)})",
+    )
     ap.add_argument("--dtypes", default="float32,bfloat16", help="every engine runs at each of these dtypes")
     ap.add_argument("--prompts", type=int, default=32, help="builtin: the number of prompts")
     ap.add_argument("--max-new-tokens", type=int, default=64, help="builtin: the token limit (vllm: each case's own)")
     ap.add_argument("--compiled", action="store_true", help="vllm: also vLLM with torch.compile (enforce_eager=False)")
-    ap.add_argument("--out", default=None, help="the results file (default: benchmarks/results/results_engine.md with "
-                                                "builtin, results_vllm.md with vllm)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="the results file (default: benchmarks/results/results_engine.md with builtin, results_vllm.md with vllm)",
+    )
     args = ap.parse_args()
     args.cases = args.cases or ",".join(CASES[args.engine])
     unknown = sorted(set(args.cases.split(",")) - set(CASES[args.engine]))
     if unknown:
-        ap.error(f"--cases: {', '.join(unknown)} not a case of --engine {args.engine} ({', '.join(CASES[args.engine])})")
+        ap.error(
+            f"--cases: {', '.join(unknown)} not a case of --engine {args.engine} ({', '.join(CASES[args.engine])})"
+        )
     if args.threads is None:
         args.threads = 0 if args.engine == "builtin" else 2
     args.out = args.out or str(OUT[args.engine])

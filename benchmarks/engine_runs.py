@@ -22,7 +22,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 from benchmarks.common import RESULTS, provenance
 from benchmarks.readme import refresh
 from benchmarks.training_runs import train_and_read
@@ -39,11 +38,19 @@ def run_one(preset: str, engine: str, seed: int, steps: int, extra: list[str], o
     loads = [e["end"] - e["start"] for e in run.timeline() if e["stage"] == "load_weights"]
     load_s = statistics.median(loads) if loads else float("nan")
     return {
-        "engine": engine + (" (collective)" if "pipeline.weight_sync=collective" in extra else ""), "seed": seed,
-        "step_s": run.median("timing_s/step"), "gen_s": run.median("timing_s/gen"), "wait_s": run.median("timing_s/wait_gen"),
-        "load_s": load_s, "load_gbs": _weight_bytes(run.cfg.model.path) / load_s / 1e9,
-        "r0": run.reward(first=True), "r1": run.reward(first=False), "v0": run.val[0], "v1": run.val[-1],
-        "mismatch": max(abs(m.get("actor/mismatch_kl_k1") or 0.0) for m in run.steps), "wall_s": run.wall_s,
+        "engine": engine + (" (collective)" if "pipeline.weight_sync=collective" in extra else ""),
+        "seed": seed,
+        "step_s": run.median("timing_s/step"),
+        "gen_s": run.median("timing_s/gen"),
+        "wait_s": run.median("timing_s/wait_gen"),
+        "load_s": load_s,
+        "load_gbs": _weight_bytes(run.cfg.model.path) / load_s / 1e9,
+        "r0": run.reward(first=True),
+        "r1": run.reward(first=False),
+        "v0": run.val[0],
+        "v1": run.val[-1],
+        "mismatch": max(abs(m.get("actor/mismatch_kl_k1") or 0.0) for m in run.steps),
+        "wall_s": run.wall_s,
     }
 
 
@@ -71,19 +78,31 @@ def write_table(rows: list[dict], args, minutes: float, remark: str = "") -> str
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        lines.append(f"| {r['engine']} | {r['seed']} | {r['step_s']:.1f} | {r['gen_s']:.1f} | {r['wait_s']:.2f} | "
-                     f"{r['load_s']:.2f} ({r['load_gbs']:.2f}) | {r['r0']:.3f} / {r['r1']:.3f} | {r['v0']:.3f} / "
-                     f"{r['v1']:.3f} | {r['mismatch']:.4f} | {r['wall_s']:.0f} |")
-    lines += ["", "vLLM vs built-in, same seed (ratio of medians; below 1: vLLM takes less time):", "",
-              "| seed | step time | generation time | weight load |", "| --- | --- | --- | --- |"]
+        lines.append(
+            f"| {r['engine']} | {r['seed']} | {r['step_s']:.1f} | {r['gen_s']:.1f} | {r['wait_s']:.2f} | "
+            f"{r['load_s']:.2f} ({r['load_gbs']:.2f}) | {r['r0']:.3f} / {r['r1']:.3f} | {r['v0']:.3f} / "
+            f"{r['v1']:.3f} | {r['mismatch']:.4f} | {r['wall_s']:.0f} |"
+        )
+    lines += [
+        "",
+        "vLLM vs built-in, same seed (ratio of medians; below 1: vLLM takes less time):",
+        "",
+        "| seed | step time | generation time | weight load |",
+        "| --- | --- | --- | --- |",
+    ]
     for s in seeds:
         b = next((r for r in rows if r["engine"] == "builtin" and r["seed"] == s), None)
         v = next((r for r in rows if r["engine"] == "vllm" and r["seed"] == s), None)
         if b and v:
-            lines.append(f"| {s} | {v['step_s'] / b['step_s']:.2f} | {v['gen_s'] / b['gen_s']:.2f} | "
-                         f"{v['load_s'] / b['load_s']:.1f} |")
-    lines += ["", f"Regenerate: `.venv/bin/python -m benchmarks.engine_runs --preset {args.preset} --steps {args.steps} "
-              f"--seeds {args.seeds}`"]
+            lines.append(
+                f"| {s} | {v['step_s'] / b['step_s']:.2f} | {v['gen_s'] / b['gen_s']:.2f} | "
+                f"{v['load_s'] / b['load_s']:.1f} |"
+            )
+    lines += [
+        "",
+        f"Regenerate: `.venv/bin/python -m benchmarks.engine_runs --preset {args.preset} --steps {args.steps} "
+        f"--seeds {args.seeds}`",
+    ]
     Path(args.out).write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
 
@@ -93,8 +112,12 @@ def main() -> None:
     ap.add_argument("--preset", default="default", help="tiny: a smoke run of this script")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--seeds", default="0,1")
-    ap.add_argument("--only", choices=("all", "engines", "collective"), default="all",
-                    help="engines: the builtin and vllm runs only; collective: the vLLM collective run only")
+    ap.add_argument(
+        "--only",
+        choices=("all", "engines", "collective"),
+        default="all",
+        help="engines: the builtin and vllm runs only; collective: the vLLM collective run only",
+    )
     ap.add_argument("--rows", help="also read earlier runs' rows (the JSON lines this script prints) from this file")
     ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran, what was rerun)")
     ap.add_argument("--out", default=str(RESULTS / "results_engine_runs.md"))

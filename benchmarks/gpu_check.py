@@ -92,6 +92,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import transformers  # noqa: E402
 
+from benchmarks.readme import refresh  # noqa: E402
 from offstep.batch import Sample, collate  # noqa: E402
 from offstep.config.schema import ActorConfig, AlgorithmConfig, LoRAConfig  # noqa: E402
 from offstep.models.forward import DTYPES  # noqa: E402
@@ -99,25 +100,42 @@ from offstep.models.loading import load_causal_lm  # noqa: E402
 from offstep.rollout.engines.torch_engine import TorchEngine  # noqa: E402
 from offstep.rollout.types import SamplingParams  # noqa: E402
 from offstep.train.distributed import GroupSpec  # noqa: E402
-from benchmarks.readme import refresh  # noqa: E402
 
 if RAY_STAND_IN:  # only while these import: nothing else is led to believe Ray is there
     sys.modules["ray"] = _RayMissing("ray")
 try:
-    from offstep.train.actor import ActorWorker  # noqa: E402
     from benchmarks.update_throughput import make_batch  # noqa: E402
+    from offstep.train.actor import ActorWorker  # noqa: E402
 finally:
     if RAY_STAND_IN:
         del sys.modules["ray"]
 
 # Qwen2.5-0.5B and -1.5B as published (config.json); "tiny" for the CPU check.
 SHAPES = {
-    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                         num_key_value_heads=2, vocab_size=151936),
-    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                         num_key_value_heads=2, vocab_size=151936),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=512),
+    "qwen2.5-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2.5-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+    ),
 }
 
 
@@ -138,8 +156,18 @@ class Work:
 
 
 FULL = Work()
-TINY = Work(prompts=4, group=4, prompt_len=12, new_tokens=12, update_samples=16, update_prompt=(6, 12),
-            update_response=(8.0, 0.7, 2, 16), micro_batch_size=4, updates=1, lora_rank=4)
+TINY = Work(
+    prompts=4,
+    group=4,
+    prompt_len=12,
+    new_tokens=12,
+    update_samples=16,
+    update_prompt=(6, 12),
+    update_response=(8.0, 0.7, 2, 16),
+    micro_batch_size=4,
+    updates=1,
+    lora_rank=4,
+)
 
 
 @dataclass
@@ -206,9 +234,17 @@ def build_model(shape: str, device: torch.device, seed: int = 0):
     torch.manual_seed(seed)
     if shape not in SHAPES:
         return load_causal_lm(shape, dtype=torch.float32).to(device)
-    config = transformers.Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, rope_theta=1e6,
-                                      rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
-                                      bos_token_id=None, eos_token_id=SHAPES[shape]["vocab_size"] - 1, pad_token_id=0)
+    config = transformers.Qwen2Config(
+        **SHAPES[shape],
+        max_position_embeddings=4096,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=None,
+        eos_token_id=SHAPES[shape]["vocab_size"] - 1,
+        pad_token_id=0,
+    )
     with device:
         return transformers.Qwen2ForCausalLM(config).to(torch.float32).eval()
 
@@ -225,27 +261,43 @@ def n_params(model) -> int:
 
 
 # ------------------------------------------------------------------ the checks
-def check_engine_and_update(shape: str, spec: GroupSpec, device: torch.device, work: Work, log, rows: list[Row]) -> None:
+def check_engine_and_update(
+    shape: str, spec: GroupSpec, device: torch.device, work: Work, log, rows: list[Row]
+) -> None:
     """The engine's batch, then one actor: the engine's log-probs against its, and the full update.
     Each row goes into ``rows`` as soon as it is measured (a later failure keeps it)."""
     model = build_model(shape, device)
     params, vocab = n_params(model), model.config.vocab_size
-    engine = TorchEngine(copy.deepcopy(model).to(DTYPES["bfloat16"]), NoTokenizer(), [vocab - 1], device=device,
-                         max_batch_size=work.prompts * work.group)
+    engine = TorchEngine(
+        copy.deepcopy(model).to(DTYPES["bfloat16"]),
+        NoTokenizer(),
+        [vocab - 1],
+        device=device,
+        max_batch_size=work.prompts * work.group,
+    )
     prompts = [[(37 * i + 11 * j) % (vocab - 2) + 1 for j in range(work.prompt_len)] for i in range(work.prompts)]
     warm = engine.generate(prompts[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=4), seed=1)  # warm-up
     reset_peak(device)
     resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     t0 = time.perf_counter()
-    done = engine.generate(prompts, SamplingParams(n=work.group, temperature=1.0, max_new_tokens=work.new_tokens), seed=0)
+    done = engine.generate(
+        prompts, SamplingParams(n=work.group, temperature=1.0, max_new_tokens=work.new_tokens), seed=0
+    )
     sync(device)
     dt = time.perf_counter() - t0
     # the engine alone: its bf16 weights and the most its call allocated (the float32 model is resident too)
     weights = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
     peak = None if device.type != "cuda" else peak_gib(device) - resident / 2**30 + weights
-    gen = Row(shape, params, "engine", sum(len(c.response_ids) for c in done), dt, peak,
-              note=f"{engine.runner} runner, bf16 weights, {work.prompts} prompts x {work.group} samples, "
-                   f"{work.prompt_len} + {work.new_tokens} tokens")
+    gen = Row(
+        shape,
+        params,
+        "engine",
+        sum(len(c.response_ids) for c in done),
+        dt,
+        peak,
+        note=f"{engine.runner} runner, bf16 weights, {work.prompts} prompts x {work.group} samples, "
+        f"{work.prompt_len} + {work.new_tokens} tokens",
+    )
     rows.append(gen)
     log(f"  engine: {gen.tokens} tokens in {dt:.2f} s, {gen.tokens_per_s:.0f} tokens/s")
     gen.note += sleep_and_wake(engine, device, prompts[:2], warm, log)
@@ -253,8 +305,18 @@ def check_engine_and_update(shape: str, spec: GroupSpec, device: torch.device, w
     release(device)
 
     actor = make_actor(model, spec, work)
-    samples = [Sample(uid=c.prompt_index, prompt_ids=prompts[c.prompt_index], response_ids=c.response_ids,
-                      rollout_logprobs=c.logprobs, finish_reason=c.finish_reason, score=0.0, version=0) for c in done]
+    samples = [
+        Sample(
+            uid=c.prompt_index,
+            prompt_ids=prompts[c.prompt_index],
+            response_ids=c.response_ids,
+            rollout_logprobs=c.logprobs,
+            finish_reason=c.finish_reason,
+            score=0.0,
+            version=0,
+        )
+        for c in done
+    ]
     batch = collate(samples, 0)
     trainer, _ = actor.compute_logprobs(batch)
     mask = batch.response_mask.bool()
@@ -299,8 +361,17 @@ def check_lora(shape: str, spec: GroupSpec, device: torch.device, work: Work, lo
 def time_update(actor: ActorWorker, shape: str, params: int, check: str, device, work: Work, log) -> Row:
     """``work.updates`` timed ``ActorWorker.update`` calls after one warm-up."""
     median, sigma, lo, hi = work.update_response
-    batch = make_batch(work.update_samples, work.group, actor.model.config.vocab_size, 0, 0, work.update_prompt,
-                       median, sigma, (lo, hi))
+    batch = make_batch(
+        work.update_samples,
+        work.group,
+        actor.model.config.vocab_size,
+        0,
+        0,
+        work.update_prompt,
+        median,
+        sigma,
+        (lo, hi),
+    )
     real = int(batch.attention_mask.sum())
     actor.update(batch)  # warm-up: kernels, allocator, AdamW's moments
     reset_peak(device)
@@ -309,10 +380,19 @@ def time_update(actor: ActorWorker, shape: str, params: int, check: str, device,
         metrics, _ = actor.update(batch)
     sync(device)
     dt = time.perf_counter() - t0
-    row = Row(shape, params, check, real * work.updates, dt, peak_gib(device),
-              note=f"{work.update_samples} samples, micro-batches of {work.micro_batch_size}, {work.updates} updates",
-              extra={"grad_norm": metrics.get("grad_norm"), "loss": metrics.get("loss")})
-    log(f"  {check}: {row.tokens_per_s:.0f} tokens/s, peak {row.peak_gib or 0:.2f} GiB, grad norm {row.extra['grad_norm']:.3g}")
+    row = Row(
+        shape,
+        params,
+        check,
+        real * work.updates,
+        dt,
+        peak_gib(device),
+        note=f"{work.update_samples} samples, micro-batches of {work.micro_batch_size}, {work.updates} updates",
+        extra={"grad_norm": metrics.get("grad_norm"), "loss": metrics.get("loss")},
+    )
+    log(
+        f"  {check}: {row.tokens_per_s:.0f} tokens/s, peak {row.peak_gib or 0:.2f} GiB, grad norm {row.extra['grad_norm']:.3g}"
+    )
     return row
 
 
@@ -322,25 +402,33 @@ def fmt(x: float | None, spec: str) -> str:
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| model | parameters | check | tokens | seconds | tokens/s | peak GiB | log-prob abs diff max / mean | what |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| model | parameters | check | tokens | seconds | tokens/s | peak GiB | log-prob abs diff max / mean | what |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in rows:
         diff = "–" if r.diff_max is None else f"{r.diff_max:.3g} / {r.diff_mean:.3g}"
-        lines.append(f"| {r.model} | {r.params / 1e6:.1f} M | {r.check} | {r.tokens} | {r.seconds:.2f} | "
-                     f"{r.tokens_per_s:.0f} | {fmt(r.peak_gib, '.2f')} | {diff} | {r.note} |")
+        lines.append(
+            f"| {r.model} | {r.params / 1e6:.1f} M | {r.check} | {r.tokens} | {r.seconds:.2f} | "
+            f"{r.tokens_per_s:.0f} | {fmt(r.peak_gib, '.2f')} | {diff} | {r.note} |"
+        )
     return "\n".join(lines)
 
 
 def report(rows: list[Row], skipped: list[str], failed: list[str], meta: dict) -> str:
     lines = [
-        "# GPU check: built-in engine, actor update and LoRA at Qwen2.5 shapes (random weights)", "",
-        f"Command: `{meta['command']}`. CPU: {meta['cpu']}. Date: {meta['date']}.", "",
+        "# GPU check: built-in engine, actor update and LoRA at Qwen2.5 shapes (random weights)",
+        "",
+        f"Command: `{meta['command']}`. CPU: {meta['cpu']}. Date: {meta['date']}.",
+        "",
         f"Device: {meta['device']}; torch {meta['torch']}, transformers {meta['transformers']}, peft {meta['peft']}, "
         f"Python {meta['python']}{'; Ray not installed (stand-in module)' if meta['ray_stand_in'] else ''}. "
-        f"Budget {meta['budget_s']:.0f} s, {meta['elapsed_s']:.0f} s used.", "",
+        f"Budget {meta['budget_s']:.0f} s, {meta['elapsed_s']:.0f} s used.",
+        "",
         "Engine: bfloat16 weights, generated tokens/s; its log-probs against the trainer's (float32 master "
         "weights, bfloat16 autocast) on the same tokens. Update and LoRA: `ActorWorker.update` (GRPO loss, "
-        "FSDP2 over one rank, AdamW), real prompt and response tokens/s; peak memory over the timed part.", "",
+        "FSDP2 over one rank, AdamW), real prompt and response tokens/s; peak memory over the timed part.",
+        "",
         table(rows),
     ]
     if skipped:
@@ -377,14 +465,20 @@ def host_cpu(device: torch.device) -> str:
 # ------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes and batches (the CPU check of CI)")
     ap.add_argument("--shapes", nargs="+", default=None, help=f"of {sorted(SHAPES)} (default: the two Qwen2.5 shapes)")
     ap.add_argument("--model", default=None, help="a local Hugging Face model folder instead of the shapes")
     ap.add_argument("--budget-s", type=float, default=420.0, help="skip what would end past this many seconds")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads")
-    ap.add_argument("--out", default=None, help="the results file (default on CUDA without --tiny: benchmarks/results/results_gpu.md)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="the results file (default on CUDA without --tiny: benchmarks/results/results_gpu.md)",
+    )
     ap.add_argument("--json", default=None, help="also write the figures as JSON here")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -395,11 +489,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - start:6.1f} s] {msg}", flush=True)
 
     work = TINY if args.tiny else FULL
-    shapes = [args.model] if args.model else args.shapes or (["tiny"] if args.tiny else ["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    shapes = (
+        [args.model] if args.model else args.shapes or (["tiny"] if args.tiny else ["qwen2.5-0.5b", "qwen2.5-1.5b"])
+    )
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     spec = GroupSpec(0, 1, "127.0.0.1", 0, args.device, args.threads)
-    log(f"device {device_name(device)}, torch {torch.__version__}, transformers {transformers.__version__}; "
-        f"shapes {shapes}; budget {args.budget_s:.0f} s" + ("; Ray not installed: stand-in module" if RAY_STAND_IN else ""))
+    log(
+        f"device {device_name(device)}, torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"shapes {shapes}; budget {args.budget_s:.0f} s"
+        + ("; Ray not installed: stand-in module" if RAY_STAND_IN else "")
+    )
 
     rows: list[Row] = []
     skipped: list[str] = []
@@ -412,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
             estimate = took[name][1] * size / took[name][0] if name in took and size else 0.0
             if elapsed + estimate > args.budget_s:
                 line = f"{shape} {name}: {elapsed:.0f} s of the budget of {args.budget_s:.0f} s used" + (
-                    f", about {estimate:.0f} s more would pass it" if estimate else "")
+                    f", about {estimate:.0f} s more would pass it" if estimate else ""
+                )
                 log("skipping " + line)
                 skipped.append(line)
                 continue
@@ -430,10 +530,20 @@ def main(argv: list[str] | None = None) -> int:
                 took[name] = (size, time.monotonic() - t0)
     if dist.is_initialized():
         dist.destroy_process_group()
-    meta = {"command": recorded_command(argv), "cpu": host_cpu(device), "date": time.strftime("%Y-%m-%d"),
-            "device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "peft": peft.__version__, "python": platform.python_version(), "ray_stand_in": RAY_STAND_IN,
-            "budget_s": args.budget_s, "elapsed_s": time.monotonic() - start, "tiny": args.tiny}
+    meta = {
+        "command": recorded_command(argv),
+        "cpu": host_cpu(device),
+        "date": time.strftime("%Y-%m-%d"),
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "python": platform.python_version(),
+        "ray_stand_in": RAY_STAND_IN,
+        "budget_s": args.budget_s,
+        "elapsed_s": time.monotonic() - start,
+        "tiny": args.tiny,
+    }
     text = report(rows, skipped, failed, meta)
     print(text, flush=True)
     out = args.out or (str(RESULTS_FILE) if device.type == "cuda" and not args.tiny else None)
@@ -442,8 +552,12 @@ def main(argv: list[str] | None = None) -> int:
         log(f"wrote {out}")
         refresh("gpu-check", out)
     if args.json:
-        data = {**meta, "rows": [{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in rows], "skipped": skipped,
-                "failed": failed}
+        data = {
+            **meta,
+            "rows": [{**r.__dict__, "tokens_per_s": r.tokens_per_s} for r in rows],
+            "skipped": skipped,
+            "failed": failed,
+        }
         Path(args.json).write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
         log(f"wrote {args.json}")
     return 1 if failed else 0

@@ -26,7 +26,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-
 from benchmarks.common import RESULTS, cpu_kind, provenance
 from benchmarks.readme import refresh
 
@@ -39,15 +38,15 @@ def policy_answers(model: str, problems: int, n: int, seed: int, out: Path) -> t
     import pyarrow.parquet as pq
 
     from offstep.data.tasks import write_task
-    from offstep.pipeline.evaluation import run_eval
-
     from offstep.launch.loader import load_config
+    from offstep.pipeline.evaluation import run_eval
 
     d, ro = (cfg := load_config([])).data, cfg.rollout  # the default preset's task and token budget
     _, val = write_task(d.task, str(out), 8, problems, seed, **d.task_options)
     rows = pq.read_table(val).to_pylist()
-    _, samples = run_eval(model, val, n=n, temperature=ro.temperature, max_new_tokens=ro.max_new_tokens,
-                          threads=os.cpu_count(), seed=seed)
+    _, samples = run_eval(
+        model, val, n=n, temperature=ro.temperature, max_new_tokens=ro.max_new_tokens, threads=os.cpu_count(), seed=seed
+    )
     return rows, samples
 
 
@@ -71,13 +70,20 @@ def judge(rows: list[dict], samples: list, template: str, parser: str, model: st
     items = [Item(rows[s.uid]["prompt"], s.text, rows[s.uid]["reward_model"]["ground_truth"]) for s in samples]
     scores, texts, t0 = [], [], time.perf_counter()
     for i in range(0, len(items), rm.batch_size):
-        scores += scorer(items[i:i + rm.batch_size])
+        scores += scorer(items[i : i + rm.batch_size])
         texts += scorer.last_texts
     seconds = time.perf_counter() - t0
     rule = [int(s.score >= 1.0) for s in samples]
     said = [int(v is not None and v >= 0.5) for v in scores]
-    return {"rule": rule, "judge": said, "unparsed": sum(v is None for v in scores), "seconds": seconds,
-            "examples": texts[:3], "batch_size": rm.batch_size, "max_new_tokens": rm.max_new_tokens}
+    return {
+        "rule": rule,
+        "judge": said,
+        "unparsed": sum(v is None for v in scores),
+        "seconds": seconds,
+        "examples": texts[:3],
+        "batch_size": rm.batch_size,
+        "max_new_tokens": rm.max_new_tokens,
+    }
 
 
 def write(results: dict, args, n_samples: int, right: int, out: Path) -> str:
@@ -101,9 +107,11 @@ def write(results: dict, args, n_samples: int, right: int, out: Path) -> str:
         pairs = list(zip(r["judge"], r["rule"]))
         agree = sum(j == g for j, g in pairs) / len(pairs)
         count = lambda j, g: sum(p == (j, g) for p in pairs)  # noqa: E731
-        lines.append(f"| {name} | {100 * agree:.0f}% | {count(1, 1)} | {count(1, 0)} | {count(0, 1)} | {count(0, 0)} | "
-                     f"{cohen_kappa(r['judge'], r['rule']):.2f} | {r['unparsed']} of {len(pairs)} | "
-                     f"{r['seconds'] / len(pairs):.3f} |")
+        lines.append(
+            f"| {name} | {100 * agree:.0f}% | {count(1, 1)} | {count(1, 0)} | {count(0, 1)} | {count(0, 0)} | "
+            f"{cohen_kappa(r['judge'], r['rule']):.2f} | {r['unparsed']} of {len(pairs)} | "
+            f"{r['seconds'] / len(pairs):.3f} |"
+        )
     lines += ["", "The judge's first answers per setting (what the parser reads):", ""]
     for name, r in results.items():
         lines.append(f"- {name}: " + "; ".join(json.dumps(t) for t in r["examples"]))

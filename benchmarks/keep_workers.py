@@ -31,8 +31,16 @@ def run(steps: int, out: Path) -> tuple[float, list[dict]]:
     from offstep.launch.loader import load_config
     from offstep.pipeline.controller import train
 
-    cfg = load_config(["preset=tiny", "pipeline.max_staleness=1", f"trainer.total_steps={steps}",
-                       f"trainer.output_dir={out}", "trainer.progress=off", "trainer.save_last=false"])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            "pipeline.max_staleness=1",
+            f"trainer.total_steps={steps}",
+            f"trainer.output_dir={out}",
+            "trainer.progress=off",
+            "trainer.save_last=false",
+        ]
+    )
     t0 = time.perf_counter()
     history = train(cfg)
     return time.perf_counter() - t0, [{k: v for k, v in m.items() if not any(t in k for t in _TIMED)} for m in history]
@@ -86,8 +94,12 @@ def main() -> None:
     for setting, ts in times.items():
         med = statistics.median(ts)
         lines.append(f"| {setting} | {len(ts)} | {med:.2f} | {min(ts):.2f} | {max(ts):.2f} | {fresh / med:.1f}x |")
-    lines += ["", f"Every run's metrics, timings aside, equal the first run's: {'yes' if same else 'NO'}.", "",
-              f"Regenerate: `python -m benchmarks.keep_workers --rounds {args.rounds} --steps {args.steps}`."]
+    lines += [
+        "",
+        f"Every run's metrics, timings aside, equal the first run's: {'yes' if same else 'NO'}.",
+        "",
+        f"Regenerate: `python -m benchmarks.keep_workers --rounds {args.rounds} --steps {args.steps}`.",
+    ]
     publish("keep", args.out, lines)
 
 

@@ -35,9 +35,16 @@ from benchmarks.readme import refresh
 
 def run(dtype: str, budget: int, share: bool, lend: bool, steps: int, out: Path) -> list[dict]:
     overrides = [
-        "preset=default", f"trainer.total_steps={steps}", f"trainer.output_dir={out}", "trainer.progress=off",
-        "trainer.val_before_train=false", "trainer.val_freq=-1", "trainer.save_last=false",
-        f"model.compute_dtype={dtype}", f"pipeline.lend_cores={str(lend).lower()}", f"actor.micro_token_budget={budget}",
+        "preset=default",
+        f"trainer.total_steps={steps}",
+        f"trainer.output_dir={out}",
+        "trainer.progress=off",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=-1",
+        "trainer.save_last=false",
+        f"model.compute_dtype={dtype}",
+        f"pipeline.lend_cores={str(lend).lower()}",
+        f"actor.micro_token_budget={budget}",
         f"actor.share_prompts={str(share).lower()}",
     ]
     subprocess.run([sys.executable, "-m", "offstep.cli", "train", *overrides], check=True, stdout=subprocess.DEVNULL)
@@ -63,22 +70,35 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="off/on pairs per dtype")
     ap.add_argument("--steps", type=int, default=6, help="steps per run (step 1, with warm-up, is not counted)")
     ap.add_argument("--budgets", type=int, nargs="+", default=[-1], help="actor.micro_token_budget values to compare")
-    ap.add_argument("--share", nargs="+", choices=["false", "true"], default=["true"],
-                    help="actor.share_prompts values to compare")
+    ap.add_argument(
+        "--share", nargs="+", choices=["false", "true"], default=["true"], help="actor.share_prompts values to compare"
+    )
     ap.add_argument("--out", default=str(RESULTS / "results_lend.md"))
     args = ap.parse_args()
     cores = os.cpu_count()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes:
-            settings = [(budget, share == "true", lend) for budget in args.budgets for share in args.share
-                        for lend in (False, True)]
+            settings = [
+                (budget, share == "true", lend)
+                for budget in args.budgets
+                for share in args.share
+                for lend in (False, True)
+            ]
             runs: dict[tuple, list] = {s: [] for s in settings}
             for r in range(args.rounds):
                 for budget, share, lend in settings:
                     runs[budget, share, lend].append(
-                        run(dtype, budget, share, lend, args.steps, Path(tmp) / f"{dtype}-{budget}-{share}-{lend}-{r}"))
-                    print(dtype, f"budget {budget}", f"share_prompts {share}", "lend" if lend else "own cores", r, flush=True)
+                        run(dtype, budget, share, lend, args.steps, Path(tmp) / f"{dtype}-{budget}-{share}-{lend}-{r}")
+                    )
+                    print(
+                        dtype,
+                        f"budget {budget}",
+                        f"share_prompts {share}",
+                        "lend" if lend else "own cores",
+                        r,
+                        flush=True,
+                    )
             res = {s: summarise(v) for s, v in runs.items()}
             first = res[settings[0]]
             for (budget, share, lend), s in res.items():
@@ -87,21 +107,24 @@ def main() -> None:
                 rows.append(
                     f"| {dtype} | {budget} | {'on' if share else 'off'} | {'on' if lend else 'off'} | {s['step']:.2f} | "
                     f"{s['update']:.2f} | {s['rollout']:.2f} | {s['rollout'] / s['step']:.0%} | {s['trainer']:.2f} | "
-                    f"{s['lent']:.2f} | {limit:.2f} | {s['step'] / limit:.2f} | {first['step'] / s['step']:.2f}x | {s['steps']} |")
-    table = "\n".join([
-        provenance(),
-        "",
-        f"Machine: {cores} cores ({cpu_kind()}); the default preset, one-step (`pipeline.ref_on_rollout=true`), "
-        f"{args.rounds} alternating round(s) of {args.steps}-step runs per dtype and setting, medians over steps 2..N of a "
-        f"setting's runs. Limit: (rollout busy + trainer busy) / cores of the unlent runs of the same "
-        f"`actor.micro_token_budget` and `actor.share_prompts`. Rollout busy share: rollout busy / step. Speed: against "
-        f"the dtype's first row.",
-        "",
-        "| compute dtype | micro_token_budget | share_prompts | lend_cores | step s | update s | rollout busy s | "
-        "rollout busy share | trainer busy s | lent s | equal-cores limit s | step / limit | speed vs first row | steps |",
-        "| --- " * 14 + "|",
-        *rows,
-    ])
+                    f"{s['lent']:.2f} | {limit:.2f} | {s['step'] / limit:.2f} | {first['step'] / s['step']:.2f}x | {s['steps']} |"
+                )
+    table = "\n".join(
+        [
+            provenance(),
+            "",
+            f"Machine: {cores} cores ({cpu_kind()}); the default preset, one-step (`pipeline.ref_on_rollout=true`), "
+            f"{args.rounds} alternating round(s) of {args.steps}-step runs per dtype and setting, medians over steps 2..N of a "
+            f"setting's runs. Limit: (rollout busy + trainer busy) / cores of the unlent runs of the same "
+            f"`actor.micro_token_budget` and `actor.share_prompts`. Rollout busy share: rollout busy / step. Speed: against "
+            f"the dtype's first row.",
+            "",
+            "| compute dtype | micro_token_budget | share_prompts | lend_cores | step s | update s | rollout busy s | "
+            "rollout busy share | trainer busy s | lent s | equal-cores limit s | step / limit | speed vs first row | steps |",
+            "| --- " * 14 + "|",
+            *rows,
+        ]
+    )
     Path(args.out).write_text(table + "\n")
     print(table)
     refresh("lend", args.out)

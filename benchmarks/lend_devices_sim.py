@@ -162,7 +162,7 @@ def simulate(s: Setting) -> Result:
     def ready() -> list[_Group] | None:
         waiting = sorted(groups.values(), key=lambda a: (a.version, a.g))  # earliest deadline first
         must = waiting[: must_take(waiting, version, s.k, s.groups)]
-        fill = [a for a in waiting[len(must):] if a.finished is not None][: s.groups - len(must)]
+        fill = [a for a in waiting[len(must) :] if a.finished is not None][: s.groups - len(must)]
         if all(a.finished is not None for a in must) and len(must) + len(fill) == s.groups:
             return must + fill
         return None
@@ -203,8 +203,12 @@ def simulate(s: Setting) -> Result:
                     lending, state, until = False, "switch_out", now + s.switch_out_s
                 else:
                     state, until = "train", train(batch)
-            elif (state == "wait" and hybrid and not lent_step
-                  and (not standalone or not waits or waits[-1] > s.switch_in_s + s.switch_out_s)):  # lend
+            elif (
+                state == "wait"
+                and hybrid
+                and not lent_step
+                and (not standalone or not waits or waits[-1] > s.switch_in_s + s.switch_out_s)
+            ):  # lend
                 lends, lent_step = lends + 1, True
                 state, until = "switch_in", now + s.switch_in_s
             elif state == "switch_in" and now >= until:
@@ -252,20 +256,32 @@ def simulate(s: Setting) -> Result:
         now = nxt
     first = 2  # steps 1 and 2 fill the pipeline
     span = ends[-1] - ends[first - 1]
-    return Result(samples_per_s=(len(ends) - first) * s.groups * s.n / span, step_s=span / (len(ends) - first),
-                  wait_s=float(np.mean(waits[first:])), lent_s=float(np.sum(lent)) / len(ends), lends=lends,
-                  staleness=staleness, decoded=decoded, ends=ends)
+    return Result(
+        samples_per_s=(len(ends) - first) * s.groups * s.n / span,
+        step_s=span / (len(ends) - first),
+        wait_s=float(np.mean(waits[first:])),
+        lent_s=float(np.sum(lent)) / len(ends),
+        lends=lends,
+        staleness=staleness,
+        decoded=decoded,
+        ends=ends,
+    )
 
 
 # ------------------------------------------------------------------ the study
 SPLITS = (8, 12, 16, 24)  # the trainer's GPUs of the fixed splits (the rest roll out)
 LENT = (16, 24, 32)  # the trainer's GPUs of the lending runs (32: hybrid replicas only, colocated)
 VERL = [  # theirs, not ours: real models on H20/H100 GPUs, their own baselines
-    ("verl #6556, fully_async + dynamic resource scheduling: 16 trainer + 16 rollout H20, Qwen3.5-35B-A3B, "
-     "against fixed 8 + 24", "-15.3% wall clock (1.18x)"),
+    (
+        "verl #6556, fully_async + dynamic resource scheduling: 16 trainer + 16 rollout H20, Qwen3.5-35B-A3B, "
+        "against fixed 8 + 24",
+        "-15.3% wall clock (1.18x)",
+    ),
     ("the same, against fixed 16 + 16", "-17.5% wall clock (1.21x)"),
-    ("verl #7373, separate_async + lending: 16 trainer + 8 rollout H100, the same split without, 150 steps",
-     "-12.6% wall clock, +10.1% tokens/s"),
+    (
+        "verl #7373, separate_async + lending: 16 trainer + 8 rollout H100, the same split without, 150 steps",
+        "-12.6% wall clock, +10.1% tokens/s",
+    ),
 ]
 
 
@@ -283,8 +299,10 @@ def render(rows: list[dict], base: Setting, share: float, took: float, cmd: str)
 
     mean = mean_length(base)
     lines = [
-        "# Lending the trainer's GPUs to the rollout, simulated", "",
-        provenance(), "",
+        "# Lending the trainer's GPUs to the rollout, simulated",
+        "",
+        provenance(),
+        "",
         f"`{cmd}` ({took:.0f} s). A discrete-event model of the fully asynchronous pipeline (`offstep.pipeline.sample_stream`'s "
         f"admission and `must_take`) on {base.devices} simulated GPUs, not a run of offstep's workers: offstep does not "
         f"lend trainer GPUs. Replicas of {base.per_replica} GPUs with {base.slots} slots ({base.hybrid_slots} for a "
@@ -313,9 +331,16 @@ def render(rows: list[dict], base: Setting, share: float, took: float, cmd: str)
             f"| {r['sigma']:g} | {r['k']} | {r['switch']:g} | {r['best']} + {base.devices - r['best']} | {best:.1f} | "
             f"{f16.samples_per_s:.1f} | {l16.samples_per_s:.1f} | {l16.samples_per_s / best:.2f}x | "
             f"{l16.samples_per_s / f16.samples_per_s:.2f}x | {l24.samples_per_s:.1f} | {l24.samples_per_s / best:.2f}x | "
-            f"{l32.samples_per_s:.1f} | {l32.samples_per_s / best:.2f}x | {f16.wait_s:.0f} / {l16.wait_s:.0f} |")
-    lines += ["", "What verl reports, **theirs, not ours** (real models on GPUs, their own baselines):", "",
-              "| run | gain |", "| --- | --- |", *(f"| {a} | {b} |" for a, b in VERL)]
+            f"{l32.samples_per_s:.1f} | {l32.samples_per_s / best:.2f}x | {f16.wait_s:.0f} / {l16.wait_s:.0f} |"
+        )
+    lines += [
+        "",
+        "What verl reports, **theirs, not ours** (real models on GPUs, their own baselines):",
+        "",
+        "| run | gain |",
+        "| --- | --- |",
+        *(f"| {a} | {b} |" for a, b in VERL),
+    ]
     return lines
 
 

@@ -35,12 +35,12 @@ import sys
 import time
 from pathlib import Path
 
-
 from benchmarks.common import AVX2_FLOAT32, RESULTS, command, cpu_kind_and_dtype
 from benchmarks.readme import refresh
 from benchmarks.training_runs import train_and_read
 
 RANKS = (8, 32)
+
 
 def _prompts(n: int, vocab: int, length: int = 40) -> list[list[int]]:
     return [[(37 * i + 11 * j) % (vocab - 100) + 50 for j in range(length)] for i in range(n)]
@@ -72,22 +72,38 @@ def part_engine(model: str) -> dict:
             engine.load_adapters(adapters, v)
             loads.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            engine.generate(_prompts(8, engine.vocab_size), SamplingParams(n=4, temperature=1.0, max_new_tokens=32), seed=v)
+            engine.generate(
+                _prompts(8, engine.vocab_size), SamplingParams(n=4, temperature=1.0, max_new_tokens=32), seed=v
+            )
             gens.append(time.perf_counter() - t0)
-        rows.append({"applied": "merged into the weights" if merge else "low-rank term B(A x) (default)",
-                     "generate_s": statistics.median(gens), "load_s": statistics.median(loads)})
+        rows.append(
+            {
+                "applied": "merged into the weights" if merge else "low-rank term B(A x) (default)",
+                "generate_s": statistics.median(gens),
+                "load_s": statistics.median(loads),
+            }
+        )
         print(rows[-1], flush=True)
     return {"model": model, "rows": rows}
 
 
 def render_engine(part: dict) -> list[str]:
-    lines = ["## Built-in engine: adapters as a low-rank term vs merged", "", _when(part),
-             f"`{part['model']}`, rank 8 on the 7 projections, 1 thread; one batch of 8 prompts x 4 samples, 32 new tokens "
-             "(no EOS stop forced); medians of 3.", "",
-             "| adapters applied | generate s | load_adapters s |", "| --- | --- | --- |"]
+    lines = [
+        "## Built-in engine: adapters as a low-rank term vs merged",
+        "",
+        _when(part),
+        f"`{part['model']}`, rank 8 on the 7 projections, 1 thread; one batch of 8 prompts x 4 samples, 32 new tokens "
+        "(no EOS stop forced); medians of 3.",
+        "",
+        "| adapters applied | generate s | load_adapters s |",
+        "| --- | --- | --- |",
+    ]
     lines += [f"| {r['applied']} | {r['generate_s']:.2f} | {r['load_s']:.3f} |" for r in part["rows"]]
-    return lines + ["", "Merged is faster per batch but not exact (unmerging rounds the base at every sync: the reference "
-                    "drifts and a resumed run differs from an uninterrupted one), so the engine keeps the low-rank term."]
+    return lines + [
+        "",
+        "Merged is faster per batch but not exact (unmerging rounds the base at every sync: the reference "
+        "drifts and a resumed run differs from an uninterrupted one), so the engine keeps the low-rank term.",
+    ]
 
 
 # ------------------------------------------------------------------ memory: one actor per process
@@ -122,21 +138,34 @@ def part_memory(model: str, compute: str, updates: int) -> dict:
     rows = []
     for rank in (0, *RANKS):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-        out = subprocess.run([sys.executable, "-c", _MEMORY, str(rank), model, compute, str(updates)], capture_output=True, text=True, env=env,
-                             check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _MEMORY, str(rank), model, compute, str(updates)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=True,
+        )
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     return {"model": model, "compute": compute, "updates": updates, "rows": rows}
 
 
 def render_memory(part: dict) -> list[str]:
-    lines = ["## One actor: resident memory and update time", "", _when(part),
-             f"`{part['model']}`, float32 master weights, {part['compute']} compute (the preset's), one rank (1 thread), a "
-             f"fresh process each; peak resident set after {part['updates']} update(s) of one batch (32 samples, 40 prompt + "
-             "32 response tokens, micro-batches of 8); update s: their median.", "",
-             "| actor | trainable parameters | peak RSS GB | update s/step |", "| --- | --- | --- | --- |"]
-    lines += [f"| {_setting(r['rank'])} | {r['trainable'] / 1e6:.2f} M | {r['rss_gb']:.2f} | {r['update_s']:.2f} |"
-              for r in part["rows"]]
+    lines = [
+        "## One actor: resident memory and update time",
+        "",
+        _when(part),
+        f"`{part['model']}`, float32 master weights, {part['compute']} compute (the preset's), one rank (1 thread), a "
+        f"fresh process each; peak resident set after {part['updates']} update(s) of one batch (32 samples, 40 prompt + "
+        "32 response tokens, micro-batches of 8); update s: their median.",
+        "",
+        "| actor | trainable parameters | peak RSS GB | update s/step |",
+        "| --- | --- | --- | --- |",
+    ]
+    lines += [
+        f"| {_setting(r['rank'])} | {r['trainable'] / 1e6:.2f} M | {r['rss_gb']:.2f} | {r['update_s']:.2f} |"
+        for r in part["rows"]
+    ]
     return lines
 
 
@@ -166,13 +195,24 @@ def plan_runs(runs: str, base_lr: float) -> dict[str, tuple[int, float, int]]:
 
 
 def run_one(preset: str, rank: int, lr: float, seed: int, steps: int, val_freq: int, out: Path) -> dict:
-    run = train_and_read([f"preset={preset}", f"actor.lora.rank={rank}", f"actor.optim.lr={lr}", f"trainer.seed={seed}"],
-                         out, steps, val_freq)
+    run = train_and_read(
+        [f"preset={preset}", f"actor.lora.rank={rank}", f"actor.optim.lr={lr}", f"trainer.seed={seed}"],
+        out,
+        steps,
+        val_freq,
+    )
     return {
-        "rank": rank, "lr": lr, "seed": seed, "steps": steps,
-        "step_s": run.median("timing_s/step"), "update_s": run.median("timing_s/update_actor"),
-        "sync_s": run.median("timing_s/sync_weights"), "sync_mb": _sync_bytes(run.cfg.model.path, rank) / 2**20,
-        "rewards": run.rewards, "val": run.val_curve, "wall_s": run.wall_s,
+        "rank": rank,
+        "lr": lr,
+        "seed": seed,
+        "steps": steps,
+        "step_s": run.median("timing_s/step"),
+        "update_s": run.median("timing_s/update_actor"),
+        "sync_s": run.median("timing_s/sync_weights"),
+        "sync_mb": _sync_bytes(run.cfg.model.path, rank) / 2**20,
+        "rewards": run.rewards,
+        "val": run.val_curve,
+        "wall_s": run.wall_s,
     }
 
 
@@ -183,8 +223,10 @@ def _setting(rank: int) -> str:
 def _when(part: dict) -> str:
     if "load_mean" not in part:  # kept from before the load average was recorded
         return f"Measured {part['started']} UTC; load average not recorded. {part.get('note', '')}".rstrip()
-    return (f"Measured {part['started']} UTC; load average (1 min) while it ran: mean {part['load_mean']:.1f}, max "
-            f"{part['load_max']:.1f} (2 cores; other engineers' jobs may share them).")
+    return (
+        f"Measured {part['started']} UTC; load average (1 min) while it ran: mean {part['load_mean']:.1f}, max "
+        f"{part['load_max']:.1f} (2 cores; other engineers' jobs may share them)."
+    )
 
 
 def _spread(values: list[float], fmt: str) -> str:
@@ -203,48 +245,73 @@ def render_runs(runs: dict[str, dict], memory: dict | None, preset: str, cpu: st
     for r in sorted(runs.values(), key=lambda r: (r["rank"], r["lr"], r["seed"])):
         groups.setdefault((r["rank"], r["lr"]), []).append(r)
     steps = sorted({r["steps"] for r in runs.values()})
-    lines = ["## The default run: full fine-tuning vs LoRA, side by side", "",
-             f"Preset `{preset}` (SmolLM2-135M-Instruct, GRPO, one-step off-policy, reference on the rollout core; CPU: "
-             f"{cpu}), {'/'.join(map(str, steps))} steps. Mean over seeds, range in brackets. Step, update "
-             "and sync s: each run's median over steps 2 and later. Sync MB: float32 bytes one sync carries (the whole "
-             "model, or the adapters); sync s: export + the replica's load. Actor peak RSS: the memory part above (one "
-             "actor alone). Reward: mean training reward of the first 5 / last 5 steps.", "",
-             "| setting | lr | seeds | actor peak RSS GB | update s | sync MB | sync s | step s | reward first 5 / last 5 "
-             "| val acc before | val acc at the end |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "## The default run: full fine-tuning vs LoRA, side by side",
+        "",
+        f"Preset `{preset}` (SmolLM2-135M-Instruct, GRPO, one-step off-policy, reference on the rollout core; CPU: "
+        f"{cpu}), {'/'.join(map(str, steps))} steps. Mean over seeds, range in brackets. Step, update "
+        "and sync s: each run's median over steps 2 and later. Sync MB: float32 bytes one sync carries (the whole "
+        "model, or the adapters); sync s: export + the replica's load. Actor peak RSS: the memory part above (one "
+        "actor alone). Reward: mean training reward of the first 5 / last 5 steps.",
+        "",
+        "| setting | lr | seeds | actor peak RSS GB | update s | sync MB | sync s | step s | reward first 5 / last 5 "
+        "| val acc before | val acc at the end |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for (rank, lr), rs in groups.items():
         lines.append(
-            f"| {_setting(rank)} | {lr:g} | {'+'.join(str(r['seed']) for r in rs)} | "
-            f"{rss[rank]:.2f} |" if rank in rss else f"| {_setting(rank)} | {lr:g} | {'+'.join(str(r['seed']) for r in rs)} | – |")
-        lines[-1] += (f" {_spread([r['update_s'] for r in rs], '{:.1f}')} | {rs[0]['sync_mb']:.1f} | "
-                      f"{_spread([r['sync_s'] for r in rs], '{:.2f}')} | {_spread([r['step_s'] for r in rs], '{:.1f}')} | "
-                      f"{_spread([_mean(r['rewards'], 5, True) for r in rs], '{:.3f}')} / "
-                      f"{_spread([_mean(r['rewards'], 5, False) for r in rs], '{:.3f}')} | "
-                      f"{_spread([r['val'][0][1] for r in rs], '{:.3f}')} | {_spread([r['val'][-1][1] for r in rs], '{:.3f}')} |")
-    lines += ["", "Each run:", "",
-              "| run | setting | lr | seed | step s | update s | sync s | validation accuracy at steps | wall min | started "
-              "(UTC) | load average mean / max |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            f"| {_setting(rank)} | {lr:g} | {'+'.join(str(r['seed']) for r in rs)} | {rss[rank]:.2f} |"
+            if rank in rss
+            else f"| {_setting(rank)} | {lr:g} | {'+'.join(str(r['seed']) for r in rs)} | – |"
+        )
+        lines[-1] += (
+            f" {_spread([r['update_s'] for r in rs], '{:.1f}')} | {rs[0]['sync_mb']:.1f} | "
+            f"{_spread([r['sync_s'] for r in rs], '{:.2f}')} | {_spread([r['step_s'] for r in rs], '{:.1f}')} | "
+            f"{_spread([_mean(r['rewards'], 5, True) for r in rs], '{:.3f}')} / "
+            f"{_spread([_mean(r['rewards'], 5, False) for r in rs], '{:.3f}')} | "
+            f"{_spread([r['val'][0][1] for r in rs], '{:.3f}')} | {_spread([r['val'][-1][1] for r in rs], '{:.3f}')} |"
+        )
+    lines += [
+        "",
+        "Each run:",
+        "",
+        "| run | setting | lr | seed | step s | update s | sync s | validation accuracy at steps | wall min | started "
+        "(UTC) | load average mean / max |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name, r in sorted(runs.items(), key=lambda kv: (kv[1]["rank"], kv[1]["lr"], kv[1]["seed"])):
         val = ", ".join(f"{s}: {a:.3f}" for s, a in r["val"])
-        lines.append(f"| {name} | {_setting(r['rank'])} | {r['lr']:g} | {r['seed']} | {r['step_s']:.1f} | {r['update_s']:.1f} | "
-                     f"{r['sync_s']:.2f} | {val} | {r['wall_s'] / 60:.1f} | {r['started']} | {r['load_mean']:.1f} / "
-                     f"{r['load_max']:.1f} |")
+        lines.append(
+            f"| {name} | {_setting(r['rank'])} | {r['lr']:g} | {r['seed']} | {r['step_s']:.1f} | {r['update_s']:.1f} | "
+            f"{r['sync_s']:.2f} | {val} | {r['wall_s'] / 60:.1f} | {r['started']} | {r['load_mean']:.1f} / "
+            f"{r['load_max']:.1f} |"
+        )
     full = [r for r in runs.values() if r["rank"] == 0]
     if full:
         base = min(r["lr"] for r in full)
         full = sorted((r for r in full if r["lr"] == base), key=lambda r: r["seed"])
         val_steps = [s for s, _ in full[0]["val"]]
-        lines += ["", f"### The default run (full fine-tuning, lr {base:g}), per seed", "",
-                  "Validation accuracy (35 held-out problems, greedy) at every validation step, and the training reward "
-                  "(32 samples a step) of the first 5 and last 5 steps.", "",
-                  "| seed | " + " | ".join(f"val step {s}" for s in val_steps) + " | reward steps 1–5 | reward last 5 | "
-                  "median step s | wall min |", "| --- " * (len(val_steps) + 5) + "|"]
+        lines += [
+            "",
+            f"### The default run (full fine-tuning, lr {base:g}), per seed",
+            "",
+            "Validation accuracy (35 held-out problems, greedy) at every validation step, and the training reward "
+            "(32 samples a step) of the first 5 and last 5 steps.",
+            "",
+            "| seed | " + " | ".join(f"val step {s}" for s in val_steps) + " | reward steps 1–5 | reward last 5 | "
+            "median step s | wall min |",
+            "| --- " * (len(val_steps) + 5) + "|",
+        ]
         for r in full:
             acc = dict(r["val"])
             n = len(r["rewards"])
-            lines.append(f"| {r['seed']} | " + " | ".join(f"{acc[s]:.3f}" if s in acc else "–" for s in val_steps)
-                         + f" | {' '.join(f'{x:.2f}' for x in r['rewards'][:5])} (mean {_mean(r['rewards'], 5, True):.3f}) | "
-                         f"steps {n - 4}–{n}: {' '.join(f'{x:.2f}' for x in r['rewards'][-5:])} (mean "
-                         f"{_mean(r['rewards'], 5, False):.3f}) | {r['step_s']:.1f} | {r['wall_s'] / 60:.1f} |")
+            lines.append(
+                f"| {r['seed']} | "
+                + " | ".join(f"{acc[s]:.3f}" if s in acc else "–" for s in val_steps)
+                + f" | {' '.join(f'{x:.2f}' for x in r['rewards'][:5])} (mean {_mean(r['rewards'], 5, True):.3f}) | "
+                f"steps {n - 4}–{n}: {' '.join(f'{x:.2f}' for x in r['rewards'][-5:])} (mean "
+                f"{_mean(r['rewards'], 5, False):.3f}) | {r['step_s']:.1f} | {r['wall_s'] / 60:.1f} |"
+            )
     return lines
 
 
@@ -272,8 +339,13 @@ class LoadAverage:
         self.samples.append(os.getloadavg()[0])
 
     def record(self) -> dict:
-        return {"started": self.started, "load_mean": statistics.mean(self.samples), "load_max": max(self.samples),
-                "cpu": cpu_kind_and_dtype(), "command": command()}
+        return {
+            "started": self.started,
+            "load_mean": statistics.mean(self.samples),
+            "load_max": max(self.samples),
+            "cpu": cpu_kind_and_dtype(),
+            "command": command(),
+        }
 
 
 def recorded_cpus(results: dict) -> str:
@@ -297,26 +369,34 @@ def runs_arg(runs: dict) -> str:
     groups: dict[tuple[int, float], list[int]] = {}
     for r in runs.values():
         groups.setdefault((r["rank"], r["lr"]), []).append(r["seed"])
-    return ",".join(f"{rank}:{lr:g}:{'+'.join(map(str, sorted(seeds)))}" for (rank, lr), seeds in sorted(groups.items()))
+    return ",".join(
+        f"{rank}:{lr:g}:{'+'.join(map(str, sorted(seeds)))}" for (rank, lr), seeds in sorted(groups.items())
+    )
 
 
 def render(results: dict, preset: str, regenerate: str, out: Path = RESULTS / "results_lora.md") -> str:
     import peft
     import torch
 
-    lines = ["# Full fine-tuning vs LoRA", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores ({recorded_cpus(results)}), torch {torch.__version__}, "
-             f"peft {peft.__version__}, Python {platform.python_version()}. Each part and run below says when it ran and "
-             "the load average meanwhile: the 2 cores were shared with other engineers' jobs (tests, other benchmarks).",
-             "", f"Regenerate: `{regenerate}` (every part, one run after another), or one run at a time: "
-             f"`.venv/bin/python -m benchmarks.lora --parts runs --only r0-lr1e-05-s0{_out_arg(out)}` (`--list` names them); "
-             f"each invocation merges into `benchmarks/results/{out.with_suffix('.json').name}` and rewrites this file from it."]
+    lines = [
+        "# Full fine-tuning vs LoRA",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores ({recorded_cpus(results)}), torch {torch.__version__}, "
+        f"peft {peft.__version__}, Python {platform.python_version()}. Each part and run below says when it ran and "
+        "the load average meanwhile: the 2 cores were shared with other engineers' jobs (tests, other benchmarks).",
+        "",
+        f"Regenerate: `{regenerate}` (every part, one run after another), or one run at a time: "
+        f"`.venv/bin/python -m benchmarks.lora --parts runs --only r0-lr1e-05-s0{_out_arg(out)}` (`--list` names them); "
+        f"each invocation merges into `benchmarks/results/{out.with_suffix('.json').name}` and rewrites this file from it.",
+    ]
     if "engine" in results:
         lines += [""] + render_engine(results["engine"])
     if "memory" in results:
         lines += [""] + render_memory(results["memory"])
     if results.get("runs"):
-        lines += [""] + render_runs(results["runs"], results.get("memory"), preset, recorded_cpus({"runs": results["runs"]}))
+        lines += [""] + render_runs(
+            results["runs"], results.get("memory"), preset, recorded_cpus({"runs": results["runs"]})
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -326,11 +406,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=0, help="training steps per run (0: the preset's)")
     ap.add_argument("--parts", default="engine,memory,runs", help="empty: only render the stored results")
     ap.add_argument("--updates", type=int, default=3, help="memory: updates per actor")
-    ap.add_argument("--runs", default="0::0+1+2,8:1e-4:0+1,32:1e-4:0+1",
-                    help="runs: rank:lr:seeds items (empty lr: the preset's; seeds joined by +)")
+    ap.add_argument(
+        "--runs",
+        default="0::0+1+2,8:1e-4:0+1,32:1e-4:0+1",
+        help="runs: rank:lr:seeds items (empty lr: the preset's; seeds joined by +)",
+    )
     ap.add_argument("--only", default="", help="runs: only these run names (comma-separated; see --list)")
     ap.add_argument("--list", action="store_true", help="print the run names of --runs and exit")
-    ap.add_argument("--out", default=str(RESULTS / "results_lora.md"), help="the table; its .json beside it holds the results")
+    ap.add_argument(
+        "--out", default=str(RESULTS / "results_lora.md"), help="the table; its .json beside it holds the results"
+    )
     args = ap.parse_args()
     from offstep.launch.loader import load_config
 
@@ -351,9 +436,16 @@ def main() -> None:
     def save() -> None:  # after every part and run: a stopped benchmark keeps what it measured
         store.write_text(json.dumps(results, indent=1) + "\n")
         out = Path(args.out)
-        out.write_text(render(results, args.preset, f".venv/bin/python -m benchmarks.lora --preset {args.preset} --steps "
-                                                    f"{steps} --updates {args.updates} --runs {runs_arg(results.get('runs', {})) or args.runs}"
-                                                    f"{_out_arg(out)}", out))
+        out.write_text(
+            render(
+                results,
+                args.preset,
+                f".venv/bin/python -m benchmarks.lora --preset {args.preset} --steps "
+                f"{steps} --updates {args.updates} --runs {runs_arg(results.get('runs', {})) or args.runs}"
+                f"{_out_arg(out)}",
+                out,
+            )
+        )
 
     for part in (p for p in args.parts.split(",") if p):
         if part == "engine":
@@ -365,8 +457,9 @@ def main() -> None:
                 if only and name not in only:
                     continue
                 out = Path("runs") / "bench_lora" / name
-                results.setdefault("runs", {})[name] = measured(run_one, args.preset, rank, lr, seed, steps,
-                                                                preset_cfg.trainer.val_freq, out)
+                results.setdefault("runs", {})[name] = measured(
+                    run_one, args.preset, rank, lr, seed, steps, preset_cfg.trainer.val_freq, out
+                )
                 print(name, json.dumps(results["runs"][name]), flush=True)
                 save()
         else:

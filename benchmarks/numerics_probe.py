@@ -34,17 +34,26 @@ def probe(save: str | None) -> dict:
     from offstep.models.loading import load_causal_lm, load_tokenizer
 
     torch.set_num_threads(1)
-    out = {"transformers": transformers.__version__, "torch": torch.__version__,
-           "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    out = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
     folder = Path(tempfile.mkdtemp()) / "smollm2"
     _build_smollm2(folder)
     state = load_file(folder / "model.safetensors")
-    out["weights"] = _sha(b"".join(k.encode() + state[k].contiguous().view(torch.uint8).numpy().tobytes()
-                                   for k in sorted(state)))
+    out["weights"] = _sha(
+        b"".join(k.encode() + state[k].contiguous().view(torch.uint8).numpy().tobytes() for k in sorted(state))
+    )
     tok = load_tokenizer(folder)
     questions = [f"What is {a} + {b}? Answer with a number." for a, b in [(12, 30), (7, 95), (41, 41), (3, 8)]]
-    ids = [tok(tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
-               add_special_tokens=False)["input_ids"] for q in questions]
+    ids = [
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
+        for q in questions
+    ]
     out["token_ids"] = _sha(json.dumps(ids).encode())
     model = load_causal_lm(folder, torch.float32).eval()
     width = max(map(len, ids))
@@ -65,8 +74,11 @@ def compare(a: str, b: str) -> dict:
     import torch
 
     x, y = torch.load(a), torch.load(b)
-    return {"equal": bool(torch.equal(x, y)), "max_abs_diff": float((x - y).abs().max()),
-            "same_argmax": float((x.argmax(-1) == y.argmax(-1)).float().mean())}
+    return {
+        "equal": bool(torch.equal(x, y)),
+        "max_abs_diff": float((x - y).abs().max()),
+        "same_argmax": float((x.argmax(-1) == y.argmax(-1)).float().mean()),
+    }
 
 
 def main() -> None:

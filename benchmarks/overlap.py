@@ -35,7 +35,12 @@ from benchmarks.common import RESULTS, provenance
 from benchmarks.readme import refresh
 
 MODES = {
-    "sync-colocated": ["pipeline.max_staleness=0", "pipeline.colocate=true", "resources.cpus_per_trainer_worker={cores}", "pipeline.ref_on_rollout=false"],
+    "sync-colocated": [
+        "pipeline.max_staleness=0",
+        "pipeline.colocate=true",
+        "resources.cpus_per_trainer_worker={cores}",
+        "pipeline.ref_on_rollout=false",
+    ],
     "sync-disjoint": ["pipeline.max_staleness=0", "pipeline.ref_on_rollout=false"],
     "one-step": ["pipeline.max_staleness=1", "pipeline.ref_on_rollout=false"],
     "one-step+ref-on-rollout": ["pipeline.max_staleness=1", "pipeline.ref_on_rollout=true"],
@@ -44,8 +49,12 @@ MODES = {
 
 def run(preset: str, mode: str, steps: int, cores: int, out: Path) -> list[dict]:
     overrides = [
-        f"preset={preset}", f"trainer.total_steps={steps}", f"trainer.output_dir={out}",
-        "trainer.progress=off", "trainer.val_before_train=false", "trainer.val_freq=0",
+        f"preset={preset}",
+        f"trainer.total_steps={steps}",
+        f"trainer.output_dir={out}",
+        "trainer.progress=off",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=0",
         *[o.format(cores=cores) for o in MODES[mode]],
     ]
     cmd = [sys.executable, "-m", "offstep.cli", "train", *overrides]
@@ -53,7 +62,13 @@ def run(preset: str, mode: str, steps: int, cores: int, out: Path) -> list[dict]
     return [json.loads(line) for line in open(out / "metrics.jsonl") if line.strip()]
 
 
-TRAINER_STAGES = ("timing_s/ref", "timing_s/values", "timing_s/old_logprobs", "timing_s/update_critic", "timing_s/update_actor")
+TRAINER_STAGES = (
+    "timing_s/ref",
+    "timing_s/values",
+    "timing_s/old_logprobs",
+    "timing_s/update_critic",
+    "timing_s/update_actor",
+)
 
 
 def busy(m: dict) -> float:
@@ -67,7 +82,12 @@ def rollout_busy(m: dict) -> float:
 def summarise(metrics: list[dict]) -> dict:
     ms = [m for m in metrics if m.get("step", 0) >= 2 and "timing_s/step" in m]
     med = lambda key: statistics.median(key(m) for m in ms)  # noqa: E731
-    step, gen, train, sync = med(lambda m: m["timing_s/step"]), med(rollout_busy), med(busy), med(lambda m: m["timing_s/sync_weights"])
+    step, gen, train, sync = (
+        med(lambda m: m["timing_s/step"]),
+        med(rollout_busy),
+        med(busy),
+        med(lambda m: m["timing_s/sync_weights"]),
+    )
     return {"step": step, "gen": gen, "train": train, "sync": sync, "efficiency": (max(gen, train) + sync) / step}
 
 
@@ -92,16 +112,18 @@ def main() -> None:
                     f"| {preset} | {mode} | {r['step']:.2f} | {r['gen']:.2f} | {r['train']:.2f} | {r['sync']:.2f} | "
                     f"{base / r['step']:.2f}x | {r['efficiency']:.2f} |"
                 )
-    table = "\n".join([
-        provenance(),
-        "",
-        f"Machine: {platform.machine()}, {cores} cores, {platform.python_version()}; medians over steps 2..N of one run each, "
-        f"run one after another by `python -m benchmarks.overlap`.",
-        "",
-        "| preset | mode | step s | rollout busy s | trainer busy s | sync s | speed vs sync-colocated | overlap efficiency |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
-        *rows,
-    ])
+    table = "\n".join(
+        [
+            provenance(),
+            "",
+            f"Machine: {platform.machine()}, {cores} cores, {platform.python_version()}; medians over steps 2..N of one run each, "
+            f"run one after another by `python -m benchmarks.overlap`.",
+            "",
+            "| preset | mode | step s | rollout busy s | trainer busy s | sync s | speed vs sync-colocated | overlap efficiency |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            *rows,
+        ]
+    )
     Path(args.out).write_text(table + "\n")
     print(table)
     refresh("overlap", args.out)

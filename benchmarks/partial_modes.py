@@ -21,7 +21,6 @@ import torch
 
 from benchmarks.common import RESULTS, cpu_kind_and_dtype
 from benchmarks.readme import refresh
-
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from offstep.rollout.engines.control import StepControl
 from offstep.rollout.engines.torch_engine import TorchEngine
@@ -37,15 +36,22 @@ OUT = RESULTS / "results_partial.md"
 
 def _prompts(tok) -> list[list[int]]:
     qs = [f"What is {a} + {b}?" for a, b in ((3, 4), (7, 2), (5, 5), (9, 1), (6, 3), (8, 8), (2, 7), (4, 0))]
-    return [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
-                add_special_tokens=False).input_ids for q in qs]
+    return [
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        ).input_ids
+        for q in qs
+    ]
 
 
 def _serve(engine, prompts, partial, new, at):
     """One serve of ``prompts`` x n with a load of ``new`` posted after ``at`` tokens; returns the
     completions, the wall time, and the seconds from the post to the load."""
-    requests = [TurnRequest(i, prompts[i // PARAMS.n], i, PARAMS.max_new_tokens, i // PARAMS.n)
-                for i in range(len(prompts) * PARAMS.n)]
+    requests = [
+        TurnRequest(i, prompts[i // PARAMS.n], i, PARAMS.max_new_tokens, i // PARAMS.n)
+        for i in range(len(prompts) * PARAMS.n)
+    ]
     feed, control = StreamFeed(prompts, 64), StepControl(partial)
     control.attach(feed.wake)
     done, count, posted, landed = {}, [0], [0.0], [0.0]
@@ -119,9 +125,19 @@ def main() -> None:
             diffs_old.append(lp[:cut] - _teacher(model, prompts[i // PARAMS.n], c.response_ids)[:cut])
         after, before = torch.cat(diffs_new), torch.cat(diffs_old)
         nan = float("nan")  # off: no token is sampled after the load in a sample that began before it
-        rows.append((partial, crossed, len(completions), int(after.numel()), float(after.mean()) if after.numel() else nan,
-                     float(after.abs().max()) if after.numel() else nan, float(before.abs().max()),
-                     statistics.median(walls), statistics.median(waits)))
+        rows.append(
+            (
+                partial,
+                crossed,
+                len(completions),
+                int(after.numel()),
+                float(after.mean()) if after.numel() else nan,
+                float(after.abs().max()) if after.numel() else nan,
+                float(before.abs().max()),
+                statistics.median(walls),
+                statistics.median(waits),
+            )
+        )
         print(rows[-1], flush=True)
     base = rows[0][7]
     lines = [
@@ -138,8 +154,10 @@ def main() -> None:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for p, crossed, total, n_after, k1, mx, mx_before, wall, wait in rows:
-        lines.append(f"| `{p}` | {crossed}/{total} | {n_after} | {k1:.2e} | {mx:.2e} | {mx_before:.2e} | {wall:.2f} | "
-                     f"{wall / base:.2f} | {wait:.3f} |")
+        lines.append(
+            f"| `{p}` | {crossed}/{total} | {n_after} | {k1:.2e} | {mx:.2e} | {mx_before:.2e} | {wall:.2f} | "
+            f"{wall / base:.2f} | {wait:.3f} |"
+        )
     OUT.write_text("\n".join(lines) + "\n")
     print(OUT.read_text())
     refresh("partial")

@@ -31,7 +31,6 @@ import statistics
 import time
 from pathlib import Path
 
-
 from benchmarks.common import NOT_RECORDED, RESULTS, cpu_kind
 from benchmarks.readme import refresh
 from benchmarks.training_runs import Run, read_jsonl, train_and_read
@@ -54,11 +53,20 @@ def run_one(label: str, preset: str, seed: int, extra: list[str], steps: int | N
     shipped = load_config([f"preset={preset}", *extra]).trainer  # the preset's own steps and validation
     steps = steps or shipped.total_steps
     load0 = os.getloadavg()[0]
-    run = train_and_read([f"preset={preset}", f"trainer.seed={seed}", *extra], run_dir(label, seed), steps,
-                         val_freq=min(shipped.val_freq, steps) if shipped.val_freq > 0 else 0)
+    run = train_and_read(
+        [f"preset={preset}", f"trainer.seed={seed}", *extra],
+        run_dir(label, seed),
+        steps,
+        val_freq=min(shipped.val_freq, steps) if shipped.val_freq > 0 else 0,
+    )
     load1 = os.getloadavg()[0]
-    return {**row_of(run, label, preset, seed, extra, steps), "wall_s": run.wall_s, "load": [round(load0, 1), round(load1, 1)],
-            "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": cpu_kind()}
+    return {
+        **row_of(run, label, preset, seed, extra, steps),
+        "wall_s": run.wall_s,
+        "load": [round(load0, 1), round(load1, 1)],
+        "finished_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "cpu": cpu_kind(),
+    }
 
 
 def reread(row: dict) -> dict:
@@ -82,13 +90,21 @@ def row_of(run: Run, label: str, preset: str, seed: int, extra: list[str], steps
 
     keys = sorted({k for m in later for k in m if k.startswith(KEPT) and isinstance(m[k], (int, float))})
     return {
-        "label": label, "preset": preset, "seed": seed, "extra": extra, "steps": steps,
+        "label": label,
+        "preset": preset,
+        "seed": seed,
+        "extra": extra,
+        "steps": steps,
         "val_curve": [(m["step"], m["val/acc"]) for m in val],
         "val_first": {k: v for k, v in val[0].items() if k.startswith("val/")},
         "val_last": {k: v for k, v in val[-1].items() if k.startswith("val/")},
-        "rewards": run.rewards, "reward_first3": run.reward(first=True), "reward_last3": run.reward(first=False),
-        "medians": {k: med(k) for k in keys}, "score_s": statistics.median(_score_s(m) for m in later),
-        "step_s": run.median("timing_s/step"), "step_s_each": [m.get("timing_s/step", 0.0) for m in run.steps],
+        "rewards": run.rewards,
+        "reward_first3": run.reward(first=True),
+        "reward_last3": run.reward(first=False),
+        "medians": {k: med(k) for k in keys},
+        "score_s": statistics.median(_score_s(m) for m in later),
+        "step_s": run.median("timing_s/step"),
+        "step_s_each": [m.get("timing_s/step", 0.0) for m in run.steps],
         "wait_s_each": [m.get("timing_s/wait_gen", 0.0) for m in run.steps],
     }
 
@@ -136,7 +152,7 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, Python "
         f"{platform.python_version()}. Each preset as it ships (its steps, its validation: held-out problems, greedy), "
         "one run at a time; a label's overrides are listed below its table.",
-        *([f"", remark] if remark else []),
+        *(["", remark] if remark else []),
         "",
         "Per seed (val acc: held-out, at each validation; reward: the training batch's mean; seconds: medians over "
         "steps 2 and later; trainer idle: its wait for generation over the step time, summed over steps 2 and later):",
@@ -153,11 +169,16 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
             f"| {r['label']} | {r['seed']} | {pct(r['val_curve'][0][1])} → {pct(r['val_curve'][-1][1])} | {curve} | "
             f"{r['reward_first3']:.2f} / {r['reward_last3']:.2f} | {r['step_s']:.1f} | {m.get('timing_s/gen', 0):.1f} | "
             f"{m.get('timing_s/wait_gen', 0):.1f} | {_pct_or_dash(_idle(r))} | {m.get('timing_s/update_actor', 0):.1f} | {r['score_s']:.1f} | "
-            f"{_partial(m)} | {_staleness(m)} | {r['wall_s'] / 60:.1f} | {r.get('cpu', NOT_RECORDED)} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |")
-    lines += ["", "Mean (range) per label over its seeds, per kind of CPU (the trainer's dtype and speed differ by kind):", "",
-              "| label | CPU | seeds | val acc before | val acc after | reward first 3 | reward last 3 | step s | gen s | "
-              "trainer's wait s | trainer idle | update s | score s | partial samples | staleness mean |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+            f"{_partial(m)} | {_staleness(m)} | {r['wall_s'] / 60:.1f} | {r.get('cpu', NOT_RECORDED)} | {r['load'][0]} / {r['load'][1]} | {r['finished_utc']} |"
+        )
+    lines += [
+        "",
+        "Mean (range) per label over its seeds, per kind of CPU (the trainer's dtype and speed differ by kind):",
+        "",
+        "| label | CPU | seeds | val acc before | val acc after | reward first 3 | reward last 3 | step s | gen s | "
+        "trainer's wait s | trainer idle | update s | score s | partial samples | staleness mean |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for label, cpu in dict.fromkeys((r["label"], r.get("cpu", NOT_RECORDED)) for r in rows):
         rs = [r for r in rows if r["label"] == label and r.get("cpu", NOT_RECORDED) == cpu]
         med = lambda key: _spread([r["medians"].get(key, 0.0) for r in rs], False)  # noqa: E731
@@ -167,14 +188,19 @@ def write_table(rows: list[dict], out: Path, remark: str) -> str:
             f"{_spread([r['reward_last3'] for r in rs], False)} | {_spread([r['step_s'] for r in rs], False)} | "
             f"{med('timing_s/gen')} | {med('timing_s/wait_gen')} | {_idle_spread(rs)} | {med('timing_s/update_actor')} | "
             f"{_spread([r['score_s'] for r in rs], False)} | {_optional(rs, 'rollout/partial_samples')} | "
-            f"{_optional(rs, 'rollout/staleness_mean')} |")
+            f"{_optional(rs, 'rollout/staleness_mean')} |"
+        )
     lines += ["", "Labels:", ""]
     for label in labels:
         r = next(r for r in rows if r["label"] == label)
-        lines.append(f"- `{label}`: `preset={r['preset']}`" + "".join(f" `{e}`" for e in r["extra"])
-                     + f"; regenerate with `.venv/bin/python -m benchmarks.preset_runs --label {label} --preset "
-                     f"{r['preset']} --seeds {','.join(str(x['seed']) for x in rows if x['label'] == label)}"
-                     + (f" --extra {' '.join(r['extra'])}" if r["extra"] else "") + "`.")
+        lines.append(
+            f"- `{label}`: `preset={r['preset']}`"
+            + "".join(f" `{e}`" for e in r["extra"])
+            + f"; regenerate with `.venv/bin/python -m benchmarks.preset_runs --label {label} --preset "
+            f"{r['preset']} --seeds {','.join(str(x['seed']) for x in rows if x['label'] == label)}"
+            + (f" --extra {' '.join(r['extra'])}" if r["extra"] else "")
+            + "`."
+        )
     lines += ["", "Regenerate the tables from the stored rows: `.venv/bin/python -m benchmarks.preset_runs --table`."]
     out.write_text("\n".join(lines) + "\n")
     return "\n".join(lines)
@@ -189,7 +215,11 @@ def _idle_spread(rs: list[dict]) -> str:
     vals = [_idle(r) for r in rs]
     if any(v is None for v in vals):
         return "—"
-    return f"{100 * statistics.mean(vals):.1f}% ({100 * min(vals):.1f}–{100 * max(vals):.1f}%)" if len(vals) > 1 else _pct_or_dash(vals[0])
+    return (
+        f"{100 * statistics.mean(vals):.1f}% ({100 * min(vals):.1f}–{100 * max(vals):.1f}%)"
+        if len(vals) > 1
+        else _pct_or_dash(vals[0])
+    )
 
 
 def _optional(rs: list[dict], key: str) -> str:
@@ -216,7 +246,9 @@ def plot_labels(rows: list[dict], labels: list[str], out: Path, cpu: str = "") -
     for label in labels:
         rs = [r for r in rows if r["label"] == label and (not cpu or r.get("cpu") == cpu)]
         if not rs:
-            raise SystemExit(f"--plot: no rows labelled {label!r} in the results; labels: {sorted({r['label'] for r in rows})}")
+            raise SystemExit(
+                f"--plot: no rows labelled {label!r} in the results; labels: {sorted({r['label'] for r in rows})}"
+            )
         seeds = ",".join(str(r["seed"]) for r in rs)
         mean, lo, hi = _band([r["rewards"] for r in rs])
         steps = list(range(1, len(mean) + 1))
@@ -241,23 +273,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="default")
     ap.add_argument("--label", default="", help="the rows' name (default: the preset's)")
-    ap.add_argument("--seeds", default="", help="comma-separated seeds to run now (each replaces its earlier row on this kind of CPU)")
+    ap.add_argument(
+        "--seeds",
+        default="",
+        help="comma-separated seeds to run now (each replaces its earlier row on this kind of CPU)",
+    )
     ap.add_argument("--extra", nargs="*", default=[], help="overrides on top of the preset (part of the label)")
     ap.add_argument("--steps", type=int, default=None, help="a smoke run: fewer steps (not for the results)")
     ap.add_argument("--table", action="store_true", help="only rewrite the results file from --rows")
-    ap.add_argument("--reread", action="store_true", help="recompute the rows of --label and --seeds from their run "
-                    "folders (runs/bench_presets/LABEL/seedN) without training, then rewrite the results file")
+    ap.add_argument(
+        "--reread",
+        action="store_true",
+        help="recompute the rows of --label and --seeds from their run "
+        "folders (runs/bench_presets/LABEL/seedN) without training, then rewrite the results file",
+    )
     ap.add_argument("--rows", default=str(RESULTS / "results_presets.jsonl"))
     ap.add_argument("--remark", default="", help="a sentence for the results file (what else ran on the machine)")
     ap.add_argument("--out", default=str(RESULTS / "results_presets.md"))
-    ap.add_argument("--plot", default="", help="comma-separated labels: draw their curves (mean and range over seeds) "
-                    "into --plot-out, and nothing else")
+    ap.add_argument(
+        "--plot",
+        default="",
+        help="comma-separated labels: draw their curves (mean and range over seeds) into --plot-out, and nothing else",
+    )
     ap.add_argument("--plot-out", default=str(RESULTS / "presets.png"))
     ap.add_argument("--plot-cpu", default="", help="only the seeds run on this kind of CPU (e.g. AVX2, 'AVX-512 BF16')")
     args = ap.parse_args()
     label = args.label or args.preset
     rows_path = Path(args.rows)
-    rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()] if rows_path.exists() else []
+    rows = (
+        [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()] if rows_path.exists() else []
+    )
     if args.plot:
         print(plot_labels(rows, args.plot.split(","), Path(args.plot_out), args.plot_cpu))
         return
@@ -266,7 +311,7 @@ def main() -> None:
         mine = lambda r: r["label"] == label and r["seed"] in seeds and r.get("cpu") == cpu_kind()  # noqa: E731
         rows = [reread(r) if mine(r) else r for r in rows]
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    for seed in ([] if args.table or args.reread else [int(s) for s in args.seeds.split(",") if s]):
+    for seed in [] if args.table or args.reread else [int(s) for s in args.seeds.split(",") if s]:
         row = run_one(label, args.preset, seed, args.extra, args.steps)
         same = lambda r: (r["label"], r["seed"], r.get("cpu", NOT_RECORDED)) == (label, seed, row["cpu"])  # noqa: E731
         rows = [r for r in rows if not same(r)] + [row]

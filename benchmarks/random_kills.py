@@ -87,23 +87,42 @@ class Setup:
     mode: str = "batch"  # pipeline.mode
 
 
-SETUPS = {s.name: s for s in [
-    Setup("builtin-k0", 0, 20), Setup("builtin-k1", 1, 20), Setup("builtin-k2", 2, 20),
-    # Fewer: a vLLM start takes about a minute here; LoRA and tool rows add state to a resume but
-    # no new kind of moment.
-    Setup("vllm-k1", 1, 3, engine="vllm"), Setup("lora-k1", 1, 5, lora=8), Setup("tools-k1", 1, 5, agent="tool_agent"),
-    # The fully asynchronous mode with k = 0, the setting in which its records are reproducible (with
-    # k >= 1 where a load lands inside a sample depends on timing; tests/pipeline/test_fully_async.py checks
-    # that a resume there trains every stored group once).
-    Setup("fully-async-k0", 0, 10, mode="fully_async"),
-]}
+SETUPS = {
+    s.name: s
+    for s in [
+        Setup("builtin-k0", 0, 20),
+        Setup("builtin-k1", 1, 20),
+        Setup("builtin-k2", 2, 20),
+        # Fewer: a vLLM start takes about a minute here; LoRA and tool rows add state to a resume but
+        # no new kind of moment.
+        Setup("vllm-k1", 1, 3, engine="vllm"),
+        Setup("lora-k1", 1, 5, lora=8),
+        Setup("tools-k1", 1, 5, agent="tool_agent"),
+        # The fully asynchronous mode with k = 0, the setting in which its records are reproducible (with
+        # k >= 1 where a load lands inside a sample depends on timing; tests/pipeline/test_fully_async.py checks
+        # that a resume there trains every stored group once).
+        Setup("fully-async-k0", 0, 10, mode="fully_async"),
+    ]
+}
 
 
 def overrides(s: Setup, out: Path, reward: Path, steps: int, save_freq: int) -> list[str]:
-    return ["preset=tiny", f"pipeline.mode={s.mode}", f"rollout.engine={s.engine}", f"actor.lora.rank={s.lora}", f"rollout.agent.default_agent={s.agent}",
-            f"pipeline.max_staleness={s.k}", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
-            f"trainer.save_freq={save_freq}", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress=plain",
-            f"reward.custom_path={reward}", "reward.num_threads=1"]
+    return [
+        "preset=tiny",
+        f"pipeline.mode={s.mode}",
+        f"rollout.engine={s.engine}",
+        f"actor.lora.rank={s.lora}",
+        f"rollout.agent.default_agent={s.agent}",
+        f"pipeline.max_staleness={s.k}",
+        f"trainer.output_dir={out}",
+        f"trainer.total_steps={steps}",
+        f"trainer.save_freq={save_freq}",
+        "trainer.val_freq=0",
+        "trainer.val_before_train=false",
+        "trainer.progress=plain",
+        f"reward.custom_path={reward}",
+        "reward.num_threads=1",
+    ]
 
 
 # ------------------------------------------------------------------ one run, maybe killed
@@ -140,8 +159,14 @@ KILL_POINTS = ROOT / "tests" / "kill_points.py"  # offstep with the driver held 
 
 def _spawn(args: list[str], env: dict, log: Path, pause: str | None = None) -> subprocess.Popen:
     entry = [str(KILL_POINTS), pause] if pause else ["-m", "offstep.cli"]
-    return subprocess.Popen([sys.executable, *entry, "train", *args], cwd=ROOT, start_new_session=True,
-                            stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
+    return subprocess.Popen(
+        [sys.executable, *entry, "train", *args],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=open(log, "w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
 
 
 def _lines(path: Path) -> int:
@@ -278,7 +303,9 @@ class Attempt:
         return "afresh"
 
 
-def reference_run(s: Setup, work: Path, reward: Path, steps: int, save_freq: int, timeout: float) -> tuple[Records, Profile]:
+def reference_run(
+    s: Setup, work: Path, reward: Path, steps: int, save_freq: int, timeout: float
+) -> tuple[Records, Profile]:
     run = work / "reference"
     a = Attempt(overrides(s, run, reward, steps, save_freq), run, work / "reference.log")
     rc = a.finish(timeout)
@@ -295,8 +322,9 @@ def reference_run(s: Setup, work: Path, reward: Path, steps: int, save_freq: int
 
 
 # ------------------------------------------------------------------ a configuration
-def draw(rng: random.Random, prof: Profile, run: Path, steps: int, save_freq: int, marker: Path,
-         forced: str | None) -> tuple[str, object, str | None, str] | None:
+def draw(
+    rng: random.Random, prof: Profile, run: Path, steps: int, save_freq: int, marker: Path, forced: str | None
+) -> tuple[str, object, str | None, str] | None:
     """A moment: (kind, its argument for ``wait_moment``, the pause hook's value, how to print it),
     or ``None`` once the last step's checkpoint is written: the restart then has no step left and
     only exits, so it runs to completion and ends the round (kills there tested the exit alone)."""
@@ -331,8 +359,17 @@ def draw(rng: random.Random, prof: Profile, run: Path, steps: int, save_freq: in
     return kind, d, None, f"{d:.2f} s"
 
 
-def run_setup(s: Setup, kills: int, seed: int = 0, steps: int = 8, save_freq: int = 2, work: Path | None = None,
-              plan: list[str] | None = None, timeout: float = 900, log=print) -> dict:
+def run_setup(
+    s: Setup,
+    kills: int,
+    seed: int = 0,
+    steps: int = 8,
+    save_freq: int = 2,
+    work: Path | None = None,
+    plan: list[str] | None = None,
+    timeout: float = 900,
+    log=print,
+) -> dict:
     """Reference, then ``kills`` kills (``plan``: the kinds of the first ones, in order; the rest
     drawn), each followed by a restart, in rounds until the last run completes. Returns the
     summary; stops at the first problem."""
@@ -342,8 +379,10 @@ def run_setup(s: Setup, kills: int, seed: int = 0, steps: int = 8, save_freq: in
     reward.write_text(REWARD)
     t_start = time.time()
     ref, prof = reference_run(s, work, reward, steps, save_freq, timeout)
-    log(f"{s.name}: reference {prof.wall_s:.1f} s (start-up {prof.startup_s:.1f} s, training {prof.train_s:.1f} s, "
-        f"a checkpoint {prof.checkpoint_s:.2f} s)")
+    log(
+        f"{s.name}: reference {prof.wall_s:.1f} s (start-up {prof.startup_s:.1f} s, training {prof.train_s:.1f} s, "
+        f"a checkpoint {prof.checkpoint_s:.2f} s)"
+    )
     rng = random.Random(f"{seed}:{s.name}")
     marker = work / "paused"
     done: list[Kill] = []
@@ -357,8 +396,9 @@ def run_setup(s: Setup, kills: int, seed: int = 0, steps: int = 8, save_freq: in
             starts += 1
             forced = plan[len(done)] if plan and len(done) < len(plan) else None
             moment = draw(rng, prof, run, steps, save_freq, marker, forced) if len(done) < kills else None
-            a = Attempt(overrides(s, run, reward, steps, save_freq), run, work / f"start{starts}.log",
-                        moment and moment[2])
+            a = Attempt(
+                overrides(s, run, reward, steps, save_freq), run, work / f"start{starts}.log", moment and moment[2]
+            )
             if moment is not None and a.wait_moment(moment[0], moment[1], timeout):
                 landed, at, secs, left = a.kill(marker if moment[2] and moment[0] == "pause" else None)
                 problems = check_records(Records.read(run), ref, final=False)
@@ -368,19 +408,27 @@ def run_setup(s: Setup, kills: int, seed: int = 0, steps: int = 8, save_freq: in
                     failure = f"the run before kill {len(done) + 1}: {problems}"
                 kill = Kill(rounds, moment[0], moment[3], landed, at, round(secs, 2), left)
                 done.append(kill)
-                log(f"  kill {len(done):2d}: {moment[0]:8s} {moment[3]:22s} -> {landed:24s} ({at}); gone in {secs:.1f} s"
-                    + (f"; LEFT: {left}" if left else "") + (f"; PROBLEMS: {problems}" if problems else ""))
+                log(
+                    f"  kill {len(done):2d}: {moment[0]:8s} {moment[3]:22s} -> {landed:24s} ({at}); gone in {secs:.1f} s"
+                    + (f"; LEFT: {left}" if left else "")
+                    + (f"; PROBLEMS: {problems}" if problems else "")
+                )
                 if left or problems:
                     failure = failure or f"kill {len(done)}"
                 pending = kill
             else:
                 rc = a.finish(timeout)
-                problems = check_records(Records.read(run), ref, final=True) if rc == 0 else [
-                    f"the run failed (rc {rc}): {a.log.read_text()[-2000:]}"]
+                problems = (
+                    check_records(Records.read(run), ref, final=True)
+                    if rc == 0
+                    else [f"the run failed (rc {rc}): {a.log.read_text()[-2000:]}"]
+                )
                 if pending is not None:
                     pending.resumed, pending.problems = a.started(), problems
-                log(f"  round {rounds} complete after {sum(k.round == rounds for k in done)} kill(s)"
-                    + (f"; PROBLEMS: {problems}" if problems else ": every record equals the reference's"))
+                log(
+                    f"  round {rounds} complete after {sum(k.round == rounds for k in done)} kill(s)"
+                    + (f"; PROBLEMS: {problems}" if problems else ": every record equals the reference's")
+                )
                 if problems:
                     failure = f"round {rounds}"
                 break
@@ -388,31 +436,50 @@ def run_setup(s: Setup, kills: int, seed: int = 0, steps: int = 8, save_freq: in
                 shutil.rmtree(old, ignore_errors=True)
     landed = Counter(k.landed for k in done)
     summary = {
-        "setup": asdict(s), "kills": len(done), "exact": sum(k.exact for k in done), "rounds": rounds, "starts": starts,
-        "landed": dict(landed), "seconds": round(time.time() - t_start, 1), "reference_s": round(prof.wall_s, 1),
-        "steps": steps, "save_freq": save_freq, "seed": seed, "failure": failure,
+        "setup": asdict(s),
+        "kills": len(done),
+        "exact": sum(k.exact for k in done),
+        "rounds": rounds,
+        "starts": starts,
+        "landed": dict(landed),
+        "seconds": round(time.time() - t_start, 1),
+        "reference_s": round(prof.wall_s, 1),
+        "steps": steps,
+        "save_freq": save_freq,
+        "seed": seed,
+        "failure": failure,
         "max_leftover_s": max((k.leftover_s for k in done), default=0.0),
-        "excluded": sorted({k for m in read_lines(work / "reference" / "metrics.jsonl")[0] for k in m} -
-                           {k for m in ref.metrics for k in m}),
+        "excluded": sorted(
+            {k for m in read_lines(work / "reference" / "metrics.jsonl")[0] for k in m}
+            - {k for m in ref.metrics for k in m}
+        ),
         "kill_list": [{**asdict(k), "exact": k.exact} for k in done],
     }
-    log(f"{s.name}: {summary['exact']}/{summary['kills']} exact resumes, landed {dict(landed)}, "
-        f"{summary['seconds']:.0f} s" + (f"; FAILED at {failure}" if failure else ""))
+    log(
+        f"{s.name}: {summary['exact']}/{summary['kills']} exact resumes, landed {dict(landed)}, "
+        f"{summary['seconds']:.0f} s" + (f"; FAILED at {failure}" if failure else "")
+    )
     return summary
 
 
 # ------------------------------------------------------------------ the report
 def write_report(results: dict, path: Path) -> None:
-    rows = ["| configuration | kills | before first checkpoint | during checkpoint write | between checkpoints | "
-            "exact resumes | starts (rounds) | slowest exit of all processes | run time |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    rows = [
+        "| configuration | kills | before first checkpoint | during checkpoint write | between checkpoints | "
+        "exact resumes | starts (rounds) | slowest exit of all processes | run time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
         L = r["landed"]
-        rows.append(f"| {name} | {r['kills']} | {L.get('before first checkpoint', 0)} | {L.get('during checkpoint write', 0)} | "
-                    f"{L.get('between checkpoints', 0)} | **{r['exact']}/{r['kills']}** | {r['starts']} ({r['rounds']}) | "
-                    f"{r['max_leftover_s']:.1f} s | {r['seconds'] / 60:.1f} min (reference {r['reference_s']:.0f} s) |")
+        rows.append(
+            f"| {name} | {r['kills']} | {L.get('before first checkpoint', 0)} | {L.get('during checkpoint write', 0)} | "
+            f"{L.get('between checkpoints', 0)} | **{r['exact']}/{r['kills']}** | {r['starts']} ({r['rounds']}) | "
+            f"{r['max_leftover_s']:.1f} s | {r['seconds'] / 60:.1f} min (reference {r['reference_s']:.0f} s) |"
+        )
     excluded = sorted({k for r in results.values() for k in r["excluded"]})
-    points = Counter(k["detail"].split(" of ")[0] for r in results.values() for k in r["kill_list"] if k["kind"] == "pause")
+    points = Counter(
+        k["detail"].split(" of ")[0] for r in results.values() for k in r["kill_list"] if k["kind"] == "pause"
+    )
     text = f"""# Kills at random moments (`benchmarks/random_kills.py`)
 
 Each configuration: the tiny preset, {next(iter(results.values()))['steps']} steps, a checkpoint every
@@ -429,8 +496,9 @@ checkout's root, with `.venv/bin/python`):
 
 {chr(10).join(rows)}
 
-CPU and date of each configuration's run: {'; '.join(f"{n}: {r.get('cpu', 'not recorded')}, {r.get('date', 'not recorded')}"
-                                                     for n, r in results.items())}.
+CPU and date of each configuration's run: {
+        '; '.join(f"{n}: {r.get('cpu', 'not recorded')}, {r.get('date', 'not recorded')}" for n, r in results.items())
+    }.
 
 Compared: every field of every metrics record except these wall-clock ones: {', '.join(f'`{k}`' for k in excluded)};
 every timeline event's role, stage, step and other fields except `start`/`end`; every sample row
@@ -449,8 +517,10 @@ light jobs did not), so the times are indicative.
 """
     for name, r in results.items():
         for i, k in enumerate(r["kill_list"], 1):
-            text += (f"| {name} | {i} | {k['kind']} | {k['detail']} | {k['landed']} | {k['at']} | {k['leftover_s']:.1f} s | "
-                     f"{k['resumed']} | {'yes' if k['exact'] else 'NO: ' + '; '.join(k['problems'] + k['leftovers'])[:200]} |\n")
+            text += (
+                f"| {name} | {i} | {k['kind']} | {k['detail']} | {k['landed']} | {k['at']} | {k['leftover_s']:.1f} s | "
+                f"{k['resumed']} | {'yes' if k['exact'] else 'NO: ' + '; '.join(k['problems'] + k['leftovers'])[:200]} |\n"
+            )
     path.write_text(text)
 
 
@@ -462,7 +532,11 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--save-freq", type=int, default=2)
     p.add_argument("--work", type=Path, help="where the runs go (default: a temporary folder, deleted after)")
-    p.add_argument("--no-write", action="store_true", help="print only; leave benchmarks/results/results_random_kills.* as they are")
+    p.add_argument(
+        "--no-write",
+        action="store_true",
+        help="print only; leave benchmarks/results/results_random_kills.* as they are",
+    )
     a = p.parse_args()
     store = STORE.with_suffix(".json")
     results = json.loads(store.read_text()) if store.exists() and not a.no_write else {}
@@ -473,8 +547,11 @@ def main() -> int:
         r = run_setup(s, a.kills or s.kills, a.seed, a.steps, a.save_freq, work, plan=PLAN)
         passed = r["failure"] is None and r["exact"] == r["kills"]
         ok &= passed
-        r["command"] = f"python -m benchmarks.random_kills --only {name}" + (f" --kills {a.kills}" if a.kills else "") + (
-            f" --seed {a.seed}" if a.seed else "")
+        r["command"] = (
+            f"python -m benchmarks.random_kills --only {name}"
+            + (f" --kills {a.kills}" if a.kills else "")
+            + (f" --seed {a.seed}" if a.seed else "")
+        )
         r["cpu"], r["date"] = cpu_kind(), time.strftime("%Y-%m-%d")
         results[name] = r
         if not a.work and passed:

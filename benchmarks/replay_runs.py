@@ -26,8 +26,16 @@ from benchmarks.common import RESULTS, provenance
 from benchmarks.readme import publish
 from benchmarks.run_records import deterministic
 
-BASE = ["preset=tiny", "pipeline.mode=fully_async", "pipeline.max_staleness=1", "trainer.total_steps=5",
-        "trainer.val_before_train=false", "trainer.progress=off", "rollout.n=4", "rollout.max_new_tokens=128"]
+BASE = [
+    "preset=tiny",
+    "pipeline.mode=fully_async",
+    "pipeline.max_staleness=1",
+    "trainer.total_steps=5",
+    "trainer.val_before_train=false",
+    "trainer.progress=off",
+    "rollout.n=4",
+    "rollout.max_new_tokens=128",
+]
 CONFIGS = {
     "builtin-keep": [],
     "builtin-recompute": ["rollout.partial=recompute"],
@@ -69,27 +77,35 @@ def main() -> None:
         for name in args.only:
             cfg = BASE + CONFIGS[name]
             runs = {kind: root / name / kind for kind in ("recorded", "replayed", "free")}
-            wall = {"recorded": timed_run(cfg + [f"trainer.output_dir={runs['recorded']}"]),
-                    "replayed": timed_run(cfg + [f"trainer.output_dir={runs['replayed']}",
-                                                 f"pipeline.replay={runs['recorded']}"]),
-                    "free": timed_run(cfg + [f"trainer.output_dir={runs['free']}"])}
+            wall = {
+                "recorded": timed_run(cfg + [f"trainer.output_dir={runs['recorded']}"]),
+                "replayed": timed_run(
+                    cfg + [f"trainer.output_dir={runs['replayed']}", f"pipeline.replay={runs['recorded']}"]
+                ),
+                "free": timed_run(cfg + [f"trainer.output_dir={runs['free']}"]),
+            }
             rec = {kind: records(run) for kind, run in runs.items()}
             steps = sorted(rec["recorded"])
             partial = sum(int(m.get("rollout/partial_samples", 0)) for m in rec["recorded"].values())
             same = {kind: sum(rec[kind].get(s) == rec["recorded"][s] for s in steps) for kind in ("replayed", "free")}
-            rows.append(f"| {name} | {' '.join(CONFIGS[name]) or '(the base)'} | {partial} | "
-                        f"**{same['replayed']}/{len(steps)}** | "
-                        f"{'yes' if texts(runs['replayed']) == texts(runs['recorded']) else 'no'} | "
-                        f"{same['free']}/{len(steps)} | {wall['recorded']:.0f} / {wall['replayed']:.0f} / {wall['free']:.0f} |")
+            rows.append(
+                f"| {name} | {' '.join(CONFIGS[name]) or '(the base)'} | {partial} | "
+                f"**{same['replayed']}/{len(steps)}** | "
+                f"{'yes' if texts(runs['replayed']) == texts(runs['recorded']) else 'no'} | "
+                f"{same['free']}/{len(steps)} | {wall['recorded']:.0f} / {wall['replayed']:.0f} / {wall['free']:.0f} |"
+            )
             print(rows[-1], flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     lines = [
-        "# Replaying a fully asynchronous run", "",
-        provenance(), "",
+        "# Replaying a fully asynchronous run",
+        "",
+        provenance(),
+        "",
         f"Base: `{' '.join(BASE)}`; each configuration adds its overrides. Steps equal: the records of each step "
         "(losses, rewards, entropy, gradient norm, staleness, version spans, partial samples; not wall-clock figures) "
-        "equal the recorded run's exactly. Nothing else ran on the machine.", "",
+        "equal the recorded run's exactly. Nothing else ran on the machine.",
+        "",
         "| configuration | overrides | partial samples (recorded) | steps equal, replayed | texts equal, replayed | "
         "steps equal, free rerun | wall s: recorded / replayed / free |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from benchmarks.common import RESULTS, ROOT, provenance
 from benchmarks.readme import refresh
 
@@ -43,8 +44,7 @@ def machine() -> str:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return (f"{cpu}; {os.cpu_count()} cores; GPU: {gpu}; Python {platform.python_version()}; "
-            f"torch {torch.__version__}")
+    return f"{cpu}; {os.cpu_count()} cores; GPU: {gpu}; Python {platform.python_version()}; torch {torch.__version__}"
 
 
 def demote(markdown: str, levels: int = 2) -> str:
@@ -71,9 +71,13 @@ def main() -> int:
         status = "" if rc == 0 else f" — exited with {rc}"
         if rc:
             failed.append(name)
-        sections.append(f"## {name}\n\n`python {' '.join(cmd[1:])}` ({took / 60:.1f} min{status})\n\n{demote(body.strip())}\n")
-    text = (f"# offstep benchmarks\n\n{provenance()}\n\nRegenerate: `.venv/bin/python -m benchmarks.run_all`{' --quick' if args.quick else ''}."
-            f"\n\nMachine: {machine()}.\n\n" + "\n".join(sections))
+        sections.append(
+            f"## {name}\n\n`python {' '.join(cmd[1:])}` ({took / 60:.1f} min{status})\n\n{demote(body.strip())}\n"
+        )
+    text = (
+        f"# offstep benchmarks\n\n{provenance()}\n\nRegenerate: `.venv/bin/python -m benchmarks.run_all`{' --quick' if args.quick else ''}."
+        f"\n\nMachine: {machine()}.\n\n" + "\n".join(sections)
+    )
     Path(args.out).write_text(text)
     print(f"wrote {args.out}" + (f"; failed: {failed}" if failed else ""))
     refresh("benchmarks", args.out)

@@ -20,8 +20,11 @@ TIMELINE_CLOCK = ("start", "end")  # a timeline event's times; role, stage, step
 
 
 def deterministic(m: dict) -> dict:
-    return {k: v for k, v in m.items()
-            if not (k.startswith(EXCLUDED_PREFIXES) or k.endswith(EXCLUDED_SUFFIX) or k in WHEN_FINISHED)}
+    return {
+        k: v
+        for k, v in m.items()
+        if not (k.startswith(EXCLUDED_PREFIXES) or k.endswith(EXCLUDED_SUFFIX) or k in WHEN_FINISHED)
+    }
 
 
 def read_lines(path: Path) -> tuple[list[dict], bool]:
@@ -84,14 +87,18 @@ def check_records(run: Records, ref: Records, final: bool) -> list[str]:
             diff = sorted(k for k in set(rec) | set(other) if rec.get(k) != other.get(k))
             problems.append(f"step {rec['step']}'s metrics differ: {diff[:8]}")
     last = steps[-1] if steps else 0
-    for name, got, exp, complete_to in (("timeline.jsonl", run.timeline, ref.timeline, last - 1),
-                                        ("samples.jsonl", run.samples, ref.samples, last)):
+    for name, got, exp, complete_to in (
+        ("timeline.jsonl", run.timeline, ref.timeline, last - 1),
+        ("samples.jsonl", run.samples, ref.samples, last),
+    ):
         for step in sorted(set(got) | set(exp)):
             g, e = got.get(step, Counter()), exp.get(step, Counter())
             extra, missing = g - e, e - g
             if extra:
-                problems.append(f"{name}: step {step} has {sum(extra.values())} record(s) the reference does not "
-                                f"(repeated or different): {list(extra)[:2]}")
+                problems.append(
+                    f"{name}: step {step} has {sum(extra.values())} record(s) the reference does not "
+                    f"(repeated or different): {list(extra)[:2]}"
+                )
             if missing and (final or step <= complete_to):
                 problems.append(f"{name}: step {step} lacks {sum(missing.values())} record(s): {list(missing)[:2]}")
     if final and run.torn:
@@ -117,5 +124,8 @@ def checkpoint_steps(run: Path) -> list[int]:
     root = run / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(int(p.name[5:]) for p in root.iterdir()
-                  if p.name.startswith("step_") and p.name[5:].isdigit() and (p / "trainer_state.json").is_file())
+    return sorted(
+        int(p.name[5:])
+        for p in root.iterdir()
+        if p.name.startswith("step_") and p.name[5:].isdigit() and (p / "trainer_state.json").is_file()
+    )

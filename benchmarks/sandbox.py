@@ -23,7 +23,6 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, provenance
 from benchmarks.readme import refresh
-
 from offstep.sandbox import SYSTEM_PYTHON, Limits, Sandbox, problem
 
 
@@ -66,14 +65,24 @@ def main() -> None:
     if why is not None:
         sys.exit(f"benchmarks/sandbox.py: {why}")
     boxed, plain = overhead(args.runs)
-    lines = ["# The sandbox's cost", "", provenance(), "",
-             f"Start-up: {args.runs} executions of an empty program, one at a time.", "",
-             "| | median s | p95 s |", "| --- | --- | --- |",
-             f"| sandbox | {statistics.median(boxed):.3f} | {p95(boxed):.3f} |",
-             f"| plain subprocess | {statistics.median(plain):.3f} | {p95(plain):.3f} |",
-             f"| overhead | {statistics.median(boxed) - statistics.median(plain):.3f} | {p95(boxed) - p95(plain):.3f} |",
-             "", f"Throughput: {args.jobs} executions of a {args.work:,}-iteration loop.", "",
-             "| concurrency | executions/s | mean queue wait s |", "| --- | --- | --- |"]
+    lines = [
+        "# The sandbox's cost",
+        "",
+        provenance(),
+        "",
+        f"Start-up: {args.runs} executions of an empty program, one at a time.",
+        "",
+        "| | median s | p95 s |",
+        "| --- | --- | --- |",
+        f"| sandbox | {statistics.median(boxed):.3f} | {p95(boxed):.3f} |",
+        f"| plain subprocess | {statistics.median(plain):.3f} | {p95(plain):.3f} |",
+        f"| overhead | {statistics.median(boxed) - statistics.median(plain):.3f} | {p95(boxed) - p95(plain):.3f} |",
+        "",
+        f"Throughput: {args.jobs} executions of a {args.work:,}-iteration loop.",
+        "",
+        "| concurrency | executions/s | mean queue wait s |",
+        "| --- | --- | --- |",
+    ]
     for c in args.concurrency:
         rate, wait = throughput(c, args.jobs, args.work)
         lines.append(f"| {c} | {rate:.1f} | {wait:.3f} |")

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
 from benchmarks.common import RESULTS, ROOT, provenance
 from benchmarks.readme import refresh
 
@@ -127,8 +128,12 @@ def main() -> int:
 
     run_dir = Path(tempfile.mkdtemp(prefix="offstep_soak_"))
     overrides = [
-        "preset=tiny", "pipeline.max_staleness=1", f"trainer.total_steps={args.steps}",
-        f"trainer.output_dir={run_dir}", "trainer.progress=plain", *args.overrides,
+        "preset=tiny",
+        "pipeline.max_staleness=1",
+        f"trainer.total_steps={args.steps}",
+        f"trainer.output_dir={run_dir}",
+        "trainer.progress=plain",
+        *args.overrides,
     ]
     cmd = [str(Path(sys.executable).with_name("offstep")), "train", *overrides]
     log = (run_dir / "soak.log").open("w")
@@ -179,32 +184,42 @@ def main() -> int:
     steps_sampled = sorted(counts)
     base = next((s for s in steps_sampled if s >= args.warmup), None)
     if base is not None and counts[steps_sampled[-1]] > counts[base]:
-        failures.append(f"the run has {counts[steps_sampled[-1]]} processes at step {steps_sampled[-1]}, {counts[base]} at step {base}")
+        failures.append(
+            f"the run has {counts[steps_sampled[-1]]} processes at step {steps_sampled[-1]}, {counts[base]} at step {base}"
+        )
 
     verdict = "PASS: flat" if not failures else "FAIL:\n" + "\n".join(f"- {f}" for f in failures)
-    text = "\n".join([
-        "# Soak: the tiny preset, one-step off-policy",
-        "",
-        provenance(),
-        f"(It runs `offstep train {' '.join(o for o in overrides if not o.startswith('trainer.output_dir'))}`).",
-        "",
-        (f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-         f"wall time {wall:.0f} s; samples at steps {', '.join(map(str, steps_sampled))}."),
-        "",
-        (f"First: the median of the first three samples at or after step {args.warmup}; last: the median of the "
-         "last three before the last step (`steps` shows the first step of each). "
-         f"Thresholds per process: RSS growth <= {RSS_LIMIT_MIB:.0f} MiB, open files <= +{FD_LIMIT}, "
-         f"threads <= +{THREAD_LIMIT}, and no more processes than at the baseline. "
-         "`KiB/step` is the least-squares slope of RSS over the window."),
-        "",
-        ("| process | pid | steps | RSS MiB first | RSS MiB last | growth MiB | KiB/step | fds first | fds last | growth "
-         "| threads first | threads last | growth |"),
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        *rows,
-        "",
-        verdict,
-        "",
-    ])
+    text = "\n".join(
+        [
+            "# Soak: the tiny preset, one-step off-policy",
+            "",
+            provenance(),
+            f"(It runs `offstep train {' '.join(o for o in overrides if not o.startswith('trainer.output_dir'))}`).",
+            "",
+            (
+                f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+                f"wall time {wall:.0f} s; samples at steps {', '.join(map(str, steps_sampled))}."
+            ),
+            "",
+            (
+                f"First: the median of the first three samples at or after step {args.warmup}; last: the median of the "
+                "last three before the last step (`steps` shows the first step of each). "
+                f"Thresholds per process: RSS growth <= {RSS_LIMIT_MIB:.0f} MiB, open files <= +{FD_LIMIT}, "
+                f"threads <= +{THREAD_LIMIT}, and no more processes than at the baseline. "
+                "`KiB/step` is the least-squares slope of RSS over the window."
+            ),
+            "",
+            (
+                "| process | pid | steps | RSS MiB first | RSS MiB last | growth MiB | KiB/step | fds first | fds last | growth "
+                "| threads first | threads last | growth |"
+            ),
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            *rows,
+            "",
+            verdict,
+            "",
+        ]
+    )
     Path(args.out).write_text(text)
     print(text)
     refresh("soak", args.out)

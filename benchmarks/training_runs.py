@@ -57,8 +57,16 @@ def train_and_read(overrides: list[str], out: Path, steps: int, val_freq: int = 
     from offstep.launch.loader import load_config
     from offstep.pipeline.controller import train
 
-    cfg = load_config([*overrides, f"trainer.total_steps={steps}", f"trainer.output_dir={out}", "trainer.overwrite=true",
-                       f"trainer.val_freq={val_freq or steps}", "trainer.progress=plain"])
+    cfg = load_config(
+        [
+            *overrides,
+            f"trainer.total_steps={steps}",
+            f"trainer.output_dir={out}",
+            "trainer.overwrite=true",
+            f"trainer.val_freq={val_freq or steps}",
+            "trainer.progress=plain",
+        ]
+    )
     t0 = time.time()
     train(cfg)
     return Run(cfg, out, time.time() - t0, read_jsonl(out / "metrics.jsonl"))

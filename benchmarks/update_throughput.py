@@ -36,18 +36,28 @@ import time
 import torch
 
 import offstep.train.actor as actor_module
+from benchmarks.common import RESULTS, command, provenance
+from benchmarks.readme import publish
 from offstep.batch import Sample, collate, prompt_groups, sample_lengths
-from offstep.models.forward import autocast, entropy_from_logits, logprobs_from_logits
 from offstep.config.schema import ActorConfig, AlgorithmConfig
+from offstep.models.forward import autocast, entropy_from_logits, logprobs_from_logits
 from offstep.models.loading import load_tokenizer, resolve_model
 from offstep.models.prompt_sharing import shared_layout
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
-from benchmarks.common import RESULTS, command, provenance
-from benchmarks.readme import publish
 
 
-def make_batch(n: int, group: int, vocab: int, pad_id: int, seed: int, prompt_range, resp_median: float, resp_sigma: float, resp_range):
+def make_batch(
+    n: int,
+    group: int,
+    vocab: int,
+    pad_id: int,
+    seed: int,
+    prompt_range,
+    resp_median: float,
+    resp_sigma: float,
+    resp_range,
+):
     """``n`` samples in groups of ``group`` sharing a prompt (length uniform in ``prompt_range``);
     response lengths lognormal (median, sigma), clipped to ``resp_range``."""
     g = torch.Generator().manual_seed(seed)
@@ -59,19 +69,31 @@ def make_batch(n: int, group: int, vocab: int, pad_id: int, seed: int, prompt_ra
             prompt = torch.randint(3, vocab, (p,), generator=g).tolist()
         z = float(torch.randn(1, generator=g))
         r = int(min(hi, max(lo, round(resp_median * math.exp(resp_sigma * z)))))
-        samples.append(Sample(
-            uid=i // group, prompt_ids=prompt,
-            response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(),
-            rollout_logprobs=(-torch.rand(r, generator=g) * 2).tolist(), finish_reason="stop", score=float(i % 2),
-            version=0, ref_logprobs=(-torch.rand(r, generator=g) * 2).tolist(),
-        ))
+        samples.append(
+            Sample(
+                uid=i // group,
+                prompt_ids=prompt,
+                response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(),
+                rollout_logprobs=(-torch.rand(r, generator=g) * 2).tolist(),
+                finish_reason="stop",
+                score=float(i % 2),
+                version=0,
+                ref_logprobs=(-torch.rand(r, generator=g) * 2).tolist(),
+            )
+        )
     batch = collate(samples, pad_id)
     batch.advantages = torch.randn(n, 1, generator=g) * batch.response_mask
     return batch
 
 
-def packed_forward_response(model, mb, temperature: float, with_entropy: bool = False, compute_dtype: str = "float32",
-                            share_prompts: bool = False):
+def packed_forward_response(
+    model,
+    mb,
+    temperature: float,
+    with_entropy: bool = False,
+    compute_dtype: str = "float32",
+    share_prompts: bool = False,
+):
     """``forward_response`` with the micro-batch packed (``share_prompts``: off in the settings that
     use it): every row's real tokens (prompt and
     response, no padding) in one sequence, the positions restarting at each row, so transformers
@@ -84,8 +106,12 @@ def packed_forward_response(model, mb, temperature: float, with_entropy: bool = 
     target = real[:, P:]  # response tokens (not padding)
     predict = packed_at[:, P - 1 : P + R - 1][target]  # the packed positions whose logits predict them
     with autocast(mb.input_ids.device, compute_dtype):
-        out = model(input_ids=mb.input_ids[real][None], position_ids=mb.position_ids[real][None],
-                    use_cache=False, logits_to_keep=predict)
+        out = model(
+            input_ids=mb.input_ids[real][None],
+            position_ids=mb.position_ids[real][None],
+            use_cache=False,
+            logits_to_keep=predict,
+        )
     logits = out.logits[0].float()
     if temperature > 0:
         logits = logits / temperature
@@ -98,8 +124,9 @@ def packed_forward_response(model, mb, temperature: float, with_entropy: bool = 
     return logp, ent
 
 
-def one_pass(actor: ActorWorker, batch, micro: int, budget: int, packed: bool = False,
-             share: bool = False) -> tuple[float, float, float, int, int]:
+def one_pass(
+    actor: ActorWorker, batch, micro: int, budget: int, packed: bool = False, share: bool = False
+) -> tuple[float, float, float, int, int]:
     """Forward + backward over ``batch`` (each micro-batch packed into one sequence if ``packed``;
     each prompt computed once for its responses if ``share``, offstep's ``actor.share_prompts``):
     (seconds, loss, grad norm, micro-batches, token slots)."""
@@ -121,8 +148,14 @@ def one_pass(actor: ActorWorker, batch, micro: int, budget: int, packed: bool = 
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             sq += float(g.float().pow(2).sum())
     actor.opt.zero_grad(set_to_none=True)
-    slots = sum(int(mb.attention_mask.sum()) if packed else shared_layout(mb).input_ids.numel() if share
-                else mb.input_ids.numel() for _, mb in micros)
+    slots = sum(
+        int(mb.attention_mask.sum())
+        if packed
+        else shared_layout(mb).input_ids.numel()
+        if share
+        else mb.input_ids.numel()
+        for _, mb in micros
+    )
     computed = sum(_shared_real(mb) if share else int(mb.attention_mask.sum()) for _, mb in micros)
     return dt, loss, math.sqrt(sq), len(micros), slots, computed
 
@@ -178,8 +211,12 @@ def main() -> None:
     ap.add_argument("--response-sigma", type=float, default=0.7)
     ap.add_argument("--response-range", type=int, nargs=2, default=[5, 64])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--packed", action="store_true", help="also the default budget's micro-batches packed into one "
-                    "sequence each (block-diagonal attention, no padding): a measurement, not offstep's path")
+    ap.add_argument(
+        "--packed",
+        action="store_true",
+        help="also the default budget's micro-batches packed into one "
+        "sequence each (block-diagonal attention, no padding): a measurement, not offstep's path",
+    )
     ap.add_argument("--out", default=str(RESULTS / "results_update.md"))
     args = ap.parse_args()
 
@@ -188,12 +225,29 @@ def main() -> None:
     spec = GroupSpec(0, 1, "127.0.0.1", 0, args.device, args.threads)
     path = str(resolve_model(args.model))
     tok = load_tokenizer(path)
-    actor = ActorWorker(spec, 0, path, "float32", args.compute_dtype, ActorConfig(micro_batch_size=args.micro_batch_size),
-                        AlgorithmConfig(), 1.0)
+    actor = ActorWorker(
+        spec,
+        0,
+        path,
+        "float32",
+        args.compute_dtype,
+        ActorConfig(micro_batch_size=args.micro_batch_size),
+        AlgorithmConfig(),
+        1.0,
+    )
     vocab = actor.model.config.vocab_size
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    batch = make_batch(args.samples, args.group, vocab, pad, args.seed, args.prompt_range, args.response_median,
-                       args.response_sigma, args.response_range).to(actor.device)
+    batch = make_batch(
+        args.samples,
+        args.group,
+        vocab,
+        pad,
+        args.seed,
+        args.prompt_range,
+        args.response_median,
+        args.response_sigma,
+        args.response_range,
+    ).to(actor.device)
     real = int(batch.attention_mask.sum())
     resp = batch.response_mask.sum(-1).long().tolist()
 
@@ -201,7 +255,9 @@ def main() -> None:
     # (name, budget, packed, shared prompts)
     settings = [("padded, fixed count", 0, False, False)]
     settings += [(f"token budget {b}, trimmed", b, False, False) for b in args.budgets]
-    settings.append((f"token budget {auto} (the default -1: {args.micro_batch_size} x the longest), trimmed", auto, False, False))
+    settings.append(
+        (f"token budget {auto} (the default -1: {args.micro_batch_size} x the longest), trimmed", auto, False, False)
+    )
     if args.packed:  # the default budget's micro-batches, each packed into one sequence
         settings.append((f"token budget {auto}, packed (no padding)", auto, True, False))
     settings.append((f"token budget {auto}, each prompt once (`actor.share_prompts`, the default)", auto, False, True))
@@ -217,7 +273,9 @@ def main() -> None:
 
     base_t = statistics.median(r[0] for r in runs[settings[0][0]])
     _, base_loss, base_norm, *_ = runs[settings[0][0]][0]
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU, {args.threads} thread(s)"
+    device = (
+        torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()} CPU, {args.threads} thread(s)"
+    )
     lines = [
         "# Update throughput: padded fixed-count vs token-budget micro-batches (padding trimmed) vs each prompt once",
         "",

@@ -32,6 +32,8 @@ from pathlib import Path
 import ray
 import torch
 
+from benchmarks.common import RESULTS, provenance
+from benchmarks.readme import refresh
 from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.loading import cache_dir, resolve_model
 from offstep.rewards.registry import RewardFunction
@@ -40,8 +42,6 @@ from offstep.sync.collective import connect
 from offstep.sync.digest import digest_of
 from offstep.train.actor import ActorWorker
 from offstep.train.distributed import GroupSpec
-from benchmarks.common import RESULTS, provenance
-from benchmarks.readme import refresh
 
 
 def _timed_call(self, method: str, *args):
@@ -78,20 +78,28 @@ def sync_once(path: str, actor, rollouts, version: int) -> tuple[float, float]:
 
 
 def bench(model: str, replicas: int, reps: int, bucket_mb: float, dtype: str) -> tuple[dict[str, list[float]], int]:
-    env = {"runtime_env": {"env_vars": {"OFFSTEP_CACHE": str(cache_dir()), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}}}
+    env = {
+        "runtime_env": {"env_vars": {"OFFSTEP_CACHE": str(cache_dir()), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}}
+    }
     spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
-    actor = ray.remote(ActorWorker).options(num_cpus=0.01, **env).remote(
-        spec, 0, model, "float32", "float32", ActorConfig(), AlgorithmConfig(), 1.0
+    actor = (
+        ray.remote(ActorWorker)
+        .options(num_cpus=0.01, **env)
+        .remote(spec, 0, model, "float32", "float32", ActorConfig(), AlgorithmConfig(), 1.0)
     )
     rollouts = [
-        ray.remote(RolloutWorker).options(num_cpus=0.01, **env).remote(RolloutSpec.local(model, RewardFunction(), 8, dtype=dtype))
+        ray.remote(RolloutWorker)
+        .options(num_cpus=0.01, **env)
+        .remote(RolloutSpec.local(model, RewardFunction(), 8, dtype=dtype))
         for _ in range(replicas)
     ]
     try:
         specs = ray.get(rollouts[0].weight_sync_manifest.remote())
         ray.get(actor.set_sync_manifest.remote(specs))
         connect([actor], rollouts, "gloo", bucket_mb, timeout_s=600)
-        nbytes = ray.get(actor.__ray_call__.remote(lambda self: sum(p.numel() * p.element_size() for p in self.model.parameters())))
+        nbytes = ray.get(
+            actor.__ray_call__.remote(lambda self: sum(p.numel() * p.element_size() for p in self.model.parameters()))
+        )
         times: dict[str, list[tuple[float, float]]] = {"object_store": [], "collective": []}
         version = 0
         for rep in range(reps + 1):  # the first round warms both paths up and is not counted
@@ -133,26 +141,33 @@ def main() -> None:
             ts = [t for t, _ in pairs]
             med, dig = statistics.median(ts), statistics.median(d for _, d in pairs)
             rows.append((r, path, med, min(ts), nbytes / 1e9 / med, dig, trainer_digest))
-            print(f"{r} worker(s) {path:13s} median {med:.3f} s  best {min(ts):.3f} s  {nbytes / 1e9 / med:.2f} GB/s  "
-                  f"digest {dig:.3f} s (trainer {trainer_digest:.3f} s)", flush=True)
+            print(
+                f"{r} worker(s) {path:13s} median {med:.3f} s  best {min(ts):.3f} s  {nbytes / 1e9 / med:.2f} GB/s  "
+                f"digest {dig:.3f} s (trainer {trainer_digest:.3f} s)",
+                flush=True,
+            )
     ray.shutdown()
     lines = [
         "# Weight sync: object store vs collective",
         "",
         provenance(),
         "",
-        (f"Machine: {platform.machine()}, {os.cpu_count()} cores (1-minute load average {load0:.1f} at the start, "
-        f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, Python {platform.python_version()}; "
-        f"model `{args.model}`, actor fp32, rollout {args.dtype}, {nbytes / 1e9:.3f} GB of parameters (fp32); "
-        f"collective bucket {args.bucket_mb:g} MB (gloo); median and best of {args.reps} syncs per path, the paths "
-        "alternating in one run (`python -m benchmarks.weight_sync`)."),
+        (
+            f"Machine: {platform.machine()}, {os.cpu_count()} cores (1-minute load average {load0:.1f} at the start, "
+            f"{os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}, Python {platform.python_version()}; "
+            f"model `{args.model}`, actor fp32, rollout {args.dtype}, {nbytes / 1e9:.3f} GB of parameters (fp32); "
+            f"collective bucket {args.bucket_mb:g} MB (gloo); median and best of {args.reps} syncs per path, the paths "
+            "alternating in one run (`python -m benchmarks.weight_sync`)."
+        ),
         "",
-        ("Seconds from the actor starting its export to the last rollout worker having the weights in its engine; "
-         "GB/s = model size / median (every worker receives the whole model). Every sync is verified "
-         "(`offstep/sync/digest.py`): *rollout digest s* is the slowest worker's digest of what its engine holds after "
-         "the load (median; included in the sync's seconds), *trainer digest s* the actor's digest of its export "
-         "(median, measured on its own; on the collective path it is taken while packing). Every worker's digest "
-         "matched the actor's at every sync."),
+        (
+            "Seconds from the actor starting its export to the last rollout worker having the weights in its engine; "
+            "GB/s = model size / median (every worker receives the whole model). Every sync is verified "
+            "(`offstep/sync/digest.py`): *rollout digest s* is the slowest worker's digest of what its engine holds after "
+            "the load (median; included in the sync's seconds), *trainer digest s* the actor's digest of its export "
+            "(median, measured on its own; on the collective path it is taken while packing). Every worker's digest "
+            "matched the actor's at every sync."
+        ),
         "",
         "| rollout workers | path | median s | best s | GB/s | rollout digest s | trainer digest s |",
         "| --- | --- | --- | --- | --- | --- | --- |",

@@ -1,2 +1,3 @@
 """offstep: k-step off-policy RL post-training for LLMs."""
+
 __version__ = "0.1.0"

@@ -15,7 +15,6 @@ from typing import Optional
 
 import torch
 
-
 NO_VERSION = -1  # the token_versions entry of a tool turn's token: no policy sampled it
 
 
@@ -161,8 +160,12 @@ class TrainBatch:
         a third of the time and ``ray.get`` a sixth, on the controller's critical path each step
         (benchmarks/controller_overhead.py)."""
         state = {
-            k: _NumpyTensor(v.numpy()) if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.dtype in _NUMPY_DTYPES
-            and not v.requires_grad else v
+            k: _NumpyTensor(v.numpy())
+            if isinstance(v, torch.Tensor)
+            and v.device.type == "cpu"
+            and v.dtype in _NUMPY_DTYPES
+            and not v.requires_grad
+            else v
             for k, v in vars(self).items()
         }
         return _rebuild_train_batch, (state,)
@@ -183,7 +186,9 @@ class _NumpyTensor:
 def _rebuild_train_batch(state: dict) -> TrainBatch:
     batch = object.__new__(TrainBatch)
     # Arrays Ray deserialises are read-only views of the object store: copy into own memory.
-    batch.__dict__.update({k: torch.from_numpy(v.array.copy()) if isinstance(v, _NumpyTensor) else v for k, v in state.items()})
+    batch.__dict__.update(
+        {k: torch.from_numpy(v.array.copy()) if isinstance(v, _NumpyTensor) else v for k, v in state.items()}
+    )
     return batch
 
 
@@ -341,7 +346,7 @@ def prompt_groups(batch: TrainBatch) -> list[list[int]]:
     P = batch.prompt_len
     groups: dict[tuple, list[int]] = {}
     for b, p in enumerate(batch.attention_mask[:, :P].sum(-1).tolist()):
-        groups.setdefault(tuple(batch.input_ids[b, P - int(p): P].tolist()), []).append(b)
+        groups.setdefault(tuple(batch.input_ids[b, P - int(p) : P].tolist()), []).append(b)
     return list(groups.values())
 
 
@@ -352,7 +357,10 @@ PACKED_LENGTH_FACTOR = 2
 
 
 def prompt_units(
-    groups: list[list[int]], prompt_lens: list[int], response_lens: list[int], token_budget: int | None = None,
+    groups: list[list[int]],
+    prompt_lens: list[int],
+    response_lens: list[int],
+    token_budget: int | None = None,
     min_count: int = 1,
 ) -> list[list[int]]:
     """Rows sharing a prompt, cut into units that each run as one packed sequence (the prompt once,
@@ -383,7 +391,11 @@ def prompt_units(
 
 
 def micro_batches(
-    batch: TrainBatch, micro_batch_size: int, token_budget: int = 0, min_count: int = 1, share_prompts: bool = False,
+    batch: TrainBatch,
+    micro_batch_size: int,
+    token_budget: int = 0,
+    min_count: int = 1,
+    share_prompts: bool = False,
 ) -> list[tuple[torch.Tensor, TrainBatch]]:
     """(row indices, micro-batch) pairs covering ``batch``.
 
@@ -393,13 +405,19 @@ def micro_batches(
     once and its responses end to end, so that rows of one prompt share a micro-batch.
     """
     if token_budget <= 0:
-        return [(torch.arange(i, min(i + micro_batch_size, len(batch))), batch.select(slice(i, i + micro_batch_size)))
-                for i in range(0, len(batch), micro_batch_size)]
+        return [
+            (torch.arange(i, min(i + micro_batch_size, len(batch))), batch.select(slice(i, i + micro_batch_size)))
+            for i in range(0, len(batch), micro_batch_size)
+        ]
     prompt_lens, response_lens = sample_lengths(batch)
     if share_prompts:
         units = prompt_units(prompt_groups(batch), prompt_lens, response_lens, token_budget, min_count)
-        plan = plan_micro_batches([prompt_lens[u[0]] for u in units],
-                                  [sum(response_lens[b] for b in u) for u in units], token_budget, min_count)
+        plan = plan_micro_batches(
+            [prompt_lens[u[0]] for u in units],
+            [sum(response_lens[b] for b in u) for u in units],
+            token_budget,
+            min_count,
+        )
         plan = [sorted(b for j in group for b in units[j]) for group in plan]
     else:
         plan = plan_micro_batches(prompt_lens, response_lens, token_budget, min_count)

@@ -1,11 +1,11 @@
 """The ``offstep`` command.
 
-    offstep train [key=value ...]     train (Hydra overrides over the typed config; preset=tiny)
-    offstep train --cfg [overrides]   print the resolved config and exit
-    offstep train --cfg --gpus N ...  the same, checked as if N GPUs were visible on each node
-    offstep report RUN_DIR [RUN_DIR]  plots and summary.md of one run, or several compared
-    offstep eval MODEL --data FILE    accuracy and reward per data source of a model folder, alias or run
-    offstep export RUN_DIR --out DIR  the policy of a run checkpoint as a Hugging Face model folder
+offstep train [key=value ...]     train (Hydra overrides over the typed config; preset=tiny)
+offstep train --cfg [overrides]   print the resolved config and exit
+offstep train --cfg --gpus N ...  the same, checked as if N GPUs were visible on each node
+offstep report RUN_DIR [RUN_DIR]  plots and summary.md of one run, or several compared
+offstep eval MODEL --data FILE    accuracy and reward per data source of a model folder, alias or run
+offstep export RUN_DIR --out DIR  the policy of a run checkpoint as a Hugging Face model folder
 """
 
 from __future__ import annotations
@@ -51,8 +51,10 @@ def _gpus_flag(argv: list[str], show: bool) -> tuple[int | None, list[str]]:
         rest.append(arg)
         i += 1
     if gpus is not None and not show:
-        raise ConfigError(f"--gpus {gpus} only checks a config (offstep train --cfg --gpus {gpus} ...): a run uses the "
-                         f"GPUs it finds. Fix: add --cfg, or drop --gpus")
+        raise ConfigError(
+            f"--gpus {gpus} only checks a config (offstep train --cfg --gpus {gpus} ...): a run uses the "
+            f"GPUs it finds. Fix: add --cfg, or drop --gpus"
+        )
     return gpus, rest
 
 
@@ -79,8 +81,8 @@ def train_command(argv: list[str], on_phase=None) -> int:
 
         return print_help(argv, describe)
     from offstep.config.schema import to_yaml
-    from offstep.launch.loader import load_config
     from offstep.errors import ConfigError
+    from offstep.launch.loader import load_config
     from offstep.launch.preflight import simulated_notes, validate
     from offstep.pipeline.ray_address import check_ray_address
 
@@ -124,8 +126,11 @@ def train_command(argv: list[str], on_phase=None) -> int:
         return getattr(cause, "exit_code", 2)
     steps = [m["step"] for m in history if Reward.MEAN in m]
     if steps and steps[-1] < cfg.trainer.total_steps:  # stopped by Ctrl-C / SIGTERM between steps
-        print(f"offstep: stopped at step {steps[-1]} of {cfg.trainer.total_steps}; continue with the same command "
-              f"(trainer.resume=auto picks up the last checkpoint)", file=sys.stderr)
+        print(
+            f"offstep: stopped at step {steps[-1]} of {cfg.trainer.total_steps}; continue with the same command "
+            f"(trainer.resume=auto picks up the last checkpoint)",
+            file=sys.stderr,
+        )
         return 130
     if steps:
         print(f"offstep: done; metrics in {cfg.trainer.output_dir}/metrics.jsonl")
@@ -153,14 +158,27 @@ def _eval(argv: list[str]) -> int:
     from offstep.config.choices import TOOL_FORMATS
 
     parser = argparse.ArgumentParser(prog="offstep eval", description="accuracy and reward per data source")
-    parser.add_argument("model", help="a local Hugging Face model folder, a peft adapter folder (merged onto its "
-                        "base), an alias (smollm2-135m-instruct, tiny), or a run directory / checkpoint (its latest policy)")
-    parser.add_argument("--best", nargs="?", const="val/acc", default=None, metavar="METRIC",
-                        help="with a run directory: its checkpoint whose step scored the highest METRIC at its "
-                        "validation (default val/acc) instead of its latest")
+    parser.add_argument(
+        "model",
+        help="a local Hugging Face model folder, a peft adapter folder (merged onto its "
+        "base), an alias (smollm2-135m-instruct, tiny), or a run directory / checkpoint (its latest policy)",
+    )
+    parser.add_argument(
+        "--best",
+        nargs="?",
+        const="val/acc",
+        default=None,
+        metavar="METRIC",
+        help="with a run directory: its checkpoint whose step scored the highest METRIC at its "
+        "validation (default val/acc) instead of its latest",
+    )
     parser.add_argument("--data", required=True, help="verl parquet or JSONL file")
-    parser.add_argument("--max-rows", type=int, default=10_000_000, help="rows the file may hold at most, checked "
-                        "before it is read (0: no limit; data.max_rows)")
+    parser.add_argument(
+        "--max-rows",
+        type=int,
+        default=10_000_000,
+        help="rows the file may hold at most, checked before it is read (0: no limit; data.max_rows)",
+    )
     parser.add_argument("--n", type=int, default=1, help="samples per prompt (best@n is reported for n > 1)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -170,19 +188,35 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--max-prompt-length", type=int, default=1024)
     parser.add_argument("--reward-path", default=None, help="a file with compute_score(...) (verl signature)")
     parser.add_argument("--reward-name", default="compute_score")
-    parser.add_argument("--reward-timeout", type=float, default=30.0, metavar="SECONDS",
-                        help="seconds one scorer call may take before eval stops with the sample named (0: no limit)")
+    parser.add_argument(
+        "--reward-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="seconds one scorer call may take before eval stops with the sample named (0: no limit)",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="prompts per generation call")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="eval_results.json", help="results file (JSON)")
-    parser.add_argument("--tools", default=None, metavar="NAMES",
-                        help="answer the file's tool_agent rows with these tools (comma-separated; rollout.agent.tools), "
-                             "e.g. calculator; without it every row is answered in one turn")
-    parser.add_argument("--tools-path", default=None, help="the Python file defining the tools (rollout.agent.tools_path)")
+    parser.add_argument(
+        "--tools",
+        default=None,
+        metavar="NAMES",
+        help="answer the file's tool_agent rows with these tools (comma-separated; rollout.agent.tools), "
+        "e.g. calculator; without it every row is answered in one turn",
+    )
+    parser.add_argument(
+        "--tools-path", default=None, help="the Python file defining the tools (rollout.agent.tools_path)"
+    )
     parser.add_argument("--tool-format", default="tag", choices=list(TOOL_FORMATS), help="rollout.agent.format")
     parser.add_argument("--max-turns", type=int, default=4, help="rollout.agent.max_turns")
-    parser.add_argument("--tool-timeout", type=float, default=10.0, metavar="SECONDS",
-                        help="seconds a tool call (and the import of --tools-path) may take (rollout.agent.tool_timeout_s)")
+    parser.add_argument(
+        "--tool-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds a tool call (and the import of --tools-path) may take (rollout.agent.tool_timeout_s)",
+    )
     args = parser.parse_args(argv)
     # The flags are checked here, before anything loads (the engine refuses them only after the model has).
     import math
@@ -202,8 +236,10 @@ def _eval(argv: list[str]) -> int:
     if problem := temperature_problem(args.temperature, "--temperature"):
         parser.error(problem)
     if not 0 < args.top_p <= 1:
-        parser.error(f"--top-p {args.top_p:g} must be in (0, 1]: the probability mass sampled from (1: all of it), "
-                     "e.g. --top-p 0.9")
+        parser.error(
+            f"--top-p {args.top_p:g} must be in (0, 1]: the probability mass sampled from (1: all of it), "
+            "e.g. --top-p 0.9"
+        )
     if not (math.isfinite(args.reward_timeout) and args.reward_timeout >= 0):
         parser.error(f"--reward-timeout {args.reward_timeout:g} must be a number of seconds >= 0 (0: no limit)")
     if not (math.isfinite(args.tool_timeout) and args.tool_timeout > 0):
@@ -221,25 +257,53 @@ def _eval(argv: list[str]) -> int:
 
     agent = None
     if args.tools:
-        agent = AgentConfig(tools=args.tools.split(","), tools_path=args.tools_path, format=args.tool_format,
-                            max_turns=args.max_turns, tool_timeout_s=args.tool_timeout)
+        agent = AgentConfig(
+            tools=args.tools.split(","),
+            tools_path=args.tools_path,
+            format=args.tool_format,
+            max_turns=args.max_turns,
+            tool_timeout_s=args.tool_timeout,
+        )
     try:
         model = model_for_eval(args.model, best_step(args.model, args.best) if args.best else None)
         metrics, samples = run_eval(
-            model, args.data, n=args.n, temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.max_new_tokens, prompt_key=args.prompt_key, answer_key=args.answer_key,
-            max_prompt_length=args.max_prompt_length, reward_path=args.reward_path, reward_name=args.reward_name,
-            reward_timeout=args.reward_timeout or None, batch_size=args.batch_size, seed=args.seed, on_progress=progress,
-            agent=agent, max_rows=args.max_rows,
+            model,
+            args.data,
+            n=args.n,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_new_tokens=args.max_new_tokens,
+            prompt_key=args.prompt_key,
+            answer_key=args.answer_key,
+            max_prompt_length=args.max_prompt_length,
+            reward_path=args.reward_path,
+            reward_name=args.reward_name,
+            reward_timeout=args.reward_timeout or None,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            on_progress=progress,
+            agent=agent,
+            max_rows=args.max_rows,
         )
     except OffstepError as e:
         _say(e)
         return 2
     result = {
-        "model": args.model, "data": args.data, "n": args.n, "temperature": args.temperature, "metrics": metrics,
-        "samples": [{"uid": s.uid, "data_source": s.data_source, "response": s.text, "score": s.score,
-                     **({"turns": s.agent.turns, "tool_calls": s.agent.tool_calls} if s.agent is not None else {})}
-                    for s in samples],
+        "model": args.model,
+        "data": args.data,
+        "n": args.n,
+        "temperature": args.temperature,
+        "metrics": metrics,
+        "samples": [
+            {
+                "uid": s.uid,
+                "data_source": s.data_source,
+                "response": s.text,
+                "score": s.score,
+                **({"turns": s.agent.turns, "tool_calls": s.agent.tool_calls} if s.agent is not None else {}),
+            }
+            for s in samples
+        ],
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
@@ -250,21 +314,41 @@ def _eval(argv: list[str]) -> int:
 
 
 def _export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="offstep export", description="a run checkpoint as a Hugging Face model folder")
+    parser = argparse.ArgumentParser(
+        prog="offstep export", description="a run checkpoint as a Hugging Face model folder"
+    )
     parser.add_argument("run", help="a run directory (trainer.output_dir) or one of its checkpoints/step_<N> folders")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, default=None, help="which checkpoint (default: the latest)")
-    which.add_argument("--best", nargs="?", const="val/acc", default=None, metavar="METRIC",
-                       help="the checkpoint whose step scored the highest METRIC at its validation (default val/acc; "
-                       "trainer.keep_best keeps it)")
-    parser.add_argument("--out", required=True, help="the folder to write (safetensors, config, tokenizer); it must "
-                        "not exist or be empty")
-    parser.add_argument("--force", action="store_true", help="replace a non-empty --out (deleted only once the new "
-                        "folder is in place)")
-    parser.add_argument("--model", default=None, help="the base model folder or alias (default: the checkpoint's "
-                        "model.path, which must be an alias or a local folder)")
-    parser.add_argument("--merge", action="store_true", help="a LoRA run: the base model with the adapters merged in "
-                        "(a plain Hugging Face folder) instead of a peft adapter folder")
+    which.add_argument(
+        "--best",
+        nargs="?",
+        const="val/acc",
+        default=None,
+        metavar="METRIC",
+        help="the checkpoint whose step scored the highest METRIC at its validation (default val/acc; "
+        "trainer.keep_best keeps it)",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        help="the folder to write (safetensors, config, tokenizer); it must not exist or be empty",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="replace a non-empty --out (deleted only once the new folder is in place)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the base model folder or alias (default: the checkpoint's "
+        "model.path, which must be an alias or a local folder)",
+    )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: the base model with the adapters merged in "
+        "(a plain Hugging Face folder) instead of a peft adapter folder",
+    )
     args = parser.parse_args(argv)
     from offstep.errors import OffstepError
     from offstep.pipeline.export import best_step, export_checkpoint

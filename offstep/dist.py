@@ -26,8 +26,15 @@ def serve_store(host: str, world_size: int | None, timeout: timedelta = STORE_TI
     try:
         sock.bind((host, 0))
         sock.listen(128)
-        store = dist.TCPStore(host, sock.getsockname()[1], world_size, True, timeout, wait_for_workers=False,
-                              master_listen_fd=sock.fileno())
+        store = dist.TCPStore(
+            host,
+            sock.getsockname()[1],
+            world_size,
+            True,
+            timeout,
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
     except BaseException:
         sock.close()
         raise
@@ -45,7 +52,9 @@ def route_interface(peer: str) -> str | None:
         with socket.socket(family, socket.SOCK_DGRAM) as s:
             s.connect((peer, 9))  # UDP: picks the route, sends nothing
             local = s.getsockname()[0]
-        return next((name for name, addrs in psutil.net_if_addrs().items() if any(a.address == local for a in addrs)), None)
+        return next(
+            (name for name, addrs in psutil.net_if_addrs().items() if any(a.address == local for a in addrs)), None
+        )
     except (ImportError, OSError):
         return None
 

@@ -34,9 +34,11 @@ MAX_TREE_ENTRIES = 200_000  # a checkpoint of a sharded 70B run holds a few thou
 
 
 def link_refused(path: Path) -> LinkRefused:
-    return LinkRefused(f"{path} is a symbolic link (to {os.readlink(path)!r}); offstep neither writes nor reads a "
-                       f"run's files through links, which could point outside the run folder. Replace the link with "
-                       f"the file or folder itself, or give another trainer.output_dir")
+    return LinkRefused(
+        f"{path} is a symbolic link (to {os.readlink(path)!r}); offstep neither writes nor reads a "
+        f"run's files through links, which could point outside the run folder. Replace the link with "
+        f"the file or folder itself, or give another trainer.output_dir"
+    )
 
 
 def refuse_links(*paths: Path) -> None:
@@ -48,20 +50,29 @@ def refuse_links(*paths: Path) -> None:
 
 def kind(mode: int) -> str:
     """What a ``st_mode`` is, in words."""
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISLNK, "a symbolic link")):
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
         if test(mode):
             return name
     return "a regular file" if stat.S_ISREG(mode) else "not a regular file"
 
 
 def not_a_file(path: Path, mode: int) -> NotAFile:
-    return NotAFile(f"{path} is {kind(mode)}, where offstep reads or writes a regular file; reading a FIFO or device "
-                    f"would block or never end. Delete it or replace it with the file, or give another folder")
+    return NotAFile(
+        f"{path} is {kind(mode)}, where offstep reads or writes a regular file; reading a FIFO or device "
+        f"would block or never end. Delete it or replace it with the file, or give another folder"
+    )
 
 
-def walk(root: str | Path, limit: int = MAX_TREE_ENTRIES) -> Iterator[tuple[Path, list[os.DirEntry], list[os.DirEntry]]]:
+def walk(
+    root: str | Path, limit: int = MAX_TREE_ENTRIES
+) -> Iterator[tuple[Path, list[os.DirEntry], list[os.DirEntry]]]:
     """(folder, its sub-folders, its other entries) for ``root`` and every folder below it, top
     down, folders sorted by name; links are never followed (a link to a folder is an "other"
     entry). An explicit stack, not recursion, so any depth works; more than ``limit`` entries
@@ -76,8 +87,10 @@ def walk(root: str | Path, limit: int = MAX_TREE_ENTRIES) -> Iterator[tuple[Path
             continue
         seen += len(entries)
         if seen > limit:
-            raise NotAFile(f"{root} holds more than {limit} files and folders, more than a run or checkpoint ever "
-                           f"does; give the folder that holds only the run or checkpoint")
+            raise NotAFile(
+                f"{root} holds more than {limit} files and folders, more than a run or checkpoint ever "
+                f"does; give the folder that holds only the run or checkpoint"
+            )
         dirs = [e for e in entries if e.is_dir(follow_symlinks=False)]
         yield folder, dirs, [e for e in entries if not e.is_dir(follow_symlinks=False)]
         stack.extend(Path(e.path) for e in reversed(dirs))

@@ -45,7 +45,7 @@ def descendants(pid: int | None = None) -> list[int]:
                 stat = f.read()
         except OSError:  # it ended meanwhile
             continue
-        fields = stat[stat.rfind(b")") + 2:].split()  # after "pid (comm)": the comm may hold spaces
+        fields = stat[stat.rfind(b")") + 2 :].split()  # after "pid (comm)": the comm may hold spaces
         if len(fields) > 1:
             children.setdefault(int(fields[1]), []).append(int(entry))
     found, todo = [], list(children.get(root, []))
@@ -87,7 +87,7 @@ def running(pid: int) -> bool:
             stat = f.read()
     except OSError:
         return False
-    return stat[stat.rfind(b")") + 2:][:1] not in (b"Z", b"X")
+    return stat[stat.rfind(b")") + 2 :][:1] not in (b"Z", b"X")
 
 
 def _reap() -> None:
@@ -129,8 +129,11 @@ def end_command(rc: int) -> int:
     named = [t for t in stray if t not in pooled]
     if named:
         names = ", ".join(repr(t.name) for t in named[:5])
-        print(f"offstep: not waiting for {len(named)} thread(s) still running at exit ({names}): threads started by "
-              "a reward, tool or agent file end with the command (start them with daemon=True)", file=sys.stderr)
+        print(
+            f"offstep: not waiting for {len(named)} thread(s) still running at exit ({names}): threads started by "
+            "a reward, tool or agent file end with the command (start them with daemon=True)",
+            file=sys.stderr,
+        )
     atexit._run_exitfuncs()  # Ray's, the loggers' and kill_descendants: what a normal exit runs
     for stream in (sys.stdout, sys.stderr):
         try:

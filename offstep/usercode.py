@@ -34,14 +34,21 @@ def finishes_importing(path: str, module_name: str, timeout_s: float) -> bool:
     start."""
     env = dict(os.environ, OFFSTEP_PROBE_PATH=json.dumps(sys.path))
     try:
-        proc = subprocess.Popen([sys.executable, "-c", "from offstep.usercode import _probe; _probe()", module_name, path],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from offstep.usercode import _probe; _probe()", module_name, path],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
     except OSError:
         return True
     try:
         started, _, _ = select.select([proc.stdout], [], [], START_S)
-        if not started or not os.read(proc.stdout.fileno(), 1):  # no probe (it failed to start): the real import's limits
+        if not started or not os.read(
+            proc.stdout.fileno(), 1
+        ):  # no probe (it failed to start): the real import's limits
             return True
         try:
             proc.wait(timeout_s)
@@ -110,8 +117,9 @@ class _Stop(BaseException):
     """Raised inside a helper thread given up on (a BaseException: no ``except Exception`` keeps it)."""
 
 
-def run_stoppable(fn: Callable[[], Any], limit_s: float, progress: Callable[[], Any] = lambda: None,
-                  name: str = "offstep-stoppable") -> Any:
+def run_stoppable(
+    fn: Callable[[], Any], limit_s: float, progress: Callable[[], Any] = lambda: None, name: str = "offstep-stoppable"
+) -> Any:
     """``fn()``, run in a daemon thread; :class:`TimeLimit` (with the last ``progress()``) when
     ``progress()`` has not changed for ``limit_s`` seconds, after raising an exception inside
     ``fn`` to stop it. Code that holds the interpreter in C is not stopped, but being a daemon

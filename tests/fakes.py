@@ -32,8 +32,8 @@ import ray
 import torch
 
 from offstep.batch import GenTiming, Sample, Span
-from offstep.launch.loader import load_config
 from offstep.config.schema import Config
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.pipeline.pools import RoleGroup
 from offstep.pipeline.workers import Workers
@@ -67,11 +67,18 @@ class FakeRollout:
         for r in requests:
             for _ in range(params.n):
                 n_tok = int(torch.randint(4, 17, (1,), generator=g))
-                samples.append(Sample(
-                    uid=r.uid, prompt_ids=list(r.prompt_ids), response_ids=torch.randint(3, 200, (n_tok,), generator=g).tolist(),
-                    rollout_logprobs=(-torch.rand(n_tok, generator=g)).tolist(), finish_reason="stop",
-                    score=float(torch.randint(0, 2, (1,), generator=g)), version=self.version, data_source=r.data_source,
-                ))
+                samples.append(
+                    Sample(
+                        uid=r.uid,
+                        prompt_ids=list(r.prompt_ids),
+                        response_ids=torch.randint(3, 200, (n_tok,), generator=g).tolist(),
+                        rollout_logprobs=(-torch.rand(n_tok, generator=g)).tolist(),
+                        finish_reason="stop",
+                        score=float(torch.randint(0, 2, (1,), generator=g)),
+                        version=self.version,
+                        data_source=r.data_source,
+                    )
+                )
         time.sleep(max(0.0, self.gen_s - (time.time() - t0)))
         self.progress.advance(len(samples))
         return samples, GenTiming(Span(t0, time.time(), self.version))
@@ -81,7 +88,11 @@ class FakeRollout:
         ``i * n + j``, as the real engine's) through continuous batching; the call lasts as many
         decode steps as the schedule needs (the longest sample sets it when all fit the slots)."""
         p = self.profile
-        drawn = [p.length(seed, i * params.n + j, params.max_new_tokens) for i in range(len(requests)) for j in range(params.n)]
+        drawn = [
+            p.length(seed, i * params.n + j, params.max_new_tokens)
+            for i in range(len(requests))
+            for j in range(params.n)
+        ]
         waiting, running, steps = deque(n for n, _ in drawn), [], 0
         while waiting or running:
             while waiting and len(running) < p.slots:
@@ -92,10 +103,18 @@ class FakeRollout:
         samples = []
         for k, (n, score) in enumerate(drawn):
             r = requests[k // params.n]
-            samples.append(Sample(uid=r.uid, prompt_ids=list(r.prompt_ids), response_ids=[TOKEN0 + self.version] * n,
-                                  rollout_logprobs=[logprob(i + 1) for i in range(n)],
-                                  finish_reason="length" if n >= params.max_new_tokens else "stop", score=score,
-                                  version=self.version, data_source=r.data_source))
+            samples.append(
+                Sample(
+                    uid=r.uid,
+                    prompt_ids=list(r.prompt_ids),
+                    response_ids=[TOKEN0 + self.version] * n,
+                    rollout_logprobs=[logprob(i + 1) for i in range(n)],
+                    finish_reason="length" if n >= params.max_new_tokens else "stop",
+                    score=score,
+                    version=self.version,
+                    data_source=r.data_source,
+                )
+            )
         self.progress.advance(len(samples))
         return samples, GenTiming(Span(t0, time.time(), self.version))
 
@@ -106,8 +125,9 @@ class FakeRollout:
         self.__init__(gen_s, load_s, self.progress, profile)
 
     # The fully asynchronous mode (the real worker's methods; see the module's docstring).
-    def stream_start(self, prompts: list[list[int]], params, partial: str, replay: list | None = None,
-                     max_kv_age: int = -1) -> None:
+    def stream_start(
+        self, prompts: list[list[int]], params, partial: str, replay: list | None = None, max_kv_age: int = -1
+    ) -> None:
         if replay is not None:
             raise ValueError("FakeRollout does not replay a schedule (it has no decode steps)")
         if self.profile is None:
@@ -147,8 +167,14 @@ class FakeActor:
     it, and per sample its group uid, ``Sample.version``, the oldest version among its response
     tokens (read from the token ids, see ``TOKEN0``), its length, its score and its prompt's tokens."""
 
-    def __init__(self, train_s: float, export_s: float, progress: ProgressClient, train_s_per_token: float = 0.0,
-                 record: str | None = None):
+    def __init__(
+        self,
+        train_s: float,
+        export_s: float,
+        progress: ProgressClient,
+        train_s_per_token: float = 0.0,
+        record: str | None = None,
+    ):
         self.train_s, self.export_s, self.updates, self.progress = train_s, export_s, 0, progress
         self.train_s_per_token, self.record = train_s_per_token, record
 
@@ -176,10 +202,16 @@ class FakeActor:
         P, rows = batch.prompt_len, []
         for i in range(len(batch)):
             resp = batch.input_ids[i, P:][batch.response_mask[i] > 0]
-            rows.append({"uid": int(batch.group_ids[i]), "version": int(batch.versions[i]),
-                         "oldest": int(resp.min()) - TOKEN0 if len(resp) else None, "length": len(resp),
-                         "score": float(batch.scores[i]),
-                         "prompt": batch.input_ids[i, :P][batch.attention_mask[i, :P] > 0].tolist()})
+            rows.append(
+                {
+                    "uid": int(batch.group_ids[i]),
+                    "version": int(batch.versions[i]),
+                    "oldest": int(resp.min()) - TOKEN0 if len(resp) else None,
+                    "length": len(resp),
+                    "score": float(batch.scores[i]),
+                    "prompt": batch.input_ids[i, :P][batch.attention_mask[i, :P] > 0].tolist(),
+                }
+            )
         with open(self.record, "a") as f:
             f.write(json.dumps({"trainer_version": self.updates, "samples": rows}) + "\n")
 
@@ -208,8 +240,15 @@ class FakeActor:
         pass
 
 
-def fake_workers(gen_s: float, train_s: float, export_s: float, load_s: float, profile: GpuProfile | None = None,
-                 train_s_per_token: float = 0.0, record: str | None = None):
+def fake_workers(
+    gen_s: float,
+    train_s: float,
+    export_s: float,
+    load_s: float,
+    profile: GpuProfile | None = None,
+    train_s_per_token: float = 0.0,
+    record: str | None = None,
+):
     """A ``start(cfg, inputs, console) -> Workers`` for the loop: one simulated actor rank and
     ``rollout.replicas`` simulated replicas, needing no resources. ``profile``: the replicas'
     GPU-like engine (needed for ``pipeline.mode=fully_async``); ``train_s_per_token``: update
@@ -220,7 +259,9 @@ def fake_workers(gen_s: float, train_s: float, export_s: float, load_s: float, p
         if owns_ray:
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING")
         live = LiveStatus.create(console)
-        actor = ray.remote(num_cpus=0)(FakeActor).remote(train_s, export_s, live.client(Role.TRAINER), train_s_per_token, record)
+        actor = ray.remote(num_cpus=0)(FakeActor).remote(
+            train_s, export_s, live.client(Role.TRAINER), train_s_per_token, record
+        )
         # fully_async: a take, a load and a suspension are served while the replica generates (as
         # the real workers, offstep/pipeline/workers.py)
         concurrency = 4 if cfg.pipeline.mode == "fully_async" else 1
@@ -229,8 +270,13 @@ def fake_workers(gen_s: float, train_s: float, export_s: float, load_s: float, p
         def make_rollout(i: int):
             return rollout_cls.remote(gen_s, load_s, live.client(replica(i)), profile)
 
-        workers = Workers(RoleGroup(Role.ACTOR, [actor]), [make_rollout(i) for i in range(cfg.rollout.replicas)],
-                          make_rollout, live, owns_ray=owns_ray)
+        workers = Workers(
+            RoleGroup(Role.ACTOR, [actor]),
+            [make_rollout(i) for i in range(cfg.rollout.replicas)],
+            make_rollout,
+            live,
+            owns_ray=owns_ray,
+        )
         workers.ready()
         return workers
 
@@ -259,15 +305,24 @@ class FakePool:
             self.rollout[mode] = [cls.remote(0.0, 0.0, ProgressClient()) for _ in range(self.replicas)]
         return self.rollout[mode]
 
-    def start(self, gen_s: float, train_s: float, export_s: float, load_s: float, profile: GpuProfile | None = None,
-              train_s_per_token: float = 0.0):
+    def start(
+        self,
+        gen_s: float,
+        train_s: float,
+        export_s: float,
+        load_s: float,
+        profile: GpuProfile | None = None,
+        train_s_per_token: float = 0.0,
+    ):
         """A ``start(cfg, inputs, console) -> Workers`` (as :func:`fake_workers`) over the pooled actors."""
 
         def start(cfg: Config, inputs, console) -> Workers:
             assert cfg.rollout.replicas == self.replicas
             rollout = self._replicas(cfg.pipeline.mode)
-            ray.get([self.actor.reset.remote(train_s, export_s, train_s_per_token)]
-                    + [r.reset.remote(gen_s, load_s, profile) for r in rollout])
+            ray.get(
+                [self.actor.reset.remote(train_s, export_s, train_s_per_token)]
+                + [r.reset.remote(gen_s, load_s, profile) for r in rollout]
+            )
             return _Pooled(RoleGroup(Role.ACTOR, [self.actor]), list(rollout), None, LiveStatus.create(console))
 
         return start
@@ -280,12 +335,24 @@ class _Pooled(Workers):
 
 def sim_config(out: Path, k: int, steps: int, *extra: str) -> Config:
     """The tiny preset's data (prompts tokenised, no model run), no KL term, no validation, no checkpoint."""
-    return load_config([
-        "preset=tiny", f"pipeline.max_staleness={k}", f"trainer.total_steps={steps}", f"trainer.output_dir={out}",
-        "trainer.progress=off", "trainer.val_before_train=false", "trainer.val_freq=0", "trainer.log_samples_freq=0",
-        "trainer.save_last=false",  # fake workers write no model, only the actor's update count
-        "algorithm.use_kl_loss=false", "data.task_val_size=4", "data.train_batch_size=8", "rollout.n=4", *extra,
-    ])
+    return load_config(
+        [
+            "preset=tiny",
+            f"pipeline.max_staleness={k}",
+            f"trainer.total_steps={steps}",
+            f"trainer.output_dir={out}",
+            "trainer.progress=off",
+            "trainer.val_before_train=false",
+            "trainer.val_freq=0",
+            "trainer.log_samples_freq=0",
+            "trainer.save_last=false",  # fake workers write no model, only the actor's update count
+            "algorithm.use_kl_loss=false",
+            "data.task_val_size=4",
+            "data.train_batch_size=8",
+            "rollout.n=4",
+            *extra,
+        ]
+    )
 
 
 def run_sim(cfg: Config, gen_s: float, train_s: float, export_s: float, load_s: float, **kw) -> list[dict]:

@@ -161,7 +161,9 @@ class SimStream:
                     running = bool(self.running)
                 if load is not None:  # between two decode steps; the engine does nothing else meanwhile
                     version, fut = load
-                    time.sleep(self.owner.load_s + (self.profile.step_s if self.partial == "recompute" and running else 0.0))
+                    time.sleep(
+                        self.owner.load_s + (self.profile.step_s if self.partial == "recompute" and running else 0.0)
+                    )
                     self.owner.version = version
                     pacer.idle()
                     fut.set_result(None)
@@ -202,10 +204,20 @@ class SimStream:
             return
         del self.groups[uid]
         r = g.request
-        samples = [Sample(uid=uid, prompt_ids=list(r.prompt_ids), response_ids=list(s.tokens), rollout_logprobs=list(s.logprobs),
-                          finish_reason=s.finish_reason, score=s.score, version=s.versions[0] if s.versions else self.owner.version,
-                          data_source=r.data_source, token_versions=list(s.versions))
-                   for s in g.samples]
+        samples = [
+            Sample(
+                uid=uid,
+                prompt_ids=list(r.prompt_ids),
+                response_ids=list(s.tokens),
+                rollout_logprobs=list(s.logprobs),
+                finish_reason=s.finish_reason,
+                score=s.score,
+                version=s.versions[0] if s.versions else self.owner.version,
+                data_source=r.data_source,
+                token_versions=list(s.versions),
+            )
+            for s in g.samples
+        ]
         self.finished.append(FinishedGroup(uid, samples, g.started, time.time()))
 
     def take(self, wait_s: float) -> list[FinishedGroup]:

@@ -29,11 +29,22 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
     inputs = prepare_inputs(cfg, ref_dir)
     stream = PromptStream(len(inputs.train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
     r = cfg.rollout
-    params = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens)
+    params = SamplingParams(
+        n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens
+    )
     rollout = RolloutWorker(RolloutSpec.local(inputs.model_path, inputs.reward, r.max_batch_size, agent=inputs.agent))
     spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
-    actor = ActorWorker(spec, cfg.trainer.seed, inputs.model_path, "float32", "float32", cfg.actor, cfg.algorithm, r.temperature,
-                        reference=cfg.algorithm.needs_reference)
+    actor = ActorWorker(
+        spec,
+        cfg.trainer.seed,
+        inputs.model_path,
+        "float32",
+        "float32",
+        cfg.actor,
+        cfg.algorithm,
+        r.temperature,
+        reference=cfg.algorithm.needs_reference,
+    )
     try:
         for step in range(1, len(metrics) + 1):
             _, idx = stream.next_batch()
@@ -46,7 +57,9 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
             rollout.load_weights(pack_state_dict(actor.full_state_dict(actor.model)), step)
             m = metrics[step - 1]
             assert m[Reward.MEAN] == pytest.approx(float(batch.scores.mean()), abs=0)
-            assert m[ResponseLength.MEAN] == pytest.approx(float(batch.attention_mask[:, batch.prompt_len:].sum(-1).float().mean()), abs=0)
+            assert m[ResponseLength.MEAN] == pytest.approx(
+                float(batch.attention_mask[:, batch.prompt_len :].sum(-1).float().mean()), abs=0
+            )
             assert m[Actor.PG_LOSS] == pytest.approx(am["pg_loss"], rel=1e-5, abs=1e-7)
             assert m[Actor.KL] == pytest.approx(am["kl"], rel=1e-5, abs=1e-7)
             assert m[Actor.GRAD_NORM] == pytest.approx(am["grad_norm"], rel=1e-5)

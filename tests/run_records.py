@@ -15,6 +15,9 @@ def step_records(run: Path) -> dict[int, dict]:
     out = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         m = json.loads(line)
-        out[m["step"]] = {k: v for k, v in m.items()
-                          if not (k.startswith(("timing_s/", "perf/")) or k.endswith("_s") or k in WHEN_FINISHED)}
+        out[m["step"]] = {
+            k: v
+            for k, v in m.items()
+            if not (k.startswith(("timing_s/", "perf/")) or k.endswith("_s") or k in WHEN_FINISHED)
+        }
     return out

@@ -11,9 +11,14 @@ import torch
 # tiny tokenizer ids: "\n" -> "<" -> "x" -> ">" -> "5" -> " <" -> "/" -> "x" (-> ">": the stop string </x> ends it)
 CHAIN = {201: 30, 30: 90, 90: 32, 32: 23, 23: 456, 456: 17, 17: 90}
 CALL_TEXT = "<x>5 </x>"
-X_TOOL = {"type": "function", "function": {"name": "x", "description": "x of an expression",
-                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                                                          "required": ["expression"]}}}
+X_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "x",
+        "description": "x of an expression",
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+    },
+}
 
 
 def scripted_model(path: str, sharpness: float = 1.0):
@@ -25,7 +30,6 @@ def scripted_model(path: str, sharpness: float = 1.0):
     config.tie_word_embeddings = False
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float()
-    h = config.hidden_size
     with torch.no_grad():
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.zero_()

@@ -11,10 +11,20 @@ import re
 
 from offstep.rollout.agents.tools import calculator  # an exact, eval-free arithmetic evaluator
 
-TOOLS = [{"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression exactly and return its value.",
-    "parameters": {"type": "object", "required": ["expression"],
-                   "properties": {"expression": {"type": "string", "description": 'e.g. "(12 + 3) * 47"'}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate an arithmetic expression exactly and return its value.",
+            "parameters": {
+                "type": "object",
+                "required": ["expression"],
+                "properties": {"expression": {"type": "string", "description": 'e.g. "(12 + 3) * 47"'}},
+            },
+        },
+    }
+]
 MAX_TURNS = 3
 
 

@@ -50,8 +50,11 @@ price.schema = {
     "function": {
         "name": "price",
         "description": "Look up the price of an item in the shop's catalogue, in euros.",
-        "parameters": {"type": "object", "properties": {"item": {"type": "string", "description": "the item's name"}},
-                       "required": ["item"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"item": {"type": "string", "description": "the item's name"}},
+            "required": ["item"],
+        },
     },
 }
 

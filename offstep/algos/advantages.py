@@ -62,14 +62,15 @@ def _groups(scores: torch.Tensor, group_ids: torch.Tensor):
     ``one_hot[g, b] = 1`` if response b is in group g, and the group means of ``scores``. Matmuls
     with ``one_hot`` keep the sums deterministic on GPU."""
     _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
-    one_hot = (inverse[None, :] == torch.arange(len(counts), device=scores.device)[:, None])
+    one_hot = inverse[None, :] == torch.arange(len(counts), device=scores.device)[:, None]
     one_hot = one_hot.to(scores.dtype)
     counts = counts.to(scores.dtype)
     return inverse, counts, one_hot, (one_hot @ scores) / counts
 
 
-def _group_std(scores: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor, one_hot: torch.Tensor,
-               mean: torch.Tensor) -> torch.Tensor:
+def _group_std(
+    scores: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor, one_hot: torch.Tensor, mean: torch.Tensor
+) -> torch.Tensor:
     """The unbiased std ``[G]`` of each group's scores (as ``torch.std``; 0 for a group of one)."""
     centered = scores - mean[inverse]
     return ((one_hot @ centered**2) / (counts - 1.0).clamp_min(1.0)).sqrt()
@@ -144,7 +145,9 @@ def opo_advantage(
     weight = one_hot @ lengths
     baseline = (one_hot @ (lengths * scores)) / weight.clamp_min(1.0)
     keep = (counts[inverse] > 1) & (weight[inverse] > 0)
-    single = torch.where((counts[inverse] == 1) & (weight[inverse] > 0), _alone(scores, alone), torch.zeros_like(scores))
+    single = torch.where(
+        (counts[inverse] == 1) & (weight[inverse] > 0), _alone(scores, alone), torch.zeros_like(scores)
+    )
     adv = torch.where(keep, scores - baseline[inverse], single)
     adv = _broadcast(adv, response_mask)
     return adv, adv.clone()

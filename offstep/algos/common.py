@@ -60,9 +60,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
     return var
 
 
-def masked_whiten(
-    x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
-) -> torch.Tensor:
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """``(x - mean) / sqrt(var + eps)`` with mean and (unbiased) variance over the valid entries.
 
     With ``shift_mean=False`` the mean is added back (only the scale is normalised). Padded entries

@@ -26,7 +26,11 @@ def overlong_penalty(
     lengths = lengths.to(torch.promote_types(lengths.dtype, torch.float32))
     expected = max_length - buffer_len
     inside = (expected - lengths) / buffer_len
-    pen = torch.where(lengths <= expected, torch.zeros_like(lengths), torch.where(lengths <= max_length, inside, -torch.ones_like(lengths)))
+    pen = torch.where(
+        lengths <= expected,
+        torch.zeros_like(lengths),
+        torch.where(lengths <= max_length, inside, -torch.ones_like(lengths)),
+    )
     return pen * penalty_factor
 
 

@@ -25,7 +25,6 @@ import torch
 
 from offstep.algos.common import masked_mean
 
-
 _OUT = -1e30  # an empty slot's log-prob inside topk_forward_kl: exp() is 0, differences stay finite
 
 
@@ -33,16 +32,23 @@ def _clamped(logprobs: torch.Tensor, low: float | None) -> torch.Tensor:
     return logprobs if low is None else logprobs.clamp(min=low)
 
 
-def reverse_kl_per_token(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
-                         log_prob_min_clamp: float | None = None) -> torch.Tensor:
+def reverse_kl_per_token(
+    student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, log_prob_min_clamp: float | None = None
+) -> torch.Tensor:
     """The k1 estimate of KL(student || teacher) at each sampled token, ``log pi_s - log pi_t``
     ([B, R], zero outside ``mask``)."""
     diff = _clamped(student, log_prob_min_clamp) - _clamped(teacher, log_prob_min_clamp)
     return diff * mask.to(diff.dtype)
 
 
-def distill_advantages(task: torch.Tensor | None, student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor,
-                       coef: float = 1.0, log_prob_min_clamp: float | None = None) -> torch.Tensor:
+def distill_advantages(
+    task: torch.Tensor | None,
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float = 1.0,
+    log_prob_min_clamp: float | None = None,
+) -> torch.Tensor:
     """``task + coef * (log pi_t - log pi_s)`` per token ([B, R], zero outside ``mask``);
     ``task`` None: pure distillation, the teacher's signal alone."""
     own = -coef * reverse_kl_per_token(student, teacher, mask, log_prob_min_clamp)

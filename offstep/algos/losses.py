@@ -73,9 +73,7 @@ def clipped_policy_loss(
     return per_token, metrics
 
 
-def kl_penalty(
-    logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl"
-) -> torch.Tensor:
+def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from tokens sampled from pi (elementwise).
 
     ``kind``: ``"k1"``/``"kl"`` ``logprob - ref``; ``"abs"`` ``|logprob - ref|``; ``"mse"``/``"k2"``

@@ -115,7 +115,9 @@ def policy_loss(
         raise ValueError(f"clip_ratio_c (dual-clip) applies to the ppo loss only, not {mode!r}")
     match mode:
         case "ppo":
-            return clipped_policy_loss(logprob, old_logprob, advantages, response_mask, **clip, clip_ratio_c=clip_ratio_c)
+            return clipped_policy_loss(
+                logprob, old_logprob, advantages, response_mask, **clip, clip_ratio_c=clip_ratio_c
+            )
         case "gspo":
             return gspo_policy_loss(logprob, old_logprob, advantages, response_mask, **clip)
         case "cispo":

@@ -33,8 +33,15 @@ PARTIAL_MODES = ("keep", "recompute", "off")
 SLEEP_MODES = ("auto", "true", "false")  # rollout.sleep_during_update (offstep.config.schema.rollout_sleeps)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm.config.lora.MaxLoRARanks (v0.32)
 SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT = "single_turn_agent", "tool_agent", "openai"
-AGENT_NAMES = (SINGLE_TURN, TOOL_AGENT, OPENAI_AGENT)  # verl's agent_name values that offstep runs (rollout.agent.default_agent)
-TOOL_FORMATS = ("hermes", "tag")  # rollout.agent.format: how tool calls are written (offstep.rollout.agents.tool_parsers)
+AGENT_NAMES = (
+    SINGLE_TURN,
+    TOOL_AGENT,
+    OPENAI_AGENT,
+)  # verl's agent_name values that offstep runs (rollout.agent.default_agent)
+TOOL_FORMATS = (
+    "hermes",
+    "tag",
+)  # rollout.agent.format: how tool calls are written (offstep.rollout.agents.tool_parsers)
 TOOL_ROLES = ("tool", "user")  # rollout.agent.tool_role
 
 # reward.model.* (offstep.rewards.combine, offstep.rewards.judge and offstep.rollout.scoring.replica_reward_model dispatch on these)
@@ -43,7 +50,10 @@ REWARD_COMBINE = ("weighted", "abstain")
 REWARD_PLACEMENTS = ("rollout", "pool")
 DISTILL_LOSS_MODES = ("k1", "forward_kl_topk")  # distill.loss_mode
 JUDGE_PARSERS = ("last_number", "yes_no")  # and regex:PATTERN
-JUDGE_TEMPLATES = ("score", "yes_no")  # reward.model.template names (texts in offstep.rewards.judge), or a template of its own
+JUDGE_TEMPLATES = (
+    "score",
+    "yes_no",
+)  # reward.model.template names (texts in offstep.rewards.judge), or a template of its own
 
 # pipeline.*, trainer.*, model.*, data.*, actor.* / critic.*
 WEIGHT_SYNC_PATHS = ("object_store", "collective")

@@ -7,7 +7,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from offstep.config.training import (  # noqa: F401  (re-exported: the whole tree is importable from here)
-    KLControlConfig, AlgorithmConfig, OptimConfig, LoRAConfig, ActorConfig, CriticConfig, TeacherConfig, DistillConfig,
+    ActorConfig,
+    AlgorithmConfig,
+    CriticConfig,
+    DistillConfig,
+    KLControlConfig,
+    LoRAConfig,
+    OptimConfig,
+    TeacherConfig,
 )
 
 

@@ -125,7 +125,9 @@ class LoRAConfig:
     """the adapters' scale is alpha / rank (0: alpha = 2 x rank, a scale of 2)"""
     dropout: float = 0.0
     """dropout on the adapters' input during the update (never in log-prob passes or generation)"""
-    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     """the linear layers that get adapters, by name or name suffix (default: every attention and MLP projection of Llama/Qwen/Mistral-style models)"""
 
     @property

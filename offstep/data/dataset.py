@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from offstep.config.choices import AGENT_NAMES, OVERLONG_MODES, SINGLE_TURN, TOOL_AGENT, TRUNCATIONS
-from offstep.errors import DatasetError
-from offstep.data.row_limits import DEFAULT_MAX_ROWS, check_size, out_of_memory
 from offstep.data.render import render_all
+from offstep.data.row_limits import DEFAULT_MAX_ROWS, check_size, out_of_memory
 from offstep.data.truncate import truncate_prompt
+from offstep.errors import DatasetError
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +247,12 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def load_records(
-    path: str, prompt_key: str = "prompt", answer_key: str | None = None, default_agent: str = SINGLE_TURN,
-    keys: dict = TRAIN_KEYS, max_rows: int = DEFAULT_MAX_ROWS,
+    path: str,
+    prompt_key: str = "prompt",
+    answer_key: str | None = None,
+    default_agent: str = SINGLE_TURN,
+    keys: dict = TRAIN_KEYS,
+    max_rows: int = DEFAULT_MAX_ROWS,
 ) -> list[PromptRecord]:
     """Read a verl-format ``.parquet`` or a ``.jsonl``/``.json`` file into :class:`PromptRecord` s.
 
@@ -374,8 +378,10 @@ def check_rule_ground_truths(records: list[PromptRecord], path: str, keys: dict 
     data_source and ground truth.)"""
     from offstep.rewards.sources import DICT_TRUTH_SOURCES, builtin_names, builtin_scorer
 
-    custom = (f"score with your own function: {keys['reward_path']}=FILE.py defining compute_score(data_source, "
-              "solution_str, ground_truth, extra_info=None)")
+    custom = (
+        f"score with your own function: {keys['reward_path']}=FILE.py defining compute_score(data_source, "
+        "solution_str, ground_truth, extra_info=None)"
+    )
     unnamed = [r for r in records if r.data_source_missing and builtin_scorer(r.data_source) is None]
     if unnamed:
         first = unnamed[0]
@@ -397,7 +403,11 @@ def check_rule_ground_truths(records: list[PromptRecord], path: str, keys: dict 
     bad = [r for r in records if not usable(r.ground_truth, r.data_source)]
     if bad:
         first = bad[0]
-        what = "missing" if first.ground_truth is None else f"a {type(first.ground_truth).__name__} {_short(first.ground_truth)}"
+        what = (
+            "missing"
+            if first.ground_truth is None
+            else f"a {type(first.ground_truth).__name__} {_short(first.ground_truth)}"
+        )
         if first.data_source in DICT_TRUTH_SOURCES:
             shape, example = "a dict {'target': [answers]}", "{'target': ['Paris']}"
         else:
@@ -440,9 +450,7 @@ def encode_prompts(
         )
     records = list(records)
     if not records:
-        raise DatasetError(
-            "encode_prompts got no records. Fix: check that the dataset file has rows."
-        )
+        raise DatasetError("encode_prompts got no records. Fix: check that the dataset file has rows.")
 
     texts = render_all(tokenizer, records, tools)  # under a time limit per row: a template may hang
     encoded = tokenizer(texts, add_special_tokens=False)

@@ -131,8 +131,7 @@ class PromptStream:
                 )
         if epoch < 0 or position < 0 or position > self.num_items:
             raise ValueError(
-                f"invalid PromptStream state: epoch={epoch}, position={position} "
-                f"(num_items={self.num_items})."
+                f"invalid PromptStream state: epoch={epoch}, position={position} (num_items={self.num_items})."
             )
         if position + self.batch_size > self.num_items:
             epoch, position = epoch + 1, 0

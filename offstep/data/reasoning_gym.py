@@ -41,22 +41,39 @@ def _options(items: list[str], ap: argparse.ArgumentParser) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m offstep.data.reasoning_gym",
-                                 description="write a reasoning-gym dataset as verl parquet: OUT/train.parquet, OUT/val.parquet")
+    ap = argparse.ArgumentParser(
+        prog="python -m offstep.data.reasoning_gym",
+        description="write a reasoning-gym dataset as verl parquet: OUT/train.parquet, OUT/val.parquet",
+    )
     ap.add_argument("--name", required=True, help="a reasoning-gym dataset, e.g. leg_counting")
     ap.add_argument("--out", required=True, help="the folder to write into")
     ap.add_argument("--train-size", type=int, default=1000)
     ap.add_argument("--val-size", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--system-prompt", default=DEFAULT_PROMPT,
-                    help="a name of reasoning_gym.utils.SYSTEM_PROMPTS (direct, default, simple, ...) or the text")
-    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                    help="an option of the dataset's config, VALUE read as JSON where it parses: max_animals=2, "
-                         "'operators=[\"+\", \"-\"]'")
+    ap.add_argument(
+        "--system-prompt",
+        default=DEFAULT_PROMPT,
+        help="a name of reasoning_gym.utils.SYSTEM_PROMPTS (direct, default, simple, ...) or the text",
+    )
+    ap.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the dataset's config, VALUE read as JSON where it parses: max_animals=2, "
+        "'operators=[\"+\", \"-\"]'",
+    )
     args = ap.parse_args(argv)
     try:
-        paths = export(args.name, args.out, args.train_size, args.val_size, args.seed, system_prompt=args.system_prompt,
-                       **_options(args.option, ap))
+        paths = export(
+            args.name,
+            args.out,
+            args.train_size,
+            args.val_size,
+            args.seed,
+            system_prompt=args.system_prompt,
+            **_options(args.option, ap),
+        )
     except (ValueError, ImportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

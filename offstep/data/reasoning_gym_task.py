@@ -37,19 +37,26 @@ def library():
         from reasoning_gym.factory import DATASETS
         from reasoning_gym.utils import SYSTEM_PROMPTS
     except ImportError as exc:
-        raise ImportError(f"data.task=reasoning_gym needs the reasoning-gym package ({exc}). Fix: pip install "
-                          "reasoning-gym==0.1.25 (offstep's dependencies include it: pip install -e .)") from exc
+        raise ImportError(
+            f"data.task=reasoning_gym needs the reasoning-gym package ({exc}). Fix: pip install "
+            "reasoning-gym==0.1.25 (offstep's dependencies include it: pip install -e .)"
+        ) from exc
     return reasoning_gym, DATASETS, SYSTEM_PROMPTS
 
 
 def _unknown_name(name, datasets: dict) -> str:
     if not name:
-        return (f"data.task=reasoning_gym needs {KEY}.name, one of reasoning-gym's {len(datasets)} datasets. Fix: e.g. "
-                f"data.task_options='{{name: leg_counting}}' (all of them: python -c \"import reasoning_gym.factory as f; "
-                "print(sorted(f.DATASETS))\")")
+        return (
+            f"data.task=reasoning_gym needs {KEY}.name, one of reasoning-gym's {len(datasets)} datasets. Fix: e.g. "
+            f"data.task_options='{{name: leg_counting}}' (all of them: python -c \"import reasoning_gym.factory as f; "
+            "print(sorted(f.DATASETS))\")"
+        )
     close = difflib.get_close_matches(str(name), list(datasets), n=3)
-    return (f"{KEY}.name={name!r} is not a reasoning-gym dataset" + (f" (did you mean {' or '.join(close)}?)" if close
-            else f" (they are {sorted(datasets)})") + f". Fix: set {KEY}.name to one of them")
+    return (
+        f"{KEY}.name={name!r} is not a reasoning-gym dataset"
+        + (f" (did you mean {' or '.join(close)}?)" if close else f" (they are {sorted(datasets)})")
+        + f". Fix: set {KEY}.name to one of them"
+    )
 
 
 def check_options(options: dict) -> list[str]:
@@ -64,16 +71,22 @@ def check_options(options: dict) -> list[str]:
     problems = []
     for opt in options:
         if opt in MANAGED:
-            problems.append(f"{KEY}.{opt} is set by offstep (from trainer.seed; data.task_train_size + "
-                            f"data.task_val_size). Fix: drop {KEY}.{opt}")
+            problems.append(
+                f"{KEY}.{opt} is set by offstep (from trainer.seed; data.task_train_size + "
+                f"data.task_val_size). Fix: drop {KEY}.{opt}"
+            )
         elif opt not in fields and opt not in OWN_OPTIONS:
             close = difflib.get_close_matches(str(opt), fields, n=1)
-            problems.append(f"{KEY}.{opt} is not an option of reasoning-gym's {name} (its options: {fields}). Fix: "
-                            + (f"did you mean {KEY}.{close[0]}? Otherwise drop it" if close else "drop it"))
+            problems.append(
+                f"{KEY}.{opt} is not an option of reasoning-gym's {name} (its options: {fields}). Fix: "
+                + (f"did you mean {KEY}.{close[0]}? Otherwise drop it" if close else "drop it")
+            )
     prompt = options.get("system_prompt", DEFAULT_PROMPT)
     if not isinstance(prompt, str) or not prompt.strip():
-        problems.append(f"{KEY}.system_prompt={prompt!r} must be a name of reasoning-gym's SYSTEM_PROMPTS "
-                        f"({sorted(prompts)}) or the prompt's text. Fix: e.g. {KEY}.system_prompt={DEFAULT_PROMPT}")
+        problems.append(
+            f"{KEY}.system_prompt={prompt!r} must be a name of reasoning-gym's SYSTEM_PROMPTS "
+            f"({sorted(prompts)}) or the prompt's text. Fix: e.g. {KEY}.system_prompt={DEFAULT_PROMPT}"
+        )
     if problems:
         return problems
     config = {k: v for k, v in options.items() if k not in OWN_OPTIONS}
@@ -82,14 +95,19 @@ def check_options(options: dict) -> list[str]:
         if hasattr(made, "validate"):
             made.validate()  # the library's configs assert their ranges
     except Exception as exc:
-        return [f"{KEY} {config} are refused by reasoning-gym's {name}: {type(exc).__name__}: {exc}. Fix: change "
-                f"them (the fields of reasoning_gym's {config_cls.__name__} say what they take)"]
+        return [
+            f"{KEY} {config} are refused by reasoning-gym's {name}: {type(exc).__name__}: {exc}. Fix: change "
+            f"them (the fields of reasoning_gym's {config_cls.__name__} say what they take)"
+        ]
     return []
 
 
 def _answered(entry: dict) -> list[dict]:
     """One solved item as a demonstration: its question, and its answer in tags as the assistant's turn."""
-    return [{"role": "user", "content": entry["question"]}, {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"}]
+    return [
+        {"role": "user", "content": entry["question"]},
+        {"role": "assistant", "content": f"<answer>{entry['answer']}</answer>"},
+    ]
 
 
 def _row(name: str, config: dict, entry: dict, system: str, category: str, example: list[dict]) -> dict:
@@ -112,8 +130,10 @@ def _check_round_trip(name: str, config: dict, entries: list[dict]) -> None:
         answer = entry.get("answer")
         for response in (None if answer is None else str(answer), "?"):
             if scorer.score_answer(response, entry) != scorer.score_answer(response, back):
-                raise ConfigError(f"reasoning-gym's {name}: its items do not survive being stored as JSON (its scorer "
-                                 f"judges the stored item differently). Fix: pick another dataset ({KEY}.name)")
+                raise ConfigError(
+                    f"reasoning-gym's {name}: its items do not survive being stored as JSON (its scorer "
+                    f"judges the stored item differently). Fix: pick another dataset ({KEY}.name)"
+                )
 
 
 def _distinct(rg, name: str, seed: int, n: int, options: dict) -> tuple[list[dict], str]:
@@ -129,14 +149,17 @@ def _distinct(rg, name: str, seed: int, n: int, options: dict) -> tuple[list[dic
                 if len(items) == n:
                     return items, ds.category
         if size >= 50 * n + 2000:  # as the built-in tasks: a problem space too small fails clearly
-            raise ConfigError(f"reasoning-gym's {name}: only {len(items)} distinct questions in its first {size} items, "
-                             f"{n} requested. Fix: request fewer (data.task_train_size + data.task_val_size) or widen "
-                             f"its options ({KEY})")
+            raise ConfigError(
+                f"reasoning-gym's {name}: only {len(items)} distinct questions in its first {size} items, "
+                f"{n} requested. Fix: request fewer (data.task_train_size + data.task_val_size) or widen "
+                f"its options ({KEY})"
+            )
         start, size = size, 2 * size  # a larger size keeps the items so far: item i is seeded with seed + i
 
 
-def reasoning_gym(n: int, seed: int, name: str = "", system_prompt: str = DEFAULT_PROMPT, example: bool = False,
-                  **options) -> list[dict]:
+def reasoning_gym(
+    n: int, seed: int, name: str = "", system_prompt: str = DEFAULT_PROMPT, example: bool = False, **options
+) -> list[dict]:
     """``n`` rows of reasoning-gym's dataset ``name`` (see the module docstring): the library's items
     ``0, 1, ...`` for ``seed``, repeated questions skipped. ``example``: the next distinct item, solved, as
     a demonstration turn before each question (a small model learns the tags from it)."""

@@ -22,9 +22,7 @@ def render(tokenizer: Any, record: Any, tools: list[dict] | None = None) -> str:
     # must describe the tools (the calculator task's system prompt does).
     kwargs = {"tools": tools} if tools and record.agent_name == TOOL_AGENT else {}
     try:
-        text = tokenizer.apply_chat_template(
-            record.messages, add_generation_prompt=True, tokenize=False, **kwargs
-        )
+        text = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as exc:
         raise DatasetError(
             f"data_source {record.data_source!r} row {record.index}: the tokenizer's chat template "
@@ -39,8 +37,9 @@ def render(tokenizer: Any, record: Any, tools: list[dict] | None = None) -> str:
     return text
 
 
-def render_all(tokenizer: Any, records: list, tools: list[dict] | None = None,
-               limit_s: float = TEMPLATE_TIMEOUT_S) -> list[str]:
+def render_all(
+    tokenizer: Any, records: list, tools: list[dict] | None = None, limit_s: float = TEMPLATE_TIMEOUT_S
+) -> list[str]:
     """:func:`render` of every record; :class:`DatasetError` naming the row (and the template's
     file) that takes over ``limit_s`` seconds."""
     texts: list[str] = []
@@ -55,5 +54,6 @@ def render_all(tokenizer: Any, records: list, tools: list[dict] | None = None,
     except TimeLimit as stuck:
         record = records[stuck.progress]
         source = template_source(tokenizer.name_or_path) if getattr(tokenizer, "name_or_path", "") else "the tokenizer"
-        raise DatasetError(f"data_source {record.data_source!r} row {record.index}: "
-                           + too_slow(source, "its prompt", limit_s)) from None
+        raise DatasetError(
+            f"data_source {record.data_source!r} row {record.index}: " + too_slow(source, "its prompt", limit_s)
+        ) from None

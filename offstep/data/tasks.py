@@ -46,9 +46,9 @@ from typing import Callable
 
 import numpy as np
 
-from offstep.errors import ConfigError
 from offstep.data.code_task import code
 from offstep.data.reasoning_gym_task import reasoning_gym
+from offstep.errors import ConfigError
 
 ARITHMETIC_INSTRUCTION = "Give the final answer as a single number at the end of your reply."
 GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
@@ -187,12 +187,21 @@ def calculator(
     for row in rows:
         question = row["extra_info"]["question"]
         if tools:
-            messages = [{"role": "system", "content": CALCULATOR_SYSTEM}, *(CALCULATOR_EXAMPLE if example else []),
-                        {"role": "user", "content": question}]
+            messages = [
+                {"role": "system", "content": CALCULATOR_SYSTEM},
+                *(CALCULATOR_EXAMPLE if example else []),
+                {"role": "user", "content": question},
+            ]
         else:
             messages = [{"role": "user", "content": f"{question} {ARITHMETIC_INSTRUCTION}"}]
-        out.append({**row, "data_source": "calculator", "prompt": messages,
-                    "agent_name": agent if tools else "single_turn_agent"})
+        out.append(
+            {
+                **row,
+                "data_source": "calculator",
+                "prompt": messages,
+                "agent_name": agent if tools else "single_turn_agent",
+            }
+        )
     return out
 
 
@@ -200,9 +209,21 @@ def calculator(
 # gsm8k_synthetic
 
 _NAMES = [
-    ("Alice", "She"), ("Ben", "He"), ("Carla", "She"), ("David", "He"), ("Emma", "She"),
-    ("Farid", "He"), ("Grace", "She"), ("Hiro", "He"), ("Ines", "She"), ("Jamal", "He"),
-    ("Kira", "She"), ("Liam", "He"), ("Maya", "She"), ("Noah", "He"), ("Olga", "She"),
+    ("Alice", "She"),
+    ("Ben", "He"),
+    ("Carla", "She"),
+    ("David", "He"),
+    ("Emma", "She"),
+    ("Farid", "He"),
+    ("Grace", "She"),
+    ("Hiro", "He"),
+    ("Ines", "She"),
+    ("Jamal", "He"),
+    ("Kira", "She"),
+    ("Liam", "He"),
+    ("Maya", "She"),
+    ("Noah", "He"),
+    ("Olga", "She"),
     ("Pedro", "He"),
 ]
 _ITEMS = ["apples", "coins", "marbles", "stickers", "pencils", "cookies", "stamps", "books"]
@@ -222,19 +243,16 @@ def _one_step(rng: np.random.Generator, m: int) -> tuple[str, list[str], int] | 
         a, b = max(a, b), min(a, b)
         if a == b:
             return None
-        q = (f"{name} has {a} {item} and gives {b} of them to a friend. "
-             f"How many {item} does {name} have left?")
+        q = f"{name} has {a} {item} and gives {b} of them to a friend. How many {item} does {name} have left?"
         return q, [f"{a} - {b} = {a - b}"], a - b
     if kind == 2:
         box = _CONTAINERS[int(rng.integers(len(_CONTAINERS)))]
-        q = (f"{name} has {a} {box} with {b} {item} in each. "
-             f"How many {item} does {name} have in total?")
+        q = f"{name} has {a} {box} with {b} {item} in each. How many {item} does {name} have in total?"
         return q, [f"{a} * {b} = {a * b}"], a * b
     per = b
     total = a * per
     box = _CONTAINERS[int(rng.integers(len(_CONTAINERS)))]
-    q = (f"{name} has {total} {item} and puts them into {box} of {per}. "
-         f"How many {box} does {name} fill?")
+    q = f"{name} has {total} {item} and puts them into {box} of {per}. How many {box} does {name} fill?"
     return q, [f"{total} / {per} = {a}"], a
 
 
@@ -245,23 +263,28 @@ def _two_step(rng: np.random.Generator, m: int) -> tuple[str, list[str], int] | 
     a, b, c = (int(v) for v in rng.integers(2, m + 1, size=3))
     if kind == 0:
         box = _CONTAINERS[int(rng.integers(len(_CONTAINERS)))]
-        q = (f"{name} has {a} {item}. {pron} buys {b} {box} with {c} {item} in each. "
-             f"How many {item} does {name} have now?")
+        q = (
+            f"{name} has {a} {item}. {pron} buys {b} {box} with {c} {item} in each. "
+            f"How many {item} does {name} have now?"
+        )
         return q, [f"{b} * {c} = {b * c}", f"{a} + {b * c} = {a + b * c}"], a + b * c
     if kind == 1:
         earned = a * b
         if c >= earned:
             return None
-        q = (f"{name} earns {a} dollars per hour and works {b} hours. {pron} then spends {c} "
-             f"dollars on lunch. How many dollars does {name} have left?")
+        q = (
+            f"{name} earns {a} dollars per hour and works {b} hours. {pron} then spends {c} "
+            f"dollars on lunch. How many dollars does {name} have left?"
+        )
         return q, [f"{a} * {b} = {earned}", f"{earned} - {c} = {earned - c}"], earned - c
     if kind == 2:
         total = a + b + c
-        q = (f"A book has {total} pages. {name} reads {a} pages on Monday and {b} pages on "
-             f"Tuesday. How many pages are left to read?")
+        q = (
+            f"A book has {total} pages. {name} reads {a} pages on Monday and {b} pages on "
+            f"Tuesday. How many pages are left to read?"
+        )
         return q, [f"{a} + {b} = {a + b}", f"{total} - {a + b} = {c}"], c
-    q = (f"{name} has {a} {item}. {pron} finds {b} more and then loses {c}. "
-         f"How many {item} does {name} have now?")
+    q = f"{name} has {a} {item}. {pron} finds {b} more and then loses {c}. How many {item} does {name} have now?"
     if a + b - c < 0:
         return None
     return q, [f"{a} + {b} = {a + b}", f"{a + b} - {c} = {a + b - c}"], a + b - c
@@ -306,9 +329,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
 }
 
 
-def write_task(
-    name: str, out_dir: str, /, n_train: int, n_val: int, seed: int, **kw
-) -> tuple[str, str]:
+def write_task(name: str, out_dir: str, /, n_train: int, n_val: int, seed: int, **kw) -> tuple[str, str]:
     """Generate task ``name`` and write ``<out_dir>/train.parquet`` and ``<out_dir>/val.parquet``.
 
     The output is a deterministic function of ``(name, n_train, n_val, seed, kw)``; validation

@@ -10,10 +10,10 @@ def truncate_prompt(ids: list[int], max_len: int, how: str) -> list[int]:
     if len(ids) <= max_len:
         return ids
     if how == "left":
-        return ids[len(ids) - max_len:]
+        return ids[len(ids) - max_len :]
     if how == "right":
         return ids[:max_len]
     if how == "middle":
         head = max_len // 2
-        return ids[:head] + ids[len(ids) - (max_len - head):]
+        return ids[:head] + ids[len(ids) - (max_len - head) :]
     raise ValueError(f"truncation {how!r} is not one of left, right, middle")

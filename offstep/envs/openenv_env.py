@@ -21,9 +21,9 @@ import asyncio
 import json
 import urllib.request
 
-from offstep.errors import ConfigError
 from offstep.envs.failures import EnvRolloutFailed
 from offstep.envs.openenv_pool import ServerPool
+from offstep.errors import ConfigError
 
 OWN = ("size", "max_turns", "system_prompt", "action_field", "observation_field")
 TEXT_FIELDS = ("prompt", "text", "message", "content", "question")
@@ -35,8 +35,10 @@ def action_field(schema: dict, target: str) -> str:
     props = {k: v for k, v in schema.get("properties", {}).items() if k != "metadata"}
     strings = [k for k, v in props.items() if v.get("type") == "string"]
     if len(strings) != 1:
-        raise ConfigError(f"{target}: its action has string fields {strings} (of {sorted(props)}); name the one the "
-                         "model's reply fills: +env.args.action_field=NAME")
+        raise ConfigError(
+            f"{target}: its action has string fields {strings} (of {sorted(props)}); name the one the "
+            "model's reply fills: +env.args.action_field=NAME"
+        )
     return strings[0]
 
 
@@ -58,8 +60,9 @@ class OpenEnvRollouts:
         self.size, self.max_turns = int(args.get("size", 64)), int(args.get("max_turns", 4))
         self.system = args.get("system_prompt")
         self.obs_field = args.get("observation_field")
-        self.pool = ServerPool(spec.id, {k: v for k, v in args.items() if k not in OWN}, list(spec.path),
-                               spec.max_concurrent)
+        self.pool = ServerPool(
+            spec.id, {k: v for k, v in args.items() if k not in OWN}, list(spec.path), spec.max_concurrent
+        )
         first = self.pool.start()  # a server that fails to start stops the run here, with its error
         try:
             with urllib.request.urlopen(first.url + "/schema", timeout=30) as r:
@@ -76,6 +79,7 @@ class OpenEnvRollouts:
 
     def prompts(self) -> list[list[dict]]:
         """Each task's first observation (reset with its seed), as chat messages."""
+
         async def first_observations():
             from openenv.core.generic_client import GenericEnvClient
 
@@ -114,8 +118,10 @@ class OpenEnvRollouts:
                 turns += 1
                 result = await _env_call(env.step({self.action_field: text}))
                 total += float(result.reward or 0.0)
-                messages += [{"role": "assistant", "content": text},
-                             {"role": "user", "content": observation_text(result.observation, self.obs_field)}]
+                messages += [
+                    {"role": "assistant", "content": text},
+                    {"role": "user", "content": observation_text(result.observation, self.obs_field)},
+                ]
             return total
         finally:
             await env.disconnect()

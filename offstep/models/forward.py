@@ -54,7 +54,11 @@ def autocast(device: torch.device, compute_dtype: str):
 
 
 def forward_response(
-    model, mb: TrainBatch, temperature: float, with_entropy: bool = False, compute_dtype: str = "float32",
+    model,
+    mb: TrainBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    compute_dtype: str = "float32",
     share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, R] of the response tokens (and their entropy) under ``model``.
@@ -71,8 +75,9 @@ def forward_response(
     return logp, ent
 
 
-def response_logits(model, mb: TrainBatch, temperature: float, compute_dtype: str = "float32",
-                    share_prompts: bool = False) -> torch.Tensor:
+def response_logits(
+    model, mb: TrainBatch, temperature: float, compute_dtype: str = "float32", share_prompts: bool = False
+) -> torch.Tensor:
     """The float32 logits [B, R, V] that predict each response token, divided by ``temperature``
     (> 0): ``forward_response``'s, for a loss over the vocabulary (``distill.loss_mode=forward_kl_topk``)."""
     R = mb.response_mask.shape[1]
@@ -80,12 +85,22 @@ def response_logits(model, mb: TrainBatch, temperature: float, compute_dtype: st
     layout = shared_layout(mb, units) if units is not None and len(units) < len(mb) else None  # a prompt repeats
     with autocast(mb.input_ids.device, compute_dtype):
         if layout is None:
-            out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
-                        use_cache=False, logits_to_keep=R + 1)
+            out = model(
+                input_ids=mb.input_ids,
+                attention_mask=mb.attention_mask,
+                position_ids=mb.position_ids,
+                use_cache=False,
+                logits_to_keep=R + 1,
+            )
             logits = out.logits[:, :-1]
         else:
-            out = model(input_ids=layout.input_ids, attention_mask=layout.attention_mask,
-                        position_ids=layout.position_ids, use_cache=False, logits_to_keep=layout.keep)
+            out = model(
+                input_ids=layout.input_ids,
+                attention_mask=layout.attention_mask,
+                position_ids=layout.position_ids,
+                use_cache=False,
+                logits_to_keep=layout.keep,
+            )
             logits = layout.logits(out.logits)
     logits = logits.float()
     if temperature > 0:
@@ -94,31 +109,69 @@ def response_logits(model, mb: TrainBatch, temperature: float, compute_dtype: st
 
 
 @torch.no_grad()
-def sequence_logprobs(model, sequences, pad_id: int, device, temperature: float, compute_dtype: str = "float32",
-                      micro_batch_size: int = 8, share_prompts: bool = False) -> list[list[float]]:
+def sequence_logprobs(
+    model,
+    sequences,
+    pad_id: int,
+    device,
+    temperature: float,
+    compute_dtype: str = "float32",
+    micro_batch_size: int = 8,
+    share_prompts: bool = False,
+) -> list[list[float]]:
     """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under ``model``,
     as the trainer computes them: one padded batch, ``forward_response`` by micro-batches of
     ``micro_batch_size`` rows (``share_prompts``: rows of one prompt packed after it)."""
     if not sequences:
         return []
-    samples = [Sample(uid=0, prompt_ids=list(p), response_ids=list(r), rollout_logprobs=[0.0] * len(r),
-                      finish_reason="", score=0.0, version=0) for p, r in sequences]
+    samples = [
+        Sample(
+            uid=0,
+            prompt_ids=list(p),
+            response_ids=list(r),
+            rollout_logprobs=[0.0] * len(r),
+            finish_reason="",
+            score=0.0,
+            version=0,
+        )
+        for p, r in sequences
+    ]
     batch = collate(samples, pad_id).to(device)
-    parts = [forward_response(model, mb, temperature, compute_dtype=compute_dtype, share_prompts=share_prompts)[0]
-             for mb in batch.chunks(micro_batch_size)]
+    parts = [
+        forward_response(model, mb, temperature, compute_dtype=compute_dtype, share_prompts=share_prompts)[0]
+        for mb in batch.chunks(micro_batch_size)
+    ]
     logp = torch.cat(parts).cpu()
     return [logp[i, : len(r)].tolist() for i, (_, r) in enumerate(sequences)]
 
 
 @torch.no_grad()
-def sequence_topk(model, sequences, pad_id: int, device, temperature: float, k: int, compute_dtype: str = "float32",
-                  micro_batch_size: int = 8) -> list[tuple[list[float], list[list[int]], list[list[float]]]]:
+def sequence_topk(
+    model,
+    sequences,
+    pad_id: int,
+    device,
+    temperature: float,
+    k: int,
+    compute_dtype: str = "float32",
+    micro_batch_size: int = 8,
+) -> list[tuple[list[float], list[list[int]], list[list[float]]]]:
     """``sequence_logprobs`` with, at each response position, the ``k`` most likely ids and their
     log-probs (a distillation teacher's top-k: ``offstep.algos.distill.topk_forward_kl``)."""
     if not sequences:
         return []
-    samples = [Sample(uid=0, prompt_ids=list(p), response_ids=list(r), rollout_logprobs=[0.0] * len(r),
-                      finish_reason="", score=0.0, version=0) for p, r in sequences]
+    samples = [
+        Sample(
+            uid=0,
+            prompt_ids=list(p),
+            response_ids=list(r),
+            rollout_logprobs=[0.0] * len(r),
+            finish_reason="",
+            score=0.0,
+            version=0,
+        )
+        for p, r in sequences
+    ]
     batch = collate(samples, pad_id).to(device)
     out = []
     for j, mb in enumerate(batch.chunks(micro_batch_size)):

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 
 from offstep.errors import ModelError
 from offstep.files import refuse_links, write_file
-from offstep.models.chat_check import check_chat_template
 from offstep.models.builtin import (
     ALIASES,
     DEFAULT_MODEL,
@@ -25,6 +24,7 @@ from offstep.models.builtin import (
     normalise_alias,
     quiet_transformers,
 )
+from offstep.models.chat_check import check_chat_template
 
 if TYPE_CHECKING:  # heavy imports stay lazy so that config validation stays cheap
     import torch
@@ -50,8 +50,16 @@ _WEIGHT_FILES = (
     "pytorch_model.bin.index.json",
 )
 # A folder with none of these has no tokenizer (one with only some of them may still fail to load).
-_TOKENIZER_GLOBS = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "*.tiktoken", "vocab.json",
-                    "vocab.txt", "spiece.model", "sentencepiece*.model")
+_TOKENIZER_GLOBS = (
+    "tokenizer_config.json",
+    "tokenizer.json",
+    "tokenizer.model",
+    "*.tiktoken",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece*.model",
+)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,7 +154,6 @@ def _check_causal_lm_folder(path: Path, shown: str) -> None:
         )
 
 
-
 def resolve_model(name_or_path: str) -> str:
     """Return a local Hugging Face causal-LM folder for an alias or a local path (building aliases once)."""
     check_model_path(name_or_path)
@@ -171,18 +178,23 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
 
     folder = _as_folder(path)
-    fix = (f"Fix: copy the tokenizer files of the model it was saved from (tokenizer.json, tokenizer_config.json, "
-           f"...) into {folder}, e.g. with AutoTokenizer.from_pretrained(<that model>).save_pretrained({folder!r})")
+    fix = (
+        f"Fix: copy the tokenizer files of the model it was saved from (tokenizer.json, tokenizer_config.json, "
+        f"...) into {folder}, e.g. with AutoTokenizer.from_pretrained(<that model>).save_pretrained({folder!r})"
+    )
     if Path(folder).is_dir() and not any(any(Path(folder).glob(g)) for g in _TOKENIZER_GLOBS):
-        raise ModelError(f"the model folder {folder} has no tokenizer (none of {', '.join(_TOKENIZER_GLOBS)}), so "
-                         f"prompts cannot be tokenized. {fix}")
+        raise ModelError(
+            f"the model folder {folder} has no tokenizer (none of {', '.join(_TOKENIZER_GLOBS)}), so "
+            f"prompts cannot be tokenized. {fix}"
+        )
     try:
         with quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as exc:  # transformers' ValueError / OSError / ... texts name no offstep fix
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ModelError(f"the tokenizer of the model folder {folder} cannot be loaded ({type(exc).__name__}: "
-                         f"{first}). {fix}") from exc
+        raise ModelError(
+            f"the tokenizer of the model folder {folder} cannot be loaded ({type(exc).__name__}: {first}). {fix}"
+        ) from exc
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelError(
@@ -209,9 +221,11 @@ def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | None = None) ->
     except pickle.UnpicklingError:
         # transformers reads .bin weights with weights_only=True; a file it refuses holds more than
         # tensors. Never torch's advice to retry it unrestricted: that would run its code.
-        raise ModelError(f"the model folder {folder} has a weights file (pytorch_model*.bin) that holds a pickled "
-                         f"object that is not plain tensors: refused (loading it could run code). Use a model "
-                         f"saved as safetensors, from a source you trust") from None
+        raise ModelError(
+            f"the model folder {folder} has a weights file (pytorch_model*.bin) that holds a pickled "
+            f"object that is not plain tensors: refused (loading it could run code). Use a model "
+            f"saved as safetensors, from a source you trust"
+        ) from None
     return model.eval()
 
 
@@ -258,8 +272,10 @@ def with_config_overrides(folder: str, overrides: dict, out_dir: Path) -> str:
         known = AutoConfig.from_pretrained(folder)
     unknown = sorted(k for k in overrides if not hasattr(known, k))
     if unknown:
-        raise ModelError(f"model.override_config sets {', '.join(unknown)}, which the config of {folder} "
-                         f"({type(known).__name__}) does not have. Fix: drop them, or use that config's attribute names")
+        raise ModelError(
+            f"model.override_config sets {', '.join(unknown)}, which the config of {folder} "
+            f"({type(known).__name__}) does not have. Fix: drop them, or use that config's attribute names"
+        )
     src = Path(folder)
     config = json.loads((src / "config.json").read_text(encoding="utf-8"))
     for k, v in overrides.items():

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from offstep.errors import ModelError
 from offstep.config.schema import LoRAConfig
+from offstep.errors import ModelError
 
 if TYPE_CHECKING:
     import torch
@@ -36,9 +36,15 @@ def peft_config(cfg: LoRAConfig, base_path: str | None = None):
     """``peft.LoraConfig`` for ``actor.lora`` (bias untouched, no modules saved besides the adapters)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=cfg.rank, lora_alpha=cfg.scale_alpha, lora_dropout=cfg.dropout,
-                      target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM",
-                      base_model_name_or_path=base_path)
+    return LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.scale_alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=list(cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_path,
+    )
 
 
 def add_adapters(model: torch.nn.Module, cfg: LoRAConfig, base_path: str | None = None) -> torch.nn.Module:
@@ -82,16 +88,26 @@ def target_problems(model: torch.nn.Module, cfg: LoRAConfig) -> list[str]:
     for target in cfg.target_modules:
         if not any(n == target or n.endswith("." + target) for n in matched):
             names = sorted({n.rsplit(".", 1)[-1] for n in linears})
-            problems.append(f"actor.lora.target_modules entry {target!r} matches no linear layer of the model; its "
-                            f"linear layers are named {names}")
-    too_narrow = sorted({(n.rsplit(".", 1)[-1], min(m.in_features, m.out_features)) for n, m in matched.items()
-                         if min(m.in_features, m.out_features) < cfg.rank}, key=lambda item: item[1])
+            problems.append(
+                f"actor.lora.target_modules entry {target!r} matches no linear layer of the model; its "
+                f"linear layers are named {names}"
+            )
+    too_narrow = sorted(
+        {
+            (n.rsplit(".", 1)[-1], min(m.in_features, m.out_features))
+            for n, m in matched.items()
+            if min(m.in_features, m.out_features) < cfg.rank
+        },
+        key=lambda item: item[1],
+    )
     if too_narrow:
         layers = ", ".join(f"{name} ({width})" for name, width in too_narrow)
-        problems.append(f"actor.lora.rank={cfg.rank} is larger than the width (the smaller of in/out features) of "
-                        f"these target layers: {layers}; a rank beyond a layer's width adds parameters and no "
-                        f"capacity. Use actor.lora.rank <= {too_narrow[0][1]}, or leave those layers out of "
-                        f"actor.lora.target_modules")
+        problems.append(
+            f"actor.lora.rank={cfg.rank} is larger than the width (the smaller of in/out features) of "
+            f"these target layers: {layers}; a rank beyond a layer's width adds parameters and no "
+            f"capacity. Use actor.lora.rank <= {too_narrow[0][1]}, or leave those layers out of "
+            f"actor.lora.target_modules"
+        )
     return problems
 
 
@@ -118,7 +134,9 @@ def adapter_shapes(folder: str, cfg: LoRAConfig) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in adapter_parameters(meta_model(folder, cfg))}
 
 
-def write_adapter_folder(out: str | Path, adapters: Mapping[str, torch.Tensor], cfg: LoRAConfig, base_path: str) -> None:
+def write_adapter_folder(
+    out: str | Path, adapters: Mapping[str, torch.Tensor], cfg: LoRAConfig, base_path: str
+) -> None:
     """A peft adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) from the
     adapter tensors under the peft model's names: what ``PeftModel.from_pretrained`` and vLLM load."""
     from safetensors.torch import save_file
@@ -126,8 +144,10 @@ def write_adapter_folder(out: str | Path, adapters: Mapping[str, torch.Tensor], 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     peft_config(cfg, base_path).save_pretrained(str(out))
-    save_file({n: t.detach().cpu().contiguous() for n, t in file_names(adapters).items()},
-              str(out / "adapter_model.safetensors"))
+    save_file(
+        {n: t.detach().cpu().contiguous() for n, t in file_names(adapters).items()},
+        str(out / "adapter_model.safetensors"),
+    )
 
 
 # ------------------------------------------------------------------ peft folders

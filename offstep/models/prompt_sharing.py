@@ -56,15 +56,15 @@ def shared_layout(mb: TrainBatch, groups: list[list[int]] | None = None) -> Shar
     index = torch.zeros((len(mb), R), dtype=torch.long, device=device)
     for g, rows in enumerate(groups):
         p = int(prompt_lens[rows[0]])
-        input_ids[g, p_max - p: p_max] = mb.input_ids[rows[0], P - p: P]
-        position_ids[g, p_max - p: p_max] = torch.arange(p, device=device)
-        segment[g, p_max - p: p_max] = PROMPT_SEGMENT
+        input_ids[g, p_max - p : p_max] = mb.input_ids[rows[0], P - p : P]
+        position_ids[g, p_max - p : p_max] = torch.arange(p, device=device)
+        segment[g, p_max - p : p_max] = PROMPT_SEGMENT
         start = p_max
         for i, b in enumerate(rows):
             r = int(response_lens[b])
-            input_ids[g, start: start + r] = mb.input_ids[b, P: P + r]
-            position_ids[g, start: start + r] = torch.arange(p, p + r, device=device)
-            segment[g, start: start + r] = i + 1
+            input_ids[g, start : start + r] = mb.input_ids[b, P : P + r]
+            position_ids[g, start : start + r] = torch.arange(p, p + r, device=device)
+            segment[g, start : start + r] = i + 1
             row[b] = g
             # kept column c holds the logits of packed column p_max - 1 + c: token t of this
             # response is predicted by the prompt's last column (t = 0) or by its own token t - 1.

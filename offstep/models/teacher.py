@@ -38,5 +38,6 @@ def resolve_teacher(path: str, policy_tokenizer, policy_path: str) -> str:
             f"{KEY}={path!r} has a vocabulary of {len(theirs)} tokens and the policy ({policy_path}) one of {len(mine)}, "
             f"not the same ({_first_difference(mine, theirs)}); the teacher scores the student's own token ids, so both "
             f"must share one tokenizer. Fix: give a teacher of the policy's model family (same tokenizer), or distil "
-            f"into a student with the teacher's tokenizer")
+            f"into a student with the teacher's tokenizer"
+        )
     return folder

@@ -74,8 +74,20 @@ class AheadBatches:
 
     def _launch(self, batch_idx: int) -> InFlight:
         epoch, idx = self.prompts.next_batch()
-        return self._in_flight(batch_idx, epoch, idx, generate_batch(  # submitted to the replicas now
-            self.fleet.submit, self.inputs.train, self.params, self.cfg.algorithm, self.cfg.trainer.seed, batch_idx, idx))
+        return self._in_flight(
+            batch_idx,
+            epoch,
+            idx,
+            generate_batch(  # submitted to the replicas now
+                self.fleet.submit,
+                self.inputs.train,
+                self.params,
+                self.cfg.algorithm,
+                self.cfg.trainer.seed,
+                batch_idx,
+                idx,
+            ),
+        )
 
     def _in_flight(self, batch_idx: int, epoch: int, idx: list[int], generated: asyncio.Future) -> InFlight:
         cur = InFlight(batch_idx, epoch, idx, generated)
@@ -166,24 +178,40 @@ def check_mode_of(state: TrainerState, cfg: Config, path) -> None:
     stream = state.stream_groups is not None and bool(state.stream_groups.get("groups"))
     stored = "fully_async" if stream else "batch" if state.in_flight else None
     if stored is not None and stored != cfg.pipeline.mode:
-        raise ConfigError(f"{path} holds samples generated ahead in pipeline.mode={stored}, which "
-                          f"pipeline.mode={cfg.pipeline.mode} would not train (their prompts would be skipped); "
-                          f"resume with pipeline.mode={stored}; a checkpoint written with pipeline.max_staleness=0 "
-                          f"holds none and resumes in either mode")
+        raise ConfigError(
+            f"{path} holds samples generated ahead in pipeline.mode={stored}, which "
+            f"pipeline.mode={cfg.pipeline.mode} would not train (their prompts would be skipped); "
+            f"resume with pipeline.mode={stored}; a checkpoint written with pipeline.max_staleness=0 "
+            f"holds none and resumes in either mode"
+        )
 
 
 def sampling_params(cfg: Config) -> tuple[SamplingParams, SamplingParams]:
     """How training batches and validations are sampled."""
     ro = cfg.rollout
-    train = SamplingParams(n=ro.n, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
-                           max_new_tokens=ro.max_new_tokens, stop=tuple(ro.stop),
-                           greedy_baseline=cfg.algorithm.adv_estimator == "remax")
-    val = SamplingParams(n=ro.val_n, temperature=ro.val_temperature, top_p=ro.val_top_p, top_k=ro.val_top_k,
-                         max_new_tokens=ro.max_new_tokens, stop=tuple(ro.stop))
+    train = SamplingParams(
+        n=ro.n,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
+        max_new_tokens=ro.max_new_tokens,
+        stop=tuple(ro.stop),
+        greedy_baseline=cfg.algorithm.adv_estimator == "remax",
+    )
+    val = SamplingParams(
+        n=ro.val_n,
+        temperature=ro.val_temperature,
+        top_p=ro.val_top_p,
+        top_k=ro.val_top_k,
+        max_new_tokens=ro.max_new_tokens,
+        stop=tuple(ro.stop),
+    )
     return train, val
 
 
-def make_source(cfg: Config, inputs, prompts, workers, fleet, params, timeline, preparer) -> AheadBatches | StreamBatches:
+def make_source(
+    cfg: Config, inputs, prompts, workers, fleet, params, timeline, preparer
+) -> AheadBatches | StreamBatches:
     """The source of ``pipeline.mode``."""
     trainer_first = workers.ref is not None or workers.critic is not None  # passes the advantages need
     if cfg.pipeline.mode == "fully_async":

@@ -42,8 +42,18 @@ from pathlib import Path
 from typing import Callable
 
 from offstep.errors import CheckpointError, ConfigError, LinkRefused, NotAFile, OffstepError
-from offstep.files import (MAX_CONFIG_BYTES, loads_json, loads_yaml, open_regular, read_text, refuse_links, refuse_links_under,
-                           remove_tree, short, walk)
+from offstep.files import (
+    MAX_CONFIG_BYTES,
+    loads_json,
+    loads_yaml,
+    open_regular,
+    read_text,
+    refuse_links,
+    refuse_links_under,
+    remove_tree,
+    short,
+    walk,
+)
 from offstep.pipeline.trainer_state import STATE_FILE, TrainerState, decode_state, encode_state
 from offstep.telemetry.names import Role
 from offstep.train.checkpoint import check_role, fsync_tree, replace_dir, write_durably, write_failed
@@ -59,8 +69,15 @@ ROLES = (Role.ACTOR, Role.CRITIC)  # a checkpoint's role folders, named after th
 # Keys a resumed run must share with the run that wrote the checkpoint, or it would not be the
 # same run continued (the rest, e.g. total_steps, logging, may change).
 MUST_MATCH = (
-    "model.path", "data.train_files", "data.task", "data.task_options", "data.train_batch_size",
-    "rollout.n", "pipeline.max_staleness", "trainer.seed", "algorithm.adv_estimator",
+    "model.path",
+    "data.train_files",
+    "data.task",
+    "data.task_options",
+    "data.train_batch_size",
+    "rollout.n",
+    "pipeline.max_staleness",
+    "trainer.seed",
+    "algorithm.adv_estimator",
 )
 
 
@@ -172,17 +189,26 @@ def open_checkpoint(path: Path) -> Loaded:
             raise damaged(str(e)) from None
         changed = sorted(f for f in files if found.get(f) != files[f])
         if changed:
-            raise damaged(f"{changed[0]} is not the file that was written (its size or SHA-256 differs, or it is "
-                          f"missing{f'; {len(changed)} files differ' if len(changed) > 1 else ''})")
+            raise damaged(
+                f"{changed[0]} is not the file that was written (its size or SHA-256 differs, or it is "
+                f"missing{f'; {len(changed)} files differ' if len(changed) > 1 else ''})"
+            )
     return Loaded(path, state, run_id, config_yaml)
 
 
 # What the saved config's fields that offstep reads back must be (resume compares them; export
 # builds the model from them).
 _SAVED_TYPES = {
-    "model.path": (str,), "model.dtype": (str,), "actor.lora.rank": (int,), "actor.lora.alpha": (int, float),
-    "actor.lora.dropout": (int, float), "trainer.seed": (int,), "data.train_batch_size": (int,), "rollout.n": (int,),
-    "pipeline.max_staleness": (int,), "algorithm.adv_estimator": (str,),
+    "model.path": (str,),
+    "model.dtype": (str,),
+    "actor.lora.rank": (int,),
+    "actor.lora.alpha": (int, float),
+    "actor.lora.dropout": (int, float),
+    "trainer.seed": (int,),
+    "data.train_batch_size": (int,),
+    "rollout.n": (int,),
+    "pipeline.max_staleness": (int,),
+    "algorithm.adv_estimator": (str,),
 }
 
 
@@ -211,8 +237,10 @@ def best_checkpoint(run_dir: str | Path, metric: str = "val/acc") -> tuple[int, 
     try:
         records = read_jsonl(path)
     except (OSError, ValueError, OffstepError) as e:
-        raise ConfigError(f"the best checkpoint is picked by the scores in {path}, which cannot be read ({e}); "
-                          f"name the checkpoint with --step instead") from None
+        raise ConfigError(
+            f"the best checkpoint is picked by the scores in {path}, which cannot be read ({e}); "
+            f"name the checkpoint with --step instead"
+        ) from None
     scores: dict[int, float] = {}
     for r in records:
         step, v = r.get("step"), r.get(metric)
@@ -230,8 +258,14 @@ class Checkpoints:
     ``(phase, step)`` as a write reaches each of ``PHASES``: a timing seam, by which the random-kill
     tests' launcher (``tests/kill_points.py``) holds the driver at one to kill it there."""
 
-    def __init__(self, output_dir: str | Path, keep: int = 0, run_id: str = "", best_metric: str | None = None,
-                 on_phase: Callable[[str, int], None] | None = None):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        keep: int = 0,
+        run_id: str = "",
+        best_metric: str | None = None,
+        on_phase: Callable[[str, int], None] | None = None,
+    ):
         self.root = Path(output_dir) / "checkpoints"
         self.keep = keep
         self.run_id = run_id
@@ -261,7 +295,9 @@ class Checkpoints:
             raise write_failed(path, e) from None
         return path
 
-    def commit(self, staging: Path, state: TrainerState, config_yaml: str, before_publish: Callable[[], None] = lambda: None) -> Path:
+    def commit(
+        self, staging: Path, state: TrainerState, config_yaml: str, before_publish: Callable[[], None] = lambda: None
+    ) -> Path:
         """Write the config and, last, the driver's state; fsync everything; rename into place.
         ``before_publish`` runs just before the rename: what must be on disk whenever the
         checkpoint is (the run's records of its step: a resume from it keeps them, and writes
@@ -287,9 +323,14 @@ class Checkpoints:
         if self.keep <= 0:
             return
         best = best_checkpoint(self.root.parent, self.best_metric) if self.best_metric else None
-        ours = [p for s, p in complete_checkpoints(self.root)
-                if s < committed and not p.name.endswith(".replaced") and read_run_id(p) == self.run_id
-                and (best is None or s != best[0])]
+        ours = [
+            p
+            for s, p in complete_checkpoints(self.root)
+            if s < committed
+            and not p.name.endswith(".replaced")
+            and read_run_id(p) == self.run_id
+            and (best is None or s != best[0])
+        ]
         for path in ours[: max(0, len(ours) - (self.keep - 1))]:
             remove_tree(path)
 
@@ -303,15 +344,18 @@ class Checkpoints:
             found = [(s, p) for s, p in found if s == step]
             if not found:
                 have = [s for s, _ in complete_checkpoints(self.root)]
-                raise ConfigError(f"{self.root} has no checkpoint of step {step} (trainer.resume_step={step}); "
-                                  f"it has steps {have}")
+                raise ConfigError(
+                    f"{self.root} has no checkpoint of step {step} (trainer.resume_step={step}); it has steps {have}"
+                )
         skipped: list[Path] = []
         for _, path in reversed(found):
             try:
                 loaded = open_checkpoint(path)
                 if self.run_id and loaded.run_id != self.run_id:
-                    raise CheckpointError(f"the checkpoint {path} was written by run {loaded.run_id}, not by this "
-                                          f"folder's run {self.run_id}")
+                    raise CheckpointError(
+                        f"the checkpoint {path} was written by run {loaded.run_id}, not by this "
+                        f"folder's run {self.run_id}"
+                    )
             except CheckpointError as e:
                 if step:
                     raise
@@ -319,7 +363,9 @@ class Checkpoints:
                 skipped.append(path)
                 continue
             if skipped:
-                log(f"offstep: resuming from the previous complete checkpoint instead: step {loaded.state.step} ({path})")
+                log(
+                    f"offstep: resuming from the previous complete checkpoint instead: step {loaded.state.step} ({path})"
+                )
             return loaded, skipped
         return None, skipped
 
@@ -355,8 +401,11 @@ def resolve_path(path: str | Path, step: int | None = None) -> Path:
     root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
     found = dict(complete_checkpoints(root))
     if not found:
-        legacy = " (its checkpoints are of an older offstep: trainer_state.pt, a pickle, which is not loaded)" if any(
-            root.glob(f"step_*/{LEGACY_STATE_FILE}")) else ""
+        legacy = (
+            " (its checkpoints are of an older offstep: trainer_state.pt, a pickle, which is not loaded)"
+            if any(root.glob(f"step_*/{LEGACY_STATE_FILE}"))
+            else ""
+        )
         raise ConfigError(
             f"{str(path)!r} holds no complete checkpoint{legacy} (looked for {root}/step_<N>/{STATE_FILE}); give a run "
             f"directory trained with trainer.save_freq > 0, or one of its checkpoints/step_<N> folders"
@@ -400,8 +449,11 @@ def check_compatible(saved_yaml: str, cfg) -> None:
     """Refuse to resume a checkpoint written by a run that differs in a key that changes what
     the continued run would compute."""
     saved, now = read_config(saved_yaml), dataclasses.asdict(cfg)
-    diffs = [f"{key}: checkpoint {short(select(saved, key))}, now {short(select(now, key))}"
-             for key in MUST_MATCH if select(saved, key) != select(now, key)]
+    diffs = [
+        f"{key}: checkpoint {short(select(saved, key))}, now {short(select(now, key))}"
+        for key in MUST_MATCH
+        if select(saved, key) != select(now, key)
+    ]
     if diffs:
         raise ConfigError(
             "the checkpoint was written by a different run configuration (" + "; ".join(diffs) + "); resume with "

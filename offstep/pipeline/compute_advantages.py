@@ -75,7 +75,9 @@ def compute_advantages(
     if algo.overlong_penalty:
         if max_response_length is None:
             raise ValueError("the overlong penalty needs max_response_length (rollout.max_new_tokens)")
-        pen = overlong_penalty(mask.sum(-1), max_response_length, algo.overlong_buffer_len, algo.overlong_penalty_factor)
+        pen = overlong_penalty(
+            mask.sum(-1), max_response_length, algo.overlong_buffer_len, algo.overlong_penalty_factor
+        )
         scores = scores + pen
         m[Reward.OVERLONG_PENALTY] = float(pen.mean())
         if baseline is not None and batch.baseline_lengths is not None:
@@ -89,7 +91,9 @@ def compute_advantages(
             raise ValueError("algorithm.use_kl_in_reward needs the batch's ref_logprobs and old_logprobs")
         kl_ctrl = kl_ctrl or build_kl_controller(algo)
         beta = kl_ctrl.value
-        penalised, kl = kl_penalized_rewards(token_rewards, batch.old_logprobs, batch.ref_logprobs, mask, beta, algo.kl_penalty)
+        penalised, kl = kl_penalized_rewards(
+            token_rewards, batch.old_logprobs, batch.ref_logprobs, mask, beta, algo.kl_penalty
+        )
         seq_scores = seq_scores + (penalised - token_rewards).sum(-1)  # score - beta * sum_t kl_t
         token_rewards = penalised
         kl_ctrl.update(float(kl), n_steps=len(batch))
@@ -97,8 +101,9 @@ def compute_advantages(
 
     est = algo.adv_estimator
     if est == "grpo":
-        adv, ret = grpo_outcome_advantage(seq_scores, batch.group_ids, mask, norm_by_std=algo.norm_adv_by_std,
-                                          alone=algo.one_response_groups)
+        adv, ret = grpo_outcome_advantage(
+            seq_scores, batch.group_ids, mask, norm_by_std=algo.norm_adv_by_std, alone=algo.one_response_groups
+        )
     elif est == "rloo":
         adv, ret = rloo_advantage(seq_scores, batch.group_ids, mask, alone=algo.one_response_groups)
     elif est == "opo":
@@ -128,12 +133,14 @@ def compute_advantages(
     batch.returns = ret
     valid = mask.bool()
     if valid.any():
-        m.update({
-            Adv.MEAN: float(masked_mean(adv, valid)),
-            Adv.ABS_MEAN: float(masked_mean(adv.abs(), valid)),
-            Adv.MAX: float(adv[valid].max()),
-            Adv.MIN: float(adv[valid].min()),
-        })
+        m.update(
+            {
+                Adv.MEAN: float(masked_mean(adv, valid)),
+                Adv.ABS_MEAN: float(masked_mean(adv.abs(), valid)),
+                Adv.MAX: float(adv[valid].max()),
+                Adv.MIN: float(adv[valid].min()),
+            }
+        )
     return m
 
 
@@ -144,8 +151,9 @@ def _distill(batch: TrainBatch, task, d: DistillConfig) -> dict[str, float]:
     student = batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
     mask = batch.response_mask
     if d.loss_mode == "k1":
-        batch.advantages = distill_advantages(task if d.use_task_rewards else None, student, batch.teacher_logprobs,
-                                              mask, d.coef, d.log_prob_min_clamp)
+        batch.advantages = distill_advantages(
+            task if d.use_task_rewards else None, student, batch.teacher_logprobs, mask, d.coef, d.log_prob_min_clamp
+        )
     else:  # forward_kl_topk: the teacher's signal is a loss term of the actor's (offstep.train.actor)
         batch.advantages = task if d.use_task_rewards else task.new_zeros(task.shape)
     kl, teacher = distill_metrics(student, batch.teacher_logprobs, mask)

@@ -29,8 +29,16 @@ import ray
 from offstep.config.schema import Config, to_yaml
 from offstep.data.prompt_stream import PromptStream
 from offstep.files import write_file
-from offstep.pipeline.compute_advantages import build_kl_controller
+from offstep.pipeline.batch_source import (
+    AheadBatches,
+    StreamBatches,
+    check_mode_of,
+    make_source,
+    sampling_params,
+    unless_failed,
+)
 from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints, load_failed
+from offstep.pipeline.compute_advantages import build_kl_controller
 from offstep.pipeline.evaluation import summarise
 from offstep.pipeline.fleet import RolloutFleet
 from offstep.pipeline.inputs import prepare_inputs
@@ -38,7 +46,6 @@ from offstep.pipeline.lending import CoreLending
 from offstep.pipeline.prepare import BatchPreparer, Prepared
 from offstep.pipeline.replay import SCHEDULE_FILE
 from offstep.pipeline.run_dir import open_run
-from offstep.pipeline.batch_source import AheadBatches, StreamBatches, check_mode_of, make_source, sampling_params, unless_failed
 from offstep.pipeline.step_metrics import record_generation
 from offstep.pipeline.stop import StopRequest
 from offstep.pipeline.train_stages import TrainerStages
@@ -91,8 +98,13 @@ class Controller:
 
     def _prepare_run(self, run) -> None:
         cfg = self.cfg
-        self.checkpoints = Checkpoints(self.out, cfg.trainer.keep_checkpoints, run.run_id,
-                                       cfg.trainer.best_metric if cfg.trainer.keep_best else None, self.on_phase)
+        self.checkpoints = Checkpoints(
+            self.out,
+            cfg.trainer.keep_checkpoints,
+            run.run_id,
+            cfg.trainer.best_metric if cfg.trainer.keep_best else None,
+            self.on_phase,
+        )
         self.resume_from = run.resume.path if run.resume is not None else None
         self.resumed: TrainerState | None = run.resume.state if run.resume is not None else None
         if self.resumed is not None:
@@ -102,12 +114,15 @@ class Controller:
         write_file(self.out / "config.yaml", to_yaml(cfg))
         self.console.log(f"offstep: preparing data and model ({cfg.model.path})")
         self.inputs = prepare_inputs(cfg, self.out)
-        self.stream = PromptStream(len(self.inputs.train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle)
+        self.stream = PromptStream(
+            len(self.inputs.train), cfg.data.train_batch_size, cfg.trainer.seed, cfg.data.shuffle
+        )
         self.params, self.val_params = sampling_params(cfg)
         self.kl_ctrl = build_kl_controller(cfg.algorithm)  # the KL-in-reward coefficient (checkpointed)
         self.loggers = RunLoggers(self.out, cfg, append=self.resumed is not None)
-        self.timeline = Timeline(self.out / "timeline.jsonl", t0=self.resumed and self.resumed.t0,
-                                 append=self.resumed is not None)
+        self.timeline = Timeline(
+            self.out / "timeline.jsonl", t0=self.resumed and self.resumed.t0, append=self.resumed is not None
+        )
         self.preparer = BatchPreparer(cfg, self.inputs, self.timeline, self.loggers, self.kl_ctrl)
         self.stop = StopRequest(self.console.log)
         self.version = 0  # the trainer's policy version: updates applied
@@ -120,13 +135,16 @@ class Controller:
         self.sync = WeightSync(self.cfg.pipeline, self.workers)
         lending = CoreLending(self.workers.groups, self.workers.lend_cores) if self.workers.lend_cores else None
         self.fleet = RolloutFleet(self.workers, self.cfg.rollout, self.sync.reload, self.console.log, lending=lending)
-        self.source = make_source(self.cfg, self.inputs, self.stream, self.workers, self.fleet, self.params,
-                                  self.timeline, self.preparer)
+        self.source = make_source(
+            self.cfg, self.inputs, self.stream, self.workers, self.fleet, self.params, self.timeline, self.preparer
+        )
         self.trainer = TrainerStages(self.cfg, self.workers, self.fleet, self.sync, self.preparer, self.timeline)
         if self.resumed is not None:
             st, roles = self.resumed, self.workers.stateful
             try:
-                ray.get([h for g in roles for h in g.submit(RoleWorker.load_checkpoint, str(self.resume_from / g.name))])
+                ray.get(
+                    [h for g in roles for h in g.submit(RoleWorker.load_checkpoint, str(self.resume_from / g.name))]
+                )
             except ray.exceptions.RayTaskError as e:  # damage only a load reveals (garbled, pickled items)
                 raise load_failed(self.resume_from, getattr(e, "cause", None) or e) from None
             self.start_step, self.version, self.fleet.restarts = st.step, st.version, st.restarts
@@ -168,7 +186,9 @@ class Controller:
                 self.live.note(Role.TRAINER, Stage.SYNC, step=step)
                 export, loads = await self.sync.finish(self.version, update_end)
                 self.timeline.add(Role.TRAINER, Stage.SYNC_EXPORT, step, export.start, export.end)
-            validate = cfg.trainer.val_freq >= 0 and (step == N or (cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0))
+            validate = cfg.trainer.val_freq >= 0 and (
+                step == N or (cfg.trainer.val_freq and step % cfg.trainer.val_freq == 0)
+            )
             record = StepRecord(step, self.version, m, export.seconds, loads, bool(validate) and bool(self.inputs.val))
             if record.validate and not self.source.validate_after_loads:
                 record.validation = self._start_validation()  # queued now, behind the load on every replica
@@ -180,8 +200,11 @@ class Controller:
                 m[Perf.LENT_CORES_S] = self.fleet.lending.take_seconds()
             m["policy_version"] = self.version
             save_freq, saves = cfg.trainer.save_freq, cfg.trainer.save_freq or cfg.trainer.save_last
-            saving = (save_freq and step % save_freq == 0) or (saves and (step == N or self.stop.requested)) or (
-                0 < cfg.trainer.save_interval_s <= now - saved_at)  # so that a kill loses minutes, not the run
+            saving = (
+                (save_freq and step % save_freq == 0)
+                or (saves and (step == N or self.stop.requested))
+                or (0 < cfg.trainer.save_interval_s <= now - saved_at)
+            )  # so that a kill loses minutes, not the run
             if saving:
                 self.source.hold()  # nothing admitted between this step's sync and its checkpoint
             finishing = asyncio.ensure_future(self._finish_step(record, finishing))
@@ -189,8 +212,10 @@ class Controller:
                 await self._save_checkpoint(step, finishing)
                 t_step = saved_at = time.time()  # a save is not part of the next step's time
             if self.stop.requested:
-                self.console.log(f"offstep: stopped after step {step}" + (
-                    "" if saves else " (no checkpoint: trainer.save_freq=0 and trainer.save_last=false)"))
+                self.console.log(
+                    f"offstep: stopped after step {step}"
+                    + ("" if saves else " (no checkpoint: trainer.save_freq=0 and trainer.save_last=false)")
+                )
                 break
         if finishing is not None:
             await finishing
@@ -219,11 +244,20 @@ class Controller:
         transport = "collective" if report.collective else "object_store"
         for i, r in enumerate(report.loads):
             if r is not None:
-                self.timeline.add(replica(i), Stage.LOAD_WEIGHTS, record.step, r.span.start, r.span.end,
-                                  version=r.span.version, transport=transport)
+                self.timeline.add(
+                    replica(i),
+                    Stage.LOAD_WEIGHTS,
+                    record.step,
+                    r.span.start,
+                    r.span.end,
+                    version=r.span.version,
+                    transport=transport,
+                )
                 for wake in r.woke:  # a sleeping replica's wakes (rollout.sleep_during_update)
                     self.timeline.add(replica(i), Stage.WAKE, record.step, wake.start, wake.end)
-        m[Timing.SYNC_WEIGHTS] = record.export_s + max((r.span.seconds for r in report.loads if r is not None), default=0.0)
+        m[Timing.SYNC_WEIGHTS] = record.export_s + max(
+            (r.span.seconds for r in report.loads if r is not None), default=0.0
+        )
         m[Sync.VERIFIED] = float(report.verified)
         m[Timing.SYNC_VERIFY] = report.verify_s  # wall clock: with the other timings, not compared on resume
         m[Sync.COLLECTIVE] = float(report.collective)
@@ -256,12 +290,24 @@ class Controller:
         self.checkpoints.phase("staged", step)  # on_phase: a kill test holds the write here
         await asyncio.gather(*(g.run(RoleWorker.save_checkpoint, str(staging / g.name)) for g in self.workers.stateful))
         self.checkpoints.phase("shards", step)
-        state = TrainerState(step, self.version, self.timeline.t0, self.stream.state_dict(), in_flight, self.fleet.restarts,
-                             self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None, self.source.stored_groups())
+        state = TrainerState(
+            step,
+            self.version,
+            self.timeline.t0,
+            self.stream.state_dict(),
+            in_flight,
+            self.fleet.restarts,
+            self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+            self.source.stored_groups(),
+        )
         # Its timeline entry goes in before the checkpoint is published: killed just after, a
         # resume from this checkpoint would never write it.
-        path = self.checkpoints.commit(staging, state, to_yaml(self.cfg),
-                                       lambda: self.timeline.add(Role.TRAINER, Stage.CHECKPOINT, step, t0, time.time()))
+        path = self.checkpoints.commit(
+            staging,
+            state,
+            to_yaml(self.cfg),
+            lambda: self.timeline.add(Role.TRAINER, Stage.CHECKPOINT, step, t0, time.time()),
+        )
         self.console.log(f"offstep: checkpoint {path} ({time.time() - t0:.1f} s)")
         self.source.thaw()
 

@@ -64,8 +64,15 @@ def assemble(samples: list[Sample], groups_needed: int) -> tuple[list[Sample], i
     return [s for u in uids if u in chosen for s in groups[u]], len(good), len(fill)
 
 
-def generate_batch(submit: Callable[..., asyncio.Future], prompts: list, params, algo: AlgorithmConfig, seed: int,
-                   batch_idx: int, idx: list[int]) -> asyncio.Future:
+def generate_batch(
+    submit: Callable[..., asyncio.Future],
+    prompts: list,
+    params,
+    algo: AlgorithmConfig,
+    seed: int,
+    batch_idx: int,
+    idx: list[int],
+) -> asyncio.Future:
     """One batch: its prompts ``idx`` once, or with dynamic sampling, more prompts until enough
     groups have unequal rewards. ``submit(prompts, params, seed, key, uid0)`` is the fleet's. The
     first round is submitted before this returns (see ``RolloutFleet.submit``), so a weight load
@@ -92,8 +99,10 @@ def generate_batch(submit: Callable[..., asyncio.Future], prompts: list, params,
             gen.samples.extend(kept)
             gen.dropped.extend(dropped)
             if gen.dropped and not gen.samples and attempt + 1 == attempts:
-                raise RuntimeError(f"every group of batch {batch_idx} had a rollout whose environment failed "
-                                   "(env.on_error): nothing is left to train. See env/errors, env/timeouts")
+                raise RuntimeError(
+                    f"every group of batch {batch_idx} had a rollout whose environment failed "
+                    "(env.on_error): nothing is left to train. See env/errors, env/timeouts"
+                )
             if not algo.dynamic_sampling:
                 return gen
             chosen, gen.kept_groups, gen.filled_groups = assemble(gen.samples, bs)

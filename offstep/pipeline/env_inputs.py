@@ -17,8 +17,16 @@ def env_inputs(cfg) -> tuple[list[PromptRecord], list[PromptRecord], object]:
     if hasattr(fn, "close"):
         fn.close()
     source = f"{spec.kind}:{spec.id}"
-    records = [PromptRecord(index=i, data_source=source, messages=m, ground_truth=None,
-                            extra_info={"env_task": i, "index": i}, agent_name=OPENAI_AGENT)
-               for i, m in enumerate(prompts)]
+    records = [
+        PromptRecord(
+            index=i,
+            data_source=source,
+            messages=m,
+            ground_truth=None,
+            extra_info={"env_task": i, "index": i},
+            agent_name=OPENAI_AGENT,
+        )
+        for i, m in enumerate(prompts)
+    ]
     train, val = split(records, spec.val_size)
     return train, val, agent

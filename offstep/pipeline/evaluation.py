@@ -20,9 +20,15 @@ from offstep.telemetry.names import Val, per_source
 
 # What messages call the settings: offstep eval's flags (offstep.data.dataset.TRAIN_KEYS and
 # offstep.rollout.agents.tools.TRAIN_KEYS name the config keys of offstep train).
-DATA_FLAGS = {"files": "--data", "prompt_key": "--prompt-key", "answer_key": "--answer-key",
-              "max_prompt_length": "--max-prompt-length", "tools": "--tools", "reward_path": "--reward-path",
-              "max_rows": "--max-rows"}
+DATA_FLAGS = {
+    "files": "--data",
+    "prompt_key": "--prompt-key",
+    "answer_key": "--answer-key",
+    "max_prompt_length": "--max-prompt-length",
+    "tools": "--tools",
+    "reward_path": "--reward-path",
+    "max_rows": "--max-rows",
+}
 TOOL_FLAGS = {"path": "--tools-path", "names": "--tools", "timeout": "--tool-timeout"}
 
 
@@ -71,8 +77,12 @@ def summarise(samples: list[Sample], prefix: str = Val.PREFIX) -> dict[str, floa
             per_prompt[s.uid].append(s)
         n = max(len(v) for v in per_prompt.values())
         if n > 1:
-            m[per_source(prefix, src, f"acc/best@{n}")] = sum(max(map(is_correct, v)) for v in per_prompt.values()) / len(per_prompt)
-            m[per_source(prefix, src, f"reward/best@{n}")] = sum(max(s.score for s in v) for v in per_prompt.values()) / len(per_prompt)
+            m[per_source(prefix, src, f"acc/best@{n}")] = sum(
+                max(map(is_correct, v)) for v in per_prompt.values()
+            ) / len(per_prompt)
+            m[per_source(prefix, src, f"reward/best@{n}")] = sum(
+                max(s.score for s in v) for v in per_prompt.values()
+            ) / len(per_prompt)
     return m
 
 
@@ -110,8 +120,14 @@ def run_eval(
     from offstep.rollout.worker import RolloutSpec, RolloutWorker
 
     check_model_path(model)
-    reward = RewardFunction(reward_path, reward_name, reward_timeout, timeout_key="--reward-timeout",
-                            path_key="--reward-path", name_key="--reward-name")
+    reward = RewardFunction(
+        reward_path,
+        reward_name,
+        reward_timeout,
+        timeout_key="--reward-timeout",
+        path_key="--reward-path",
+        name_key="--reward-name",
+    )
     records = load_records(data, prompt_key=prompt_key, answer_key=answer_key, keys=DATA_FLAGS, max_rows=max_rows)
     if not reward_path:
         check_rule_ground_truths(records, data, DATA_FLAGS)
@@ -125,8 +141,16 @@ def run_eval(
 
         schemas = [t.schema for t in load_tools(agent.tools_path, list(agent.tools), agent.tool_timeout_s, TOOL_FLAGS)]
     prompts = encode_prompts(records, load_tokenizer(path), max_prompt_length, tools=schemas, keys=DATA_FLAGS)
-    worker = RolloutWorker(RolloutSpec.local(path, reward, max(batch_size * n, 1), num_threads=threads or os.cpu_count() or 1,
-                                             reward_threads=2, agent=agent))
+    worker = RolloutWorker(
+        RolloutSpec.local(
+            path,
+            reward,
+            max(batch_size * n, 1),
+            num_threads=threads or os.cpu_count() or 1,
+            reward_threads=2,
+            agent=agent,
+        )
+    )
     params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens)
     samples: list[Sample] = []
     for start in range(0, len(prompts), batch_size):

@@ -33,7 +33,18 @@ from offstep.models.builtin import ALIASES, normalise_alias
 from offstep.models.forward import DTYPES
 from offstep.models.loading import cache_dir, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_base, adapter_parameters, add_adapters, is_adapter_folder, merged_model
-from offstep.pipeline.checkpoints import LEGACY_STATE_FILE, STATE_FILE, best_checkpoint, complete_checkpoints, earlier_intact, file_digests, open_checkpoint, read_config, resolve_path, select
+from offstep.pipeline.checkpoints import (
+    LEGACY_STATE_FILE,
+    STATE_FILE,
+    best_checkpoint,
+    complete_checkpoints,
+    earlier_intact,
+    file_digests,
+    open_checkpoint,
+    read_config,
+    resolve_path,
+    select,
+)
 from offstep.telemetry.names import Role
 from offstep.train.checkpoint import fsync_tree, load_model_weights, replace_dir, write_durably, write_failed
 
@@ -72,8 +83,14 @@ def _lora_of(config_yaml: str) -> LoRAConfig | None:
     return LoRAConfig(**{k: v for k, v in saved.items() if k in known})
 
 
-def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int | None = None, force: bool = False,
-                      base: str | None = None, merge: bool = False) -> Path:
+def export_checkpoint(
+    run_or_checkpoint: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    force: bool = False,
+    base: str | None = None,
+    merge: bool = False,
+) -> Path:
     """Write the policy of a checkpoint (a run's latest, or ``step``) to ``out`` as a model
     folder that ``AutoModelForCausalLM.from_pretrained`` loads, or, for a LoRA run without
     ``merge``, as a peft adapter folder. A non-empty ``out`` is refused unless ``force``.
@@ -86,8 +103,10 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
         raise CheckpointError(f"{e}; {earlier_intact(path, 'export', '--step ')}") from None
     _check_destination(out, loaded.path)
     if (out.exists() or out.is_symlink()) and not force and not (out.is_dir() and not any(out.iterdir())):
-        raise ConfigError(f"{out} exists and is not empty; give another --out, or --force to replace it (the old "
-                          f"folder is deleted only once the new one is in place)")
+        raise ConfigError(
+            f"{out} exists and is not empty; give another --out, or --force to replace it (the old "
+            f"folder is deleted only once the new one is in place)"
+        )
     folder, dtype = _base_model(loaded.path, loaded.config_yaml, base)
     model = load_causal_lm(folder, dtype=DTYPES[dtype])
     lora = _lora_of(loaded.config_yaml)
@@ -106,9 +125,13 @@ def export_checkpoint(run_or_checkpoint: str | Path, out: str | Path, step: int 
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(folder).save_pretrained(tmp)
-        done = {"checkpoint": str(loaded.path.resolve()), "step": loaded.state.step, "base_model": folder,
-                "form": "model" if lora is None else "merged" if merge else "adapter",
-                "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+        done = {
+            "checkpoint": str(loaded.path.resolve()),
+            "step": loaded.state.step,
+            "base_model": folder,
+            "form": "model" if lora is None else "merged" if merge else "adapter",
+            "written": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
         write_durably(tmp / DONE, json.dumps(done) + "\n")
         fsync_tree(tmp)
         replace_dir(tmp, out, out.with_name(f".{out.name}.old-{os.getpid()}"))
@@ -136,20 +159,32 @@ def _check_destination(out: Path, ckpt: Path) -> None:
     itself, a folder inside it or holding it, or any folder holding a run (even with ``--force``)."""
     dest, src = out.absolute().resolve(), ckpt.resolve()
     if dest == src or src in dest.parents or dest in src.parents:
-        raise ConfigError(f"--out {out} is, holds or lies inside the checkpoint being exported ({ckpt}); replacing it "
-                          f"would destroy that checkpoint, even with --force. Give an --out outside it, e.g. "
-                          f"{src.parents[1] / 'hf'}")
+        raise ConfigError(
+            f"--out {out} is, holds or lies inside the checkpoint being exported ({ckpt}); replacing it "
+            f"would destroy that checkpoint, even with --force. Give an --out outside it, e.g. "
+            f"{src.parents[1] / 'hf'}"
+        )
     if not dest.is_dir() or dest.is_symlink():
         return
     try:
-        held = next((Path(folder) for folder, dirs, others in walk(dest, limit=_MAX_OUT_ENTRIES)
-                     if {e.name for e in dirs + others} & _RUN_NAMES), None)
+        held = next(
+            (
+                Path(folder)
+                for folder, dirs, others in walk(dest, limit=_MAX_OUT_ENTRIES)
+                if {e.name for e in dirs + others} & _RUN_NAMES
+            ),
+            None,
+        )
     except (NotAFile, OSError) as e:
-        raise ConfigError(f"--out {out} cannot be checked for runs and checkpoints ({e}); export replaces only a "
-                          f"model folder, even with --force. Give another --out") from None
+        raise ConfigError(
+            f"--out {out} cannot be checked for runs and checkpoints ({e}); export replaces only a "
+            f"model folder, even with --force. Give another --out"
+        ) from None
     if held is not None:
-        raise ConfigError(f"--out {out} holds an offstep run or checkpoint ({held}); export never replaces one, at any "
-                          f"depth, even with --force. Give another --out")
+        raise ConfigError(
+            f"--out {out} holds an offstep run or checkpoint ({held}); export never replaces one, at any "
+            f"depth, even with --force. Give another --out"
+        )
 
 
 def is_run_or_checkpoint(path: str | Path) -> bool:
@@ -163,9 +198,11 @@ def best_step(run: str | Path, metric: str = "val/acc") -> int:
         raise ConfigError(f"--best picks among a run's checkpoints: give the run directory, not the checkpoint {run}")
     found = best_checkpoint(run, metric)
     if found is None:
-        raise ConfigError(f"{run} has no checkpoint of a step whose {metric} its metrics.jsonl records: train with "
-                          f"trainer.save_freq a multiple of trainer.val_freq (trainer.keep_best=true keeps the best "
-                          f"one when trainer.keep_checkpoints prunes), or name a checkpoint with --step")
+        raise ConfigError(
+            f"{run} has no checkpoint of a step whose {metric} its metrics.jsonl records: train with "
+            f"trainer.save_freq a multiple of trainer.val_freq (trainer.keep_best=true keeps the best "
+            f"one when trainer.keep_checkpoints prunes), or name a checkpoint with --step"
+        )
     return found[0]
 
 
@@ -181,9 +218,11 @@ def model_for_eval(path: str | Path, step: int | None = None) -> str:
         return str(path)
     p = Path(path)
     if not (p / STATE_FILE).is_file() and not complete_checkpoints(p / "checkpoints"):
-        raise ConfigError(f"the run {path} has no checkpoint, so it kept no trained policy to evaluate: it ran with "
-                          f"trainer.save_last=false and trainer.save_freq=0. Train with trainer.save_last=true (the "
-                          f"default) or trainer.save_freq=N, or give a model folder")
+        raise ConfigError(
+            f"the run {path} has no checkpoint, so it kept no trained policy to evaluate: it ran with "
+            f"trainer.save_last=false and trainer.save_freq=0. Train with trainer.save_last=true (the "
+            f"default) or trainer.save_freq=N, or give a model folder"
+        )
     loaded = open_checkpoint(resolve_path(path, step))
     digest = hashlib.sha256(loaded.config_yaml.encode())
     for name, (size, sha) in sorted(file_digests(loaded.path / Role.ACTOR, skip=()).items()):
@@ -206,16 +245,20 @@ def merge_adapter_folder(path: str | Path) -> Path:
         return out
     name = adapter_base(path)
     if normalise_alias(name) is None and not Path(name).expanduser().is_dir():
-        raise ConfigError(f"the adapter folder {path} names the base model {name!r} (base_model_name_or_path in "
-                          f"adapter_config.json), which is neither a built-in alias ({', '.join(ALIASES)}) nor a local "
-                          f"folder; set it to the base model's folder")
+        raise ConfigError(
+            f"the adapter folder {path} names the base model {name!r} (base_model_name_or_path in "
+            f"adapter_config.json), which is neither a built-in alias ({', '.join(ALIASES)}) nor a local "
+            f"folder; set it to the base model's folder"
+        )
     folder = resolve_model(name)
     model = merged_model(path, load_causal_lm(folder))
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_folder(out)
     try:
         model.save_pretrained(tmp, safe_serialization=True)
-        (load_tokenizer(path) if (path / "tokenizer_config.json").is_file() else load_tokenizer(folder)).save_pretrained(tmp)
+        (
+            load_tokenizer(path) if (path / "tokenizer_config.json").is_file() else load_tokenizer(folder)
+        ).save_pretrained(tmp)
         write_durably(tmp / DONE, json.dumps({"adapter": str(path), "base_model": folder}) + "\n")
         fsync_tree(tmp)
         replace_dir(tmp, out, out.with_name(f".{out.name}.old-{os.getpid()}"))

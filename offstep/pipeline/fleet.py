@@ -40,15 +40,24 @@ async def _await(object_ref):
 
 
 class RolloutFleet:
-    def __init__(self, workers: Workers, cfg: RolloutConfig, reload: Callable[[int], Awaitable[None]], log: Callable[[str], None],
-                 restarts: int = 0, lending: CoreLending | None = None):
+    def __init__(
+        self,
+        workers: Workers,
+        cfg: RolloutConfig,
+        reload: Callable[[int], Awaitable[None]],
+        log: Callable[[str], None],
+        restarts: int = 0,
+        lending: CoreLending | None = None,
+    ):
         self.workers, self.cfg, self.reload, self.log = workers, cfg, reload, log
         self.lending = lending  # told when generation starts and ends (pipeline.lend_cores)
         self.restarts = restarts  # replicas replaced so far in this run (a checkpoint carries it)
         self._replacing: dict[int, asyncio.Lock] = {}  # one replacement of a replica at a time
         self._failed: dict[int, Exception] = {}  # replica -> why its replacement could not be made
 
-    def submit(self, prompts, params, seed_base: int, batch_idx: int, uid0: int, with_ref: bool = True) -> asyncio.Future:
+    def submit(
+        self, prompts, params, seed_base: int, batch_idx: int, uid0: int, with_ref: bool = True
+    ) -> asyncio.Future:
         """Generate ``params.n`` samples of each prompt; the future gives one ``(samples,
         GenTiming)`` per replica that had a share, in replica order.
 
@@ -75,8 +84,9 @@ class RolloutFleet:
         slowest one's seconds are returned. A replica that died is passed over: its replacement
         starts awake."""
         slept = []
-        for i, span in enumerate(await asyncio.gather(*(r.sleep.remote() for r in self.workers.rollout),
-                                                      return_exceptions=True)):
+        for i, span in enumerate(
+            await asyncio.gather(*(r.sleep.remote() for r in self.workers.rollout), return_exceptions=True)
+        ):
             if span is None or isinstance(span, ray.exceptions.RayActorError):  # asleep already; died
                 continue
             if isinstance(span, BaseException):
@@ -91,7 +101,9 @@ class RolloutFleet:
             try:
                 return await asyncio.wait_for(_await(call), self.cfg.timeout_s)
             except asyncio.TimeoutError:
-                await self.restart(i, worker, f"did not finish a generation within rollout.timeout_s={self.cfg.timeout_s:g}")
+                await self.restart(
+                    i, worker, f"did not finish a generation within rollout.timeout_s={self.cfg.timeout_s:g}"
+                )
             except ray.exceptions.RayActorError as e:
                 await self.restart(i, worker, f"died ({type(e).__name__})")
             worker = self.workers.rollout[i]
@@ -148,7 +160,8 @@ class RolloutFleet:
                         f"{wait_s:g} s (resources.placement_timeout_s; its node left the cluster; only a node with the "
                         f"rollout pool's resources, rollout.cpus_per_replica, gpus_per_replica and "
                         f"custom_resources_per_replica, can take it). Add such a node, and resume from the last "
-                        f"checkpoint with trainer.resume=auto")
+                        f"checkpoint with trainer.resume=auto"
+                    )
                 await asyncio.wait([ready], timeout=1.0)
             try:
                 ready.result()

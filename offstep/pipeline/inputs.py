@@ -18,8 +18,8 @@ from offstep.errors import ConfigError, DatasetError, ModelError
 from offstep.files import refuse_links_under
 from offstep.models.loading import load_tokenizer, resolve_model, with_config_overrides
 from offstep.rewards.registry import RewardFunction
-from offstep.rollout.agents.openai_agent import load_agent
 from offstep.rollout.agents.agent_tools import agent_tools
+from offstep.rollout.agents.openai_agent import load_agent
 from offstep.rollout.worker import Request
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,11 @@ def _files(cfg: Config, out_dir: Path) -> tuple[list[str], list[str]]:
         return list(cfg.data.train_files), list(cfg.data.val_files)
     refuse_links_under(out_dir / "data")  # the task is written there: through no link
     train, val = write_task(
-        cfg.data.task, str(out_dir / "data"), cfg.data.task_train_size, cfg.data.task_val_size, cfg.trainer.seed,
+        cfg.data.task,
+        str(out_dir / "data"),
+        cfg.data.task_train_size,
+        cfg.data.task_val_size,
+        cfg.trainer.seed,
         **cfg.data.task_options,
     )
     return [train], [val]
@@ -50,10 +54,17 @@ def _files(cfg: Config, out_dir: Path) -> tuple[list[str], list[str]]:
 def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
     records = []
     for f in files:
-        loaded = load_records(f, prompt_key=cfg.data.prompt_key, answer_key=cfg.data.answer_key,
-                              default_agent=cfg.rollout.agent.default_agent, max_rows=cfg.data.max_rows)
+        loaded = load_records(
+            f,
+            prompt_key=cfg.data.prompt_key,
+            answer_key=cfg.data.answer_key,
+            default_agent=cfg.rollout.agent.default_agent,
+            max_rows=cfg.data.max_rows,
+        )
         scored = [r for r in loaded if r.agent_name != OPENAI_AGENT]  # an OpenAI agent's return is its reward
-        if not cfg.reward.custom_path and cfg.reward.needs_rule:  # the built-in scorers compare with one string or number
+        if (
+            not cfg.reward.custom_path and cfg.reward.needs_rule
+        ):  # the built-in scorers compare with one string or number
             check_rule_ground_truths(scored, f)
         records.extend(loaded)
     for i, r in enumerate(records):  # indices unique across files
@@ -69,8 +80,10 @@ def _tools_for(records: list[PromptRecord], cfg: Config) -> tuple[AgentConfig | 
     if not names & {TOOL_AGENT, OPENAI_AGENT}:
         return None, None
     if cfg.algorithm.adv_estimator == "remax":
-        raise ConfigError("algorithm.adv_estimator=remax with tool rows or OpenAI agents (agent_name=tool_agent or "
-                         "openai): its greedy baseline is a single-turn response; use grpo, rloo or another estimator")
+        raise ConfigError(
+            "algorithm.adv_estimator=remax with tool rows or OpenAI agents (agent_name=tool_agent or "
+            "openai): its greedy baseline is a single-turn response; use grpo, rloo or another estimator"
+        )
     if OPENAI_AGENT in names:
         load_agent(cfg.rollout.agent.openai_path, cfg.rollout.agent.openai_name, cfg.rollout.agent.tool_timeout_s)
     if TOOL_AGENT not in names:
@@ -91,20 +104,26 @@ def check_safetensors(model_path: str) -> None:
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelError(f"{index}: cannot read the shard index ({type(exc).__name__}: {exc}). Fix: re-save the "
-                             f"model with `save_pretrained`, or copy the file again") from exc
+            raise ModelError(
+                f"{index}: cannot read the shard index ({type(exc).__name__}: {exc}). Fix: re-save the "
+                f"model with `save_pretrained`, or copy the file again"
+            ) from exc
         missing = [name for name in shards if not (folder / name).is_file()]
         if missing:
-            raise ModelError(f"{index} names shards that are not in {folder}: {missing}. Fix: copy the missing "
-                             f"files into the folder, or re-save the model with `save_pretrained`")
+            raise ModelError(
+                f"{index} names shards that are not in {folder}: {missing}. Fix: copy the missing "
+                f"files into the folder, or re-save the model with `save_pretrained`"
+            )
     for f in sorted(folder.glob("*.safetensors")):
         try:
             with safe_open(f, framework="pt"):
                 pass
         except (SafetensorError, OSError) as exc:
-            raise ModelError(f"model file {f} cannot be read as safetensors ({exc}); it is damaged or incomplete "
-                             f"(an interrupted download or copy?). Fix: copy it again, or re-save the model with "
-                             f"`save_pretrained`") from exc
+            raise ModelError(
+                f"model file {f} cannot be read as safetensors ({exc}); it is damaged or incomplete "
+                f"(an interrupted download or copy?). Fix: copy it again, or re-save the model with "
+                f"`save_pretrained`"
+            ) from exc
 
 
 def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
@@ -129,7 +148,11 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
         agent, schemas = _tools_for(train_records + val_records, cfg)
     d = cfg.data
     train = encode_prompts(train_records, tok, d.max_prompt_length, overlong=d.overlong_prompts, tools=schemas)
-    val = encode_prompts(val_records, tok, d.max_prompt_length, overlong=d.overlong_prompts, tools=schemas) if val_records else []
+    val = (
+        encode_prompts(val_records, tok, d.max_prompt_length, overlong=d.overlong_prompts, tools=schemas)
+        if val_records
+        else []
+    )
     if cfg.data.val_max_samples:
         val = val[: cfg.data.val_max_samples]
     if len(train) < cfg.data.train_batch_size:
@@ -155,5 +178,12 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
 
 def to_request(p: EncodedPrompt, uid: int) -> Request:
     r = p.record
-    return Request(uid=uid, prompt_ids=p.prompt_ids, data_source=r.data_source, ground_truth=r.ground_truth,
-                   extra_info=r.extra_info or {}, agent_name=r.agent_name, messages=r.messages)
+    return Request(
+        uid=uid,
+        prompt_ids=p.prompt_ids,
+        data_source=r.data_source,
+        ground_truth=r.ground_truth,
+        extra_info=r.extra_info or {},
+        agent_name=r.agent_name,
+        messages=r.messages,
+    )

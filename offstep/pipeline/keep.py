@@ -68,9 +68,16 @@ def keep_workers() -> Iterator[None]:
 def keepable(cfg: Config, has_agent: bool) -> bool:
     """Whether this run's workers may be kept and reused (``keep_workers`` active, and they hold
     nothing outside their own objects)."""
-    return (_keeping and not cfg.resources.ray_address and cfg.rollout.engine == "builtin" and not has_agent
-            and cfg.reward.model.kind is None and not cfg.distill.enabled and cfg.pipeline.weight_sync == "object_store"
-            and cfg.pipeline.mode == "batch")
+    return (
+        _keeping
+        and not cfg.resources.ray_address
+        and cfg.rollout.engine == "builtin"
+        and not has_agent
+        and cfg.reward.model.kind is None
+        and not cfg.distill.enabled
+        and cfg.pipeline.weight_sync == "object_store"
+        and cfg.pipeline.mode == "batch"
+    )
 
 
 def take(shape: tuple | None) -> Kept | None:

@@ -47,13 +47,20 @@ def check_placeable(nodes: list[dict], spec: dict[str, float], custom_key: str) 
         return None
     if any(all(n["Resources"].get(r, 0) >= a for r, a in spec.items()) for n in live):
         return None
-    have = {n["NodeID"][:8]: {r: v for r, v in n["Resources"].items() if r not in standard and not r.startswith("node:")}
-            for n in live}
+    have = {
+        n["NodeID"][:8]: {r: v for r, v in n["Resources"].items() if r not in standard and not r.startswith("node:")}
+        for n in live
+    }
     missing = [r for r in custom if not any(r in n["Resources"] for n in live)]
-    why = (f"no node of the Ray cluster has the resource {missing[0]!r}" if missing else
-           f"no single node of the Ray cluster has all of {spec} (each bundle is placed on one node)")
-    return (f"{custom_key}={custom}: {why}; the nodes' custom resources are {have}. Fix: start those nodes with "
-            f"the resource (ray start --resources='{json.dumps(custom)}'), or change {custom_key}")
+    why = (
+        f"no node of the Ray cluster has the resource {missing[0]!r}"
+        if missing
+        else f"no single node of the Ray cluster has all of {spec} (each bundle is placed on one node)"
+    )
+    return (
+        f"{custom_key}={custom}: {why}; the nodes' custom resources are {have}. Fix: start those nodes with "
+        f"the resource (ray start --resources='{json.dumps(custom)}'), or change {custom_key}"
+    )
 
 
 @dataclass
@@ -65,8 +72,16 @@ class Pool:
     timeout_s: float = PLACEMENT_TIMEOUT_S  # how long it, or a bundle of it whose node left, may wait for a node
 
     @classmethod
-    def create(cls, name: str, bundles: int, cpus: int, gpus: int, custom: dict[str, float] | None = None,
-               custom_key: str = "", timeout_s: float = PLACEMENT_TIMEOUT_S) -> "Pool":
+    def create(
+        cls,
+        name: str,
+        bundles: int,
+        cpus: int,
+        gpus: int,
+        custom: dict[str, float] | None = None,
+        custom_key: str = "",
+        timeout_s: float = PLACEMENT_TIMEOUT_S,
+    ) -> "Pool":
         """Place ``bundles`` bundles of ``cpus`` cores, ``gpus`` GPUs and the ``custom`` Ray
         resources (asked for by the config key ``custom_key``) each."""
         spec = {"CPU": cpus, **({"GPU": gpus} if gpus else {}), **(custom or {})}
@@ -130,8 +145,18 @@ class RoleGroup:
         self.rebuilding = rebuilding or []  # kept ranks being built again for this run (offstep.pipeline.keep)
 
     @classmethod
-    def create(cls, name: str, worker_cls, pool: Pool, gpu_share: float, env: dict, rendezvous: Rendezvous, *args,
-               lendable: bool = False, kept: dict[str, list] | None = None) -> "RoleGroup":
+    def create(
+        cls,
+        name: str,
+        worker_cls,
+        pool: Pool,
+        gpu_share: float,
+        env: dict,
+        rendezvous: Rendezvous,
+        *args,
+        lendable: bool = False,
+        kept: dict[str, list] | None = None,
+    ) -> "RoleGroup":
         """``lendable``: each rank also serves ``lend_threads`` in a concurrency group of its own
         (``LEND_GROUP``), beside the call it is running; its other calls stay one at a time.
         ``kept``: ranks a run of the same shape kept, by role name, built again for this run instead."""

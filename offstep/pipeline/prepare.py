@@ -23,7 +23,14 @@ from offstep.errors import StalenessError
 from offstep.pipeline.compute_advantages import compute_advantages, needs_old_logprobs
 from offstep.pipeline.dynamic_sampling import Generated
 from offstep.pipeline.inputs import Inputs
-from offstep.pipeline.step_metrics import batch_metrics, dropped_metrics, record_generation, reward_model_seconds, sample_rows, sandbox_metrics
+from offstep.pipeline.step_metrics import (
+    batch_metrics,
+    dropped_metrics,
+    record_generation,
+    reward_model_seconds,
+    sample_rows,
+    sandbox_metrics,
+)
 from offstep.telemetry.loggers import RunLoggers
 from offstep.telemetry.metrics import Timeline
 from offstep.telemetry.names import Data, Perf, Role, Rollout, Stage, Timing

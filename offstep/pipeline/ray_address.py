@@ -30,4 +30,5 @@ def check_ray_address(address: str | None, timeout_s: float = 3.0) -> None:
         raise ConfigError(
             f"resources.ray_address={address!r}: no Ray cluster answers at {host}:{port} ({why}). Fix: start the "
             f"cluster there first (`ray start --head --port={port}` on that machine), or leave "
-            f"resources.ray_address empty (null) for a local Ray started by this run") from None
+            f"resources.ray_address empty (null) for a local Ray started by this run"
+        ) from None

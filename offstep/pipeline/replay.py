@@ -28,8 +28,15 @@ KINDS = {LOAD, SUSPEND, ADMIT, UNTIL}
 SCHEDULE_FILE = "schedule.jsonl"
 
 # Keys that may differ between a run and its replay: where it writes and how it reports.
-FREE_KEYS = ("trainer.output_dir", "trainer.progress", "trainer.status_interval_s", "trainer.loggers",
-             "trainer.wandb_project", "trainer.resume", "pipeline.replay")
+FREE_KEYS = (
+    "trainer.output_dir",
+    "trainer.progress",
+    "trainer.status_interval_s",
+    "trainer.loggers",
+    "trainer.wandb_project",
+    "trainer.resume",
+    "pipeline.replay",
+)
 
 
 @dataclass
@@ -56,23 +63,31 @@ def read_schedule(replay: str) -> Recorded:
     lines = read_jsonl(path)
     starts = [r for r in lines if r.get("start")]
     if len(starts) != 1 or lines[0] is not starts[0]:
-        raise ConfigError(f"{path} records {len(starts)} starts of the stream (a resumed run); only an uninterrupted "
-                         f"run can be replayed")
+        raise ConfigError(
+            f"{path} records {len(starts)} starts of the stream (a resumed run); only an uninterrupted "
+            f"run can be replayed"
+        )
     try:
         rec = Recorded(int(starts[0]["replicas"]), int(starts[0]["batch"]))
         rec.events = [[] for _ in range(rec.replicas)]
         for r in lines[1:]:
             if r.get("replaced"):
-                raise ConfigError(f"{path}: a replica was replaced at step {r['step']} (rollout.max_restarts); a run "
-                                 f"with a replaced replica cannot be replayed")
+                raise ConfigError(
+                    f"{path}: a replica was replaced at step {r['step']} (rollout.max_restarts); a run "
+                    f"with a replaced replica cannot be replayed"
+                )
             rec.steps[int(r["step"])] = [int(g) for g in r["groups"]]
             if len(r["events"]) != rec.replicas:
-                raise ConfigError(f"{path}: step {r['step']} has events of {len(r['events'])} replicas, not {rec.replicas}")
+                raise ConfigError(
+                    f"{path}: step {r['step']} has events of {len(r['events'])} replicas, not {rec.replicas}"
+                )
             for mine, new in zip(rec.events, r["events"]):
                 mine.extend([int(e[0]), str(e[1]), *e[2:]] for e in new)
                 if {e[1] for e in new} - KINDS:
-                    raise ConfigError(f"{path}: step {r['step']} has events of kinds {sorted({e[1] for e in new} - KINDS)}"
-                                     f", not one of {sorted(KINDS)}")
+                    raise ConfigError(
+                        f"{path}: step {r['step']} has events of kinds {sorted({e[1] for e in new} - KINDS)}"
+                        f", not one of {sorted(KINDS)}"
+                    )
     except (KeyError, TypeError, IndexError) as e:
         raise ConfigError(f"{path} is not a schedule an offstep run wrote ({type(e).__name__}: {e})") from None
     return rec
@@ -96,11 +111,15 @@ def replay_problems(cfg) -> list[str]:
         return []
     path = schedule_path(replay)
     if not path.is_file():
-        return [f"pipeline.replay={replay!r}: no {SCHEDULE_FILE} there; give the folder of a run made with "
-                f"pipeline.mode=fully_async (or its {SCHEDULE_FILE})"]
+        return [
+            f"pipeline.replay={replay!r}: no {SCHEDULE_FILE} there; give the folder of a run made with "
+            f"pipeline.mode=fully_async (or its {SCHEDULE_FILE})"
+        ]
     if path.parent.resolve() == Path(cfg.trainer.output_dir).resolve():
-        return [f"pipeline.replay={replay!r} is this run's own trainer.output_dir; replay into another folder "
-                f"(trainer.output_dir=...)"]
+        return [
+            f"pipeline.replay={replay!r} is this run's own trainer.output_dir; replay into another folder "
+            f"(trainer.output_dir=...)"
+        ]
     try:
         read_schedule(replay)
     except ValueError as e:
@@ -115,6 +134,8 @@ def replay_problems(cfg) -> list[str]:
     differ = sorted(k for k in mine.keys() | theirs.keys() if k not in FREE_KEYS and mine.get(k) != theirs.get(k))
     if differ:
         shown = ", ".join(f"{k}={theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ[:6])
-        return [f"pipeline.replay={replay!r}: the recorded run had another config ({shown}"
-                f"{' ...' if len(differ) > 6 else ''}); replay it with its own config (its config.yaml)"]
+        return [
+            f"pipeline.replay={replay!r}: the recorded run had another config ({shown}"
+            f"{' ...' if len(differ) > 6 else ''}); replay it with its own config (its config.yaml)"
+        ]
     return []

@@ -51,9 +51,27 @@ from typing import Callable
 
 from offstep.config.schema import Config
 from offstep.errors import ConfigError
-from offstep.files import (kind, loads_json, open_regular, printable, read_text, refuse_links, refuse_links_under, remove_tree,
-                           short, walk, write_file)
-from offstep.pipeline.checkpoints import LEGACY_STATE_FILE, Checkpoints, Loaded, check_compatible, open_checkpoint, resolve_path
+from offstep.files import (
+    kind,
+    loads_json,
+    open_regular,
+    printable,
+    read_text,
+    refuse_links,
+    refuse_links_under,
+    remove_tree,
+    short,
+    walk,
+    write_file,
+)
+from offstep.pipeline.checkpoints import (
+    LEGACY_STATE_FILE,
+    Checkpoints,
+    Loaded,
+    check_compatible,
+    open_checkpoint,
+    resolve_path,
+)
 from offstep.pipeline.replay import SCHEDULE_FILE
 from offstep.pipeline.trainer_state import RUN_ID
 from offstep.train.checkpoint import fsync_dir
@@ -91,15 +109,22 @@ class RunLock:
         except BlockingIOError:
             holder = os.pread(fd, 300, 0).decode("utf-8", errors="replace").strip() or "a run still starting"
             os.close(fd)
-            raise ConfigError(f"trainer.output_dir={out} is in use by another offstep run ({printable(holder)}); one "
-                              f"run per folder: wait for it to end or stop it, or give another trainer.output_dir") from None
+            raise ConfigError(
+                f"trainer.output_dir={out} is in use by another offstep run ({printable(holder)}); one "
+                f"run per folder: wait for it to end or stop it, or give another trainer.output_dir"
+            ) from None
         if os.fstat(fd).st_nlink > 1:  # linked while it was being taken
             os.close(fd)
-            raise ConfigError(f"{path} was given a second hard link while this run started; delete it, or give "
-                              f"another trainer.output_dir")
+            raise ConfigError(
+                f"{path} was given a second hard link while this run started; delete it, or give "
+                f"another trainer.output_dir"
+            )
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n"
-                  .encode(), 0)
+        os.pwrite(
+            fd,
+            f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}\n".encode(),
+            0,
+        )
         return cls(fd)
 
     def release(self) -> None:
@@ -125,8 +150,10 @@ def read_marker(out: Path) -> str | None:
             raise ValueError(f"it is not an object with a run_id of letters, digits, '_', '.' and '-': {short(doc)}")
         return doc["run_id"]
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} cannot be read ({e}); if {out} is yours, delete that file, or give "
-                          f"trainer.overwrite=true to move the folder aside, or another trainer.output_dir") from None
+        raise ConfigError(
+            f"{path} cannot be read ({e}); if {out} is yours, delete that file, or give "
+            f"trainer.overwrite=true to move the folder aside, or another trainer.output_dir"
+        ) from None
 
 
 def check_entries(out: Path) -> None:
@@ -141,15 +168,19 @@ def check_entries(out: Path) -> None:
         mode = os.lstat(p).st_mode
         want_dir = p.name in _FOLDERS or (stat.S_ISDIR(mode) and p.name not in _FILES)
         if stat.S_ISDIR(mode) != want_dir or not (stat.S_ISDIR(mode) or stat.S_ISREG(mode)):
-            raise ConfigError(f"{p} is {kind(mode)}, where a run keeps {'a folder' if want_dir else 'a regular file'}; "
-                              f"move it away, or give another trainer.output_dir")
+            raise ConfigError(
+                f"{p} is {kind(mode)}, where a run keeps {'a folder' if want_dir else 'a regular file'}; "
+                f"move it away, or give another trainer.output_dir"
+            )
     for sub in ("data", "checkpoints"):
         if (out / sub).is_dir():
             refuse_links_under(out / sub)
             for _, _, others in walk(out / sub):
                 if bad := next((e for e in others if not e.is_file(follow_symlinks=False)), None):
-                    raise ConfigError(f"{bad.path} is {kind(os.lstat(bad.path).st_mode)}, where a run keeps regular "
-                                      f"files; delete it, or give another trainer.output_dir")
+                    raise ConfigError(
+                        f"{bad.path} is {kind(os.lstat(bad.path).st_mode)}, where a run keeps regular "
+                        f"files; delete it, or give another trainer.output_dir"
+                    )
 
 
 def records(out: Path) -> list[str]:
@@ -164,8 +195,11 @@ def records(out: Path) -> list[str]:
             if n:
                 found.append(f"checkpoints/ ({n})")
         elif p.is_dir():
-            if any(e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_size
-                   for _, _, others in walk(p) for e in others):
+            if any(
+                e.is_file(follow_symlinks=False) and e.stat(follow_symlinks=False).st_size
+                for _, _, others in walk(p)
+                for e in others
+            ):
                 found.append(p.name + "/")
         elif not p.is_file() or p.stat().st_size:
             found.append(p.name)
@@ -180,8 +214,10 @@ def _move_aside(out: Path, log: Callable[[str], None], why: str = "trainer.overw
     try:
         os.rename(out, aside)
     except OSError as e:
-        raise ConfigError(f"trainer.overwrite=true could not move {out} aside to {aside} ({e}); move it yourself, "
-                          f"or give another trainer.output_dir") from None
+        raise ConfigError(
+            f"trainer.overwrite=true could not move {out} aside to {aside} ({e}); move it yourself, "
+            f"or give another trainer.output_dir"
+        ) from None
     log(f"offstep: {why}: moved the previous contents of {out} to {aside}")
 
 
@@ -203,24 +239,36 @@ def _foreign(out: Path) -> list[str]:
 
 def _refusal(out: Path, marker: str | None, held: list[str], resume: str) -> str:
     what = ", ".join(held[:6]) + (", ..." if len(held) > 6 else "")
-    fix = (f"give a new trainer.output_dir, or trainer.overwrite=true to move the folder aside to {out.name}.old-<time> "
-           f"(nothing is deleted) and start afresh")
+    fix = (
+        f"give a new trainer.output_dir, or trainer.overwrite=true to move the folder aside to {out.name}.old-<time> "
+        f"(nothing is deleted) and start afresh"
+    )
     if marker is None:
         legacy = any((out / "checkpoints").glob(f"step_*/{LEGACY_STATE_FILE}"))
-        why = (f"trainer.output_dir={out} is not empty and is not an offstep run folder (it has no {MARKER}; it holds "
-               f"{what})")
+        why = (
+            f"trainer.output_dir={out} is not empty and is not an offstep run folder (it has no {MARKER}; it holds "
+            f"{what})"
+        )
         if legacy:
-            why += ("; it looks like a run of an older offstep, whose checkpoints (trainer_state.pt, a pickle) this "
-                    "version does not load")
+            why += (
+                "; it looks like a run of an older offstep, whose checkpoints (trainer_state.pt, a pickle) this "
+                "version does not load"
+            )
         return f"{why}; {fix}"
     if resume == "off":
-        return (f"trainer.output_dir={out} holds run {marker} ({what}) and trainer.resume=off would write over it; "
-                f"{fix}, or trainer.resume=auto to continue that run")
+        return (
+            f"trainer.output_dir={out} holds run {marker} ({what}) and trainer.resume=off would write over it; "
+            f"{fix}, or trainer.resume=auto to continue that run"
+        )
     if resume == "auto":
-        return (f"trainer.output_dir={out} holds run {marker} ({what}) but no intact checkpoint to continue it from, "
-                f"and a new run would write over its records; {fix}")
-    return (f"trainer.output_dir={out} holds run {marker} ({what}); a resume from {resume} starts a new run, which "
-            f"would write over it; {fix}")
+        return (
+            f"trainer.output_dir={out} holds run {marker} ({what}) but no intact checkpoint to continue it from, "
+            f"and a new run would write over its records; {fix}"
+        )
+    return (
+        f"trainer.output_dir={out} holds run {marker} ({what}); a resume from {resume} starts a new run, which "
+        f"would write over it; {fix}"
+    )
 
 
 def open_run(cfg: Config, log: Callable[[str], None] = print) -> Run:
@@ -237,9 +285,14 @@ def open_run(cfg: Config, log: Callable[[str], None] = print) -> Run:
     if held := _foreign(out):  # decided before anything is written into it
         if not t.overwrite:
             raise ConfigError(_refusal(out, None, held, t.resume))
-        if t.resume not in ("auto", "off") and out.resolve() in (Path(t.resume).resolve(), *Path(t.resume).resolve().parents):
-            raise ConfigError(f"trainer.overwrite=true would move aside {out}, which holds the checkpoint to resume "
-                              f"from ({t.resume}); give another trainer.output_dir")
+        if t.resume not in ("auto", "off") and out.resolve() in (
+            Path(t.resume).resolve(),
+            *Path(t.resume).resolve().parents,
+        ):
+            raise ConfigError(
+                f"trainer.overwrite=true would move aside {out}, which holds the checkpoint to resume "
+                f"from ({t.resume}); give another trainer.output_dir"
+            )
         _move_aside(out, log)
     check_entries(out)
     lock = RunLock.acquire(out)
@@ -265,9 +318,11 @@ def _open_locked(cfg: Config, out: Path, log: Callable[[str], None]) -> Run:
         own = out / "checkpoints"
         continues = marker is not None and own.is_dir() and loaded.path.resolve().parent == own.resolve()
         if continues and loaded.run_id != marker:
-            raise ConfigError(f"the checkpoint {loaded.path} was written by run {loaded.run_id}, not by the run of "
-                              f"its folder ({marker}); it is refused (give a checkpoint of another folder to start a "
-                              f"new run from it)")
+            raise ConfigError(
+                f"the checkpoint {loaded.path} was written by run {loaded.run_id}, not by the run of "
+                f"its folder ({marker}); it is refused (give a checkpoint of another folder to start a "
+                f"new run from it)"
+            )
     elif t.resume == "auto" and marker is not None:
         loaded, damaged = Checkpoints(out, run_id=marker).latest(log, t.resume_step)
         continues = loaded is not None
@@ -284,16 +339,27 @@ def _open_locked(cfg: Config, out: Path, log: Callable[[str], None]) -> Run:
     if held:
         # A run of this folder killed before its first checkpoint: the same command starts afresh.
         # One whose checkpoints are all damaged is refused instead, naming them (never set aside unread).
-        restart = marker is not None and t.resume == "auto" and loaded is None and not any(
-            h.startswith("checkpoints/") for h in held)
+        restart = (
+            marker is not None
+            and t.resume == "auto"
+            and loaded is None
+            and not any(h.startswith("checkpoints/") for h in held)
+        )
         if not (t.overwrite or restart):
             raise ConfigError(_refusal(out, marker, held, t.resume))
 
         if loaded is not None and out.resolve() in loaded.path.resolve().parents:
-            raise ConfigError(f"trainer.overwrite=true would move aside {out}, which holds the checkpoint to resume "
-                              f"from ({loaded.path}); give another trainer.output_dir")
-        _move_aside(out, log, "trainer.overwrite=true" if t.overwrite else
-                    f"run {marker} has no intact checkpoint to continue from (killed before its first, or it kept none)")
+            raise ConfigError(
+                f"trainer.overwrite=true would move aside {out}, which holds the checkpoint to resume "
+                f"from ({loaded.path}); give another trainer.output_dir"
+            )
+        _move_aside(
+            out,
+            log,
+            "trainer.overwrite=true"
+            if t.overwrite
+            else f"run {marker} has no intact checkpoint to continue from (killed before its first, or it kept none)",
+        )
         lock, marker = RunLock.acquire(out), None
     # A run of this folder that wrote nothing worth keeping continues under its id with resume=auto.
     return Run(_claim(out, marker if t.resume == "auto" else None), loaded, lock)

@@ -45,7 +45,7 @@ from pathlib import Path
 import ray
 
 from offstep.batch import NO_VERSION
-from offstep.errors import ConfigError, RolloutFailed
+from offstep.errors import ConfigError
 from offstep.pipeline.dynamic_sampling import Generated
 from offstep.pipeline.fleet import gen_seed, split
 from offstep.pipeline.inputs import to_request
@@ -107,8 +107,12 @@ class SampleStream:
         self.groups: dict[int, Admitted] = {}  # admitted, not yet trained
         self.held = 0  # the policy version every replica holds
         self.generated_lengths: list[int] = []  # lengths of the samples finished since the last batch
-        self.reward_spans: list[tuple[int, str, object]] = []  # (replica, stage, span): the reward model's and the teacher's batches since the last batch
-        self.tool_spans: list[tuple[int, object]] = []  # (replica, span) of the tool loops' tools running, since the last batch
+        self.reward_spans: list[
+            tuple[int, str, object]
+        ] = []  # (replica, stage, span): the reward model's and the teacher's batches since the last batch
+        self.tool_spans: list[
+            tuple[int, object]
+        ] = []  # (replica, span) of the tool loops' tools running, since the last batch
         self.executions: list = []  # the sandboxed runs (offstep.sandbox.Execution) since the last batch, for sandbox/*
         self._changed = asyncio.Event()
         self._error: BaseException | None = None
@@ -130,8 +134,10 @@ class SampleStream:
         self._schedule = JsonlWriter(Path(self.cfg.trainer.output_dir) / SCHEDULE_FILE, append=consumed > 0)
         self._schedule.write({"step": consumed // self.B, "start": True, "replicas": self.R, "batch": self.B})
         if self.replay is not None and (self.replay.replicas, self.replay.batch) != (self.R, self.B):
-            raise ConfigError(f"pipeline.replay: the recorded run had {self.replay.replicas} replicas and batches of "
-                             f"{self.replay.batch} groups, this one {self.R} and {self.B}")
+            raise ConfigError(
+                f"pipeline.replay: the recorded run had {self.replay.replicas} replicas and batches of "
+                f"{self.replay.batch} groups, this one {self.R} and {self.B}"
+            )
         events = self.replay.events if self.replay is not None else [None] * self.R
         await asyncio.gather(*(self._stream_start(w, e) for w, e in zip(self.workers.rollout, events)))
         if saved is not None:
@@ -141,7 +147,9 @@ class SampleStream:
 
     async def _stream_start(self, worker, replay: list | None = None) -> None:
         prompts = [p.prompt_ids for p in self.inputs.train]
-        await worker.stream_start.remote(prompts, self.params, self.cfg.rollout.partial, replay, self.cfg.rollout.max_kv_age)
+        await worker.stream_start.remote(
+            prompts, self.params, self.cfg.rollout.partial, replay, self.cfg.rollout.max_kv_age
+        )
 
     def _place(self, g: int) -> tuple[int, int, int]:
         """(replica, seed, first stream) of group ``g``: the batch mode's for its batch and position."""
@@ -197,7 +205,9 @@ class SampleStream:
             await self.restart(r, failed, why)  # raises RolloutFailed once rollout.max_restarts are used up
             await self._stream_start(self.workers.rollout[r])
             await self._polling.wait()
-            works = [a.work for a in sorted(self.groups.values(), key=lambda a: a.g) if a.replica == r and a.finished is None]
+            works = [
+                a.work for a in sorted(self.groups.values(), key=lambda a: a.g) if a.replica == r and a.finished is None
+            ]
             if works:
                 self.workers.rollout[r].stream_submit.remote(works)
         finally:
@@ -233,8 +243,10 @@ class SampleStream:
                 raise self._error
             gone = [g for g in recorded if g < self.admitted and g not in self.groups]
             if gone:
-                raise RuntimeError(f"pipeline.replay: step {step} trained groups {gone}, which this run trained earlier: "
-                                   "it does not follow the recorded one")
+                raise RuntimeError(
+                    f"pipeline.replay: step {step} trained groups {gone}, which this run trained earlier: "
+                    "it does not follow the recorded one"
+                )
             if all(g in self.groups and self.groups[g].finished is not None for g in recorded):
                 chosen = [self.groups[g] for g in recorded]
                 break
@@ -247,7 +259,7 @@ class SampleStream:
             must = waiting[: must_take(waiting, version, self.k, self.B)]
             if len(must) > self.B:  # the invariant of must_take's docstring broke: a bug, not a state to train on
                 raise RuntimeError(f"step {step}: {len(must)} groups are due, more than data.train_batch_size={self.B}")
-            fill = [a for a in waiting[len(must):] if a.finished is not None][: self.B - len(must)]
+            fill = [a for a in waiting[len(must) :] if a.finished is not None][: self.B - len(must)]
             if len(must) + len(fill) == self.B and all(a.finished is not None for a in must):
                 chosen = must + fill
                 break
@@ -265,8 +277,9 @@ class SampleStream:
     async def _record(self, step: int, chosen: list[Admitted]) -> None:
         """The step's line of ``schedule.jsonl``: its groups and each replica's events since the last."""
         live = [r for r in range(self.R) if r not in self._down]
-        drained = await asyncio.gather(*(self.workers.rollout[r].stream_schedule.remote() for r in live),
-                                       return_exceptions=True)
+        drained = await asyncio.gather(
+            *(self.workers.rollout[r].stream_schedule.remote() for r in live), return_exceptions=True
+        )
         events: list[list] = [[] for _ in range(self.R)]
         for r, got in zip(live, drained):
             if isinstance(got, BaseException):  # a replica that died: its poll replaces it
@@ -286,16 +299,24 @@ class SampleStream:
         for r in range(self.R):  # each replica's generation of this batch's groups, on the timeline
             mine = [a for a in chosen if a.replica == r]
             if mine:
-                self.timeline.add(replica(r), Stage.GEN, step, min(a.finished.start for a in mine),
-                                  max(a.finished.end for a in mine), version=min(a.version for a in mine))
+                self.timeline.add(
+                    replica(r),
+                    Stage.GEN,
+                    step,
+                    min(a.finished.start for a in mine),
+                    max(a.finished.end for a in mine),
+                    version=min(a.version for a in mine),
+                )
         busy: dict[tuple[str, int], float] = {}  # seconds in the reward model's and the teacher's batches, per replica
         for r, stage, span in self.reward_spans:  # on the replica's reward lane
             self.timeline.add(reward_lane(r), stage, step, span.start, span.end)
             busy[stage, r] = busy.get((stage, r), 0.0) + span.seconds
         self.reward_spans = []
-        scored = {key: max(v for (stage, _), v in busy.items() if stage == name)
-                  for name, key in ((Stage.REWARD_MODEL, Timing.REWARD_MODEL), (Stage.TEACHER, Timing.TEACHER))
-                  if any(stage == name for stage, _ in busy)}
+        scored = {
+            key: max(v for (stage, _), v in busy.items() if stage == name)
+            for name, key in ((Stage.REWARD_MODEL, Timing.REWARD_MODEL), (Stage.TEACHER, Timing.TEACHER))
+            if any(stage == name for stage, _ in busy)
+        }
         for r, span in self.tool_spans:  # tools running for the tool loops, on the replica's lane (as in batch mode)
             self.timeline.add(replica(r), Stage.TOOL, step, span.start, span.end)
         self.tool_spans = []
@@ -335,8 +356,9 @@ class SampleStream:
         groups that are no longer on the replica (still attaching their reference log-probs)."""
         self._polling.clear()
         live = [r for r in range(self.R) if r not in self._down]
-        suspended = await asyncio.gather(*(self.workers.rollout[r].stream_suspend.remote() for r in live),
-                                         return_exceptions=True)
+        suspended = await asyncio.gather(
+            *(self.workers.rollout[r].stream_suspend.remote() for r in live), return_exceptions=True
+        )
         for works in suspended:
             if isinstance(works, ray.exceptions.RayActorError):  # died: its poll replaces it, and the
                 continue  # groups are stored as the driver last knew them
@@ -370,8 +392,17 @@ class SampleStream:
             else:
                 samples = None
                 states = [dataclasses.asdict(s) for s in a.work.samples]
-            groups.append({"g": a.g, "epoch": a.epoch, "prompt": a.prompt, "replica": a.replica, "version": a.version,
-                           "states": states, "samples": samples})
+            groups.append(
+                {
+                    "g": a.g,
+                    "epoch": a.epoch,
+                    "prompt": a.prompt,
+                    "replica": a.replica,
+                    "version": a.version,
+                    "states": states,
+                    "samples": samples,
+                }
+            )
         return {"admitted": self.admitted, "drawn": list(self.drawn), "epoch": self.epoch, "groups": groups}
 
     def _restore(self, saved: dict) -> None:
@@ -381,8 +412,12 @@ class SampleStream:
         self.admitted, self.drawn, self.epoch = saved["admitted"], list(saved["drawn"]), saved["epoch"]
         for d in decode_stream_groups(saved, len(self.inputs.train), self.R):
             r, seed, stream0 = self._place(d["g"])
-            work = GroupWork(to_request(self.inputs.train[d["prompt"]], d["g"] + self.B), seed, stream0,
-                             [SampleState(**s) for s in d["states"]] if d["states"] is not None else [])
+            work = GroupWork(
+                to_request(self.inputs.train[d["prompt"]], d["g"] + self.B),
+                seed,
+                stream0,
+                [SampleState(**s) for s in d["states"]] if d["states"] is not None else [],
+            )
             a = Admitted(d["g"], d["epoch"], d["prompt"], r, d["version"], work)
             if d["samples"] is not None:
                 a.finished = FinishedGroup(d["g"] + self.B, d["samples"], time.time(), time.time())
@@ -394,4 +429,3 @@ class SampleStream:
             t.cancel()
         if self._schedule is not None:
             self._schedule.close()
-

@@ -9,13 +9,14 @@ import math
 import torch
 
 from offstep.batch import GenTiming, Sample, TrainBatch
-from offstep.telemetry.metrics import Timeline
 from offstep.rewards.combine import FALLBACK, MODEL, RULE
+from offstep.telemetry.metrics import Timeline
 from offstep.telemetry.names import Env, ResponseLength, Reward, Rollout, Sandbox, Stage, replica, reward_lane
 
 
-def record_generation(timeline: Timeline, results: list[tuple[list[Sample], GenTiming]], step: int,
-                      stage: str = Stage.GEN) -> tuple[list[Sample], float, float]:
+def record_generation(
+    timeline: Timeline, results: list[tuple[list[Sample], GenTiming]], step: int, stage: str = Stage.GEN
+) -> tuple[list[Sample], float, float]:
     """Every replica's samples, in replica order, and the seconds of the slowest replica's
     generation and of its reference pass; the replicas' stages go on the timeline."""
     samples, gen_s, ref_s = [], 0.0, 0.0
@@ -137,7 +138,9 @@ def uniform_group_frac(samples: list[Sample]) -> dict:
 def env_metrics(samples: list[Sample]) -> dict:
     """An environment's reward parts (``reward/<name>``, means) and its failed rollouts
     (``env/errors``, ``env/timeouts``, sums); none for a run without ``env.*``."""
-    keys = {k for s in samples for k in s.reward_extra if k.startswith(Env.PART_PREFIX) or k in (Env.ERRORS, Env.TIMEOUTS)}
+    keys = {
+        k for s in samples for k in s.reward_extra if k.startswith(Env.PART_PREFIX) or k in (Env.ERRORS, Env.TIMEOUTS)
+    }
     m = {}
     for k in sorted(keys):
         values = [float(s.reward_extra[k]) for s in samples if k in s.reward_extra]
@@ -152,7 +155,9 @@ def dropped_metrics(dropped: list[Sample], m: dict) -> dict:
 
     if not dropped and Env.ERRORS not in m:
         return {}
-    out = {k: m.get(k, 0.0) + sum(float(s.reward_extra.get(k, 0.0)) for s in dropped) for k in (Env.ERRORS, Env.TIMEOUTS)}
+    out = {
+        k: m.get(k, 0.0) + sum(float(s.reward_extra.get(k, 0.0)) for s in dropped) for k in (Env.ERRORS, Env.TIMEOUTS)
+    }
     out[DROPPED_GROUPS] = len({s.uid for s in dropped})
     return out
 
@@ -162,8 +167,15 @@ def sample_rows(step: int, samples: list[Sample], prompt_text: dict[int, str], c
     maps a group (uid) to its prompt's last message."""
     every = max(1, len(samples) // max(1, count))
     return [
-        {"step": step, "version": s.version, "data_source": s.data_source, "prompt": prompt_text[s.uid],
-         "response": s.text, "reward": s.score, "finish_reason": s.finish_reason,
-         **({"turns": s.agent.turns, "tool_calls": s.agent.tool_calls} if s.agent is not None else {})}
+        {
+            "step": step,
+            "version": s.version,
+            "data_source": s.data_source,
+            "prompt": prompt_text[s.uid],
+            "response": s.text,
+            "reward": s.score,
+            "finish_reason": s.finish_reason,
+            **({"turns": s.agent.turns, "tool_calls": s.agent.tool_calls} if s.agent is not None else {}),
+        }
         for s in samples[::every][:count]
     ]

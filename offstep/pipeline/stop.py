@@ -28,8 +28,11 @@ class StopRequest:
             loop.remove_signal_handler(signal.SIGINT)  # the next Ctrl-C raises KeyboardInterrupt
             self.log(f"offstep: {sig.name} received; stopping after this step (Ctrl-C again to abort)")
 
-        handlers = {signal.SIGINT: (request, signal.SIGINT), signal.SIGTERM: (request, signal.SIGTERM),
-                    signal.SIGUSR1: (dump_stacks, loop)}
+        handlers = {
+            signal.SIGINT: (request, signal.SIGINT),
+            signal.SIGTERM: (request, signal.SIGTERM),
+            signal.SIGUSR1: (dump_stacks, loop),
+        }
         for sig, (handler, arg) in handlers.items():
             try:
                 loop.add_signal_handler(sig, handler, arg)

@@ -59,7 +59,9 @@ class TrainerStages:
             batch.values, span = await self.stage(w.critic, CriticWorker.compute_values, Stage.VALUES, step, batch)
             m[Timing.VALUES] = span.seconds
         if needs_old_logprobs(self.cfg, len(batch), actor_frozen):
-            batch.old_logprobs, span = await self.stage(w.actor, ActorWorker.compute_logprobs, Stage.OLD_LOGPROBS, step, batch)
+            batch.old_logprobs, span = await self.stage(
+                w.actor, ActorWorker.compute_logprobs, Stage.OLD_LOGPROBS, step, batch
+            )
             m[Timing.OLD_LOGPROBS] = span.seconds
         return self.preparer.advantages_and_put(batch, m)
 

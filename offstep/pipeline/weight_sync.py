@@ -91,9 +91,17 @@ class WeightSync:
         if cfg.weight_sync == "collective":
             from offstep.sync.collective import connect
 
-            connect(workers.actor.handles, workers.rollout, workers.sync_backend, cfg.weight_sync_bucket_mb,
-                    cfg.weight_sync_timeout_s, max_in_flight=self._in_flight, host=workers.host, specs=self.specs,
-                    in_place=self._in_place)
+            connect(
+                workers.actor.handles,
+                workers.rollout,
+                workers.sync_backend,
+                cfg.weight_sync_bucket_mb,
+                cfg.weight_sync_timeout_s,
+                max_in_flight=self._in_flight,
+                host=workers.host,
+                specs=self.specs,
+                in_place=self._in_place,
+            )
             self.members = list(workers.rollout)
 
     @property
@@ -138,11 +146,20 @@ class WeightSync:
             sent = exported
         self.version = version
         previous, self.sent = self.sent, sent
-        self._checked = asyncio.ensure_future(self._check(version, sent, previous, loads, call.loads is not None, self._checked))
+        self._checked = asyncio.ensure_future(
+            self._check(version, sent, previous, loads, call.loads is not None, self._checked)
+        )
         return Span(started, time.time(), version), self._checked
 
-    async def _check(self, version: int, sent: WeightDigest, previous: WeightDigest | None, loads: list, collective: bool,
-                     before: asyncio.Future | None) -> SyncReport:
+    async def _check(
+        self,
+        version: int,
+        sent: WeightDigest,
+        previous: WeightDigest | None,
+        loads: list,
+        collective: bool,
+        before: asyncio.Future | None,
+    ) -> SyncReport:
         """Wait for every replica's load of ``version`` and compare its digest with ``sent``
         (after the previous version's check: each replica's last digest is the reference for
         "its weights did not change")."""
@@ -195,6 +212,17 @@ class WeightSync:
         w, cfg = self.workers, self.cfg
         self.members = None  # until every member has joined
         endpoint = await w.actor.handles[0].open_weight_sync.remote(cfg.weight_sync_timeout_s, w.host)
-        await asyncio.gather(*join(w.actor.handles, w.rollout, endpoint, w.sync_backend, self.specs,
-                                   cfg.weight_sync_bucket_mb, cfg.weight_sync_timeout_s, self._in_flight, self._in_place))
+        await asyncio.gather(
+            *join(
+                w.actor.handles,
+                w.rollout,
+                endpoint,
+                w.sync_backend,
+                self.specs,
+                cfg.weight_sync_bucket_mb,
+                cfg.weight_sync_timeout_s,
+                self._in_flight,
+                self._in_place,
+            )
+        )
         self.members = list(w.rollout)

@@ -20,17 +20,16 @@ from typing import Any
 
 import ray
 
-from offstep.config.schema import Config
-from offstep.config.schema import rollout_sleeps
+from offstep.config.schema import Config, rollout_sleeps
 from offstep.errors import RolloutFailed, TrainerFailed
 from offstep.models.loading import cache_dir
 from offstep.pipeline import keep
 from offstep.pipeline.inputs import Inputs
 from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S, Pool, Rendezvous, RoleGroup
 from offstep.pipeline.run_dir import SCRATCH
+from offstep.rollout.engines.build import EngineSpec
 from offstep.rollout.scoring.reward_worker import RewardWorker
 from offstep.rollout.scoring.teacher_scoring import TeacherSpec, TeacherWorker
-from offstep.rollout.engines.build import EngineSpec
 from offstep.rollout.worker import RefSpec, RolloutSpec, RolloutWorker
 from offstep.telemetry.names import Role, replica
 from offstep.telemetry.progress import LiveStatus
@@ -66,7 +65,9 @@ class Workers:
     teacher: list = field(default_factory=list)  # the teacher pool's workers (distill.teacher.placement=pool)
     teacher_pool: Pool | None = None
     sleeps: bool = False  # the replicas sleep while the trainer updates (rollout.sleep_during_update)
-    shape: tuple | None = None  # what the processes are fixed to, when they may be kept for the next run (offstep.pipeline.keep)
+    shape: tuple | None = (
+        None  # what the processes are fixed to, when they may be kept for the next run (offstep.pipeline.keep)
+    )
     rebuilding: list = field(default_factory=list)  # kept workers' rebuilds under way (ObjectRefs)
 
     @property
@@ -148,14 +149,26 @@ class Workers:
         """Shut down and empty every worker, and keep them (``offstep.pipeline.keep``); False
         if one of them fails to (then ``close`` stops them all)."""
         try:
-            ray.get([*(h for g in self.groups for h in g.submit(RoleWorker.shutdown)),
-                     *(w.close.remote() for w in self.rollout)], timeout=30)
+            ray.get(
+                [
+                    *(h for g in self.groups for h in g.submit(RoleWorker.shutdown)),
+                    *(w.close.remote() for w in self.rollout),
+                ],
+                timeout=30,
+            )
             ray.get([h.__ray_call__.remote(keep.empty) for _, h in self.roles()], timeout=30)
         except Exception:
             return False
         self.live.close()
-        keep.park(keep.Kept(self.shape, keep.cluster(), list(self.pools), {g.name: g.handles for g in self.groups},
-                            list(self.rollout)))
+        keep.park(
+            keep.Kept(
+                self.shape,
+                keep.cluster(),
+                list(self.pools),
+                {g.name: g.handles for g in self.groups},
+                list(self.rollout),
+            )
+        )
         return True
 
 
@@ -164,9 +177,13 @@ def node_of(_worker) -> str:
     return f"node {ray.get_runtime_context().get_node_id()[:8]} ({ray.util.get_node_ip_address()})"
 
 
-_ROLES = {ActorWorker.__name__: Role.ACTOR, CriticWorker.__name__: Role.CRITIC,
-          RolloutWorker.__name__: "rollout replica", RewardWorker.__name__: "reward worker",
-          TeacherWorker.__name__: "teacher worker"}
+_ROLES = {
+    ActorWorker.__name__: Role.ACTOR,
+    CriticWorker.__name__: Role.CRITIC,
+    RolloutWorker.__name__: "rollout replica",
+    RewardWorker.__name__: "reward worker",
+    TeacherWorker.__name__: "teacher worker",
+}
 
 
 def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
@@ -178,7 +195,7 @@ def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
     frames = [i for i, line in enumerate(lines) if line.lstrip().startswith('File "')]
     init_failed = getattr(e, "actor_init_failed", False)
     if init_failed and frames:
-        tail = lines[frames[-1] + 1:]
+        tail = lines[frames[-1] + 1 :]
         while tail and tail[0].startswith(" "):  # the frame's code line and Python's ^^^ markers
             tail.pop(0)
         cause = " ".join(line.strip() for line in tail) or lines[0]
@@ -186,7 +203,9 @@ def worker_failure(e: ray.exceptions.RayActorError) -> tuple[str, str, bool]:
         exit_detail = re.search(r"Worker exit type: (.*?)(?: Some common causes|$)", text, re.S)
         cause = lines[0] + (f" (worker exit type: {exit_detail.group(1).strip()})" if exit_detail else "")
     worker_class = re.search(r"class_name: (\w+)|ray::(\w+)\.", text)
-    role = getattr(e, "role", None) or _ROLES.get(worker_class and (worker_class.group(1) or worker_class.group(2)), Role.TRAINER)
+    role = getattr(e, "role", None) or _ROLES.get(
+        worker_class and (worker_class.group(1) or worker_class.group(2)), Role.TRAINER
+    )
     return role, cause, init_failed or hasattr(e, "role")
 
 
@@ -196,8 +215,11 @@ def failure(e: ray.exceptions.RayActorError, checkpoints: list) -> RolloutFailed
     if failed_start:
         problem = f"the {role} worker failed to start: {cause}. Fix that (the worker's log above has the traceback)"
     else:
-        last = f"the last checkpoint, {checkpoints[-1][1]}, is intact: continue with trainer.resume=auto" if checkpoints \
+        last = (
+            f"the last checkpoint, {checkpoints[-1][1]}, is intact: continue with trainer.resume=auto"
+            if checkpoints
             else "no checkpoint was written (set trainer.save_freq to write them as the run goes)"
+        )
         problem = f"the {role} worker died: {cause}; {last}"
     return (RolloutFailed if role.startswith(Role.ROLLOUT) else TrainerFailed)(problem)
 
@@ -217,8 +239,13 @@ def keep_token_private(create: bool) -> None:
     exists, so when ``create`` (a local cluster that will use it) one is created first, mode 0600,
     with a token like Ray's own (256 random bits, hex); an existing one is made 0600."""
     path = ray_token_path()
-    if create and not path.exists() and os.environ.get("RAY_AUTH_MODE", "").lower() != "disabled" \
-            and not os.environ.get("RAY_AUTH_TOKEN") and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+    if (
+        create
+        and not path.exists()
+        and os.environ.get("RAY_AUTH_MODE", "").lower() != "disabled"
+        and not os.environ.get("RAY_AUTH_TOKEN")
+        and not os.environ.get("RAY_AUTH_TOKEN_PATH")
+    ):
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -271,8 +298,10 @@ def init_ray(cfg: Config) -> bool:
         # and Ray's token authentication (on by default for local clusters since Ray 2.59) stays on.
         os.environ.setdefault("RAY_enable_metrics_collection", "0")
         if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
-            log.warning("RAY_AUTH_MODE=disabled: anyone who can reach this machine's Ray ports can run code in "
-                        "this run's cluster; unset it to keep Ray's token authentication on")
+            log.warning(
+                "RAY_AUTH_MODE=disabled: anyone who can reach this machine's Ray ports can run code in "
+                "this run's cluster; unset it to keep Ray's token authentication on"
+            )
         keep_token_private(create=True)
         with _keep_loopback(True):
             ray.init(num_cpus=os.cpu_count(), _node_ip_address=LOOPBACK, dashboard_host=LOOPBACK, **kwargs)
@@ -302,12 +331,21 @@ def start_reward_pool(cfg: Config, env: dict) -> tuple[Pool | None, list]:
     m, res = cfg.reward.model, cfg.resources
     if m.kind is None or m.placement != "pool":
         return None, []
-    pool = Pool.create(Role.REWARD, res.reward_workers, res.cpus_per_reward_worker, res.gpus_per_reward_worker,
-                       timeout_s=res.placement_timeout_s)
+    pool = Pool.create(
+        Role.REWARD,
+        res.reward_workers,
+        res.cpus_per_reward_worker,
+        res.gpus_per_reward_worker,
+        timeout_s=res.placement_timeout_s,
+    )
     remote = ray.remote(RewardWorker)
     env = {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)}
-    return pool, [remote.options(max_restarts=m.max_restarts, **pool.options(i, 1.0, env))
-                  .remote(m, pool.device, pool.cpus_per_bundle) for i in range(pool.bundles)]
+    return pool, [
+        remote.options(max_restarts=m.max_restarts, **pool.options(i, 1.0, env)).remote(
+            m, pool.device, pool.cpus_per_bundle
+        )
+        for i in range(pool.bundles)
+    ]
 
 
 def start_teacher_pool(cfg: Config, spec: TeacherSpec | None, env: dict) -> tuple[Pool | None, list]:
@@ -315,15 +353,24 @@ def start_teacher_pool(cfg: Config, spec: TeacherSpec | None, env: dict) -> tupl
     res = cfg.resources
     if spec is None or cfg.distill.teacher.placement != "pool":
         return None, []
-    pool = Pool.create(Role.TEACHER, res.teacher_workers, res.cpus_per_teacher_worker, res.gpus_per_teacher_worker,
-                       timeout_s=res.placement_timeout_s)
+    pool = Pool.create(
+        Role.TEACHER,
+        res.teacher_workers,
+        res.cpus_per_teacher_worker,
+        res.gpus_per_teacher_worker,
+        timeout_s=res.placement_timeout_s,
+    )
     remote = ray.remote(TeacherWorker)
     env = {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)}
-    return pool, [remote.options(**pool.options(i, 1.0, env)).remote(spec, pool.device, pool.cpus_per_bundle)
-                  for i in range(pool.bundles)]
+    return pool, [
+        remote.options(**pool.options(i, 1.0, env)).remote(spec, pool.device, pool.cpus_per_bundle)
+        for i in range(pool.bundles)
+    ]
 
 
-def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[[int], type] = lambda i: RolloutWorker) -> Workers:
+def start_workers(
+    cfg: Config, inputs: Inputs, console, rollout_class: Callable[[int], type] = lambda i: RolloutWorker
+) -> Workers:
     """Place the pools and start every role on them (one bundle per trainer rank or replica).
     ``rollout_class(i)``: the class replica ``i``'s actor runs (a test gives one a subclass that
     injects a fault). Inside ``keep.keep_workers()``, the workers a run of the same shape kept are
@@ -342,24 +389,48 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     env = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "OFFSTEP_CACHE": str(cache_dir())}
     # pipeline.lend_cores: the rollout pool's cores, shared out over the trainer's ranks while it idles
     lend = (ro.replicas * ro.cpus_per_replica) // res.trainer_workers if cfg.pipeline.lend_cores and not colocate else 0
-    trainer_spec = (Role.TRAINER, res.trainer_workers, res.cpus_per_trainer_worker, res.gpus_per_trainer_worker,
-                    res.custom_resources_per_trainer_worker, "resources.custom_resources_per_trainer_worker",
-                    res.placement_timeout_s)
-    rollout_spec = None if colocate else (Role.ROLLOUT, ro.replicas, ro.cpus_per_replica, ro.gpus_per_replica,
-                                          ro.custom_resources_per_replica, "rollout.custom_resources_per_replica",
-                                          res.placement_timeout_s)
+    trainer_spec = (
+        Role.TRAINER,
+        res.trainer_workers,
+        res.cpus_per_trainer_worker,
+        res.gpus_per_trainer_worker,
+        res.custom_resources_per_trainer_worker,
+        "resources.custom_resources_per_trainer_worker",
+        res.placement_timeout_s,
+    )
+    rollout_spec = (
+        None
+        if colocate
+        else (
+            Role.ROLLOUT,
+            ro.replicas,
+            ro.cpus_per_replica,
+            ro.gpus_per_replica,
+            ro.custom_resources_per_replica,
+            "rollout.custom_resources_per_replica",
+            res.placement_timeout_s,
+        )
+    )
     shape = None  # what fixes this run's processes, when they may be kept: the pools, roles, classes and options
     if keep.keepable(cfg, inputs.agent is not None) and not owns_ray:
-        shape = (repr((trainer_spec, rollout_spec, use_critic, share, lend > 0, sorted(env.items()))),
-                 tuple(rollout_class(i) for i in range(ro.replicas)))
+        shape = (
+            repr((trainer_spec, rollout_spec, use_critic, share, lend > 0, sorted(env.items()))),
+            tuple(rollout_class(i) for i in range(ro.replicas)),
+        )
     kept = keep.take(shape)  # releases workers kept by a run of another shape
     trainer_pool = kept.pools[0] if kept else Pool.create(*trainer_spec)
     rollout_pool = None if colocate else kept.pools[1] if kept else Pool.create(*rollout_spec)
     live = LiveStatus.create(console)
     ref_spec = (
-        RefSpec(cfg.model.dtype, cfg.model.compute_dtype, ro.temperature, cfg.actor.micro_batch_size,
-                cfg.actor.share_prompts)
-        if cfg.algorithm.needs_reference and cfg.pipeline.ref_on_rollout else None
+        RefSpec(
+            cfg.model.dtype,
+            cfg.model.compute_dtype,
+            ro.temperature,
+            cfg.actor.micro_batch_size,
+            cfg.actor.share_prompts,
+        )
+        if cfg.algorithm.needs_reference and cfg.pipeline.ref_on_rollout
+        else None
     )
     model = (inputs.model_path, cfg.model.dtype, cfg.model.compute_dtype)
     seed, temperature = cfg.trainer.seed, ro.temperature
@@ -367,13 +438,43 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     host = None if cfg.resources.ray_address else "127.0.0.1"  # a local run listens on loopback only
     rendezvous = Rendezvous(host or ray.util.get_node_ip_address())
     roles = dict(kept=kept.roles if kept else {}, lendable=lend > 0)
-    actor = RoleGroup.create(Role.ACTOR, ActorWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.actor,
-                             cfg.algorithm, temperature, live.client(Role.TRAINER), ref_on_trainer, cfg.distill, **roles)
+    actor = RoleGroup.create(
+        Role.ACTOR,
+        ActorWorker,
+        trainer_pool,
+        share,
+        env,
+        rendezvous,
+        seed,
+        *model,
+        cfg.actor,
+        cfg.algorithm,
+        temperature,
+        live.client(Role.TRAINER),
+        ref_on_trainer,
+        cfg.distill,
+        **roles,
+    )
     ref = actor if ref_on_trainer else None  # the actor's frozen copy, or with LoRA its base
     critic = (
-        RoleGroup.create(Role.CRITIC, CriticWorker, trainer_pool, share, env, rendezvous, seed, *model, cfg.critic,
-                         cfg.algorithm, micro, cfg.actor.mini_batch_size, budget, **roles)
-        if use_critic else None
+        RoleGroup.create(
+            Role.CRITIC,
+            CriticWorker,
+            trainer_pool,
+            share,
+            env,
+            rendezvous,
+            seed,
+            *model,
+            cfg.critic,
+            cfg.algorithm,
+            micro,
+            cfg.actor.mini_batch_size,
+            budget,
+            **roles,
+        )
+        if use_critic
+        else None
     )
     pool = rollout_pool or trainer_pool
     reward_pool, reward_workers = start_reward_pool(cfg, env)
@@ -381,10 +482,28 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     teacher_pool, teacher_workers = start_teacher_pool(cfg, teacher, env)
     sleeps = rollout_sleeps(cfg)
 
-    engine = EngineSpec(ro.engine, inputs.model_path, ro.dtype, ro.max_batch_size, pool.cpus_per_bundle, cfg.trainer.seed,
-                        lora, sleeps, str(Path(cfg.trainer.output_dir).resolve() / SCRATCH))
-    spec = RolloutSpec(engine, pool.device, inputs.reward, cfg.reward.num_threads, ref_spec, inputs.agent, cfg.sandbox,
-                       cfg.reward.model if cfg.reward.model.kind is not None else None, teacher)
+    engine = EngineSpec(
+        ro.engine,
+        inputs.model_path,
+        ro.dtype,
+        ro.max_batch_size,
+        pool.cpus_per_bundle,
+        cfg.trainer.seed,
+        lora,
+        sleeps,
+        str(Path(cfg.trainer.output_dir).resolve() / SCRATCH),
+    )
+    spec = RolloutSpec(
+        engine,
+        pool.device,
+        inputs.reward,
+        cfg.reward.num_threads,
+        ref_spec,
+        inputs.agent,
+        cfg.sandbox,
+        cfg.reward.model if cfg.reward.model.kind is not None else None,
+        teacher,
+    )
 
     def rollout_args(i: int) -> tuple:
         return spec, live.client(replica(i)), reward_workers, teacher_workers
@@ -392,7 +511,9 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
     actor_classes: dict[type, Any] = {}
 
     def make_rollout(i: int):
-        opts = pool.options(i % pool.bundles, share if colocate else 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)})
+        opts = pool.options(
+            i % pool.bundles, share if colocate else 1.0, {**env, "OMP_NUM_THREADS": str(pool.cpus_per_bundle)}
+        )
         if cfg.pipeline.mode == "fully_async":  # loads and takes are served while the engine generates
             opts["max_concurrency"] = 4
         cls = rollout_class(i)
@@ -405,12 +526,27 @@ def start_workers(cfg: Config, inputs: Inputs, console, rollout_class: Callable[
         rebuilding = [h.__ray_call__.remote(keep.rebuild, *rollout_args(i)) for i, h in enumerate(rollout)]
     else:
         rollout, rebuilding = [make_rollout(i) for i in range(ro.replicas)], []
-    workers = Workers(actor, rollout, make_rollout, live, ref, critic,
-                      [p for p in (trainer_pool, rollout_pool) if p is not None], owns_ray, host, rendezvous,
-                      rollout_pool=pool,
-                      lend_cores=lend, reward=reward_workers, reward_pool=reward_pool, teacher=teacher_workers,
-                      teacher_pool=teacher_pool, sleeps=sleeps, shape=shape,
-                      rebuilding=[*rebuilding, *(r for g in (actor, ref, critic) if g is not None for r in g.rebuilding)])
+    workers = Workers(
+        actor,
+        rollout,
+        make_rollout,
+        live,
+        ref,
+        critic,
+        [p for p in (trainer_pool, rollout_pool) if p is not None],
+        owns_ray,
+        host,
+        rendezvous,
+        rollout_pool=pool,
+        lend_cores=lend,
+        reward=reward_workers,
+        reward_pool=reward_pool,
+        teacher=teacher_workers,
+        teacher_pool=teacher_pool,
+        sleeps=sleeps,
+        shape=shape,
+        rebuilding=[*rebuilding, *(r for g in (actor, ref, critic) if g is not None for r in g.rebuilding)],
+    )
     try:
         workers.ready()
         if cfg.resources.ray_address:  # on a cluster, say which node each worker landed on

@@ -26,18 +26,39 @@ from typing import Any
 from offstep.sandbox import Result, shared
 
 SCORED_TESTS = 10  # verl scores the first ten tests of a failing program
-_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random", "statistics",
-            "itertools", "functools", "operator", "io", "sys", "json")
+_MODULES = (
+    "string",
+    "re",
+    "datetime",
+    "collections",
+    "heapq",
+    "bisect",
+    "copy",
+    "math",
+    "random",
+    "statistics",
+    "itertools",
+    "functools",
+    "operator",
+    "io",
+    "sys",
+    "json",
+)
 # What verl puts before the program: star imports (builtins last, so that io's open is not the one seen),
 # the modules themselves, and a deep recursion limit.
-PREAMBLE = "".join(f"from {m} import *\n" for m in (*_MODULES, "builtins", "typing")) + \
-    "".join(f"import {m}\n" for m in _MODULES) + "sys.setrecursionlimit(6*10**5)\n"
+PREAMBLE = (
+    "".join(f"from {m} import *\n" for m in (*_MODULES, "builtins", "typing"))
+    + "".join(f"import {m}\n" for m in _MODULES)
+    + "sys.setrecursionlimit(6*10**5)\n"
+)
 _MARK = "\x00offstep-call-result\x00"
 
 # Runs the program (``SRC``) as __main__ after the preamble. stdin mode: its stdout is the output, and
 # sys.exit() ends it cleanly (verl catches SystemExit). call mode: its prints are dropped, the function
 # (or Solution's method) is called with the JSON arguments, and the result comes back as a literal.
-_HARNESS = PREAMBLE + '''
+_HARNESS = (
+    PREAMBLE
+    + '''
 import builtins as _b, io as _io, json as _json, sys as _sys
 _src, _mode, _fn, _args = {src!r}, {mode!r}, {fn!r}, {args!r}
 try:
@@ -60,6 +81,7 @@ if _mode == "call":
     _json.dumps(_out)
     _sys.__stdout__.write({mark!r} + repr(_out))
 '''
+)
 
 
 def extract_code(response: str) -> str:
@@ -74,8 +96,11 @@ def _tests(ground_truth: Any) -> dict | None:
             ground_truth = json.loads(ground_truth)
         except ValueError:
             return None
-    if not isinstance(ground_truth, dict) or not isinstance(ground_truth.get("inputs"), list) \
-            or not isinstance(ground_truth.get("outputs"), list):
+    if (
+        not isinstance(ground_truth, dict)
+        or not isinstance(ground_truth.get("inputs"), list)
+        or not isinstance(ground_truth.get("outputs"), list)
+    ):
         return None
     return ground_truth
 

@@ -72,20 +72,30 @@ class SampleReward:
     """Scores one sample with the rule, the model, or both; called on the rollout worker's scoring
     threads as samples finish. Without a model it is the rule alone (``RewardFunction``)."""
 
-    def __init__(self, rule: RewardFunction, model: ModelScorer | Callable | None = None,
-                 how: Combination | None = None):
+    def __init__(
+        self, rule: RewardFunction, model: ModelScorer | Callable | None = None, how: Combination | None = None
+    ):
         self.rule, self.model, self.how = rule, model, how or Combination()
 
     def _has_rule(self, data_source: str) -> bool:
         return self.how.needs_rule or bool(self.rule.custom_path) or builtin_scorer(data_source) is not None
 
-    def __call__(self, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None = None,
-                 prompt: list[dict] | None = None) -> tuple[float, dict]:
+    def __call__(
+        self,
+        data_source: str,
+        solution_str: str,
+        ground_truth: Any,
+        extra_info: dict | None = None,
+        prompt: list[dict] | None = None,
+    ) -> tuple[float, dict]:
         if self.model is None:
             return self.rule(data_source, solution_str, ground_truth, extra_info)
         how = self.how
-        rule, extras = (self.rule(data_source, solution_str, ground_truth, extra_info)
-                        if self._has_rule(data_source) else (None, {}))
+        rule, extras = (
+            self.rule(data_source, solution_str, ground_truth, extra_info)
+            if self._has_rule(data_source)
+            else (None, {})
+        )
         extras = dict(extras)
         if rule is not None:
             extras[RULE] = float(rule)

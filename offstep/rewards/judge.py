@@ -35,15 +35,19 @@ def parser_problem(parser: str) -> str | None:
     if parser in JUDGE_PARSERS:
         return None
     if not isinstance(parser, str) or not parser.startswith(REGEX_PREFIX):
-        return (f"reward.model.parser={parser!r} is not one of {list(JUDGE_PARSERS)} nor regex:PATTERN; e.g. "
-                f"reward.model.parser=last_number, or 'reward.model.parser=regex:Score: ([0-9.]+)'")
+        return (
+            f"reward.model.parser={parser!r} is not one of {list(JUDGE_PARSERS)} nor regex:PATTERN; e.g. "
+            f"reward.model.parser=last_number, or 'reward.model.parser=regex:Score: ([0-9.]+)'"
+        )
     try:
-        groups = re.compile(parser[len(REGEX_PREFIX):]).groups
+        groups = re.compile(parser[len(REGEX_PREFIX) :]).groups
     except re.error as exc:
         return f"reward.model.parser={parser!r} is not a valid regular expression ({exc}); fix the pattern"
     if groups < 1:
-        return (f"reward.model.parser={parser!r} has no group: the score is the first match's first group, so put "
-                f"it in parentheses, e.g. 'regex:Score: ([0-9.]+)'")
+        return (
+            f"reward.model.parser={parser!r} has no group: the score is the first match's first group, so put "
+            f"it in parentheses, e.g. 'regex:Score: ([0-9.]+)'"
+        )
     return None
 
 
@@ -53,15 +57,21 @@ def template_problem(template: str) -> str | None:
     try:
         names = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
     except ValueError as exc:
-        return (f"reward.model.template cannot be formatted ({exc}); write the fields as {{question}}, {{response}}, "
-                f"{{ground_truth}} and a literal brace as {{{{ or }}}}")
+        return (
+            f"reward.model.template cannot be formatted ({exc}); write the fields as {{question}}, {{response}}, "
+            f"{{ground_truth}} and a literal brace as {{{{ or }}}}"
+        )
     unknown = sorted(names - set(TEMPLATE_FIELDS))
     if unknown:
-        return (f"reward.model.template names {unknown}, which are not fields of a sample; use only "
-                f"{{question}}, {{response}} and {{ground_truth}} (a literal brace is written {{{{ or }}}})")
+        return (
+            f"reward.model.template names {unknown}, which are not fields of a sample; use only "
+            f"{{question}}, {{response}} and {{ground_truth}} (a literal brace is written {{{{ or }}}})"
+        )
     if "response" not in names:
-        return (f"reward.model.template={template!r} is not one of the named templates {list(JUDGE_TEMPLATES)} and has "
-                f"no {{response}}: the judge would not see what it judges; name one, or add {{response}} to yours")
+        return (
+            f"reward.model.template={template!r} is not one of the named templates {list(JUDGE_TEMPLATES)} and has "
+            f"no {{response}}: the judge would not see what it judges; name one, or add {{response}} to yours"
+        )
     return None
 
 
@@ -84,7 +94,7 @@ def parse_score(text: str, parser: str) -> float | None:
         found = _YES_NO.search(text)
         return None if found is None else float(found.group(1).lower() == "yes")
     if parser.startswith(REGEX_PREFIX):
-        found = re.search(parser[len(REGEX_PREFIX):], text)
+        found = re.search(parser[len(REGEX_PREFIX) :], text)
         if found is None or found.group(1) is None:
             return None
         try:

@@ -21,10 +21,35 @@ from offstep.rewards.math_answers import boxed_answer, brace_span, hendrycks_str
 # LaTeX to plain text
 
 _SYMBOLS = {
-    "pi": "pi", "infty": "inf", "cup": "U", "cdot": "*", "times": "*", "div": "÷", "pm": "±", "mp": "∓",
-    "le": "≤", "leq": "≤", "ge": "≥", "geq": "≥", "ne": "≠", "neq": "≠", "circ": "∘", "degree": "°",
-    "alpha": "α", "beta": "β", "gamma": "γ", "delta": "δ", "theta": "θ", "lambda": "λ", "mu": "μ",
-    "sigma": "σ", "phi": "φ", "omega": "ω", "ldots": "...", "dots": "...", "cdots": "⋯",
+    "pi": "pi",
+    "infty": "inf",
+    "cup": "U",
+    "cdot": "*",
+    "times": "*",
+    "div": "÷",
+    "pm": "±",
+    "mp": "∓",
+    "le": "≤",
+    "leq": "≤",
+    "ge": "≥",
+    "geq": "≥",
+    "ne": "≠",
+    "neq": "≠",
+    "circ": "∘",
+    "degree": "°",
+    "alpha": "α",
+    "beta": "β",
+    "gamma": "γ",
+    "delta": "δ",
+    "theta": "θ",
+    "lambda": "λ",
+    "mu": "μ",
+    "sigma": "σ",
+    "phi": "φ",
+    "omega": "ω",
+    "ldots": "...",
+    "dots": "...",
+    "cdots": "⋯",
 }
 _SPACES = {",": " ", ";": " ", ":": " ", " ": " ", "!": "", "quad": " ", "qquad": " "}
 _MACRO = re.compile(r"\\([A-Za-z]+|.)")
@@ -125,8 +150,25 @@ def mathd_normalize(answer: str, plain_percent: bool = False) -> str:
         return answer
 
 
-_UNITS = ("degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month",
-          "year", "foot", "feet", "inch", "yard", "liter")
+_UNITS = (
+    "degree",
+    "cm",
+    "centimeter",
+    "meter",
+    "mile",
+    "second",
+    "minute",
+    "hour",
+    "day",
+    "week",
+    "month",
+    "year",
+    "foot",
+    "feet",
+    "inch",
+    "yard",
+    "liter",
+)
 
 
 def _is_int_value(x: float) -> bool:
@@ -163,8 +205,17 @@ def grader_normalize(expr: str, mathruler: bool = False) -> str:
     m = re.search(r"^\\text\{(?P<text>.+?)\}$", expr)
     if m is not None:
         expr = m.group("text")
-    for before, after in (("\\%", "%"), ("\\$", "$"), ("$", ""), ("%", ""), (" or ", " , "), (" and ", " , "),
-                          ("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12")):
+    for before, after in (
+        ("\\%", "%"),
+        ("\\$", "$"),
+        ("$", ""),
+        ("%", ""),
+        (" or ", " , "),
+        (" and ", " , "),
+        ("million", "*10^6"),
+        ("billion", "*10^9"),
+        ("trillion", "*10^12"),
+    ):
         expr = expr.replace(before, after)
     for unit in _UNITS[:-1] if mathruler else _UNITS:
         expr = re.sub(unit + r"(es)?(s)? *(\^[0-9]+)?", "", expr)
@@ -178,7 +229,9 @@ def grader_normalize(expr: str, mathruler: bool = False) -> str:
     except ValueError:
         pass
     if "\\" in expr:
-        expr = latex_to_text(expr.replace("\\frac", " \\frac").replace("\\dfrac", " \\frac").replace("\\tfrac", " \\frac")).strip()
+        expr = latex_to_text(
+            expr.replace("\\frac", " \\frac").replace("\\dfrac", " \\frac").replace("\\tfrac", " \\frac")
+        ).strip()
     expr = re.sub("- *", "-", expr)
     expr = re.sub(r"([0-9]) +([0-9])", r"\1+\2", expr)  # a mixed number: 7 3/4 -> 7+3/4
     if mathruler:
@@ -283,8 +336,15 @@ def _arith(expr: str) -> float | None:
     import ast
     import operator
 
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.Pow: operator.pow, ast.USub: operator.neg, ast.UAdd: operator.pos}
+    ops = {
+        ast.Add: operator.add,
+        ast.Sub: operator.sub,
+        ast.Mult: operator.mul,
+        ast.Div: operator.truediv,
+        ast.Pow: operator.pow,
+        ast.USub: operator.neg,
+        ast.UAdd: operator.pos,
+    }
 
     def value(node):
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
@@ -372,7 +432,9 @@ def math_equal(pred, ref, tol: float = 1e-4, pi: float = math.pi) -> bool:
         return False
     ref, pred = str(ref).strip(), str(pred).strip()
     p, r = pred, ref
-    if (p[:1] == "[" and p[-1:] == "]" and not r.startswith("(")) or (p[:1] == "(" and p[-1:] == ")" and not r.startswith("[")):
+    if (p[:1] == "[" and p[-1:] == "]" and not r.startswith("(")) or (
+        p[:1] == "(" and p[-1:] == ")" and not r.startswith("[")
+    ):
         p, r = p.strip("[]()"), r.strip("[]()")
     if re.sub(r"[{}()]", "", p) == re.sub(r"[{}()]", "", r):
         return True

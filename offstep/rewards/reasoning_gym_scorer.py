@@ -57,9 +57,13 @@ def info_of(data_source: str, ground_truth: Any, extra_info: dict | None) -> tup
     if raw:
         info = json.loads(raw) if isinstance(raw, str) else raw
         return info["dataset"], info.get("config") or {}, decode(info["entry"])
-    name = data_source[len(SOURCE_PREFIX):] if data_source.startswith(SOURCE_PREFIX) else data_source
+    name = data_source[len(SOURCE_PREFIX) :] if data_source.startswith(SOURCE_PREFIX) else data_source
     question = (extra_info or {}).get("question", "")
-    return name, {}, {"question": question, "answer": None if ground_truth is None else str(ground_truth), "metadata": {}}
+    return (
+        name,
+        {},
+        {"question": question, "answer": None if ground_truth is None else str(ground_truth), "metadata": {}},
+    )
 
 
 def reasoning_gym_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs) -> float:

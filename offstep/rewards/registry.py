@@ -28,8 +28,15 @@ from offstep.errors import RewardConfigError, RewardError
 from offstep.rewards.sources import BUILTIN_SCORERS, builtin_scorer, unscored_sources
 from offstep.usercode import finishes_importing, hard_deadline
 
-__all__ = ["BUILTIN_SCORERS", "RewardFunction", "load_custom_scorer", "call_with_timeout", "CallTimeout", "score_of",
-           "import_within"]
+__all__ = [
+    "BUILTIN_SCORERS",
+    "RewardFunction",
+    "load_custom_scorer",
+    "call_with_timeout",
+    "CallTimeout",
+    "score_of",
+    "import_within",
+]
 
 Scorer = Callable[..., Any]
 SIGNATURE = "(data_source, solution_str, ground_truth, extra_info=None, **kwargs)"
@@ -67,8 +74,7 @@ def load_custom_scorer(
     spec = importlib.util.spec_from_file_location(module_name, path)
     if spec is None or spec.loader is None:
         raise RewardConfigError(
-            f"custom reward file {path} cannot be imported as a Python module. "
-            f"Fix: set {path_key} to a .py file."
+            f"custom reward file {path} cannot be imported as a Python module. Fix: set {path_key} to a .py file."
         )
     module = importlib.util.module_from_spec(spec)
     previous = sys.modules.get(module_name)
@@ -133,10 +139,7 @@ _FIX_RESULT = (
     "make the scorer return a finite number, or a dict with a numeric 'score', for every response "
     "(give wrong or malformed answers a low score instead)."
 )
-_FIX_RAISES = (
-    "make the scorer handle every response (give wrong or malformed answers a low score instead of "
-    "raising)."
-)
+_FIX_RAISES = "make the scorer handle every response (give wrong or malformed answers a low score instead of raising)."
 
 
 def _where(exc: BaseException, prefer: str | None = None) -> str:
@@ -282,8 +285,9 @@ class RewardFunction:
 
     def _custom(self) -> Scorer:
         if self._custom_fn is None:
-            self._custom_fn = load_custom_scorer(self.custom_path, self.custom_name, self.timeout_s, self.path_key,
-                                                 self.name_key, self.timeout_key)
+            self._custom_fn = load_custom_scorer(
+                self.custom_path, self.custom_name, self.timeout_s, self.path_key, self.name_key, self.timeout_key
+            )
         return self._custom_fn
 
     def scorer_for(self, data_source: str) -> Scorer:
@@ -313,7 +317,9 @@ class RewardFunction:
         if problems:
             raise RewardConfigError("; ".join(problems) + ".")
 
-    def check_call(self, data_source: str, ground_truth: Any, extra_info: dict | None = None, timeout_s: float = 10.0) -> None:
+    def check_call(
+        self, data_source: str, ground_truth: Any, extra_info: dict | None = None, timeout_s: float = 10.0
+    ) -> None:
         """Call the scorer once on a real sample with an empty response, as the rollout workers
         will (``fn(data_source, solution_str, ground_truth, extra_info=extra_info)``), so that a
         scorer with the wrong signature fails before any worker starts rather than after the

@@ -115,7 +115,6 @@ def plain_answer_score(final_turn: str, ground_truth, ended_by: str | None, call
     return last_number_score(final_turn, ground_truth) if answered else 0.0
 
 
-
 def qa_normalize(text: str) -> str:
     """SQuAD's answer normalisation (Rajpurkar et al. 2016): lower case, punctuation and the
     articles a/an/the removed, whitespace collapsed."""

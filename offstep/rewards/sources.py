@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable
 from offstep.rewards.code import code_score
 from offstep.rewards.math_answers import dapo_score, lighteval_math_score
 from offstep.rewards.math_grade import geo3k_score, prime_math_score
-from offstep.rewards.reasoning_gym_scorer import SOURCE_PREFIX as REASONING_GYM, reasoning_gym_score
+from offstep.rewards.reasoning_gym_scorer import SOURCE_PREFIX as REASONING_GYM
+from offstep.rewards.reasoning_gym_scorer import reasoning_gym_score
 from offstep.rewards.scorers import gsm8k_score, last_number_score, plain_answer_score, search_r1_em_score
 
 Scorer = Callable[..., Any]
@@ -20,10 +21,23 @@ Scorer = Callable[..., Any]
 MATH_LIGHTEVAL_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")  # and every name that starts with "aime"
 DAPO_PREFIX = "aime"
-NUMINA_SOURCES = ("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
-                  "numina_cn_k12", "numina_olympiads")
-SEARCH_R1_SOURCES = ("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
-                     "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle")
+NUMINA_SOURCES = (
+    "numina_aops_forum",
+    "numina_synthetic_math",
+    "numina_amc_aime",
+    "numina_synthetic_amc",
+    "numina_cn_k12",
+    "numina_olympiads",
+)
+SEARCH_R1_SOURCES = (
+    "searchR1_nq",
+    "searchR1_triviaqa",
+    "searchR1_popqa",
+    "searchR1_hotpotqa",
+    "searchR1_2wikimultihopqa",
+    "searchR1_musique",
+    "searchR1_bamboogle",
+)
 DICT_TRUTH_SOURCES = SEARCH_R1_SOURCES  # their ground truth is {"target": [answers]}
 # verl's default_compute_score sends these to its code scorer (prime_code): run the tests of the ground truth
 CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
@@ -95,8 +109,12 @@ def builtin_names() -> list[str]:
     return sorted(BUILTIN_SCORERS) + [f"{DAPO_PREFIX}*", f"{REASONING_GYM}*"]
 
 
-def unscored_sources(data_sources: Iterable[str], custom_path: str | None = None,
-                     path_key: str = "reward.custom_path", name_key: str = "reward.custom_name") -> list[str]:
+def unscored_sources(
+    data_sources: Iterable[str],
+    custom_path: str | None = None,
+    path_key: str = "reward.custom_path",
+    name_key: str = "reward.custom_name",
+) -> list[str]:
     """One message per data source that nothing would score (none when ``custom_path`` is set: the
     custom scorer takes every source), each naming the source and the fix."""
     if custom_path:

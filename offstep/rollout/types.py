@@ -117,7 +117,9 @@ class PromptFeed:
         return out
 
 
-def serve_prompts(serve, prompts: list[list[int]], params: SamplingParams, seed: int, on_finish=None) -> list[Completion]:
+def serve_prompts(
+    serve, prompts: list[list[int]], params: SamplingParams, seed: int, on_finish=None
+) -> list[Completion]:
     """Plain generation through an engine's ``serve``: ``params.n`` completions per prompt,
     prompt-major, ``on_finish(completion)`` called as each finishes."""
     results: list[Completion | None] = [None] * (len(prompts) * params.n)

@@ -22,12 +22,12 @@ from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from offstep.rewards.combine import Combination, SampleReward
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.agents.agent_loop import AgentRunner, run_tool_rows
-from offstep.rollout.engines.delta_load import DeltaLoads
-from offstep.rollout.engines.build import BUILTIN, EngineSpec, build_engine
-from offstep.rollout.engines.torch_engine import TorchEngine
-from offstep.rollout.engines.interface import RolloutEngine
 from offstep.rollout.agents.openai_agent import OpenAIRunner
+from offstep.rollout.engines.build import BUILTIN, EngineSpec, build_engine
+from offstep.rollout.engines.delta_load import DeltaLoads
+from offstep.rollout.engines.interface import RolloutEngine
 from offstep.rollout.engines.sleep import SleepState
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.scoring.teacher_scoring import Teacher, TeacherSpec
 from offstep.rollout.types import Completion, SamplingParams
 from offstep.sandbox import Limits, configure, shared
@@ -48,8 +48,12 @@ class Request:
     data_source: str
     ground_truth: object
     extra_info: dict = field(default_factory=dict)
-    agent_name: str = SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agents.agent_loop); openai: openai_agent
-    messages: list = field(default_factory=list)  # the prompt's chat messages (an OpenAI agent starts from them; a reward model reads them)
+    agent_name: str = (
+        SINGLE_TURN  # tool_agent: answered by a tool loop (offstep.rollout.agents.agent_loop); openai: openai_agent
+    )
+    messages: list = field(
+        default_factory=list
+    )  # the prompt's chat messages (an OpenAI agent starts from them; a reward model reads them)
 
 
 def configure_sandbox(s: SandboxConfig) -> None:
@@ -87,17 +91,33 @@ class RolloutSpec:
     teacher: TeacherSpec | None = None
 
     @classmethod
-    def local(cls, model_path: str, reward: RewardFunction, max_batch_size: int, *, dtype: str = "float32",
-              num_threads: int = 1, reward_threads: int = 1, engine: str = BUILTIN, lora: LoRAConfig | None = None,
-              scratch: str | None = None, **rest) -> "RolloutSpec":
+    def local(
+        cls,
+        model_path: str,
+        reward: RewardFunction,
+        max_batch_size: int,
+        *,
+        dtype: str = "float32",
+        num_threads: int = 1,
+        reward_threads: int = 1,
+        engine: str = BUILTIN,
+        lora: LoRAConfig | None = None,
+        scratch: str | None = None,
+        **rest,
+    ) -> "RolloutSpec":
         """A replica on this process's CPU (``offstep eval``, tests); ``rest``: the other fields."""
         spec = EngineSpec(engine, model_path, dtype, max_batch_size, num_threads, lora=lora, scratch=scratch)
         return cls(spec, "cpu", reward, reward_threads, **rest)
 
 
 class RolloutWorker:
-    def __init__(self, spec: RolloutSpec, progress: ProgressClient | None = None, reward_pool: list | None = None,
-                 teacher_pool: list | None = None):
+    def __init__(
+        self,
+        spec: RolloutSpec,
+        progress: ProgressClient | None = None,
+        reward_pool: list | None = None,
+        teacher_pool: list | None = None,
+    ):
         """``progress``: the live display's client; ``reward_pool``, ``teacher_pool``: the workers of
         the reward model's and the teacher's own pools, where they have one."""
         e = spec.engine
@@ -117,10 +137,13 @@ class RolloutWorker:
 
             self.model_reward = build_model_reward(reward_model, self.device, reward_pool)  # pool: its workers
             reward_threads = max(reward_threads, reward_model.max_concurrency)  # the batcher gathers what waits
-        self.scoring = SampleReward(spec.reward, self.model_reward,
-                                    Combination.of(reward_model) if self.model_reward is not None else None)
+        self.scoring = SampleReward(
+            spec.reward, self.model_reward, Combination.of(reward_model) if self.model_reward is not None else None
+        )
         # distill.teacher: each finished sample's tokens scored by the teacher (offstep.rollout.scoring.teacher_scoring)
-        self.teacher = Teacher(spec.teacher, self.device, teacher_pool, e.num_threads) if spec.teacher is not None else None
+        self.teacher = (
+            Teacher(spec.teacher, self.device, teacher_pool, e.num_threads) if spec.teacher is not None else None
+        )
         self.ref_model = None
         # The reference, for the KL term: with LoRA, the engine's own base with the adapters off
         # (the built-in engine's model under disable_adapter, vLLM's requests that name no adapter);
@@ -132,7 +155,9 @@ class RolloutWorker:
         self._sleeping = SleepState(self.engine, self.ref_model, self.device)  # rollout.sleep_during_update
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
         self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
-        self.agent = spec.agent  # rollout.agent: the tool loops and OpenAI agents of their rows, started at their first call
+        self.agent = (
+            spec.agent
+        )  # rollout.agent: the tool loops and OpenAI agents of their rows, started at their first call
         self._agent_runner: AgentRunner | None = None
         self._openai_runner: OpenAIRunner | None = None
         self._tok, self._eos = tok, eos
@@ -149,7 +174,9 @@ class RolloutWorker:
             return self._stream.between_steps(lambda: self._generate(requests, params, seed, with_ref))
         return self._generate(requests, params, seed, with_ref)
 
-    def _generate(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool) -> tuple[list[Sample], GenTiming]:
+    def _generate(
+        self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool
+    ) -> tuple[list[Sample], GenTiming]:
         if self.agent is not None and any(r.agent_name in (TOOL_AGENT, OPENAI_AGENT) for r in requests):
             return self._generate_with_tools(requests, params, seed, with_ref)
         t0 = time.time()
@@ -200,11 +227,19 @@ class RolloutWorker:
 
     def _score(self, r: Request, text: str, extra_info: dict | None = None) -> tuple[float, dict]:
         """One finished sample's reward: the rule, the reward model, or both (``reward.model``)."""
-        return self.scoring(r.data_source, text, r.ground_truth, r.extra_info if extra_info is None else extra_info,
-                            prompt=r.messages)
+        return self.scoring(
+            r.data_source, text, r.ground_truth, r.extra_info if extra_info is None else extra_info, prompt=r.messages
+        )
 
-    def _finish(self, samples: list[Sample], gen: Span, with_ref: bool, tools: tuple[Span, ...] = (),
-                earlier: tuple = (), pending: dict | None = None) -> tuple[list[Sample], GenTiming]:
+    def _finish(
+        self,
+        samples: list[Sample],
+        gen: Span,
+        with_ref: bool,
+        tools: tuple[Span, ...] = (),
+        earlier: tuple = (),
+        pending: dict | None = None,
+    ) -> tuple[list[Sample], GenTiming]:
         """The call's report; for training (``with_ref``), the teacher's log-probs (those asked for
         as the samples finished, ``pending``) and the reference's attached first."""
         taught = ()
@@ -229,15 +264,17 @@ class RolloutWorker:
         looped, spans = [], ()
         tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
         if tool_rows:
-            looped, spans = run_tool_rows(self._tool_loops(), self.engine, tool_rows, params, seed, self._score,
-                                          self.pool, self.progress)
+            looped, spans = run_tool_rows(
+                self._tool_loops(), self.engine, tool_rows, params, seed, self._score, self.pool, self.progress
+            )
         agent_rows = [r for r in requests if r.agent_name == OPENAI_AGENT]
         if agent_rows:
             looped += self._openai_agents().run(self.engine, agent_rows, params, seed, self.progress)
         order = {r.uid: k for k, r in enumerate(requests)}
         samples = sorted(samples + looped, key=lambda s: order[s.uid])  # stable: a request's samples keep their order
-        return self._finish(samples, Span(t0, time.time(), version), with_ref, spans,
-                            plain_timing.sandbox if plain_timing else ())
+        return self._finish(
+            samples, Span(t0, time.time(), version), with_ref, spans, plain_timing.sandbox if plain_timing else ()
+        )
 
     def _tool_loops(self) -> AgentRunner:
         if self._agent_runner is None:
@@ -249,7 +286,9 @@ class RolloutWorker:
             self._openai_runner = OpenAIRunner(self.agent, self._tok, self._eos)
         return self._openai_runner
 
-    def _attach_greedy_baseline(self, requests: list[Request], samples: list[Sample], params: SamplingParams, seed: int) -> None:
+    def _attach_greedy_baseline(
+        self, requests: list[Request], samples: list[Sample], params: SamplingParams, seed: int
+    ) -> None:
         """ReMax's baseline (Li et al. 2023, arXiv:2310.10505): one greedy response per request
         from the same weights, scored like the samples; its score and length go on every sample
         of that request."""
@@ -272,8 +311,16 @@ class RolloutWorker:
         self.progress.start(Stage.REF)
         ref, sequences = self.ref, [(s.prompt_ids, s.response_ids) for s in samples]
         if self.ref_model is not None:
-            scored = sequence_logprobs(self.ref_model, sequences, self.pad_id, self.device, ref.temperature,
-                                       ref.compute_dtype, ref.micro_batch_size, ref.share_prompts)
+            scored = sequence_logprobs(
+                self.ref_model,
+                sequences,
+                self.pad_id,
+                self.device,
+                ref.temperature,
+                ref.compute_dtype,
+                ref.micro_batch_size,
+                ref.share_prompts,
+            )
         else:
             scored = self.engine.base_logprobs(sequences, ref.temperature, ref.compute_dtype, ref.micro_batch_size)
         for s, lp in zip(samples, scored):
@@ -282,8 +329,14 @@ class RolloutWorker:
     # ---------------------------------------------------------------- fully asynchronous mode
     # (pipeline.mode=fully_async, offstep.rollout.stream.replica_stream): the actor runs these on several threads
     # (max_concurrency), so a load or a take is served while the engine generates.
-    def stream_start(self, prompts: list[list[int]], params: SamplingParams, partial: str,
-                     replay: list | None = None, max_kv_age: int = -1) -> None:
+    def stream_start(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        partial: str,
+        replay: list | None = None,
+        max_kv_age: int = -1,
+    ) -> None:
         """Start generating from a stream of prompt groups (``prompts``: every prompt that may come,
         for the engine's cache and shared prefix); ``replay``: a recorded schedule for it to follow
         (``offstep.rollout.engines.replica_schedule``)."""
@@ -292,12 +345,28 @@ class RolloutWorker:
 
         self._sleeping.before_generation()
         self._generating_again()
-        openai = self.agent is not None and bool(self.agent.openai_path or getattr(self.agent, "env", None))  # env.*: its rollouts too
-        self._stream = StreamServer(self.engine, prompts, params, partial, self.engine.max_batch_size, self._score, self.pool,
-                                    self._tok, self.progress.advance, share_prefix=not openai, replay=replay,
-                                    max_kv_age=max_kv_age, teach=self.teacher.submit if self.teacher is not None else None)
+        openai = self.agent is not None and bool(
+            self.agent.openai_path or getattr(self.agent, "env", None)
+        )  # env.*: its rollouts too
+        self._stream = StreamServer(
+            self.engine,
+            prompts,
+            params,
+            partial,
+            self.engine.max_batch_size,
+            self._score,
+            self.pool,
+            self._tok,
+            self.progress.advance,
+            share_prefix=not openai,
+            replay=replay,
+            max_kv_age=max_kv_age,
+            teach=self.teacher.submit if self.teacher is not None else None,
+        )
         if self.agent is not None:  # tool rows and OpenAI agents' rows: their loops' turns go through the stream
-            attach_agents(self._stream, self._tool_loops(), self._openai_agents() if openai else None, self.engine, params)
+            attach_agents(
+                self._stream, self._tool_loops(), self._openai_agents() if openai else None, self.engine, params
+            )
 
     def stream_submit(self, groups: list) -> None:
         self._stream.submit(groups)
@@ -361,6 +430,7 @@ class RolloutWorker:
             def run():
                 self._apply(tensors, version)
                 self.deltas.loaded_full(self.weight_sync_manifest(), tensors)
+
         try:
             if getattr(self, "_stream", None) is not None:  # between two decode steps of the running engine
                 try:
@@ -404,8 +474,18 @@ class RolloutWorker:
                 self._manifest = self.engine.weight_manifest()
         return self._manifest
 
-    def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list,
-                         bucket_bytes: int, timeout_s: float, in_place: bool = True) -> None:
+    def join_weight_sync(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        specs: list,
+        bucket_bytes: int,
+        timeout_s: float,
+        in_place: bool = True,
+    ) -> None:
         """Join the broadcast group. ``in_place=False`` (pipeline.mode=fully_async): receive into
         buffers of the receiver's own, applied between two decode steps, never into the weights
         that the running stream reads."""
@@ -421,8 +501,10 @@ class RolloutWorker:
         to arrive (an idle worker may wait for the actor before that)."""
         receiver = getattr(self, "_weight_receiver", None)
         if receiver is None:
-            raise RuntimeError("receive_weights: this rollout worker has not joined the weight-sync group "
-                               "(offstep.sync.collective.connect; a replaced worker needs a new group)")
+            raise RuntimeError(
+                "receive_weights: this rollout worker has not joined the weight-sync group "
+                "(offstep.sync.collective.connect; a replaced worker needs a new group)"
+            )
         self.progress.start(Stage.LOAD_WEIGHTS, version=version)
         self._sleeping.wake(("weights",))
         try:

@@ -15,8 +15,18 @@ from offstep.sandbox.limits import Limits
 from offstep.sandbox.run import Result, Sandbox, SandboxUnavailable
 from offstep.sandbox.stats import Execution, SandboxLog
 
-__all__ = ["Limits", "Result", "Sandbox", "SandboxUnavailable", "Execution", "SandboxLog", "problem", "shared",
-           "configure", "SYSTEM_PYTHON"]
+__all__ = [
+    "Limits",
+    "Result",
+    "Sandbox",
+    "SandboxUnavailable",
+    "Execution",
+    "SandboxLog",
+    "problem",
+    "shared",
+    "configure",
+    "SYSTEM_PYTHON",
+]
 
 _lock = threading.Lock()
 _shared: Sandbox | None = None

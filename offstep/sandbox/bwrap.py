@@ -26,23 +26,46 @@ from offstep.sandbox.limits import Limits, bootstrap
 NOBODY = 65534
 SYSTEM_PYTHON = "/usr/bin/python3"
 SCRIPT = "/tmp/main.py"
-ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+ENV = {
+    "PATH": "/usr/bin:/bin",
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+}
 # bwrap's own environment: its init (PID 1 inside) keeps it, readable there as /proc/1/environ, so the
 # caller's (tokens, paths) must never reach it
 BWRAP_ENV = {"PATH": "/usr/bin:/bin"}
 INSTALL = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; scripts/setup.sh does it as root)"
 
 
-def command(limits: Limits, python: str, code_fd: int, info_fd: int, bwrap: str = "bwrap", block_fd: int | None = None,
-            seccomp_fd: int | None = None, whole_tree: bool = True) -> list[str]:
+def command(
+    limits: Limits,
+    python: str,
+    code_fd: int,
+    info_fd: int,
+    bwrap: str = "bwrap",
+    block_fd: int | None = None,
+    seccomp_fd: int | None = None,
+    whole_tree: bool = True,
+) -> list[str]:
     """bwrap's argument list: the code is read from ``code_fd`` into ``/tmp/main.py``; bwrap writes
     the sandbox's PID (as seen from outside) to ``info_fd`` as JSON, then waits for a byte on
     ``block_fd`` before it starts anything inside (so that the caller can move that PID into a
     cgroup first); ``seccomp_fd`` holds the filter (``offstep.sandbox.seccomp``); ``whole_tree``:
     whether a cgroup bounds the sandbox (else the rlimits' per-process share)."""
-    args = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
-            "--ro-bind", "/usr", "/usr"]
+    args = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--new-session",
+        "--ro-bind",
+        "/usr",
+        "/usr",
+    ]
     for link in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
         target = os.path.join("/", link)
         if os.path.islink(target):  # merged /usr: /bin -> usr/bin
@@ -51,8 +74,26 @@ def command(limits: Limits, python: str, code_fd: int, info_fd: int, bwrap: str 
             args += ["--ro-bind", target, target]
     for f in ("/etc/ld.so.cache", "/etc/localtime"):
         args += ["--ro-bind-try", f, f]
-    args += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_mb << 20), "--tmpfs", "/tmp",
-             "--file", str(code_fd), SCRIPT, "--remount-ro", "/dev", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
+    args += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        str(limits.tmp_mb << 20),
+        "--tmpfs",
+        "/tmp",
+        "--file",
+        str(code_fd),
+        SCRIPT,
+        "--remount-ro",
+        "/dev",
+        "--remount-ro",
+        "/",
+        "--chdir",
+        "/tmp",
+        "--clearenv",
+    ]
     for k, v in ENV.items():
         args += ["--setenv", k, v]
     args += ["--info-fd", str(info_fd)]

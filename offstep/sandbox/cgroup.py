@@ -54,7 +54,7 @@ def _under(root: str, mountpoint: str, path: str) -> str | None:
     """The directory of cgroup ``path`` in a mount of ``root`` (None: outside that mount)."""
     if root != "/" and not (path == root or path.startswith(root + "/")):
         return None
-    rel = path[len(root):] if root != "/" else path
+    rel = path[len(root) :] if root != "/" else path
     return os.path.join(mountpoint, rel.lstrip("/"))
 
 

@@ -105,8 +105,14 @@ def start(limits: Limits, python: str, code: str, bwrap: str, **popen) -> Starte
     passed = [fd for fd in (code_fd, info_w, block_r, seccomp_fd) if fd is not None]
     argv = command(limits, python, code_fd, info_w, bwrap, block_r, seccomp_fd, group is not None)
     try:
-        proc = subprocess.Popen([python, "-I", "-S", "-c", REAPER, str(os.getpid()), ",".join(map(str, passed)), *argv],
-                                pass_fds=passed, start_new_session=True, env=BWRAP_ENV, **run_as(), **popen)
+        proc = subprocess.Popen(
+            [python, "-I", "-S", "-c", REAPER, str(os.getpid()), ",".join(map(str, passed)), *argv],
+            pass_fds=passed,
+            start_new_session=True,
+            env=BWRAP_ENV,
+            **run_as(),
+            **popen,
+        )
     except BaseException:
         for fd in (info_r, block_w):
             os.close(fd)
@@ -168,8 +174,15 @@ def problem(python: str = SYSTEM_PYTHON, bwrap: str = "bwrap") -> str | None:
     if not python.startswith("/usr/") or not os.path.isfile(python):
         return f"the sandbox's interpreter {python} is not a file under /usr (the only tree bound into the sandbox)"
     try:
-        started = start(Limits(), python, "print(1)\n", path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE)
+        started = start(
+            Limits(),
+            python,
+            "print(1)\n",
+            path,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         try:
             out, err = started.proc.communicate(timeout=30)
         finally:
@@ -178,6 +191,8 @@ def problem(python: str = SYSTEM_PYTHON, bwrap: str = "bwrap") -> str | None:
         return f"bubblewrap ({path}) could not run a sandbox: {exc}"
     if started.proc.returncode != 0 or out.strip() != b"1":
         why = err.decode(errors="replace").strip()[-300:] or f"exit status {started.proc.returncode}"
-        return (f"bubblewrap ({path}) is installed but cannot start a sandbox here ({why}); it needs user namespaces "
-                "(sysctl kernel.unprivileged_userns_clone=1 or user.max_user_namespaces > 0)")
+        return (
+            f"bubblewrap ({path}) is installed but cannot start a sandbox here ({why}); it needs user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1 or user.max_user_namespaces > 0)"
+        )
     return None

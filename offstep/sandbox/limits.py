@@ -41,7 +41,9 @@ class Limits:
 
     def check(self) -> list[str]:
         """What is out of range, one message per field (empty: usable)."""
-        bad = [f"{k}={getattr(self, k)!r} must be positive" for k in self.__dataclass_fields__ if not getattr(self, k) > 0]
+        bad = [
+            f"{k}={getattr(self, k)!r} must be positive" for k in self.__dataclass_fields__ if not getattr(self, k) > 0
+        ]
         if self.processes < 4:
             bad.append(f"processes={self.processes} is too few for an interpreter and the sandbox's init (at least 4)")
         if self.open_files < 16:
@@ -61,9 +63,14 @@ class Limits:
         if not whole_tree:
             processes = min(processes, FALLBACK_PROCESSES)
             memory_mb = max(memory_mb // processes, FALLBACK_MIN_MB)
-        return {"RLIMIT_CPU": int(self.cpu_s), "RLIMIT_AS": memory_mb * MIB,
-                "RLIMIT_NPROC": processes, "RLIMIT_FSIZE": int(self.file_mb) * MIB,
-                "RLIMIT_NOFILE": int(self.open_files), "RLIMIT_CORE": 0}
+        return {
+            "RLIMIT_CPU": int(self.cpu_s),
+            "RLIMIT_AS": memory_mb * MIB,
+            "RLIMIT_NPROC": processes,
+            "RLIMIT_FSIZE": int(self.file_mb) * MIB,
+            "RLIMIT_NOFILE": int(self.open_files),
+            "RLIMIT_CORE": 0,
+        }
 
 
 def bootstrap(limits: Limits, python: str, script: str, whole_tree: bool = True) -> list[str]:
@@ -71,7 +78,9 @@ def bootstrap(limits: Limits, python: str, script: str, whole_tree: bool = True)
     then replaces itself (``execv``) with ``python -I script``, so the code's tracebacks show its
     own frames only and the limits are inherited by everything it starts."""
     # RLIMIT_CPU's hard limit a second above the soft one: SIGXCPU first (the result names the limit), SIGKILL after
-    sets = ";".join(f"r.setrlimit(r.{name},({value},{value + (name == 'RLIMIT_CPU')}))"
-                    for name, value in limits.rlimits(whole_tree).items())
+    sets = ";".join(
+        f"r.setrlimit(r.{name},({value},{value + (name == 'RLIMIT_CPU')}))"
+        for name, value in limits.rlimits(whole_tree).items()
+    )
     code = f"import os,resource as r;{sets};os.execv({python!r},[{python!r},'-I',{script!r}])"
     return [python, "-I", "-S", "-c", code]

@@ -60,8 +60,13 @@ class Result:
 class Sandbox:
     """Executions under ``limits``, at most ``concurrency`` at a time; each is recorded in ``log``."""
 
-    def __init__(self, limits: Limits = Limits(), concurrency: int = 2, python: str = SYSTEM_PYTHON,
-                 log: SandboxLog | None = None):
+    def __init__(
+        self,
+        limits: Limits = Limits(),
+        concurrency: int = 2,
+        python: str = SYSTEM_PYTHON,
+        log: SandboxLog | None = None,
+    ):
         bad = limits.check() + ([] if concurrency >= 1 else [f"concurrency={concurrency} must be at least 1"])
         if bad:
             raise ValueError("sandbox limits: " + "; ".join(bad))
@@ -86,8 +91,9 @@ class Sandbox:
     def _execute(self, bwrap: str, code: str, data: bytes, waited: float) -> Result:
         lim = self.limits
         t0 = time.monotonic()
-        started = start(lim, self.python, code, bwrap, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE)
+        started = start(
+            lim, self.python, code, bwrap, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         proc = started.proc
         feeder = threading.Thread(target=_feed, args=(proc.stdin, data), daemon=True, name="sandbox-stdin")
         feeder.start()
@@ -134,8 +140,17 @@ class Sandbox:
         stdout, stderr = out.decode("utf-8", errors="replace"), err.decode("utf-8", errors="replace")
         exit_code = None if stopped else _exit_code(status)
         limit = stopped or ("memory" if oom and exit_code else _limit_of(exit_code, stderr))
-        return Result(stdout, stderr, exit_code, stopped == "timeout", limit, seconds, waited, truncated,
-                      None if peak is None else peak / MIB)
+        return Result(
+            stdout,
+            stderr,
+            exit_code,
+            stopped == "timeout",
+            limit,
+            seconds,
+            waited,
+            truncated,
+            None if peak is None else peak / MIB,
+        )
 
 
 def _feed(pipe, data: bytes) -> None:

@@ -18,21 +18,52 @@ import struct
 
 # name: (x86_64, aarch64); aarch64 uses the kernel's generic table, and new syscalls share numbers
 SYSCALLS = {
-    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
-    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218),
-    "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
-    "kcmp": (312, 272), "pidfd_getfd": (438, 438),
-    "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41), "chroot": (161, 51),
-    "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430), "fsconfig": (431, 431),
-    "fsmount": (432, 432), "fspick": (433, 433), "mount_setattr": (442, 442),
-    "unshare": (272, 97), "setns": (308, 268),
-    "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282), "fanotify_init": (300, 262),
-    "name_to_handle_at": (303, 264), "open_by_handle_at": (304, 265),
-    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "init_module": (175, 105),
-    "finit_module": (313, 273), "delete_module": (176, 106), "reboot": (169, 142), "swapon": (167, 224),
-    "swapoff": (168, 225), "acct": (163, 89), "quotactl": (179, 60), "syslog": (103, 116),
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
+    "keyctl": (250, 219),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "ptrace": (101, 117),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "kcmp": (312, 272),
+    "pidfd_getfd": (438, 438),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "pivot_root": (155, 41),
+    "chroot": (161, 51),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "fsconfig": (431, 431),
+    "fsmount": (432, 432),
+    "fspick": (433, 433),
+    "mount_setattr": (442, 442),
+    "unshare": (272, 97),
+    "setns": (308, 268),
+    "bpf": (321, 280),
+    "perf_event_open": (298, 241),
+    "userfaultfd": (323, 282),
+    "fanotify_init": (300, 262),
+    "name_to_handle_at": (303, 264),
+    "open_by_handle_at": (304, 265),
+    "kexec_load": (246, 104),
+    "kexec_file_load": (320, 294),
+    "init_module": (175, 105),
+    "finit_module": (313, 273),
+    "delete_module": (176, 106),
+    "reboot": (169, 142),
+    "swapon": (167, 224),
+    "swapoff": (168, 225),
+    "acct": (163, 89),
+    "quotactl": (179, 60),
+    "syslog": (103, 116),
     "lookup_dcookie": (212, 18),
-    "memfd_create": (319, 279), "shmget": (29, 194), "msgget": (68, 186), "semget": (64, 190),
+    "memfd_create": (319, 279),
+    "shmget": (29, 194),
+    "msgget": (68, 186),
+    "semget": (64, 190),
 }
 X86_ONLY = {"iopl": 172, "ioperm": 173}
 UNBOUNDED_MEMORY = ("memfd_create", "shmget", "msgget", "semget")
@@ -76,8 +107,12 @@ def program(arch: str | None = None, bounded_memory: bool = True) -> bytes:
     names = [*BLOCKED, *X86_ONLY] + ([] if bounded_memory else list(UNBOUNDED_MEMORY))
     nrs = numbers(arch, names)
     n = len(nrs)
-    ops = [(_LD_W_ABS, 0, 0, _ARCH), (_JEQ_K, 1, 0, ARCHES[arch][0]), (_RET_K, 0, 0, RET_KILL_PROCESS),
-           (_LD_W_ABS, 0, 0, _NR)]
+    ops = [
+        (_LD_W_ABS, 0, 0, _ARCH),
+        (_JEQ_K, 1, 0, ARCHES[arch][0]),
+        (_RET_K, 0, 0, RET_KILL_PROCESS),
+        (_LD_W_ABS, 0, 0, _NR),
+    ]
     if arch == "x86_64":  # x32 ABI: the same arch value, numbers with bit 30 set
         ops.append((_JGE_K, n + 1, 0, X32_BIT))
     # each check jumps over the checks after it and the allow, onto the EPERM return

@@ -101,8 +101,11 @@ def element_size(dtype: str) -> int:
 def manifest(model: torch.nn.Module, only: Callable[[str], bool] | None = None) -> list[TensorSpec]:
     """The unique parameters of ``model`` (a tied weight once, under its first name), in order;
     ``only``: those whose name it accepts (a LoRA model's adapters)."""
-    return [TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in model.named_parameters()
-            if only is None or only(n)]
+    return [
+        TensorSpec(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+        for n, p in model.named_parameters()
+        if only is None or only(n)
+    ]
 
 
 def plan(specs: list[TensorSpec], bucket_bytes: int) -> tuple[dict[str, Slot], dict[str, int], list[Bucket]]:
@@ -166,7 +169,9 @@ def make_group(store: dist.Store, rank: int, world_size: int, backend: str, time
         opts._timeout = _timeout(timeout_s)
         iface = os.environ.get("GLOO_SOCKET_IFNAME")
         opts._devices = [
-            dist.ProcessGroupGloo.create_device(interface=iface) if iface else dist.ProcessGroupGloo.create_default_device()
+            dist.ProcessGroupGloo.create_device(interface=iface)
+            if iface
+            else dist.ProcessGroupGloo.create_default_device()
         ]
         opts._threads = 2  # two buckets in flight at once
         return dist.ProcessGroupGloo(store, rank, world_size, opts)
@@ -223,8 +228,13 @@ class WeightSender:
         return all(w.is_completed() for s in getattr(self, "snapshots", []) for w in s.works)
 
     def connect(
-        self, world_size: int, backend: str, specs: list[TensorSpec], bucket_bytes: int,
-        own: list[TensorSpec], max_in_flight: int = 1,
+        self,
+        world_size: int,
+        backend: str,
+        specs: list[TensorSpec],
+        bucket_bytes: int,
+        own: list[TensorSpec],
+        max_in_flight: int = 1,
     ) -> None:
         check_manifest(specs, own, "actor")
         self.slots, self.totals, self.buckets = plan(specs, bucket_bytes)
@@ -258,8 +268,13 @@ class WeightSender:
         return torch.tensor([version, sum(self.totals.values()), *extra], dtype=torch.int64, device=self.device)
 
     @torch.no_grad()
-    def send(self, named: Iterable[tuple[str, torch.Tensor]], version: int, delta: DeltaSender | None = None,
-             full: bool = False) -> dict[str, tuple[int, int]]:
+    def send(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        delta: DeltaSender | None = None,
+        full: bool = False,
+    ) -> dict[str, tuple[int, int]]:
         """Pack ``named`` full tensors and broadcast each bucket once it is full. Returns each
         tensor's checksum (``offstep.sync.digest.tensor_sums``) as packed, in the rollout's dtype,
         taken while the copy is fresh in cache. With ``delta`` (``pipeline.weight_sync_delta``),
@@ -271,7 +286,9 @@ class WeightSender:
         deferred = delta is not None
         works = [] if deferred else [_broadcast(self.group, self._header(version, None))]
         left = [b.end - b.start for b in self.buckets]
-        posted = len(self.buckets) if deferred else 0  # buckets go out in index order, the order the receivers post theirs in
+        posted = (
+            len(self.buckets) if deferred else 0
+        )  # buckets go out in index order, the order the receivers post theirs in
         seen = set()
         sums: dict[str, tuple[int, int]] = {}
         for name, t in named:
@@ -310,7 +327,9 @@ class WeightSender:
         return sums
 
 
-def full_parameters(model: torch.nn.Module, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def full_parameters(
+    model: torch.nn.Module, only: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, full tensor)`` per unique parameter (``only``: those whose name it accepts); FSDP2
     shards are all-gathered, so every rank of the actor's group must iterate (in the same order).
     On a one-rank mesh the local shard is the full tensor: no gather, no copy."""
@@ -323,8 +342,13 @@ def full_parameters(model: torch.nn.Module, only: Callable[[str], bool] | None =
 
 
 @torch.no_grad()
-def flatten_parameters(model: torch.nn.Module, specs: list[TensorSpec], slots: dict[str, Slot], totals: dict[str, int],
-                       device: torch.device) -> dict[str, torch.Tensor]:
+def flatten_parameters(
+    model: torch.nn.Module,
+    specs: list[TensorSpec],
+    slots: dict[str, Slot],
+    totals: dict[str, int],
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
     """Re-point every parameter of ``model`` at a view of one flat buffer per dtype (values kept),
     so that broadcasts land in the live weights. Tied parameters are one object: re-pointed once."""
     flat = {dt: torch.empty(n, dtype=_dtype(dt), device=device) for dt, n in totals.items()}
@@ -353,13 +377,22 @@ class WeightReceiver:
         self.group = None
 
     def connect(
-        self, host: str, port: int, rank: int, world_size: int, backend: str, specs: list[TensorSpec],
-        bucket_bytes: int, timeout_s: float,
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        specs: list[TensorSpec],
+        bucket_bytes: int,
+        timeout_s: float,
     ) -> None:
         if self.own != list(specs):
             check_manifest(specs, self.own, f"rollout worker {rank - 1}")
-            raise ValueError(f"weight sync: rollout worker {rank - 1} has other dtypes or order than rollout worker 0; "
-                             "every replica must use the same rollout.dtype and rollout.engine")
+            raise ValueError(
+                f"weight sync: rollout worker {rank - 1} has other dtypes or order than rollout worker 0; "
+                "every replica must use the same rollout.dtype and rollout.engine"
+            )
         self.slots, self.totals, self.buckets = plan(list(specs), bucket_bytes)
         if self.model is not None:
             self.flat = flatten_parameters(self.model, list(specs), self.slots, self.totals, self.device)
@@ -390,8 +423,10 @@ class WeightReceiver:
         t_header = time.time()
         got, total, base, rows, nbytes = (int(x) for x in header.tolist())
         if got != version or total != sum(self.totals.values()):
-            raise RuntimeError(f"weight sync out of step: expected version {version} ({sum(self.totals.values())} "
-                               f"elements), the actor sent version {got} ({total})")
+            raise RuntimeError(
+                f"weight sync out of step: expected version {version} ({sum(self.totals.values())} "
+                f"elements), the actor sent version {got} ({total})"
+            )
         if rows == 0 and nbytes == 0 and base == 0:  # a full sync
             works = [_broadcast(self.group, self.flat[b.dtype][b.start : b.end]) for b in self.buckets]
             _wait(works, self.device)
@@ -399,13 +434,26 @@ class WeightReceiver:
         table = torch.empty((rows, 4), dtype=torch.int64, device=self.device)
         payload = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         _wait([_broadcast(self.group, t) for t in (table, payload) if t.numel()], self.device)
-        apply(Delta(version, -1, base, table.cpu().numpy(), payload.cpu().numpy()), self.own, self.tensors().__getitem__,
-              held_fp)
+        apply(
+            Delta(version, -1, base, table.cpu().numpy(), payload.cpu().numpy()),
+            self.own,
+            self.tensors().__getitem__,
+            held_fp,
+        )
         return t_header
 
 
-def join(actor_handles: list, rollout_handles: list, endpoint: tuple[str, int], backend: str, specs: list[TensorSpec],
-         bucket_mb: float, timeout_s: float, max_in_flight: int = 1, in_place: bool = True) -> list:
+def join(
+    actor_handles: list,
+    rollout_handles: list,
+    endpoint: tuple[str, int],
+    backend: str,
+    specs: list[TensorSpec],
+    bucket_mb: float,
+    timeout_s: float,
+    max_in_flight: int = 1,
+    in_place: bool = True,
+) -> list:
     """The calls (Ray object refs) that make a weight-sync group between actor rank 0, whose store
     serves ``endpoint`` (``ActorWorker.open_weight_sync``), and every rollout worker; all must
     finish (each blocks until every member has joined). ``in_place=False``: the replicas receive
@@ -422,9 +470,17 @@ def join(actor_handles: list, rollout_handles: list, endpoint: tuple[str, int], 
     return refs
 
 
-def connect(actor_handles: list, rollout_handles: list, backend: str, bucket_mb: float, timeout_s: float,
-            max_in_flight: int = 1, host: str | None = None, specs: list[TensorSpec] | None = None,
-            in_place: bool = True) -> None:
+def connect(
+    actor_handles: list,
+    rollout_handles: list,
+    backend: str,
+    bucket_mb: float,
+    timeout_s: float,
+    max_in_flight: int = 1,
+    host: str | None = None,
+    specs: list[TensorSpec] | None = None,
+    in_place: bool = True,
+) -> None:
     """Driver side: make the weight-sync group between actor rank 0 and every rollout worker (Ray
     actor handles of ``ActorWorker`` and ``RolloutWorker``); its store listens on ``host`` (None:
     actor rank 0's node address). ``specs``: the rollout manifest (None: asked of worker 0)."""
@@ -433,4 +489,6 @@ def connect(actor_handles: list, rollout_handles: list, backend: str, bucket_mb:
     if specs is None:
         specs = ray.get(rollout_handles[0].weight_sync_manifest.remote())
     endpoint = ray.get(actor_handles[0].open_weight_sync.remote(timeout_s, host))
-    ray.get(join(actor_handles, rollout_handles, endpoint, backend, specs, bucket_mb, timeout_s, max_in_flight, in_place))
+    ray.get(
+        join(actor_handles, rollout_handles, endpoint, backend, specs, bucket_mb, timeout_s, max_in_flight, in_place)
+    )

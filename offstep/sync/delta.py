@@ -71,8 +71,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_INT[t.element_size()]) if t.is_floating_point() else t
 
 
-def encode(specs: list, new: Mapping[str, torch.Tensor], base: Mapping[str, torch.Tensor], version: int,
-           base_version: int, base_fp: int) -> Delta:
+def encode(
+    specs: list,
+    new: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    version: int,
+    base_version: int,
+    base_fp: int,
+) -> Delta:
     """The delta from ``base`` to ``new`` (both by manifest name, in the manifest's dtypes)."""
     rows, chunks, offset = [], [], 0
     for i, s in enumerate(specs):
@@ -105,8 +111,10 @@ def apply(delta: Delta, specs: list, target: Callable[[str], torch.Tensor], held
     entry is well formed. Returns the elements written; raises :class:`DeltaRefused` before any
     write otherwise."""
     if held_fp != delta.base:
-        raise DeltaRefused(f"a delta to version {delta.version} was made from version {delta.base_version}, whose "
-                           "digest is not that of the weights this replica holds; it needs a full sync")
+        raise DeltaRefused(
+            f"a delta to version {delta.version} was made from version {delta.base_version}, whose "
+            "digest is not that of the weights this replica holds; it needs a full sync"
+        )
     payload = torch.from_numpy(np.ascontiguousarray(delta.payload))
     writes = []
     for idx, kind, count, off in delta.table.tolist():
@@ -117,7 +125,9 @@ def apply(delta: Delta, specs: list, target: Callable[[str], torch.Tensor], held
         size = dst.element_size()
         need = _pad(4 * count) + count * size if kind == SPARSE else s.numel * size
         if dst.numel() != s.numel or count < 1 or count > s.numel or off < 0 or off + need > payload.numel():
-            raise DeltaRefused(f"delta to version {delta.version}: entry for {s.name} does not fit (truncated or damaged)")
+            raise DeltaRefused(
+                f"delta to version {delta.version}: entry for {s.name} does not fit (truncated or damaged)"
+            )
         if kind == SPARSE:
             where = payload[off : off + 4 * count].view(torch.int32).to(torch.int64)
             values = payload[off + _pad(4 * count) : off + need].view(dst.dtype)
@@ -160,8 +170,14 @@ class DeltaSender:
             out[s.name] = t.to(getattr(torch, s.dtype), copy=True).reshape(s.shape)  # never the live weights
         return out
 
-    def next(self, version: int, new: dict[str, torch.Tensor], new_digest: WeightDigest, full: bool = False,
-             keep: bool = True) -> Delta | None:
+    def next(
+        self,
+        version: int,
+        new: dict[str, torch.Tensor],
+        new_digest: WeightDigest,
+        full: bool = False,
+        keep: bool = True,
+    ) -> Delta | None:
         """The delta to send as ``version`` (``None``: send the full weights); ``new`` becomes the
         base (copied unless ``keep=False`` says the caller hands it over)."""
         out = None

@@ -155,8 +155,14 @@ def digest_of(specs: list, get: Callable[[str], torch.Tensor]) -> WeightDigest:
     return digest(canonical())
 
 
-def check_load(replica: int, version: int, sent: WeightDigest, held: WeightDigest, previous_sent: WeightDigest | None,
-               previous_held: WeightDigest | None) -> None:
+def check_load(
+    replica: int,
+    version: int,
+    sent: WeightDigest,
+    held: WeightDigest,
+    previous_sent: WeightDigest | None,
+    previous_held: WeightDigest | None,
+) -> None:
     """Raise :class:`SyncNotVerified`, naming the worker and the version, unless rollout worker
     ``replica`` holds what the trainer sent as ``version``. A policy that did not change although
     the trainer's did (the digest of the previous load again) is named as such: a dropped load."""

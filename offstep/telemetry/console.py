@@ -18,7 +18,6 @@ for the first batch, and the occasional validation step).
 from __future__ import annotations
 
 import os
-import re
 import statistics
 import sys
 import time
@@ -117,9 +116,11 @@ def entropy_warning(first: float | None, m: dict) -> str | None:
     e = m.get(Actor.ENTROPY)
     if first is None or e is None or not first > 0 or e >= ENTROPY_WARN_FRACTION * first:
         return None
-    return (f"offstep: actor/entropy fell from {first:.3g} to {e:.3g} nats per token by step {m['step']}: the policy "
-            f"may be collapsing onto the answers it already gives; watch reward/uniform_group_frac and val/acc, and "
-            f"see the knobs in docs/running.md (Seeing a collapse coming)")
+    return (
+        f"offstep: actor/entropy fell from {first:.3g} to {e:.3g} nats per token by step {m['step']}: the policy "
+        f"may be collapsing onto the answers it already gives; watch reward/uniform_group_frac and val/acc, and "
+        f"see the knobs in docs/running.md (Seeing a collapse coming)"
+    )
 
 
 class ConsoleProgress:
@@ -139,9 +140,13 @@ class ConsoleProgress:
             tty = getattr(self.stream, "isatty", lambda: False)()
             self.console = Console(file=self.stream, highlight=False, force_terminal=tty, soft_wrap=True)
             self.progress = _BarWithStatus(
-                TextColumn("[bold]offstep[/]"), BarColumn(bar_width=30), MofNCompleteColumn(),
-                TimeElapsedColumn(), TextColumn("eta {task.fields[eta]}"),
-                console=self.console, transient=False,
+                TextColumn("[bold]offstep[/]"),
+                BarColumn(bar_width=30),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta {task.fields[eta]}"),
+                console=self.console,
+                transient=False,
             )
             self.task = self.progress.add_task("train", total=total, eta="?")
             self.progress.start()
@@ -169,7 +174,9 @@ class ConsoleProgress:
         elif self.mode == "plain" and self.status_interval_s > 0:
             now = time.monotonic()
             if now - self._last_print >= self.status_interval_s:
-                self.log(f"status | {info} | elapsed {format_duration(now - self._t0)} | eta {format_duration(self.eta())}")
+                self.log(
+                    f"status | {info} | elapsed {format_duration(now - self._t0)} | eta {format_duration(self.eta())}"
+                )
 
     def step(self, metrics: dict) -> None:
         if metrics["step"] >= 1 and metrics.get(Timing.STEP) is not None:

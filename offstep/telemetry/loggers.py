@@ -15,8 +15,8 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
-from offstep.errors import ConfigError
 from offstep.config.choices import WANDB_MODES
+from offstep.errors import ConfigError
 from offstep.files import open_record
 from offstep.telemetry.metrics import JsonlWriter
 
@@ -30,8 +30,10 @@ class TensorBoardLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ConfigError("trainer.loggers includes tensorboard but the tensorboard package is missing: "
-                             "pip install 'offstep[tensorboard]' (or remove it from trainer.loggers)") from e
+            raise ConfigError(
+                "trainer.loggers includes tensorboard but the tensorboard package is missing: "
+                "pip install 'offstep[tensorboard]' (or remove it from trainer.loggers)"
+            ) from e
         self.writer = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
 
     def log(self, m: dict) -> None:
@@ -41,7 +43,9 @@ class TensorBoardLogger:
         self.writer.flush()
 
     def log_samples(self, step: int, rows: list[dict]) -> None:
-        text = "\n\n".join(f"**reward {r['reward']:.3f}** (v{r['version']})\n\n    {r['prompt']}\n\n    {r['response']}" for r in rows)
+        text = "\n\n".join(
+            f"**reward {r['reward']:.3f}** (v{r['version']})\n\n    {r['prompt']}\n\n    {r['response']}" for r in rows
+        )
         self.writer.add_text("samples", text, step)
 
     def close(self) -> None:
@@ -67,16 +71,24 @@ class WandbLogger:
         try:
             import wandb
         except ImportError as e:
-            raise ConfigError("trainer.loggers includes wandb but the wandb package is missing: "
-                             "pip install 'offstep[wandb]' (or remove it from trainer.loggers)") from e
+            raise ConfigError(
+                "trainer.loggers includes wandb but the wandb package is missing: "
+                "pip install 'offstep[wandb]' (or remove it from trainer.loggers)"
+            ) from e
         self._wandb = wandb
         mode = resolve_wandb_mode(mode, os.environ)
         if mode == "online" and not wandb.login(prompt=False, verify=False):
-            raise ConfigError("trainer.wandb_mode=online needs W&B credentials (WANDB_API_KEY or `wandb login`); "
-                             "use trainer.wandb_mode=offline to log locally and `wandb sync` later")
+            raise ConfigError(
+                "trainer.wandb_mode=online needs W&B credentials (WANDB_API_KEY or `wandb login`); "
+                "use trainer.wandb_mode=offline to log locally and `wandb sync` later"
+            )
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=project, name=name, dir=str(out_dir), mode=mode, config=config,
+            project=project,
+            name=name,
+            dir=str(out_dir),
+            mode=mode,
+            config=config,
             settings=wandb.Settings(console="off", silent=True),  # our console stays ours
         )
         self._samples: dict[int, list[dict]] = {}
@@ -100,7 +112,9 @@ class WandbLogger:
     def close(self) -> None:
         if self._samples:  # samples of a step whose metrics never came (an interrupted run)
             last = max(self._samples)
-            self.run.log({"samples": self._table([r for s in sorted(self._samples) for r in self._samples[s]])}, step=last)
+            self.run.log(
+                {"samples": self._table([r for s in sorted(self._samples) for r in self._samples[s]])}, step=last
+            )
             self._samples.clear()
         self.run.finish()
 
@@ -133,7 +147,9 @@ class RunLoggers:
             if "tensorboard" in t.loggers:
                 self.sinks.append(TensorBoardLogger(out))
             if "wandb" in t.loggers:
-                self.sinks.append(WandbLogger(out, asdict(cfg), t.wandb_project, t.wandb_run_name or out.resolve().name, t.wandb_mode))
+                self.sinks.append(
+                    WandbLogger(out, asdict(cfg), t.wandb_project, t.wandb_run_name or out.resolve().name, t.wandb_mode)
+                )
         except Exception:
             self.close()
             raise

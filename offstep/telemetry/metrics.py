@@ -40,7 +40,14 @@ class Timeline:
         self._out = JsonlWriter(path, append=append)
 
     def add(self, role: str, stage: str, step: int, start: float, end: float, **extra) -> None:
-        ev = {"role": role, "stage": stage, "step": step, "start": round(start - self.t0, 4), "end": round(end - self.t0, 4), **extra}
+        ev = {
+            "role": role,
+            "stage": stage,
+            "step": step,
+            "start": round(start - self.t0, 4),
+            "end": round(end - self.t0, 4),
+            **extra,
+        }
         self._out.write(ev)
 
     def close(self) -> None:
@@ -84,12 +91,14 @@ def truncate_jsonl(path: str | Path, max_step: int) -> None:
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             if i == len(lines) - 1:
                 logging.getLogger(__name__).warning(
-                    "%s: dropped its last line %d, cut off mid-write by the run that stopped (%s)", path, n, exc)
+                    "%s: dropped its last line %d, cut off mid-write by the run that stopped (%s)", path, n, exc
+                )
                 break
             raise OffstepError(
                 f"{path}: line {n} is not a JSON object ({exc}), and it is not the last line, so the file was "
                 f"damaged after it was written. Fix: delete or repair that line, or move the file away to "
-                f"resume without the earlier records") from None
+                f"resume without the earlier records"
+            ) from None
         if record.get("step", 0) <= max_step:
             keep.append(line + "\n")
     # Into a new file that replaces the old one: a kill during the rewrite (the resumed run's

@@ -70,6 +70,7 @@ class Stage:
 
 # ---------------------------------------------------------------- metrics.jsonl, by group
 
+
 class Timing:
     """``timing_s/``: seconds of a step and of its stages."""
 
@@ -135,7 +136,9 @@ class Rollout:
     VERSION_MIN = "rollout/version_min"
     VERSION_SPAN_MAX = "rollout/version_span_max"
     PARTIAL_SAMPLES = "rollout/partial_samples"
-    KV_AGE_MAX = "rollout/kv_age_max"  # the most versions a trained sample's K/V lagged its weights (rollout.max_kv_age)
+    KV_AGE_MAX = (
+        "rollout/kv_age_max"  # the most versions a trained sample's K/V lagged its weights (rollout.max_kv_age)
+    )
     QUEUE_DEPTH = "rollout/queue_depth"
     IN_FLIGHT_GROUPS = "rollout/in_flight_groups"
     DROPPED_STALE = "rollout/dropped_stale"

@@ -42,10 +42,24 @@ TIMING_STACK = (
     (Timing.SYNC_WEIGHTS, "weight sync (export + load)", "tab:red"),
 )
 STAGE_COLORS = {
-    Stage.GEN: "tab:blue", Stage.VAL: "tab:cyan", Stage.REF: "tab:purple", Stage.LOAD_WEIGHTS: "tab:gray",
-    Stage.WAIT_GEN: "#dddddd", Stage.OLD_LOGPROBS: "tab:pink", Stage.VALUES: "tab:olive", Stage.UPDATE_CRITIC: "tab:brown",
-    Stage.UPDATE_ACTOR: "tab:orange", Stage.SYNC_EXPORT: "tab:red", Stage.GEN_MORE: "tab:blue", Stage.CHECKPOINT: "black",
-    Stage.PREPARE: "goldenrod", Stage.TOOL: "limegreen", Stage.REWARD_MODEL: "teal", Stage.TEACHER: "cadetblue", Stage.SLEEP: "#eeeeee", Stage.WAKE: "darkgray",
+    Stage.GEN: "tab:blue",
+    Stage.VAL: "tab:cyan",
+    Stage.REF: "tab:purple",
+    Stage.LOAD_WEIGHTS: "tab:gray",
+    Stage.WAIT_GEN: "#dddddd",
+    Stage.OLD_LOGPROBS: "tab:pink",
+    Stage.VALUES: "tab:olive",
+    Stage.UPDATE_CRITIC: "tab:brown",
+    Stage.UPDATE_ACTOR: "tab:orange",
+    Stage.SYNC_EXPORT: "tab:red",
+    Stage.GEN_MORE: "tab:blue",
+    Stage.CHECKPOINT: "black",
+    Stage.PREPARE: "goldenrod",
+    Stage.TOOL: "limegreen",
+    Stage.REWARD_MODEL: "teal",
+    Stage.TEACHER: "cadetblue",
+    Stage.SLEEP: "#eeeeee",
+    Stage.WAKE: "darkgray",
 }
 
 
@@ -105,8 +119,16 @@ def plot_reward(runs: list[Run], out: Path) -> Path:
             vx = [m["step"] for m in r.val]
             vy = [m[Val.ACC] for m in r.val]
             err = [m.get(Val.ACC_STDERR, 0.0) for m in r.val]  # runs before the standard error was logged: none
-            ax_s.errorbar(vx, vy, yerr=err, fmt="s--", color=line.get_color(), alpha=0.7, capsize=3,
-                          label=f"{r.name} val acc (± 1 s.e.)")
+            ax_s.errorbar(
+                vx,
+                vy,
+                yerr=err,
+                fmt="s--",
+                color=line.get_color(),
+                alpha=0.7,
+                capsize=3,
+                label=f"{r.name} val acc (± 1 s.e.)",
+            )
     ax_s.set(xlabel="step", ylabel="reward / accuracy", title="reward and validation accuracy")
     ax_t.set(xlabel="wall-clock seconds since step 1 began", ylabel="reward", title="reward over time")
     for ax in (ax_s, ax_t):
@@ -134,7 +156,9 @@ def plot_timing(runs: list[Run], out: Path) -> Path:
 
 
 def plot_timeline(runs: list[Run], out: Path) -> Path:
-    fig, axes = plt.subplots(len(runs), 1, figsize=(14, 1.2 + 1.1 * max(2, _lanes_max(runs)) * len(runs)), squeeze=False)
+    fig, axes = plt.subplots(
+        len(runs), 1, figsize=(14, 1.2 + 1.1 * max(2, _lanes_max(runs)) * len(runs)), squeeze=False
+    )
     for ax, r in zip(axes[:, 0], runs):
         lanes = sorted({e["role"] for e in r.timeline}, key=lambda s: (s != Role.TRAINER, s))
         seen = set()
@@ -144,8 +168,16 @@ def plot_timeline(runs: list[Run], out: Path) -> Path:
                 label = e["stage"] if e["stage"] not in seen else None
                 seen.add(e["stage"])
                 # tools run inside a generation: a thinner bar over it
-                ax.barh(y, e["end"] - e["start"], left=e["start"], height=0.3 if e["stage"] == Stage.TOOL else 0.6, color=color,
-                        edgecolor="black", linewidth=0.3, label=label)
+                ax.barh(
+                    y,
+                    e["end"] - e["start"],
+                    left=e["start"],
+                    height=0.3 if e["stage"] == Stage.TOOL else 0.6,
+                    color=color,
+                    edgecolor="black",
+                    linewidth=0.3,
+                    label=label,
+                )
                 if e["stage"] in (Stage.GEN, Stage.UPDATE_ACTOR) and e["end"] - e["start"] > 0:
                     ax.text((e["start"] + e["end"]) / 2, y, str(e["step"]), ha="center", va="center", fontsize=7)
         ax.set_yticks(range(len(lanes)), lanes)
@@ -160,8 +192,12 @@ def _lanes_max(runs: list[Run]) -> int:
 
 
 def plot_offpolicy(runs: list[Run], out: Path) -> Path:
-    keys = [(Rollout.STALENESS_MAX, "staleness (max)"), (Actor.MISMATCH_KL_K1, "mismatch KL k1"),
-            (Actor.IS_WEIGHT_MEAN, "IS weight mean"), (Actor.KL, "KL to reference")]
+    keys = [
+        (Rollout.STALENESS_MAX, "staleness (max)"),
+        (Actor.MISMATCH_KL_K1, "mismatch KL k1"),
+        (Actor.IS_WEIGHT_MEAN, "IS weight mean"),
+        (Actor.KL, "KL to reference"),
+    ]
     return _plot_series(runs, keys, out / "offpolicy.png")
 
 
@@ -180,8 +216,12 @@ def _plot_series(runs: list[Run], keys: list[tuple[str, str]], path: Path) -> Pa
 
 
 def plot_health(runs: list[Run], out: Path) -> Path:
-    keys = [(Actor.ENTROPY, "entropy (nats per token)"), (Reward.UNIFORM_GROUP_FRAC, "groups with one score (no signal)"),
-            (Actor.KL, "KL to reference"), (ResponseLength.MEAN, "response length (mean)")]
+    keys = [
+        (Actor.ENTROPY, "entropy (nats per token)"),
+        (Reward.UNIFORM_GROUP_FRAC, "groups with one score (no signal)"),
+        (Actor.KL, "KL to reference"),
+        (ResponseLength.MEAN, "response length (mean)"),
+    ]
     return _plot_series(runs, keys, out / "health.png")
 
 
@@ -192,18 +232,20 @@ def summary(runs: list[Run]) -> str:
         rewards = [m[Reward.MEAN] for m in r.steps]
         step_t = [m[Timing.STEP] for m in r.steps[1:]] or [m[Timing.STEP] for m in r.steps]
         k = min(5, len(rewards))
-        rows.append({
-            "run": r.name,
-            "steps": len(r.steps),
-            f"reward, first {k} steps": sum(rewards[:k]) / k if k else float("nan"),
-            f"reward, last {k} steps": sum(rewards[-k:]) / k if k else float("nan"),
-            "val acc, first": r.val[0][Val.ACC] if r.val else float("nan"),
-            "val acc, last": r.val[-1][Val.ACC] if r.val else float("nan"),
-            "median step s": statistics.median(step_t) if step_t else float("nan"),
-            "median gen s": statistics.median(m[Timing.GEN] for m in r.steps) if r.steps else float("nan"),
-            "max staleness": max((m[Rollout.STALENESS_MAX] for m in r.steps), default=0),
-            "wall s (steps)": r.wall_clock()[-1] if r.steps else 0.0,
-        })
+        rows.append(
+            {
+                "run": r.name,
+                "steps": len(r.steps),
+                f"reward, first {k} steps": sum(rewards[:k]) / k if k else float("nan"),
+                f"reward, last {k} steps": sum(rewards[-k:]) / k if k else float("nan"),
+                "val acc, first": r.val[0][Val.ACC] if r.val else float("nan"),
+                "val acc, last": r.val[-1][Val.ACC] if r.val else float("nan"),
+                "median step s": statistics.median(step_t) if step_t else float("nan"),
+                "median gen s": statistics.median(m[Timing.GEN] for m in r.steps) if r.steps else float("nan"),
+                "max staleness": max((m[Rollout.STALENESS_MAX] for m in r.steps), default=0),
+                "wall s (steps)": r.wall_clock()[-1] if r.steps else 0.0,
+            }
+        )
     cols = list(rows[0])
     fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)  # noqa: E731
     lines = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
@@ -219,8 +261,13 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path | None = None) 
     if not out_dir:
         refuse_links(out)  # the run's own report folder: not a link out of it
     out.mkdir(parents=True, exist_ok=True)
-    plots = [plot_reward(runs, out), plot_timing(runs, out), plot_timeline(runs, out), plot_offpolicy(runs, out),
-             plot_health(runs, out)]
+    plots = [
+        plot_reward(runs, out),
+        plot_timing(runs, out),
+        plot_timeline(runs, out),
+        plot_offpolicy(runs, out),
+        plot_health(runs, out),
+    ]
     text = ["# offstep report", "", summary(runs), ""]
     text += [f"![{p.stem}]({p.name})" for p in plots]
     write_file(out / "summary.md", "\n".join(text) + "\n", durable=False)

@@ -67,7 +67,9 @@ class ActorWorker(RoleWorker):
         """``distill``: with ``loss_mode=forward_kl_topk``, the teacher's top-k term is added to the loss."""
         super().__init__(spec, seed)
         self.cfg, self.algo, self.temperature = actor, algo, temperature
-        self.distill = distill if distill is not None and distill.enabled and distill.loss_mode == "forward_kl_topk" else None
+        self.distill = (
+            distill if distill is not None and distill.enabled and distill.loss_mode == "forward_kl_topk" else None
+        )
         self.compute_dtype = compute_dtype
         model = load_causal_lm(model_path, dtype=DTYPES[dtype]).to(self.device)
         # LoRA: the base frozen, adapters trained; the reference is this model with them off.
@@ -136,11 +138,17 @@ class ActorWorker(RoleWorker):
                 )
                 metrics.update(tis_metrics)
                 per_token["is_weight_mean"] = weights
-                per_token["is_truncated_frac"] = truncated_flags(old, mb.rollout_logprobs, mask, algo.tis_cap, algo.tis_level)
+                per_token["is_truncated_frac"] = truncated_flags(
+                    old, mb.rollout_logprobs, mask, algo.tis_cap, algo.tis_level
+                )
             if algo.rejection_level != "off" or algo.rejection_kl > 0:
                 keep, rej_metrics = rejection_mask(
-                    old, mb.rollout_logprobs, mask, level=algo.rejection_level,
-                    ratio_high=algo.rejection_ratio_high, ratio_low=algo.rejection_ratio_low or None,
+                    old,
+                    mb.rollout_logprobs,
+                    mask,
+                    level=algo.rejection_level,
+                    ratio_high=algo.rejection_ratio_high,
+                    ratio_low=algo.rejection_ratio_low or None,
                     kl_threshold=algo.rejection_kl or None,
                 )
                 weights = keep if weights is None else weights * keep
@@ -169,8 +177,9 @@ class ActorWorker(RoleWorker):
             return None
         adv = mini.advantages if algo.m2po_tokens == "trust_region" else None
         gather = self._gather_flat if dist.is_initialized() and dist.get_world_size() > 1 else None
-        keep, metrics = m2po_mask(mini.old_logprobs, mini.rollout_logprobs, mini.response_mask, algo.m2po_threshold,
-                                  adv, gather=gather)
+        keep, metrics = m2po_mask(
+            mini.old_logprobs, mini.rollout_logprobs, mini.response_mask, algo.m2po_threshold, adv, gather=gather
+        )
         return keep, {k: metrics[k] for k in ("m2po_m2", "m2po_m2_kept")}
 
     @staticmethod
@@ -211,17 +220,29 @@ class ActorWorker(RoleWorker):
             logits = response_logits(self.model, mb, self.temperature, self.compute_dtype, self.cfg.share_prompts)
             logp, ent = logprobs_from_logits(logits, mb.responses), entropy_from_logits(logits)
         else:
-            logp, ent = forward_response(self.model, mb, self.temperature, True, self.compute_dtype, self.cfg.share_prompts)
+            logp, ent = forward_response(
+                self.model, mb, self.temperature, True, self.compute_dtype, self.cfg.share_prompts
+            )
         old, weights, metrics = self._correction(mb, logp, m2po)
-        horizon = algo.loss_agg_horizon or None  # Dr. GRPO's constant (load_config resolves 0 to rollout.max_new_tokens)
+        horizon = (
+            algo.loss_agg_horizon or None
+        )  # Dr. GRPO's constant (load_config resolves 0 to rollout.max_new_tokens)
 
         def reduce(per_token: torch.Tensor, is_weights: torch.Tensor | None = None) -> torch.Tensor:
             """The one reduction of every loss term, normalised by the whole mini-batch (``denom``)."""
-            return aggregate_loss(per_token, mask, algo.loss_agg_mode, denom=denom, horizon=horizon, is_weights=is_weights)
+            return aggregate_loss(
+                per_token, mask, algo.loss_agg_mode, denom=denom, horizon=horizon, is_weights=is_weights
+            )
 
         per_token, pg_metrics = policy_loss(
-            algo.policy_loss, logp, old, mb.advantages, mask,
-            clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high, clip_ratio_c=algo.clip_ratio_c,
+            algo.policy_loss,
+            logp,
+            old,
+            mb.advantages,
+            mask,
+            clip_ratio_low=algo.clip_ratio_low,
+            clip_ratio_high=algo.clip_ratio_high,
+            clip_ratio_c=algo.clip_ratio_c,
         )
         pg_loss = reduce(per_token, weights)
         loss = pg_loss
@@ -260,13 +281,19 @@ class ActorWorker(RoleWorker):
             for j, mini_batch in enumerate(local.chunks(mini)):
                 denom = self._denominator(mini_batch, self.algo.loss_agg_mode)
                 m2po = self._m2po(mini_batch)
-                parts = self._micro_batches(mini_batch, self.cfg.micro_batch_size, self.cfg.micro_token_budget,
-                                            self.cfg.share_prompts)
+                parts = self._micro_batches(
+                    mini_batch, self.cfg.micro_batch_size, self.cfg.micro_token_budget, self.cfg.share_prompts
+                )
                 micros = [mb for _, mb in parts]
                 self.progress.plan(len(micros))
                 micro_metrics = [
-                    self._micro_step(mb, denom, None if m2po is None else (
-                        m2po[0][idx.to(m2po[0].device), : mb.response_mask.shape[1]], m2po[1]))
+                    self._micro_step(
+                        mb,
+                        denom,
+                        None
+                        if m2po is None
+                        else (m2po[0][idx.to(m2po[0].device), : mb.response_mask.shape[1]], m2po[1]),
+                    )
                     for idx, mb in parts
                 ]
                 n_tok = [float(mb.response_mask.sum()) for mb in micros]
@@ -334,9 +361,13 @@ class ActorWorker(RoleWorker):
         self._weight_sender = WeightSender(host or ray.util.get_node_ip_address(), self.device, timeout_s)
         return self._weight_sender.endpoint
 
-    def join_weight_sync(self, world_size: int, backend: str, specs: list, bucket_bytes: int, max_in_flight: int) -> None:
+    def join_weight_sync(
+        self, world_size: int, backend: str, specs: list, bucket_bytes: int, max_in_flight: int
+    ) -> None:
         """Rank 0: join the group (blocks until every rollout worker has joined)."""
-        self._weight_sender.connect(world_size, backend, specs, bucket_bytes, manifest(self.model, self._synced), max_in_flight)
+        self._weight_sender.connect(
+            world_size, backend, specs, bucket_bytes, manifest(self.model, self._synced), max_in_flight
+        )
 
     def send_weights(self, version: int, full: bool = False) -> WeightDigest | None:
         """Every rank gathers the full parameters (FSDP2); rank 0 broadcasts them to the rollout

@@ -62,8 +62,11 @@ def rng_state() -> dict:
     """Python's, NumPy's and torch's RNG states as JSON values."""
     version, words, gauss = random.getstate()
     kind, key, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": [version, list(words), gauss], "numpy": [kind, key.tolist(), int(pos), int(has_gauss), float(cached)],
-             "torch": _b64(torch.get_rng_state())}
+    state = {
+        "python": [version, list(words), gauss],
+        "numpy": [kind, key.tolist(), int(pos), int(has_gauss), float(cached)],
+        "torch": _b64(torch.get_rng_state()),
+    }
     if torch.cuda.is_available():
         state["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
     return state
@@ -85,11 +88,23 @@ def _rng_problem(rng) -> str | None:
         return "rng is not an object"
     py, npy = rng.get("python"), rng.get("numpy")
     ints = lambda v: isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in v)  # noqa: E731
-    if not (isinstance(py, list) and len(py) == 3 and isinstance(py[0], int) and ints(py[1]) and len(py[1]) == 625
-            and (py[2] is None or isinstance(py[2], (int, float)))):
+    if not (
+        isinstance(py, list)
+        and len(py) == 3
+        and isinstance(py[0], int)
+        and ints(py[1])
+        and len(py[1]) == 625
+        and (py[2] is None or isinstance(py[2], (int, float)))
+    ):
         return "rng.python is not Python's RNG state"
-    if not (isinstance(npy, list) and len(npy) == 5 and npy[0] == "MT19937" and ints(npy[1]) and len(npy[1]) == 624
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in npy[2:])):
+    if not (
+        isinstance(npy, list)
+        and len(npy) == 5
+        and npy[0] == "MT19937"
+        and ints(npy[1])
+        and len(npy[1]) == 624
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in npy[2:])
+    ):
         return "rng.numpy is not NumPy's RNG state"
     states = [rng.get("torch")] + (rng.get("cuda") or [])
     if not isinstance(rng.get("cuda", []), list) or not all(isinstance(t, str) for t in states):
@@ -106,11 +121,17 @@ def read_rank_file(path: Path) -> dict:
     """``rank<i>.json``: {rng, sched, extra}; a damaged file is a :class:`CheckpointError`."""
     try:
         local = loads_json(read_text(path, limit=MAX_RANK_BYTES))
-        if not isinstance(local, dict) or local.get("format") != RANK_FORMAT or not {"rng", "sched", "extra"} <= set(local):
+        if (
+            not isinstance(local, dict)
+            or local.get("format") != RANK_FORMAT
+            or not {"rng", "sched", "extra"} <= set(local)
+        ):
             raise ValueError("not a rank state of this offstep version")
-        problem = _rng_problem(local["rng"]) or (
-            None if local["sched"] is None or isinstance(local["sched"], dict) else "sched is not an object") or (
-            None if isinstance(local["extra"], dict) else "extra is not an object")
+        problem = (
+            _rng_problem(local["rng"])
+            or (None if local["sched"] is None or isinstance(local["sched"], dict) else "sched is not an object")
+            or (None if isinstance(local["extra"], dict) else "extra is not an object")
+        )
         if problem:
             raise ValueError(problem)
     except (OSError, ValueError, OffstepError) as e:
@@ -122,9 +143,16 @@ def read_rank_file(path: Path) -> dict:
 # What a DCP .metadata pickle refers to (torch 2.13; read off a real save of a model + AdamW).
 _METADATA_MODULES = ("torch.distributed.checkpoint.metadata",)
 _METADATA_NAMES = {
-    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
 }
 
 
@@ -161,7 +189,16 @@ class SafeReader(FileSystemReader):
                 metadata = _MetadataUnpickler(f, path).load()
         except CheckpointError:
             raise
-        except (OSError, OffstepError, EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError, IndexError) as e:
+        except (
+            OSError,
+            OffstepError,
+            EOFError,
+            pickle.UnpicklingError,
+            ValueError,
+            TypeError,
+            AttributeError,
+            IndexError,
+        ) as e:
             raise CheckpointError(f"{path} cannot be read ({type(e).__name__}: {e})") from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not checkpoint metadata")
@@ -183,8 +220,10 @@ class SafePlanner(DefaultLoadPlanner):
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError:
             # Not torch's advice to load it unrestricted: that would run the pickle's code.
-            raise CheckpointError(f"the checkpoint item {read_item.dest_index.fqn!r} holds a pickled object that is not "
-                                  f"plain data: refused (loading it could run code)") from None
+            raise CheckpointError(
+                f"the checkpoint item {read_item.dest_index.fqn!r} holds a pickled object that is not "
+                f"plain data: refused (loading it could run code)"
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
@@ -221,13 +260,20 @@ def save_role(path: str | Path, rank: int, model, opt=None, sched=None, extra: d
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
-        model_sd, optim_sd = get_state_dict(model, opt, options=_TRAINED) if opt is not None else (
-            get_state_dict(model, [], options=_TRAINED)[0], None)
+        model_sd, optim_sd = (
+            get_state_dict(model, opt, options=_TRAINED)
+            if opt is not None
+            else (get_state_dict(model, [], options=_TRAINED)[0], None)
+        )
         model_sd = _trained_only(model, model_sd)
         state = {"model": model_sd} if optim_sd is None else {"model": model_sd, "optim": optim_sd}
         dcp.save(state, checkpoint_id=str(path))  # fsyncs its files (FileSystemWriter(sync_files=True))
-        local = {"format": RANK_FORMAT, "rng": rng_state(), "sched": sched.state_dict() if sched is not None else None,
-                 "extra": extra or {}}
+        local = {
+            "format": RANK_FORMAT,
+            "rng": rng_state(),
+            "sched": sched.state_dict() if sched is not None else None,
+            "extra": extra or {},
+        }
         write_durably(path / f"rank{rank}.json", json.dumps(local))
     except (OSError, RuntimeError, CheckpointException) as e:
         raise write_failed(path, e) from None
@@ -264,7 +310,9 @@ def load_role(path: str | Path, rank: int, model, opt=None, sched=None) -> dict:
     _dcp_load(state, path)
     try:
         if opt is not None:
-            set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_loading(model))
+            set_state_dict(
+                model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_loading(model)
+            )
         else:
             set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={}, options=_loading(model))
         set_rng_state(local["rng"])

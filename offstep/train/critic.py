@@ -52,9 +52,7 @@ class CriticWorker(RoleWorker):
     def _values(self, mb: TrainBatch) -> torch.Tensor:
         R = mb.response_mask.shape[1]
         with autocast(mb.input_ids.device, self.compute_dtype):
-            out = self.model(
-                input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids
-            )
+            out = self.model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
         return out.logits[:, -R - 1 : -1, 0].float() * mb.response_mask
 
     @timed
@@ -77,8 +75,13 @@ class CriticWorker(RoleWorker):
                 for _, mb in self._micro_batches(mini_batch, self.micro, self.token_budget):
                     v = self._values(mb)
                     loss, m = value_loss(
-                        v, mb.values, mb.returns, mb.response_mask,
-                        clip_range=self.cfg.value_clip, loss_agg_mode=self.algo.loss_agg_mode, denom=denom,
+                        v,
+                        mb.values,
+                        mb.returns,
+                        mb.response_mask,
+                        clip_range=self.cfg.value_clip,
+                        loss_agg_mode=self.algo.loss_agg_mode,
+                        denom=denom,
                         horizon=self.algo.loss_agg_horizon or None,
                     )
                     loss.backward()
@@ -86,10 +89,22 @@ class CriticWorker(RoleWorker):
                     clips.append(float(m["vf_clipfrac"]))
                     toks.append(float(mb.response_mask.sum()))
                 where = f"the critic update of step {self.updates} (epoch {epoch + 1}, mini-batch {j + 1})"
-                norm, stepped = clip_and_step(self.model, self.opt, self.sched, self.cfg.optim.grad_clip,
-                                              sum(losses), self.cfg.nonfinite, where, role="critic")
+                norm, stepped = clip_and_step(
+                    self.model,
+                    self.opt,
+                    self.sched,
+                    self.cfg.optim.grad_clip,
+                    sum(losses),
+                    self.cfg.nonfinite,
+                    where,
+                    role="critic",
+                )
                 self.skipped_steps += 0 if stepped else 1
-                for k, v in (("vf_loss", sum(losses)), ("vf_clipfrac", float(np.average(clips, weights=toks)) if sum(toks) else 0.0), ("grad_norm", norm)):
+                for k, v in (
+                    ("vf_loss", sum(losses)),
+                    ("vf_clipfrac", float(np.average(clips, weights=toks)) if sum(toks) else 0.0),
+                    ("grad_norm", norm),
+                ):
                     sums[k] = sums.get(k, 0.0) + v
                 n_mini += 1
         metrics = all_mean({k: v / n_mini for k, v in sums.items()}, self.device)

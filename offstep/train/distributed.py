@@ -51,7 +51,9 @@ def setup(spec: GroupSpec) -> tuple[torch.device, DeviceMesh]:
         _own_store[:] = [serve_store(spec.master_addr, 1)]
         store = _own_store[0]
     else:
-        store = dist.PrefixStore(f"{spec.group}/", dist.TCPStore(spec.master_addr, spec.master_port, None, False, STORE_TIMEOUT))
+        store = dist.PrefixStore(
+            f"{spec.group}/", dist.TCPStore(spec.master_addr, spec.master_port, None, False, STORE_TIMEOUT)
+        )
     dist.init_process_group(backend, store=store, rank=spec.rank, world_size=spec.world_size)
     mesh = init_device_mesh(device.type, (spec.world_size,))
     return device, mesh

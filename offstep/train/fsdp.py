@@ -41,19 +41,26 @@ def make_optimizer(params, cfg: OptimConfig):
     (``benchmarks/update_throughput.py``), equal to it within float32 rounding (a few ulp;
     ``tests/train/test_optimizer.py``)."""
     opt = torch.optim.AdamW(
-        [p for p in params if p.requires_grad], lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+        [p for p in params if p.requires_grad],
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        weight_decay=cfg.weight_decay,
         fused=True,
     )
     warmup = max(0, cfg.warmup_steps)
     # Linear warm-up over the first `warmup` optimizer steps, then constant.
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
     return opt, sched
 
 
 def clip_and_step(
-    model, opt, sched, max_norm: float, loss: float = 0.0, nonfinite: str = "skip", where: str = "an update",
+    model,
+    opt,
+    sched,
+    max_norm: float,
+    loss: float = 0.0,
+    nonfinite: str = "skip",
+    where: str = "an update",
     role: str = "actor",
 ) -> tuple[float, bool]:
     """Clip gradients and take one optimizer step, unless the loss or the gradient norm is not
@@ -137,8 +144,9 @@ class RoleWorker:
         """Rows of this rank's mini-batches under ``_local(batch, mini)``."""
         return local_mini(len(batch), self.spec.world_size, mini or len(batch))
 
-    def _micro_batches(self, batch: TrainBatch, micro: int, token_budget: int,
-                       share_prompts: bool = False) -> list[tuple[torch.Tensor, TrainBatch]]:
+    def _micro_batches(
+        self, batch: TrainBatch, micro: int, token_budget: int, share_prompts: bool = False
+    ) -> list[tuple[torch.Tensor, TrainBatch]]:
         """(row indices, micro-batch) pairs of this rank's (mini-)batch: ``micro`` rows each, or
         budget-planned and trimmed (``offstep.batch.micro_batches``; ``share_prompts``: planned by
         prompt), with the same number of micro-batches on every rank so that FSDP's per-pass
@@ -152,7 +160,13 @@ class RoleWorker:
 
     @torch.no_grad()
     def _logprobs(
-        self, model, batch: TrainBatch, temperature: float, micro: int, compute_dtype: str, token_budget: int = 0,
+        self,
+        model,
+        batch: TrainBatch,
+        temperature: float,
+        micro: int,
+        compute_dtype: str,
+        token_budget: int = 0,
         share_prompts: bool = False,
     ) -> torch.Tensor:
         """Log-probs of the whole batch, gathered from every rank (rank 0 returns them)."""
@@ -161,7 +175,12 @@ class RoleWorker:
         model.eval()  # no dropout (e.g. LoRA's) in a log-prob pass: the policy itself, not a sample of it
         try:
             parts = [
-                (idx, forward_response(model, mb, temperature, compute_dtype=compute_dtype, share_prompts=share_prompts)[0])
+                (
+                    idx,
+                    forward_response(model, mb, temperature, compute_dtype=compute_dtype, share_prompts=share_prompts)[
+                        0
+                    ],
+                )
                 for idx, mb in self._micro_batches(local, micro, token_budget, share_prompts)
             ]
         finally:
@@ -190,9 +209,7 @@ class RoleWorker:
 
     def full_state_dict(self, model) -> dict[str, torch.Tensor]:
         """Unsharded weights on CPU (on rank 0; other ranks get an empty dict)."""
-        return get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     # Counters a role keeps across steps (e.g. the actor's skipped steps) that a checkpoint holds.
     _checkpointed_attrs: tuple[str, ...] = ()

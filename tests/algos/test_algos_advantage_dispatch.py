@@ -16,9 +16,17 @@ from offstep.pipeline.compute_advantages import (
 
 def make_batch(scores=(1.0, 0.0, 0.5, 0.5), lengths=(2, 3, 1, 3), uids=(7, 7, 8, 8), baseline=None):
     samples = [
-        Sample(uid=u, prompt_ids=[1, 2], response_ids=list(range(3, 3 + n)), rollout_logprobs=[-1.0] * n,
-               finish_reason="stop", score=s, version=0,
-               baseline_score=None if baseline is None else baseline[i], baseline_length=None if baseline is None else 3)
+        Sample(
+            uid=u,
+            prompt_ids=[1, 2],
+            response_ids=list(range(3, 3 + n)),
+            rollout_logprobs=[-1.0] * n,
+            finish_reason="stop",
+            score=s,
+            version=0,
+            baseline_score=None if baseline is None else baseline[i],
+            baseline_length=None if baseline is None else 3,
+        )
         for i, (s, n, u) in enumerate(zip(scores, lengths, uids))
     ]
     return collate(samples, pad_id=0)
@@ -42,7 +50,9 @@ def outcome(b):
 DIRECT = {
     "grpo": lambda b: estimators.grpo_outcome_advantage(b.scores, b.group_ids, b.response_mask),
     "rloo": lambda b: estimators.rloo_advantage(b.scores, b.group_ids, b.response_mask),
-    "reinforce_plus_plus_baseline": lambda b: estimators.reinforce_pp_baseline_advantage(b.scores, b.group_ids, b.response_mask),
+    "reinforce_plus_plus_baseline": lambda b: estimators.reinforce_pp_baseline_advantage(
+        b.scores, b.group_ids, b.response_mask
+    ),
     "opo": lambda b: estimators.opo_advantage(b.scores, b.group_ids, b.response_mask),
     "gpg": lambda b: estimators.gpg_advantage(b.scores, b.group_ids, b.response_mask),
     "grpo_passk": lambda b: estimators.grpo_passk_advantage(b.scores, b.group_ids, b.response_mask),
@@ -117,8 +127,12 @@ def test_kl_in_reward_with_adaptive_controller():
     batch = make_batch()
     batch.old_logprobs = torch.full_like(batch.response_mask, -1.0)
     batch.ref_logprobs = torch.full_like(batch.response_mask, -1.1)
-    algo = AlgorithmConfig(adv_estimator="rloo", use_kl_in_reward=True, kl_penalty="k1",
-                           kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.5, target_kl=0.05, horizon=8))
+    algo = AlgorithmConfig(
+        adv_estimator="rloo",
+        use_kl_in_reward=True,
+        kl_penalty="k1",
+        kl_ctrl=KLControlConfig(type="adaptive", kl_coef=0.5, target_kl=0.05, horizon=8),
+    )
     ctrl = build_kl_controller(algo)
     m = compute_advantages(batch, algo, ctrl)
     assert batch.advantages[:, 0].tolist() == pytest.approx([1.05, -1.05, 0.1, -0.1])
@@ -126,8 +140,12 @@ def test_kl_in_reward_with_adaptive_controller():
     assert ctrl.value == pytest.approx(0.55)
     # REINFORCE++ sees the per-token penalty: row 1 (3 tokens, score 0) returns -0.15, -0.1, -0.05
     batch.advantages = None
-    compute_advantages(batch, AlgorithmConfig(adv_estimator="reinforce_plus_plus", use_kl_in_reward=True,
-                                              kl_ctrl=KLControlConfig(kl_coef=0.5)))
+    compute_advantages(
+        batch,
+        AlgorithmConfig(
+            adv_estimator="reinforce_plus_plus", use_kl_in_reward=True, kl_ctrl=KLControlConfig(kl_coef=0.5)
+        ),
+    )
     assert batch.returns[1].tolist() == pytest.approx([-0.15, -0.1, -0.05])
     with pytest.raises(ValueError, match="use_kl_in_reward"):
         compute_advantages(make_batch(), algo)

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import GARBAGE, pad
+
 from offstep.algos.advantages import (
     gae_advantage,
     gpg_advantage,
@@ -169,9 +169,7 @@ def test_gae_padding_invariance(fill, whiten):
     # garbage both under the existing padding and in 3 new padded columns
     garbage_r = torch.where(mask.bool(), rewards, torch.full_like(rewards, fill))
     garbage_v = torch.where(mask.bool(), values, torch.full_like(values, fill))
-    adv_p, ret_p = gae_advantage(
-        pad(garbage_r, 3, fill), pad(garbage_v, 3, fill), pad(mask, 3, 0.0), 0.9, 0.8, whiten
-    )
+    adv_p, ret_p = gae_advantage(pad(garbage_r, 3, fill), pad(garbage_v, 3, fill), pad(mask, 3, 0.0), 0.9, 0.8, whiten)
     torch.testing.assert_close(adv_p[:, :5], adv)
     torch.testing.assert_close(ret_p[:, :5], ret)
     assert (adv_p[:, 5:] == 0).all() and (ret_p[:, 5:] == 0).all()
@@ -293,8 +291,9 @@ def test_remax_hand():
     torch.testing.assert_close(adv, torch.tensor([[0.5, 0.5, 0.0], [-0.5, -0.5, -0.5]], dtype=F64))
     torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=F64))
     # with a per-token KL penalty in the reward: rewards -0.1, 0.9 -> returns 0.8, 0.9 -> adv 0.3, 0.4
-    adv, _ = remax_advantage(torch.tensor([[-0.1, 0.9]], dtype=F64), torch.tensor([0.5], dtype=F64),
-                             torch.ones(1, 2, dtype=F64))
+    adv, _ = remax_advantage(
+        torch.tensor([[-0.1, 0.9]], dtype=F64), torch.tensor([0.5], dtype=F64), torch.ones(1, 2, dtype=F64)
+    )
     torch.testing.assert_close(adv, torch.tensor([[0.3, 0.4]], dtype=F64))
     adv_p, _ = remax_advantage(pad(rewards, 2, 7.0), torch.tensor([0.5, 0.5], dtype=F64), pad(mask, 2, 0.0))
     assert (adv_p[:, 3:] == 0).all()
@@ -316,7 +315,9 @@ def test_opo_hand():
     torch.testing.assert_close(ret, adv)
     # equal lengths: OPO's baseline is the plain group mean (GRPO without the std)
     even = length_mask([3, 3, 3, 3, 3], 3)
-    torch.testing.assert_close(opo_advantage(scores, groups, even)[0], grpo_outcome_advantage(scores, groups, even, norm_by_std=False)[0])
+    torch.testing.assert_close(
+        opo_advantage(scores, groups, even)[0], grpo_outcome_advantage(scores, groups, even, norm_by_std=False)[0]
+    )
 
 
 def test_gpg_hand():
@@ -347,8 +348,12 @@ def test_grpo_passk_hand():
     adv, _ = grpo_passk_advantage(scores, groups, mask, norm_by_std=False)
     assert adv[:, 1].tolist() == [0.0, 0.5, 0.0, 0.0, 0.0, 0.0]
     # the best is found wherever it sits in the batch, and only it is credited
-    adv, _ = grpo_passk_advantage(torch.tensor([0.2, 0.9, 0.2], dtype=F64), torch.tensor([4, 5, 4]),
-                                  torch.ones(3, 1, dtype=F64), norm_by_std=False)
+    adv, _ = grpo_passk_advantage(
+        torch.tensor([0.2, 0.9, 0.2], dtype=F64),
+        torch.tensor([4, 5, 4]),
+        torch.ones(3, 1, dtype=F64),
+        norm_by_std=False,
+    )
     assert adv[:, 0].tolist() == [0.0, 0.0, 0.0]  # groups {0.2, 0.2} (tie) and {0.9} (single)
 
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import GARBAGE, mini_batch_denom, pad
+
 from offstep.algos.common import (
     AGG_MODES,
     aggregate_loss,
@@ -88,13 +88,18 @@ def test_aggregate_loss_is_weights_hand():
         loss = aggregate_loss(x, M, mode, is_weights=w)
         assert loss.item() == pytest.approx(expect), mode
         loss.backward()
-        grad = [[2.0 / 4, 0.5 / 4, 0.0], [3.0 / 2, 0.0, 0.0]] if scale is None else \
-            [[2.0 / scale, 0.5 / scale, 0.0], [3.0 / scale, 0.0, 0.0]]
+        grad = (
+            [[2.0 / 4, 0.5 / 4, 0.0], [3.0 / 2, 0.0, 0.0]]
+            if scale is None
+            else [[2.0 / scale, 0.5 / scale, 0.0], [3.0 / scale, 0.0, 0.0]]
+        )
         torch.testing.assert_close(x.grad, torch.tensor(grad, dtype=F64))
     assert w.grad is None  # the weights are constants
     # with denom and horizon: token-mean 15 / 10; seq-mean-token-sum-norm (3/10 + 12/10) / 5
     assert aggregate_loss(X, M, "token-mean", denom=10, is_weights=w).item() == pytest.approx(1.5)
-    assert aggregate_loss(X, M, "seq-mean-token-sum-norm", denom=5, horizon=10, is_weights=w).item() == pytest.approx(0.3)
+    assert aggregate_loss(X, M, "seq-mean-token-sum-norm", denom=5, horizon=10, is_weights=w).item() == pytest.approx(
+        0.3
+    )
     # weights of 1 change nothing
     for mode in AGG_MODES:
         assert aggregate_loss(X, M, mode, is_weights=torch.ones_like(X)).item() == aggregate_loss(X, M, mode).item()
@@ -122,9 +127,7 @@ def test_padding_invariance(fill):
     torch.testing.assert_close(masked_whiten(xp, mp)[:, :3], masked_whiten(X, M))
     assert (masked_whiten(xp, mp)[:, 3:] == 0).all()
     for mode in AGG_MODES:
-        torch.testing.assert_close(
-            aggregate_loss(xp, mp, mode, horizon=3), aggregate_loss(X, M, mode, horizon=3)
-        )
+        torch.testing.assert_close(aggregate_loss(xp, mp, mode, horizon=3), aggregate_loss(X, M, mode, horizon=3))
 
 
 def test_padding_invariance_of_gradients():

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import GARBAGE, pad
+
 from offstep.algos.common import aggregate_loss
 from offstep.algos.correction import (
     GroupedTokenStats,
@@ -80,8 +80,7 @@ def test_padding_invariance(fill, level):
     def spoil(x):  # garbage under the existing padding, plus 3 padded columns of garbage
         return pad(torch.where(mask.bool(), x, torch.full_like(x, fill)), 3, fill)
 
-    w_p, m_p = truncated_importance_weights(spoil(old), spoil(rollout), pad(mask, 3, 0.0),
-                                            cap=1.5, level=level)
+    w_p, m_p = truncated_importance_weights(spoil(old), spoil(rollout), pad(mask, 3, 0.0), cap=1.5, level=level)
     torch.testing.assert_close(w_p[:, :4], w)
     assert (w_p[:, 4:] == 0).all() and (w[~mask.bool()] == 0).all()
     torch.testing.assert_close(m_p, m)
@@ -153,10 +152,13 @@ def test_mismatch_terms_and_truncated_flags():
     assert k3[0].tolist() == pytest.approx([3 - math.log(3) - 1, 0.0, 0.4 - math.log(0.4) - 1])
     assert k1[1, 2] == 0 and k3[1, 2] == 0
     # token flags with cap 2: only the 3 is truncated; sequence: 1.2 no, 2.25 yes (both its tokens)
-    torch.testing.assert_close(truncated_flags(REJ_OLD, REJ_ROLLOUT, REJ_MASK, 2.0),
-                               torch.tensor([[1.0, 0, 0], [0, 0, 0]], dtype=F64))
-    torch.testing.assert_close(truncated_flags(REJ_OLD, REJ_ROLLOUT, REJ_MASK, 2.0, "sequence"),
-                               torch.tensor([[0.0, 0, 0], [1, 1, 0]], dtype=F64))
+    torch.testing.assert_close(
+        truncated_flags(REJ_OLD, REJ_ROLLOUT, REJ_MASK, 2.0), torch.tensor([[1.0, 0, 0], [0, 0, 0]], dtype=F64)
+    )
+    torch.testing.assert_close(
+        truncated_flags(REJ_OLD, REJ_ROLLOUT, REJ_MASK, 2.0, "sequence"),
+        torch.tensor([[0.0, 0, 0], [1, 1, 0]], dtype=F64),
+    )
     # they agree with the truncation fraction of truncated_importance_weights
     _, m = truncated_importance_weights(REJ_OLD, REJ_ROLLOUT, REJ_MASK, cap=2.0)
     assert m["is_truncated_frac"].item() == pytest.approx(1 / 5)
@@ -168,14 +170,21 @@ def test_grouped_token_stats_hand():
     # batch 2: one row with staleness 1; x = [5, 7, 9]; level 2 never appears
     # level 0: mean (1 + 2) / 2 = 1.5, max 2; level 1: (3 + 5 + 7 + 9) / 4 = 6, max 9; level 2: 0
     s = GroupedTokenStats([0, 1, 2], max_of={"x": "x_max"})
-    s.add({"x": torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])},
-          torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]), torch.tensor([0, 1]))
+    s.add(
+        {"x": torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])},
+        torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]),
+        torch.tensor([0, 1]),
+    )
     s.add({"x": torch.tensor([[5.0, 7.0, 9.0]])}, torch.ones(1, 3), torch.tensor([1]))
     sums, maxes = s.totals()
     assert sums == [3.0, 24.0, 0.0, 2.0, 4.0, 0.0] and maxes == [2.0, 9.0, 0.0]
     assert s.metrics(sums, maxes) == {
-        "x/staleness_0": 1.5, "x/staleness_1": 6.0, "x/staleness_2": 0.0,
-        "x_max/staleness_0": 2.0, "x_max/staleness_1": 9.0, "x_max/staleness_2": 0.0,
+        "x/staleness_0": 1.5,
+        "x/staleness_1": 6.0,
+        "x/staleness_2": 0.0,
+        "x_max/staleness_0": 2.0,
+        "x_max/staleness_1": 9.0,
+        "x_max/staleness_2": 0.0,
     }
     # two ranks: element-wise sums of (sums, counts) give the pooled means
     doubled = [2 * v for v in sums]

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import GARBAGE, pad
+
 from offstep.algos.correction import (
     icepop_weights,
     m2po_mask,
@@ -135,11 +135,19 @@ def test_m2po_split_over_ranks_equals_whole_batch(trust_region):
     halves = [slice(0, 3), slice(3, 6)]
     seen = []
     for h in halves:  # what each rank would contribute
-        m2po_mask(old[h], rollout[h], mask[h], 0.04, None if adv is None else adv[h],
-                  gather=lambda v: (seen.append(v), (v, 0))[1])
+        m2po_mask(
+            old[h],
+            rollout[h],
+            mask[h],
+            0.04,
+            None if adv is None else adv[h],
+            gather=lambda v: (seen.append(v), (v, 0))[1],
+        )
     every, offsets = torch.cat(seen), [0, seen[0].numel()]
-    parts = [m2po_mask(old[h], rollout[h], mask[h], 0.04, None if adv is None else adv[h],
-                       gather=lambda v, o=o: (every, o)) for h, o in zip(halves, offsets)]
+    parts = [
+        m2po_mask(old[h], rollout[h], mask[h], 0.04, None if adv is None else adv[h], gather=lambda v, o=o: (every, o))
+        for h, o in zip(halves, offsets)
+    ]
     torch.testing.assert_close(torch.cat([k for k, _ in parts]), whole)
     assert parts[1][1]["m2po_m2_kept"].item() == pytest.approx(m_whole["m2po_m2_kept"].item())
 
@@ -219,12 +227,20 @@ VERL_PRESETS = [
     ("decoupled_geo_rs (Geo-RS)", None, ("seq_mean_k1", "0.999_1.001"), None, "geometric", 0.004),
     ("decoupled_geo_rs_token_tis", ("token", 2.0), ("seq_mean_k1", "0.999_1.001"), "token", "geometric", 0.004),
     ("token IS + token_k1 RS", ("token", 2.0), ("token_k1", "0.6_1.5"), "token", "token", 0.5),
-    ("IcePop [0.5, 5] as verl token IS 5 + token_k1 0.2_2", ("token", 5.0), ("token_k1", "0.2_2.0"), "token", "token", 1.0),
+    (
+        "IcePop [0.5, 5] as verl token IS 5 + token_k1 0.2_2",
+        ("token", 5.0),
+        ("token_k1", "0.2_2.0"),
+        "token",
+        "token",
+        1.0,
+    ),
 ]
 
 
-@pytest.mark.parametrize("name, verl_is, verl_rs, tis_level, rejection_level, scale", VERL_PRESETS,
-                         ids=[p[0] for p in VERL_PRESETS])
+@pytest.mark.parametrize(
+    "name, verl_is, verl_rs, tis_level, rejection_level, scale", VERL_PRESETS, ids=[p[0] for p in VERL_PRESETS]
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_equal_to_verl(name, verl_is, verl_rs, tis_level, rejection_level, scale, seed):
     old, rollout, mask = _random_case(seed, scale)
@@ -275,23 +291,38 @@ def _actor_batch(spec, budget: int = 0, **algo):
 
     g = torch.Generator().manual_seed(5)
     samples = [
-        Sample(uid=i // 2, prompt_ids=torch.randint(3, 512, (p,), generator=g).tolist(),
-               response_ids=torch.randint(3, 512, (r,), generator=g).tolist(),
-               rollout_logprobs=(-torch.rand(r, generator=g) * 8).tolist(), finish_reason="stop",
-               score=float(i % 2), version=0)
+        Sample(
+            uid=i // 2,
+            prompt_ids=torch.randint(3, 512, (p,), generator=g).tolist(),
+            response_ids=torch.randint(3, 512, (r,), generator=g).tolist(),
+            rollout_logprobs=(-torch.rand(r, generator=g) * 8).tolist(),
+            finish_reason="stop",
+            score=float(i % 2),
+            version=0,
+        )
         for i, (p, r) in enumerate(zip([7, 3, 12, 5, 9, 4, 6, 11], [2, 30, 5, 0, 17, 1, 9, 24]))
     ]
     batch = collate(samples, pad_id=0)
     batch.advantages = torch.randn(len(batch), 1, generator=g) * batch.response_mask
     cfg = AlgorithmConfig(tis=False, use_kl_loss=False, entropy_coeff=0.0, **algo)
-    actor = ActorWorker(spec, 0, str(resolve_model("tiny")), "float32", "float32",
-                        ActorConfig(micro_batch_size=3, micro_token_budget=budget), cfg, 1.0)
+    actor = ActorWorker(
+        spec,
+        0,
+        str(resolve_model("tiny")),
+        "float32",
+        "float32",
+        ActorConfig(micro_batch_size=3, micro_token_budget=budget),
+        cfg,
+        1.0,
+    )
     batch.old_logprobs = actor.compute_logprobs(batch)[0]
     return actor, batch
 
 
 def _params(actor):
-    return [p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone() for p in actor.model.parameters()]
+    return [
+        p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone() for p in actor.model.parameters()
+    ]
 
 
 def test_actor_m2po_mask_is_the_mini_batchs(spec):

@@ -1,4 +1,5 @@
 """offstep.algos.distill by hand: a 2-sample, 3-token example worked in the comments."""
+
 import math
 
 import torch
@@ -39,8 +40,9 @@ def test_a_teacher_equal_to_the_student_gives_zero_advantages():
 
 def test_the_clamp_bounds_an_all_but_impossible_token():
     # teacher -30 and student -1 at the clamp -10: s - t = -1 - (-10) = 9, so A = -9 (not -29)
-    adv = distill_advantages(None, torch.tensor([[-1.0]]), torch.tensor([[-30.0]]), torch.ones(1, 1),
-                             log_prob_min_clamp=-10.0)
+    adv = distill_advantages(
+        None, torch.tensor([[-1.0]]), torch.tensor([[-30.0]]), torch.ones(1, 1), log_prob_min_clamp=-10.0
+    )
     assert adv.item() == -9.0
 
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import GARBAGE, mini_batch_denom, pad
+
 from offstep.algos.common import AGG_MODES, aggregate_loss
 from offstep.algos.losses import clipped_policy_loss, kl_penalty, value_loss
 from offstep.models.forward import entropy_from_logits, logprobs_from_logits
@@ -64,8 +64,9 @@ def test_policy_loss_asymmetric_clip_and_is_weights():
 
 def test_policy_loss_log_ratio_clamp():
     # log-ratio 100 is clamped to 20 before exp: loss = -A * e^20 with A = -1, finite
-    loss, _ = clipped_policy_loss(torch.tensor([[100.0]]), torch.zeros(1, 1), -torch.ones(1, 1),
-                                  torch.ones(1, 1))  # one token: its loss is the reduced loss
+    loss, _ = clipped_policy_loss(
+        torch.tensor([[100.0]]), torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1)
+    )  # one token: its loss is the reduced loss
     assert torch.isfinite(loss) and loss.item() == pytest.approx(math.exp(20), rel=1e-5)
 
 
@@ -90,8 +91,7 @@ def test_policy_loss_padding_invariance(fill, mode):
         return pad(torch.where(mask.bool(), x, torch.full_like(x, fill)), 3, fill)
 
     loss, metrics, grad = run(logp, old, adv, mask, 0.2, 0.28)
-    loss_p, metrics_p, grad_p = run(spoil(logp), spoil(old), spoil(adv), pad(mask, 3, 0.0),
-                                    0.2, 0.28)
+    loss_p, metrics_p, grad_p = run(spoil(logp), spoil(old), spoil(adv), pad(mask, 3, 0.0), 0.2, 0.28)
     torch.testing.assert_close(loss_p, loss)
     torch.testing.assert_close(metrics_p, metrics)
     torch.testing.assert_close(grad_p[:, :4], grad)
@@ -159,8 +159,9 @@ def test_value_loss_padding_invariance(fill, mode):
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=F64)
     loss, metrics = value_loss(v, old, ret, mask, loss_agg_mode=mode, horizon=4)
     v_p = pad(v, 3, fill).requires_grad_()
-    loss_p, metrics_p = value_loss(v_p, pad(old, 3, fill), pad(ret, 3, fill), pad(mask, 3, 0.0),
-                                   loss_agg_mode=mode, horizon=4)
+    loss_p, metrics_p = value_loss(
+        v_p, pad(old, 3, fill), pad(ret, 3, fill), pad(mask, 3, 0.0), loss_agg_mode=mode, horizon=4
+    )
     torch.testing.assert_close(loss_p, loss)
     torch.testing.assert_close(metrics_p, metrics)
     loss_p.backward()
@@ -259,9 +260,10 @@ def test_entropy_hand_and_stability():
     logits = torch.randn(2, 5, 11, generator=torch.Generator().manual_seed(0)) * 30
     expect = torch.distributions.Categorical(logits=logits.double()).entropy()
     torch.testing.assert_close(entropy_from_logits(logits).double(), expect, atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(entropy_from_logits(logits.bfloat16()),
-                               torch.distributions.Categorical(logits=logits.bfloat16().float())
-                               .entropy())
+    torch.testing.assert_close(
+        entropy_from_logits(logits.bfloat16()),
+        torch.distributions.Categorical(logits=logits.bfloat16().float()).entropy(),
+    )
 
 
 def test_logprobs_hand_and_reference():
@@ -293,6 +295,5 @@ def test_logits_helpers_padding_invariance():
     logits, labels = torch.randn(2, 3, 5), torch.randint(0, 5, (2, 3))
     logits_p = torch.cat([logits, torch.full((2, 2, 5), 1e4)], dim=1)
     labels_p = torch.cat([labels, torch.zeros(2, 2, dtype=torch.long)], dim=1)
-    torch.testing.assert_close(logprobs_from_logits(logits_p, labels_p)[:, :3],
-                               logprobs_from_logits(logits, labels))
+    torch.testing.assert_close(logprobs_from_logits(logits_p, labels_p)[:, :3], logprobs_from_logits(logits, labels))
     torch.testing.assert_close(entropy_from_logits(logits_p)[:, :3], entropy_from_logits(logits))

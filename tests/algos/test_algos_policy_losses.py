@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import GARBAGE, mini_batch_denom, pad
+
 from offstep.algos.common import AGG_MODES, aggregate_loss, masked_mean
 from offstep.algos.losses import clipped_policy_loss
 from offstep.algos.policy_losses import (
@@ -178,6 +178,7 @@ def test_micro_batch_invariance(loss_name, mode, n_micro):
     b, r = 8, 7
     logp, old, adv, w = inputs(b, r, 3)
     mask = (torch.arange(r)[None] < torch.tensor([7, 1, 3, 5, 2, 7, 4, 6])[:, None]).to(F64)
+
     def loss(lp, idx, denom=None):
         per_token = policy_loss(loss_name, lp, old[idx], adv[idx], mask[idx], **KW[loss_name])[0]
         return aggregate_loss(per_token, mask[idx], mode, denom=denom, horizon=r, is_weights=w[idx])

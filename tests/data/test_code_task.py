@@ -7,17 +7,20 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from offstep.launch.loader import load_config
 from offstep.data.code_task import FAMILIES, code
 from offstep.data.dataset import load_records
 from offstep.data.tasks import write_task
+from offstep.launch.loader import load_config
 from offstep.launch.preflight import environment_problems
 from offstep.rewards.registry import RewardFunction
 
 RIGHT = {  # a right answer to each family, written as a model would
-    "scale": "def scale(x):\n    return x * {a} + {b}", "count_above": "def count_above(xs):\n    return len([v for v in xs if v > {k}])",
-    "clamp": "def clamp(x):\n    return max({lo}, min({hi}, x))", "count_letter": "def count_letter(s):\n    return s.count('{c}')",
-    "divisible": "def divisible(n):\n    return n % {k} == 0", "repeat": "def repeat(s):\n    return s * {k}",
+    "scale": "def scale(x):\n    return x * {a} + {b}",
+    "count_above": "def count_above(xs):\n    return len([v for v in xs if v > {k}])",
+    "clamp": "def clamp(x):\n    return max({lo}, min({hi}, x))",
+    "count_letter": "def count_letter(s):\n    return s.count('{c}')",
+    "divisible": "def divisible(n):\n    return n % {k} == 0",
+    "repeat": "def repeat(s):\n    return s * {k}",
     "shift_all": "def shift_all(xs):\n    return [v + {d} for v in xs]",
     "sum_even": "def sum_even(xs):\n    return sum(v for v in xs if v % 2 == 0)",
     "spread": "def spread(xs):\n    return max(xs) - min(xs)",
@@ -46,8 +49,13 @@ def test_a_right_function_passes_and_a_wrong_one_gets_partial_credit():
         seen.setdefault(name, row)
     assert set(seen) == set(RIGHT)
     for name, row in seen.items():
-        params = next(p for f in FAMILIES if f[0] == name for p in f[3]
-                      if row["extra_info"]["question"] == f"Write a Python function {f[1]} that {f[2](**p)}.")
+        params = next(
+            p
+            for f in FAMILIES
+            if f[0] == name
+            for p in f[3]
+            if row["extra_info"]["question"] == f"Write a Python function {f[1]} that {f[2](**p)}."
+        )
         answer = f"Here it is:\n```python\n{RIGHT[name].format(**params)}\n```"
         assert reward("code", answer, row["reward_model"]["ground_truth"])[0] == 1.0, (name, answer)
     wrong = "```python\ndef scale(x):\n    return 0\n```"
@@ -71,9 +79,21 @@ def test_one_step_of_the_code_task_records_sandbox_metrics(tmp_path, ray_session
     from offstep.telemetry.metrics import read_jsonl
     from offstep.telemetry.names import Sandbox
 
-    train(load_config(["preset=tiny", "data.task=code", "data.task_train_size=16", "data.task_val_size=4",
-                       "trainer.total_steps=1", "trainer.val_before_train=false", f"trainer.output_dir={tmp_path}",
-                       "trainer.progress=off", "sandbox.timeout_s=3"]))
+    train(
+        load_config(
+            [
+                "preset=tiny",
+                "data.task=code",
+                "data.task_train_size=16",
+                "data.task_val_size=4",
+                "trainer.total_steps=1",
+                "trainer.val_before_train=false",
+                f"trainer.output_dir={tmp_path}",
+                "trainer.progress=off",
+                "sandbox.timeout_s=3",
+            ]
+        )
+    )
     (m,) = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["step"] == 1]
     # 4 prompts x 2 samples; the random model writes no function, so each sample's 5 tests all run and fail
     assert m[Sandbox.EXECUTIONS] == 40 and m[Sandbox.TIMEOUTS] == 0 and m["reward/mean"] == 0.0
@@ -87,9 +107,23 @@ def test_the_sandbox_metrics_in_the_fully_async_mode(tmp_path, ray_session):
     from offstep.telemetry.metrics import read_jsonl
     from offstep.telemetry.names import Sandbox
 
-    train(load_config(["preset=tiny", "data.task=code", "data.task_train_size=16", "data.task_val_size=4",
-                       "pipeline.mode=fully_async", "trainer.total_steps=2", "trainer.val_before_train=false",
-                       "trainer.val_freq=-1", f"trainer.output_dir={tmp_path}", "trainer.progress=off", "sandbox.timeout_s=3"]))
+    train(
+        load_config(
+            [
+                "preset=tiny",
+                "data.task=code",
+                "data.task_train_size=16",
+                "data.task_val_size=4",
+                "pipeline.mode=fully_async",
+                "trainer.total_steps=2",
+                "trainer.val_before_train=false",
+                "trainer.val_freq=-1",
+                f"trainer.output_dir={tmp_path}",
+                "trainer.progress=off",
+                "sandbox.timeout_s=3",
+            ]
+        )
+    )
     steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["step"] >= 1]
     # each take hands over the runs recorded since the last one: a step counts at least its own batch's
     # 4 prompts x 2 samples x 5 tests (a group is taken once scored), plus runs of groups scored early for

@@ -293,9 +293,7 @@ def test_error_bad_message_format(tmp_path, prompt, match):
 
 
 def test_error_bad_extra_info(tmp_path):
-    path = write_jsonl(
-        tmp_path / "d.jsonl", [{"prompt": "a", "reward_model": {"ground_truth": 1}, "extra_info": 3}]
-    )
+    path = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "reward_model": {"ground_truth": 1}, "extra_info": 3}])
     with pytest.raises(DatasetError, match="extra_info"):
         load_records(path)
 

@@ -11,11 +11,11 @@ import pytest
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
-from offstep.launch.loader import load_config  # noqa: E402
-from offstep.launch.validate import problems  # noqa: E402
 from offstep.data.dataset import check_rule_ground_truths, load_records  # noqa: E402
 from offstep.data.reasoning_gym import main as export_main  # noqa: E402
 from offstep.data.tasks import write_task  # noqa: E402
+from offstep.launch.loader import load_config  # noqa: E402
+from offstep.launch.validate import problems  # noqa: E402
 from offstep.rewards.reasoning_gym_scorer import INFO_KEY, decode  # noqa: E402
 from offstep.rewards.registry import RewardFunction  # noqa: E402
 
@@ -63,8 +63,27 @@ def test_same_seed_same_rows_other_seed_others(tmp_path):
 
 def test_verl_export_round_trips_and_scores_the_same(tmp_path, capsys):
     out = tmp_path / "legs"
-    assert export_main(["--name", "leg_counting", "--out", str(out), "--train-size", "5", "--val-size", "3",
-                        "--seed", "2", "--option", "min_animals=1", "--option", "max_animals=2"]) == 0
+    assert (
+        export_main(
+            [
+                "--name",
+                "leg_counting",
+                "--out",
+                str(out),
+                "--train-size",
+                "5",
+                "--val-size",
+                "3",
+                "--seed",
+                "2",
+                "--option",
+                "min_animals=1",
+                "--option",
+                "max_animals=2",
+            ]
+        )
+        == 0
+    )
     library = reasoning_gym.create_dataset("leg_counting", seed=2, size=8, min_animals=1, max_animals=2)
     rows = pq.read_table(out / "val.parquet").to_pylist()
     assert set(rows[0]) == {"data_source", "prompt", "ability", "reward_model", "extra_info"}  # verl's columns
@@ -100,20 +119,33 @@ def test_example_turn_is_an_item_of_neither_split(tmp_path):
     assert [m["role"] for m in records[0].messages] == ["system", "user", "assistant", "user"]
     assert all(r.messages[1:3] == demo for r in records)
     item = reasoning_gym.create_dataset("leg_counting", seed=0, size=11)[10]  # the one after the 10 rows
-    assert demo == [{"role": "user", "content": item["question"]}, {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"}]
+    assert demo == [
+        {"role": "user", "content": item["question"]},
+        {"role": "assistant", "content": f"<answer>{item['answer']}</answer>"},
+    ]
     assert item["question"] not in {r.messages[-1]["content"] for r in records}
 
 
-@pytest.mark.parametrize("options,expected", [
-    (["name=leg_conting"], ["data.task_options.name='leg_conting'", "did you mean leg_counting", "Fix"]),
-    ([], ["data.task_options.name", "leg_counting", "Fix"]),
-    (["name=leg_counting", "max_animal=2"], ["data.task_options.max_animal", "did you mean data.task_options.max_animals"]),
-    (["name=leg_counting", "seed=3"], ["data.task_options.seed", "trainer.seed", "Fix: drop"]),
-    (["name=leg_counting", "min_animals=4", "max_animals=2"], ["refused by reasoning-gym's leg_counting",
-                                                              "max_animals must be >= min_animals", "Fix"]),
-])
+@pytest.mark.parametrize(
+    "options,expected",
+    [
+        (["name=leg_conting"], ["data.task_options.name='leg_conting'", "did you mean leg_counting", "Fix"]),
+        ([], ["data.task_options.name", "leg_counting", "Fix"]),
+        (
+            ["name=leg_counting", "max_animal=2"],
+            ["data.task_options.max_animal", "did you mean data.task_options.max_animals"],
+        ),
+        (["name=leg_counting", "seed=3"], ["data.task_options.seed", "trainer.seed", "Fix: drop"]),
+        (
+            ["name=leg_counting", "min_animals=4", "max_animals=2"],
+            ["refused by reasoning-gym's leg_counting", "max_animals must be >= min_animals", "Fix"],
+        ),
+    ],
+)
 def test_bad_name_or_option_refused_with_the_key(options, expected):
-    msgs = problems(load_config(["preset=tiny", "data.task=reasoning_gym", *(f"+data.task_options.{o}" for o in options)]))
+    msgs = problems(
+        load_config(["preset=tiny", "data.task=reasoning_gym", *(f"+data.task_options.{o}" for o in options)])
+    )
     text = "; ".join(msgs)
     for part in expected:
         assert part in text, (part, text)
@@ -125,8 +157,15 @@ def test_bad_option_stops_the_command_before_ray(tmp_path, capsys, monkeypatch):
     from offstep.pipeline import controller
 
     monkeypatch.setattr(controller, "start_workers", lambda *a: pytest.fail("workers started"))
-    rc = main(["train", "preset=tiny", "data.task=reasoning_gym", "+data.task_options.name=leg_conting",
-               f"trainer.output_dir={tmp_path / 'run'}"])
+    rc = main(
+        [
+            "train",
+            "preset=tiny",
+            "data.task=reasoning_gym",
+            "+data.task_options.name=leg_conting",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "did you mean leg_counting" in err and "Traceback" not in err, err
     assert not (tmp_path / "run").exists()
@@ -134,14 +173,30 @@ def test_bad_option_stops_the_command_before_ray(tmp_path, capsys, monkeypatch):
 
 def test_dataset_too_small_for_the_sizes_says_so(tmp_path):
     with pytest.raises(ValueError, match="distinct questions.*data.task_train_size"):
-        write_task("reasoning_gym", str(tmp_path), 80, 20, 0, name="leg_counting", min_animals=1, max_animals=1,
-                   max_instances=2)  # about 70 distinct questions
+        write_task(
+            "reasoning_gym",
+            str(tmp_path),
+            80,
+            20,
+            0,
+            name="leg_counting",
+            min_animals=1,
+            max_animals=1,
+            max_instances=2,
+        )  # about 70 distinct questions
 
 
 # the tiny model's tokenizer spends a token on about a character: a short question, no demonstration turn
-TINY_RG = ["data.task=reasoning_gym", "+data.task_options.name=chain_sum", "+data.task_options.max_terms=2",
-           "data.task_train_size=16", "data.task_val_size=4", "data.max_prompt_length=512", "trainer.total_steps=2",
-           "trainer.progress=off"]
+TINY_RG = [
+    "data.task=reasoning_gym",
+    "+data.task_options.name=chain_sum",
+    "+data.task_options.max_terms=2",
+    "data.task_train_size=16",
+    "data.task_val_size=4",
+    "data.max_prompt_length=512",
+    "trainer.total_steps=2",
+    "trainer.progress=off",
+]
 
 
 @pytest.mark.ray

@@ -17,9 +17,9 @@ def test_task_files_and_verl_columns(tmp_path, name):
     assert train.endswith("train.parquet") and val.endswith("val.parquet")
     for path, n, split in ((train, 40, "train"), (val, 10, "val")):
         table = pq.read_table(path)
-        assert set(table.column_names) == {
-            "data_source", "prompt", "ability", "reward_model", "extra_info"
-        } | ({"agent_name"} if name == "calculator" else set())  # verl's column: its rows are tool rows
+        assert set(table.column_names) == {"data_source", "prompt", "ability", "reward_model", "extra_info"} | (
+            {"agent_name"} if name == "calculator" else set()
+        )  # verl's column: its rows are tool rows
         assert table.num_rows == n
         records = load_records(path)
         for i, r in enumerate(records):
@@ -33,7 +33,9 @@ def test_task_files_and_verl_columns(tmp_path, name):
 
 
 def test_task_deterministic_and_disjoint(tmp_path):
-    for name in [t for t in TASKS if t != "reasoning_gym"]:  # it needs a dataset's name: tests/data/test_reasoning_gym.py
+    for name in [
+        t for t in TASKS if t != "reasoning_gym"
+    ]:  # it needs a dataset's name: tests/data/test_reasoning_gym.py
         a = write_task(name, str(tmp_path / "a"), 50, 20, seed=5)
         b = write_task(name, str(tmp_path / "b"), 50, 20, seed=5)
         c = write_task(name, str(tmp_path / "c"), 50, 20, seed=6)
@@ -59,9 +61,7 @@ def test_arithmetic_answers_and_defaults(tmp_path):
 
 
 def test_arithmetic_kwargs_change_difficulty(tmp_path):
-    train, _ = write_task(
-        "arithmetic", str(tmp_path), 100, 10, seed=1, digits=3, ops="*", num_operands=3
-    )
+    train, _ = write_task("arithmetic", str(tmp_path), 100, 10, seed=1, digits=3, ops="*", num_operands=3)
     for r in load_records(train):
         a, _, b, _, c = r.extra_info["expression"].split()
         assert int(r.ground_truth) == int(a) * int(b) * int(c)

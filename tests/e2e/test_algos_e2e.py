@@ -26,11 +26,20 @@ REWARD = (
 def run(tmp_path, *extra):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    cfg = load_config([
-        "preset=tiny", "pipeline.max_staleness=1", "trainer.total_steps=2", f"trainer.output_dir={tmp_path / 'run'}",
-        "trainer.progress=off", "trainer.val_before_train=false", "data.task_val_size=4", f"reward.custom_path={reward}",
-        "rollout.n=4", *extra,
-    ])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            "pipeline.max_staleness=1",
+            "trainer.total_steps=2",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.progress=off",
+            "trainer.val_before_train=false",
+            "data.task_val_size=4",
+            f"reward.custom_path={reward}",
+            "rollout.n=4",
+            *extra,
+        ]
+    )
     train(cfg)
     return [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if m["step"] >= 1]
 
@@ -41,50 +50,134 @@ def finite(m: dict, key: str) -> bool:
 
 FAST = [
     pytest.param(
-        ["algorithm.adv_estimator=remax", "algorithm.policy_loss=gspo", "algorithm.correction_mode=bypass",
-         "algorithm.clip_ratio_low=3e-4", "algorithm.clip_ratio_high=4e-4", "algorithm.loss_agg_mode=seq-mean-token-mean",
-         "actor.ppo_epochs=2", "actor.mini_batch_size=8", "actor.micro_batch_size=4"],
-        ["reward/greedy_baseline", "actor/clipfrac", "actor/mismatch_kl_k1/staleness_1", "actor/mismatch_kl_k3/staleness_0"],
+        [
+            "algorithm.adv_estimator=remax",
+            "algorithm.policy_loss=gspo",
+            "algorithm.correction_mode=bypass",
+            "algorithm.clip_ratio_low=3e-4",
+            "algorithm.clip_ratio_high=4e-4",
+            "algorithm.loss_agg_mode=seq-mean-token-mean",
+            "actor.ppo_epochs=2",
+            "actor.mini_batch_size=8",
+            "actor.micro_batch_size=4",
+        ],
+        [
+            "reward/greedy_baseline",
+            "actor/clipfrac",
+            "actor/mismatch_kl_k1/staleness_1",
+            "actor/mismatch_kl_k3/staleness_0",
+        ],
         ["timing_s/old_logprobs", "actor/is_weight_mean"],  # bypass: no old-log-prob pass, no IS weights
         id="remax-gspo-bypass",
     ),
     pytest.param(
-        ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.use_kl_in_reward=true", "algorithm.use_kl_loss=false",
-         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.target_kl=1e-6",
-         "algorithm.kl_ctrl.horizon=16", "algorithm.clip_ratio_c=3.0", "algorithm.tis_level=sequence",
-         "algorithm.rejection_level=geometric", "algorithm.rejection_kl=0.5"],
-        ["reward/kl_coef", "reward/kl_penalty", "timing_s/old_logprobs", "actor/dual_clipfrac", "actor/rejected_frac",
-         "actor/is_weight_mean", "actor/is_weight_max/staleness_1", "actor/rejected_frac/staleness_1",
-         "actor/is_truncated_frac/staleness_0"],
+        [
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.use_kl_loss=false",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.kl_coef=0.05",
+            "algorithm.kl_ctrl.target_kl=1e-6",
+            "algorithm.kl_ctrl.horizon=16",
+            "algorithm.clip_ratio_c=3.0",
+            "algorithm.tis_level=sequence",
+            "algorithm.rejection_level=geometric",
+            "algorithm.rejection_kl=0.5",
+        ],
+        [
+            "reward/kl_coef",
+            "reward/kl_penalty",
+            "timing_s/old_logprobs",
+            "actor/dual_clipfrac",
+            "actor/rejected_frac",
+            "actor/is_weight_mean",
+            "actor/is_weight_max/staleness_1",
+            "actor/rejected_frac/staleness_1",
+            "actor/is_truncated_frac/staleness_0",
+        ],
         [],
         id="reinforce++-kl-in-reward-adaptive-dualclip-rejection",
     ),
 ]
 
 SLOW = [
-    pytest.param(["algorithm.adv_estimator=rloo", "algorithm.policy_loss=cispo", "algorithm.clip_ratio_high=0.28",
-                  "algorithm.loss_agg_mode=seq-mean-token-sum"], ["actor/clipfrac", "adv/abs_mean"], [], id="rloo-cispo"),
-    pytest.param(["algorithm.adv_estimator=reinforce_plus_plus_baseline", "algorithm.policy_loss=pg",
-                  "algorithm.correction_mode=off"], ["actor/mismatch_kl_k1", "adv/abs_mean"], ["actor/is_weight_mean"],
-                 id="reinforce++-baseline-pg-off"),
-    pytest.param(["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std=false",
-                  "algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.entropy_coeff=0.0"],
-                 ["adv/abs_mean", "actor/pg_loss"], [], id="dr-grpo"),
-    pytest.param(["algorithm.overlong_penalty=true", "algorithm.overlong_buffer_len=4", "algorithm.overlong_penalty_factor=0.5",
-                  "algorithm.tis_level=sequence", "algorithm.rejection_level=token", "actor.ppo_epochs=2",
-                  "actor.mini_batch_size=8"],
-                 # two PPO epochs over two mini-batches: old log-probs come from a separate forward pass
-                 ["reward/overlong_penalty", "actor/rejected_frac", "actor/is_truncated_frac", "timing_s/old_logprobs",
-                  "actor/clipfrac"], [],
-                 id="overlong-sequence-tis-token-rejection"),
-    pytest.param(["algorithm.m2po_threshold=0.04", "algorithm.m2po_tokens=trust_region", "algorithm.rejection_level=token"],
-                 # one mini-batch, one epoch, yet a separate old-log-prob pass: M2PO masks the whole mini-batch
-                 ["actor/m2po_masked_frac", "actor/m2po_m2", "actor/m2po_m2_kept", "actor/m2po_masked_frac/staleness_1",
-                  "timing_s/old_logprobs"], [],
-                 id="m2po-trust-region-token-rejection"),
-    pytest.param(["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=low_var_kl", "algorithm.kl_ctrl.kl_coef=0.01",
-                  "pipeline.ref_on_rollout=true"], ["reward/kl_coef", "reward/kl_penalty", "actor/kl"], [],
-                 id="grpo-kl-in-reward-fixed-ref-on-rollout"),
+    pytest.param(
+        [
+            "algorithm.adv_estimator=rloo",
+            "algorithm.policy_loss=cispo",
+            "algorithm.clip_ratio_high=0.28",
+            "algorithm.loss_agg_mode=seq-mean-token-sum",
+        ],
+        ["actor/clipfrac", "adv/abs_mean"],
+        [],
+        id="rloo-cispo",
+    ),
+    pytest.param(
+        [
+            "algorithm.adv_estimator=reinforce_plus_plus_baseline",
+            "algorithm.policy_loss=pg",
+            "algorithm.correction_mode=off",
+        ],
+        ["actor/mismatch_kl_k1", "adv/abs_mean"],
+        ["actor/is_weight_mean"],
+        id="reinforce++-baseline-pg-off",
+    ),
+    pytest.param(
+        [
+            "algorithm.adv_estimator=grpo",
+            "algorithm.norm_adv_by_std=false",
+            "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
+            "algorithm.entropy_coeff=0.0",
+        ],
+        ["adv/abs_mean", "actor/pg_loss"],
+        [],
+        id="dr-grpo",
+    ),
+    pytest.param(
+        [
+            "algorithm.overlong_penalty=true",
+            "algorithm.overlong_buffer_len=4",
+            "algorithm.overlong_penalty_factor=0.5",
+            "algorithm.tis_level=sequence",
+            "algorithm.rejection_level=token",
+            "actor.ppo_epochs=2",
+            "actor.mini_batch_size=8",
+        ],
+        # two PPO epochs over two mini-batches: old log-probs come from a separate forward pass
+        [
+            "reward/overlong_penalty",
+            "actor/rejected_frac",
+            "actor/is_truncated_frac",
+            "timing_s/old_logprobs",
+            "actor/clipfrac",
+        ],
+        [],
+        id="overlong-sequence-tis-token-rejection",
+    ),
+    pytest.param(
+        ["algorithm.m2po_threshold=0.04", "algorithm.m2po_tokens=trust_region", "algorithm.rejection_level=token"],
+        # one mini-batch, one epoch, yet a separate old-log-prob pass: M2PO masks the whole mini-batch
+        [
+            "actor/m2po_masked_frac",
+            "actor/m2po_m2",
+            "actor/m2po_m2_kept",
+            "actor/m2po_masked_frac/staleness_1",
+            "timing_s/old_logprobs",
+        ],
+        [],
+        id="m2po-trust-region-token-rejection",
+    ),
+    pytest.param(
+        [
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_penalty=low_var_kl",
+            "algorithm.kl_ctrl.kl_coef=0.01",
+            "pipeline.ref_on_rollout=true",
+        ],
+        ["reward/kl_coef", "reward/kl_penalty", "actor/kl"],
+        [],
+        id="grpo-kl-in-reward-fixed-ref-on-rollout",
+    ),
 ]
 
 

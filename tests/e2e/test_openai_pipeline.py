@@ -27,12 +27,24 @@ def test_openai_agent_rows_train(tmp_path, ray_session):
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT)
     out = tmp_path / "run"
-    train(load_config([
-        "preset=tiny", "pipeline.max_staleness=1", "trainer.total_steps=2", f"trainer.output_dir={out}",
-        "trainer.progress=off", "data.task_val_size=4", "trainer.val_before_train=false", "rollout.max_new_tokens=40",
-        "rollout.agent.default_agent=openai", f"rollout.agent.openai_path={agent}",
-        "trainer.log_samples_freq=1", "trainer.log_samples_count=8",
-    ]))
+    train(
+        load_config(
+            [
+                "preset=tiny",
+                "pipeline.max_staleness=1",
+                "trainer.total_steps=2",
+                f"trainer.output_dir={out}",
+                "trainer.progress=off",
+                "data.task_val_size=4",
+                "trainer.val_before_train=false",
+                "rollout.max_new_tokens=40",
+                "rollout.agent.default_agent=openai",
+                f"rollout.agent.openai_path={agent}",
+                "trainer.log_samples_freq=1",
+                "trainer.log_samples_count=8",
+            ]
+        )
+    )
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
@@ -55,10 +67,20 @@ def test_calculator_openai_preset_calls_the_tool(tmp_path, ray_session, monkeypa
     from pathlib import Path
 
     monkeypatch.chdir(Path(__file__).resolve().parents[2])  # the preset names the example agent from the root
-    train(load_config([
-        "preset=calculator_openai", "trainer.total_steps=1", f"trainer.output_dir={tmp_path}", "trainer.progress=off",
-        "trainer.val_before_train=false", "data.train_batch_size=4", "data.task_val_size=4", *FAST_ONE_STEP,
-    ]))
+    train(
+        load_config(
+            [
+                "preset=calculator_openai",
+                "trainer.total_steps=1",
+                f"trainer.output_dir={tmp_path}",
+                "trainer.progress=off",
+                "trainer.val_before_train=false",
+                "data.train_batch_size=4",
+                "data.task_val_size=4",
+                *FAST_ONE_STEP,
+            ]
+        )
+    )
     m = read_jsonl(tmp_path / "metrics.jsonl")[0]
     assert m["agent/tool_calls/mean"] > 0 and m["agent/turns/max"] >= 2, m
     assert 0 < m["agent/masked_token_frac"] < 1 and m["agent/prefix_breaks"] == 0
@@ -95,9 +117,19 @@ def test_a_kill_inside_the_agents_resumes_without_losing_or_repeating_a_step(tmp
     agent = tmp_path / "agent.py"
     agent.write_text(BLOCKING_AGENT)
     run = tmp_path / "run"
-    args = ["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=6", "trainer.save_freq=3",
-            "pipeline.max_staleness=1", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress=off",
-            "rollout.max_new_tokens=40", "rollout.agent.default_agent=openai", f"rollout.agent.openai_path={agent}"]
+    args = [
+        "preset=tiny",
+        f"trainer.output_dir={run}",
+        "trainer.total_steps=6",
+        "trainer.save_freq=3",
+        "pipeline.max_staleness=1",
+        "trainer.val_freq=0",
+        "trainer.val_before_train=false",
+        "trainer.progress=off",
+        "rollout.max_new_tokens=40",
+        "rollout.agent.default_agent=openai",
+        f"rollout.agent.openai_path={agent}",
+    ]
     gate = run / "checkpoints" / "step_000003" / "trainer_state.json"
     proc = _cli(args, env={**os.environ, "BLOCK_AFTER": str(gate)})
     _wait_for(gate, proc)

@@ -18,17 +18,36 @@ from offstep.telemetry.metrics import read_jsonl
 pytestmark = pytest.mark.ray  # every test here starts Ray
 
 REQUIRED = [
-    "step", "epoch", "policy_version", "rollout/staleness_max", "reward/mean", "response_length/mean",
-    "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm", "timing_s/gen", "timing_s/wait_gen",
-    "timing_s/sync_weights", "timing_s/update_actor", "timing_s/step", "perf/tokens_per_s",
+    "step",
+    "epoch",
+    "policy_version",
+    "rollout/staleness_max",
+    "reward/mean",
+    "response_length/mean",
+    "actor/pg_loss",
+    "actor/kl",
+    "actor/entropy",
+    "actor/grad_norm",
+    "timing_s/gen",
+    "timing_s/wait_gen",
+    "timing_s/sync_weights",
+    "timing_s/update_actor",
+    "timing_s/step",
+    "perf/tokens_per_s",
 ]
 
 
 def tiny_cfg(tmp_path, k: int, steps: int = 4, *extra: str):
-    return load_config([
-        "preset=tiny", f"pipeline.max_staleness={k}", f"trainer.total_steps={steps}",
-        f"trainer.output_dir={tmp_path}", "trainer.progress=off", *extra,
-    ])
+    return load_config(
+        [
+            "preset=tiny",
+            f"pipeline.max_staleness={k}",
+            f"trainer.total_steps={steps}",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.progress=off",
+            *extra,
+        ]
+    )
 
 
 def run(tmp_path, k, steps=4, *extra):
@@ -43,7 +62,12 @@ def test_one_step_off_policy(tmp_path, ray_session):
     # the time Ray takes to start the next generation, also on a loaded machine; with one pass, the
     # overlap checked below failed once when another test ran beside this one.
     cfg, metrics, timeline = run(
-        tmp_path, 1, 4, "trainer.loggers=[console,jsonl,tensorboard]", "trainer.log_samples_freq=2", "trainer.log_samples_count=3",
+        tmp_path,
+        1,
+        4,
+        "trainer.loggers=[console,jsonl,tensorboard]",
+        "trainer.log_samples_freq=2",
+        "trainer.log_samples_count=3",
         "actor.ppo_epochs=8",
     )
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -94,7 +118,12 @@ def test_synchronous_matches_in_process_reference(tmp_path, sync_run):
 def test_fsdp_two_ranks_two_replicas_colocated(tmp_path, ray_session):
     """FSDP2 over 2 trainer ranks (gloo) and 2 rollout replicas sharing their cores (k = 0)."""
     _, metrics, timeline = run(
-        tmp_path, 0, 2, "pipeline.colocate=true", "resources.trainer_workers=2", "rollout.replicas=2",
+        tmp_path,
+        0,
+        2,
+        "pipeline.colocate=true",
+        "resources.trainer_workers=2",
+        "rollout.replicas=2",
         "trainer.val_before_train=false",
     )
     assert [m["policy_version"] for m in metrics] == [1, 2]
@@ -140,12 +169,18 @@ def test_reference_on_rollout_matches_trainer_reference(tmp_path, sync_run):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_default_preset_runs_two_steps(tmp_path, ray_session, engine):
     """The real default (SmolLM2-135M from the GGUF package) through the whole pipeline."""
-    cfg = load_config([
-        f"rollout.engine={engine}",
-        "trainer.total_steps=2", f"trainer.output_dir={tmp_path}", "trainer.progress=off",
-        "trainer.val_before_train=false", "data.task_val_size=8", "data.train_batch_size=4",
-        "rollout.max_new_tokens=16",
-    ])
+    cfg = load_config(
+        [
+            f"rollout.engine={engine}",
+            "trainer.total_steps=2",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.progress=off",
+            "trainer.val_before_train=false",
+            "data.task_val_size=8",
+            "data.train_batch_size=4",
+            "rollout.max_new_tokens=16",
+        ]
+    )
     assert cfg.preset == "default" and cfg.model.path == "smollm2-135m-instruct"
     train(cfg)
     metrics = read_jsonl(tmp_path / "metrics.jsonl")

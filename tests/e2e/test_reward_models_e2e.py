@@ -21,15 +21,31 @@ pytestmark = pytest.mark.ray  # every test here starts Ray
 
 def _run(tmp_path, *extra):
     out = tmp_path / "run"
-    train(load_config(["preset=tiny", "trainer.total_steps=2", f"trainer.output_dir={out}", "trainer.progress=off",
-                       "trainer.val_before_train=false", "trainer.val_freq=-1", *extra]))
+    train(
+        load_config(
+            [
+                "preset=tiny",
+                "trainer.total_steps=2",
+                f"trainer.output_dir={out}",
+                "trainer.progress=off",
+                "trainer.val_before_train=false",
+                "trainer.val_freq=-1",
+                *extra,
+            ]
+        )
+    )
     return [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1], read_jsonl(out / "timeline.jsonl")
 
 
 def test_discriminative_reward_model_with_the_rule(tmp_path, ray_session):
     folder = build_classifier(tmp_path / "rm", "llama", load_tokenizer(resolve_model("tiny")))
-    metrics, timeline = _run(tmp_path, "reward.model.kind=discriminative", f"reward.model.path={folder}",
-                             "reward.model.weight=0.5", "reward.model.rule_weight=2.0")
+    metrics, timeline = _run(
+        tmp_path,
+        "reward.model.kind=discriminative",
+        f"reward.model.path={folder}",
+        "reward.model.weight=0.5",
+        "reward.model.rule_weight=2.0",
+    )
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m[Reward.MODEL_FALLBACKS] == 0 and m[Timing.REWARD_MODEL] > 0
@@ -42,8 +58,13 @@ def test_discriminative_reward_model_with_the_rule(tmp_path, ray_session):
 def test_fully_async_scores_with_the_reward_model(tmp_path, ray_session):
     """pipeline.mode=fully_async: the stream's groups go out once the reward model scored them."""
     folder = build_classifier(tmp_path / "rm", "qwen2", load_tokenizer(resolve_model("tiny")))
-    metrics, timeline = _run(tmp_path, "pipeline.mode=fully_async", "reward.model.kind=discriminative",
-                             f"reward.model.path={folder}", "reward.model.rule_weight=1.0")
+    metrics, timeline = _run(
+        tmp_path,
+        "pipeline.mode=fully_async",
+        "reward.model.kind=discriminative",
+        f"reward.model.path={folder}",
+        "reward.model.rule_weight=1.0",
+    )
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m[Reward.MODEL_FALLBACKS] == 0
@@ -55,9 +76,21 @@ def test_fully_async_scores_with_the_reward_model(tmp_path, ray_session):
 @pytest.mark.parametrize("engine", ENGINES_SLOW_VLLM)
 def test_generative_judge_alone(tmp_path, ray_session, engine):
     """On either engine (reward.model.engine); the vLLM judge in a pool of its own."""
-    where = ["reward.model.placement=pool", "pipeline.max_staleness=0", "pipeline.colocate=true"] if engine == "vllm" else []
-    metrics, _ = _run(tmp_path, "reward.model.kind=generative", "reward.model.path=tiny", "reward.model.max_new_tokens=4",
-                      "reward.model.fallback_score=0.25", "trainer.total_steps=1", f"reward.model.engine={engine}", *where)
+    where = (
+        ["reward.model.placement=pool", "pipeline.max_staleness=0", "pipeline.colocate=true"]
+        if engine == "vllm"
+        else []
+    )
+    metrics, _ = _run(
+        tmp_path,
+        "reward.model.kind=generative",
+        "reward.model.path=tiny",
+        "reward.model.max_new_tokens=4",
+        "reward.model.fallback_score=0.25",
+        "trainer.total_steps=1",
+        f"reward.model.engine={engine}",
+        *where,
+    )
     (m,) = metrics
     # the random tiny judge writes no number in [0, 1]: every sample falls back, counted, and the run goes on
     n = 4 * 2  # data.train_batch_size x rollout.n of the tiny preset
@@ -69,9 +102,15 @@ def test_reward_pool_of_its_own(tmp_path, ray_session):
     """reward.model.placement=pool: the replicas send their finished samples to the reward pool (the
     rollout colocated with the trainer, so that the run fits 2 cores)."""
     folder = build_classifier(tmp_path / "rm", "qwen2", load_tokenizer(resolve_model("tiny")))
-    metrics, timeline = _run(tmp_path, "reward.model.kind=discriminative", f"reward.model.path={folder}",
-                             "reward.model.placement=pool", "pipeline.max_staleness=0", "pipeline.colocate=true",
-                             "trainer.total_steps=1")
+    metrics, timeline = _run(
+        tmp_path,
+        "reward.model.kind=discriminative",
+        f"reward.model.path={folder}",
+        "reward.model.placement=pool",
+        "pipeline.max_staleness=0",
+        "pipeline.colocate=true",
+        "trainer.total_steps=1",
+    )
     (m,) = metrics
     assert m[Reward.MODEL_FALLBACKS] == 0 and m[Reward.MEAN] == pytest.approx(m[Reward.MODEL_MEAN], abs=1e-6)
     assert [e["stage"] for e in timeline if e["role"] == reward_lane(0)]  # the round trips, on the replica's lane

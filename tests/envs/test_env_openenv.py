@@ -7,7 +7,6 @@ env.timeout_s, with env.on_error=retry and drop."""
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -23,9 +22,18 @@ ENV = ["env.kind=openenv", "env.id=oe_arith:ArithEnvironment", f"env.path=[{EXAM
 
 
 def run_args(out: Path, *extra: str) -> list[str]:
-    return ["preset=tiny", "trainer.total_steps=2", f"trainer.output_dir={out}", "trainer.progress=off",
-            "trainer.val_before_train=false", "trainer.val_freq=0", "rollout.max_new_tokens=12",
-            "pipeline.max_staleness=1", *ENV, *extra]
+    return [
+        "preset=tiny",
+        "trainer.total_steps=2",
+        f"trainer.output_dir={out}",
+        "trainer.progress=off",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=0",
+        "rollout.max_new_tokens=12",
+        "pipeline.max_staleness=1",
+        *ENV,
+        *extra,
+    ]
 
 
 def test_action_and_observation_mapping():
@@ -60,20 +68,28 @@ def servers_of(record: Path) -> list[tuple[int, int]]:
 def assert_gone(servers: list[tuple[int, int]]) -> None:
     """Every server process ended and its port closed (a killed worker's servers exit within a second)."""
     deadline = time.time() + 15
+
     def alive(pid):
         try:
             return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
         except psutil.NoSuchProcess:
             return False
+
     while time.time() < deadline and any(alive(p) for p, _ in servers):
         time.sleep(0.2)
     assert not [p for p, _ in servers if alive(p)]
     ports = {port for _, port in servers}
     # A port may be taken again by another process once its server is gone (tests run side by side):
     # what must be gone is a listener that is an environment server.
-    held = [(c.laddr.port, c.pid) for c in psutil.net_connections("tcp")
-            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port in ports and c.pid
-            and "openenv_server" in " ".join(_cmdline(c.pid))]
+    held = [
+        (c.laddr.port, c.pid)
+        for c in psutil.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN
+        and c.laddr
+        and c.laddr.port in ports
+        and c.pid
+        and "openenv_server" in " ".join(_cmdline(c.pid))
+    ]
     assert not held, f"environment servers still listening: {held}"
 
 
@@ -91,8 +107,20 @@ def test_openenv_trains_retries_failures_and_stops_its_servers(tmp_path, ray_ses
     from offstep.pipeline.controller import train
 
     out, record = tmp_path / "run", tmp_path / "record"
-    train(load_config(run_args(out, "data.train_batch_size=2", "rollout.n=2", f"+env.args.record={record}",
-                               "+env.args.fail_every=3", "+env.args.hang_at=4", "env.timeout_s=25", "env.retries=3")))
+    train(
+        load_config(
+            run_args(
+                out,
+                "data.train_batch_size=2",
+                "rollout.n=2",
+                f"+env.args.record={record}",
+                "+env.args.fail_every=3",
+                "+env.args.hang_at=4",
+                "env.timeout_s=25",
+                "env.retries=3",
+            )
+        )
+    )
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
     assert [m["step"] for m in metrics] == [1, 2]
     errors, hangs = failures_of(record)
@@ -111,8 +139,13 @@ def test_openenv_trains_fully_async_and_stops_its_servers(tmp_path, ray_session)
     from offstep.pipeline.controller import train
 
     out, record = tmp_path / "run", tmp_path / "record"
-    train(load_config(run_args(out, "pipeline.mode=fully_async", "data.train_batch_size=2", "rollout.n=2",
-                               f"+env.args.record={record}")))
+    train(
+        load_config(
+            run_args(
+                out, "pipeline.mode=fully_async", "data.train_batch_size=2", "rollout.n=2", f"+env.args.record={record}"
+            )
+        )
+    )
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["env/errors"] == 0 and m["env/timeouts"] == 0 for m in metrics), metrics
@@ -130,13 +163,27 @@ def test_drop_leaves_the_failed_groups_out(tmp_path, ray_session):
     from offstep.pipeline.controller import train
 
     out, record = tmp_path / "run", tmp_path / "record"
-    train(load_config(run_args(out, "data.train_batch_size=4", "rollout.n=2", f"+env.args.record={record}",
-                               "+env.args.tries=1", "+env.args.fail_every=3", "+env.args.hang_at=5",
-                               "env.timeout_s=25", "env.on_error=drop")))
+    train(
+        load_config(
+            run_args(
+                out,
+                "data.train_batch_size=4",
+                "rollout.n=2",
+                f"+env.args.record={record}",
+                "+env.args.tries=1",
+                "+env.args.fail_every=3",
+                "+env.args.hang_at=5",
+                "env.timeout_s=25",
+                "env.on_error=drop",
+            )
+        )
+    )
     metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
     assert [m["step"] for m in metrics] == [1, 2]
     errors, hangs = failures_of(record)
-    assert sum(m["env/errors"] for m in metrics) == errors >= 1 and sum(m["env/timeouts"] for m in metrics) == hangs == 1
+    assert (
+        sum(m["env/errors"] for m in metrics) == errors >= 1 and sum(m["env/timeouts"] for m in metrics) == hangs == 1
+    )
     dropped = sum(m["env/dropped_groups"] for m in metrics)
     assert 1 <= dropped <= errors + hangs
     assert_gone(servers_of(record))

@@ -18,9 +18,20 @@ ENV = ["env.kind=verifiers", "env.id=vf_arith", f"env.path=[{EXAMPLES}]", "+env.
 
 
 def run_args(out: Path, *extra: str) -> list[str]:
-    return ["preset=tiny", "trainer.total_steps=2", f"trainer.output_dir={out}", "trainer.progress=off",
-            "trainer.val_before_train=false", "trainer.val_freq=0", "data.train_batch_size=2", "rollout.n=2",
-            "rollout.max_new_tokens=12", "trainer.log_samples_freq=1", *ENV, *extra]
+    return [
+        "preset=tiny",
+        "trainer.total_steps=2",
+        f"trainer.output_dir={out}",
+        "trainer.progress=off",
+        "trainer.val_before_train=false",
+        "trainer.val_freq=0",
+        "data.train_batch_size=2",
+        "rollout.n=2",
+        "rollout.max_new_tokens=12",
+        "trainer.log_samples_freq=1",
+        *ENV,
+        *extra,
+    ]
 
 
 def test_load_failure_is_refused_before_ray(tmp_path):
@@ -88,8 +99,8 @@ def test_trajectories_are_the_endpoints_tokens(tmp_path):
 
     from offstep.envs.rows import env_agent
     from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
-    from offstep.rollout.engines.torch_engine import TorchEngine
     from offstep.rollout.agents.openai_agent import OpenAIRunner
+    from offstep.rollout.engines.torch_engine import TorchEngine
     from offstep.rollout.types import SamplingParams
     from offstep.rollout.worker import Request
 
@@ -108,9 +119,18 @@ def test_trajectories_are_the_endpoints_tokens(tmp_path):
 
     engine.generate = spy
     runner = OpenAIRunner(env_agent(cfg.rollout.agent, cfg.env), tok, eos)
-    rows = [Request(uid=i, prompt_ids=[], data_source="verifiers:vf_arith", ground_truth=None,
-                    extra_info={"env_task": i, "index": i}, agent_name="openai", messages=m)
-            for i, m in enumerate(runner.fn.prompts()[:2])]
+    rows = [
+        Request(
+            uid=i,
+            prompt_ids=[],
+            data_source="verifiers:vf_arith",
+            ground_truth=None,
+            extra_info={"env_task": i, "index": i},
+            agent_name="openai",
+            messages=m,
+        )
+        for i, m in enumerate(runner.fn.prompts()[:2])
+    ]
     samples = runner.run(engine, rows, SamplingParams(n=2, max_new_tokens=12, temperature=1.0), seed=3)
     assert len(samples) == 4 and len(calls) == 4  # one call per single-turn episode
     for s in samples:

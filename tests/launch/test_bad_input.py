@@ -31,8 +31,13 @@ TINY = ["preset=tiny", "trainer.progress=off", "trainer.total_steps=2"]
 
 def verl_rows(n: int, content: str = "What is 1 + 1?") -> list[dict]:
     return [
-        {"data_source": "arithmetic", "prompt": [{"role": "user", "content": content}], "ability": "math",
-         "reward_model": {"style": "rule", "ground_truth": "2"}, "extra_info": {"index": i}}
+        {
+            "data_source": "arithmetic",
+            "prompt": [{"role": "user", "content": content}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": "2"},
+            "extra_info": {"index": i},
+        }
         for i in range(n)
     ]
 
@@ -90,7 +95,9 @@ def _reward_path_missing(tmp):
 
 
 def _reward_name_missing(tmp):
-    path = write(tmp / "r.py", "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    path = write(
+        tmp / "r.py", "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+    )
     return [f"reward.custom_path={path}", "reward.custom_name=my_score"]
 
 
@@ -130,14 +137,17 @@ def _dict_ground_truth(tmp):
 
 
 def _reward_file_exits_on_import(tmp):
-    path = write(tmp / "exits.py", """
+    path = write(
+        tmp / "exits.py",
+        """
         import sys
 
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             return 0.0
 
         sys.exit(0)
-    """)
+    """,
+    )
     return [f"reward.custom_path={path}"]
 
 
@@ -190,29 +200,48 @@ CASES = {
     "model path missing": (_model_missing, ["no_model", "does not exist", "model.path"]),
     "model not a causal LM": (_model_not_causal_lm, ["bert", "not a causal language model"]),
     "list ground truth with a built-in scorer": (
-        _list_ground_truth, ["listgt.jsonl", "row 0", "is a list", "string or number", "reward.custom_path"]),
+        _list_ground_truth,
+        ["listgt.jsonl", "row 0", "is a list", "string or number", "reward.custom_path"],
+    ),
     "dict ground truth with a built-in scorer": (
-        _dict_ground_truth, ["dictgt.jsonl", "row 0", "is a dict", "every reward would be 0", "reward.custom_path"]),
+        _dict_ground_truth,
+        ["dictgt.jsonl", "row 0", "is a dict", "every reward would be 0", "reward.custom_path"],
+    ),
     "reward file exits on import": (_reward_file_exits_on_import, ["exits.py", "sys.exit(0)", "__main__"]),
     "scorer with the wrong signature": (
-        _scorer_with_wrong_signature, ["twoargs.py", "'compute_score'", "compute_score(solution_str, ground_truth)",
-                                        "Fix: define it as def compute_score(data_source, solution_str, ground_truth, extra_info=None"]),
+        _scorer_with_wrong_signature,
+        [
+            "twoargs.py",
+            "'compute_score'",
+            "compute_score(solution_str, ground_truth)",
+            "Fix: define it as def compute_score(data_source, solution_str, ground_truth, extra_info=None",
+        ],
+    ),
     "corrupt safetensors file": (_corrupt_safetensors, ["model.safetensors", "cannot be read as safetensors", "Fix"]),
     "output dir is a file": (_output_dir_is_a_file, ["trainer.output_dir", "taken", "is an existing file"]),
 }
 
 OPTION_CASES = {
-    "colocate with off-policy": (["pipeline.colocate=true", "pipeline.max_staleness=1"], ["pipeline.colocate", "max_staleness=0"]),
+    "colocate with off-policy": (
+        ["pipeline.colocate=true", "pipeline.max_staleness=1"],
+        ["pipeline.colocate", "max_staleness=0"],
+    ),
     "grpo with one sample": (["rollout.n=1"], ["rollout.n", "algorithm.adv_estimator"]),
     "batch does not divide": (["actor.mini_batch_size=3"], ["actor.mini_batch_size", "divide"]),
-    "unknown key": (["trainer.total_stepz=1"], ["unknown configuration key 'trainer.total_stepz'", "did you mean trainer.total_steps"]),
+    "unknown key": (
+        ["trainer.total_stepz=1"],
+        ["unknown configuration key 'trainer.total_stepz'", "did you mean trainer.total_steps"],
+    ),
     "wrong type": (["trainer.total_steps=many"], ["bad value for trainer.total_steps", "'many'", "Fix"]),
     "nan learning rate": (["actor.optim.lr=nan"], ["actor.optim.lr", "finite"]),
     "bad nonfinite policy": (["actor.nonfinite=ignore"], ["actor.nonfinite", "skip", "stop"]),
     "bad critic nonfinite policy": (["critic.nonfinite=warn"], ["critic.nonfinite", "skip", "stop"]),
     "zero reward timeout": (["reward.timeout_s=0"], ["reward.timeout_s", "null"]),
     "zero samples per prompt": (["rollout.n=0"], ["rollout.n=0 must be >= 1"]),
-    "zero logged samples": (["trainer.log_samples_count=0"], ["trainer.log_samples_count=0", "trainer.log_samples_freq=0"]),
+    "zero logged samples": (
+        ["trainer.log_samples_count=0"],
+        ["trainer.log_samples_count=0", "trainer.log_samples_freq=0"],
+    ),
     "negative learning rate": (["actor.optim.lr=-1e-3"], ["actor.optim.lr=-0.001", ">= 0"]),
     "beta of one": (["actor.optim.betas=[0.9,1.0]"], ["actor.optim.betas=[0.9, 1.0]", "[0, 1)"]),
     "negative critic beta": (["critic.optim.betas=[-0.1,0.999]"], ["critic.optim.betas", "[0, 1)"]),
@@ -221,20 +250,33 @@ OPTION_CASES = {
     "zero validation samples": (["rollout.val_n=0"], ["rollout.val_n=0", ">= 1"]),
     "negative validation temperature": (["rollout.val_temperature=-1"], ["rollout.val_temperature=-1.0", ">= 0"]),
     "negative seed": (["trainer.seed=-1"], ["trainer.seed=-1", ">= 0"]),
-    "typo added with a plus": (["+trainer.total_step=3"], ["unknown configuration key 'trainer.total_step'",
-                                                           "did you mean trainer.total_steps"]),
+    "typo added with a plus": (
+        ["+trainer.total_step=3"],
+        ["unknown configuration key 'trainer.total_step'", "did you mean trainer.total_steps"],
+    ),
     "hydra override": (["hydra.run.dir=/tmp/elsewhere"], ["hydra.run.dir", "trainer.output_dir"]),
-    "task option without a plus": (["data.task_options.num_operands=3"], ["open mapping 'data.task_options'",
-                                                                       "+data.task_options.num_operands=VALUE"]),
-    "unknown task option": (["+data.task_options.bogus=1"], ["data.task_options.bogus", "data.task=arithmetic", "digits"]),
-    "unset environment variable": (["trainer.wandb_project=${oc.env:OFFSTEP_TEST_NEVER_SET}"],
-                                   ["trainer.wandb_project", "environment variable OFFSTEP_TEST_NEVER_SET", "is not set", "export"]),
-    "greedy rollouts for a group estimator": (["rollout.temperature=0"], ["rollout.temperature=0", "greedy",
-                                                                          "algorithm.adv_estimator=grpo"]),
+    "task option without a plus": (
+        ["data.task_options.num_operands=3"],
+        ["open mapping 'data.task_options'", "+data.task_options.num_operands=VALUE"],
+    ),
+    "unknown task option": (
+        ["+data.task_options.bogus=1"],
+        ["data.task_options.bogus", "data.task=arithmetic", "digits"],
+    ),
+    "unset environment variable": (
+        ["trainer.wandb_project=${oc.env:OFFSTEP_TEST_NEVER_SET}"],
+        ["trainer.wandb_project", "environment variable OFFSTEP_TEST_NEVER_SET", "is not set", "export"],
+    ),
+    "greedy rollouts for a group estimator": (
+        ["rollout.temperature=0"],
+        ["rollout.temperature=0", "greedy", "algorithm.adv_estimator=grpo"],
+    ),
     "empty output dir": (["trainer.output_dir="], ["trainer.output_dir is empty", "runs/"]),
     "output dir in /sys": (["trainer.output_dir=/sys/offstep_run"], ["trainer.output_dir='/sys/offstep_run'", "/sys"]),
-    "unreachable Ray cluster": (["resources.ray_address=127.0.0.1:1"], ["resources.ray_address='127.0.0.1:1'",
-                                                                        "ray start --head", "empty"]),
+    "unreachable Ray cluster": (
+        ["resources.ray_address=127.0.0.1:1"],
+        ["resources.ray_address='127.0.0.1:1'", "ray start --head", "empty"],
+    ),
 }
 
 
@@ -335,8 +377,10 @@ def run_and_watch(args: list[str], timeout_s: float = 600) -> tuple[subprocess.C
         deadline = time.monotonic() + timeout_s
         # drain the pipes in threads so a chatty run never blocks on a full pipe
         outs = {"stdout": [], "stderr": []}
-        readers = [threading.Thread(target=lambda s=s, k=k: outs[k].append(s.read()), daemon=True)
-                   for k, s in (("stdout", p.stdout), ("stderr", p.stderr))]
+        readers = [
+            threading.Thread(target=lambda s=s, k=k: outs[k].append(s.read()), daemon=True)
+            for k, s in (("stdout", p.stdout), ("stderr", p.stderr))
+        ]
         for r in readers:
             r.start()
         parent = psutil.Process(p.pid)
@@ -408,8 +452,16 @@ def test_bad_reward_function_ends_the_run_cleanly(name, tmp_path, capsys, ray_se
     real_start = controller.start_workers
     monkeypatch.setattr(controller, "start_workers", lambda *a, **kw: started.append(1) or real_start(*a, **kw))
     path = write(tmp_path / "scorers.py", SCORERS)
-    rc, err = run_cli([*TINY, f"trainer.output_dir={tmp_path / 'run'}", f"reward.custom_path={path}",
-                       f"reward.custom_name={name}", "reward.timeout_s=2"], capsys)
+    rc, err = run_cli(
+        [
+            *TINY,
+            f"trainer.output_dir={tmp_path / 'run'}",
+            f"reward.custom_path={path}",
+            f"reward.custom_name={name}",
+            "reward.timeout_s=2",
+        ],
+        capsys,
+    )
     assert rc == 2, err
     _assert_one_clear_line(err, name, path)
     assert started, "the run started no worker: it failed before Ray, which is not what this test is for"
@@ -422,10 +474,15 @@ def test_a_hanging_reward_function_ends_the_command_leaving_no_process(tmp_path)
     """The command, with a scorer stuck in its call: it exits within its time limit, and none of
     the processes it started (Ray's, the workers, the thread stuck in the scorer's) is left."""
     path = write(tmp_path / "scorers.py", SCORERS)
-    result, procs = run_and_watch([
-        *TINY, f"trainer.output_dir={tmp_path / 'run'}", f"reward.custom_path={path}", "reward.custom_name=hangs",
-        "reward.timeout_s=2",
-    ])
+    result, procs = run_and_watch(
+        [
+            *TINY,
+            f"trainer.output_dir={tmp_path / 'run'}",
+            f"reward.custom_path={path}",
+            "reward.custom_name=hangs",
+            "reward.timeout_s=2",
+        ]
+    )
     assert result.returncode == 2, result.stderr
     _assert_one_clear_line(result.stderr, "hangs", path)
     assert procs, "the run started no process: it failed before Ray, which is not what this test is for"

@@ -51,6 +51,7 @@ def rows_with(n: int = 8, at: int = 3, **fields) -> list[dict]:
 # -------------------------------------------------------------------------------------------------
 # offstep train: data, model and user files (caught while the inputs are prepared, before Ray)
 
+
 def _empty_string_prompt(tmp):
     return [f"data.train_files=[{jsonl(tmp / 'prompts.jsonl', rows_with(prompt=''))}]"]
 
@@ -84,31 +85,60 @@ def _tool_file_sleeps_at_import(tmp):
     rows = verl_rows(8)
     for r in rows:
         r["agent_name"] = "tool_agent"
-    return [f"data.train_files=[{jsonl(tmp / 'tool_rows.jsonl', rows)}]", "rollout.agent.tools=[lookup]",
-            f"rollout.agent.tools_path={write(tmp / 'sleepy_tools.py', SLEEPS_AT_IMPORT)}",
-            "rollout.agent.tool_timeout_s=2"]
+    return [
+        f"data.train_files=[{jsonl(tmp / 'tool_rows.jsonl', rows)}]",
+        "rollout.agent.tools=[lookup]",
+        f"rollout.agent.tools_path={write(tmp / 'sleepy_tools.py', SLEEPS_AT_IMPORT)}",
+        "rollout.agent.tool_timeout_s=2",
+    ]
 
 
 TRAIN_CASES = {
     "empty string prompt": (_empty_string_prompt, ["prompts.jsonl", "row 3", "'prompt' is an empty string", "Fix"]),
     "whitespace-only prompt": (_blank_prompt, ["prompts.jsonl", "row 3", "only whitespace", "Fix"]),
     "chat prompt without text": (_chat_prompt_without_text, ["prompts.jsonl", "row 3", "every message", "Fix"]),
-    "null data_source": (_null_data_source, ["stuff.jsonl", "row 2 has no data_source", "the file's name 'stuff'",
-                                             "Fix: set data_source in every row", "reward.custom_path=FILE.py"]),
-    "model folder without a tokenizer": (_model_without_tokenizer, ["model", "has no tokenizer", "tokenizer.json",
-                                                                    "Fix: copy the tokenizer files"]),
+    "null data_source": (
+        _null_data_source,
+        [
+            "stuff.jsonl",
+            "row 2 has no data_source",
+            "the file's name 'stuff'",
+            "Fix: set data_source in every row",
+            "reward.custom_path=FILE.py",
+        ],
+    ),
+    "model folder without a tokenizer": (
+        _model_without_tokenizer,
+        ["model", "has no tokenizer", "tokenizer.json", "Fix: copy the tokenizer files"],
+    ),
     "reward file that never finishes importing": (
-        _reward_file_sleeps_at_import, ["reward.custom_path=", "sleepy.py", "did not finish importing within 2 s "
-                                        "(reward.timeout_s)", "Fix", "raise reward.timeout_s"]),
+        _reward_file_sleeps_at_import,
+        [
+            "reward.custom_path=",
+            "sleepy.py",
+            "did not finish importing within 2 s (reward.timeout_s)",
+            "Fix",
+            "raise reward.timeout_s",
+        ],
+    ),
     # The time limit is rollout.agent.tool_timeout_s where offstep.pipeline.inputs passes it (else its
     # default, 10 s), so the seconds are not asserted.
     "tool file that never finishes importing": (
-        _tool_file_sleeps_at_import, ["rollout.agent.tools_path=", "sleepy_tools.py", "did not finish importing within",
-                                      "rollout.agent.tool_timeout_s", "Fix"]),
+        _tool_file_sleeps_at_import,
+        [
+            "rollout.agent.tools_path=",
+            "sleepy_tools.py",
+            "did not finish importing within",
+            "rollout.agent.tool_timeout_s",
+            "Fix",
+        ],
+    ),
 }
 
 
-@pytest.mark.parametrize("case", quick_cases(sorted(TRAIN_CASES), [c for c in TRAIN_CASES if "never finishes" not in c]))
+@pytest.mark.parametrize(
+    "case", quick_cases(sorted(TRAIN_CASES), [c for c in TRAIN_CASES if "never finishes" not in c])
+)
 def test_bad_input_fails_before_ray_with_a_clear_message(case, tmp_path, capsys, no_workers):  # noqa: F811
     make, expected = TRAIN_CASES[case]
     t0 = time.monotonic()
@@ -126,20 +156,31 @@ def test_bad_input_fails_before_ray_with_a_clear_message(case, tmp_path, capsys,
 NEVER_SAMPLES = "0 for greedy decoding (0 means greedy), or a temperature >= 0.01"
 OPTION_CASES = {
     "infinite temperature": (["rollout.temperature=inf"], ["rollout.temperature=inf", "uniform noise", NEVER_SAMPLES]),
-    "denormal temperature": (["rollout.temperature=1e-45"], ["rollout.temperature=1e-45", "below 0.01", "NaN",
-                                                             NEVER_SAMPLES]),
+    "denormal temperature": (
+        ["rollout.temperature=1e-45"],
+        ["rollout.temperature=1e-45", "below 0.01", "NaN", NEVER_SAMPLES],
+    ),
     "small temperature": (["rollout.temperature=0.001"], ["rollout.temperature=0.001", "below 0.01", NEVER_SAMPLES]),
     "nan temperature": (["rollout.temperature=nan"], ["rollout.temperature=nan is not a number", NEVER_SAMPLES]),
-    "infinite validation temperature": (["rollout.val_temperature=inf"], ["rollout.val_temperature=inf", NEVER_SAMPLES]),
-    "small validation temperature": (["rollout.val_temperature=1e-30"], ["rollout.val_temperature=1e-30",
-                                                                         NEVER_SAMPLES]),
+    "infinite validation temperature": (
+        ["rollout.val_temperature=inf"],
+        ["rollout.val_temperature=inf", NEVER_SAMPLES],
+    ),
+    "small validation temperature": (
+        ["rollout.val_temperature=1e-30"],
+        ["rollout.val_temperature=1e-30", NEVER_SAMPLES],
+    ),
     "no training problems": (["data.task_train_size=0"], ["data.task_train_size=0 must be >= 1", "data.train_files"]),
     "no validation problems": (["data.task_val_size=0"], ["data.task_val_size=0 must be >= 1", "e.g. 200"]),
-    "empty stop string": (["rollout.stop=[x,'']"], ["rollout.stop=['x', '']", "empty string (entry 1)",
-                                                   "remove it", "rollout.stop=[]"]),
+    "empty stop string": (
+        ["rollout.stop=[x,'']"],
+        ["rollout.stop=['x', '']", "empty string (entry 1)", "remove it", "rollout.stop=[]"],
+    ),
     "nan learning rate": (["actor.optim.lr=nan"], ["actor.optim.lr=nan must be a finite number >= 0, e.g. 1e-6"]),
-    "infinite weight decay": (["critic.optim.weight_decay=inf"], ["critic.optim.weight_decay=inf must be a finite "
-                                                                   "number >= 0"]),
+    "infinite weight decay": (
+        ["critic.optim.weight_decay=inf"],
+        ["critic.optim.weight_decay=inf must be a finite number >= 0"],
+    ),
 }
 
 
@@ -147,7 +188,9 @@ OPTION_CASES = {
 @pytest.mark.parametrize("case", sorted(OPTION_CASES))
 def test_bad_option_is_refused_with_one_message(case, show, tmp_path, capsys):
     overrides, expected = OPTION_CASES[case]
-    rc, err = run_cli([*(["--cfg"] if show else []), *TINY, f"trainer.output_dir={tmp_path / 'run'}", *overrides], capsys)
+    rc, err = run_cli(
+        [*(["--cfg"] if show else []), *TINY, f"trainer.output_dir={tmp_path / 'run'}", *overrides], capsys
+    )
     assert rc == 2, err
     assert err.startswith("offstep: invalid configuration:") and "Traceback" not in err, err
     problems = [ln for ln in err.splitlines() if ln.startswith("  - ")]
@@ -191,8 +234,10 @@ EVAL_FLAG_CASES = {
     "denormal temperature": (["--temperature", "1e-45"], ["--temperature=1e-45", "below 0.01", NEVER_SAMPLES]),
     "zero top-p": (["--top-p", "0"], ["--top-p 0 must be in (0, 1]", "e.g. --top-p 0.9"]),
     "top-p above one": (["--top-p", "1.5"], ["--top-p 1.5 must be in (0, 1]"]),
-    "nan reward timeout": (["--reward-timeout", "nan"], ["--reward-timeout nan must be a number of seconds >= 0",
-                                                         "0: no limit"]),
+    "nan reward timeout": (
+        ["--reward-timeout", "nan"],
+        ["--reward-timeout nan must be a number of seconds >= 0", "0: no limit"],
+    ),
     "zero tool timeout": (["--tool-timeout", "0"], ["--tool-timeout 0 must be a number of seconds > 0"]),
 }
 
@@ -236,8 +281,9 @@ def test_eval_tool_file_that_never_finishes_importing_is_named(tmp_path, capsys)
     data = jsonl(tmp_path / "tool_rows.jsonl", rows)
     tools = write(tmp_path / "sleepy_tools.py", SLEEPS_AT_IMPORT)
     t0 = time.monotonic()
-    rc, err = eval_cli(["--data", data, "--tools", "lookup", "--tools-path", tools, "--tool-timeout", "1"],
-                       tmp_path, capsys)
+    rc, err = eval_cli(
+        ["--data", data, "--tools", "lookup", "--tools-path", tools, "--tool-timeout", "1"], tmp_path, capsys
+    )
     assert rc == 2 and "Traceback" not in err, err
     assert f"--tools-path={tools} did not finish importing within 1 s (--tool-timeout" in err, err
     assert "raise --tool-timeout" in err, err
@@ -249,8 +295,19 @@ def test_eval_reward_file_that_never_finishes_importing_exits_promptly(tmp_path)
     """The whole command, as a user runs it: it must exit (code 2), not wait for the import."""
     data = jsonl(tmp_path / "val.jsonl", verl_rows(2))
     scorer = write(tmp_path / "sleepy.py", SLEEPS_AT_IMPORT)
-    cmd = [str(Path(sys.executable).with_name("offstep")), "eval", "tiny", "--data", data, "--reward-path", scorer,
-           "--reward-timeout", "2", "--out", str(tmp_path / "out.json")]
+    cmd = [
+        str(Path(sys.executable).with_name("offstep")),
+        "eval",
+        "tiny",
+        "--data",
+        data,
+        "--reward-path",
+        scorer,
+        "--reward-timeout",
+        "2",
+        "--out",
+        str(tmp_path / "out.json"),
+    ]
     t0 = time.monotonic()
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2, result.stderr
@@ -296,8 +353,10 @@ def test_reward_file_import_is_cut_off(where, tmp_path):
         assert isinstance(err, RewardConfigError), err
     assert time.monotonic() - t0 < 30
     assert f"reward.custom_path={path} did not finish importing within 1 s (reward.timeout_s)" in str(err)
-    assert not any(name.startswith("offstep_custom_reward_") and getattr(m, "__file__", None) == path
-                   for name, m in sys.modules.items())  # the half-imported module is not left behind
+    assert not any(
+        name.startswith("offstep_custom_reward_") and getattr(m, "__file__", None) == path
+        for name, m in sys.modules.items()
+    )  # the half-imported module is not left behind
 
 
 @pytest.mark.heavy
@@ -315,7 +374,9 @@ def test_tool_file_import_is_cut_off(where, tmp_path):
         err = _in_a_thread(lambda: load_tools(path, ["lookup"], timeout_s=1))
         assert isinstance(err, ToolConfigError), err
     assert time.monotonic() - t0 < 30
-    assert f"rollout.agent.tools_path={path} did not finish importing within 1 s (rollout.agent.tool_timeout_s" in str(err)
+    assert f"rollout.agent.tools_path={path} did not finish importing within 1 s (rollout.agent.tool_timeout_s" in str(
+        err
+    )
 
 
 def test_files_that_import_in_time_load(tmp_path):

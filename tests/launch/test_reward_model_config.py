@@ -4,9 +4,9 @@ import json
 
 import pytest
 
+from offstep.errors import ModelError
 from offstep.launch.loader import load_config
 from offstep.launch.validate import problems
-from offstep.errors import ModelError
 from offstep.models.reward_models import check_reward_model
 from tests.reward_model_helpers import build_classifier
 
@@ -21,30 +21,69 @@ def test_defaults_have_no_reward_model_and_no_problem():
     assert _problems() == []
 
 
-@pytest.mark.parametrize("overrides, needle", [
-    (["reward.model.kind=neural"], "reward.model.kind='neural' is not one of"),
-    (["reward.model.kind=discriminative"], "reward.model.kind=discriminative needs reward.model.path"),
-    (["reward.model.path=/x"], "reward.model.path='/x' is set but reward.model.kind is null"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.parser=last"], "reward.model.parser='last'"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.parser='regex:[0-9]+'"], "has no group"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.template='Q {question}'"], "has no {response}"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.template=yesno"],
-     "is not one of the named templates ['score', 'yes_no']"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.template='{response} {answer}'"], "['answer']"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.combine=abstain"], "set reward.custom_path"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.timeout_s=0"], "reward.model.timeout_s=0"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.weight=0"], "both 0"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.placement=cloud"],
-     "reward.model.placement='cloud' is not one of ['rollout', 'pool']"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "resources.reward_workers=0"], "resources.reward_workers=0"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.max_restarts=-1"], "max_restarts=-1"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.engine=sglang"],
-     "reward.model.engine='sglang' is not one of"),
-    (["reward.model.kind=discriminative", "reward.model.path=/x", "reward.model.engine=vllm"],
-     "set reward.model.engine=builtin"),
-    (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.engine=vllm", "rollout.engine=vllm"],
-     "two vLLM engines in one replica's process; put the judge in a pool of its own (reward.model.placement=pool)"),
-])
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["reward.model.kind=neural"], "reward.model.kind='neural' is not one of"),
+        (["reward.model.kind=discriminative"], "reward.model.kind=discriminative needs reward.model.path"),
+        (["reward.model.path=/x"], "reward.model.path='/x' is set but reward.model.kind is null"),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.parser=last"],
+            "reward.model.parser='last'",
+        ),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.parser='regex:[0-9]+'"],
+            "has no group",
+        ),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.template='Q {question}'"],
+            "has no {response}",
+        ),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.template=yesno"],
+            "is not one of the named templates ['score', 'yes_no']",
+        ),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.template='{response} {answer}'"],
+            "['answer']",
+        ),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.combine=abstain"],
+            "set reward.custom_path",
+        ),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.timeout_s=0"],
+            "reward.model.timeout_s=0",
+        ),
+        (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.weight=0"], "both 0"),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.placement=cloud"],
+            "reward.model.placement='cloud' is not one of ['rollout', 'pool']",
+        ),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "resources.reward_workers=0"],
+            "resources.reward_workers=0",
+        ),
+        (["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.max_restarts=-1"], "max_restarts=-1"),
+        (
+            ["reward.model.kind=generative", "reward.model.path=tiny", "reward.model.engine=sglang"],
+            "reward.model.engine='sglang' is not one of",
+        ),
+        (
+            ["reward.model.kind=discriminative", "reward.model.path=/x", "reward.model.engine=vllm"],
+            "set reward.model.engine=builtin",
+        ),
+        (
+            [
+                "reward.model.kind=generative",
+                "reward.model.path=tiny",
+                "reward.model.engine=vllm",
+                "rollout.engine=vllm",
+            ],
+            "two vLLM engines in one replica's process; put the judge in a pool of its own (reward.model.placement=pool)",
+        ),
+    ],
+)
 def test_bad_values_are_named_with_their_fix(overrides, needle):
     found = _problems(*overrides)
     assert any(needle in p for p in found), found
@@ -52,8 +91,9 @@ def test_bad_values_are_named_with_their_fix(overrides, needle):
 
 def test_a_model_alone_needs_no_rule_but_a_weighted_rule_does():
     assert not load_config(["preset=tiny", "reward.model.kind=generative", "reward.model.path=tiny"]).reward.needs_rule
-    assert load_config(["preset=tiny", "reward.model.kind=generative", "reward.model.path=tiny",
-                        "reward.model.rule_weight=0.5"]).reward.needs_rule
+    assert load_config(
+        ["preset=tiny", "reward.model.kind=generative", "reward.model.path=tiny", "reward.model.rule_weight=0.5"]
+    ).reward.needs_rule
 
 
 def test_the_folder_must_hold_a_model_of_the_kind(tmp_path, tiny):
@@ -83,8 +123,14 @@ def test_the_folder_must_hold_a_model_of_the_kind(tmp_path, tiny):
 def test_the_preflight_reports_a_wrong_folder(tmp_path):
     from offstep.launch.preflight import environment_problems
 
-    cfg = load_config(["preset=tiny", "reward.model.kind=discriminative", "reward.model.path=tiny",
-                       f"trainer.output_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            "reward.model.kind=discriminative",
+            "reward.model.path=tiny",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ]
+    )
     found = environment_problems(cfg, cpu_count=8, gpu_count=0)
     assert any(p.startswith("reward.model.path='tiny' does not exist") for p in found), found
 
@@ -92,7 +138,12 @@ def test_the_preflight_reports_a_wrong_folder(tmp_path):
 def test_the_preflight_counts_the_reward_pool(tmp_path):
     from offstep.launch.preflight import environment_problems
 
-    base = ["preset=tiny", "reward.model.kind=generative", "reward.model.path=tiny", f"trainer.output_dir={tmp_path / 'run'}"]
+    base = [
+        "preset=tiny",
+        "reward.model.kind=generative",
+        "reward.model.path=tiny",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
     assert not [p for p in environment_problems(load_config(base), cpu_count=2, gpu_count=0) if "CPU cores" in p]
     pool = load_config([*base, "reward.model.placement=pool", "resources.cpus_per_reward_worker=2"])
     found = [p for p in environment_problems(pool, cpu_count=2, gpu_count=0) if "CPU cores" in p]

@@ -37,8 +37,10 @@ DAEMON = textwrap.dedent("""
         os._exit(0)
 """)
 DEAF_LOOP = "import signal\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\nwhile True:\n    pass\n"
-NESTED_LOOP = ("{% for i in range(99999) %}{% for j in range(99999) %}{{ '' }}{% endfor %}{% endfor %}"
-               "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+NESTED_LOOP = (
+    "{% for i in range(99999) %}{% for j in range(99999) %}{{ '' }}{% endfor %}{% endfor %}"
+    "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+)
 
 
 def jsonl(path: Path, rows: list[dict]) -> str:
@@ -69,8 +71,22 @@ def eval_with(tmp: Path, reward_code: str, *extra: str) -> tuple[subprocess.Comp
     reward = tmp / "reward.py"
     reward.write_text(reward_code + SCORE)
     data = jsonl(tmp / "val.jsonl", verl_rows(2))
-    proc, took = offstep(["eval", "tiny", "--data", data, "--reward-path", str(reward), "--max-new-tokens", "2",
-                          "--out", str(tmp / "res.json"), *extra], tmp)
+    proc, took = offstep(
+        [
+            "eval",
+            "tiny",
+            "--data",
+            data,
+            "--reward-path",
+            str(reward),
+            "--max-new-tokens",
+            "2",
+            "--out",
+            str(tmp / "res.json"),
+            *extra,
+        ],
+        tmp,
+    )
     return proc, took, str(reward)
 
 
@@ -97,7 +113,9 @@ def test_a_daemon_the_reward_file_started_ends_with_eval(tmp_path):
     proc, _, _ = eval_with(tmp_path, DAEMON)
     assert proc.returncode == 0, proc.stderr
     pids = daemons(tmp_path)
-    assert pids, pids  # the attack ran (the probe's import and the command's own each start one; under load the second may not have written its pid yet)
+    assert pids, (
+        pids
+    )  # the attack ran (the probe's import and the command's own each start one; under load the second may not have written its pid yet)
     assert not [p for p in pids if running(p)], pids
 
 
@@ -132,8 +150,17 @@ def test_train_ends_the_threads_and_daemons_of_the_reward_file(tmp_path):
     """In train the file is imported by the driver and again in the Ray workers that score."""
     reward = tmp_path / "both.py"
     reward.write_text(THREAD + DAEMON + SCORE)
-    proc, _ = offstep(["train", *TINY, "trainer.total_steps=1", f"trainer.output_dir={tmp_path / 'run'}",
-                       f"reward.custom_path={reward}"], tmp_path, timeout=540)
+    proc, _ = offstep(
+        [
+            "train",
+            *TINY,
+            "trainer.total_steps=1",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            f"reward.custom_path={reward}",
+        ],
+        tmp_path,
+        timeout=540,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "offstep: done" in proc.stdout
     pids = daemons(tmp_path)
@@ -177,8 +204,12 @@ def test_a_template_that_loops_on_one_row_names_the_row():
                 pass
             return messages[-1]["content"]
 
-    rows = [SimpleNamespace(messages=[{"role": "user", "content": c}], index=i, data_source="src",
-                            agent_name="single_turn_agent") for i, c in enumerate(["a", "b", "loop", "c"])]
+    rows = [
+        SimpleNamespace(
+            messages=[{"role": "user", "content": c}], index=i, data_source="src", agent_name="single_turn_agent"
+        )
+        for i, c in enumerate(["a", "b", "loop", "c"])
+    ]
     assert render_all(Tok(), rows[:2], limit_s=5) == ["a", "b"]
     with pytest.raises(DatasetError, match=r"'src' row 2: the chat template \(the tokenizer\) did not finish"):
         render_all(Tok(), rows, limit_s=0.3)
@@ -196,8 +227,11 @@ def _row_bomb(path: Path, rows: int) -> str:
     def same(value):
         return pa.repeat(pa.scalar(value), rows).dictionary_encode()
 
-    pq.write_table(pa.table({"data_source": same("arithmetic"), "prompt": same("What is 1 + 1?"),
-                             "answer": same("2")}), path, compression="zstd")
+    pq.write_table(
+        pa.table({"data_source": same("arithmetic"), "prompt": same("What is 1 + 1?"), "answer": same("2")}),
+        path,
+        compression="zstd",
+    )
     return str(path)
 
 
@@ -218,8 +252,10 @@ def test_a_small_parquet_file_of_millions_of_rows_is_refused_unread(tmp_path, ca
     assert rc == 2, err
     assert f"{bomb}: 20,000,000 rows" in err and "over --max-rows=10,000,000" in err, err
     assert "Fix: give a file with fewer rows" in err and "raise --max-rows (0: no limit)" in err, err
-    rc, err = run_cli([*TINY, f"trainer.output_dir={tmp_path / 'run'}", f"data.train_files=[{bomb}]",
-                       "data.answer_key=answer"], capsys)
+    rc, err = run_cli(
+        [*TINY, f"trainer.output_dir={tmp_path / 'run'}", f"data.train_files=[{bomb}]", "data.answer_key=answer"],
+        capsys,
+    )
     assert rc == 2 and "over data.max_rows=10,000,000" in err and "raise data.max_rows" in err, err
 
 

@@ -15,9 +15,9 @@ import torch
 
 from offstep.algos.correction import rejection_mask
 from offstep.launch.loader import ConfigError, load_config
+from offstep.launch.preflight import validate
 from offstep.launch.verl.derive import verl_k1_bounds
 from offstep.launch.verl.table import DERIVED_TARGETS
-from offstep.launch.preflight import validate
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "from-verl.md"
 
@@ -39,29 +39,58 @@ def load(args, tmp_path=None):
 # with the offstep key each verl key lands on and the value it must have there.
 def verl_command(train, val, out):
     return [
-        "algorithm.adv_estimator=grpo", f"data.train_files={train}", f"data.val_files={val}",
-        "data.train_batch_size=4", "data.max_prompt_length=200", "data.max_response_length=12",
-        "data.filter_overlong_prompts=True", "data.truncation='error'", "actor_rollout_ref.actor.strategy=fsdp2",
-        "critic.strategy=fsdp2", "actor_rollout_ref.model.path=tiny", "actor_rollout_ref.actor.optim.lr=1e-6",
-        "actor_rollout_ref.hybrid_engine=False", "actor_rollout_ref.model.use_remove_padding=True",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
-        "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_coef=0.002",
-        "actor_rollout_ref.actor.kl_loss_type=low_var_kl", "actor_rollout_ref.actor.entropy_coeff=0",
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        "data.train_batch_size=4",
+        "data.max_prompt_length=200",
+        "data.max_response_length=12",
+        "data.filter_overlong_prompts=True",
+        "data.truncation='error'",
+        "actor_rollout_ref.actor.strategy=fsdp2",
+        "critic.strategy=fsdp2",
+        "actor_rollout_ref.model.path=tiny",
+        "actor_rollout_ref.actor.optim.lr=1e-6",
+        "actor_rollout_ref.hybrid_engine=False",
+        "actor_rollout_ref.model.use_remove_padding=True",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3",
+        "actor_rollout_ref.actor.use_kl_loss=True",
+        "actor_rollout_ref.actor.kl_loss_coef=0.002",
+        "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+        "actor_rollout_ref.actor.entropy_coeff=0",
         "actor_rollout_ref.model.enable_gradient_checkpointing=True",
         "actor_rollout_ref.actor.fsdp_config.param_offload=False",
         "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
-        "actor_rollout_ref.rollout.tensor_model_parallel_size=2", "actor_rollout_ref.rollout.name=sglang",
-        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.load_format=safetensors", "actor_rollout_ref.rollout.layered_summon=True",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32", "actor_rollout_ref.ref.fsdp_config.param_offload=True",
-        "algorithm.use_kl_in_reward=False", "trainer.critic_warmup=0", "trainer.val_before_train=True",
-        "trainer.logger=['console','tensorboard']", "trainer.project_name=GRPO", "trainer.experiment_name=gsm8k-one-step",
-        f"trainer.default_local_dir={out}", "trainer.save_freq=-1", "trainer.test_freq=5", "trainer.total_epochs=3",
-        "trainer.nnodes=1", "trainer.n_gpus_per_node=1", "rollout.nnodes=1", "rollout.n_gpus_per_node=1",
-        "actor_rollout_ref.rollout.temperature=0.9", "actor_rollout_ref.rollout.top_k=-1",
-        "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
-        "actor_rollout_ref.actor.loss_agg_mode=token-sum", "custom_reward_function.path=" + __file__,
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+        "actor_rollout_ref.rollout.name=sglang",
+        "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.load_format=safetensors",
+        "actor_rollout_ref.rollout.layered_summon=True",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=32",
+        "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+        "algorithm.use_kl_in_reward=False",
+        "trainer.critic_warmup=0",
+        "trainer.val_before_train=True",
+        "trainer.logger=['console','tensorboard']",
+        "trainer.project_name=GRPO",
+        "trainer.experiment_name=gsm8k-one-step",
+        f"trainer.default_local_dir={out}",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=5",
+        "trainer.total_epochs=3",
+        "trainer.nnodes=1",
+        "trainer.n_gpus_per_node=1",
+        "rollout.nnodes=1",
+        "rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.rollout.temperature=0.9",
+        "actor_rollout_ref.rollout.top_k=-1",
+        "actor_rollout_ref.actor.clip_ratio_low=0.2",
+        "actor_rollout_ref.actor.clip_ratio_high=0.28",
+        "actor_rollout_ref.actor.loss_agg_mode=token-sum",
+        "custom_reward_function.path=" + __file__,
         "custom_reward_function.name=compute_score",
     ]
 
@@ -123,9 +152,15 @@ def test_verl_command_translates_key_by_key(tmp_path, data):
         assert cfg.resources.gpus_per_trainer_worker == 0 and cfg.rollout.gpus_per_replica == 0
     validate(cfg, cpu_count=2, gpu_count=0 if not torch.cuda.is_available() else None)
     # every noted key says so, by name
-    for key in ("actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.tensor_model_parallel_size",
-                "actor_rollout_ref.model.enable_gradient_checkpointing", "actor_rollout_ref.ref.fsdp_config.param_offload",
-                "actor_rollout_ref.actor.strategy", "critic.strategy", "actor_rollout_ref.hybrid_engine"):
+    for key in (
+        "actor_rollout_ref.rollout.gpu_memory_utilization",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size",
+        "actor_rollout_ref.model.enable_gradient_checkpointing",
+        "actor_rollout_ref.ref.fsdp_config.param_offload",
+        "actor_rollout_ref.actor.strategy",
+        "critic.strategy",
+        "actor_rollout_ref.hybrid_engine",
+    ):
         # (one note per cause: the same key of several roles, given for one reason, shares a note)
         assert any(key in [k.split("=")[0] for k in n.split(": ")[0].split(", ")] for n in notes), key
 
@@ -133,13 +168,21 @@ def test_verl_command_translates_key_by_key(tmp_path, data):
 # Keys a verl user may bring that offstep does not follow: noted (accepted, one line naming the
 # key) or refused (a message naming the key and what offstep does instead), as the docs list them.
 NOTED = [
-    "actor_rollout_ref.rollout.enforce_eager=True", "actor_rollout_ref.rollout.free_cache_engine=False",
-    "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1", "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
-    "actor_rollout_ref.actor.use_torch_compile=False", "actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
-    "data.dataloader_num_workers=4", "trainer.balance_batch=True", "global_profiler.tool=nsys",
-    "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16", "ray_kwargs.ray_init.num_cpus=8",
-    "reward_model.micro_batch_size_per_gpu=8", "actor_rollout_ref.rollout.calculate_log_probs=True",
-    "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002", "actor_rollout_ref.rollout.multi_turn.enable=True",
+    "actor_rollout_ref.rollout.enforce_eager=True",
+    "actor_rollout_ref.rollout.free_cache_engine=False",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=8192",
+    "actor_rollout_ref.actor.use_torch_compile=False",
+    "actor_rollout_ref.rollout.engine_kwargs.vllm.swap_space=4",
+    "data.dataloader_num_workers=4",
+    "trainer.balance_batch=True",
+    "global_profiler.tool=nsys",
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",
+    "ray_kwargs.ray_init.num_cpus=8",
+    "reward_model.micro_batch_size_per_gpu=8",
+    "actor_rollout_ref.rollout.calculate_log_probs=True",
+    "actor_rollout_ref.actor.policy_loss.clip_cov_ratio=0.0002",
+    "actor_rollout_ref.rollout.multi_turn.enable=True",
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size=4",
 ]
 REFUSED = [
@@ -184,10 +227,24 @@ def test_default_valued_refused_keys_are_accepted():
 
 
 def test_verl_reward_model_keys_are_translated_only_when_enabled():
-    cfg, notes = load(["preset=tiny", "reward_model.enable=True", "reward_model.model.path=/rm",
-                       "reward_model.micro_batch_size_per_gpu=4", "reward_model.max_length=512"])
+    cfg, notes = load(
+        [
+            "preset=tiny",
+            "reward_model.enable=True",
+            "reward_model.model.path=/rm",
+            "reward_model.micro_batch_size_per_gpu=4",
+            "reward_model.max_length=512",
+        ]
+    )
     m = cfg.reward.model
-    assert (m.kind, m.path, m.batch_size, m.max_length, m.weight, m.rule_weight) == ("discriminative", "/rm", 4, 512, 1.0, 0.0)
+    assert (m.kind, m.path, m.batch_size, m.max_length, m.weight, m.rule_weight) == (
+        "discriminative",
+        "/rm",
+        4,
+        512,
+        1.0,
+        0.0,
+    )
     assert any(n.startswith("reward_model.enable=True") and "reward.model.kind=discriminative" in n for n in notes)
     cfg, notes = load(["preset=tiny", "reward_model.enable=False", "reward_model.model.path=/rm"])  # verl's defaults
     assert cfg.reward.model.kind is None and cfg.reward.model.path is None
@@ -195,42 +252,88 @@ def test_verl_reward_model_keys_are_translated_only_when_enabled():
 
 
 def test_verl_lora_keys_are_translated():
-    cfg, _ = load(["preset=tiny", "actor_rollout_ref.model.lora_rank=32", "actor_rollout_ref.model.lora_alpha=16",
-                   "actor_rollout_ref.model.target_modules=all-linear"])
+    cfg, _ = load(
+        [
+            "preset=tiny",
+            "actor_rollout_ref.model.lora_rank=32",
+            "actor_rollout_ref.model.lora_alpha=16",
+            "actor_rollout_ref.model.target_modules=all-linear",
+        ]
+    )
     assert (cfg.actor.lora.rank, cfg.actor.lora.alpha) == (32, 16)
-    assert cfg.actor.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    cfg, _ = load(["preset=tiny", "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"])
+    assert cfg.actor.lora.target_modules == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
+    cfg, _ = load(
+        ["preset=tiny", "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[q_proj,v_proj]"]
+    )
     assert cfg.actor.lora.target_modules == ["q_proj", "v_proj"]
 
 
 def test_verl_e2e_scripts_lora_and_reward_defaults():
     # tests/special_e2e/ppo_trainer/run_function_reward.sh: LoRA off, its exclude_modules a name that
     # matches no layer, the fused-kernel options of kernels it does not use, and verl's null function name
-    cfg, notes = load(["preset=tiny", "actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.model.exclude_modules=DONT_EXCLUDE",
-                       "actor_rollout_ref.model.use_fused_kernels=False",
-                       "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch",
-                       "custom_reward_function.path=null", "custom_reward_function.name=null"])
+    cfg, notes = load(
+        [
+            "preset=tiny",
+            "actor_rollout_ref.model.lora_rank=0",
+            "actor_rollout_ref.model.exclude_modules=DONT_EXCLUDE",
+            "actor_rollout_ref.model.use_fused_kernels=False",
+            "actor_rollout_ref.model.fused_kernel_options.impl_backend=torch",
+            "custom_reward_function.path=null",
+            "custom_reward_function.name=null",
+        ]
+    )
     assert (cfg.reward.custom_path, cfg.reward.custom_name) == (None, "compute_score")
-    assert any(n.startswith("actor_rollout_ref.model.fused_kernel_options.impl_backend: accepted, no effect") for n in notes)
+    assert any(
+        n.startswith("actor_rollout_ref.model.fused_kernel_options.impl_backend: accepted, no effect") for n in notes
+    )
     # excluding layers from LoRA is refused, naming the key offstep has instead
     with pytest.raises(ConfigError, match="exclude_modules='.*lm_head.*' is refused: .*actor.lora.target_modules"):
-        load(["preset=tiny", "actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.exclude_modules=.*lm_head.*"])
+        load(
+            [
+                "preset=tiny",
+                "actor_rollout_ref.model.lora_rank=8",
+                "actor_rollout_ref.model.exclude_modules=.*lm_head.*",
+            ]
+        )
     cfg, _ = load(["preset=tiny", "custom_reward_function.name=my_score"])
     assert cfg.reward.custom_name == "my_score"
 
 
 def test_values_with_verl_conventions():
-    cfg, notes = load([
-        "preset=tiny", "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla", "algorithm.adv_estimator=grpo_vectorized",
-        "algorithm.kl_penalty=kl", "actor_rollout_ref.actor.kl_loss_type=k3+", "actor_rollout_ref.rollout.dtype=bf16",
-        "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32", "actor_rollout_ref.actor.clip_ratio=0.3",
-        "actor_rollout_ref.actor.clip_ratio_high=0.35", "data.val_max_samples=-1", "trainer.max_actor_ckpt_to_keep=null",
-        "algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.rollout_is=null",
-        "actor_rollout_ref.rollout.val_kwargs.do_sample=False", "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
-        "trainer.resume_mode=disable", "trainer.total_training_steps=7", "trainer.total_epochs=99",
-        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.3", "algorithm.norm_adv_by_std_in_grpo=False",
-        "actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
-    ])
+    cfg, notes = load(
+        [
+            "preset=tiny",
+            "actor_rollout_ref.actor.policy_loss.loss_mode=vanilla",
+            "algorithm.adv_estimator=grpo_vectorized",
+            "algorithm.kl_penalty=kl",
+            "actor_rollout_ref.actor.kl_loss_type=k3+",
+            "actor_rollout_ref.rollout.dtype=bf16",
+            "actor_rollout_ref.actor.fsdp_config.model_dtype=fp32",
+            "actor_rollout_ref.actor.clip_ratio=0.3",
+            "actor_rollout_ref.actor.clip_ratio_high=0.35",
+            "data.val_max_samples=-1",
+            "trainer.max_actor_ckpt_to_keep=null",
+            "algorithm.rollout_correction.bypass_mode=True",
+            "algorithm.rollout_correction.rollout_is=null",
+            "actor_rollout_ref.rollout.val_kwargs.do_sample=False",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
+            "trainer.resume_mode=disable",
+            "trainer.total_training_steps=7",
+            "trainer.total_epochs=99",
+            "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.3",
+            "algorithm.norm_adv_by_std_in_grpo=False",
+            "actor_rollout_ref.actor.use_dynamic_bsz=True",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096",
+        ]
+    )
     a = cfg.algorithm
     assert (a.policy_loss, a.adv_estimator, a.kl_penalty, a.kl_estimator) == ("ppo", "grpo", "kl", "k3+")
     assert (cfg.rollout.dtype, cfg.model.dtype) == ("bfloat16", "float32")
@@ -253,8 +356,13 @@ def test_rejection_thresholds_keep_verl_meaning_hand():
     # offstep's ratio is the inverse, pi_old / pi_rollout = 2.5, 1.667, 0.714, 0.625, 0.4; the translation
     # gives bounds [1 / 1.5, 1 / 0.5] = [0.667, 2]: keeps 1.667 and 0.714 -> the same tokens.
     # A port that kept the numbers ([0.5, 1.5] on pi_old / pi_rollout) would keep 0.714 and 0.625: 0, 0, 1, 1, 0.
-    cfg, notes = load(["preset=tiny", "algorithm.rollout_correction.rollout_rs=token_k1",
-                       "algorithm.rollout_correction.rollout_rs_threshold=0.5_1.5"])
+    cfg, notes = load(
+        [
+            "preset=tiny",
+            "algorithm.rollout_correction.rollout_rs=token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=0.5_1.5",
+        ]
+    )
     a = cfg.algorithm
     assert a.rejection_level == "token"
     assert a.rejection_ratio_low == pytest.approx(2 / 3) and a.rejection_ratio_high == pytest.approx(2.0)
@@ -262,20 +370,33 @@ def test_rejection_thresholds_keep_verl_meaning_hand():
     old = torch.zeros_like(rollout_over_old)
     rollout = rollout_over_old.log()  # log pi_rollout - log pi_old
     mask = torch.ones_like(old)
-    keep, _ = rejection_mask(old, rollout, mask, "token", ratio_high=a.rejection_ratio_high, ratio_low=a.rejection_ratio_low)
+    keep, _ = rejection_mask(
+        old, rollout, mask, "token", ratio_high=a.rejection_ratio_high, ratio_low=a.rejection_ratio_low
+    )
     assert keep.tolist() == [[0.0, 1.0, 1.0, 0.0, 0.0]]
     naive, _ = rejection_mask(old, rollout, mask, "token", ratio_high=1.5, ratio_low=0.5)
     assert naive.tolist() == [[0.0, 0.0, 1.0, 1.0, 0.0]]
     # sequence level (seq_sum_k1): the product of pi_rollout / pi_old over a response, 0.6 x 1.4 = 0.84
     # (kept by [0.5, 1.5]) and 1.4 x 1.6 = 2.24 (rejected); one upper bound alone: lower = 1 / upper.
     # Also seq_mean_k3 with its own threshold, comma-separated as verl takes them.
-    cfg, _ = load(["preset=tiny", "algorithm.rollout_correction.rollout_rs='seq_sum_k1,seq_mean_k3'",
-                   "algorithm.rollout_correction.rollout_rs_threshold='0.5_1.5,0.01'"])
+    cfg, _ = load(
+        [
+            "preset=tiny",
+            "algorithm.rollout_correction.rollout_rs='seq_sum_k1,seq_mean_k3'",
+            "algorithm.rollout_correction.rollout_rs_threshold='0.5_1.5,0.01'",
+        ]
+    )
     a = cfg.algorithm
     assert (a.rejection_level, a.rejection_kl) == ("sequence", 0.01)
     r = torch.tensor([[0.6, 1.4], [1.4, 1.6]], dtype=torch.float64).log()
-    keep, _ = rejection_mask(torch.zeros_like(r), r, torch.ones_like(r), "sequence",
-                             ratio_high=a.rejection_ratio_high, ratio_low=a.rejection_ratio_low)
+    keep, _ = rejection_mask(
+        torch.zeros_like(r),
+        r,
+        torch.ones_like(r),
+        "sequence",
+        ratio_high=a.rejection_ratio_high,
+        ratio_low=a.rejection_ratio_low,
+    )
     assert keep.tolist() == [[1.0, 1.0], [0.0, 0.0]]
     assert verl_k1_bounds(2.0) == pytest.approx((0.5, 2.0))  # upper alone: [1/2, 2] both ways
     with pytest.raises(ConfigError, match="rollout_rs_threshold"):
@@ -292,7 +413,9 @@ def test_data_files_take_a_string(data):
 
 
 def test_conflicts_and_errors_name_the_verl_key():
-    with pytest.raises(ConfigError, match=r"rollout.n is given twice: directly and as verl's actor_rollout_ref.rollout.n"):
+    with pytest.raises(
+        ConfigError, match=r"rollout.n is given twice: directly and as verl's actor_rollout_ref.rollout.n"
+    ):
         load(["preset=tiny", "actor_rollout_ref.rollout.n=4", "rollout.n=2"])
     with pytest.raises(ConfigError, match="actor.mini_batch_size is given twice"):
         load(["preset=tiny", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor.mini_batch_size=8"])
@@ -335,9 +458,14 @@ def test_docs_page_holds_the_table_and_one_command():
 
 
 def test_multi_turn_keys_become_the_agent_loops():
-    cfg, _ = load(["preset=tiny", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
-                   "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=2",
-                   "actor_rollout_ref.rollout.multi_turn.format=hermes",
-                   "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent"])
+    cfg, _ = load(
+        [
+            "preset=tiny",
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5",
+            "actor_rollout_ref.rollout.multi_turn.max_parallel_calls=2",
+            "actor_rollout_ref.rollout.multi_turn.format=hermes",
+            "actor_rollout_ref.rollout.agent.default_agent_loop=tool_agent",
+        ]
+    )
     ag = cfg.rollout.agent
     assert (ag.max_turns, ag.max_calls_per_turn, ag.format, ag.default_agent) == (5, 2, "hermes", "tool_agent")

@@ -67,31 +67,55 @@ MEGATRON = "megatron"  # scripts whose Megatron keys (and optimizer overrides) a
 # script: (refused keys besides the Megatron ones, what the rest resolves to). Steps: floor(min(
 # total_rollout_steps, 600 rows x epochs) / batch); batch = trigger x require x ppo_mini_batch_size.
 SCRIPT_CASES = {
-    "dapo_30b_a3b_base_math_fsdp": (_FSDP | _SP, dict(
-        batch=16 * 1 * 32, mini=32 * 16, steps=6000 // 512, k=1, correction="bypass", val=25, workers=(16, 16))),
-    "dapo_7b_async_retool": ({"data.custom_cls.path"}, dict(
-        batch=4 * 1 * 16, mini=16 * 16, steps=6000 // 64, k=1, correction="bypass", val=10, workers=(4, 4))),
-    "dapo_7b_math_fsdp2_4_4": (_FSDP, dict(
-        batch=4 * 4 * 32, mini=512, steps=6000 // 512, k=1, correction="bypass", val=10, workers=(4, 4))),
-    "dapo_7b_math_fsdp2_4_12": (_FSDP, dict(
-        batch=512, mini=512, steps=11, k=1, correction="bypass", val=10, workers=(12, 4))),
-    "dapo_7b_math_fsdp2_8_8": (_FSDP, dict(
-        batch=512, mini=512, steps=11, k=1, correction="bypass", val=10, workers=(8, 8))),
-    "dapo_7b_math_fsdp2_16_16": (_FSDP | _SP, dict(
-        batch=512, mini=512, steps=11, k=1, correction="bypass", val=20, workers=(16, 16))),
-    "dapo_7b_math_fsdp2_32_32": (_FSDP | _SP, dict(
-        batch=512, mini=512, steps=11, k=1, correction="bypass", val=20, workers=(32, 32))),
-    "dapo_7b_math_fsdp2_64_64": (_FSDP | _SP, dict(
-        batch=512, mini=512, steps=11, k=1, correction="bypass", val=20, workers=(64, 64))),
-    "dapo_7b_math_fsdp2_64_64_mis": (_FSDP | _SP, dict(
-        batch=512, mini=512, steps=11, k=1, correction="decoupled", val=20, workers=(64, 64))),
+    "dapo_30b_a3b_base_math_fsdp": (
+        _FSDP | _SP,
+        dict(batch=16 * 1 * 32, mini=32 * 16, steps=6000 // 512, k=1, correction="bypass", val=25, workers=(16, 16)),
+    ),
+    "dapo_7b_async_retool": (
+        {"data.custom_cls.path"},
+        dict(batch=4 * 1 * 16, mini=16 * 16, steps=6000 // 64, k=1, correction="bypass", val=10, workers=(4, 4)),
+    ),
+    "dapo_7b_math_fsdp2_4_4": (
+        _FSDP,
+        dict(batch=4 * 4 * 32, mini=512, steps=6000 // 512, k=1, correction="bypass", val=10, workers=(4, 4)),
+    ),
+    "dapo_7b_math_fsdp2_4_12": (
+        _FSDP,
+        dict(batch=512, mini=512, steps=11, k=1, correction="bypass", val=10, workers=(12, 4)),
+    ),
+    "dapo_7b_math_fsdp2_8_8": (
+        _FSDP,
+        dict(batch=512, mini=512, steps=11, k=1, correction="bypass", val=10, workers=(8, 8)),
+    ),
+    "dapo_7b_math_fsdp2_16_16": (
+        _FSDP | _SP,
+        dict(batch=512, mini=512, steps=11, k=1, correction="bypass", val=20, workers=(16, 16)),
+    ),
+    "dapo_7b_math_fsdp2_32_32": (
+        _FSDP | _SP,
+        dict(batch=512, mini=512, steps=11, k=1, correction="bypass", val=20, workers=(32, 32)),
+    ),
+    "dapo_7b_math_fsdp2_64_64": (
+        _FSDP | _SP,
+        dict(batch=512, mini=512, steps=11, k=1, correction="bypass", val=20, workers=(64, 64)),
+    ),
+    "dapo_7b_math_fsdp2_64_64_mis": (
+        _FSDP | _SP,
+        dict(batch=512, mini=512, steps=11, k=1, correction="decoupled", val=20, workers=(64, 64)),
+    ),
     # 200 epochs: total_rollout_steps=51200 is below 600 x 200, so it counts
-    "geo3k_qwen25vl_7b_megatron_4_4": ({"--config-name", MEGATRON}, dict(
-        batch=4 * 2 * 128, mini=128 * 4, steps=51200 // 1024, k=1, correction="bypass", val=5, workers=(4, 4))),
-    "grpo_30b_a3b_base_math_megatron_96_32": (_GRPO | {MEGATRON}, dict(
-        batch=4 * 1 * 128, mini=128 * 16, steps=11, k=1, correction="bypass", val=20, workers=(32, 96))),
-    "grpo_30b_a3b_base_math_megatron_96_32_mis": (_GRPO | {MEGATRON}, dict(
-        batch=512, mini=2048, steps=11, k=1, correction="decoupled", val=20, workers=(32, 96))),
+    "geo3k_qwen25vl_7b_megatron_4_4": (
+        {"--config-name", MEGATRON},
+        dict(batch=4 * 2 * 128, mini=128 * 4, steps=51200 // 1024, k=1, correction="bypass", val=5, workers=(4, 4)),
+    ),
+    "grpo_30b_a3b_base_math_megatron_96_32": (
+        _GRPO | {MEGATRON},
+        dict(batch=4 * 1 * 128, mini=128 * 16, steps=11, k=1, correction="bypass", val=20, workers=(32, 96)),
+    ),
+    "grpo_30b_a3b_base_math_megatron_96_32_mis": (
+        _GRPO | {MEGATRON},
+        dict(batch=512, mini=2048, steps=11, k=1, correction="decoupled", val=20, workers=(32, 96)),
+    ),
 }
 
 
@@ -105,22 +129,36 @@ def test_verl_fully_async_script(name, data):
     args = script_args(name, *data)
     # as verl wrote it: one message listing every refusal (of the translation and of the
     # derivations), each naming its key; no async key among them
-    expect = {key_of(a) for a in args if key_of(a) in refused
-              or MEGATRON in refused and (".megatron." in a or "override_optimizer_config" in a)}
+    expect = {
+        key_of(a)
+        for a in args
+        if key_of(a) in refused or MEGATRON in refused and (".megatron." in a or "override_optimizer_config" in a)
+    }
     if expect:
         with pytest.raises(ConfigError) as e:
             load(args)
-        said = (re.findall(r"^  - (?:verl key |verl's )?([-\w.]+)[=:]", str(e.value), re.M)  # several refusals
-                or re.findall(r"^verl key ([-\w.]+)=", str(e.value)))  # one alone, on its line
+        said = (
+            re.findall(r"^  - (?:verl key |verl's )?([-\w.]+)[=:]", str(e.value), re.M)  # several refusals
+            or re.findall(r"^verl key ([-\w.]+)=", str(e.value))
+        )  # one alone, on its line
         assert set(said) == expect and len(said) == len(expect), str(e.value)
         assert len(expect) == 1 or str(e.value).startswith(f"{len(expect)} verl keys cannot run as given")
         assert not [k for k in said if k.startswith("async_training.") or k.startswith("rollout.")]
     # without the refused keys: verl's fully-async trainer, key by key
     cfg, notes = load([a for a in args if key_of(a) not in expect])
-    got = {"pipeline.mode": "fully_async", "data.train_batch_size": want["batch"], "actor.mini_batch_size": want["mini"],
-           "trainer.total_steps": want["steps"], "pipeline.max_staleness": want["k"], "rollout.partial": "recompute",
-           "algorithm.correction_mode": want["correction"], "rollout.engine": "vllm", "trainer.val_freq": want["val"],
-           "resources.trainer_workers": want["workers"][0], "rollout.replicas": want["workers"][1]}
+    got = {
+        "pipeline.mode": "fully_async",
+        "data.train_batch_size": want["batch"],
+        "actor.mini_batch_size": want["mini"],
+        "trainer.total_steps": want["steps"],
+        "pipeline.max_staleness": want["k"],
+        "rollout.partial": "recompute",
+        "algorithm.correction_mode": want["correction"],
+        "rollout.engine": "vllm",
+        "trainer.val_freq": want["val"],
+        "resources.trainer_workers": want["workers"][0],
+        "rollout.replicas": want["workers"][1],
+    }
     assert {k: at(cfg, k) for k in got} == got
     assert any("verl's fully-async trainer -> pipeline.mode=fully_async" in n for n in notes)
     # dapo_7b_math_fsdp2_4_12 too: its 512 x 16 samples a step are split unevenly over 12 trainer
@@ -135,8 +173,14 @@ TINY = ["preset=tiny", "rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_si
 
 def test_a_step_is_what_verls_trainer_does_between_two_weight_syncs():
     # 3 local updates of 2 x 2 prompts between syncs: 12 prompts a step, mini-batches of 2 x 2 sequences
-    cfg, notes = load([*TINY, "async_training.trigger_parameter_sync_step=3", "async_training.require_batches=2",
-                       "data.train_batch_size=0"])
+    cfg, notes = load(
+        [
+            *TINY,
+            "async_training.trigger_parameter_sync_step=3",
+            "async_training.require_batches=2",
+            "data.train_batch_size=0",
+        ]
+    )
     assert (cfg.pipeline.mode, cfg.data.train_batch_size, cfg.actor.mini_batch_size) == ("fully_async", 12, 4)
     assert any("-> data.train_batch_size=12 prompts" in n and "6 updates a step" in n for n in notes), notes
     # verl's defaults beside the key given (trigger 4, require 1); offstep's mini-batch without ppo_mini_batch_size
@@ -160,14 +204,19 @@ def test_a_step_is_what_verls_trainer_does_between_two_weight_syncs():
 def test_staleness_threshold_is_ceil(threshold, k):
     cfg, notes = load([*TINY, f"async_training.staleness_threshold={threshold}"])
     assert cfg.pipeline.max_staleness == k
-    assert any(n.startswith(f"async_training.staleness_threshold={threshold} -> pipeline.max_staleness={k} (ceil") for n in notes)
+    assert any(
+        n.startswith(f"async_training.staleness_threshold={threshold} -> pipeline.max_staleness={k} (ceil")
+        for n in notes
+    )
 
 
 def test_staleness_threshold_refusals_and_conflicts():
     with pytest.raises(ConfigError, match="staleness_threshold=-0.5: expected a number >= 0"):
         load([*TINY, "async_training.staleness_threshold=-0.5"])
-    with pytest.raises(ConfigError, match="pipeline.max_staleness is given twice: directly and as verl's "
-                                          "async_training.staleness_threshold"):
+    with pytest.raises(
+        ConfigError,
+        match="pipeline.max_staleness is given twice: directly and as verl's async_training.staleness_threshold",
+    ):
         load([*TINY, "async_training.staleness_threshold=0.5", "pipeline.max_staleness=2"])
     cfg, _ = load([*TINY, "async_training.partial_rollout=True", "pipeline.max_staleness=2"])  # offstep's own key stays
     assert cfg.pipeline.max_staleness == 2
@@ -188,9 +237,13 @@ def test_partial_rollout_is_recompute_as_verl_resubmits_the_prefix():
         load([*TINY, "async_training.partial_rollout=yes"])
 
 
-@pytest.mark.parametrize("use,prox,mode", [(True, False, "bypass"), (True, True, "decoupled"), (False, False, "decoupled")])
+@pytest.mark.parametrize(
+    "use,prox,mode", [(True, False, "bypass"), (True, True, "decoupled"), (False, False, "decoupled")]
+)
 def test_old_log_probs(use, prox, mode):
-    cfg, notes = load([*TINY, f"async_training.use_rollout_log_probs={use}", f"async_training.compute_prox_log_prob={prox}"])
+    cfg, notes = load(
+        [*TINY, f"async_training.use_rollout_log_probs={use}", f"async_training.compute_prox_log_prob={prox}"]
+    )
     assert cfg.algorithm.correction_mode == mode
     if not use:
         assert any("only when trigger_parameter_sync_step=1" in n for n in notes)
@@ -226,7 +279,10 @@ def test_the_runs_length_is_verls_weight_versions():
     # verl's fully-async trainer ignores total_training_steps: noted, offstep's step count stays
     cfg, notes = load([*base, "trainer.total_training_steps=7"])
     assert cfg.trainer.total_steps == load(TINY)[0].trainer.total_steps != 7  # preset=tiny's
-    assert "trainer.total_training_steps: accepted, no effect (verl's fully-async trainer counts rollout.total_rollout_steps)" in notes
+    assert (
+        "trainer.total_training_steps: accepted, no effect (verl's fully-async trainer counts rollout.total_rollout_steps)"
+        in notes
+    )
     # the warm-up ratio counts the translated steps
     cfg, _ = load([*base, "rollout.total_rollout_steps=80", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5"])
     assert (cfg.trainer.total_steps, cfg.actor.optim.warmup_steps) == (10, 5)
@@ -261,7 +317,9 @@ def test_entry_point_config_and_mode():
     assert any(n.startswith("--config-path=config: accepted, no effect") for n in notes)
     cfg, notes = load([*TINY, "--config-name=ppo_trainer"])
     assert cfg.pipeline.mode == "batch" and any(n.startswith("--config-name=ppo_trainer: accepted") for n in notes)
-    with pytest.raises(ConfigError, match="--config-name=fully_async_ppo_megatron_trainer is refused: offstep trains with FSDP2"):
+    with pytest.raises(
+        ConfigError, match="--config-name=fully_async_ppo_megatron_trainer is refused: offstep trains with FSDP2"
+    ):
         load([*TINY, "--config-name=fully_async_ppo_megatron_trainer"])
     # without verl's async keys offstep's own mode is untouched; with them, pipeline.mode=batch conflicts
     cfg, _ = load([*TINY, "data.train_batch_size=8"])
@@ -273,10 +331,21 @@ def test_entry_point_config_and_mode():
 
 
 def test_noted_and_unknown_async_keys():
-    cfg, notes = load([*TINY, "async_training.use_trainer_do_validate=False", "async_training.checkpoint_engine.enable=True",
-                       "async_training.checkpoint_engine.device_buffer_size_M=4096", "data.gen_batch_size=1"])
-    for key in ("async_training.use_trainer_do_validate", "async_training.checkpoint_engine.enable",
-                "async_training.checkpoint_engine.device_buffer_size_M", "data.gen_batch_size"):
+    cfg, notes = load(
+        [
+            *TINY,
+            "async_training.use_trainer_do_validate=False",
+            "async_training.checkpoint_engine.enable=True",
+            "async_training.checkpoint_engine.device_buffer_size_M=4096",
+            "data.gen_batch_size=1",
+        ]
+    )
+    for key in (
+        "async_training.use_trainer_do_validate",
+        "async_training.checkpoint_engine.enable",
+        "async_training.checkpoint_engine.device_buffer_size_M",
+        "data.gen_batch_size",
+    ):
         assert any(n.startswith(key) and "no effect" in n for n in notes), key
     with pytest.raises(ConfigError, match="async_training.something_new: a verl key that offstep does not know"):
         load([*TINY, "async_training.something_new=1"])
@@ -287,18 +356,37 @@ def test_noted_and_unknown_async_keys():
 def test_every_refusal_in_one_message():
     # refused by the table, by a derivation, and a conflict: all three at once
     with pytest.raises(ConfigError) as e:
-        load([*TINY, "actor_rollout_ref.rollout.expert_parallel_size=2", "data.truncation=sideways",
-              "async_training.staleness_threshold=1", "pipeline.max_staleness=3"])
+        load(
+            [
+                *TINY,
+                "actor_rollout_ref.rollout.expert_parallel_size=2",
+                "data.truncation=sideways",
+                "async_training.staleness_threshold=1",
+                "pipeline.max_staleness=3",
+            ]
+        )
     text = str(e.value)
     assert text.startswith("3 verl keys cannot run as given")
-    for part in ("expert_parallel_size=2 is refused", "data.truncation='sideways'",
-                 "pipeline.max_staleness is given twice"):
+    for part in (
+        "expert_parallel_size=2 is refused",
+        "data.truncation='sideways'",
+        "pipeline.max_staleness is given twice",
+    ):
         assert part in text, text
 
 
 def test_offstep_train_cfg_prints_the_fully_async_config(capsys, tmp_path):
-    rc = main(["train", "--cfg", *TINY, f"trainer.output_dir={tmp_path}", "async_training.staleness_threshold=0.5",
-               "async_training.partial_rollout=True", "async_training.trigger_parameter_sync_step=2"])
+    rc = main(
+        [
+            "train",
+            "--cfg",
+            *TINY,
+            f"trainer.output_dir={tmp_path}",
+            "async_training.staleness_threshold=0.5",
+            "async_training.partial_rollout=True",
+            "async_training.trigger_parameter_sync_step=2",
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "mode: fully_async" in out.out and "partial: recompute" in out.out and "train_batch_size: 4" in out.out

@@ -11,10 +11,10 @@ import pytest
 from verl_command_lines import main_ppo
 
 from offstep.cli import main
-from offstep.launch.loader import load_config
 from offstep.config.machine import available_gpus, gpus_simulated, simulated_gpus
-from offstep.launch.verl.layout import nodes_of
+from offstep.launch.loader import load_config
 from offstep.launch.preflight import validate
+from offstep.launch.verl.layout import nodes_of
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -33,7 +33,9 @@ def test_main_ppo_becomes_colocated_synchronous_training_with_a_note(tmp_path):
 
 
 def test_one_step_scripts_keep_their_rollout_pool(tmp_path):
-    cfg, notes = load(main_ppo(tmp_path / "run", "trainer.n_gpus_per_node=6", "rollout.nnodes=1", "rollout.n_gpus_per_node=2"))
+    cfg, notes = load(
+        main_ppo(tmp_path / "run", "trainer.n_gpus_per_node=6", "rollout.nnodes=1", "rollout.n_gpus_per_node=2")
+    )
     assert (cfg.pipeline.colocate, cfg.pipeline.max_staleness) == (False, 1)
     assert (cfg.resources.trainer_workers, cfg.rollout.replicas) == (6, 2)
     assert not any("main_ppo" in n for n in notes)
@@ -41,8 +43,9 @@ def test_one_step_scripts_keep_their_rollout_pool(tmp_path):
 
 def test_main_ppo_with_offsteps_own_staleness_keeps_it_and_never_a_gpu_less_replica(tmp_path):
     with simulated_gpus(8):
-        cfg, notes = load(main_ppo(tmp_path / "run", "trainer.n_gpus_per_node=4", "pipeline.max_staleness=1",
-                                   "rollout.replicas=2"))
+        cfg, notes = load(
+            main_ppo(tmp_path / "run", "trainer.n_gpus_per_node=4", "pipeline.max_staleness=1", "rollout.replicas=2")
+        )
     assert (cfg.pipeline.colocate, cfg.pipeline.max_staleness, cfg.rollout.replicas) == (False, 1, 2)
     assert cfg.rollout.gpus_per_replica == 1  # a GPU node: no replica with 0 devices
     assert any("drop pipeline.max_staleness for the colocated layout" in n for n in notes)
@@ -76,36 +79,66 @@ def test_gpus_flag_only_with_cfg(capsys):
 
 # --------------------------------------------------------------- no silent change of meaning
 
-@pytest.mark.parametrize("extra,warmup", [
-    ((), 0),  # verl's default: no warm-up (the default preset's 2 does not leak in)
-    (("actor_rollout_ref.actor.optim.lr_warmup_steps=-1",), 0),  # -1: lr_warmup_steps_ratio, default 0.0
-    (("actor_rollout_ref.actor.optim.lr_warmup_steps=-1", "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5"), 1),
-    (("actor_rollout_ref.actor.optim.lr_warmup_steps=3",), 3),
-    (("actor.optim.warmup_steps=3",), 3),  # offstep's own key, given itself, stays
-])
+
+@pytest.mark.parametrize(
+    "extra,warmup",
+    [
+        ((), 0),  # verl's default: no warm-up (the default preset's 2 does not leak in)
+        (("actor_rollout_ref.actor.optim.lr_warmup_steps=-1",), 0),  # -1: lr_warmup_steps_ratio, default 0.0
+        (
+            (
+                "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",
+                "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio=0.5",
+            ),
+            1,
+        ),
+        (("actor_rollout_ref.actor.optim.lr_warmup_steps=3",), 3),
+        (("actor.optim.warmup_steps=3",), 3),  # offstep's own key, given itself, stays
+    ],
+)
 def test_the_presets_warmup_does_not_leak_into_a_verl_command_line(tmp_path, extra, warmup):
     cfg, notes = load(main_ppo(tmp_path / "run", *extra))
     assert cfg.preset == "default" and cfg.actor.optim.warmup_steps == warmup
-    assert any(n.startswith("actor.optim.warmup_steps=2 (preset default) -> 0") for n in notes) == (not extra or extra == (
-        "actor_rollout_ref.actor.optim.lr_warmup_steps=-1",))
+    assert any(n.startswith("actor.optim.warmup_steps=2 (preset default) -> 0") for n in notes) == (
+        not extra or extra == ("actor_rollout_ref.actor.optim.lr_warmup_steps=-1",)
+    )
 
 
 def test_verls_own_values_replace_the_presets_on_a_verl_command_line(tmp_path):
     """A PPO script that sets neither rollout.n nor the estimator runs as verl would: GAE, one response
     per prompt (the mini-batch counts it), no KL loss, no validation; each change is one note."""
-    args = [a for a in main_ppo(tmp_path / "run") if not a.startswith(("algorithm.adv_estimator", "actor_rollout_ref.actor.use_kl_loss",
-                                                                         "actor_rollout_ref.rollout.n=", "trainer.test_freq"))]
+    args = [
+        a
+        for a in main_ppo(tmp_path / "run")
+        if not a.startswith(
+            (
+                "algorithm.adv_estimator",
+                "actor_rollout_ref.actor.use_kl_loss",
+                "actor_rollout_ref.rollout.n=",
+                "trainer.test_freq",
+            )
+        )
+    ]
     cfg, notes = load(args)
-    assert (cfg.algorithm.adv_estimator, cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.val_freq) == ("gae", False, 1, -1)
+    assert (cfg.algorithm.adv_estimator, cfg.algorithm.use_kl_loss, cfg.rollout.n, cfg.trainer.val_freq) == (
+        "gae",
+        False,
+        1,
+        -1,
+    )
     assert cfg.actor.mini_batch_size == 4  # ppo_mini_batch_size=4 prompts x rollout.n=1
-    for line in ("algorithm.adv_estimator=grpo (preset default) -> gae: verl's default for algorithm.adv_estimator",
-                 "algorithm.use_kl_loss=True (preset default) -> False: verl's default for actor_rollout_ref.actor.use_kl_loss",
-                 "rollout.n=4 (preset default) -> 1: verl's default for actor_rollout_ref.rollout.n",
-                 "trainer.val_freq=5 (preset default) -> -1: verl's default for trainer.test_freq"):
+    for line in (
+        "algorithm.adv_estimator=grpo (preset default) -> gae: verl's default for algorithm.adv_estimator",
+        "algorithm.use_kl_loss=True (preset default) -> False: verl's default for actor_rollout_ref.actor.use_kl_loss",
+        "rollout.n=4 (preset default) -> 1: verl's default for actor_rollout_ref.rollout.n",
+        "trainer.val_freq=5 (preset default) -> -1: verl's default for trainer.test_freq",
+    ):
         assert any(n.startswith(line) for n in notes), line
     cfg, notes = load([*args, "rollout.n=3"])  # offstep's own key, given itself, stays
     assert cfg.rollout.n == 3 and cfg.actor.mini_batch_size == 12 and not any(n.startswith("rollout.n=") for n in notes)
-    cfg, notes = load(["preset=tiny", "trainer.total_steps=2"])  # not a verl command line: the preset's values, no notes
+    cfg, notes = load(
+        ["preset=tiny", "trainer.total_steps=2"]
+    )  # not a verl command line: the preset's values, no notes
     assert cfg.rollout.n == 2 and not any("verl's default" in n for n in notes)  # tiny's own n
 
 
@@ -149,9 +182,17 @@ def test_main_ppo_trains_colocated_on_cpu(tmp_path, ray_session):
 
     train, val = write_task("gsm8k_synthetic", str(tmp_path / "gsm8k"), 8, 4, 0)
     run = tmp_path / "run"
-    args = main_ppo(run, f"data.train_files={train}", f"data.val_files={val}", "trainer.n_gpus_per_node=1",
-                    "trainer.test_freq=-1", "trainer.val_before_train=False", "actor_rollout_ref.rollout.name=hf",
-                    "trainer.device=cpu", "trainer.progress=off")
+    args = main_ppo(
+        run,
+        f"data.train_files={train}",
+        f"data.val_files={val}",
+        "trainer.n_gpus_per_node=1",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=False",
+        "actor_rollout_ref.rollout.name=hf",
+        "trainer.device=cpu",
+        "trainer.progress=off",
+    )
     cfg = load_config(args)
     validate(cfg, cpu_count=1, gpu_count=0)  # colocated: one core for the trainer and the rollout together
     assert (cfg.pipeline.colocate, cfg.pipeline.max_staleness, cfg.rollout.replicas) == (True, 0, 1)

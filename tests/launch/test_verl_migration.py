@@ -28,8 +28,9 @@ def argv_of(script: str, env: dict[str, str], extra: list[str]) -> list[str]:
     """The arguments bash passes to `offstep` when it runs ``script`` with ``env`` and ``extra`` as
     its own arguments (``$@``): `offstep` is a shell function printing them NUL-separated."""
     wrapped = "offstep() { printf '%s\\0' \"$@\"; }\n" + script.replace("set -x\n", "")
-    out = subprocess.run(["bash", "-c", wrapped, "from-verl.sh", *extra], env={**os.environ, **env},
-                         capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", wrapped, "from-verl.sh", *extra], env={**os.environ, **env}, capture_output=True, check=True
+    ).stdout
     return out.decode().split("\0")[:-1]
 
 
@@ -38,9 +39,21 @@ def test_page_command_runs_on_the_tiny_model(tmp_path, ray_session):
 
     train, val = write_task("gsm8k_synthetic", str(tmp_path / "gsm8k"), 8, 4, 0)
     run_dir = tmp_path / "run"
-    env = {"MODEL_PATH": "tiny", "TRAIN_FILE": train, "TEST_FILE": val, "CKPTS_DIR": str(run_dir),
-           "NGPUS_PER_NODE": "2", "N_GPUS_ROLLOUT": "1", "TRAIN_PROMPT_BSZ": "4", "MINI_BSZ": "4", "MICRO_BSZ": "8",
-           "N_RESP": "2", "MAX_PROMPT_LEN": "256", "MAX_RESP_LEN": "12", "EPOCHS": "1"}
+    env = {
+        "MODEL_PATH": "tiny",
+        "TRAIN_FILE": train,
+        "TEST_FILE": val,
+        "CKPTS_DIR": str(run_dir),
+        "NGPUS_PER_NODE": "2",
+        "N_GPUS_ROLLOUT": "1",
+        "TRAIN_PROMPT_BSZ": "4",
+        "MINI_BSZ": "4",
+        "MICRO_BSZ": "8",
+        "N_RESP": "2",
+        "MAX_PROMPT_LEN": "256",
+        "MAX_RESP_LEN": "12",
+        "EPOCHS": "1",
+    }
     argv = argv_of(page_script(), env, ["preset=tiny", "trainer.progress=off"])
     assert argv[0] == "train" and len([a for a in argv if "=" in a]) >= 45
     assert main(argv) == 0

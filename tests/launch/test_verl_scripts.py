@@ -22,8 +22,12 @@ SCRIPTS = Path(__file__).resolve().parents[1] / "verl_scripts"
 ROWS = 4096  # training rows: the largest train_batch_size of the scripts (4096 prompts)
 
 # the data_source each script's dataset carries (verl's preprocessing scripts and the DAPO data)
-SOURCES = {"gsm8k": "openai/gsm8k", "math": "DigitalLearningGmbH/MATH-lighteval", "dapo_math": "math_dapo",
-           "aime": "math_dapo"}
+SOURCES = {
+    "gsm8k": "openai/gsm8k",
+    "math": "DigitalLearningGmbH/MATH-lighteval",
+    "dapo_math": "math_dapo",
+    "aime": "math_dapo",
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +37,19 @@ def fill(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("verl_data")
     train, val = write_task("gsm8k_synthetic", str(folder / "gsm8k"), ROWS, 8, 0)
-    out = {"model": "tiny", "gsm8k_train": train, "gsm8k_test": val, "verl": str(folder / "verl"),
-           "ckpts": str(folder / "ckpts")}
-    for name, source, rows in [("math_train", "math", train), ("math_test", "math", val),
-                               ("dapo_math_train", "dapo_math", train), ("aime_2024", "aime", val)]:
+    out = {
+        "model": "tiny",
+        "gsm8k_train": train,
+        "gsm8k_test": val,
+        "verl": str(folder / "verl"),
+        "ckpts": str(folder / "ckpts"),
+    }
+    for name, source, rows in [
+        ("math_train", "math", train),
+        ("math_test", "math", val),
+        ("dapo_math_train", "dapo_math", train),
+        ("aime_2024", "aime", val),
+    ]:
         frame = pd.read_parquet(rows)
         frame["data_source"] = SOURCES[source]
         frame.to_parquet(folder / f"{name}.parquet")
@@ -59,13 +72,28 @@ def resolve(name: str, fill: dict, capsys) -> tuple[int, str, str]:
 # taking turns with the trainer on its GPUs; one-step: verl's separate rollout pool, k = 1.
 # batch in prompts; mini in sequences (verl's ppo_mini_batch_size x n); kl: (use_kl_loss, coef).
 COLOCATED = {"pipeline.colocate": True, "pipeline.max_staleness": 0, "rollout.engine": "vllm"}
-GRPO_GSM8K = {**COLOCATED, "algorithm.adv_estimator": "grpo", "algorithm.use_kl_loss": True, "algorithm.kl_coef": 0.001,
-              "algorithm.kl_estimator": "low_var_kl", "actor.optim.lr": 1e-6, "actor.optim.warmup_steps": 0,
-              "data.overlong_prompts": "filter", "rollout.n": 5, "data.train_batch_size": 1024,
-              "actor.mini_batch_size": 256 * 5, "algorithm.loss_agg_mode": "token-mean"}
+GRPO_GSM8K = {
+    **COLOCATED,
+    "algorithm.adv_estimator": "grpo",
+    "algorithm.use_kl_loss": True,
+    "algorithm.kl_coef": 0.001,
+    "algorithm.kl_estimator": "low_var_kl",
+    "actor.optim.lr": 1e-6,
+    "actor.optim.warmup_steps": 0,
+    "data.overlong_prompts": "filter",
+    "rollout.n": 5,
+    "data.train_batch_size": 1024,
+    "actor.mini_batch_size": 256 * 5,
+    "algorithm.loss_agg_mode": "token-mean",
+}
 PPO = {**COLOCATED, "algorithm.adv_estimator": "gae", "algorithm.use_kl_loss": False, "actor.optim.lr": 1e-6}
 RESOLVES = {
-    "run_qwen2-7b": {**GRPO_GSM8K, "resources.trainer_workers": 8, "rollout.replicas": 8, "trainer.total_steps": 15 * 4},
+    "run_qwen2-7b": {
+        **GRPO_GSM8K,
+        "resources.trainer_workers": 8,
+        "rollout.replicas": 8,
+        "trainer.total_steps": 15 * 4,
+    },
     "run_qwen3-8b": {**GRPO_GSM8K, "resources.trainer_workers": 8, "trainer.val_freq": 5},
     "run_qwen2-7b_math": {**GRPO_GSM8K, "trainer.total_steps": 15 * (2 * ROWS // 1024)},  # gsm8k + MATH files
     "run_deepseek7b_llm_seq_balance": {**GRPO_GSM8K, "actor.micro_token_budget": 24000},
@@ -75,19 +103,46 @@ RESOLVES = {
     "run_deepseek7b_llm_sp2": {**PPO, "data.train_batch_size": 1024},  # ulysses_sequence_parallel_size: a note
     "run_gemma": {**PPO, "data.train_batch_size": 512, "resources.trainer_workers": 2, "trainer.total_steps": 15 * 8},
     "run_qwen2-7b_seq_balance": {**PPO, "data.train_batch_size": 4096, "actor.micro_token_budget": 24000},
-    "run_function_reward": {**PPO, "data.train_batch_size": 256, "trainer.total_steps": 1, "reward.custom_name": "compute_score"},
+    "run_function_reward": {
+        **PPO,
+        "data.train_batch_size": 256,
+        "trainer.total_steps": 1,
+        "reward.custom_name": "compute_score",
+    },
     "dapo_7b_math_fsdp2_colocate": {
-        **COLOCATED, "resources.trainer_workers": 16, "rollout.replicas": 16, "rollout.n": 12,
-        "data.train_batch_size": 512, "actor.mini_batch_size": 32 * 12, "actor.micro_token_budget": 20480,
-        "algorithm.use_kl_loss": False, "algorithm.clip_ratio_high": 0.28, "algorithm.loss_agg_mode": "token-mean",
-        "actor.optim.warmup_steps": 10, "actor.optim.weight_decay": 0.1, "algorithm.overlong_penalty": True,
-        "algorithm.overlong_buffer_len": 4096, "algorithm.overlong_penalty_factor": 1.0, "data.overlong_prompts": "left",
-        "rollout.val_top_p": 0.7, "trainer.total_steps": 100, "trainer.val_freq": 10,
-        "model.override_config.max_position_embeddings": 32768},
+        **COLOCATED,
+        "resources.trainer_workers": 16,
+        "rollout.replicas": 16,
+        "rollout.n": 12,
+        "data.train_batch_size": 512,
+        "actor.mini_batch_size": 32 * 12,
+        "actor.micro_token_budget": 20480,
+        "algorithm.use_kl_loss": False,
+        "algorithm.clip_ratio_high": 0.28,
+        "algorithm.loss_agg_mode": "token-mean",
+        "actor.optim.warmup_steps": 10,
+        "actor.optim.weight_decay": 0.1,
+        "algorithm.overlong_penalty": True,
+        "algorithm.overlong_buffer_len": 4096,
+        "algorithm.overlong_penalty_factor": 1.0,
+        "data.overlong_prompts": "left",
+        "rollout.val_top_p": 0.7,
+        "trainer.total_steps": 100,
+        "trainer.val_freq": 10,
+        "model.override_config.max_position_embeddings": 32768,
+    },
     "grpo_0.6b_gsm8k_fsdp2_2_6": {
-        "pipeline.colocate": False, "pipeline.max_staleness": 1, "rollout.engine": "vllm",
-        "resources.trainer_workers": 6, "rollout.replicas": 2, "rollout.n": 5, "data.train_batch_size": 1152,
-        "actor.mini_batch_size": 192 * 5, "algorithm.use_kl_loss": True, "algorithm.kl_coef": 0.001},
+        "pipeline.colocate": False,
+        "pipeline.max_staleness": 1,
+        "rollout.engine": "vllm",
+        "resources.trainer_workers": 6,
+        "rollout.replicas": 2,
+        "rollout.n": 5,
+        "data.train_batch_size": 1152,
+        "actor.mini_batch_size": 192 * 5,
+        "algorithm.use_kl_loss": True,
+        "algorithm.kl_coef": 0.001,
+    },
 }
 # Refused as given: every problem in one message, each with its reason.
 REFUSED = {
@@ -97,10 +152,21 @@ REFUSED = {
     "run_qwen2.5-3b_gsm8k_multiturn": ["actor_rollout_ref.rollout.over_sample_rate=0.1 is refused"],
 }
 # Translated as written; only the tiny test model is too narrow for the script's LoRA rank 64.
-TINY_MODEL_ONLY = {"run_qwen2_5-3b_gsm8k_grpo_lora": (
-    {**GRPO_GSM8K, "resources.trainer_workers": 2, "data.train_batch_size": 16, "actor.mini_batch_size": 16 * 5,
-     "actor.lora.rank": 64, "actor.lora.alpha": 32, "actor.optim.lr": 3e-6, "trainer.val_before_train": False},
-    "actor.lora.rank=64 is larger than the width")}
+TINY_MODEL_ONLY = {
+    "run_qwen2_5-3b_gsm8k_grpo_lora": (
+        {
+            **GRPO_GSM8K,
+            "resources.trainer_workers": 2,
+            "data.train_batch_size": 16,
+            "actor.mini_batch_size": 16 * 5,
+            "actor.lora.rank": 64,
+            "actor.lora.alpha": 32,
+            "actor.optim.lr": 3e-6,
+            "trainer.val_before_train": False,
+        },
+        "actor.lora.rank=64 is larger than the width",
+    )
+}
 
 
 def test_every_recorded_script_is_checked():

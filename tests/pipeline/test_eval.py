@@ -13,8 +13,17 @@ from offstep.pipeline.evaluation import run_eval, summarise
 
 
 def _s(uid, src, score, **extra):
-    return Sample(uid=uid, prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], finish_reason="stop",
-                  score=score, version=0, data_source=src, reward_extra=extra)
+    return Sample(
+        uid=uid,
+        prompt_ids=[1],
+        response_ids=[2],
+        rollout_logprobs=[0.0],
+        finish_reason="stop",
+        score=score,
+        version=0,
+        data_source=src,
+        reward_extra=extra,
+    )
 
 
 def test_summarise_hand_worked():
@@ -29,7 +38,7 @@ def test_summarise_hand_worked():
     assert m["val/acc"] == pytest.approx(0.4) and m["val/reward/mean"] == pytest.approx(0.3)
     # The standard error, over prompts: their mean accuracies 0.5, 0, 1 (mean 0.5); squared deviations
     # 0 + 0.25 + 0.25 = 0.5, over n - 1 = 2: 0.25, root 0.5; over sqrt(3): 0.2887.
-    assert m["val/acc_stderr"] == pytest.approx(0.5 / 3 ** 0.5)
+    assert m["val/acc_stderr"] == pytest.approx(0.5 / 3**0.5)
     # four prompts of one sample, correct 1, 1, 0, 1: squares 3 x 0.0625 + 0.5625 = 0.75, / 3 = 0.25,
     # root 0.5, / sqrt(4) = 0.25; one prompt alone: 0
     four = summarise([_s(i, "a", v) for i, v in enumerate([1.0, 1.0, 0.0, 1.0])], prefix="val/")

@@ -107,8 +107,9 @@ def test_eval_exports_a_run_once_into_the_cache_and_never_trusts_a_shipped_hf(ti
     assert (got / ".offstep-export").stat().st_mtime_ns == stamp
 
 
-@pytest.mark.parametrize("where", ["the checkpoint", "inside the checkpoint", "the run", "its checkpoints folder",
-                                   "another run"])
+@pytest.mark.parametrize(
+    "where", ["the checkpoint", "inside the checkpoint", "the run", "its checkpoints folder", "another run"]
+)
 def test_export_never_destroys_a_checkpoint_or_a_run_even_with_force(tiny_run, tmp_path, where, capsys):
     import hashlib
     import shutil
@@ -120,8 +121,13 @@ def test_export_never_destroys_a_checkpoint_or_a_run_even_with_force(tiny_run, t
     shutil.copytree(run, copy)
     shutil.copytree(run, other)
     ckpt = copy / "checkpoints" / "step_000001"
-    dest = {"the checkpoint": ckpt, "inside the checkpoint": ckpt / "actor", "the run": copy,
-            "its checkpoints folder": copy / "checkpoints", "another run": other}[where]
+    dest = {
+        "the checkpoint": ckpt,
+        "inside the checkpoint": ckpt / "actor",
+        "the run": copy,
+        "its checkpoints folder": copy / "checkpoints",
+        "another run": other,
+    }[where]
 
     def hashes():
         return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(tmp_path.rglob("*")) if p.is_file()}
@@ -129,6 +135,10 @@ def test_export_never_destroys_a_checkpoint_or_a_run_even_with_force(tiny_run, t
     before = hashes()
     assert main(["export", str(copy), "--out", str(dest), "--force"]) == 2
     err = capsys.readouterr().err
-    assert ("is, holds or lies inside the checkpoint being exported" in err if where != "another run" else
-            "holds an offstep run or checkpoint" in err and "export never replaces one, at any depth, even with --force" in err)
+    assert (
+        "is, holds or lies inside the checkpoint being exported" in err
+        if where != "another run"
+        else "holds an offstep run or checkpoint" in err
+        and "export never replaces one, at any depth, even with --force" in err
+    )
     assert hashes() == before

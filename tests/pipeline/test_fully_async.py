@@ -17,13 +17,29 @@ from offstep.launch.validate import problems
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 
-STREAM_METRICS = ["rollout/staleness_max", "rollout/staleness_mean", "rollout/version_span_max", "rollout/partial_samples",
-                  "rollout/queue_depth", "rollout/dropped_stale", "rollout/length_bias"]
+STREAM_METRICS = [
+    "rollout/staleness_max",
+    "rollout/staleness_mean",
+    "rollout/version_span_max",
+    "rollout/partial_samples",
+    "rollout/queue_depth",
+    "rollout/dropped_stale",
+    "rollout/length_bias",
+]
 
 
 def _cfg(out, k: int, steps: int, *extra: str):
-    return load_config(["preset=tiny", "pipeline.mode=fully_async", f"pipeline.max_staleness={k}", f"trainer.total_steps={steps}",
-                        f"trainer.output_dir={out}", "trainer.progress=off", *extra])
+    return load_config(
+        [
+            "preset=tiny",
+            "pipeline.mode=fully_async",
+            f"pipeline.max_staleness={k}",
+            f"trainer.total_steps={steps}",
+            f"trainer.output_dir={out}",
+            "trainer.progress=off",
+            *extra,
+        ]
+    )
 
 
 def _steps(out) -> list[dict]:
@@ -48,7 +64,16 @@ def test_one_step_stream_logs_its_metrics_and_keeps_the_bound(tmp_path, ray_sess
     buffers of the replica's own and applies them between two decode steps: every sync's digest
     matches what the actor sent."""
     out = tmp_path / "run"
-    train(_cfg(out, 1, 5, "trainer.val_before_train=false", "rollout.max_new_tokens=24", f"pipeline.weight_sync={transport}"))
+    train(
+        _cfg(
+            out,
+            1,
+            5,
+            "trainer.val_before_train=false",
+            "rollout.max_new_tokens=24",
+            f"pipeline.weight_sync={transport}",
+        )
+    )
     metrics = _steps(out)
     assert all(m["sync/verified"] == 1.0 and m["sync/collective"] == float(transport == "collective") for m in metrics)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
@@ -101,7 +126,9 @@ def test_a_resume_trains_every_stored_group_once(tmp_path, ray_session):
     for g in stored["groups"]:
         states = g["states"] or []
         assert all(len(s["tokens"]) == len(s["logprobs"]) == len(s["versions"]) for s in states)
-    history = train(_cfg(again, 2, 4, "trainer.val_before_train=false", "trainer.save_freq=2", "rollout.max_new_tokens=24"))
+    history = train(
+        _cfg(again, 2, 4, "trainer.val_before_train=false", "trainer.save_freq=2", "rollout.max_new_tokens=24")
+    )
     assert [m["step"] for m in history] == [3, 4]
     final = json.loads((again / "checkpoints" / "step_000004" / "trainer_state.json").read_text())["stream_groups"]
     assert final["admitted"] == 4 * B and final["groups"] == [], "every stored group trained, none admitted anew"
@@ -113,8 +140,17 @@ def test_vllm_replicas_stream_with_partial_rollouts(tmp_path, ray_session):
     """rollout.engine=vllm: the replica's vLLM engine takes each load between two decode steps
     (rollout.partial=recompute: its preemption path) and tags every token with its version."""
     out = tmp_path / "run"
-    train(_cfg(out, 1, 3, "trainer.val_before_train=false", "rollout.engine=vllm", "rollout.partial=recompute",
-               "rollout.max_new_tokens=24"))
+    train(
+        _cfg(
+            out,
+            1,
+            3,
+            "trainer.val_before_train=false",
+            "rollout.engine=vllm",
+            "rollout.partial=recompute",
+            "rollout.max_new_tokens=24",
+        )
+    )
     metrics = _steps(out)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
@@ -125,11 +161,14 @@ def test_vllm_replicas_stream_with_partial_rollouts(tmp_path, ray_session):
     assert len([e for e in timeline if e["stage"] == "load_weights"]) == 3
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("rollout.engine=vllm actor.lora.rank=8", "rollout.engine=builtin, or pipeline.mode=batch for LoRA on vLLM"),
-    ("algorithm.dynamic_sampling=true", "pipeline.mode=batch"),
-    ("rollout.partial=sometimes", "rollout.partial='sometimes' is not one of"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("rollout.engine=vllm actor.lora.rank=8", "rollout.engine=builtin, or pipeline.mode=batch for LoRA on vLLM"),
+        ("algorithm.dynamic_sampling=true", "pipeline.mode=batch"),
+        ("rollout.partial=sometimes", "rollout.partial='sometimes' is not one of"),
+    ],
+)
 def test_combinations_it_does_not_run_are_refused_before_start(override, needle):
     msgs = problems(load_config(["preset=tiny", "pipeline.mode=fully_async", *override.split()]))
     assert any(needle in m for m in msgs), msgs
@@ -145,9 +184,9 @@ def test_lora_runs_in_the_mode(tmp_path, ray_session):
 @pytest.mark.parametrize("mode,stored", [("fully_async", "batch"), ("batch", "fully_async")])
 def test_a_checkpoint_with_samples_ahead_resumes_in_its_own_mode(mode, stored):
     from offstep.errors import ConfigError
-    from offstep.pipeline.dynamic_sampling import Generated
-    from offstep.pipeline.checkpoints import TrainerState
     from offstep.pipeline.batch_source import check_mode_of
+    from offstep.pipeline.checkpoints import TrainerState
+    from offstep.pipeline.dynamic_sampling import Generated
 
     ahead = [(3, 0, [1, 2], Generated())] if stored == "batch" else []
     groups = {"admitted": 8, "drawn": [], "epoch": 0, "groups": [{"g": 6}]} if stored == "fully_async" else None

@@ -49,8 +49,13 @@ async def rollout(client, row):
             messages.append({{"role": "tool", "tool_call_id": call.id, "content": "25"}})
     return 0.5
 '''
-AGENT_METRICS = ["agent/turns/mean", "agent/tool_calls/mean", "agent/masked_token_frac", "agent/well_formed_calls/frac",
-                 "agent/prefix_breaks"]
+AGENT_METRICS = [
+    "agent/turns/mean",
+    "agent/tool_calls/mean",
+    "agent/masked_token_frac",
+    "agent/well_formed_calls/frac",
+    "agent/prefix_breaks",
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +72,24 @@ def files(tmp_path_factory):
 
 
 def _run(out, files, k: int, save_freq: int, agent: list[str]):
-    train(load_config([
-        "preset=tiny", f"model.path={files / 'model'}", "pipeline.mode=fully_async", f"pipeline.max_staleness={k}",
-        "trainer.total_steps=3", f"trainer.save_freq={save_freq}", f"trainer.output_dir={out}", "trainer.progress=off",
-        "trainer.val_before_train=false", "data.task_val_size=4", "rollout.max_new_tokens=64", *agent]))
+    train(
+        load_config(
+            [
+                "preset=tiny",
+                f"model.path={files / 'model'}",
+                "pipeline.mode=fully_async",
+                f"pipeline.max_staleness={k}",
+                "trainer.total_steps=3",
+                f"trainer.save_freq={save_freq}",
+                f"trainer.output_dir={out}",
+                "trainer.progress=off",
+                "trainer.val_before_train=false",
+                "data.task_val_size=4",
+                "rollout.max_new_tokens=64",
+                *agent,
+            ]
+        )
+    )
     everything = read_jsonl(out / "metrics.jsonl")
     metrics = [m for m in everything if m["step"] >= 1]
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -109,9 +128,21 @@ def test_tool_loops_stream(tmp_path, ray_session, files, engine):
     """Two-step staleness: every group is admitted at the start, and those of step 3 have
     finished when step 2's checkpoint stores them, with their masks."""
     out = tmp_path / "run"
-    _run(out, files, 2, 2, ["rollout.agent.default_agent=tool_agent", "rollout.agent.tools=[x]",
-                      f"rollout.agent.tools_path={files / 'x_tool.py'}", "rollout.agent.format=tag",
-                      "rollout.agent.max_turns=2", "rollout.partial=recompute", f"rollout.engine={engine}"])
+    _run(
+        out,
+        files,
+        2,
+        2,
+        [
+            "rollout.agent.default_agent=tool_agent",
+            "rollout.agent.tools=[x]",
+            f"rollout.agent.tools_path={files / 'x_tool.py'}",
+            "rollout.agent.format=tag",
+            "rollout.agent.max_turns=2",
+            "rollout.partial=recompute",
+            f"rollout.engine={engine}",
+        ],
+    )
     _check_stored_samples(out)
     tools = [e for e in read_jsonl(out / "timeline.jsonl") if e["stage"] == Stage.TOOL]
     assert tools and all(replica_index(e["role"]) is not None for e in tools), "tool time on the replicas' lanes"
@@ -120,8 +151,17 @@ def test_tool_loops_stream(tmp_path, ray_session, files, engine):
 def test_openai_agents_stream(tmp_path, ray_session, files):
     out = tmp_path / "run"
     # no checkpoint before the last step: a suspension starts unfinished agents again (stream_agents)
-    metrics = _run(out, files, 1, 0, ["rollout.agent.default_agent=openai", f"rollout.agent.openai_path={files / 'agent.py'}",
-                                "rollout.agent.format=tag"])
+    metrics = _run(
+        out,
+        files,
+        1,
+        0,
+        [
+            "rollout.agent.default_agent=openai",
+            f"rollout.agent.openai_path={files / 'agent.py'}",
+            "rollout.agent.format=tag",
+        ],
+    )
     assert all(m["agent/prefix_breaks"] == 0 and m["agent/turns/mean"] >= 1.5 for m in metrics), metrics
     # step 2 trains groups 4-7: admitted at version 0, their later calls sampled by version 1
     assert metrics[1]["rollout/partial_samples"] > 0 and metrics[1]["rollout/version_span_max"] == 2, metrics

@@ -36,8 +36,12 @@ from offstep.telemetry.names import Data, Rollout, Stage, replica_index
 
 B, N_SAMPLES = 8, 4  # sim_config's data.train_batch_size and rollout.n
 TRAIN_SIZE = 44  # 5 batches an epoch (4 prompts dropped at each epoch's end): the runs cross epochs
-ASYNC = ("pipeline.mode=fully_async", "rollout.replicas=2", "rollout.max_new_tokens=200",
-         f"data.task_train_size={TRAIN_SIZE}")
+ASYNC = (
+    "pipeline.mode=fully_async",
+    "rollout.replicas=2",
+    "rollout.max_new_tokens=200",
+    f"data.task_train_size={TRAIN_SIZE}",
+)
 # Lengths: median 24 tokens, lognormal sigma 1 (a tenth of the samples are longer than 86 tokens,
 # a few hit the 200 cap); a decode step 3 ms: a typical group takes ~0.3 s, the longest ~0.6 s.
 PROFILE = sim.GpuProfile(step_s=0.003, slots=64, len_median=24, len_sigma=1.0)
@@ -84,7 +88,7 @@ def _check_run(cfg, out, records, k: int, steps: int, tmp_path) -> None:
     assert sorted(trained) == list(range(steps * B)), "a group lost or trained twice"
     for r in records:
         gs = [s["uid"] - B for s in r["samples"]]
-        assert all(gs[i:i + N_SAMPLES] == [gs[i]] * N_SAMPLES for i in range(0, len(gs), N_SAMPLES))  # whole groups
+        assert all(gs[i : i + N_SAMPLES] == [gs[i]] * N_SAMPLES for i in range(0, len(gs), N_SAMPLES))  # whole groups
     per_epoch: dict[int, list[int]] = {}
     for g in trained:
         epoch, prompt = order[g]
@@ -103,8 +107,9 @@ def _loads_inside_gen(out) -> int:
     tl = read_jsonl(out / "timeline.jsonl")
     gens = [e for e in tl if e["stage"] == Stage.GEN and replica_index(e["role"]) is not None]
     loads = [e for e in tl if e["stage"] == Stage.LOAD_WEIGHTS]
-    return sum(any(g["role"] == ld["role"] and g["start"] < ld["start"] and ld["end"] < g["end"] for g in gens)
-               for ld in loads)
+    return sum(
+        any(g["role"] == ld["role"] and g["start"] < ld["start"] and ld["end"] < g["end"] for g in gens) for ld in loads
+    )
 
 
 @pytest.mark.ray
@@ -133,8 +138,14 @@ def test_k0_trains_the_batch_modes_batches(tmp_path, ray_session):
     (prompts, groups, and each sample's length and score: the same random streams), no partial."""
     steps = 6
     _, out_a, rec_a = _run(tmp_path, 0, steps, name="async")
-    cfg_b = sim.sim_config(tmp_path / "batch", 0, steps, *[o for o in ASYNC if not o.startswith("pipeline.mode")],
-                           "pipeline.mode=batch", "pipeline.colocate=false")
+    cfg_b = sim.sim_config(
+        tmp_path / "batch",
+        0,
+        steps,
+        *[o for o in ASYNC if not o.startswith("pipeline.mode")],
+        "pipeline.mode=batch",
+        "pipeline.colocate=false",
+    )
     rec_path = tmp_path / "batch.records.jsonl"
     sim.run_sim(cfg_b, 0.0, 0.05, 0.01, 0.02, profile=PROFILE, record=str(rec_path))
     rec_b = [json.loads(line) for line in rec_path.read_text().splitlines()]
@@ -163,13 +174,23 @@ def test_resume_keeps_partial_samples(tmp_path, ray_session):
     _check_run(cfg, out, full, k, steps, tmp_path)
     state = json.loads((out / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     groups = state["stream_groups"]["groups"]
-    assert any(g["states"] is not None and any(s["tokens"] for s in g["states"]) for g in groups), \
+    assert any(g["states"] is not None and any(s["tokens"] for s in g["states"]) for g in groups), (
         "the checkpoint of step 2 should hold partial samples"
+    )
     # Resume from step 2 in a copy of the run folder.
     copy = tmp_path / "resumed"
     shutil.copytree(out, copy)
-    cfg2, _, resumed = _run(tmp_path, k, steps, *extra, "trainer.resume=auto", "trainer.resume_step=2", train_s=0.4,
-                            name="resumed", profile=profile)
+    cfg2, _, resumed = _run(
+        tmp_path,
+        k,
+        steps,
+        *extra,
+        "trainer.resume=auto",
+        "trainer.resume_step=2",
+        train_s=0.4,
+        name="resumed",
+        profile=profile,
+    )
     records = full[:2] + resumed
     _check_run(cfg2, copy, records, k, steps, tmp_path)
     ends = lambda recs: sorted((s["uid"], s["length"], s["score"]) for r in recs for s in r["samples"])  # noqa: E731
@@ -187,8 +208,16 @@ def test_a_replica_that_dies_is_replaced_and_its_groups_generated_again(tmp_path
     marker = tmp_path / "died"
     profile = dataclasses.replace(PROFILE, die_marker=str(marker))
     steps, k = 6, 1
-    cfg, out, records = _run(tmp_path, k, steps, "rollout.max_restarts=1", "trainer.save_freq=1", "trainer.keep_checkpoints=0",
-                               train_s=0.2, profile=profile)
+    cfg, out, records = _run(
+        tmp_path,
+        k,
+        steps,
+        "rollout.max_restarts=1",
+        "trainer.save_freq=1",
+        "trainer.keep_checkpoints=0",
+        train_s=0.2,
+        profile=profile,
+    )
     assert marker.exists(), "a replica was meant to die"
     _check_run(cfg, out, records, k, steps, tmp_path)
 
@@ -208,8 +237,15 @@ def test_a_checkpoint_waits_for_the_groups_a_poll_is_bringing(tmp_path):
     from offstep.rollout.stream.replica_stream import FinishedGroup
     from offstep.rollout.types import SamplingParams
 
-    cfg = load_config(["preset=tiny", "pipeline.mode=fully_async", "pipeline.max_staleness=0",
-                       "data.train_batch_size=2", "trainer.total_steps=4"])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            "pipeline.mode=fully_async",
+            "pipeline.max_staleness=0",
+            "data.train_batch_size=2",
+            "trainer.total_steps=4",
+        ]
+    )
     record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None, messages=[])
     inputs = SimpleNamespace(train=[SimpleNamespace(prompt_ids=[1, i], record=record) for i in range(8)])
     params = SamplingParams(n=1, max_new_tokens=4)
@@ -235,18 +271,35 @@ def test_a_checkpoint_waits_for_the_groups_a_poll_is_bringing(tmp_path):
         replica = SimpleNamespace(
             stream_start=SimpleNamespace(remote=lambda *a: done()),
             stream_submit=SimpleNamespace(remote=lambda works: submitted.extend(works)),
-            stream_take=SimpleNamespace(remote=take), stream_suspend=SimpleNamespace(remote=suspend))
+            stream_take=SimpleNamespace(remote=take),
+            stream_suspend=SimpleNamespace(remote=suspend),
+        )
         timeline = SimpleNamespace(add=lambda *a, **k: None)
-        stream = SampleStream(cfg, inputs, PromptStream(8, 2, 0), SimpleNamespace(rollout=[replica]), params, timeline,
-                              restart=None)  # no replica dies here
+        stream = SampleStream(
+            cfg, inputs, PromptStream(8, 2, 0), SimpleNamespace(rollout=[replica]), params, timeline, restart=None
+        )  # no replica dies here
         await stream.start(0, 0, None)
         for _ in range(5):  # the poll's first take goes out
             await asyncio.sleep(0)
         assert len(submitted) == 2 and len(takes) == 1
         carried = submitted[0]
-        finished = FinishedGroup(carried.request.uid, [sim.Sample(
-            uid=carried.request.uid, prompt_ids=[1], response_ids=[5], rollout_logprobs=[-1.0], finish_reason="stop",
-            score=1.0, version=0, token_versions=[0])], 0.0, 1.0)
+        finished = FinishedGroup(
+            carried.request.uid,
+            [
+                sim.Sample(
+                    uid=carried.request.uid,
+                    prompt_ids=[1],
+                    response_ids=[5],
+                    rollout_logprobs=[-1.0],
+                    finish_reason="stop",
+                    score=1.0,
+                    version=0,
+                    token_versions=[0],
+                )
+            ],
+            0.0,
+            1.0,
+        )
         loop.call_later(0.2, takes[0].set_result, [finished])  # the take returns after the suspension began
         await stream.suspend()
         state = stream.state()

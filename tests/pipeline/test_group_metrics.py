@@ -11,7 +11,9 @@ def _samples(groups: dict[int, list[float]]) -> list[Sample]:
 
 def test_uniform_groups_by_hand():
     # group 0 all right, 1 all wrong, 2 mixed, 3 mixed by a hair: 2 of 4 carry no signal
-    m = uniform_group_frac(_samples({0: [1.0, 1.0, 1.0], 1: [0.0, 0.0, 0.0], 2: [1.0, 0.0, 1.0], 3: [0.5, 0.5, 0.5001]}))
+    m = uniform_group_frac(
+        _samples({0: [1.0, 1.0, 1.0], 1: [0.0, 0.0, 0.0], 2: [1.0, 0.0, 1.0], 3: [0.5, 0.5, 0.5001]})
+    )
     assert m == {Reward.UNIFORM_GROUP_FRAC: 0.5}
     # groups of one sample count for nothing (with rollout.n=1 every group is "uniform": no metric)
     assert uniform_group_frac(_samples({0: [1.0], 1: [0.0, 0.0]})) == {Reward.UNIFORM_GROUP_FRAC: 1.0}

@@ -20,8 +20,16 @@ _TIMED = ("timing_s/", "perf/", "/busy", "_s/", "wait")
 
 
 def _run(tmp_path, name: str, *extra: str) -> list[dict]:
-    cfg = load_config(["preset=tiny", "pipeline.max_staleness=1", "trainer.total_steps=3", "trainer.progress=off",
-                       f"trainer.output_dir={tmp_path / name}", *extra])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            "pipeline.max_staleness=1",
+            "trainer.total_steps=3",
+            "trainer.progress=off",
+            f"trainer.output_dir={tmp_path / name}",
+            *extra,
+        ]
+    )
     return [{k: v for k, v in m.items() if not any(t in k for t in _TIMED)} for m in train(cfg)]
 
 
@@ -54,8 +62,9 @@ def test_a_run_of_another_shape_releases_the_kept_workers(tmp_path, ray_free):
 def test_a_failed_run_keeps_nothing(tmp_path, ray_free):
     _run(tmp_path, "ok")
     reward = tmp_path / "bad.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    raise ValueError('boom')\n")
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    raise ValueError('boom')\n"
+    )
     with pytest.raises(Exception, match="boom"):
         _run(tmp_path, "bad", f"reward.custom_path={reward}")
     assert keep._kept is None

@@ -10,9 +10,27 @@ from benchmarks.lend_devices_sim import Setting, simulate, with_share
 
 # 1 group of 4 samples a step, each 10 tokens, no prompt; a decode step 1 s whatever the load; the
 # update 0.5 s a token: 20 s a batch on the trainer's one GPU; a sync 1 s
-TINY = Setting(devices=2, trainer=1, per_replica=1, slots=4, hybrid_slots=4, step0_s=1.0, step1_s=0.0, groups=1, n=4,
-               prompt=0, median=10.0, sigma=0.0, cap=100, train_s_per_token=0.5, sync_s=1.0, switch_in_s=0.0,
-               switch_out_s=0.0, k=0, steps=4)
+TINY = Setting(
+    devices=2,
+    trainer=1,
+    per_replica=1,
+    slots=4,
+    hybrid_slots=4,
+    step0_s=1.0,
+    step1_s=0.0,
+    groups=1,
+    n=4,
+    prompt=0,
+    median=10.0,
+    sigma=0.0,
+    cap=100,
+    train_s_per_token=0.5,
+    sync_s=1.0,
+    switch_in_s=0.0,
+    switch_out_s=0.0,
+    k=0,
+    steps=4,
+)
 
 
 def test_synchronous_step_is_generation_then_update_then_sync():
@@ -75,8 +93,24 @@ def test_hybrid_only_is_colocated():
 @pytest.mark.parametrize("k", [0, 1, 2])
 @pytest.mark.parametrize("lend", [False, True])
 def test_staleness_bound_holds_with_a_tail(k, lend):
-    s = with_share(Setting(devices=8, trainer=4, per_replica=2, slots=8, hybrid_slots=4, groups=4, n=4, median=50.0,
-                           sigma=1.0, cap=400, steps=6, k=k, lend=lend), 0.3)
+    s = with_share(
+        Setting(
+            devices=8,
+            trainer=4,
+            per_replica=2,
+            slots=8,
+            hybrid_slots=4,
+            groups=4,
+            n=4,
+            median=50.0,
+            sigma=1.0,
+            cap=400,
+            steps=6,
+            k=k,
+            lend=lend,
+        ),
+        0.3,
+    )
     r = simulate(s)
     assert r.staleness <= k and len(r.ends) == s.steps
     assert r.ends == sorted(r.ends)

@@ -37,9 +37,11 @@ def test_the_compute_thread_takes_lent_cores_at_its_next_layer(tiny, threads):
         t.start()
         t.join()
 
-    hooks = [model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads())),
-             model.model.layers[0].register_forward_pre_hook(lend_from_another_thread),
-             model.model.layers[1].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))]
+    hooks = [
+        model.model.layers[0].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads())),
+        model.model.layers[0].register_forward_pre_hook(lend_from_another_thread),
+        model.model.layers[1].register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads())),
+    ]
     try:
         with torch.no_grad():
             model(torch.tensor([[1, 2, 3]]))
@@ -91,16 +93,21 @@ def test_cores_are_lent_once_the_last_generation_ends_and_taken_back_at_the_next
     assert lending.take_seconds() == 0.0, "each second is counted in one step only"
 
 
-@pytest.mark.parametrize("extra, problem", [
-    (["pipeline.mode=fully_async"], "the replicas never idle"),
-    (["pipeline.max_staleness=0", "pipeline.colocate=true"], "colocated roles already take turns"),
-    (["resources.gpus_per_trainer_worker=1"], "a GPU trainer"),
-    (["resources.ray_address=auto"], "resources.ray_address"),
-])
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        (["pipeline.mode=fully_async"], "the replicas never idle"),
+        (["pipeline.max_staleness=0", "pipeline.colocate=true"], "colocated roles already take turns"),
+        (["resources.gpus_per_trainer_worker=1"], "a GPU trainer"),
+        (["resources.ray_address=auto"], "resources.ray_address"),
+    ],
+)
 def test_nothing_to_lend_is_refused_before_start(extra, problem):
     found = [p for p in problems(load_config(["preset=tiny", "pipeline.lend_cores=true", *extra])) if "lend_cores" in p]
     assert len(found) == 1 and problem in found[0] and "pipeline.lend_cores=false" in found[0]
-    assert not [p for p in problems(load_config(["preset=tiny", "pipeline.lend_cores=false", *extra])) if "lend_cores" in p]
+    assert not [
+        p for p in problems(load_config(["preset=tiny", "pipeline.lend_cores=false", *extra])) if "lend_cores" in p
+    ]
 
 
 class _Rank:
@@ -154,8 +161,18 @@ def test_a_lending_run_trains_as_one_without(tmp_path, ray_session):
     runs = {}
     for lend in ("false", "true"):
         out = tmp_path / lend
-        train(load_config(["preset=tiny", "trainer.total_steps=3", f"trainer.output_dir={out}", "trainer.progress=off",
-                           "trainer.val_before_train=false", f"pipeline.lend_cores={lend}"]))
+        train(
+            load_config(
+                [
+                    "preset=tiny",
+                    "trainer.total_steps=3",
+                    f"trainer.output_dir={out}",
+                    "trainer.progress=off",
+                    "trainer.val_before_train=false",
+                    f"pipeline.lend_cores={lend}",
+                ]
+            )
+        )
         runs[lend] = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
     assert "perf/lent_cores_s" not in runs["false"][-1]
     assert runs["true"][-1]["perf/lent_cores_s"] > 0

@@ -36,7 +36,7 @@ def decode(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """An address as ``/proc/net/tcp{,6}`` writes it (32-bit words in host byte order) -> an address;
     an IPv4-mapped IPv6 address (``::ffff:127.0.0.1``) -> its IPv4 address."""
     raw = bytes.fromhex(hex_addr)
-    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     addr = ipaddress.ip_address(raw)
     return addr.ipv4_mapped or addr if addr.version == 6 else addr
 
@@ -64,7 +64,7 @@ def process_tree(root: int) -> list[int]:
                     text = f.read()
             except OSError:  # it ended meanwhile
                 continue
-            ppid = int(text[text.rindex(")") + 2:].split()[1])  # after "pid (comm) state"
+            ppid = int(text[text.rindex(")") + 2 :].split()[1])  # after "pid (comm) state"
             children.setdefault(ppid, []).append(int(name))
     tree, todo = [], [root]
     while todo:
@@ -110,8 +110,9 @@ def run_and_sample(args: list[str], env: dict, log: Path, timeout_s: float = 240
     0.3 s. Returns (exit status, the log, {(pid, address, port): the process's command lines})."""
     seen: dict[tuple[int, str, int], set[str]] = {}  # a Ray worker's command line changes: its titles
     with open(log, "w") as out:
-        proc = subprocess.Popen([str(OFFSTEP), "train", *args], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [str(OFFSTEP), "train", *args], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     deadline = time.monotonic() + timeout_s
     try:
         while proc.poll() is None:
@@ -140,11 +141,20 @@ def test_local_run_listens_on_loopback_only(weight_sync, tmp_path):
     env = {**os.environ, "HOME": str(home), "RAY_ADDRESS": ""}  # its own local Ray, never another test's
     for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):  # Ray's defaults: token auth on
         env.pop(k, None)
-    code, text, seen = run_and_sample([
-        "preset=tiny", f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=2", "trainer.progress=plain",
-        "trainer.val_before_train=false", "trainer.val_freq=0", "trainer.save_freq=0",
-        f"pipeline.weight_sync={weight_sync}",
-    ], env, tmp_path / "log.txt")
+    code, text, seen = run_and_sample(
+        [
+            "preset=tiny",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.total_steps=2",
+            "trainer.progress=plain",
+            "trainer.val_before_train=false",
+            "trainer.val_freq=0",
+            "trainer.save_freq=0",
+            f"pipeline.weight_sync={weight_sync}",
+        ],
+        env,
+        tmp_path / "log.txt",
+    )
     assert code == 0 and "offstep: done" in text, text[-4000:]
 
     def who(cmd: str) -> str:
@@ -155,8 +165,11 @@ def test_local_run_listens_on_loopback_only(weight_sync, tmp_path):
     for expected in ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent"):
         assert expected in processes, f"no listener of {expected} seen: {sorted(processes)}"
     assert any(p.startswith("ray::RolloutWorker") for p in processes), sorted(processes)
-    exposed = sorted(f"{f'[{addr}]' if ':' in addr else addr}:{port} (pid {pid}: {' | '.join(sorted(c[:160] for c in cmds))})"
-                     for (pid, addr, port), cmds in seen.items() if ipaddress.ip_address(addr) not in LOOPBACK)
+    exposed = sorted(
+        f"{f'[{addr}]' if ':' in addr else addr}:{port} (pid {pid}: {' | '.join(sorted(c[:160] for c in cmds))})"
+        for (pid, addr, port), cmds in seen.items()
+        if ipaddress.ip_address(addr) not in LOOPBACK
+    )
     assert not exposed, "listeners not on loopback:\n" + "\n".join(exposed)
 
     assert token.exists()  # token authentication is on for a local cluster (Ray's default)
@@ -207,7 +220,9 @@ def test_local_init_keeps_loopback_as_node_address(tmp_path, monkeypatch):
     assert cluster_mode is False and ray_constants.ENABLE_RAY_CLUSTER == before
 
 
-@pytest.mark.parametrize("address,loopback", [("127.0.0.1:6379", True), ("localhost:6379", True), ("10.1.2.3:6379", False)])
+@pytest.mark.parametrize(
+    "address,loopback", [("127.0.0.1:6379", True), ("localhost:6379", True), ("10.1.2.3:6379", False)]
+)
 def test_joining_a_cluster_on_loopback_keeps_its_address(tmp_path, monkeypatch, address, loopback):
     """``resources.ray_address`` on 127.0.0.1 (a cluster started with ``--node-ip-address=127.0.0.1``,
     or by another run's tests): Ray's cluster mode is off for the ``ray.init``, else the driver maps
@@ -229,6 +244,8 @@ def test_joining_a_cluster_on_loopback_keeps_its_address(tmp_path, monkeypatch, 
 
 
 def test_cluster_run_says_what_it_listens_on():
-    assert listen_summary("10.0.0.5") == ("node address 10.0.0.5: this run's stores listen on 10.0.0.5, "
-                                          "Ray's workers and processes on every interface (0.0.0.0)")
+    assert listen_summary("10.0.0.5") == (
+        "node address 10.0.0.5: this run's stores listen on 10.0.0.5, "
+        "Ray's workers and processes on every interface (0.0.0.0)"
+    )
     assert listen_summary("127.0.0.1").endswith("Ray's workers and processes on 127.0.0.1")

@@ -61,8 +61,9 @@ def local_cluster(**nodes: dict):
     tmp = tempfile.mkdtemp(prefix="osn", dir="/tmp")  # short: Ray's socket paths live under it
     # A removed node is declared dead after 3 missed health checks 0.5 s apart rather than Ray's
     # default 5 x 3 s: the tests that remove one wait for that, and nothing else changes.
-    health = dict(RAY_health_check_period_ms="500", RAY_health_check_timeout_ms="1000",
-                  RAY_health_check_failure_threshold="3")
+    health = dict(
+        RAY_health_check_period_ms="500", RAY_health_check_timeout_ms="1000", RAY_health_check_failure_threshold="3"
+    )
     saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_enable_metrics_collection", *health)}
     os.environ.update(RAY_TMPDIR=tmp, RAY_enable_metrics_collection="0", **health)
     cluster = None
@@ -91,16 +92,30 @@ def _node(cpus: int, **resources) -> dict:
 
 def _args(cluster, out: Path, reward: Path, *extra: str) -> list[str]:
     return [
-        "preset=tiny", f"trainer.output_dir={out}", f"resources.ray_address={cluster.address}", "trainer.total_steps=3",
-        "trainer.save_freq=0", "trainer.val_freq=0", "trainer.val_before_train=false", "trainer.progress=plain",
-        "trainer.status_interval_s=0", f"reward.custom_path={reward}", "reward.num_threads=1", *extra,
+        "preset=tiny",
+        f"trainer.output_dir={out}",
+        f"resources.ray_address={cluster.address}",
+        "trainer.total_steps=3",
+        "trainer.save_freq=0",
+        "trainer.val_freq=0",
+        "trainer.val_before_train=false",
+        "trainer.progress=plain",
+        "trainer.status_interval_s=0",
+        f"reward.custom_path={reward}",
+        "reward.num_threads=1",
+        *extra,
     ]
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "w") as f:
-        return subprocess.Popen([sys.executable, "-m", "offstep.cli", "train", *args], start_new_session=True,
-                                stdout=f, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "offstep.cli", "train", *args],
+            start_new_session=True,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
 
 def _finish(proc: subprocess.Popen, log: Path, timeout: float) -> str:
@@ -136,8 +151,12 @@ def _short(node) -> str:
 @pytest.fixture(scope="module")
 def cluster():
     """Nodes: "one" (3 cores, all pools fit), two trainer nodes and one rollout node (1 core each)."""
-    with local_cluster(one=_node(3, node_one=3), train_a=_node(1, node_train=1), train_b=_node(1, node_train=1),
-                       rollout=_node(1, node_rollout=1)) as c:
+    with local_cluster(
+        one=_node(3, node_one=3),
+        train_a=_node(1, node_train=1),
+        train_b=_node(1, node_train=1),
+        rollout=_node(1, node_rollout=1),
+    ) as c:
         yield c
 
 
@@ -149,15 +168,20 @@ def _same_run_on_one_and_on_split_nodes(cluster, tmp_path, *variants: tuple[str,
     c, nodes = cluster
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    one = _run(_args(c, tmp_path / "one", reward, *variants[0], f"+{TRAIN}.node_one=1", f"+{ROLLOUT}.node_one=1"), tmp_path / "one.log")
+    one = _run(
+        _args(c, tmp_path / "one", reward, *variants[0], f"+{TRAIN}.node_one=1", f"+{ROLLOUT}.node_one=1"),
+        tmp_path / "one.log",
+    )
     on_one = _placement(one)
     assert set(on_one.values()) == {_short(nodes["one"])}, on_one
     a = step_records(tmp_path / "one")
     assert sorted(a) == [1, 2, 3]
     placements = []
     for i, extra in enumerate(variants):
-        split = _run(_args(c, tmp_path / f"split{i}", reward, *extra, f"+{TRAIN}.node_train=1", f"+{ROLLOUT}.node_rollout=1"),
-                     tmp_path / f"split{i}.log")
+        split = _run(
+            _args(c, tmp_path / f"split{i}", reward, *extra, f"+{TRAIN}.node_train=1", f"+{ROLLOUT}.node_rollout=1"),
+            tmp_path / f"split{i}.log",
+        )
         on_split = _placement(split)
         assert on_split["rollout replica 0"] == _short(nodes["rollout"]), on_split
         b = step_records(tmp_path / f"split{i}")
@@ -165,9 +189,11 @@ def _same_run_on_one_and_on_split_nodes(cluster, tmp_path, *variants: tuple[str,
         collective = "pipeline.weight_sync=collective" in extra
         for step in a:
             assert b[step].pop("sync/collective") == float(collective) and a[step].get("sync/collective") == float(
-                "pipeline.weight_sync=collective" in variants[0]), step  # the path each run took
-            assert {**a[step], "sync/collective": None} == {**b[step], "sync/collective": None}, \
+                "pipeline.weight_sync=collective" in variants[0]
+            ), step  # the path each run took
+            assert {**a[step], "sync/collective": None} == {**b[step], "sync/collective": None}, (
                 f"step {step} differs between one node and two ({extra})"
+            )
         placements.append(on_split)
     return placements
 
@@ -179,8 +205,9 @@ def test_trainer_and_rollout_pools_on_different_nodes(cluster, tmp_path):
     boundary, and every step's rewards, losses and KL equal the run with both pools on one node
     (object store; the two paths give equal runs, tests/sync/test_sync.py)."""
     _, nodes = cluster
-    for split in _same_run_on_one_and_on_split_nodes(cluster, tmp_path, ("pipeline.weight_sync=object_store",),
-                                                     ("pipeline.weight_sync=collective",)):
+    for split in _same_run_on_one_and_on_split_nodes(
+        cluster, tmp_path, ("pipeline.weight_sync=object_store",), ("pipeline.weight_sync=collective",)
+    ):
         assert split["actor rank 0"] in {_short(nodes["train_a"]), _short(nodes["train_b"])}, split
         assert split["actor rank 0"] != split["rollout replica 0"]
 
@@ -201,8 +228,16 @@ def _kill_rollout_node_mid_run(c, nodes: dict, tmp_path: Path, *extra: str) -> t
     reward = tmp_path / "slow.py"
     reward.write_text(SLOW_REWARD)
     log = tmp_path / "run.log"
-    args = _args(c, tmp_path / "run", reward, "trainer.total_steps=6", "trainer.save_freq=2", f"+{TRAIN}.node_train=1",
-                 f"+{ROLLOUT}.node_rollout=1", *extra)
+    args = _args(
+        c,
+        tmp_path / "run",
+        reward,
+        "trainer.total_steps=6",
+        "trainer.save_freq=2",
+        f"+{TRAIN}.node_train=1",
+        f"+{ROLLOUT}.node_rollout=1",
+        *extra,
+    )
     proc = _start(args, log)
     gate = tmp_path / "run" / "checkpoints" / "step_000002" / "trainer_state.json"
     t0 = time.time()
@@ -226,8 +261,9 @@ def test_rollout_node_lost_with_a_spare_node_the_run_goes_on(tmp_path):
     (The collective path only: it is the object store's restart, which
     tests/pipeline/test_checkpoint.py's replica-death test covers, plus the group rebuilt.)"""
     sync = "collective"
-    with local_cluster(train=_node(1, node_train=1), rollout_a=_node(1, node_rollout=1),
-                       rollout_b=_node(1, node_rollout=1)) as (c, nodes):
+    with local_cluster(
+        train=_node(1, node_train=1), rollout_a=_node(1, node_rollout=1), rollout_b=_node(1, node_rollout=1)
+    ) as (c, nodes):
         proc, log, removed = _kill_rollout_node_mid_run(c, nodes, tmp_path, f"pipeline.weight_sync={sync}")
         text = _finish(proc, log, 300)
     assert proc.returncode == 0, text[-4000:]
@@ -263,8 +299,16 @@ def test_rollout_node_lost_without_a_spare_stops_cleanly_and_resumes(tmp_path):
 
         c.add_node(**_node(1, node_rollout=1))
         reward = tmp_path / "slow.py"
-        args = _args(c, tmp_path / "run", reward, "trainer.total_steps=6", "trainer.save_freq=2",
-                     f"+{TRAIN}.node_train=1", f"+{ROLLOUT}.node_rollout=1", "resources.placement_timeout_s=15")
+        args = _args(
+            c,
+            tmp_path / "run",
+            reward,
+            "trainer.total_steps=6",
+            "trainer.save_freq=2",
+            f"+{TRAIN}.node_train=1",
+            f"+{ROLLOUT}.node_rollout=1",
+            "resources.placement_timeout_s=15",
+        )
         resumed = _run(args, tmp_path / "resume.log")
         assert f"resumed from {found[-1][1]}" in resumed, resumed[-4000:]
     assert sorted(step_records(tmp_path / "run")) == [1, 2, 3, 4, 5, 6]
@@ -275,8 +319,10 @@ def test_rollout_node_lost_without_a_spare_stops_cleanly_and_resumes(tmp_path):
 def test_the_placement_wait_must_be_positive():
     from offstep.launch.validate import problems
 
-    assert any("resources.placement_timeout_s=0.0 must be > 0" in m
-               for m in problems(load_config(["preset=tiny", "resources.placement_timeout_s=0"])))
+    assert any(
+        "resources.placement_timeout_s=0.0 must be > 0" in m
+        for m in problems(load_config(["preset=tiny", "resources.placement_timeout_s=0"]))
+    )
 
 
 def test_check_placeable_names_the_key_and_what_nodes_have():
@@ -285,8 +331,11 @@ def test_check_placeable_names_the_key_and_what_nodes_have():
     def node(nid, **res):
         return {"Alive": True, "NodeID": nid * 7, "Resources": {"CPU": 1.0, f"node:{nid}": 1.0, **res}}
 
-    nodes = [node("aaaaaaaa", node_train=1.0), node("bbbbbbbb", node_rollout=1.0),
-             {"Alive": False, "NodeID": "c" * 56, "Resources": {"CPU": 4.0, "gpu_node": 1.0}}]
+    nodes = [
+        node("aaaaaaaa", node_train=1.0),
+        node("bbbbbbbb", node_rollout=1.0),
+        {"Alive": False, "NodeID": "c" * 56, "Resources": {"CPU": 4.0, "gpu_node": 1.0}},
+    ]
     assert check_placeable(nodes, {"CPU": 1}, TRAIN) is None  # no custom resources: Ray's own wait
     assert check_placeable(nodes, {"CPU": 1, "node_train": 1}, TRAIN) is None
     # a node that has left the cluster does not count
@@ -303,9 +352,13 @@ def test_custom_resources_need_a_cluster_and_positive_amounts():
     from offstep.launch.loader import ConfigError, load_config
     from offstep.launch.preflight import validate
 
-    with pytest.raises(ConfigError, match=rf"{TRAIN}=\{{'node_train': 1.0\}} asks for custom Ray resources.*resources.ray_address"):
+    with pytest.raises(
+        ConfigError, match=rf"{TRAIN}=\{{'node_train': 1.0\}} asks for custom Ray resources.*resources.ray_address"
+    ):
         validate(load_config(["preset=tiny", f"+{TRAIN}.node_train=1"]))
-    with pytest.raises(ConfigError, match=rf"{ROLLOUT}: \{{'CPU': 1.0, 'x': 0.0\}} must be custom resources with amounts > 0"):
+    with pytest.raises(
+        ConfigError, match=rf"{ROLLOUT}: \{{'CPU': 1.0, 'x': 0.0\}} must be custom resources with amounts > 0"
+    ):
         validate(load_config(["preset=tiny", "resources.ray_address=auto", f"+{ROLLOUT}.CPU=1", f"+{ROLLOUT}.x=0"]))
 
 

@@ -89,4 +89,3 @@ def _is_open(fd: int) -> bool:
         return True
     except OSError:
         return False
-

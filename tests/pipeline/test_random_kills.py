@@ -28,25 +28,42 @@ def _write(run: Path, metrics: list[dict], events: list[dict], rows: list[dict],
 
 
 def _step(s: int, **extra) -> dict:
-    return {"step": s, "reward/mean": s / 10, "timing_s/step": 1.0 + s, "perf/tokens_per_s": 9.0, "agent/tool_time_s": 0.1, **extra}
+    return {
+        "step": s,
+        "reward/mean": s / 10,
+        "timing_s/step": 1.0 + s,
+        "perf/tokens_per_s": 9.0,
+        "agent/tool_time_s": 0.1,
+        **extra,
+    }
 
 
 def _events(s: int, t: float = 0.0) -> list[dict]:
-    return [{"role": "rollout/0", "stage": "gen", "step": s, "start": t, "end": t + 1, "version": s - 1},
-            {"role": "trainer", "stage": "checkpoint", "step": s, "start": t, "end": t + 2}]
+    return [
+        {"role": "rollout/0", "stage": "gen", "step": s, "start": t, "end": t + 1, "version": s - 1},
+        {"role": "trainer", "stage": "checkpoint", "step": s, "start": t, "end": t + 2},
+    ]
 
 
 @pytest.fixture
 def reference(tmp_path):
-    _write(tmp_path / "ref", [_step(s) for s in (1, 2, 3)], [e for s in (1, 2, 3) for e in _events(s)],
-           [{"step": s, "response": f"r{s}", "reward": 0.5} for s in (1, 2, 3)])
+    _write(
+        tmp_path / "ref",
+        [_step(s) for s in (1, 2, 3)],
+        [e for s in (1, 2, 3) for e in _events(s)],
+        [{"step": s, "response": f"r{s}", "reward": 0.5} for s in (1, 2, 3)],
+    )
     return rk.Records.read(tmp_path / "ref")
 
 
 def test_records_equal_but_for_wall_clock_pass(tmp_path, reference):
     # Other times, the same everything else: equal.
-    _write(tmp_path / "run", [{**_step(s), "timing_s/step": 99.0, "agent/tool_time_s": 7.0} for s in (1, 2, 3)],
-           [e for s in (1, 2, 3) for e in _events(s, t=50.0)], [{"step": s, "response": f"r{s}", "reward": 0.5} for s in (1, 2, 3)])
+    _write(
+        tmp_path / "run",
+        [{**_step(s), "timing_s/step": 99.0, "agent/tool_time_s": 7.0} for s in (1, 2, 3)],
+        [e for s in (1, 2, 3) for e in _events(s, t=50.0)],
+        [{"step": s, "response": f"r{s}", "reward": 0.5} for s in (1, 2, 3)],
+    )
     assert rk.check_records(rk.Records.read(tmp_path / "run"), reference, final=True) == []
 
 
@@ -55,7 +72,12 @@ def test_records_catch_a_repeat_a_gap_a_difference_and_a_torn_line(tmp_path, ref
     cases = {
         "repeated": ([_step(1), _step(2), _step(2), _step(3)], [e for s in (1, 2, 3) for e in _events(s)], rows, ""),
         "missing": ([_step(1), _step(3)], [e for s in (1, 2, 3) for e in _events(s)], rows, ""),
-        "differs": ([_step(1), _step(2, **{"reward/mean": 0.25}), _step(3)], [e for s in (1, 2, 3) for e in _events(s)], rows, ""),
+        "differs": (
+            [_step(1), _step(2, **{"reward/mean": 0.25}), _step(3)],
+            [e for s in (1, 2, 3) for e in _events(s)],
+            rows,
+            "",
+        ),
         "event twice": ([_step(s) for s in (1, 2, 3)], [e for s in (1, 2, 2, 3) for e in _events(s)], rows, ""),
         "event lost": ([_step(s) for s in (1, 2, 3)], [e for s in (1, 2, 3) for e in _events(s)][1:], rows, ""),
         "row twice": ([_step(s) for s in (1, 2, 3)], [e for s in (1, 2, 3) for e in _events(s)], rows + rows[:1], ""),
@@ -77,22 +99,33 @@ def test_records_of_a_killed_run_may_stop_short_but_not_repeat(tmp_path, referen
     assert rk.check_records(cut, reference, final=True)  # as a final record it is incomplete
     # Step 1's checkpoint event lost (step 2's record came after it): caught even mid-run.
     _write(tmp_path / "lost", [_step(1), _step(2)], _events(1)[:1] + _events(2), rows)
-    assert any("step 1 lacks" in p for p in rk.check_records(rk.Records.read(tmp_path / "lost"), reference, final=False))
+    assert any(
+        "step 1 lacks" in p for p in rk.check_records(rk.Records.read(tmp_path / "lost"), reference, final=False)
+    )
 
 
 def test_the_launcher_holds_the_named_phase_only(tmp_path):
     import kill_points
+
     from offstep.pipeline.checkpoints import Checkpoints
 
     marker = tmp_path / "paused"
     Checkpoints(tmp_path).phase("state", 2)  # a run without the seam: returns at once
     with pytest.raises(ValueError, match="must be one of"):
         kill_points.parse(f"nowhere:2:{marker}")
-    code = (f"import kill_points; from offstep.pipeline.checkpoints import Checkpoints; "
-            f"c = Checkpoints({str(tmp_path)!r}, on_phase=kill_points.arm('state:2:' + {str(marker)!r})); "
-            "c.phase('state', 1); c.phase('shards', 2); print('passed'); c.phase('state', 2)")
-    proc = subprocess.Popen([sys.executable, "-u", "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "tests")}, cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    code = (
+        f"import kill_points; from offstep.pipeline.checkpoints import Checkpoints; "
+        f"c = Checkpoints({str(tmp_path)!r}, on_phase=kill_points.arm('state:2:' + {str(marker)!r})); "
+        "c.phase('state', 1); c.phase('shards', 2); print('passed'); c.phase('state', 2)"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-u", "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         t0 = time.time()
         while not marker.exists() and time.time() - t0 < 60:
@@ -113,8 +146,16 @@ def test_three_kills_at_k1_resume_exactly(tmp_path):
     a kill timed off the first record landed inside that write once the steps got fast), once paused inside a
     checkpoint write just after its rename (where a kill lost the step's timeline entry, before it
     was written ahead of the rename), once at a random moment; each resume exact, no process left."""
-    r = rk.run_setup(rk.SETUPS["builtin-k1"], 3, seed=0, steps=4, save_freq=2, work=tmp_path, timeout=300,
-                     plan=["early", "pause:published", "running"])
+    r = rk.run_setup(
+        rk.SETUPS["builtin-k1"],
+        3,
+        seed=0,
+        steps=4,
+        save_freq=2,
+        work=tmp_path,
+        timeout=300,
+        plan=["early", "pause:published", "running"],
+    )
     assert r["failure"] is None, r["kill_list"]
     assert r["exact"] == r["kills"] == 3, r["kill_list"]
     landed = Counter(k["landed"] for k in r["kill_list"])

@@ -17,8 +17,8 @@ from conftest import quick_cases
 os.environ.setdefault("OFFSTEP_CACHE", str(Path(__file__).resolve().parents[2] / ".cache" / "offstep"))
 
 from offstep.config.schema import to_yaml  # noqa: E402
-from offstep.launch.loader import ConfigError, load_config  # noqa: E402
 from offstep.files import LinkRefused, loads_json, loads_yaml, write_file  # noqa: E402
+from offstep.launch.loader import ConfigError, load_config  # noqa: E402
 from offstep.pipeline.checkpoints import Checkpoints, TrainerState, load_failed  # noqa: E402
 from offstep.pipeline.run_dir import LOCK, open_run  # noqa: E402
 from offstep.train.checkpoint import save_role  # noqa: E402
@@ -29,8 +29,11 @@ def _cfg(out: Path, *extra: str):
 
 
 def _hashes(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and not p.is_symlink()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and not p.is_symlink()
+    }
 
 
 def _commit(ck: Checkpoints, step: int, cfg) -> Path:
@@ -59,9 +62,23 @@ def run_and_outside(tmp_path):
     return out, outside
 
 
-@pytest.mark.parametrize("name", quick_cases(  # the quick tier: a file, a folder, a checkpoint shard, the lock
-    ["config.yaml", "data", ".offstep-run.tmp", "metrics.jsonl", "timeline.jsonl", "checkpoints/step_000002/actor/__0_0.distcp",
-     "data/train.parquet.tmp", LOCK, "tmp"], ["config.yaml", "data", "checkpoints/step_000002/actor/__0_0.distcp", LOCK]))
+@pytest.mark.parametrize(
+    "name",
+    quick_cases(  # the quick tier: a file, a folder, a checkpoint shard, the lock
+        [
+            "config.yaml",
+            "data",
+            ".offstep-run.tmp",
+            "metrics.jsonl",
+            "timeline.jsonl",
+            "checkpoints/step_000002/actor/__0_0.distcp",
+            "data/train.parquet.tmp",
+            LOCK,
+            "tmp",
+        ],
+        ["config.yaml", "data", "checkpoints/step_000002/actor/__0_0.distcp", LOCK],
+    ),
+)
 def test_a_link_among_the_run_files_is_refused_by_name_and_nothing_outside_changes(run_and_outside, name):
     out, outside = run_and_outside
     target = outside if name == "data" else outside / "notes.txt"
@@ -118,8 +135,11 @@ def test_a_killed_runs_scratch_is_no_record_and_is_emptied_at_the_next_start(tmp
 def test_one_run_per_folder_the_second_start_names_the_first(tmp_path):
     out = tmp_path / "run"
     first = open_run(_cfg(out), lambda _: None)
-    with pytest.raises(ConfigError, match=rf"is in use by another offstep run \(pid {os.getpid()} on .*\); one run per "
-                                          r"folder"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"is in use by another offstep run \(pid {os.getpid()} on .*\); one run per "
+        r"folder",
+    ):
         open_run(_cfg(out), lambda _: None)
     first.lock.release()
     open_run(_cfg(out), lambda _: None).lock.release()  # free again once the first has ended
@@ -147,7 +167,9 @@ def test_received_json_and_yaml_decode_to_messages_not_tracebacks():
     with pytest.raises(ValueError, match="nested too deeply"):
         loads_json("[" * 100000 + "]" * 100000)
     t0 = time.time()
-    bomb = "a: &a [x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b, *b, *b, *b, *b, *b]\n"
+    bomb = (
+        "a: &a [x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a]\nc: [*b, *b, *b, *b, *b, *b, *b, *b]\n"
+    )
     with pytest.raises(ValueError, match="YAML anchors"):
         loads_yaml(bomb)
     with pytest.raises(ValueError, match="nested too deeply"):
@@ -177,7 +199,9 @@ def test_report_never_writes_through_a_linked_report_folder(tmp_path, capsys):
     (run / "report").symlink_to(outside)
     assert main(["report", str(run)]) == 2
     assert f"{run / 'report'} is a symbolic link" in capsys.readouterr().err
-    assert sorted(p.name for p in outside.iterdir()) == ["summary.md"] and (outside / "summary.md").read_text() == "theirs"
+    assert (
+        sorted(p.name for p in outside.iterdir()) == ["summary.md"] and (outside / "summary.md").read_text() == "theirs"
+    )
 
 
 def test_eval_of_a_run_without_a_checkpoint_names_the_key(tmp_path, capsys):
@@ -193,9 +217,20 @@ def test_eval_of_a_run_without_a_checkpoint_names_the_key(tmp_path, capsys):
 
 
 def _train(out: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "offstep.cli", "train", "preset=tiny", "trainer.total_steps=2",
-                             f"trainer.output_dir={out}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "offstep.cli",
+            "train",
+            "preset=tiny",
+            "trainer.total_steps=2",
+            f"trainer.output_dir={out}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 @pytest.mark.ray
@@ -243,8 +278,21 @@ def test_eval_of_a_model_folder_with_a_pickled_bin_is_refused_unread(tmp_path, c
         f.unlink()
     torch.save({"model.embed_tokens.weight": _Payload(marker)}, folder / "pytorch_model.bin")
     (tmp_path / "d.jsonl").write_text('{"prompt": "1+1?", "answer": "2", "data_source": "arithmetic"}\n')
-    assert main(["eval", str(folder), "--data", str(tmp_path / "d.jsonl"), "--answer-key", "answer",
-                 "--out", str(tmp_path / "r.json")]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                str(folder),
+                "--data",
+                str(tmp_path / "d.jsonl"),
+                "--answer-key",
+                "answer",
+                "--out",
+                str(tmp_path / "r.json"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "holds a pickled object that is not plain tensors: refused" in err and "weights_only=False" not in err
     assert not marker.exists()

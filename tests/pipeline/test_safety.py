@@ -21,12 +21,17 @@ from conftest import quick_cases
 from offstep.batch import GenTiming, Sample, Span
 from offstep.config.schema import to_yaml
 from offstep.launch.loader import ConfigError, load_config
-from offstep.pipeline.dynamic_sampling import Generated
 from offstep.pipeline.checkpoints import (
-    Checkpoints, check_compatible, complete_checkpoints, file_digests, open_checkpoint, read_run_id,
+    Checkpoints,
+    check_compatible,
+    complete_checkpoints,
+    file_digests,
+    open_checkpoint,
+    read_run_id,
 )
-from offstep.pipeline.trainer_state import STATE_FILE, TrainerState, decode_state, encode_state
+from offstep.pipeline.dynamic_sampling import Generated
 from offstep.pipeline.run_dir import MARKER, open_run, read_marker
+from offstep.pipeline.trainer_state import STATE_FILE, TrainerState, decode_state, encode_state
 from offstep.train.checkpoint import CheckpointError, _dcp_load, check_role, load_model_weights, load_role, save_role
 
 
@@ -61,7 +66,9 @@ def _role(path: Path, model: torch.nn.Module | None = None) -> torch.nn.Module:
 def _commit(ck: Checkpoints, step: int, cfg_yaml: str = "model: {path: tiny}\n", in_flight: list | None = None) -> Path:
     staging = ck.staging(step)
     _role(staging / "actor")
-    return ck.commit(staging, TrainerState(step, step, 12.5, {"epoch": 0, "position": step}, in_flight or [], 0), cfg_yaml)
+    return ck.commit(
+        staging, TrainerState(step, step, 12.5, {"epoch": 0, "position": step}, in_flight or [], 0), cfg_yaml
+    )
 
 
 def _bits(x: float) -> bytes:
@@ -93,23 +100,41 @@ def test_every_stream_sample_state_field_is_read_back_from_a_checkpoint():
 def test_trainer_state_round_trips_exactly():
     rng = np.random.default_rng(0)
     samples = [
-        Sample(uid=7 + i // 2, prompt_ids=[1, 2, 3], response_ids=[4, 5], rollout_logprobs=[float(v) for v in rng.normal(size=2)],
-               finish_reason="stop", score=0.1 + i, version=3, data_source="arith", text="4",
-               reward_extra={"acc": np.float32(0.5), "n": np.int64(2), "flag": np.bool_(True)},
-               ref_logprobs=[-math.inf, 1e-310] if i == 0 else None, baseline_score=math.nan if i == 1 else None,
-               baseline_length=5 if i == 1 else None)
+        Sample(
+            uid=7 + i // 2,
+            prompt_ids=[1, 2, 3],
+            response_ids=[4, 5],
+            rollout_logprobs=[float(v) for v in rng.normal(size=2)],
+            finish_reason="stop",
+            score=0.1 + i,
+            version=3,
+            data_source="arith",
+            text="4",
+            reward_extra={"acc": np.float32(0.5), "n": np.int64(2), "flag": np.bool_(True)},
+            ref_logprobs=[-math.inf, 1e-310] if i == 0 else None,
+            baseline_score=math.nan if i == 1 else None,
+            baseline_length=5 if i == 1 else None,
+        )
         for i in range(4)
     ]
-    rounds = [[(samples[:2], GenTiming(Span(1.25, 2.5, 3), Span(2.5, 2.75))), (samples[2:], GenTiming(Span(1.0, 3.0, 3)))]]
+    rounds = [
+        [(samples[:2], GenTiming(Span(1.25, 2.5, 3), Span(2.5, 2.75))), (samples[2:], GenTiming(Span(1.0, 3.0, 3)))]
+    ]
     gen = Generated(rounds, [samples[2], samples[3], samples[0]], {16: 4, 17: 9}, kept_groups=1, filled_groups=1)
     stream = {"epoch": 1, "position": 8, "num_items": 40, "batch_size": 4, "seed": 0, "shuffle": True}
     state = TrainerState(4, 4, 1717171717.123456789, stream, [(5, 1, [4, 9], gen)], 2, {"value": 0.1 + 0.2})
 
     back, run_id, _ = decode_state(encode_state(state, "run-a"))
     assert run_id == "run-a"
-    assert (back.step, back.version, back.stream, back.restarts, back.kl_ctrl) == (4, 4, stream, 2, {"value": 0.1 + 0.2})
+    assert (back.step, back.version, back.stream, back.restarts, back.kl_ctrl) == (
+        4,
+        4,
+        stream,
+        2,
+        {"value": 0.1 + 0.2},
+    )
     assert _bits(back.t0) == _bits(state.t0)
-    (b, e, idx, g), = back.in_flight
+    ((b, e, idx, g),) = back.in_flight
     assert (b, e, idx) == (5, 1, [4, 9])
     assert g.prompt_of == {16: 4, 17: 9} and all(type(k) is int for k in g.prompt_of)
     assert (g.kept_groups, g.filled_groups) == (1, 1)
@@ -196,13 +221,34 @@ def test_a_stored_tool_loop_is_checked_before_it_is_continued():
     only its own fields, each of its kind, per-token lists of one length."""
     from offstep.pipeline.trainer_state import decode_stream_groups
 
-    loop = {"request_pos": 0, "response_ids": [5, 6], "logprobs": [-0.1, 0.0], "versions": [0, -1], "loss_mask": [1, 0],
-            "turns": 1, "calls": [{"name": "x", "arguments": {}, "error": "", "ran": True}], "tool_time_s": 0.5}
-    doc = lambda lp: {"admitted": 1, "drawn": [], "epoch": 0, "groups": [  # noqa: E731
-        {"g": 0, "epoch": 0, "prompt": 0, "replica": 0, "version": 0, "samples": None, "states": [{"loop": lp}]}]}
+    loop = {
+        "request_pos": 0,
+        "response_ids": [5, 6],
+        "logprobs": [-0.1, 0.0],
+        "versions": [0, -1],
+        "loss_mask": [1, 0],
+        "turns": 1,
+        "calls": [{"name": "x", "arguments": {}, "error": "", "ran": True}],
+        "tool_time_s": 0.5,
+    }
+    doc = lambda lp: {
+        "admitted": 1,
+        "drawn": [],
+        "epoch": 0,
+        "groups": [  # noqa: E731
+            {"g": 0, "epoch": 0, "prompt": 0, "replica": 0, "version": 0, "samples": None, "states": [{"loop": lp}]}
+        ],
+    }
     assert decode_stream_groups(doc(loop))[0]["states"][0]["loop"] == loop
-    for bad in ({**loop, "turns": "1"}, {**loop, "__class__": "x"}, {**loop, "loss_mask": [1]}, {**loop, "max_turns_hit": 1},
-                {k: v for k, v in loop.items() if k != "request_pos"}, {**loop, "calls": ["rm -rf /"]}, [1, 2]):
+    for bad in (
+        {**loop, "turns": "1"},
+        {**loop, "__class__": "x"},
+        {**loop, "loss_mask": [1]},
+        {**loop, "max_turns_hit": 1},
+        {k: v for k, v in loop.items() if k != "request_pos"},
+        {**loop, "calls": ["rm -rf /"]},
+        [1, 2],
+    ):
         with pytest.raises(ValueError, match="a sample state that is not"):
             decode_stream_groups(doc(bad))
 
@@ -214,8 +260,12 @@ def test_saved_config_is_data_never_interpolated(tmp_path, monkeypatch):
         check_compatible(saved, load_config(["preset=tiny"]))
     assert "hunter2" not in str(e.value)
     with pytest.raises(ConfigError, match="data.train_batch_size"):
-        check_compatible(saved.replace("${oc.env:OFFSTEP_TEST_SECRET}", "tiny").replace("train_batch_size: 4", "train_batch_size: 5"),
-                         load_config(["preset=tiny"]))
+        check_compatible(
+            saved.replace("${oc.env:OFFSTEP_TEST_SECRET}", "tiny").replace(
+                "train_batch_size: 4", "train_batch_size: 5"
+            ),
+            load_config(["preset=tiny"]),
+        )
 
 
 # ------------------------------------------------------------------ run folders
@@ -242,8 +292,11 @@ def test_the_audit_scenario_cannot_happen(tmp_path):
     (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
 
-    with pytest.raises(ConfigError, match="holds run .* trainer.resume=off would write over it; give a new "
-                                          "trainer.output_dir, or trainer.overwrite=true to move"):
+    with pytest.raises(
+        ConfigError,
+        match="holds run .* trainer.resume=off would write over it; give a new "
+        "trainer.output_dir, or trainer.overwrite=true to move",
+    ):
         _ended_run(_cfg(out, "trainer.resume=off"), logs.append)
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before  # nothing touched
 
@@ -350,9 +403,13 @@ def _damage(kind: str, path: Path) -> None:
         if kind == "overflow step":
             text = json.dumps(doc).replace(f'"step": {doc["step"]}', '"step": 1e400')
         else:
-            doc.update({"deep state": {"in_flight": "[" * 100000 + "]" * 100000},
-                        "stream types": {"stream": {"epoch": "0", "position": [1]}},
-                        "kl types": {"kl_ctrl": {"value": "0.1"}}}[kind])
+            doc.update(
+                {
+                    "deep state": {"in_flight": "[" * 100000 + "]" * 100000},
+                    "stream types": {"stream": {"epoch": "0", "position": [1]}},
+                    "kl types": {"kl_ctrl": {"value": "0.1"}},
+                }[kind]
+            )
             text = json.dumps(doc).replace('"[[[[', "[[[[").replace(']]]]"', "]]]]")
         (path / STATE_FILE).write_text(text)
     else:  # edits whose checkpoint lists the new digests, as a crafter would: the decode must refuse them
@@ -364,7 +421,8 @@ def _damage(kind: str, path: Path) -> None:
             (path / "actor" / "rank0.json").write_text(json.dumps(doc))
         elif kind == "alias bomb config":  # "billion laughs": 9 levels of 9 aliases
             lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
-                f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+                f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)
+            ]
             (path / "config.yaml").write_text("\n".join(lines) + "\nmodel: {path: *a9}\n")
         elif kind == "dtype type":
             (path / "config.yaml").write_text("model: {path: tiny, dtype: [float32]}\n")
@@ -373,14 +431,32 @@ def _damage(kind: str, path: Path) -> None:
         _recraft(path)
 
 
-_DAMAGE = ["truncated state", "empty state", "invalid config", "missing shard", "truncated shard", "truncated metadata",
-           "garbled shard", "linked shard", "deep state", "overflow step", "stream types", "kl types", "deep rank json",
-           "rank types", "alias bomb config", "dtype type", "target_modules type"]
+_DAMAGE = [
+    "truncated state",
+    "empty state",
+    "invalid config",
+    "missing shard",
+    "truncated shard",
+    "truncated metadata",
+    "garbled shard",
+    "linked shard",
+    "deep state",
+    "overflow step",
+    "stream types",
+    "kl types",
+    "deep rank json",
+    "rank types",
+    "alias bomb config",
+    "dtype type",
+    "target_modules type",
+]
 
 
 # The quick tier: one case of each way in (state, shard, link, crafted config); the whole suite: all.
-@pytest.mark.parametrize("kind", quick_cases(_DAMAGE, ["truncated state", "missing shard", "garbled shard", "linked shard",
-                                                       "alias bomb config"]))
+@pytest.mark.parametrize(
+    "kind",
+    quick_cases(_DAMAGE, ["truncated state", "missing shard", "garbled shard", "linked shard", "alias bomb config"]),
+)
 def test_damaged_latest_is_named_and_auto_falls_back(tmp_path, kind):
     out, logs = tmp_path / "run", []
     run = _ended_run(_cfg(out), logs.append)
@@ -447,8 +523,11 @@ def test_a_full_disk_is_a_message_with_the_path_and_free_space(tmp_path, monkeyp
     role = tmp_path / "actor"
     role.mkdir()
     (role / "__0_0.distcp").symlink_to("/dev/full")  # writes there fail with ENOSPC, as on a full disk
-    with pytest.raises(CheckpointError, match=rf"writing {role} failed \(OSError: \[Errno 28\] No space left on device\); "
-                                              r"[\d.]+ [GM]iB free.*trainer.keep_checkpoints"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"writing {role} failed \(OSError: \[Errno 28\] No space left on device\); "
+        r"[\d.]+ [GM]iB free.*trainer.keep_checkpoints",
+    ):
         save_role(role, 0, torch.nn.Linear(2, 2))
     ck = Checkpoints(tmp_path / "run", 0, "r")
     _commit(ck, 1)

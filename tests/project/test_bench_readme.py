@@ -49,7 +49,8 @@ def test_every_section_is_written_by_its_script():
 def test_the_stored_results_give_the_committed_page():
     assert readme.README.read_text(encoding="utf-8") == readme.page(), (
         "benchmarks/README.md differs from what the stored results give: run `python -m benchmarks.readme` "
-        "(sections are written by the benchmark scripts, not by hand)")
+        "(sections are written by the benchmark scripts, not by hand)"
+    )
 
 
 def test_write_section_replaces_in_place_and_inserts_in_registry_order(tmp_path):
@@ -74,21 +75,35 @@ def test_a_results_file_records_command_cpu_and_date():
     assert readme.recorded_cpu("Machine: x86_64 (AVX-512 BF16)") == "AVX-512 BF16"
     assert readme.recorded_cpu("Machine: AMD EPYC") == common.NOT_RECORDED == readme.recorded_dates("no date")
     assert readme.blocks("# t\n\ncaption\n\n| a |\n| --- |\n| 1 |\n\n## sub\n\nsecond\n\n| b |\n|---|\n") == [
-        ("caption", "| a |\n| --- |\n| 1 |"), ("**sub**\n\nsecond", "| b |\n|---|")]
+        ("caption", "| a |\n| --- |\n| 1 |"),
+        ("**sub**\n\nsecond", "| b |\n|---|"),
+    ]
 
 
-@pytest.mark.parametrize("labels, cpu", [("default,fully_async", "AVX2"), ("long_tail,long_tail_fully_async", "AVX2"),
-                                         ("default,fully_async", "AVX-512 BF16")])
+@pytest.mark.parametrize(
+    "labels, cpu",
+    [
+        ("default,fully_async", "AVX2"),
+        ("long_tail,long_tail_fully_async", "AVX2"),
+        ("default,fully_async", "AVX-512 BF16"),
+    ],
+)
 def test_preset_runs_draws_the_committed_rows(tmp_path, labels, cpu):
     """`preset_runs.py --plot` draws the labels the docs plot from the stored rows, and names a missing label."""
     import json
     import subprocess
 
-    rows = [json.loads(line) for line in (common.RESULTS / "results_presets.jsonl").read_text().splitlines() if line.strip()]
+    rows = [
+        json.loads(line) for line in (common.RESULTS / "results_presets.jsonl").read_text().splitlines() if line.strip()
+    ]
     assert set(labels.split(",")) <= {r["label"] for r in rows if r.get("cpu") == cpu}
     out = tmp_path / "p.png"
-    subprocess.run([sys.executable, "-m", "benchmarks.preset_runs", "--plot", labels, "--plot-cpu", cpu,
-                    "--plot-out", str(out)], check=True, capture_output=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.preset_runs", "--plot", labels, "--plot-cpu", cpu, "--plot-out", str(out)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from benchmarks import preset_runs
 
@@ -98,7 +113,9 @@ def test_preset_runs_draws_the_committed_rows(tmp_path, labels, cpu):
 
 def test_every_results_file_and_plot_lives_in_results():
     """Scripts write into benchmarks/results/, and only the page and the code sit beside them."""
-    stray = sorted(p.name for p in BENCH.iterdir() if p.is_file() and (p.name.startswith("results") or p.suffix == ".png"))
+    stray = sorted(
+        p.name for p in BENCH.iterdir() if p.is_file() and (p.name.startswith("results") or p.suffix == ".png")
+    )
     assert not stray, f"results outside benchmarks/results/: {stray}"
 
 
@@ -111,15 +128,26 @@ def test_no_script_edits_sys_path_and_the_page_imports_no_script():
         assert not re.search(r"sys\.path\.(insert|append)|sys\.path\s*[+=]", text), f"{path.name} edits sys.path"
         here = {p.stem for p in BENCH.glob("*.py")}
         for node in ast.walk(ast.parse(text)):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            )
             for name in names:
-                assert name.split(".")[0] not in here, f"{path.name} imports {name} (a module of benchmarks/ by its bare name)"
-    imported = {node.module for node in ast.walk(ast.parse((BENCH / "readme.py").read_text(encoding="utf-8")))
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("benchmarks")}
+                assert name.split(".")[0] not in here, (
+                    f"{path.name} imports {name} (a module of benchmarks/ by its bare name)"
+                )
+    imported = {
+        node.module
+        for node in ast.walk(ast.parse((BENCH / "readme.py").read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("benchmarks")
+    }
     assert imported == {"benchmarks.common"}, imported
-    common_imports = {node.module for node in ast.walk(ast.parse((BENCH / "common.py").read_text(encoding="utf-8")))
-                      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("benchmarks")}
+    common_imports = {
+        node.module
+        for node in ast.walk(ast.parse((BENCH / "common.py").read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("benchmarks")
+    }
     assert not common_imports, common_imports
 
 

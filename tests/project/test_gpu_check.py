@@ -22,8 +22,13 @@ def test_the_cpu_form_runs_without_ray_and_prints_every_check(tmp_path):
     blocked = tmp_path / "absent"
     for name in ABSENT:
         (blocked / name).mkdir(parents=True)
-        (blocked / name / "__init__.py").write_text(f"raise ImportError('{name} is not installed on the GPU machine')\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(blocked), str(ROOT), os.environ.get("PYTHONPATH")]))}
+        (blocked / name / "__init__.py").write_text(
+            f"raise ImportError('{name} is not installed on the GPU machine')\n"
+        )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(blocked), str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     results = ROOT / "benchmarks" / "results" / "results_gpu.md"
     before = results.read_text(encoding="utf-8") if results.exists() else None
     argv = COMMAND.split()
@@ -33,7 +38,9 @@ def test_the_cpu_form_runs_without_ray_and_prints_every_check(tmp_path):
     assert "Ray not installed (stand-in module)" in out
     assert f"Command: `{COMMAND}`." in out and re.search(r"Date: 20\d\d-\d\d-\d\d\.", out)
     assert re.search(r"torch \S+, transformers \S+, peft \S+", out)
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| tiny \| [\d.]+ M \| (engine|update|lora) \|.*$", out, re.M)}
+    rows = {
+        m.group(1): m.group(0) for m in re.finditer(r"^\| tiny \| [\d.]+ M \| (engine|update|lora) \|.*$", out, re.M)
+    }
     assert set(rows) == {"engine", "update", "lora"}, out
     for check, row in rows.items():
         tokens, seconds, per_s = row.split(" | ")[3:6]

@@ -17,13 +17,22 @@ from offstep.errors import RewardError
 from offstep.rewards.combine import FALLBACK, MODEL, RULE, Combination, ModelScore, SampleReward, combine
 from offstep.rewards.judge import parse_score, render_judge_prompt
 from offstep.rewards.registry import RewardFunction
-from offstep.rollout.scoring.replica_reward_model import DiscriminativeScorer, Item, JudgeScorer, ModelBatcher, render_chat
+from offstep.rollout.scoring.replica_reward_model import (
+    DiscriminativeScorer,
+    Item,
+    JudgeScorer,
+    ModelBatcher,
+    render_chat,
+)
 from tests.reward_model_helpers import build_classifier
 
 CPU = torch.device("cpu")
 CHATS = [
     Item([{"role": "user", "content": "What is 2 + 3?"}], "It is 5."),
-    Item([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], "Hello there, how are you today?"),
+    Item(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+        "Hello there, how are you today?",
+    ),
     Item([{"role": "user", "content": "7 * 6?"}], "42"),
 ]
 
@@ -39,7 +48,9 @@ def test_discriminative_score_is_a_direct_forward_on_the_rendered_chat(tmp_path,
     ref_tok = AutoTokenizer.from_pretrained(folder)
     ref = AutoModelForSequenceClassification.from_pretrained(folder).eval()
     for item, got in zip(CHATS, batched):
-        text = ref_tok.apply_chat_template([*item.prompt, {"role": "assistant", "content": item.response}], tokenize=False)
+        text = ref_tok.apply_chat_template(
+            [*item.prompt, {"role": "assistant", "content": item.response}], tokenize=False
+        )
         assert text == render_chat(scorer.tok, item.prompt, item.response)
         assert text.endswith(f"<|im_start|>assistant\n{item.response}<|im_end|>\n")  # the RM's own (ChatML) template
         with torch.no_grad():
@@ -48,18 +59,21 @@ def test_discriminative_score_is_a_direct_forward_on_the_rendered_chat(tmp_path,
     assert len({round(v, 4) for v in batched}) == 3  # different chats, different scores
 
 
-@pytest.mark.parametrize("text, parser, want", [
-    ("Score: 0.8", "last_number", 0.8),
-    ("between 0 and 1, I say 1", "last_number", 1.0),
-    ("7 out of 10", "last_number", None),  # 10 is the last number, outside [0, 1]
-    ("no number here", "last_number", None),
-    ("Yes. It is right.", "yes_no", 1.0),
-    ("NO, not yes", "yes_no", 0.0),  # the first of them
-    ("yesterday nothing", "yes_no", None),  # whole words only
-    ("Rating: 7/10", r"regex:Rating: (\d+)/10", 7.0),
-    ("Rating: seven", r"regex:Rating: (\w+)", None),  # the group is not a number
-    ("nothing", r"regex:Rating: (\d+)", None),
-])
+@pytest.mark.parametrize(
+    "text, parser, want",
+    [
+        ("Score: 0.8", "last_number", 0.8),
+        ("between 0 and 1, I say 1", "last_number", 1.0),
+        ("7 out of 10", "last_number", None),  # 10 is the last number, outside [0, 1]
+        ("no number here", "last_number", None),
+        ("Yes. It is right.", "yes_no", 1.0),
+        ("NO, not yes", "yes_no", 0.0),  # the first of them
+        ("yesterday nothing", "yes_no", None),  # whole words only
+        ("Rating: 7/10", r"regex:Rating: (\d+)/10", 7.0),
+        ("Rating: seven", r"regex:Rating: (\w+)", None),  # the group is not a number
+        ("nothing", r"regex:Rating: (\d+)", None),
+    ],
+)
 def test_parsers(text, parser, want):
     assert parse_score(text, parser) == want
 
@@ -68,19 +82,23 @@ def test_judge_prompt_template():
     assert render_judge_prompt("Q={question} R={response} T={ground_truth}", "2+3?", "5", 5) == "Q=2+3? R=5 T=5"
     # a named template (reward.model.template=yes_no) is its text; an unknown word is a template of its own
     assert render_judge_prompt("yes_no", "2+3?", "6", 5) == (
-        "Question: 2+3?\nReference answer: 5\nResponse: 6\nDoes the response give the reference answer? Answer yes or no.")
+        "Question: 2+3?\nReference answer: 5\nResponse: 6\nDoes the response give the reference answer? Answer yes or no."
+    )
     assert render_judge_prompt("score", "q", "r", 1).endswith("Answer with a score between 0 and 1.")
     assert render_judge_prompt("yesno", "q", "r", 1) == "yesno"
 
 
-@pytest.mark.parametrize("rule, model, mode, w, rw, want", [
-    (1.0, 0.25, "weighted", 1.0, 0.0, 0.25),  # the model alone: 1 * 0.25
-    (1.0, 0.25, "weighted", 0.5, 2.0, 2.125),  # 2 * 1 + 0.5 * 0.25 = 2.125
-    (0.0, -1.5, "weighted", 2.0, 1.0, -3.0),  # 1 * 0 + 2 * -1.5 = -3
-    (None, 0.5, "weighted", 1.0, 0.0, 0.5),  # no rule needed with rule_weight 0
-    (0.0, None, "abstain", 1.0, 0.0, 0.0),  # the rule judged: its score, even 0
-    (None, 0.75, "abstain", 1.0, 0.0, 0.75),  # the rule abstained: the model's
-])
+@pytest.mark.parametrize(
+    "rule, model, mode, w, rw, want",
+    [
+        (1.0, 0.25, "weighted", 1.0, 0.0, 0.25),  # the model alone: 1 * 0.25
+        (1.0, 0.25, "weighted", 0.5, 2.0, 2.125),  # 2 * 1 + 0.5 * 0.25 = 2.125
+        (0.0, -1.5, "weighted", 2.0, 1.0, -3.0),  # 1 * 0 + 2 * -1.5 = -3
+        (None, 0.5, "weighted", 1.0, 0.0, 0.5),  # no rule needed with rule_weight 0
+        (0.0, None, "abstain", 1.0, 0.0, 0.0),  # the rule judged: its score, even 0
+        (None, 0.75, "abstain", 1.0, 0.0, 0.75),  # the rule abstained: the model's
+    ],
+)
 def test_combine_hand_worked(rule, model, mode, w, rw, want):
     assert combine(rule, model, mode, w, rw) == pytest.approx(want)
 
@@ -94,14 +112,19 @@ def test_sample_reward_logs_each_component_and_asks_the_model_only_where_needed(
 
     rule = RewardFunction()  # arithmetic: 1 if the last number equals the ground truth
     weighted = SampleReward(rule, model, Combination("weighted", weight=2.0, rule_weight=1.0, fallback_score=-1.0))
-    assert weighted("arithmetic", "= 12", "12", {}, prompt=[]) == (2.0, {RULE: 1.0, MODEL: 0.5, FALLBACK: 0.0})  # 1 + 2 * 0.5
+    assert weighted("arithmetic", "= 12", "12", {}, prompt=[]) == (
+        2.0,
+        {RULE: 1.0, MODEL: 0.5, FALLBACK: 0.0},
+    )  # 1 + 2 * 0.5
     assert weighted("arithmetic", "slow", "12", {}) == (-2.0, {RULE: 0.0, MODEL: -1.0, FALLBACK: 1.0})  # 0 + 2 * -1
     alone = SampleReward(rule, model, Combination("weighted", 1.0, 0.0, 0.0, needs_rule=False))
     assert alone("no-such-source", "x", None, {}) == (0.5, {MODEL: 0.5, FALLBACK: 0.0})  # no scorer: no rule component
 
     scorer = tmp_path / "r.py"
-    scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return None if 'proof' in solution_str else 1.0\n")
+    scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return None if 'proof' in solution_str else 1.0\n"
+    )
     abstaining = SampleReward(RewardFunction(str(scorer), abstain=True), model, Combination("abstain", needs_rule=True))
     asked.clear()
     assert abstaining("d", "a proof", "g", {}) == (0.5, {MODEL: 0.5, FALLBACK: 0.0})
@@ -177,15 +200,21 @@ def test_judge_scores_with_the_engine_and_parses_its_text(tiny):
     from offstep.rollout.types import SamplingParams
 
     path, tok, model, eos = tiny
-    cfg = RewardModelConfig(kind="generative", path="tiny", parser=r"regex:(\S)", max_new_tokens=6,
-                            template="Q: {question} A: {response} Truth: {ground_truth}")
+    cfg = RewardModelConfig(
+        kind="generative",
+        path="tiny",
+        parser=r"regex:(\S)",
+        max_new_tokens=6,
+        template="Q: {question} A: {response} Truth: {ground_truth}",
+    )
     judge = JudgeScorer(cfg, CPU)
     items = [Item([{"role": "user", "content": "2+3?"}], "5", 5), Item([{"role": "user", "content": "9-4?"}], "6", 5)]
     scores = judge(items)
     ids = judge.prompt_ids(items[0])
     assert tok.decode(ids).endswith("<|im_start|>user\nQ: 2+3? A: 5 Truth: 5<|im_end|>\n<|im_start|>assistant\n")
-    direct = TorchEngine(model, tok, eos, device=CPU).generate([judge.prompt_ids(it) for it in items],
-                                                             SamplingParams(n=1, temperature=0.0, max_new_tokens=6), 0)
+    direct = TorchEngine(model, tok, eos, device=CPU).generate(
+        [judge.prompt_ids(it) for it in items], SamplingParams(n=1, temperature=0.0, max_new_tokens=6), 0
+    )
     assert judge.last_texts == [c.text for c in direct]  # greedy, through the engine interface
     assert scores == [parse_score(t, cfg.parser) for t in judge.last_texts]
 
@@ -196,8 +225,13 @@ def test_a_judge_on_vllm_answers_as_on_the_builtin_engine():
     """reward.model.engine=vllm: the same judge prompts, answered greedily by vLLM, give the built-in
     engine's texts and so the same scores."""
     items = [Item([{"role": "user", "content": f"{a}+3?"}], str(a + 3), a + 3) for a in range(4)]
-    cfg = RewardModelConfig(kind="generative", path="tiny", parser=r"regex:(\S)", max_new_tokens=6,
-                            template="Q: {question} A: {response} Truth: {ground_truth}")
+    cfg = RewardModelConfig(
+        kind="generative",
+        path="tiny",
+        parser=r"regex:(\S)",
+        max_new_tokens=6,
+        template="Q: {question} A: {response} Truth: {ground_truth}",
+    )
     builtin = JudgeScorer(cfg, CPU)
     on_vllm = JudgeScorer(dataclasses.replace(cfg, engine="vllm"), CPU)
     try:
@@ -217,8 +251,12 @@ def test_rollout_worker_scores_with_the_reward_model_as_samples_finish(tmp_path,
     m = RewardModelConfig(kind="discriminative", path=str(folder), rule_weight=1.0, weight=0.5, batch_size=4)
     worker = RolloutWorker(RolloutSpec.local(path, RewardFunction(), 8, reward_model=m))
     messages = [[{"role": "user", "content": f"What is {i} + 1?"}] for i in range(3)]
-    ids = [tok(tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
-           for msg in messages]
+    ids = [
+        tok(
+            tok.apply_chat_template(msg, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+        ).input_ids
+        for msg in messages
+    ]
     requests = [Request(i, ids[i], "arithmetic", str(i + 1), messages=msg) for i, msg in enumerate(messages)]
     samples, timing = worker.generate(requests, SamplingParams(n=2, max_new_tokens=8), seed=0)
     rm = DiscriminativeScorer(m, CPU)
@@ -236,8 +274,17 @@ def test_accuracy_is_the_rules_with_a_reward_model():
     from offstep.pipeline.evaluation import summarise
 
     def sample(score, extra):
-        return Sample(uid=0, prompt_ids=[1], response_ids=[2], rollout_logprobs=[0.0], finish_reason="stop",
-                      score=score, version=0, data_source="arithmetic", reward_extra=extra)
+        return Sample(
+            uid=0,
+            prompt_ids=[1],
+            response_ids=[2],
+            rollout_logprobs=[0.0],
+            finish_reason="stop",
+            score=score,
+            version=0,
+            data_source="arithmetic",
+            reward_extra=extra,
+        )
 
     samples = [sample(1.7, {RULE: 1.0, MODEL: 0.7}), sample(2.5, {RULE: 0.0, MODEL: 2.5}), sample(0.2, {MODEL: 0.2})]
     m = summarise(samples, prefix="val/")

@@ -266,8 +266,16 @@ def test_load_custom_scorer_missing_file(tmp_path, capsys):
     from offstep.cli import main
 
     data = tmp_path / "val.jsonl"
-    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "data_source": "mine",
-                                "reward_model": {"ground_truth": "2"}}) + "\n")
+    data.write_text(
+        json.dumps(
+            {
+                "prompt": [{"role": "user", "content": "What is 1 + 1?"}],
+                "data_source": "mine",
+                "reward_model": {"ground_truth": "2"},
+            }
+        )
+        + "\n"
+    )
     capsys.readouterr()
     rc = main(["eval", "tiny", "--data", str(data), "--reward-path", path, "--out", str(tmp_path / "out.json")])
     err = capsys.readouterr().err

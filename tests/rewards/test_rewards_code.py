@@ -85,10 +85,16 @@ def test_a_crash_fails_its_test_only_and_a_syntax_error_fails_all():
 
 
 def test_call_tests_by_fn_name():
-    truth = {"fn_name": "plus", "inputs": ["1\n2", "[1, 2]\n[3]", "\"a\"\n\"b\""], "outputs": ["3", "[1, 2, 3]", "\"ba\""]}
+    truth = {
+        "fn_name": "plus",
+        "inputs": ["1\n2", "[1, 2]\n[3]", "\"a\"\n\"b\""],
+        "outputs": ["3", "[1, 2, 3]", "\"ba\""],
+    }
     # prints are not the output; the return value is: the third returns "ab", not "ba" -> 2/3
     assert score(fenced("def plus(a, b):\n    print('noise')\n    return a + b"), truth) == pytest.approx(2 / 3)
-    assert score(fenced("class Solution:\n    def plus(self, a, b):\n        return a + b"), truth) == pytest.approx(2 / 3)
+    assert score(fenced("class Solution:\n    def plus(self, a, b):\n        return a + b"), truth) == pytest.approx(
+        2 / 3
+    )
     assert score(fenced("def other(a, b):\n    return a + b"), truth) == 0.0  # no such function: verl's -2
     # verl's star imports are the program's globals: operator.add answers for fn_name "add" (verl too)
     assert score(fenced("pass"), {**truth, "fn_name": "add"}) == pytest.approx(2 / 3)

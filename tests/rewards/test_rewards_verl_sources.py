@@ -150,9 +150,23 @@ def test_dapo_acc_is_reported_as_an_extra_metric():
 
 
 def test_every_verl_source_has_a_scorer():
-    verl_sources = [*SOURCES, *DAPO_SOURCES, "numina_aops_forum", "numina_synthetic_math", "numina_amc_aime",
-                    "numina_synthetic_amc", "searchR1_triviaqa", "searchR1_popqa", "searchR1_2wikimultihopqa",
-                    "searchR1_musique", "searchR1_bamboogle", "codecontests", "apps", "codeforces", "taco"]
+    verl_sources = [
+        *SOURCES,
+        *DAPO_SOURCES,
+        "numina_aops_forum",
+        "numina_synthetic_math",
+        "numina_amc_aime",
+        "numina_synthetic_amc",
+        "searchR1_triviaqa",
+        "searchR1_popqa",
+        "searchR1_2wikimultihopqa",
+        "searchR1_musique",
+        "searchR1_bamboogle",
+        "codecontests",
+        "apps",
+        "codeforces",
+        "taco",
+    ]
     assert unscored_sources(verl_sources) == []
     RewardFunction().check_sources(verl_sources)
     # verl raises NotImplementedError for a source it does not route (livecodebench among them): so does offstep
@@ -185,8 +199,13 @@ def test_no_code_is_evaluated():
 
 
 def _record(source, truth, missing=False):
-    return PromptRecord(index=0, data_source=source, messages=[{"role": "user", "content": "q"}],
-                        ground_truth=truth, data_source_missing=missing)
+    return PromptRecord(
+        index=0,
+        data_source=source,
+        messages=[{"role": "user", "content": "q"}],
+        ground_truth=truth,
+        data_source_missing=missing,
+    )
 
 
 def test_search_r1_rows_take_a_target_dict():
@@ -201,8 +220,10 @@ def _parquet(path, sources):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = {"prompt": [[{"role": "user", "content": "q"}]] * len(sources),
-            "reward_model": [{"style": "rule", "ground_truth": "1"}] * len(sources)}
+    rows = {
+        "prompt": [[{"role": "user", "content": "q"}]] * len(sources),
+        "reward_model": [{"style": "rule", "ground_truth": "1"}] * len(sources),
+    }
     if sources is not None:
         rows["data_source"] = sources
     pq.write_table(pa.table(rows), path)
@@ -232,7 +253,12 @@ def test_cfg_refuses_data_sources_without_a_scorer(tmp_path):
 
     scorer = tmp_path / "score.py"
     scorer.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
-    validate(load_config(["preset=tiny", f"data.train_files=[{train}]", f"data.val_files=[{val}]",
-                          f"reward.custom_path={scorer}"]), cpu_count=2, gpu_count=0)
+    validate(
+        load_config(
+            ["preset=tiny", f"data.train_files=[{train}]", f"data.val_files=[{val}]", f"reward.custom_path={scorer}"]
+        ),
+        cpu_count=2,
+        gpu_count=0,
+    )
     ok = _parquet(tmp_path / "ok.parquet", ["openai/gsm8k", "numina_olympiads"])
     validate(load_config(["preset=tiny", f"data.train_files=[{ok}]"]), cpu_count=2, gpu_count=0)

@@ -10,12 +10,12 @@ import threading
 import time
 
 import pytest
+from test_tools import tool_file  # noqa: F401 (a fixture)
 
 from offstep.config.schema import AgentConfig
 from offstep.rollout.agents.agent_loop import AgentFeed, AgentRunner, ToolTurnRenderer, merge_spans, run_tool_rows
 from offstep.rollout.agents.tools import calculator, make_tool
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
-from test_tools import tool_file  # noqa: F401 (a fixture)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -41,16 +41,26 @@ def test_tool_turn_is_what_the_chat_template_renders(tok, eos):
     does, whether the model ended its turn with <|im_end|> or at the stop string."""
     r = ToolTurnRenderer(tok, "tool", eos)
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "What is 47 * 86?"}]
-    prompt = tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
-    for first, ended in (("<calculator>47 * 86</calculator>", False), ("<calculator>47 * 86</calculator><|im_end|>", True)):
+    prompt = tok(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    ).input_ids
+    for first, ended in (
+        ("<calculator>47 * 86</calculator>", False),
+        ("<calculator>47 * 86</calculator><|im_end|>", True),
+    ):
         turn1 = tok(first, add_special_tokens=False).input_ids
         tool = r.tokens(["4042"], turn1[-1])
         turn2 = tok("The answer is 4042.<|im_end|>", add_special_tokens=False).input_ids
         got = tok.decode(prompt + turn1 + tool + turn2)
-        want = tok.apply_chat_template(msgs + [
-            {"role": "assistant", "content": "<calculator>47 * 86</calculator>"},
-            {"role": "tool", "content": "4042"},
-            {"role": "assistant", "content": "The answer is 4042."}], tokenize=False)
+        want = tok.apply_chat_template(
+            msgs
+            + [
+                {"role": "assistant", "content": "<calculator>47 * 86</calculator>"},
+                {"role": "tool", "content": "4042"},
+                {"role": "assistant", "content": "The answer is 4042."},
+            ],
+            tokenize=False,
+        )
         assert got == want.rstrip("\n"), (ended, got)  # the template's trailing newline follows the last eos
     assert r.text(["4042"], model_ended_turn=True) == "\n<|im_start|>tool\n4042<|im_end|>\n<|im_start|>assistant\n"
     assert ToolTurnRenderer(tok, "user", eos).text(["4042"], True).startswith("\n<|im_start|>user\n4042")
@@ -76,7 +86,9 @@ class ScriptedEngine:
                 if len(ids) > req.max_new_tokens:
                     ids, reason = ids[: req.max_new_tokens], "length"
                 lps = [-0.5 - 0.01 * k for k in range(len(ids))]
-                on_finish(req.index, Completion(req.group, ids, lps, reason, self.tok.decode(ids, skip_special_tokens=True)))
+                on_finish(
+                    req.index, Completion(req.group, ids, lps, reason, self.tok.decode(ids, skip_special_tokens=True))
+                )
 
 
 def _calc_script(tok):
@@ -85,12 +97,15 @@ def _calc_script(tok):
         if "<|im_start|>tool" not in text.split("What is")[-1]:
             return "<calculator>47 * 86</calculator>"
         return "47 * 86 = 4042.<|im_end|>"
+
     return script
 
 
 def _prompt(tok, q="What is 47 * 86?"):
     msgs = [{"role": "system", "content": "calc"}, {"role": "user", "content": q}]
-    return tok(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False).input_ids
+    return tok(
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    ).input_ids
 
 
 def test_loop_token_in_token_out_and_mask(tok, eos):
@@ -106,8 +121,9 @@ def test_loop_token_in_token_out_and_mask(tok, eos):
     assert res.response_ids == turn1 + tool + turn2
     assert res.loss_mask == [1] * len(turn1) + [0] * len(tool) + [1] * len(turn2)
     # Rollout log-probs: the engine's for model tokens, 0 placeholders on tool tokens.
-    assert res.logprobs == [-0.5 - 0.01 * k for k in range(len(turn1))] + [0.0] * len(tool) + \
-        [-0.5 - 0.01 * k for k in range(len(turn2))]
+    assert res.logprobs == [-0.5 - 0.01 * k for k in range(len(turn1))] + [0.0] * len(tool) + [
+        -0.5 - 0.01 * k for k in range(len(turn2))
+    ]
     # The second turn continues from the given ids (never re-tokenized), within the budget left,
     # on its own random stream; the first turn uses the sample's own (as plain generation does).
     first, second = engine.requests
@@ -116,7 +132,9 @@ def test_loop_token_in_token_out_and_mask(tok, eos):
     assert second.stream == 0 + (1 << 32)
     assert (res.turns, res.attempts, res.tool_errors, res.finish_reason) == (2, 1, 0, "stop")
     assert res.final_text == "47 * 86 = 4042." and res.ended_by == "answer"
-    assert res.agent_info()["num_turns"] == 2 and res.agent_info()["tool_calls"][0]["arguments"] == {"expression": "47 * 86"}
+    assert res.agent_info()["num_turns"] == 2 and res.agent_info()["tool_calls"][0]["arguments"] == {
+        "expression": "47 * 86"
+    }
     runner.close()
 
 
@@ -178,10 +196,26 @@ def test_rows_tools_kwargs_reach_the_tool_and_extra_info_reaches_the_reward(tok,
         seen.append(extra_info)
         return 1.0, {}
 
-    rows = [Request(uid=7, prompt_ids=_prompt(tok), data_source="d", ground_truth="g", agent_name="tool_agent",
-                    extra_info={"index": 3, "tools_kwargs": {"lookup": {"create_kwargs": {"table": {"k": "secret-7"}}}}})]
-    samples, spans = run_tool_rows(runner, ScriptedEngine(tok, eos, script), rows, SamplingParams(n=2, max_new_tokens=64),
-                                   0, reward, ThreadPoolExecutor(1), ProgressClient())
+    rows = [
+        Request(
+            uid=7,
+            prompt_ids=_prompt(tok),
+            data_source="d",
+            ground_truth="g",
+            agent_name="tool_agent",
+            extra_info={"index": 3, "tools_kwargs": {"lookup": {"create_kwargs": {"table": {"k": "secret-7"}}}}},
+        )
+    ]
+    samples, spans = run_tool_rows(
+        runner,
+        ScriptedEngine(tok, eos, script),
+        rows,
+        SamplingParams(n=2, max_new_tokens=64),
+        0,
+        reward,
+        ThreadPoolExecutor(1),
+        ProgressClient(),
+    )
     assert len(samples) == 2 and all("secret-7" in tok.decode(s.response_ids) for s in samples)
     assert samples[0].agent.turns == 2 and samples[0].agent.tool_calls == 1 and samples[0].version == 3
     assert seen[0]["index"] == 3 and seen[0]["num_turns"] == 2 and seen[0]["tool_calls"][0]["name"] == "lookup"
@@ -204,21 +238,39 @@ def test_calculator_reward_counts_only_a_plain_final_answer(tok, eos):
     def call_again(req):
         return "<calculator>4042</calculator>"
 
-    scripts = {"after_tool": after_tool, "no_tool": lambda req: "It is 4042.<|im_end|>", "max_turns": call_again,
-               "budget": call_again}
+    scripts = {
+        "after_tool": after_tool,
+        "no_tool": lambda req: "It is 4042.<|im_end|>",
+        "max_turns": call_again,
+        "budget": call_again,
+    }
     call = tok("<calculator>4042</calculator>", add_special_tokens=False).input_ids
     first_two = len(call) + len(ToolTurnRenderer(tok, "tool", eos).tokens(["4042"], call[-1]))
     got = {}
     for case, script in scripts.items():
-        budget = first_two + 5 if case == "budget" else 128  # "budget": the call and its tool turn fit, not the next call
+        budget = (
+            first_two + 5 if case == "budget" else 128
+        )  # "budget": the call and its tool turn fit, not the next call
         runner = AgentRunner(AgentConfig(max_turns=2), tok, eos)
         rows = [Request(0, _prompt(tok), "calculator", "4042", {"index": 0}, "tool_agent")]
-        (s,), _ = run_tool_rows(runner, ScriptedEngine(tok, eos, script), rows, SamplingParams(max_new_tokens=budget), 0,
-                                _by_request(RewardFunction()), ThreadPoolExecutor(1), ProgressClient())
+        (s,), _ = run_tool_rows(
+            runner,
+            ScriptedEngine(tok, eos, script),
+            rows,
+            SamplingParams(max_new_tokens=budget),
+            0,
+            _by_request(RewardFunction()),
+            ThreadPoolExecutor(1),
+            ProgressClient(),
+        )
         runner.close()
         got[case] = (s.score, s.agent.turns, s.finish_reason)
-    assert got == {"after_tool": (1.0, 2, "stop"), "no_tool": (1.0, 1, "stop"), "max_turns": (0.0, 2, "stop"),
-                   "budget": (0.0, 2, "length")}
+    assert got == {
+        "after_tool": (1.0, 2, "stop"),
+        "no_tool": (1.0, 1, "stop"),
+        "max_turns": (0.0, 2, "stop"),
+        "budget": (0.0, 2, "length"),
+    }
 
 
 def test_ordered_feed_admits_the_same_way_whatever_the_tools_latency(tok, eos):
@@ -254,7 +306,13 @@ def test_ordered_feed_admits_the_same_way_whatever_the_tools_latency(tok, eos):
             original(feed, params, seed, on_finish)
 
         engine.serve = serve
-        runner.run(engine, [_prompt(tok, f"What is {a} * 7?") for a in range(5)], [{}] * 5, SamplingParams(n=2, max_new_tokens=64), 0)
+        runner.run(
+            engine,
+            [_prompt(tok, f"What is {a} * 7?") for a in range(5)],
+            [{}] * 5,
+            SamplingParams(n=2, max_new_tokens=64),
+            0,
+        )
         runner.close()
         return log
 
@@ -291,8 +349,13 @@ def test_unordered_feed_lets_fast_loops_pass_a_slow_tool(tok, eos, ordered):
     runner = AgentRunner(AgentConfig(ordered=ordered), tok, eos)
     runner.tools = {"calculator": make_tool(gated)}  # the parser knows it as "calculator"
     engine = ScriptedEngine(tok, eos, script)
-    results = runner.run(engine, [_prompt(tok, "What is slow?"), _prompt(tok, "What is fast?")], [{}, {}],
-                         SamplingParams(max_new_tokens=64), 0)
+    results = runner.run(
+        engine,
+        [_prompt(tok, "What is slow?"), _prompt(tok, "What is fast?")],
+        [{}, {}],
+        SamplingParams(max_new_tokens=64),
+        0,
+    )
     runner.close()
     served = [("slow" if "slow?" in tok.decode(r.prompt_ids) else "fast") for r in engine.requests]
     # Unordered: the fast continuation goes first and releases the slow tool; ordered: the slow
@@ -350,7 +413,13 @@ def test_a_loop_without_calls_is_the_single_turn_sample(tmp_path):
     looped, _ = worker.generate(rows("tool_agent"), p, seed=11)
     assert all(s.agent.turns == 1 and s.agent.attempts == 0 for s in looped)
     for a, b in zip(plain, looped):
-        assert (a.uid, a.response_ids, a.rollout_logprobs, a.score, a.text) == (b.uid, b.response_ids, b.rollout_logprobs, b.score, b.text)
+        assert (a.uid, a.response_ids, a.rollout_logprobs, a.score, a.text) == (
+            b.uid,
+            b.response_ids,
+            b.rollout_logprobs,
+            b.score,
+            b.text,
+        )
         assert a.loss_mask is None and b.loss_mask == [1] * len(b.response_ids)
     # A mixed call: plain rows as plain generation, tool rows through their loops, in request order.
     mixed, _ = worker.generate([rows("single_turn_agent")[0], rows("tool_agent")[1]], p, seed=11)

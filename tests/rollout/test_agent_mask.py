@@ -29,10 +29,26 @@ NAN, HUGE = float("nan"), 1e30
 
 
 def _samples():
-    multi = Sample(uid=0, prompt_ids=[5, 6], response_ids=[10, 11, 90, 91, 12], rollout_logprobs=[-1.0, -2.0, 0.0, 0.0, -3.0],
-                   finish_reason="stop", score=1.0, version=0, loss_mask=[1, 1, 0, 0, 1], agent=AgentStats(turns=2, tool_calls=1))
-    single = Sample(uid=0, prompt_ids=[7], response_ids=[20, 21], rollout_logprobs=[-0.5, -0.25], finish_reason="stop",
-                    score=0.0, version=0)
+    multi = Sample(
+        uid=0,
+        prompt_ids=[5, 6],
+        response_ids=[10, 11, 90, 91, 12],
+        rollout_logprobs=[-1.0, -2.0, 0.0, 0.0, -3.0],
+        finish_reason="stop",
+        score=1.0,
+        version=0,
+        loss_mask=[1, 1, 0, 0, 1],
+        agent=AgentStats(turns=2, tool_calls=1),
+    )
+    single = Sample(
+        uid=0,
+        prompt_ids=[7],
+        response_ids=[20, 21],
+        rollout_logprobs=[-0.5, -0.25],
+        finish_reason="stop",
+        score=0.0,
+        version=0,
+    )
     return [multi, single]
 
 
@@ -46,7 +62,7 @@ def test_collate_masks_tool_tokens_out_of_the_loss_but_not_out_of_attention():
     assert b.rollout_logprobs[0].tolist() == [-1.0, -2.0, 0.0, 0.0, -3.0]
     # Micro-batching measures the whole sequence: row 0's response is 5 tokens wide, not 3.
     assert sample_lengths(b) == ([2, 1], [5, 2])
-    (_, mb), = micro_batches(b, 2, token_budget=64)
+    ((_, mb),) = micro_batches(b, 2, token_budget=64)
     assert mb.response_mask.shape[1] == 5 and mb.input_ids.tolist()[0] == [5, 6, 10, 11, 90, 91, 12]
 
 
@@ -58,7 +74,7 @@ def test_single_turn_samples_collate_bit_for_bit_as_before():
     a, b = collate([plain], 0), collate([ones], 0)
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        assert (torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y), f.name
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y, f.name
 
 
 def _mask():
@@ -112,7 +128,9 @@ def test_importance_weights_and_mismatch_kl_ignore_tool_tokens():
     old = torch.tensor([[-1.1, -2.0, -7.0, -9.0, -2.9], [-0.5, -0.25, 0.0, 0.0, 0.0]])
     w, m = truncated_importance_weights(old, rollout, mask, cap=2.0, level="token")
     # token level: exp(-0.1), exp(0), -, -, exp(0.1); row 1: 1, 1
-    want = torch.tensor([[torch.exp(torch.tensor(-0.1)), 1.0, 0.0, 0.0, torch.exp(torch.tensor(0.1))], [1.0, 1.0, 0.0, 0.0, 0.0]])
+    want = torch.tensor(
+        [[torch.exp(torch.tensor(-0.1)), 1.0, 0.0, 0.0, torch.exp(torch.tensor(0.1))], [1.0, 1.0, 0.0, 0.0, 0.0]]
+    )
     assert torch.allclose(w, want, atol=1e-6)
     ws, _ = truncated_importance_weights(old, rollout, mask, cap=2.0, level="sequence")
     # sequence level, row 0: exp(-0.1 + 0 + 0.1) = 1 on its model tokens only

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from agent_helpers import check_serves_continuation
 from conftest import needs_vllm
 

@@ -138,10 +138,14 @@ def test_greedy_matches_hf_generate(engine, model, tok, prompts):
     for i, prompt in enumerate(prompts):
         (c,) = engine.generate([prompt], p, seed=0)
         ref = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
-            max_new_tokens=24, eos_token_id=engine.eos_ids, pad_token_id=tok.pad_token_id,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=24,
+            eos_token_id=engine.eos_ids,
+            pad_token_id=tok.pad_token_id,
         )
-        assert c.response_ids == ref[0, len(prompt):].tolist()
+        assert c.response_ids == ref[0, len(prompt) :].tolist()
         # greedy log-probs are those of the untempered distribution
         want = _teacher_forced_logprobs(model, prompt, c.response_ids, 0.0)
         assert torch.allclose(torch.tensor(c.logprobs), want, atol=1e-4)
@@ -258,7 +262,9 @@ def test_samples_do_not_depend_on_admission_time(tiny, prompts):
     p = SamplingParams(n=3, temperature=1.0, max_new_tokens=20)
     base = TorchEngine(model, tok, eos).generate(prompts, p, seed=31)
     extra = next(t for i in range(len(base)) for at in (2, 5) if (t := _early_eos(tok, base, i, at)) is not None)
-    outs = {m: TorchEngine(model, tok, [*eos, extra], max_batch_size=m).generate(prompts, p, seed=31) for m in (1, 2, 4, 64)}
+    outs = {
+        m: TorchEngine(model, tok, [*eos, extra], max_batch_size=m).generate(prompts, p, seed=31) for m in (1, 2, 4, 64)
+    }
     assert any(c.finish_reason == "stop" for c in outs[64]) and any(c.finish_reason == "length" for c in outs[64])
     for m in (1, 2, 4):
         assert _key(outs[m]) == _key(outs[64]), m
@@ -303,8 +309,14 @@ def test_shared_prompt_prefix_is_prefilled_once(tiny):
     _, tok, model, eos = tiny
     system = "You are a helpful assistant. Answer the question step by step."
     prompts = [
-        tok(tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
-                                    tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
+        tok(
+            tok.apply_chat_template(
+                [{"role": "system", "content": system}, {"role": "user", "content": q}],
+                tokenize=False,
+                add_generation_prompt=True,
+            ),
+            add_special_tokens=False,
+        ).input_ids
         for q in QUESTIONS
     ]
     shared = shared_prefix(prompts)
@@ -342,7 +354,9 @@ def test_runner_mixed_step_matches_model_forward(model):
 
     with torch.inference_mode():
         cache = runner.new_cache(slots=4, capacity=4, limit=16)  # too small: the steps grow it
-        first = runner.step(cache, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [a, b], [[0], [1]])
+        first = runner.step(
+            cache, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), [a, b], [[0], [1]]
+        )
         assert torch.allclose(first, torch.stack([ref(a), ref(b)]), atol=1e-4)
         mixed = runner.step(cache, torch.tensor([20, 21]), torch.tensor([len(a), len(b)]), [c], [[2, 3]])
         want = torch.stack([ref(a + [20]), ref(b + [21]), ref(c)])
@@ -357,7 +371,12 @@ def test_runner_mixed_step_matches_model_forward(model):
         cache.move(torch.tensor([2]), torch.tensor([3]), 4)
         d = c[:4] + [8, 8, 2]
         with_prefix = runner.step(
-            cache, torch.tensor([25, 26, 27]), torch.tensor([len(a) + 2, len(c) + 1, len(c) + 1]), [d[4:]], [[3]], start=4
+            cache,
+            torch.tensor([25, 26, 27]),
+            torch.tensor([len(a) + 2, len(c) + 1, len(c) + 1]),
+            [d[4:]],
+            [[3]],
+            start=4,
         )
         want = torch.stack([ref(a + [20, 22, 25]), ref(c + [23, 26]), ref(c + [24, 27]), ref(d)])
         assert torch.allclose(with_prefix, want, atol=1e-4)
@@ -371,8 +390,15 @@ def _random_lm(kind, vocab):
         Qwen3ForCausalLM,
     )
 
-    kw = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+    kw = {
+        "vocab_size": vocab,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    }
     torch.manual_seed(0)
     if kind == "qwen2":  # Llama structure with q/k/v biases: served by the slot runner
         model = Qwen2ForCausalLM(Qwen2Config(**kw))
@@ -478,5 +504,3 @@ def test_runner_reads_weights_a_collective_receiver_repointed(tiny, prompts, kin
         assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
     views = [prm.untyped_storage().data_ptr() for prm in model.parameters()]
     assert set(views) == {flat["float32"].untyped_storage().data_ptr()}  # still the receiver's buffer
-
-

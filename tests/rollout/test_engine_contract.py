@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
-
 from conftest import ENGINES_IN_PROCESS, assert_implements
-from offstep.rollout.engines.torch_engine import TorchEngine
+
 from offstep.rollout.engines.interface import RolloutEngine
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.types import Completion, SamplingParams
 
 QUESTIONS = ["What is 12 + 7?", "Hi", "Count the apples: one, two, three, four, five, six."]
@@ -38,8 +38,10 @@ def engine(request, tiny):
 def prompts(tiny):
     tok = tiny[1]
     out = [
-        tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False).input_ids
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        ).input_ids
         for q in QUESTIONS
     ]
     assert len({len(p) for p in out}) == len(out)  # different lengths: batches are padded or packed
@@ -52,7 +54,11 @@ def _key(cs):
 
 def _teacher_forced_logprobs(model, prompt, response, temperature=1.0):
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1 : len(prompt) - 1 + len(response)].float()
+        logits = (
+            model(torch.tensor([prompt + response]))
+            .logits[0, len(prompt) - 1 : len(prompt) - 1 + len(response)]
+            .float()
+        )
     if temperature > 0:
         logits = logits / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
@@ -69,7 +75,11 @@ def test_protocol_order_and_text(engine, prompts):
     out = engine.generate(prompts, SamplingParams(n=3, max_new_tokens=8), seed=1)
     assert [c.prompt_index for c in out] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     for c in out:
-        assert isinstance(c, Completion) and c.extra.get("weight_version") == 0 and set(c.extra) <= {"weight_version", "kv_age"}
+        assert (
+            isinstance(c, Completion)
+            and c.extra.get("weight_version") == 0
+            and set(c.extra) <= {"weight_version", "kv_age"}
+        )
         assert len(c.response_ids) == len(c.logprobs) <= 8
         assert all(lp <= 0 for lp in c.logprobs)
         assert c.text == engine.tokenizer.decode(c.response_ids, skip_special_tokens=True)
@@ -103,7 +113,9 @@ def test_logprobs_with_top_k_top_p(engine, tiny, prompts, top_k, top_p):
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
     model, t = tiny[2], 0.8
-    out = engine.generate(prompts, SamplingParams(n=2, temperature=t, top_k=top_k, top_p=top_p, max_new_tokens=12), seed=3)
+    out = engine.generate(
+        prompts, SamplingParams(n=2, temperature=t, top_k=top_k, top_p=top_p, max_new_tokens=12), seed=3
+    )
     for c in out:
         prompt, resp = prompts[c.prompt_index], c.response_ids
         with torch.no_grad():

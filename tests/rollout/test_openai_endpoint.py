@@ -18,11 +18,11 @@ import pytest
 from scripted_model import CALL_TEXT, X_TOOL, scripted_model
 
 from offstep.config.schema import AgentConfig
-from offstep.rollout.agents.agent_loop import AgentRunner
-from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.errors import ToolConfigError
+from offstep.rollout.agents.agent_loop import AgentRunner
 from offstep.rollout.agents.openai_agent import AgentError, OpenAIRunner, load_agent
 from offstep.rollout.agents.openai_server import OpenAIServer
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.types import SamplingParams
 from offstep.rollout.worker import Request
 
@@ -73,8 +73,9 @@ def _client(srv, session=None, key=None):
 async def _tool_agent(client, rewrite=False):
     """Two calls: the first answers with a call of x, whose result goes back as a tool message."""
     messages = list(USER)
-    first = await client.chat.completions.create(model="policy", messages=messages, tools=[X_TOOL], temperature=0,
-                                                 logprobs=True)
+    first = await client.chat.completions.create(
+        model="policy", messages=messages, tools=[X_TOOL], temperature=0, logprobs=True
+    )
     msg = first.choices[0].message
     turn = msg.model_dump(exclude_none=True)
     if rewrite:  # the agent edits what the model said: no longer the sampled turn
@@ -90,7 +91,11 @@ def test_chat_tool_calls_and_the_trained_tokens_are_the_sampled_ones(server):
     key = srv.open_session()
     first, second = asyncio.run(_tool_agent(_client(srv, key)))
     (call,) = first.choices[0].message.tool_calls
-    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "x", {"expression": "5"})
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == (
+        "function",
+        "x",
+        {"expression": "5"},
+    )
     assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content == CALL_TEXT
     session = srv.close_session(key)
     t = session.trajectory()
@@ -98,7 +103,7 @@ def test_chat_tool_calls_and_the_trained_tokens_are_the_sampled_ones(server):
     # What is trained is what the engine sampled, id for id and log-prob for log-prob, in order.
     (p1, c1), (p2, c2) = spy.sampled
     assert t.prompt_ids == p1 and p2 == p1 + t.response_ids[: len(p2) - len(p1)]
-    between = p2[len(p1) + len(c1.response_ids):]
+    between = p2[len(p1) + len(c1.response_ids) :]
     assert t.response_ids == c1.response_ids + between + c2.response_ids
     assert t.loss_mask == [1] * len(c1.response_ids) + [0] * len(between) + [1] * len(c2.response_ids)
     assert t.logprobs == c1.logprobs + [0.0] * len(between) + c2.logprobs
@@ -115,11 +120,14 @@ def test_same_trajectory_as_offsteps_own_agent_loop(server, tmp_path):
     srv, _ = server
     tok, eos = srv.tok, list(srv.eos)
     tool_file = tmp_path / "x_tool.py"
-    tool_file.write_text('def x(expression: str) -> str:\n    """x.\n\n    Args:\n        expression: e\n    """\n'
-                         '    return "25"\n')
+    tool_file.write_text(
+        'def x(expression: str) -> str:\n    """x.\n\n    Args:\n        expression: e\n    """\n    return "25"\n'
+    )
     runner = AgentRunner(AgentConfig(tools=["x"], tools_path=str(tool_file), format="tag", max_turns=2), tok, eos)
-    prompt = tok(tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=False, tools=[X_TOOL]),
-                 add_special_tokens=False).input_ids
+    prompt = tok(
+        tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=False, tools=[X_TOOL]),
+        add_special_tokens=False,
+    ).input_ids
     (loop,) = runner.run(srv.engine.engine, [prompt], [{}], SamplingParams(temperature=0.0, max_new_tokens=40), seed=0)
     runner.close()
     key = srv.open_session()
@@ -149,7 +157,8 @@ def test_n_choices_sessions_apart_and_text_completions(server):
         ca, cb = _client(srv, a), _client(srv, b)
         chat, text = await asyncio.gather(
             ca.chat.completions.create(model="policy", messages=USER, n=3, max_tokens=5, stop=["</x>"]),
-            cb.completions.create(model="policy", prompt="What is", max_tokens=4, logprobs=0, temperature=0.5))
+            cb.completions.create(model="policy", prompt="What is", max_tokens=4, logprobs=0, temperature=0.5),
+        )
         ids = await cb.completions.create(model="policy", prompt=[1, 67, 201], max_tokens=3)
         await ca.close()
         await cb.close()
@@ -189,20 +198,34 @@ def test_errors_are_openai_error_objects(server):
         ok = {"model": "policy", "messages": USER, "max_tokens": 2}
         _error(http.post(chat, json={"model": "policy"}, headers=auth), 400, "messages", "missing_required_parameter")
         _error(http.post(chat, json={**ok, "temperature": 5}, headers=auth), 400, "temperature", "invalid_value")
-        _error(http.post(base + "/completions", json={"model": "policy", "prompt": "a", "stream": True}, headers=auth),
-               400, "stream")
+        _error(
+            http.post(base + "/completions", json={"model": "policy", "prompt": "a", "stream": True}, headers=auth),
+            400,
+            "stream",
+        )
         _error(http.post(chat, json={**ok, "tool_choice": "required"}, headers=auth), 400, "tool_choice")
-        _error(http.post(chat, json={**ok, "messages": [{"role": "robot", "content": "x"}]}, headers=auth), 400,
-               "messages.0.role")
+        _error(
+            http.post(chat, json={**ok, "messages": [{"role": "robot", "content": "x"}]}, headers=auth),
+            400,
+            "messages.0.role",
+        )
         _error(http.post(chat, json={**ok, "tools": [{"type": "function"}]}, headers=auth), 400, "tools")
-        _error(http.post(chat, content=b"{not json", headers={**auth, "Content-Type": "application/json"}), 400,
-               code="invalid_json")
+        _error(
+            http.post(chat, content=b"{not json", headers={**auth, "Content-Type": "application/json"}),
+            400,
+            code="invalid_json",
+        )
         _error(http.post(chat, json={**ok, "model": "gpt-4o"}, headers=auth), 404, "model", "model_not_found")
-        _error(http.post(srv.base_url("nosuchsession") + "/chat/completions", json=ok, headers=auth), 404,
-               code="session_not_found")
+        _error(
+            http.post(srv.base_url("nosuchsession") + "/chat/completions", json=ok, headers=auth),
+            404,
+            code="session_not_found",
+        )
         _error(http.get(base + "/embeddings", headers=auth), 404, code="not_found")
         _error(http.get(chat, headers=auth), 405, code="method_not_allowed")
-        _error(http.post(base + "/completions", json={"model": "policy", "prompt": [10 ** 6]}, headers=auth), 400, "prompt")
+        _error(
+            http.post(base + "/completions", json={"model": "policy", "prompt": [10**6]}, headers=auth), 400, "prompt"
+        )
         # The token: missing or wrong, refused before anything else is looked at.
         _error(http.post(chat, json=ok), 401, code="invalid_api_key")
         _error(http.get(base + "/models", headers={"Authorization": "Bearer wrong"}), 401, code="invalid_api_key")
@@ -249,8 +272,10 @@ def test_budget_spent_cuts_the_trajectory(server):
     async def agent(client):
         first = await client.chat.completions.create(model="policy", messages=USER, tools=[X_TOOL], temperature=0)
         msg = first.choices[0].message
-        follow = USER + [msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": msg.tool_calls[0].id,
-                                                             "content": "25"}]
+        follow = USER + [
+            msg.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "25"},
+        ]
         return await client.chat.completions.create(model="policy", messages=follow, tools=[X_TOOL])
 
     second = asyncio.run(agent(_client(srv, key)))
@@ -288,8 +313,11 @@ def test_runner_scores_each_rollout_with_what_the_agent_returned(parts, tmp_path
     path = tmp_path / "agent.py"
     path.write_text(AGENT)
     runner = OpenAIRunner(AgentConfig(openai_path=str(path)), tok, eos)
-    requests = [Request(uid=7, prompt_ids=[1], data_source="t", ground_truth="1", extra_info={}, agent_name="openai",
-                        messages=USER)]
+    requests = [
+        Request(
+            uid=7, prompt_ids=[1], data_source="t", ground_truth="1", extra_info={}, agent_name="openai", messages=USER
+        )
+    ]
     listening = _listening_ports()
     samples = runner.run(engine, requests, SamplingParams(n=2, max_new_tokens=30), seed=0)
     assert _listening_ports() == listening  # the endpoint served this call only: its socket is gone
@@ -297,8 +325,9 @@ def test_runner_scores_each_rollout_with_what_the_agent_returned(parts, tmp_path
     for s in samples:
         assert s.agent.turns == 2 and s.agent.prefix_breaks == 0 and s.reward_extra == {"calls": 2.0}
         assert 0 in s.loss_mask and len(s.response_ids) <= 30 and s.version == engine.version
-        assert s.score == float(len(tok.decode(s.response_ids[len(s.loss_mask) - s.loss_mask[::-1].index(0):],
-                                               skip_special_tokens=True)))
+        assert s.score == float(
+            len(tok.decode(s.response_ids[len(s.loss_mask) - s.loss_mask[::-1].index(0) :], skip_special_tokens=True))
+        )
     requests[0].extra_info["fail"] = True
     with pytest.raises(AgentError, match="raised on row.*boom"):
         runner.run(engine, requests, SamplingParams(n=1, max_new_tokens=12), seed=0)
@@ -322,8 +351,16 @@ def test_the_example_agent_runs_against_the_endpoint(parts):
     tok, eos, engine = parts
     example = Path(__file__).resolve().parents[2] / "examples" / "agents" / "calculator_agent.py"
     runner = OpenAIRunner(AgentConfig(openai_path=str(example)), tok, eos)
-    rows = [Request(uid=0, prompt_ids=[1], data_source="calculator", ground_truth="437", agent_name="openai",
-                    messages=[{"role": "user", "content": "What is 23 * 19?"}])]
+    rows = [
+        Request(
+            uid=0,
+            prompt_ids=[1],
+            data_source="calculator",
+            ground_truth="437",
+            agent_name="openai",
+            messages=[{"role": "user", "content": "What is 23 * 19?"}],
+        )
+    ]
     (sample,) = runner.run(engine, rows, SamplingParams(n=1, max_new_tokens=20), seed=0)
     assert sample.score == 0.0 and sample.reward_extra == {"acc": 0.0} and sample.agent.turns == 1
     assert sample.agent.tool_calls == 0  # "<x>5 </x>" is no call of the tools the agent offers
@@ -333,10 +370,16 @@ def test_load_agent_names_the_key_and_the_fix(tmp_path):
     path = tmp_path / "agent.py"
     path.write_text(AGENT)
     assert load_agent(str(path)).__name__ == "rollout"
-    cases = [(None, "rollout", "rollout.agent.openai_path is not set"),
-             (str(tmp_path / "missing.py"), "rollout", "agent file .*missing.py not found.*rollout.agent.openai_path"),
-             (str(path), "nope", r"no function 'nope' \(rollout.agent.openai_name\).*\['no_call', 'returns_text', 'rollout'\]"),
-             (str(path), "not_async", "is not async.*async def not_async")]
+    cases = [
+        (None, "rollout", "rollout.agent.openai_path is not set"),
+        (str(tmp_path / "missing.py"), "rollout", "agent file .*missing.py not found.*rollout.agent.openai_path"),
+        (
+            str(path),
+            "nope",
+            r"no function 'nope' \(rollout.agent.openai_name\).*\['no_call', 'returns_text', 'rollout'\]",
+        ),
+        (str(path), "not_async", "is not async.*async def not_async"),
+    ]
     for p, name, match in cases:
         with pytest.raises(ToolConfigError, match=match):
             load_agent(p, name)
@@ -353,8 +396,17 @@ def test_config_needs_the_agent_file_before_start():
     (msg,) = problems(load_config(["preset=tiny", "rollout.agent.default_agent=openai"]))
     assert "needs rollout.agent.openai_path" in msg
     for engine in ("builtin", "vllm"):  # both engines serve OpenAI agents in the stream (test_stream_agents*.py)
-        assert not problems(load_config(["preset=tiny", "rollout.agent.default_agent=openai", "rollout.agent.openai_path=a.py",
-                                         "pipeline.mode=fully_async", f"rollout.engine={engine}"]))
+        assert not problems(
+            load_config(
+                [
+                    "preset=tiny",
+                    "rollout.agent.default_agent=openai",
+                    "rollout.agent.openai_path=a.py",
+                    "pipeline.mode=fully_async",
+                    f"rollout.engine={engine}",
+                ]
+            )
+        )
 
 
 def test_the_calculator_openai_preset(tmp_path, monkeypatch):
@@ -362,9 +414,9 @@ def test_the_calculator_openai_preset(tmp_path, monkeypatch):
     file resolves from the repository's root; nothing refused before start."""
     from pathlib import Path
 
+    from offstep.data.tasks import write_task
     from offstep.launch.loader import load_config
     from offstep.launch.validate import problems
-    from offstep.data.tasks import write_task
 
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     cfg = load_config(["preset=calculator_openai"])
@@ -380,23 +432,36 @@ def test_a_dataset_only_agents_score_is_not_refused(tmp_path):
     """Rows answered by an OpenAI agent need no scorer: a data source without one and a ground
     truth no rule scorer reads are fine, for the checks before start and the inputs' preparation."""
     from offstep.launch.loader import load_config
-    from offstep.pipeline.inputs import prepare_inputs
     from offstep.launch.preflight import environment_problems
+    from offstep.pipeline.inputs import prepare_inputs
 
     data = tmp_path / "tasks.jsonl"
-    row = {"prompt": [{"role": "user", "content": "Book a table."}], "data_source": "my_env",
-           "reward_model": {"ground_truth": {"booked": True}}}
+    row = {
+        "prompt": [{"role": "user", "content": "Book a table."}],
+        "data_source": "my_env",
+        "reward_model": {"ground_truth": {"booked": True}},
+    }
     data.write_text("\n".join(json.dumps(row) for _ in range(4)) + "\n")
     agent = tmp_path / "agent.py"
     agent.write_text(AGENT)
-    cfg = load_config(["preset=tiny", f"data.train_files=[{data}]", f"data.val_files=[{data}]", "data.train_batch_size=2",
-                       "rollout.agent.default_agent=openai", f"rollout.agent.openai_path={agent}"])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            f"data.train_files=[{data}]",
+            f"data.val_files=[{data}]",
+            "data.train_batch_size=2",
+            "rollout.agent.default_agent=openai",
+            f"rollout.agent.openai_path={agent}",
+        ]
+    )
     assert not [p for p in environment_problems(cfg) if "my_env" in p or "scorer" in p]
     inputs = prepare_inputs(cfg, tmp_path / "run")
     assert inputs.agent is cfg.rollout.agent and {p.record.agent_name for p in inputs.train} == {"openai"}
     # without the agent, the same rows are refused: nothing would score them
     with pytest.raises(Exception, match="my_env"):
-        prepare_inputs(load_config(["preset=tiny", f"data.train_files=[{data}]", "data.train_batch_size=2"]), tmp_path / "r2")
+        prepare_inputs(
+            load_config(["preset=tiny", f"data.train_files=[{data}]", "data.train_batch_size=2"]), tmp_path / "r2"
+        )
 
 
 def test_messages_the_template_refuses_are_a_422(parts):
@@ -404,13 +469,18 @@ def test_messages_the_template_refuses_are_a_422(parts):
 
     tok, eos, engine = parts
     strict = copy.deepcopy(tok)
-    strict.chat_template = ("{% if messages[0]['role'] == 'developer' %}{{ raise_exception('no developer role') }}"
-                            "{% endif %}" + tok.chat_template)
+    strict.chat_template = (
+        "{% if messages[0]['role'] == 'developer' %}{{ raise_exception('no developer role') }}"
+        "{% endif %}" + tok.chat_template
+    )
     srv = OpenAIServer(engine, strict, eos, "tag", budget=8).start()
     try:
         with httpx.Client(timeout=30) as http:
-            resp = http.post(srv.base_url() + "/chat/completions", headers={"Authorization": f"Bearer {srv.token}"},
-                             json={"model": "policy", "messages": [{"role": "developer", "content": "hi"}]})
+            resp = http.post(
+                srv.base_url() + "/chat/completions",
+                headers={"Authorization": f"Bearer {srv.token}"},
+                json={"model": "policy", "messages": [{"role": "developer", "content": "hi"}]},
+            )
         err = _error(resp, 422, "messages", "template_error")
         assert "no developer role" in err["message"]
     finally:
@@ -425,8 +495,14 @@ def test_chat_streams_the_answer_and_records_it(server):
 
     async def agent(client):
         content, calls, finish, usage = "", {}, None, None
-        stream = await client.chat.completions.create(model="policy", messages=USER, tools=[X_TOOL], temperature=0,
-                                                      stream=True, stream_options={"include_usage": True})
+        stream = await client.chat.completions.create(
+            model="policy",
+            messages=USER,
+            tools=[X_TOOL],
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         async for chunk in stream:
             usage = chunk.usage or usage
             for c in chunk.choices:
@@ -439,7 +515,7 @@ def test_chat_streams_the_answer_and_records_it(server):
 
     content, calls, finish, usage = asyncio.run(agent(_client(srv, key)))
     assert content == CALL_TEXT and finish == "tool_calls" and calls[0].function.name == "x"
-    (prompt, sampled), = spy.sampled
+    ((prompt, sampled),) = spy.sampled
     assert usage.completion_tokens == len(sampled.response_ids)
     t = srv.close_session(key).trajectory()
     assert t.prompt_ids == prompt and t.response_ids == sampled.response_ids and t.logprobs == sampled.logprobs

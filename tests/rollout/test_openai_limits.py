@@ -74,8 +74,10 @@ def _connect(srv) -> socket.socket:
 
 
 def _head(srv, extra: str, path: str = "/v1/chat/completions") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {srv.token}\r\n"
-            f"Content-Type: application/json\r\n{extra}\r\n").encode()
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {srv.token}\r\n"
+        f"Content-Type: application/json\r\n{extra}\r\n"
+    ).encode()
 
 
 def _response(s: socket.socket) -> tuple[int, dict]:
@@ -85,7 +87,7 @@ def _response(s: socket.socket) -> tuple[int, dict]:
         assert part, f"the connection closed after {data!r}"
         data += part
     head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split()[1]), json.loads(body[:_length(data)])
+    return int(head.split()[1]), json.loads(body[: _length(data)])
 
 
 def _length(data: bytes) -> int:
@@ -111,6 +113,7 @@ def _rss() -> int:
 
 
 # ------------------------------------------------------------------ the body's size
+
 
 def test_a_declared_body_over_the_limit_is_a_413_before_it_is_read(server):
     """200 MB announced: answered at the headers; what follows is discarded, not kept."""
@@ -143,13 +146,16 @@ def test_a_body_within_the_limit_is_served(server):
     """Half the limit (in a parameter the endpoint ignores) is read, handed on whole and answered."""
     srv, spy = server
     with httpx.Client(timeout=30) as http:
-        resp = http.post(srv.base_url() + "/chat/completions", headers=_auth(srv),
-                         json={"model": "policy", "messages": USER, "max_tokens": 2,
-                               "metadata": {"pad": "a" * (MB // 2)}})
+        resp = http.post(
+            srv.base_url() + "/chat/completions",
+            headers=_auth(srv),
+            json={"model": "policy", "messages": USER, "max_tokens": 2, "metadata": {"pad": "a" * (MB // 2)}},
+        )
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] >= 1 and spy.calls == [1]
 
 
 # ------------------------------------------------------------------ the context length
+
 
 def test_an_over_long_prompt_is_a_400_before_any_generation(server):
     srv, spy = server
@@ -183,6 +189,7 @@ def test_check_context_in_openais_words():
 
 
 # ------------------------------------------------------------------ connections
+
 
 def _closed_by_server(socks: list[socket.socket], within: float) -> int:
     """How many of ``socks`` the server closes within ``within`` seconds (reading any response first)."""
@@ -243,8 +250,9 @@ def test_connections_without_the_token_are_bounded(parts):
     soon as they have waited evict_after_s, long before the header timeout; a client with the
     token is served."""
     tok, eos, engine = parts
-    srv = OpenAIServer(engine, tok, eos, "tag", budget=8, limits=Limits(header_timeout_s=30, max_pending=10,
-                                                                         evict_after_s=0.1)).start()
+    srv = OpenAIServer(
+        engine, tok, eos, "tag", budget=8, limits=Limits(header_timeout_s=30, max_pending=10, evict_after_s=0.1)
+    ).start()
     try:
         idle = [_connect(srv) for _ in range(40)]
         time.sleep(0.2)
@@ -260,6 +268,7 @@ def test_connections_without_the_token_are_bounded(parts):
 
 # ------------------------------------------------------------------ one bad request
 
+
 @pytest.mark.heavy  # tiny-model generation
 def test_one_bad_request_fails_alone_in_its_batch(parts):
     """Four good requests and a poisoned one, batched together in one generate: the four are
@@ -269,9 +278,13 @@ def test_one_bad_request_fails_alone_in_its_batch(parts):
     spy = Poisoned(engine)
     srv = OpenAIServer(spy, tok, eos, "tag", budget=40, limits=QUICK).start()
     try:
+
         async def call(http, prompt):
-            return await http.post(srv.base_url() + "/completions", headers=_auth(srv),
-                                   json={"model": "policy", "prompt": prompt, "max_tokens": 3, "temperature": 0})
+            return await http.post(
+                srv.base_url() + "/completions",
+                headers=_auth(srv),
+                json={"model": "policy", "prompt": prompt, "max_tokens": 3, "temperature": 0},
+            )
 
         async def main():
             async with httpx.AsyncClient(timeout=60) as http:
@@ -280,9 +293,11 @@ def test_one_bad_request_fails_alone_in_its_batch(parts):
                     await asyncio.sleep(0.01)
                 prompts = [[1, 67, 201], [1, 30], [1, Poisoned.POISON, 5], [1, 90], [1, 32, 23]]
                 rest = [asyncio.create_task(call(http, p)) for p in prompts]
-                nan = await http.post(srv.base_url() + "/completions",
-                                      headers={**_auth(srv), "Content-Type": "application/json"},
-                                      content=b'{"model": "policy", "prompt": [1, 30], "temperature": NaN}')
+                nan = await http.post(
+                    srv.base_url() + "/completions",
+                    headers={**_auth(srv), "Content-Type": "application/json"},
+                    content=b'{"model": "policy", "prompt": [1, 30], "temperature": NaN}',
+                )
                 assert nan.status_code == 400 and nan.json()["error"]["param"] == "temperature"
                 while len(srv.batcher.pending) < len(prompts):  # ...until the five wait together
                     await asyncio.sleep(0.01)

@@ -36,7 +36,7 @@ def test_vllm_behind_the_endpoint(tmp_path):
         session = srv.close_session(key)
         t = session.trajectory()
         (p1, c1), (p2, c2) = spy.sampled
-        between = p2[len(p1) + len(c1.response_ids):]
+        between = p2[len(p1) + len(c1.response_ids) :]
         assert session.breaks == 0 and t.prompt_ids == p1
         assert t.response_ids == c1.response_ids + between + c2.response_ids
         assert t.logprobs == c1.logprobs + [0.0] * len(between) + c2.logprobs

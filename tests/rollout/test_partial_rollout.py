@@ -25,7 +25,6 @@ import threading
 
 import pytest
 import torch
-
 from conftest import needs_vllm
 from test_engine import _random_lm, prompts, tiny, tok  # noqa: F401 (fixtures)
 
@@ -70,8 +69,11 @@ def _serve(engine, requests, control: StepControl, post_after: int | None, actio
             if callable(action):
                 futures.append(control.post_work(action))
             else:
-                futures.append(control.post_load(lambda: engine.load_weights(new, 1)) if action == "load"
-                               else control.post_suspend())
+                futures.append(
+                    control.post_load(lambda: engine.load_weights(new, 1))
+                    if action == "load"
+                    else control.post_suspend()
+                )
             feed.put(list(later))
         return counted(*args)
 
@@ -174,8 +176,18 @@ def test_suspend_then_continue_draws_what_an_uninterrupted_sample_draws(setup, p
     whole = _serve(engine, _requests(prompts), StepControl("keep"), None, "load")
     cut = _serve(engine, _requests(prompts), StepControl("keep"), LOAD_AT, "suspend")
     assert all(c.finish_reason == SUSPENDED for c in cut.values())
-    rest = [TurnRequest(i, p + cut[i].response_ids, i, PARAMS.max_new_tokens - len(cut[i].response_ids), i, seed=5,
-                        offset=len(cut[i].response_ids)) for i, p in enumerate(prompts)]
+    rest = [
+        TurnRequest(
+            i,
+            p + cut[i].response_ids,
+            i,
+            PARAMS.max_new_tokens - len(cut[i].response_ids),
+            i,
+            seed=5,
+            offset=len(cut[i].response_ids),
+        )
+        for i, p in enumerate(prompts)
+    ]
     cont = _serve(engine, rest, StepControl("keep"), None, "load")
     for i in range(len(prompts)):
         assert cut[i].response_ids + cont[i].response_ids == whole[i].response_ids
@@ -244,16 +256,28 @@ def test_vllm_a_load_lands_between_decode_steps(vllm_setup, prompts, partial):  
     (its prompt is a running one's: the prefix cache gives it no block of the old weights)."""
     engine, model, old, new = vllm_setup
     engine.load_weights(old, 0)
-    done = _serve(engine, _requests(prompts), StepControl(partial), VLLM_LOAD_AT, "load",
-                  later=_requests(prompts[:1], len(prompts)))
+    done = _serve(
+        engine,
+        _requests(prompts),
+        StepControl(partial),
+        VLLM_LOAD_AT,
+        "load",
+        later=_requests(prompts[:1], len(prompts)),
+    )
     assert engine.version == 1
     assert done[len(prompts)].versions == [1] * len(done[len(prompts)].response_ids)
     # vLLM also ends a sample at the tokenizer's eos, which one may meet before the load
     running = [i for i in range(len(prompts)) if len(done[i].response_ids) > VLLM_LOAD_AT]
     assert len(running) >= 2
     weights = {"old": old, "new": new}
-    _check_crossing(done, [*prompts, prompts[0]], partial, lambda w, p, r: _teacher_under(model, weights[w], p, r),
-                    VLLM_TOL, len(running))
+    _check_crossing(
+        done,
+        [*prompts, prompts[0]],
+        partial,
+        lambda w, p, r: _teacher_under(model, weights[w], p, r),
+        VLLM_TOL,
+        len(running),
+    )
     if partial != "off":
         assert all(done[i].versions.count(0) == VLLM_LOAD_AT for i in running)
 
@@ -269,8 +293,9 @@ def test_vllm_recompute_is_deterministic_and_a_suspension_keeps_the_tokens(vllm_
     for _ in range(2):
         engine.load_weights(old, 0)
         runs.append(_serve(engine, _requests(prompts), StepControl("recompute"), VLLM_LOAD_AT, "load"))
-    assert [(c.response_ids, c.logprobs, c.versions) for c in runs[0].values()] == \
-        [(c.response_ids, c.logprobs, c.versions) for c in runs[1].values()]
+    assert [(c.response_ids, c.logprobs, c.versions) for c in runs[0].values()] == [
+        (c.response_ids, c.logprobs, c.versions) for c in runs[1].values()
+    ]
     engine.load_weights(old, 0)
     whole = _serve(engine, _requests(prompts), StepControl("keep"), None, "load")
     cut = _serve(engine, _requests(prompts), StepControl("keep"), VLLM_LOAD_AT, "suspend")
@@ -281,15 +306,25 @@ def test_vllm_recompute_is_deterministic_and_a_suspension_keeps_the_tokens(vllm_
         assert cut[i].finish_reason == (SUSPENDED if i in running else whole[i].finish_reason)
         assert cut[i].response_ids == whole[i].response_ids[:n] and len(cut[i].response_ids) == n
         assert cut[i].logprobs == whole[i].logprobs[:n] and cut[i].versions == [0] * n
-    rest = [TurnRequest(i, prompts[i] + cut[i].response_ids, i, PARAMS.max_new_tokens - len(cut[i].response_ids), i,
-                        seed=5, offset=len(cut[i].response_ids)) for i in running]
+    rest = [
+        TurnRequest(
+            i,
+            prompts[i] + cut[i].response_ids,
+            i,
+            PARAMS.max_new_tokens - len(cut[i].response_ids),
+            i,
+            seed=5,
+            offset=len(cut[i].response_ids),
+        )
+        for i in running
+    ]
     cont = _serve(engine, rest, StepControl("keep"), None, "load")
     assert sorted(cont) == running
     assert all(len(cut[i].response_ids) + len(cont[i].response_ids) <= PARAMS.max_new_tokens for i in cont)
-    assert all(cont[i].finish_reason in ("stop", "length") and cont[i].versions == [0] * len(cont[i].response_ids)
-               for i in cont)
-
-
+    assert all(
+        cont[i].finish_reason in ("stop", "length") and cont[i].versions == [0] * len(cont[i].response_ids)
+        for i in cont
+    )
 
 
 @needs_vllm
@@ -308,7 +343,7 @@ def test_vllm_work_between_steps_loses_no_token(vllm_setup, prompts):  # noqa: F
         got.append((val, engine.base_logprobs([(prompts[0], val[0].response_ids)], 1.0)))
 
     done = _serve(engine, _requests(prompts), StepControl("keep"), VLLM_LOAD_AT, work)
-    (val, ref), = got
+    ((val, ref),) = got
     assert len(val) == 1 and len(val[0].response_ids) == 4 and len(ref[0]) == 4
     for i in range(len(prompts)):
         assert done[i].response_ids == whole[i].response_ids and done[i].versions == whole[i].versions

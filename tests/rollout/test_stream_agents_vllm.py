@@ -43,8 +43,9 @@ def vllm_parts(tmp_path_factory):
     new = {n: p + 0.2 * torch.randn(p.shape, generator=gen) for n, p in old.items()}
     (files / "x_tool.py").write_text(TOOL)
     (files / "agent.py").write_text(AGENT)
-    spec = AgentConfig(tools=["x"], tools_path=str(files / "x_tool.py"), format="tag", max_turns=3,
-                       openai_path=str(files / "agent.py"))
+    spec = AgentConfig(
+        tools=["x"], tools_path=str(files / "x_tool.py"), format="tag", max_turns=3, openai_path=str(files / "agent.py")
+    )
     engine = VLLMEngine(str(files / "model"), tok, eos, dtype="float32", num_threads=2)
     yield engine, (tok, eos, model, old, new, spec)
     engine.close()
@@ -56,8 +57,17 @@ def _vllm_stream(engine, parts, agent_name: str, partial: str, params: SamplingP
     tok, eos, model, old, new, spec = parts
     engine.load_weights(old, 0)
     prompt = _prompt(tok)
-    server = StreamServer(engine, [prompt], params, partial, 8, lambda r, text, info=None: (0.0, {}), ThreadPoolExecutor(2),
-                          tok, share_prefix=agent_name != OPENAI_AGENT)
+    server = StreamServer(
+        engine,
+        [prompt],
+        params,
+        partial,
+        8,
+        lambda r, text, info=None: (0.0, {}),
+        ThreadPoolExecutor(2),
+        tok,
+        share_prefix=agent_name != OPENAI_AGENT,
+    )
     runners = (AgentRunner(spec, tok, eos), OpenAIRunner(spec, tok, eos) if agent_name == OPENAI_AGENT else None)
     attach_agents(server, *runners, engine, params)
     llm, steps, posted = engine._engine, [0], []

@@ -12,20 +12,32 @@ import pytest
 from offstep.rollout.agents.tool_parsers import make_parser
 from offstep.rollout.agents.tools import CalcError, ToolConfigError, calculator, evaluate, load_tools, run_tool
 
-
 # ------------------------------------------------------------------ the calculator
 
 
-@pytest.mark.parametrize("expr,want", [
-    ("47 * 86", "4042"), ("(12 + 3) * 47", "705"), ("2 + 3 * 4", "14"), ("2^10", "1024"), ("2 ** 3 ** 2", "512"),
-    ("7 / 2", "3.5"), ("-3 * -2", "6"), ("10 % 3", "1"), ("1,234 * 2", "2468"), ("45*67=", "3015"), ("1/3", "0.3333333333"),
-])
+@pytest.mark.parametrize(
+    "expr,want",
+    [
+        ("47 * 86", "4042"),
+        ("(12 + 3) * 47", "705"),
+        ("2 + 3 * 4", "14"),
+        ("2^10", "1024"),
+        ("2 ** 3 ** 2", "512"),
+        ("7 / 2", "3.5"),
+        ("-3 * -2", "6"),
+        ("10 % 3", "1"),
+        ("1,234 * 2", "2468"),
+        ("45*67=", "3015"),
+        ("1/3", "0.3333333333"),
+    ],
+)
 def test_calculator_values(expr, want):
     assert calculator(expr) == want
 
 
-@pytest.mark.parametrize("expr", ["", "abc", "3 +", "((1)", "1/0", "2^1000", "2 ^ 0.5", "__import__('os')", "9" * 300,
-                                  "-" * 100 + "1"])
+@pytest.mark.parametrize(
+    "expr", ["", "abc", "3 +", "((1)", "1/0", "2^1000", "2 ^ 0.5", "__import__('os')", "9" * 300, "-" * 100 + "1"]
+)
 def test_calculator_refuses_what_it_cannot_compute(expr):
     with pytest.raises(CalcError):
         evaluate(expr)
@@ -116,7 +128,9 @@ def test_tool_failures_become_error_text(tool_file):
     ok = _run(run_tool(tools["lookup"], {"key": "a"}, {"table": {"a": "1"}}, 5.0))
     assert (ok.text, ok.error) == ("1", False)
     # The row's arguments win over the model's of the same name.
-    assert _run(run_tool(tools["lookup"], {"key": "a", "table": {"a": "forged"}}, {"table": {"a": "1"}}, 5.0)).text == "1"
+    assert (
+        _run(run_tool(tools["lookup"], {"key": "a", "table": {"a": "forged"}}, {"table": {"a": "1"}}, 5.0)).text == "1"
+    )
     raised = _run(run_tool(tools["boom"], {"x": "1"}, {}, 5.0))
     assert raised.error and raised.text == "Error: RuntimeError: kaput"
     wrong_type = _run(run_tool(tools["number"], {"x": "1"}, {}, 5.0))
@@ -149,12 +163,16 @@ def test_tag_format():
 
 def test_hermes_format():
     p = make_parser("hermes", SCHEMAS)
-    text = ('<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
-            '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"4\\"}"}</tool_call>')
+    text = (
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}</tool_call>'
+        '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"4\\"}"}</tool_call>'
+    )
     a, b = p.parse(text)
     assert a.arguments == {"expression": "2*3"} and b.arguments == {"expression": "4"}
-    bad_json, unknown, no_args = p.parse('<tool_call>{"name": </tool_call><tool_call>{"name": "search", "arguments": {}}'
-                                         '</tool_call><tool_call>{"name": "calculator", "arguments": [1]}</tool_call>')
+    bad_json, unknown, no_args = p.parse(
+        '<tool_call>{"name": </tool_call><tool_call>{"name": "search", "arguments": {}}'
+        '</tool_call><tool_call>{"name": "calculator", "arguments": [1]}</tool_call>'
+    )
     assert "not valid JSON" in bad_json.error and "no tool 'search'" in unknown.error and "JSON object" in no_args.error
 
 

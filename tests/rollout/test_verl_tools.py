@@ -7,12 +7,11 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-import textwrap
 
 import pytest
 
-from offstep.launch.loader import load_config
 from offstep.errors import ToolConfigError
+from offstep.launch.loader import load_config
 from offstep.rollout.agents.agent_tools import agent_tools
 from offstep.rollout.agents.tools import run_tool
 from offstep.rollout.agents.verl_tools import load_verl_tools
@@ -108,7 +107,9 @@ def test_gsm8k_tool_scores_the_answer_against_the_row(tmp_path):
     # verl's reply text (Python's f"{answer=} {reward=}"); the flexible rule takes the last number
     assert _call(tool, {"answer": "72"}, {"ground_truth": "72"}) == ("Current parsed answer='72' reward=1.0", False)
     assert _call(tool, {"answer": "#### 1,000"}, {"ground_truth": "1000"}) == (
-        "Current parsed answer='#### 1,000' reward=1.0", False)
+        "Current parsed answer='#### 1,000' reward=1.0",
+        False,
+    )
     assert _call(tool, {"answer": "71"}, {"ground_truth": "72"}) == ("Current parsed answer='71' reward=0.0", False)
     text, error = _call(tool, {"answer": "72"}, {})
     assert error and "ground_truth" in text
@@ -146,17 +147,22 @@ def test_a_user_tool_class_runs_through_verls_protocol(tmp_path, monkeypatch):
     assert [c[0] for c in calls] == ["create", "execute", "release"]  # released although execute raised
 
 
-@pytest.mark.parametrize("text,match", [
-    ("tools: []", "no list under 'tools:'"),
-    ("- a\n- b", "no list under 'tools:'"),
-    ("tools:\n  - config: {}\n", "needs class_name"),
-    ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n", "tool_schema must be an OpenAI function schema"),
-    ("tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    tool_schema: {function: {name: search}}\n",
-     "retrieval server"),
-    ("tools:\n  - class_name: nowhere.at_all.Tool\n    tool_schema: {function: {name: t}}\n", "PYTHONPATH"),
-    ("tools:\n  - class_name: json.JSONDecoder\n    tool_schema: {function: {name: t}}\n", "not a verl tool class"),
-    ("a: &x [1]\nb: *x\n", "cannot be read"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("tools: []", "no list under 'tools:'"),
+        ("- a\n- b", "no list under 'tools:'"),
+        ("tools:\n  - config: {}\n", "needs class_name"),
+        ("tools:\n  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n", "tool_schema must be an OpenAI function schema"),
+        (
+            "tools:\n  - class_name: verl.tools.search_tool.SearchTool\n    tool_schema: {function: {name: search}}\n",
+            "retrieval server",
+        ),
+        ("tools:\n  - class_name: nowhere.at_all.Tool\n    tool_schema: {function: {name: t}}\n", "PYTHONPATH"),
+        ("tools:\n  - class_name: json.JSONDecoder\n    tool_schema: {function: {name: t}}\n", "not a verl tool class"),
+        ("a: &x [1]\nb: *x\n", "cannot be read"),
+    ],
+)
 def test_bad_tool_configs_are_refused_by_name(tmp_path, text, match):
     path = tmp_path / "tools.yaml"
     path.write_text(text)
@@ -188,8 +194,14 @@ def test_both_sources_of_tools_are_refused_and_verl_keys_translate():
     with pytest.raises(ConfigError, match="are both set; the tools come from one of them"):
         validate(load_config(["preset=tiny", "rollout.agent.tool_config_path=a.yaml", "rollout.agent.tools_path=b.py"]))
     notes: list[str] = []
-    cfg = load_config(["preset=tiny", "actor_rollout_ref.rollout.multi_turn.tool_config_path=/x/gsm8k_tool_config.yaml",
-                       "data.tool_config_path=/x/gsm8k_tool_config.yaml"], notes)
+    cfg = load_config(
+        [
+            "preset=tiny",
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path=/x/gsm8k_tool_config.yaml",
+            "data.tool_config_path=/x/gsm8k_tool_config.yaml",
+        ],
+        notes,
+    )
     assert cfg.rollout.agent.tool_config_path == "/x/gsm8k_tool_config.yaml"
     assert any(n.startswith("data.tool_config_path") for n in notes), notes
 
@@ -203,8 +215,19 @@ def test_a_tiny_run_with_verls_gsm8k_tool_config(tmp_path, ray_session):
 
     path = tmp_path / "gsm8k.yaml"
     path.write_text(GSM8K_YAML)
-    train(load_config(["preset=tiny", f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_steps=1",
-                       "trainer.progress=off", "trainer.val_before_train=false", "rollout.agent.default_agent=tool_agent",
-                       f"rollout.agent.tool_config_path={path}", "rollout.agent.format=hermes"]))
+    train(
+        load_config(
+            [
+                "preset=tiny",
+                f"trainer.output_dir={tmp_path / 'run'}",
+                "trainer.total_steps=1",
+                "trainer.progress=off",
+                "trainer.val_before_train=false",
+                "rollout.agent.default_agent=tool_agent",
+                f"rollout.agent.tool_config_path={path}",
+                "rollout.agent.format=hermes",
+            ]
+        )
+    )
     [m] = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if m["step"] == 1]
     assert m["agent/turns/mean"] >= 1 and "agent/tool_calls/mean" in m  # every row ran the tool loop

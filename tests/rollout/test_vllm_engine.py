@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import needs_vllm
 
 pytestmark = [needs_vllm, pytest.mark.own_process]
@@ -54,8 +53,10 @@ def builtin(tiny):
 def prompts(tiny):
     tok = tiny[1]
     return [
-        tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
-            add_special_tokens=False).input_ids
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        ).input_ids
         for q in QUESTIONS
     ]
 
@@ -66,9 +67,18 @@ def _key(cs):
 
 def _trainer_logprobs(model, prompts, completions, temperature) -> list[torch.Tensor]:
     """The trainer's teacher-forced log-probs (``forward_response`` on a collated batch)."""
-    samples = [Sample(uid=c.prompt_index, prompt_ids=prompts[c.prompt_index], response_ids=c.response_ids,
-                      rollout_logprobs=c.logprobs, finish_reason=c.finish_reason, score=0.0, version=0)
-               for c in completions]
+    samples = [
+        Sample(
+            uid=c.prompt_index,
+            prompt_ids=prompts[c.prompt_index],
+            response_ids=c.response_ids,
+            rollout_logprobs=c.logprobs,
+            finish_reason=c.finish_reason,
+            score=0.0,
+            version=0,
+        )
+        for c in completions
+    ]
     batch = collate(samples, pad_id=0)
     with torch.no_grad():
         logp, _ = forward_response(model, batch, temperature)
@@ -82,9 +92,15 @@ def _mismatch(completions, trainer) -> tuple[float, float]:
 
 
 def _hf_greedy(model, tok, prompt, eos, max_new):
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=max_new, eos_token_id=eos, pad_token_id=tok.pad_token_id)
-    ids = out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=eos,
+        pad_token_id=tok.pad_token_id,
+    )
+    ids = out[0, len(prompt) :].tolist()
     cut = next((i + 1 for i, t in enumerate(ids) if t in eos), len(ids))
     return ids[:cut]
 
@@ -107,6 +123,7 @@ def test_in_process_no_child_process(vengine):
             return any("ray::" in part or "/ray/" in part for part in proc.cmdline())
         except psutil.Error:
             return True  # gone since
+
     spawned = [c for c in psutil.Process().children(recursive=True) if not is_ray(c)]
     assert spawned == [], [(c.pid, c.name()) for c in spawned]
     torch.set_num_threads(1)  # vLLM's CPU worker no-ops torch.set_num_threads; the engine puts it back
@@ -178,8 +195,12 @@ def test_stop_string_kept_like_builtin(vengine, builtin, tiny, prompts):
     tok = tiny[1]
     p = SamplingParams(temperature=0.0, max_new_tokens=24)
     base = builtin.generate(prompts, p, seed=0)
-    i, k, stop = next((i, k, s) for i, c in enumerate(base) for k in range(2, 16)
-                      if (s := _stop_string_completed_at(tok, c.response_ids, k)) is not None)
+    i, k, stop = next(
+        (i, k, s)
+        for i, c in enumerate(base)
+        for k in range(2, 16)
+        if (s := _stop_string_completed_at(tok, c.response_ids, k)) is not None
+    )
     q = dataclasses.replace(p, stop=(stop,))
     ours, want = vengine.generate(prompts, q, seed=0), builtin.generate(prompts, q, seed=0)
     assert _key(ours) == _key(want)
@@ -250,8 +271,13 @@ def test_default_model_greedy_and_logprobs(vengine):  # after the tiny engine: t
     tok = load_tokenizer(path)
     model, eos = load_causal_lm(path), eos_token_ids(tok, path)
     questions = ["What is 3 + 5?", "Name a colour.", "Count from one to five.", "What is the capital of France?"]
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False).input_ids for q in questions]
+    prompts = [
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        ).input_ids
+        for q in questions
+    ]
     engine = VLLMEngine(path, tok, eos, dtype="float32", num_threads=THREADS)
     try:
         p = SamplingParams(temperature=0.0, max_new_tokens=32)
@@ -289,14 +315,28 @@ def test_gpu_bf16_logprobs_and_weight_load():
     path = resolve_model("smollm2-135m-instruct")
     tok = load_tokenizer(path)
     eos = eos_token_ids(tok, path)
-    prompts = [tok(tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
-                   add_special_tokens=False).input_ids for q in ("What is 3 + 5?", "Name a colour.", "Count to five.")]
+    prompts = [
+        tok(
+            tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        ).input_ids
+        for q in ("What is 3 + 5?", "Name a colour.", "Count to five.")
+    ]
     sampled = SamplingParams(n=4, temperature=1.0, max_new_tokens=32)
 
     def trainer(model, completions):
-        samples = [Sample(uid=c.prompt_index, prompt_ids=prompts[c.prompt_index], response_ids=c.response_ids,
-                          rollout_logprobs=c.logprobs, finish_reason=c.finish_reason, score=0.0, version=0)
-                   for c in completions]
+        samples = [
+            Sample(
+                uid=c.prompt_index,
+                prompt_ids=prompts[c.prompt_index],
+                response_ids=c.response_ids,
+                rollout_logprobs=c.logprobs,
+                finish_reason=c.finish_reason,
+                score=0.0,
+                version=0,
+            )
+            for c in completions
+        ]
         with torch.no_grad():
             logp, _ = forward_response(model, collate(samples, pad_id=0).to("cuda"), 1.0)
         return [logp[i, : len(c.response_ids)].float().cpu() for i, c in enumerate(completions)]

@@ -48,7 +48,9 @@ def test_the_limits_are_named_in_the_result():
 def test_executions_beyond_the_concurrency_queue_and_the_wait_is_measured():
     sb = Sandbox(FAST, concurrency=1)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(sb.run("import time; time.sleep(0.5)"))) for _ in range(2)]
+    threads = [
+        threading.Thread(target=lambda: results.append(sb.run("import time; time.sleep(0.5)"))) for _ in range(2)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -72,8 +74,9 @@ def test_without_bubblewrap_the_sandbox_says_what_to_install():
 
 @pytest.mark.heavy
 def test_preflight_refuses_the_python_tool_where_no_sandbox_starts():
-    cfg = load_config(["preset=tiny", "rollout.agent.tools=[python]", "sandbox.python=/usr/bin/no-such-python",
-                       "sandbox.memory_mb=0"])
+    cfg = load_config(
+        ["preset=tiny", "rollout.agent.tools=[python]", "sandbox.python=/usr/bin/no-such-python", "sandbox.memory_mb=0"]
+    )
     found = environment_problems(cfg)
     assert any("python tool" in p and "not a file under /usr" in p and "unsandboxed" in p for p in found)
     assert any(p.startswith("sandbox.memory_mb=0") for p in found)

@@ -6,7 +6,6 @@ sandbox killed for its limit still says how far it got."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import platform
@@ -18,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from offstep.sandbox import Limits, Sandbox
-from offstep.sandbox import seccomp
+from offstep.sandbox import Limits, Sandbox, seccomp
 from offstep.sandbox.cgroup import ENV, PREFIX, parents
 
 ROOT = Path(__file__).resolve().parents[2]
-TIGHT = Limits(timeout_s=8, cpu_s=8, memory_mb=256, processes=32, file_mb=16, open_files=64, tmp_mb=8,
-               output_bytes=64 * 1024)
+TIGHT = Limits(
+    timeout_s=8, cpu_s=8, memory_mb=256, processes=32, file_mb=16, open_files=64, tmp_mb=8, output_bytes=64 * 1024
+)
 BOUND_MB = TIGHT.memory_mb + TIGHT.tmp_mb  # the cgroup's limit
 GROUPS = parents() is not None  # a writable cgroup here (root); else the per-process fallback
 needs_groups = pytest.mark.skipif(not GROUPS, reason="no writable cgroup here (the fallback is tested below)")
@@ -136,7 +135,9 @@ def test_the_cgroup_is_removed_after_a_run_and_after_a_timeout():
     sb.run("print(1)")
     r = sb.run("import os, time\nos.fork()\ntime.sleep(30)")
     assert r.timed_out
-    left = [os.path.join(d, e) for d in parents()[1] if d for e in os.listdir(d) if e.startswith(f"{PREFIX}{os.getpid()}-")]
+    left = [
+        os.path.join(d, e) for d in parents()[1] if d for e in os.listdir(d) if e.startswith(f"{PREFIX}{os.getpid()}-")
+    ]
     assert not left, left
 
 
@@ -144,17 +145,22 @@ def test_the_cgroup_is_removed_after_a_run_and_after_a_timeout():
 
 
 def test_io_uring_setup_fails_with_eperm():
-    r = Sandbox(TIGHT).run(LIBC + "params = ctypes.create_string_buffer(120)\n"
-                           "print(libc.syscall(425, 8, params), ctypes.get_errno())")
+    r = Sandbox(TIGHT).run(
+        LIBC + "params = ctypes.create_string_buffer(120)\nprint(libc.syscall(425, 8, params), ctypes.get_errno())"
+    )
     assert r.stdout.split() == ["-1", str(errno.EPERM)], r  # without the filter: a file descriptor
 
 
 @pytest.mark.heavy
 def test_the_keyrings_are_out_of_reach_so_no_run_sees_another_runs_key():
-    add = LIBC + ("print(libc.syscall(%d, b'user', b'offstep-test', b'secret', 6, -4), ctypes.get_errno())"
-                  % seccomp.numbers(seccomp.machine(), ["add_key"])[0])
-    search = LIBC + ("print(libc.syscall(%d, 10, -4, b'user', b'offstep-test', 0), ctypes.get_errno())"
-                     % seccomp.numbers(seccomp.machine(), ["keyctl"])[0])  # KEYCTL_SEARCH the user keyring
+    add = LIBC + (
+        "print(libc.syscall(%d, b'user', b'offstep-test', b'secret', 6, -4), ctypes.get_errno())"
+        % seccomp.numbers(seccomp.machine(), ["add_key"])[0]
+    )
+    search = LIBC + (
+        "print(libc.syscall(%d, 10, -4, b'user', b'offstep-test', 0), ctypes.get_errno())"
+        % seccomp.numbers(seccomp.machine(), ["keyctl"])[0]
+    )  # KEYCTL_SEARCH the user keyring
     sb = Sandbox(TIGHT)
     assert sb.run(add).stdout.split() == ["-1", str(errno.EPERM)]
     assert sb.run(search).stdout.split() == ["-1", str(errno.EPERM)]
@@ -164,8 +170,10 @@ def test_the_keyrings_are_out_of_reach_so_no_run_sees_another_runs_key():
 def test_ptrace_mount_bpf_perf_userfaultfd_unshare_fail_and_the_rest_works():
     names = ["ptrace", "mount", "bpf", "perf_event_open", "userfaultfd", "unshare", "open_by_handle_at"]
     nrs = [seccomp.numbers(seccomp.machine(), [n])[0] for n in names]
-    code = LIBC + f"for nr in {nrs}:\n    print(libc.syscall(nr, 0, 0, 0, 0, 0), ctypes.get_errno())\n" \
-                  "print('pid', os.getpid(), open('/tmp/main.py').read(3))"
+    code = (
+        LIBC + f"for nr in {nrs}:\n    print(libc.syscall(nr, 0, 0, 0, 0, 0), ctypes.get_errno())\n"
+        "print('pid', os.getpid(), open('/tmp/main.py').read(3))"
+    )
     r = Sandbox(TIGHT).run(code)
     lines = r.stdout.splitlines()
     assert lines[:-1] == [f"-1 {errno.EPERM}"] * len(names), r
@@ -182,8 +190,10 @@ def _unistd(path: str) -> dict[str, int]:
     return {m[0]: int(m[1]) for m in re.findall(r"#define __NR_(\w+)\s+(\d+)\b", Path(path).read_text())}
 
 
-@pytest.mark.parametrize("arch,header", [("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h"),
-                                         ("aarch64", "/usr/include/asm-generic/unistd.h")])
+@pytest.mark.parametrize(
+    "arch,header",
+    [("x86_64", "/usr/include/x86_64-linux-gnu/asm/unistd_64.h"), ("aarch64", "/usr/include/asm-generic/unistd.h")],
+)
 def test_the_syscall_tables_match_the_kernel_headers(arch, header):
     if not os.path.exists(header):
         pytest.skip(f"{header} is not installed")
@@ -197,7 +207,9 @@ def test_the_syscall_tables_match_the_kernel_headers(arch, header):
 
 def _filtered(arch: str, code: str, bounded: bool = True) -> subprocess.CompletedProcess:
     """``code`` run in a child interpreter after it loaded the filter for ``arch``."""
-    loader = LIBC + textwrap.dedent(f"""
+    loader = (
+        LIBC
+        + textwrap.dedent(f"""
         sys.path.insert(0, {str(ROOT)!r})
         from offstep.sandbox.seccomp import program
         prog = program({arch!r}, bounded_memory={bounded})
@@ -207,7 +219,9 @@ def _filtered(arch: str, code: str, bounded: bool = True) -> subprocess.Complete
         fprog = Fprog(len(prog) // 8, ctypes.addressof(buf))
         assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
         assert libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) == 0, ctypes.get_errno()  # SECCOMP_MODE_FILTER
-    """) + code
+    """)
+        + code
+    )
     return subprocess.run([sys.executable, "-I", "-c", loader], capture_output=True, text=True, timeout=30)
 
 
@@ -274,6 +288,11 @@ REAPING_NOTHING = textwrap.dedent("""
 @pytest.mark.heavy
 def test_a_hundred_runs_under_a_parent_that_reaps_nothing_leave_no_zombie():
     """Every twentieth run is killed at its time limit: the kill path waits too."""
-    done = subprocess.run([sys.executable, "-c", REAPING_NOTHING, str(ROOT), "100"], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, ENV: "off"} if not GROUPS else None)
+    done = subprocess.run(
+        [sys.executable, "-c", REAPING_NOTHING, str(ROOT), "100"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, ENV: "off"} if not GROUPS else None,
+    )
     assert done.returncode == 0 and done.stdout.split() == ["zombies", "0"], (done.stdout, done.stderr[-2000:])

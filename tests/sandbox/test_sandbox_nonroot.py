@@ -71,8 +71,13 @@ def test_a_non_root_caller_gets_the_same_isolation():
     listener.setblocking(False)
     before = _uid_processes(uid)
     try:
-        proc = subprocess.run([*prefix, sys.executable, "-c", CHILD, str(ROOT), str(listener.getsockname()[1]), str(secret)],
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "HOME": str(home)})
+        proc = subprocess.run(
+            [*prefix, sys.executable, "-c", CHILD, str(ROOT), str(listener.getsockname()[1]), str(secret)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "HOME": str(home)},
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         out = json.loads(proc.stdout.strip().splitlines()[-1])
         with pytest.raises(BlockingIOError):
@@ -84,7 +89,9 @@ def test_a_non_root_caller_gets_the_same_isolation():
     assert out["print"]["ok"] and out["print"]["stdout"].strip() == "42"
     assert not out["net"]["ok"] and "CONNECTED" not in out["net"]["stdout"]
     assert not out["secret"]["ok"] and "TOP-SECRET" not in out["secret"]["stdout"]
-    assert not out["loop"]["ok"] and "cpu limit" in out["loop"]["what"]  # cpu_s=2 comes before timeout_s=12 (3 was too close on 2 loaded cores: the loop got under 2 CPU-s in 3 s)
+    assert (
+        not out["loop"]["ok"] and "cpu limit" in out["loop"]["what"]
+    )  # cpu_s=2 comes before timeout_s=12 (3 was too close on 2 loaded cores: the loop got under 2 CPU-s in 3 s)
     assert not out["fork_bomb"]["ok"], out["fork_bomb"]
     assert not out["memfd"]["ok"], out["memfd"]
     deadline = time.monotonic() + 5

@@ -21,8 +21,9 @@ import pytest
 from offstep.sandbox import Limits, Sandbox
 from offstep.sandbox.bwrap import NOBODY
 
-LIMITS = Limits(timeout_s=4, cpu_s=3, memory_mb=256, processes=16, file_mb=1, open_files=32, tmp_mb=8,
-                output_bytes=64 * 1024)
+LIMITS = Limits(
+    timeout_s=4, cpu_s=3, memory_mb=256, processes=16, file_mb=1, open_files=32, tmp_mb=8, output_bytes=64 * 1024
+)
 OUR_PID_NS = os.readlink("/proc/self/ns/pid")
 pytestmark = pytest.mark.heavy  # a sandbox per test, some of them waiting out a limit: seconds each
 
@@ -34,8 +35,11 @@ def _processes() -> dict[int, tuple[int, str]]:
         if not entry.isdigit():
             continue
         try:
-            uid = int(next(line for line in Path(f"/proc/{entry}/status").read_text().splitlines()
-                           if line.startswith("Uid:")).split()[1])
+            uid = int(
+                next(
+                    line for line in Path(f"/proc/{entry}/status").read_text().splitlines() if line.startswith("Uid:")
+                ).split()[1]
+            )
             ns = os.readlink(f"/proc/{entry}/ns/pid")
         except (OSError, StopIteration):  # gone meanwhile, or a zombie without its ns link
             try:
@@ -49,8 +53,11 @@ def _processes() -> dict[int, tuple[int, str]]:
 def _left_over(before: dict[int, tuple[int, str]]) -> list[int]:
     """New processes that belong to a sandbox: its user's, or in a PID namespace not ours."""
     sandbox_uid = NOBODY if os.geteuid() == 0 else -1
-    return [pid for pid, (uid, ns) in _processes().items()
-            if pid not in before and pid != os.getpid() and (uid == sandbox_uid or ns not in (OUR_PID_NS, "?"))]
+    return [
+        pid
+        for pid, (uid, ns) in _processes().items()
+        if pid not in before and pid != os.getpid() and (uid == sandbox_uid or ns not in (OUR_PID_NS, "?"))
+    ]
 
 
 def attack(code: str, stdin: str = "", limits: Limits = LIMITS):
@@ -76,8 +83,10 @@ def test_connecting_to_a_listener_outside_fails_and_it_sees_nothing():
     server.setblocking(False)
     port = server.getsockname()[1]
     try:
-        r = attack(f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
-                   f"    print('CONNECTED')\nexcept OSError as e:\n    print('blocked', e.errno)")
+        r = attack(
+            f"import socket\ntry:\n    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            f"    print('CONNECTED')\nexcept OSError as e:\n    print('blocked', e.errno)"
+        )
         with pytest.raises(BlockingIOError):
             server.accept()  # no connection ever arrived
     finally:
@@ -86,8 +95,10 @@ def test_connecting_to_a_listener_outside_fails_and_it_sees_nothing():
 
 
 def test_a_dns_lookup_fails():
-    r = attack("import socket\ntry:\n    print('RESOLVED', socket.getaddrinfo('example.com', 80))\n"
-               "except OSError as e:\n    print('blocked', type(e).__name__)")
+    r = attack(
+        "import socket\ntry:\n    print('RESOLVED', socket.getaddrinfo('example.com', 80))\n"
+        "except OSError as e:\n    print('blocked', type(e).__name__)"
+    )
     assert r.stdout.startswith("blocked") and r.exit_code == 0
 
 
@@ -100,8 +111,10 @@ def test_only_a_loopback_of_its_own_exists():
 
 
 def test_the_home_folders_and_root_are_not_there():
-    r = attack("import os\nfor p in ('/root', '/home', '/work', os.path.expanduser('~') + '/..'):\n"
-               "    try:\n        print(p, os.listdir(p))\n    except OSError as e:\n        print(p, 'ERR', e.errno)")
+    r = attack(
+        "import os\nfor p in ('/root', '/home', '/work', os.path.expanduser('~') + '/..'):\n"
+        "    try:\n        print(p, os.listdir(p))\n    except OSError as e:\n        print(p, 'ERR', e.errno)"
+    )
     lines = r.stdout.splitlines()
     assert [line.split()[1] for line in lines[:3]] == ["ERR"] * 3, r.stdout
     assert "root" not in lines[3] and "work" not in lines[3]  # ~ is the tmp: its parent is the sandbox's /
@@ -109,8 +122,10 @@ def test_the_home_folders_and_root_are_not_there():
 
 def test_proc_1_environ_holds_none_of_the_callers_environment(monkeypatch):
     monkeypatch.setenv("OFFSTEP_TEST_SECRET", "s3cr3t-token")
-    r = attack("import os\nfor p in ('/proc/1/environ', '/proc/self/environ'):\n"
-               "    try:\n        print(open(p, 'rb').read())\n    except OSError as e:\n        print('ERR', e.errno)")
+    r = attack(
+        "import os\nfor p in ('/proc/1/environ', '/proc/self/environ'):\n"
+        "    try:\n        print(open(p, 'rb').read())\n    except OSError as e:\n        print('ERR', e.errno)"
+    )
     assert "s3cr3t" not in r.stdout and "OFFSTEP_TEST_SECRET" not in r.stdout and "/root" not in r.stdout
 
 
@@ -119,18 +134,29 @@ def test_the_run_folder_cannot_be_read_by_its_absolute_path(tmp_path):
     (run / "checkpoints").mkdir(parents=True)
     (run / "checkpoints" / "secret.txt").write_text("weights-and-secrets")
     here = Path(__file__).resolve()
-    r = attack(f"for p in ({str(run / 'checkpoints' / 'secret.txt')!r}, {str(here)!r}):\n"
-               "    try:\n        print(open(p).read()[:40])\n    except OSError as e:\n        print('ERR', e.errno)")
+    r = attack(
+        f"for p in ({str(run / 'checkpoints' / 'secret.txt')!r}, {str(here)!r}):\n"
+        "    try:\n        print(open(p).read()[:40])\n    except OSError as e:\n        print('ERR', e.errno)"
+    )
     assert r.stdout.split() == ["ERR", "2", "ERR", "2"], r.stdout
     assert (run / "checkpoints" / "secret.txt").read_text() == "weights-and-secrets"
 
 
 def test_writing_outside_the_tmp_fails_and_leaves_nothing(tmp_path):
-    targets = ["/usr/offstep_pwned", "/etc/offstep_pwned", "/offstep_pwned", "/bin/offstep_pwned",
-               "/dev/offstep_pwned", "/proc/offstep_pwned", str(tmp_path / "pwned")]
-    r = attack(f"for p in {targets!r}:\n    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
-               "    except OSError as e:\n        print('ERR', e.errno)\n"
-               "open('/tmp/inside', 'w').write('fine')\nprint(open('/tmp/inside').read())")
+    targets = [
+        "/usr/offstep_pwned",
+        "/etc/offstep_pwned",
+        "/offstep_pwned",
+        "/bin/offstep_pwned",
+        "/dev/offstep_pwned",
+        "/proc/offstep_pwned",
+        str(tmp_path / "pwned"),
+    ]
+    r = attack(
+        f"for p in {targets!r}:\n    try:\n        open(p, 'w').write('x')\n        print('WROTE', p)\n"
+        "    except OSError as e:\n        print('ERR', e.errno)\n"
+        "open('/tmp/inside', 'w').write('fine')\nprint(open('/tmp/inside').read())"
+    )
     assert "WROTE" not in r.stdout and r.stdout.splitlines()[-1] == "fine", r.stdout
     for p in targets:
         assert not os.path.exists(p)
@@ -202,10 +228,12 @@ def test_a_daemon_holding_the_output_open_is_killed_at_the_deadline():
 def test_signalling_the_parent_and_everyone_reaches_nothing_outside():
     bystander = subprocess.Popen(["sleep", "30"], user=NOBODY if os.geteuid() == 0 else None)
     try:
-        code = ("import os, signal\nfor sig in (signal.SIGKILL, signal.SIGTERM):\n"
-                "    try:\n        os.kill(os.getppid(), sig)\n    except OSError as e:\n        print('ERR', e.errno)\n"
-                f"try:\n    os.kill({bystander.pid}, signal.SIGKILL)\nexcept OSError as e:\n    print('ERR', e.errno)\n"
-                "os.system('kill -9 -1')\nprint('still here?')")
+        code = (
+            "import os, signal\nfor sig in (signal.SIGKILL, signal.SIGTERM):\n"
+            "    try:\n        os.kill(os.getppid(), sig)\n    except OSError as e:\n        print('ERR', e.errno)\n"
+            f"try:\n    os.kill({bystander.pid}, signal.SIGKILL)\nexcept OSError as e:\n    print('ERR', e.errno)\n"
+            "os.system('kill -9 -1')\nprint('still here?')"
+        )
         r = attack(code)
         assert bystander.poll() is None, "a process outside the sandbox was killed"
         assert r.exit_code == -signal.SIGKILL and r.limit is None  # kill -1 took the code itself down
@@ -215,8 +243,10 @@ def test_signalling_the_parent_and_everyone_reaches_nothing_outside():
 
 
 def test_zombies_left_behind_are_reaped_with_the_sandbox():
-    code = ("import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        os._exit(0)\n"
-            "time.sleep(0.3)\nprint('zombies', sum(1 for p in os.listdir('/proc') if p.isdigit()))")
+    code = (
+        "import os, time\nfor _ in range(8):\n    if os.fork() == 0:\n        os._exit(0)\n"
+        "time.sleep(0.3)\nprint('zombies', sum(1 for p in os.listdir('/proc') if p.isdigit()))"
+    )
     r = attack(code)
     assert r.stdout.startswith("zombies") and r.exit_code == 0
 
@@ -230,10 +260,12 @@ def test_a_stdout_flood_is_cut_while_reading():
 
 
 def test_a_huge_file_is_refused_and_the_tmp_is_bounded():
-    code = ("import os\ntry:\n    open('/tmp/big', 'wb').write(b'x' * (4 << 20))\nexcept OSError as e:\n"
-            "    print('big', e.errno)\nn = 0\ntry:\n    while True:\n"
-            "        open(f'/tmp/f{n}', 'wb').write(b'x' * (512 << 10)); n += 1\nexcept OSError as e:\n"
-            "    print('full', e.errno, n)")
+    code = (
+        "import os\ntry:\n    open('/tmp/big', 'wb').write(b'x' * (4 << 20))\nexcept OSError as e:\n"
+        "    print('big', e.errno)\nn = 0\ntry:\n    while True:\n"
+        "        open(f'/tmp/f{n}', 'wb').write(b'x' * (512 << 10)); n += 1\nexcept OSError as e:\n"
+        "    print('full', e.errno, n)"
+    )
     r = attack(code)
     lines = r.stdout.split("\n")
     assert lines[0] == "big 27"  # EFBIG: RLIMIT_FSIZE
@@ -242,7 +274,9 @@ def test_a_huge_file_is_refused_and_the_tmp_is_bounded():
 
 
 def test_binary_garbage_and_invalid_utf8_come_back_as_text():
-    r = attack("import os, sys\nsys.stdout.buffer.write(os.urandom(2048) + b'\\xff\\xfe\\x80 end')\n"
-               "sys.stderr.buffer.write(b'\\xc3\\x28 err')")
+    r = attack(
+        "import os, sys\nsys.stdout.buffer.write(os.urandom(2048) + b'\\xff\\xfe\\x80 end')\n"
+        "sys.stderr.buffer.write(b'\\xc3\\x28 err')"
+    )
     assert isinstance(r.stdout, str) and r.stdout.endswith(" end") and "\ufffd" in r.stdout
     assert r.stderr.endswith("( err") and r.exit_code == 0

@@ -35,7 +35,12 @@ def test_plan_hand_worked():
     assert totals == {"float32": 11, "bfloat16": 4}
     # 16 bytes = 4 float32 elements or 8 bfloat16 elements per bucket:
     # float32 [0,4) [4,8) [8,11); bfloat16 [0,4) (all 4 fit in one bucket of 8).
-    assert buckets == [Bucket("float32", 0, 4), Bucket("float32", 4, 8), Bucket("float32", 8, 11), Bucket("bfloat16", 0, 4)]
+    assert buckets == [
+        Bucket("float32", 0, 4),
+        Bucket("float32", 4, 8),
+        Bucket("float32", 8, 11),
+        Bucket("bfloat16", 0, 4),
+    ]
     # a (0..5) touches bucket 0 with 4 elements and bucket 1 with 2; c (6..10) bucket 1 with 2, bucket 2 with 3.
     assert overlaps(slots["a"], buckets) == [(0, 4), (1, 2)]
     assert overlaps(slots["c"], buckets) == [(1, 2), (2, 3)]
@@ -109,7 +114,10 @@ def _connect(actor_model, receivers, bucket_bytes, max_in_flight=1):
     world = 1 + len(receivers)
     _run_threads(
         [lambda: sender.connect(world, "gloo", specs, bucket_bytes, manifest(actor_model), max_in_flight)]
-        + [lambda r=r, i=i: r.connect(host, port, i + 1, world, "gloo", specs, bucket_bytes, 60) for i, r in enumerate(receivers)]
+        + [
+            lambda r=r, i=i: r.connect(host, port, i + 1, world, "gloo", specs, bucket_bytes, 60)
+            for i, r in enumerate(receivers)
+        ]
     )
     return sender
 
@@ -129,7 +137,9 @@ def test_collective_sync_gives_the_actors_weights(rollout_dtype, replicas):
         sender.send(actor.named_parameters(), version)
         _run_threads([lambda r=r, v=version: r.receive(v) for r in receivers])
         # The object-store path: fp32 over the wire, cast on load. Same result, bit for bit.
-        expected = {k: v.to(DT[rollout_dtype]) for k, v in unpack_state_dict(pack_state_dict(actor.state_dict())).items()}
+        expected = {
+            k: v.to(DT[rollout_dtype]) for k, v in unpack_state_dict(pack_state_dict(actor.state_dict())).items()
+        }
         for m in rollouts:
             got = m.state_dict()
             assert got.keys() == expected.keys()
@@ -152,8 +162,12 @@ def test_collective_sync_into_buffers_in_another_order():
     receiver = WeightReceiver(None, torch.device("cpu"), specs)
     sender = WeightSender("127.0.0.1", torch.device("cpu"), timeout_s=60)
     host, port = sender.endpoint
-    _run_threads([lambda: sender.connect(2, "gloo", specs, 10_000, manifest(actor)),
-                  lambda: receiver.connect(host, port, 1, 2, "gloo", specs, 10_000, 60)])
+    _run_threads(
+        [
+            lambda: sender.connect(2, "gloo", specs, 10_000, manifest(actor)),
+            lambda: receiver.connect(host, port, 1, 2, "gloo", specs, 10_000, 60),
+        ]
+    )
     for version in (1, 2):
         if version == 2:
             _perturbed(actor, seed=4)
@@ -182,10 +196,12 @@ def test_collective_sync_on_gpus(backend):
     def on(dev, fn):
         return lambda: (torch.cuda.set_device(dev), fn())
 
-    _run_threads([
-        on(dev_a, lambda: sender.connect(2, backend, specs, 10_000, manifest(actor))),
-        on(dev_r, lambda: receiver.connect(host, port, 1, 2, backend, specs, 10_000, 60)),
-    ])
+    _run_threads(
+        [
+            on(dev_a, lambda: sender.connect(2, backend, specs, 10_000, manifest(actor))),
+            on(dev_r, lambda: receiver.connect(host, port, 1, 2, backend, specs, 10_000, 60)),
+        ]
+    )
     _run_threads([on(dev_a, lambda: sender.send(actor.named_parameters(), 1)), on(dev_r, lambda: receiver.receive(1))])
     for k, v in actor.state_dict().items():
         assert torch.equal(model.state_dict()[k].cpu(), v.to(torch.bfloat16).cpu()), k
@@ -231,7 +247,9 @@ def test_mismatched_models_fail_with_a_message():
 def _rollout_state(w):
     import ray
 
-    return ray.get(w.__ray_call__.remote(lambda self: {k: v.clone() for k, v in self.engine.model.state_dict().items()}))
+    return ray.get(
+        w.__ray_call__.remote(lambda self: {k: v.clone() for k, v in self.engine.model.state_dict().items()})
+    )
 
 
 @pytest.mark.ray
@@ -249,8 +267,10 @@ def test_ray_workers_collective_and_object_store_agree(ray_free, tmp_path):
 
     spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
     env = {"runtime_env": {"env_vars": {"OFFSTEP_CACHE": os.environ["OFFSTEP_CACHE"], "HF_HUB_OFFLINE": "1"}}}
-    actor = ray.remote(ActorWorker).options(num_cpus=0.01, **env).remote(
-        spec, 0, "tiny", "float32", "float32", ActorConfig(), AlgorithmConfig(), 1.0
+    actor = (
+        ray.remote(ActorWorker)
+        .options(num_cpus=0.01, **env)
+        .remote(spec, 0, "tiny", "float32", "float32", ActorConfig(), AlgorithmConfig(), 1.0)
     )
     reward = RewardFunction()
     rollouts = [
@@ -292,10 +312,18 @@ def _run(out, *extra):
     from offstep.pipeline.controller import train
     from offstep.telemetry.metrics import read_jsonl
 
-    train(load_config([
-        "preset=tiny", "trainer.total_steps=3", f"trainer.output_dir={out}", "trainer.progress=off",
-        "trainer.val_before_train=false", *extra,
-    ]))
+    train(
+        load_config(
+            [
+                "preset=tiny",
+                "trainer.total_steps=3",
+                f"trainer.output_dir={out}",
+                "trainer.progress=off",
+                "trainer.val_before_train=false",
+                *extra,
+            ]
+        )
+    )
     return [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1], read_jsonl(out / "timeline.jsonl")
 
 
@@ -304,11 +332,22 @@ def _run(out, *extra):
 def test_tiny_run_collective_equals_object_store(tmp_path, ray_session):
     """k = 0: the collective path gives the same run as the object-store path, step for step."""
     a, _ = _run(tmp_path / "store", "pipeline.max_staleness=0")
-    b, tl = _run(tmp_path / "coll", "pipeline.max_staleness=0", "pipeline.weight_sync=collective",
-                 "pipeline.weight_sync_bucket_mb=0.1")
+    b, tl = _run(
+        tmp_path / "coll",
+        "pipeline.max_staleness=0",
+        "pipeline.weight_sync=collective",
+        "pipeline.weight_sync_bucket_mb=0.1",
+    )
     assert len(a) == len(b) == 3
     for x, y in zip(a, b):
-        for key in ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm"):
+        for key in (
+            "reward/mean",
+            "response_length/mean",
+            "actor/pg_loss",
+            "actor/kl",
+            "actor/entropy",
+            "actor/grad_norm",
+        ):
             assert x[key] == y[key], (x["step"], key)
     assert sorted(e["version"] for e in tl if e["stage"] == "load_weights") == [1, 2, 3]
 

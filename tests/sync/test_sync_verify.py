@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from offstep.sync.digest import SyncNotVerified, WeightDigest, check_load, digest, digest_of, tensor_sums
 from conftest import ENGINES
 from sync_faults import faulty_class, faulty_start
+
+from offstep.sync.digest import SyncNotVerified, WeightDigest, check_load, digest, digest_of, tensor_sums
 
 MASK = (1 << 64) - 1
 
@@ -92,8 +92,8 @@ def test_worker_digest_reads_back_what_the_engine_holds(dtype):
     digest."""
     from offstep.models.loading import load_causal_lm
     from offstep.rewards.registry import RewardFunction
-    from offstep.sync.weights import pack_state_dict
     from offstep.rollout.worker import RolloutSpec
+    from offstep.sync.weights import pack_state_dict
 
     worker = faulty_class("corrupt", 2)(RolloutSpec.local("tiny", RewardFunction(), 8, dtype=dtype))
     specs = worker.weight_sync_manifest()
@@ -135,12 +135,22 @@ def _run(tmp_path, *extra, start=None):
     from offstep.telemetry.metrics import read_jsonl
 
     out = tmp_path / "run"
-    cfg = load_config(["preset=tiny", "trainer.total_steps=3", f"trainer.output_dir={out}", "trainer.progress=off",
-                       "trainer.val_before_train=false", *extra])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            "trainer.total_steps=3",
+            f"trainer.output_dir={out}",
+            "trainer.progress=off",
+            "trainer.val_before_train=false",
+            *extra,
+        ]
+    )
     try:
         train(cfg, start)
     finally:
-        metrics = [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1] if (out / "metrics.jsonl").exists() else []
+        metrics = (
+            [m for m in read_jsonl(out / "metrics.jsonl") if m["step"] >= 1] if (out / "metrics.jsonl").exists() else []
+        )
     return metrics, read_jsonl(out / "timeline.jsonl")
 
 
@@ -159,16 +169,24 @@ def test_every_sync_is_verified(tmp_path, ray_session, engine, transport):
 
 @pytest.mark.ray
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
-@pytest.mark.parametrize("fault, message", [
-    ("drop", r"version 2: rollout worker 1's weights did not change"),
-    ("corrupt", r"version 2: rollout worker 1 holds weights that differ from what the trainer sent"),
-])
+@pytest.mark.parametrize(
+    "fault, message",
+    [
+        ("drop", r"version 2: rollout worker 1's weights did not change"),
+        ("corrupt", r"version 2: rollout worker 1 holds weights that differ from what the trainer sent"),
+    ],
+)
 def test_a_dropped_or_corrupted_sync_stops_the_run_at_that_step(tmp_path, ray_session, transport, fault, message):
     """Two replicas; replica 1 drops (or corrupts) its load of version 2. The run stops with an
     error naming replica 1 and version 2, before step 2's record (and before any batch generated
     with those weights is trained on): steps 1 is logged, verified; 2 and 3 are not."""
     with pytest.raises(SyncNotVerified, match=message):
-        _run(tmp_path, f"pipeline.weight_sync={transport}", *TWO_REPLICAS, start=faulty_start(fault, replica=1, version=2))
+        _run(
+            tmp_path,
+            f"pipeline.weight_sync={transport}",
+            *TWO_REPLICAS,
+            start=faulty_start(fault, replica=1, version=2),
+        )
     from offstep.telemetry.metrics import read_jsonl
 
     metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if m["step"] >= 1]
@@ -219,13 +237,25 @@ def test_a_replaced_replica_rejoins_a_rebuilt_collective_group(tmp_path, ray_ses
     first sync went over the group. It is replaced, every replica joins a new group, and the later
     syncs are broadcasts again (not the object store), each verified on both replicas."""
     reward = tmp_path / "rejoin.py"
-    reward.write_text(REJOINING_REWARD.replace("COUNTER", repr(str(tmp_path / "count")))
-                      .replace("MARKER", repr(str(tmp_path / "died"))))
-    metrics, timeline = _run(tmp_path, "pipeline.weight_sync=collective", *TWO_REPLICAS, "trainer.total_steps=4",
-                             f"reward.custom_path={reward}")
+    reward.write_text(
+        REJOINING_REWARD.replace("COUNTER", repr(str(tmp_path / "count"))).replace(
+            "MARKER", repr(str(tmp_path / "died"))
+        )
+    )
+    metrics, timeline = _run(
+        tmp_path,
+        "pipeline.weight_sync=collective",
+        *TWO_REPLICAS,
+        "trainer.total_steps=4",
+        f"reward.custom_path={reward}",
+    )
     assert (tmp_path / "died").exists(), "a replica was meant to die once"
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m["sync/collective"] for m in metrics] == [1.0] * 4
     assert [m["sync/verified"] for m in metrics[2:]] == [1.0, 1.0]  # after the restart: every replica, every sync
-    later = sorted((e["role"], e["version"], e["transport"]) for e in timeline if e["stage"] == "load_weights" and e["version"] >= 3)
+    later = sorted(
+        (e["role"], e["version"], e["transport"])
+        for e in timeline
+        if e["stage"] == "load_weights" and e["version"] >= 3
+    )
     assert later == [(f"rollout/{i}", v, "collective") for i in (0, 1) for v in (3, 4)]

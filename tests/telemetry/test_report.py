@@ -18,7 +18,17 @@ def two_runs(tmp_path_factory, ray_session):
     dirs = []
     for k in (0, 1):
         out = tmp_path_factory.mktemp(f"k{k}")
-        train(load_config(["preset=tiny", f"pipeline.max_staleness={k}", "trainer.total_steps=3", f"trainer.output_dir={out}", "trainer.progress=off"]))
+        train(
+            load_config(
+                [
+                    "preset=tiny",
+                    f"pipeline.max_staleness={k}",
+                    "trainer.total_steps=3",
+                    f"trainer.output_dir={out}",
+                    "trainer.progress=off",
+                ]
+            )
+        )
         dirs.append(out)
     return dirs
 
@@ -32,7 +42,11 @@ def test_report_files_and_numbers(two_runs, tmp_path):
         img = mpimg.imread(f)
         assert img.shape[0] > 100 and img.shape[1] > 100
     text = (out / "summary.md").read_text()
-    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "run |" not in line and "---" not in line]
+    rows = [
+        line.split("|")[1:-1]
+        for line in text.splitlines()
+        if line.startswith("| ") and "run |" not in line and "---" not in line
+    ]
     assert len(rows) == 2
     for row, run_dir in zip(rows, two_runs):
         cells = [c.strip() for c in row]

@@ -214,7 +214,9 @@ def test_run_loggers_fan_out(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     pytest.importorskip("tensorboard")
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    cfg = load_config(["preset=tiny", f"trainer.output_dir={tmp_path}", "trainer.loggers=[console,jsonl,tensorboard,wandb]"])
+    cfg = load_config(
+        ["preset=tiny", f"trainer.output_dir={tmp_path}", "trainer.loggers=[console,jsonl,tensorboard,wandb]"]
+    )
     logs = RunLoggers(tmp_path, cfg)
     logs.log_samples(1, [{"step": 1, "version": 0, "prompt": "p", "response": "r", "reward": 0.0}])
     logs.log({"step": 1, Reward.MEAN: 0.5})
@@ -228,9 +230,11 @@ def test_run_loggers_fan_out(tmp_path, monkeypatch):
 def test_config_checks_for_telemetry_keys():
     from offstep.launch.preflight import validate
 
-    for override, key in (("trainer.wandb_mode=sometimes", "trainer.wandb_mode"),
-                          ("trainer.status_interval_s=-1", "trainer.status_interval_s"),
-                          ("trainer.loggers=[console,wandbb]", "trainer.loggers")):
+    for override, key in (
+        ("trainer.wandb_mode=sometimes", "trainer.wandb_mode"),
+        ("trainer.status_interval_s=-1", "trainer.status_interval_s"),
+        ("trainer.loggers=[console,wandbb]", "trainer.loggers"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(key)):
             validate(load_config(["preset=tiny", override]))
     validate(load_config(["preset=tiny", "trainer.loggers=[console,jsonl,wandb]", "trainer.wandb_mode=offline"]))
@@ -268,7 +272,9 @@ def test_hub_counts_and_rate_limits(ray_session):
 def tiny_inputs(tmp_path):
     from offstep.pipeline.inputs import prepare_inputs
 
-    cfg = load_config(["preset=tiny", f"trainer.output_dir={tmp_path}", "actor.mini_batch_size=16", "actor.micro_batch_size=4"])
+    cfg = load_config(
+        ["preset=tiny", f"trainer.output_dir={tmp_path}", "actor.mini_batch_size=16", "actor.micro_batch_size=4"]
+    )
     return cfg, prepare_inputs(cfg, tmp_path)
 
 
@@ -291,8 +297,10 @@ def test_worker_hooks_report_samples_and_micro_batches(tiny_inputs, ray_session)
     hub = launch_hub()
     actor = None
     try:
-        rollout = RolloutWorker(RolloutSpec.local(inputs.model_path, inputs.reward, r.max_batch_size),
-                                progress=ProgressClient(hub, replica(0)))
+        rollout = RolloutWorker(
+            RolloutSpec.local(inputs.model_path, inputs.reward, r.max_batch_size),
+            progress=ProgressClient(hub, replica(0)),
+        )
         reqs = [to_request(p, i) for i, p in enumerate(inputs.train[:8])]
         params = SamplingParams(n=4, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=r.max_new_tokens)
         samples, _ = rollout.generate(reqs, params, 0)
@@ -301,8 +309,17 @@ def test_worker_hooks_report_samples_and_micro_batches(tiny_inputs, ray_session)
 
         spec = GroupSpec(0, 1, "127.0.0.1", 0, "cpu", 1)
         fixed_count = dataclasses.replace(cfg.actor, micro_token_budget=0)  # micro-batches of micro_batch_size rows
-        actor = ActorWorker(spec, 0, inputs.model_path, "float32", "float32", fixed_count, cfg.algorithm, r.temperature,
-                            ProgressClient(hub, Role.TRAINER))
+        actor = ActorWorker(
+            spec,
+            0,
+            inputs.model_path,
+            "float32",
+            "float32",
+            fixed_count,
+            cfg.algorithm,
+            r.temperature,
+            ProgressClient(hub, Role.TRAINER),
+        )
         batch = collate(samples, inputs.pad_id)
         batch.advantages, batch.returns = grpo_outcome_advantage(batch.scores, batch.group_ids, batch.response_mask)
         actor.update(batch)
@@ -324,10 +341,17 @@ def test_plain_run_has_status_throughput_eta_and_wandb(tmp_path, ray_session, ca
     import offstep.pipeline.controller as controller
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
-    cfg = load_config([
-        "preset=tiny", "trainer.total_steps=3", f"trainer.output_dir={tmp_path}", "trainer.progress=auto",
-        "trainer.status_interval_s=0.001", "trainer.loggers=[console,jsonl,wandb]", "trainer.val_before_train=false",
-    ])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            "trainer.total_steps=3",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.progress=auto",
+            "trainer.status_interval_s=0.001",
+            "trainer.loggers=[console,jsonl,wandb]",
+            "trainer.val_before_train=false",
+        ]
+    )
     controller.train(cfg)
     out = capsys.readouterr().out
     assert not CONTROL.search(out), repr(out)

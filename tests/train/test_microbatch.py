@@ -4,13 +4,12 @@ fixed-count path, through the real actor worker (in-process, one gloo rank)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from offstep.batch import Sample, collate, micro_batches, plan_micro_batches, sample_lengths, scatter_rows, trim_padding
-from offstep.launch.loader import ConfigError, load_config
 from offstep.config.schema import ActorConfig, AlgorithmConfig
+from offstep.launch.loader import ConfigError, load_config
 from offstep.launch.preflight import validate
 
 # ---------------------------------------------------------------- the planner (pure)
@@ -64,12 +63,18 @@ def _samples(prompt_lens, resp_lens, vocab=512, seed=0) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i, (p, r) in enumerate(zip(prompt_lens, resp_lens)):
-        out.append(Sample(
-            uid=i // 2, prompt_ids=torch.randint(3, vocab, (p,), generator=g).tolist(),
-            response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(),
-            rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist(), finish_reason="stop",
-            score=float(i % 2), version=0, ref_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
-        ))
+        out.append(
+            Sample(
+                uid=i // 2,
+                prompt_ids=torch.randint(3, vocab, (p,), generator=g).tolist(),
+                response_ids=torch.randint(3, vocab, (r,), generator=g).tolist(),
+                rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
+                finish_reason="stop",
+                score=float(i % 2),
+                version=0,
+                ref_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
+            )
+        )
     return out
 
 
@@ -177,7 +182,10 @@ def test_budget_gradients_equal_count_gradients(spec, loss_agg_mode):
         actor.opt.zero_grad(set_to_none=True)
         for _, mb in actor._micro_batches(batch, 4, budget):
             actor._micro_step(mb, denom)
-        out = [p.grad.full_tensor().clone() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in actor.model.parameters()]
+        out = [
+            p.grad.full_tensor().clone() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+            for p in actor.model.parameters()
+        ]
         actor.opt.zero_grad(set_to_none=True)
         return out
 
@@ -195,7 +203,10 @@ def test_update_with_budget_matches_count(spec):
     for budget in (0, 60):
         actor = _actor(spec, budget)
         metrics, _ = actor.update(batch)
-        params = [p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone() for p in actor.model.parameters()]
+        params = [
+            p.full_tensor().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+            for p in actor.model.parameters()
+        ]
         results.append((metrics, params))
     (m0, p0), (m1, p1) = results
     for key in ("pg_loss", "kl", "entropy", "grad_norm"):
@@ -221,11 +232,19 @@ def test_two_ranks_with_token_budget_run(tmp_path, ray_session):
     from offstep.pipeline.controller import train
     from offstep.telemetry.metrics import read_jsonl
 
-    cfg = load_config([
-        "preset=tiny", "pipeline.max_staleness=0", "pipeline.colocate=true", "resources.trainer_workers=2",
-        "trainer.total_steps=2", f"trainer.output_dir={tmp_path}", "trainer.progress=off",
-        "trainer.val_before_train=false", "actor.micro_token_budget=120",
-    ])
+    cfg = load_config(
+        [
+            "preset=tiny",
+            "pipeline.max_staleness=0",
+            "pipeline.colocate=true",
+            "resources.trainer_workers=2",
+            "trainer.total_steps=2",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.progress=off",
+            "trainer.val_before_train=false",
+            "actor.micro_token_budget=120",
+        ]
+    )
     train(cfg)
     metrics = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["step"] >= 1]
     assert [m["policy_version"] for m in metrics] == [1, 2]

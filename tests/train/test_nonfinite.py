@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from offstep.cli import main
-from offstep.launch.loader import load_config
 from offstep.config.schema import OptimConfig
+from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
 from offstep.telemetry.metrics import read_jsonl
 from offstep.train.fsdp import NonFiniteError, clip_and_step, make_optimizer
@@ -36,7 +36,10 @@ def test_finite_step_is_clipped_and_taken():
     assert model.weight.grad is None and sched.last_epoch == 1
 
 
-@pytest.mark.parametrize("grad, loss", [([float("nan"), 1.0], 0.5), ([float("inf"), 1.0], 0.5), ([3.0, 4.0], float("nan")), ([3.0, 4.0], float("inf"))])
+@pytest.mark.parametrize(
+    "grad, loss",
+    [([float("nan"), 1.0], 0.5), ([float("inf"), 1.0], 0.5), ([3.0, 4.0], float("nan")), ([3.0, 4.0], float("inf"))],
+)
 def test_nonfinite_grad_or_loss_is_skipped(grad, loss):
     model, opt, sched = linear_with_grad(grad)
     norm, stepped = clip_and_step(model, opt, sched, max_norm=1.0, loss=loss)
@@ -52,7 +55,9 @@ def test_nonfinite_stop_raises_naming_the_key_and_where():
     with pytest.raises(NonFiniteError) as info:
         clip_and_step(model, opt, sched, max_norm=1.0, loss=0.5, nonfinite="stop", where="step 7")
     msg = str(info.value)
-    assert "step 7" in msg and "actor.nonfinite=stop" in msg and "actor.nonfinite=skip" in msg and "grad_norm=nan" in msg
+    assert (
+        "step 7" in msg and "actor.nonfinite=stop" in msg and "actor.nonfinite=skip" in msg and "grad_norm=nan" in msg
+    )
     assert model.weight.detach().tolist() == [[1.0, 1.0]]
     # a finite update under "stop" steps as usual
     model, opt, sched = linear_with_grad([3.0, 4.0])
@@ -105,8 +110,14 @@ def huge_reward_run(tmp_path, *extra: str) -> list[str]:
     scorer = tmp_path / "huge.py"
     scorer.write_text(HUGE)
     return [
-        "preset=tiny", "pipeline.max_staleness=1", "trainer.total_steps=3", "trainer.val_before_train=false",
-        f"trainer.output_dir={tmp_path / 'run'}", "trainer.progress=off", f"reward.custom_path={scorer}", *extra,
+        "preset=tiny",
+        "pipeline.max_staleness=1",
+        "trainer.total_steps=3",
+        "trainer.val_before_train=false",
+        f"trainer.output_dir={tmp_path / 'run'}",
+        "trainer.progress=off",
+        f"reward.custom_path={scorer}",
+        *extra,
     ]
 
 

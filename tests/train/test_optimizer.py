@@ -38,8 +38,9 @@ def test_fused_equals_the_per_tensor_loop_within_float32_rounding():
     cfg = OptimConfig(lr=1e-2, weight_decay=0.01, warmup_steps=3)
     fused_net, loop_net = _net(), _net()
     fused, fused_sched = make_optimizer(fused_net.parameters(), cfg)
-    loop = torch.optim.AdamW(loop_net.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-                             foreach=False)
+    loop = torch.optim.AdamW(
+        loop_net.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=False
+    )
     loop_sched = torch.optim.lr_scheduler.LambdaLR(loop, lambda s: min(1.0, (s + 1) / 3))
     start = copy.deepcopy(loop_net.state_dict())
     _train(fused_net, fused, fused_sched, 20)

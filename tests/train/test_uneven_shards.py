@@ -35,12 +35,17 @@ def _batch(n: int, seed: int = 0):
     samples = []
     for i in range(n):
         p, r = 3 + i % 4, 2 + (5 * i) % 7
-        samples.append(Sample(
-            uid=i // 2, prompt_ids=torch.randint(3, 500, (p,), generator=g).tolist(),
-            response_ids=torch.randint(3, 500, (r,), generator=g).tolist(),
-            rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist(), finish_reason="stop",
-            score=float(i % 2), version=0,
-        ))
+        samples.append(
+            Sample(
+                uid=i // 2,
+                prompt_ids=torch.randint(3, 500, (p,), generator=g).tolist(),
+                response_ids=torch.randint(3, 500, (r,), generator=g).tolist(),
+                rollout_logprobs=(-torch.rand(r, generator=g) * 3).tolist(),
+                finish_reason="stop",
+                score=float(i % 2),
+                version=0,
+            )
+        )
     batch = collate(samples, pad_id=0)
     batch.advantages = torch.randn(n, 1, generator=g) * batch.response_mask
     return batch
@@ -70,9 +75,16 @@ def _run(rank: int, world: int, port: int, out) -> None:
     spec = GroupSpec(rank, world, "127.0.0.1", port, "cpu", 1)
     results = []
     for n, mini, mode in CASES:
-        actor = ActorWorker(spec, 0, str(resolve_model("tiny")), "float32", "float32",
-                            ActorConfig(micro_batch_size=2, mini_batch_size=mini),
-                            AlgorithmConfig(loss_agg_mode=mode, use_kl_loss=False), 1.0)
+        actor = ActorWorker(
+            spec,
+            0,
+            str(resolve_model("tiny")),
+            "float32",
+            "float32",
+            ActorConfig(micro_batch_size=2, mini_batch_size=mini),
+            AlgorithmConfig(loss_agg_mode=mode, use_kl_loss=False),
+            1.0,
+        )
         batch = _batch(n)
         logp, _ = actor.compute_logprobs(batch)
         metrics, _ = actor.update(batch)

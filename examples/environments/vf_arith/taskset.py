@@ -49,5 +49,12 @@ class ArithTaskset(vf.Taskset[ArithTask, ArithConfig]):
         rng = random.Random(self.config.seed)
         for i in range(self.config.size):
             a, b = rng.randint(1, 20), rng.randint(1, 20)
-            yield ArithTask(ArithData(id=f"sum-{i}", prompt=f"What is {a} + {b}? Answer with the number.",
-                                      answer=a + b, fail_every=self.config.fail_every), self.config.task)
+            yield ArithTask(
+                ArithData(
+                    id=f"sum-{i}",
+                    prompt=f"What is {a} + {b}? Answer with the number.",
+                    answer=a + b,
+                    fail_every=self.config.fail_every,
+                ),
+                self.config.task,
+            )

@@ -15,11 +15,17 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from offstep.launch.verl.translate import _literal
 from offstep.errors import VerlKeyError
+from offstep.launch.verl.translate import _literal
 
-FLAGS = {"--config-path": "path", "-cp": "path", "--config-dir": "path", "-cd": "path",
-         "--config-name": "name", "-cn": "name"}
+FLAGS = {
+    "--config-path": "path",
+    "-cp": "path",
+    "--config-dir": "path",
+    "-cd": "path",
+    "--config-name": "name",
+    "-cn": "name",
+}
 
 
 def _key(arg: str) -> str:
@@ -70,7 +76,7 @@ def _compose(folder: Path, name: str, missing: list[str]) -> DictConfig:
             merged, own_done = OmegaConf.merge(merged, raw), True
             continue
         if isinstance(entry, (dict, DictConfig)):  # group: option (optionally group@package)
-            (group, option), = entry.items()
+            ((group, option),) = entry.items()
             group, _, package = str(group).partition("@")
             file = folder / group / f"{option}.yaml"
             if file.is_file():
@@ -101,13 +107,17 @@ def _flatten(root: DictConfig, node: DictConfig, prefix: str, out: list[str], no
         try:
             value = OmegaConf.select(root, full, throw_on_resolution_failure=True)
         except OmegaConfBaseException:
-            notes.append(f"{full}: its interpolation refers to verl's defaults, which are not loaded here; offstep's "
-                         f"translation of the default applies")
+            notes.append(
+                f"{full}: its interpolation refers to verl's defaults, which are not loaded here; offstep's "
+                f"translation of the default applies"
+            )
             continue
         if isinstance(value, DictConfig) and len(value):
             _flatten(root, value, f"{full}.", out, notes)
         else:
-            plain = OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+            plain = (
+                OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig, ListConfig)) else value
+            )
             out.append(f"{full}={_literal(plain)}")
 
 
@@ -145,15 +155,21 @@ def expand_config_files(args: list[str]) -> tuple[list[str], list[str]]:
     try:
         cfg = _compose(folder, name, missing)
     except (OSError, OmegaConfBaseException) as e:
-        raise VerlKeyError(f"--config-name={name}: {folder / name}.yaml cannot be read as a verl config ({e}). "
-                           f"Fix: correct the file, or give its keys on the command line") from None
+        raise VerlKeyError(
+            f"--config-name={name}: {folder / name}.yaml cannot be read as a verl config ({e}). "
+            f"Fix: correct the file, or give its keys on the command line"
+        ) from None
     _command_line_on(cfg, rest)
     out: list[str] = []
-    notes = [f"--config-path={folder} --config-name={name}: {name}.yaml read; its keys are translated as verl "
-             f"overrides, the command line's on top"]
+    notes = [
+        f"--config-path={folder} --config-name={name}: {name}.yaml read; its keys are translated as verl "
+        f"overrides, the command line's on top"
+    ]
     if missing:
-        notes.append(f"{name}.yaml defaults [{', '.join(missing)}]: verl's packaged configs, not here; the file's own "
-                     f"keys apply over offstep's translation of verl's defaults")
+        notes.append(
+            f"{name}.yaml defaults [{', '.join(missing)}]: verl's packaged configs, not here; the file's own "
+            f"keys apply over offstep's translation of verl's defaults"
+        )
     _flatten(cfg, cfg, "", out, notes)
     entry = keep if name.startswith("fully_async_") or "megatron" in name else []
     return [*entry, *out, *rest], notes

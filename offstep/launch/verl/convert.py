@@ -119,8 +119,12 @@ LOSS_MODES = {"vanilla": "ppo", "gspo": "gspo", "cispo": "cispo", "gpg": "pg"}
 def loss_mode(key: str, v: Any) -> str:
     """verl's vanilla is offstep's ppo, gpg its pg; gspo and cispo keep their names."""
     if v not in LOSS_MODES:
-        raise fail(key, v, f"offstep's surrogates are {sorted(LOSS_MODES)} (verl names; offstep's "
-                   f"algorithm.policy_loss: ppo, gspo, cispo, pg)")
+        raise fail(
+            key,
+            v,
+            f"offstep's surrogates are {sorted(LOSS_MODES)} (verl names; offstep's "
+            f"algorithm.policy_loss: ppo, gspo, cispo, pg)",
+        )
     return LOSS_MODES[v]
 
 

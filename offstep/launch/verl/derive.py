@@ -9,14 +9,14 @@ from typing import Any, Callable
 
 from offstep.config.choices import OVERLONG_MODES
 from offstep.config.schema import Config
-from offstep.launch.verl.dapo_keys import dapo_recipe, rollout_is_threshold
+from offstep.errors import OffstepError, VerlKeyError
 from offstep.launch.verl.convert import fail, training_rows, whole
+from offstep.launch.verl.dapo_keys import dapo_recipe, rollout_is_threshold
+from offstep.launch.verl.distill_keys import distillation
 from offstep.launch.verl.fully_async import fully_async_mode
 from offstep.launch.verl.layout import colocated_layout, verl_defaults, verl_values
-from offstep.launch.verl.distill_keys import distillation
 from offstep.launch.verl.reward_model_keys import reward_model
 from offstep.launch.verl.translate import Translation, async_signals, refusals
-from offstep.errors import OffstepError, VerlKeyError
 
 
 def _gpu_visible(cfg: Config) -> bool:
@@ -48,8 +48,9 @@ def _devices(cfg: Config, v: dict, root: str, workers: str, gpus: str) -> list[s
 
 def _resources(cfg: Config, t: Translation) -> list[str]:
     v = t.verl
-    return (_devices(cfg, v, "trainer", "resources.trainer_workers", "resources.gpus_per_trainer_worker")
-            + _devices(cfg, v, "rollout", "rollout.replicas", "rollout.gpus_per_replica"))
+    return _devices(cfg, v, "trainer", "resources.trainer_workers", "resources.gpus_per_trainer_worker") + _devices(
+        cfg, v, "rollout", "rollout.replicas", "rollout.gpus_per_replica"
+    )
 
 
 def _mini_batches(cfg: Config, t: Translation) -> list[str]:
@@ -59,18 +60,24 @@ def _mini_batches(cfg: Config, t: Translation) -> list[str]:
     if key in v:
         prompts = whole(key, v[key])
         cfg.actor.mini_batch_size = prompts * cfg.rollout.n
-        notes.append(f"{key}={prompts} prompts -> actor.mini_batch_size={cfg.actor.mini_batch_size} sequences (x rollout.n={cfg.rollout.n})")
+        notes.append(
+            f"{key}={prompts} prompts -> actor.mini_batch_size={cfg.actor.mini_batch_size} sequences (x rollout.n={cfg.rollout.n})"
+        )
     key = "actor_rollout_ref.actor.ppo_micro_batch_size"
     if key in v and v[key] is not None:
         total = whole(key, v[key])
         workers = cfg.resources.trainer_workers
         cfg.actor.micro_batch_size = max(1, total // workers)
-        notes.append(f"{key}={total} -> actor.micro_batch_size={cfg.actor.micro_batch_size} per trainer worker (/ {workers})")
+        notes.append(
+            f"{key}={total} -> actor.micro_batch_size={cfg.actor.micro_batch_size} per trainer worker (/ {workers})"
+        )
     dyn, budget = "actor_rollout_ref.actor.use_dynamic_bsz", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
     if v.get(dyn):
         cfg.actor.micro_token_budget = whole(budget, v.get(budget, 16384))
-        notes.append(f"{dyn}=true -> actor.micro_token_budget={cfg.actor.micro_token_budget} (rows x longest sample, "
-                     f"where verl counts the tokens without padding)")
+        notes.append(
+            f"{dyn}=true -> actor.micro_token_budget={cfg.actor.micro_token_budget} (rows x longest sample, "
+            f"where verl counts the tokens without padding)"
+        )
     elif budget in v:
         notes.append(f"{budget}: accepted, no effect (used only with use_dynamic_bsz=true)")
     return notes
@@ -102,14 +109,22 @@ def _steps(cfg: Config, t: Translation) -> list[str]:
         try:
             rows = training_rows(cfg)
         except (OffstepError, ValueError, OSError) as err:
-            raise VerlKeyError(f"verl key {epochs}={n_epochs} counts the rows of data.train_files, which failed: {err}") from None
+            raise VerlKeyError(
+                f"verl key {epochs}={n_epochs} counts the rows of data.train_files, which failed: {err}"
+            ) from None
         per_epoch = rows // cfg.data.train_batch_size
         if per_epoch < 1:
-            raise fail(epochs, n_epochs, f"the {rows} training prompts do not fill one batch of "
-                       f"data.train_batch_size={cfg.data.train_batch_size}; lower data.train_batch_size")
+            raise fail(
+                epochs,
+                n_epochs,
+                f"the {rows} training prompts do not fill one batch of "
+                f"data.train_batch_size={cfg.data.train_batch_size}; lower data.train_batch_size",
+            )
         cfg.trainer.total_steps = n_epochs * per_epoch
-        notes.append(f"{epochs}={n_epochs} -> trainer.total_steps={cfg.trainer.total_steps} ({n_epochs} x floor("
-                     f"{rows} prompts / {cfg.data.train_batch_size}), counted before data.filter_overlong_prompts)")
+        notes.append(
+            f"{epochs}={n_epochs} -> trainer.total_steps={cfg.trainer.total_steps} ({n_epochs} x floor("
+            f"{rows} prompts / {cfg.data.train_batch_size}), counted before data.filter_overlong_prompts)"
+        )
     for role in ("actor", "critic"):
         prefix = "actor_rollout_ref.actor.optim" if role == "actor" else "critic.optim"
         optim = getattr(cfg, role).optim
@@ -118,15 +133,19 @@ def _steps(cfg: Config, t: Translation) -> list[str]:
             optim.warmup_steps = whole(warm, v[warm])
         elif ratio in v and float(v[ratio]) > 0:
             optim.warmup_steps = int(float(v[ratio]) * cfg.trainer.total_steps)
-            notes.append(f"{ratio}={v[ratio]} -> {role}.optim.warmup_steps={optim.warmup_steps} (x trainer.total_steps={cfg.trainer.total_steps})")
+            notes.append(
+                f"{ratio}={v[ratio]} -> {role}.optim.warmup_steps={optim.warmup_steps} (x trainer.total_steps={cfg.trainer.total_steps})"
+            )
     return notes
 
 
 def _sampling(cfg: Config, t: Translation) -> list[str]:
     v = t.verl
     notes = []
-    for key, attr in (("actor_rollout_ref.rollout.do_sample", "temperature"),
-                      ("actor_rollout_ref.rollout.val_kwargs.do_sample", "val_temperature")):
+    for key, attr in (
+        ("actor_rollout_ref.rollout.do_sample", "temperature"),
+        ("actor_rollout_ref.rollout.val_kwargs.do_sample", "val_temperature"),
+    ):
         if key in v and not v[key]:
             setattr(cfg.rollout, attr, 0.0)
             notes.append(f"{key}=false -> rollout.{attr}=0 (greedy)")
@@ -144,10 +163,14 @@ def _sampling(cfg: Config, t: Translation) -> list[str]:
         has_vllm = importlib.util.find_spec("vllm") is not None
         cfg.rollout.engine = "vllm" if name != "hf" and has_vllm else "builtin"
         missing = ": vLLM is not installed here, so the built-in engine serves the rollouts"
-        why = {"vllm": "" if has_vllm else missing,
-               "sglang": ": offstep has no SGLang engine; vLLM, the other engine verl offers, serves instead (set "
-                         f"{key}=hf for offstep's built-in engine)" if has_vllm else f": offstep has no SGLang engine{missing}",
-               "hf": ""}[name]
+        why = {
+            "vllm": "" if has_vllm else missing,
+            "sglang": ": offstep has no SGLang engine; vLLM, the other engine verl offers, serves instead (set "
+            f"{key}=hf for offstep's built-in engine)"
+            if has_vllm
+            else f": offstep has no SGLang engine{missing}",
+            "hf": "",
+        }[name]
         notes.append(f"{key}={name} -> rollout.engine={cfg.rollout.engine}{why}")
     return notes
 
@@ -162,8 +185,12 @@ def _prompts(cfg: Config, t: Translation) -> list[str]:
         return [f"{filt}=true -> data.overlong_prompts=filter"]
     how = v.get(trunc, "error")
     if how not in OVERLONG_MODES or how == "filter":
-        raise fail(trunc, how, "verl's truncations are error, left, right and middle; or set "
-                   "data.filter_overlong_prompts=true to drop prompts longer than data.max_prompt_length")
+        raise fail(
+            trunc,
+            how,
+            "verl's truncations are error, left, right and middle; or set "
+            "data.filter_overlong_prompts=true to drop prompts longer than data.max_prompt_length",
+        )
     cfg.data.overlong_prompts = how
     return [f"{filt}=false, {trunc}={how} -> data.overlong_prompts={how}"]
 
@@ -183,10 +210,15 @@ def verl_k1_bounds(spec: Any) -> tuple[float, float]:
         upper_f = float(upper)
         lower_f = float(lower) if lower is not None else 1.0 / upper_f
     except ValueError:
-        raise fail("algorithm.rollout_correction.rollout_rs_threshold", spec, "a k1 threshold is 'lower_upper' or upper") from None
+        raise fail(
+            "algorithm.rollout_correction.rollout_rs_threshold", spec, "a k1 threshold is 'lower_upper' or upper"
+        ) from None
     if not 0 < lower_f < 1 < upper_f:
-        raise fail("algorithm.rollout_correction.rollout_rs_threshold", spec,
-                   "a k1 threshold needs 0 < lower < 1 < upper (ratio bounds of pi_rollout / pi_old)")
+        raise fail(
+            "algorithm.rollout_correction.rollout_rs_threshold",
+            spec,
+            "a k1 threshold needs 0 < lower < 1 < upper (ratio bounds of pi_rollout / pi_old)",
+        )
     return 1.0 / upper_f, 1.0 / lower_f
 
 
@@ -203,7 +235,9 @@ def _correction(cfg: Config, t: Translation) -> list[str]:
             raise fail(key, v[key], "rollout_is is null, token or sequence")
         a.tis = v[key] is not None
         a.tis_level = v[key] or a.tis_level
-        notes.append(f"{key}={v[key]} -> algorithm.tis={a.tis}" + (f", algorithm.tis_level={a.tis_level}" if a.tis else ""))
+        notes.append(
+            f"{key}={v[key]} -> algorithm.tis={a.tis}" + (f", algorithm.tis_level={a.tis_level}" if a.tis else "")
+        )
     key, tkey = "algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs_threshold"
     if v.get(key) is None:
         if v.get(tkey) is not None:
@@ -218,20 +252,30 @@ def _correction(cfg: Config, t: Translation) -> list[str]:
     specs = specs * len(options) if len(specs) == 1 else specs
     k1 = [o for o in options if o in K1_LEVELS]
     if len(k1) > 1:
-        raise fail(key, v[key], "offstep applies one ratio test (token_k1, seq_sum_k1 or seq_mean_k1), plus seq_mean_k3")
+        raise fail(
+            key, v[key], "offstep applies one ratio test (token_k1, seq_sum_k1 or seq_mean_k1), plus seq_mean_k3"
+        )
     for option, spec in zip(options, specs):
         if option in K1_LEVELS:
             a.rejection_level = K1_LEVELS[option]
             a.rejection_ratio_low, a.rejection_ratio_high = verl_k1_bounds(spec)
-            notes.append(f"rollout_rs={option} rollout_rs_threshold={spec} (pi_rollout/pi_old) -> algorithm.rejection_level="
-                         f"{a.rejection_level}, rejection_ratio_low={a.rejection_ratio_low:.6g}, rejection_ratio_high="
-                         f"{a.rejection_ratio_high:.6g} (pi_old/pi_rollout)")
+            notes.append(
+                f"rollout_rs={option} rollout_rs_threshold={spec} (pi_rollout/pi_old) -> algorithm.rejection_level="
+                f"{a.rejection_level}, rejection_ratio_low={a.rejection_ratio_low:.6g}, rejection_ratio_high="
+                f"{a.rejection_ratio_high:.6g} (pi_old/pi_rollout)"
+            )
         elif option == "seq_mean_k3":
             a.rejection_kl = float(spec)
-            notes.append(f"rollout_rs=seq_mean_k3 rollout_rs_threshold={spec} -> algorithm.rejection_kl={a.rejection_kl}")
+            notes.append(
+                f"rollout_rs=seq_mean_k3 rollout_rs_threshold={spec} -> algorithm.rejection_kl={a.rejection_kl}"
+            )
         else:
-            raise fail(key, option, "offstep rejects by token_k1, seq_sum_k1, seq_mean_k1 (ratio bounds) and seq_mean_k3 "
-                       "(mean mismatch KL); the k2, seq_sum_k3 and seq_max options are not offered")
+            raise fail(
+                key,
+                option,
+                "offstep rejects by token_k1, seq_sum_k1, seq_mean_k1 (ratio bounds) and seq_mean_k3 "
+                "(mean mismatch KL); the k2, seq_sum_k3 and seq_max options are not offered",
+            )
     return notes
 
 
@@ -258,8 +302,12 @@ def _critic_model(cfg: Config, t: Translation) -> list[str]:
     v = t.verl
     key = "critic.model.path"
     if key in v and str(v[key]) != cfg.model.path:
-        raise fail(key, v[key], f"offstep's critic is the policy's model ({cfg.model.path}) with a value head; drop "
-                   f"critic.model.path or set it to actor_rollout_ref.model.path")
+        raise fail(
+            key,
+            v[key],
+            f"offstep's critic is the policy's model ({cfg.model.path}) with a value head; drop "
+            f"critic.model.path or set it to actor_rollout_ref.model.path",
+        )
     return [f"{key}: accepted (the policy's model, with a value head)"] if key in v else []
 
 
@@ -268,8 +316,23 @@ def _critic_model(cfg: Config, t: Translation) -> list[str]:
 # count, the step count before the warm-up ratio; the layout after the resources, verl's defaults
 # (the warm-up among them) last.
 DERIVATIONS: list[Callable[[Config, Translation], list[str]]] = [
-    verl_values, _resources, colocated_layout, _mini_batches, _clip_ratio, _sampling, fully_async_mode, _steps, _prompts,
-    _correction, _resume, _critic_model, reward_model, distillation, dapo_recipe, rollout_is_threshold, verl_defaults,
+    verl_values,
+    _resources,
+    colocated_layout,
+    _mini_batches,
+    _clip_ratio,
+    _sampling,
+    fully_async_mode,
+    _steps,
+    _prompts,
+    _correction,
+    _resume,
+    _critic_model,
+    reward_model,
+    distillation,
+    dapo_recipe,
+    rollout_is_threshold,
+    verl_defaults,
 ]
 
 

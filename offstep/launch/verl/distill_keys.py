@@ -16,8 +16,23 @@ from offstep.launch.verl.translate import Translation
 ENABLED, PATH = "distillation.enabled", "distillation.teacher_model.model_path"
 POOL, WORKERS = "distillation.teacher_model.enable_resource_pool", "distillation.num_workers"
 LOSS = "distillation.distillation_loss."
-KEYS = (PATH, POOL, WORKERS, *(LOSS + k for k in ("loss_mode", "topk", "use_task_rewards", "distillation_loss_coef",
-                                                  "log_prob_min_clamp", "use_policy_gradient", "loss_max_clamp")))
+KEYS = (
+    PATH,
+    POOL,
+    WORKERS,
+    *(
+        LOSS + k
+        for k in (
+            "loss_mode",
+            "topk",
+            "use_task_rewards",
+            "distillation_loss_coef",
+            "log_prob_min_clamp",
+            "use_policy_gradient",
+            "loss_max_clamp",
+        )
+    ),
+)
 # verl's mode and use_policy_gradient -> offstep's loss_mode
 MODES = {("k1", True): "k1", ("forward_kl_topk", False): "forward_kl_topk"}
 
@@ -42,8 +57,11 @@ def distillation(cfg: Config, t: Translation) -> list[str]:
     if not _flag(ENABLED, v.get(ENABLED, False)):
         return [f"{k}: no effect (distillation.enabled is not True)" for k in KEYS if k in v]
     if not v.get(PATH):
-        raise fail(ENABLED, v[ENABLED], f"needs {PATH}, the teacher's folder (a causal LM with the policy's tokenizer; "
-                   f"docs/distillation.md)")
+        raise fail(
+            ENABLED,
+            v[ENABLED],
+            f"needs {PATH}, the teacher's folder (a causal LM with the policy's tokenizer; docs/distillation.md)",
+        )
     d = cfg.distill
     d.teacher.path = str(v[PATH])
     notes = [f"{ENABLED}=True {PATH}={d.teacher.path} -> distill.teacher.path={d.teacher.path}"]
@@ -51,14 +69,19 @@ def distillation(cfg: Config, t: Translation) -> list[str]:
         d.teacher.placement = "pool"
         if v.get(WORKERS) is not None:
             cfg.resources.teacher_workers = whole(WORKERS, v[WORKERS])
-        notes.append(f"{POOL}=True -> distill.teacher.placement=pool, resources.teacher_workers="
-                     f"{cfg.resources.teacher_workers}")
+        notes.append(
+            f"{POOL}=True -> distill.teacher.placement=pool, resources.teacher_workers={cfg.resources.teacher_workers}"
+        )
     mode = str(v.get(LOSS + "loss_mode", "k3"))
     gradient = _flag(LOSS + "use_policy_gradient", v.get(LOSS + "use_policy_gradient", True))
     if (mode, gradient) not in MODES:
-        raise fail(LOSS + "loss_mode", mode, f"with use_policy_gradient={gradient} has no offstep counterpart; offstep "
-                   f"has k1 by the policy gradient (use_policy_gradient=True) and forward_kl_topk as a supervised "
-                   f"loss (use_policy_gradient=False): distill.loss_mode=k1 | forward_kl_topk (docs/distillation.md)")
+        raise fail(
+            LOSS + "loss_mode",
+            mode,
+            f"with use_policy_gradient={gradient} has no offstep counterpart; offstep "
+            f"has k1 by the policy gradient (use_policy_gradient=True) and forward_kl_topk as a supervised "
+            f"loss (use_policy_gradient=False): distill.loss_mode=k1 | forward_kl_topk (docs/distillation.md)",
+        )
     d.loss_mode = MODES[mode, gradient]
     notes.append(f"{LOSS}loss_mode={mode} use_policy_gradient={gradient} -> distill.loss_mode={d.loss_mode}")
     if v.get(LOSS + "topk") is not None:
@@ -70,6 +93,8 @@ def distillation(cfg: Config, t: Translation) -> list[str]:
     if v.get(LOSS + "log_prob_min_clamp") is not None:
         d.log_prob_min_clamp = _number(LOSS + "log_prob_min_clamp", v[LOSS + "log_prob_min_clamp"])
     if v.get(LOSS + "loss_max_clamp") is not None:
-        notes.append(f"{LOSS}loss_max_clamp: no effect (offstep bounds the k1 signal by log_prob_min_clamp; the top-k "
-                     f"term is a KL between renormalised distributions)")
+        notes.append(
+            f"{LOSS}loss_max_clamp: no effect (offstep bounds the k1 signal by log_prob_min_clamp; the top-k "
+            f"term is a KL between renormalised distributions)"
+        )
     return notes

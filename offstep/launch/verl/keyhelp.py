@@ -20,10 +20,15 @@ def _value(v) -> str:
 def entry(key: str, rule: To | Derived | Note | Refuse) -> str:
     """One line for ``key`` under ``rule``: what it becomes and why."""
     if isinstance(rule, To):
-        target = rule.key + key[len(prefix_of(key)):] if rule.key.endswith(".") else rule.key
+        target = rule.key + key[len(prefix_of(key)) :] if rule.key.endswith(".") else rule.key
         how = " ".join((rule.convert.__doc__ or "").split()) if rule.convert else ""
-        text = f"translated to {target}" + (f", the value converted ({how.rstrip('.')})" if how else
-                                             ", the value converted to offstep's convention" if rule.convert else "")
+        text = f"translated to {target}" + (
+            f", the value converted ({how.rstrip('.')})"
+            if how
+            else ", the value converted to offstep's convention"
+            if rule.convert
+            else ""
+        )
         return text + (f"; {rule.note}" if rule.note else "")
     if isinstance(rule, Derived):
         return f"derived: sets {rule.targets}: {rule.how}"
@@ -36,7 +41,7 @@ def entry(key: str, rule: To | Derived | Note | Refuse) -> str:
 def targets(rule: To | Derived | Note | Refuse, key: str) -> list[str]:
     """The offstep keys ``rule`` sets (for their own help)."""
     if isinstance(rule, To):
-        return [rule.key + key[len(prefix_of(key)):] if rule.key.endswith(".") else rule.key]
+        return [rule.key + key[len(prefix_of(key)) :] if rule.key.endswith(".") else rule.key]
     if isinstance(rule, Derived):
         return re.findall(r"[a-z_]+(?:\.[a-z_]+)+", rule.targets)
     return []
@@ -63,6 +68,8 @@ def describe(query: str) -> str | None:
         lines += [f"  {p}*: {entry(p, r)}" for p, r in groups]
         return "\n".join(lines)
     if key.split(".")[0] in VERL_ONLY_ROOTS:
-        return (f"verl key {key}: not in offstep's table, so a command line with it is refused rather than ignored "
-                f"({DOC} lists the verl keys offstep translates, notes and refuses)")
+        return (
+            f"verl key {key}: not in offstep's table, so a command line with it is refused rather than ignored "
+            f"({DOC} lists the verl keys offstep translates, notes and refuses)"
+        )
     return None

@@ -47,8 +47,9 @@ def is_verl_command(t: Translation) -> bool:
 
 def is_main_ppo(t: Translation) -> bool:
     """verl's main_ppo layout: trainer devices given, no rollout pool, no fully-async key."""
-    return (any(k in t.given for k in TRAINER_POOL) and not any(k in t.given for k in ROLLOUT_POOL)
-            and not async_signals(t))
+    return (
+        any(k in t.given for k in TRAINER_POOL) and not any(k in t.given for k in ROLLOUT_POOL) and not async_signals(t)
+    )
 
 
 def colocated_layout(cfg: Config, t: Translation) -> list[str]:
@@ -62,19 +63,25 @@ def colocated_layout(cfg: Config, t: Translation) -> list[str]:
     notes = []
     if colocate:
         p.colocate, p.max_staleness = True, 0
-        notes.append("trainer.n_gpus_per_node without rollout.n_gpus_per_node: verl's main_ppo (hybrid engine, "
-                     "synchronous) -> pipeline.colocate=true pipeline.max_staleness=0 (the rollout takes turns with "
-                     "the trainer on its devices; add rollout.n_gpus_per_node for verl's one-step layout)")
+        notes.append(
+            "trainer.n_gpus_per_node without rollout.n_gpus_per_node: verl's main_ppo (hybrid engine, "
+            "synchronous) -> pipeline.colocate=true pipeline.max_staleness=0 (the rollout takes turns with "
+            "the trainer on its devices; add rollout.n_gpus_per_node for verl's one-step layout)"
+        )
     else:
-        notes.append(f"trainer.n_gpus_per_node without rollout.n_gpus_per_node is verl's colocated main_ppo, but "
-                     f"{', '.join(given)} given: offstep's separate rollout pool (drop {given[0]} for the colocated layout)")
+        notes.append(
+            f"trainer.n_gpus_per_node without rollout.n_gpus_per_node is verl's colocated main_ppo, but "
+            f"{', '.join(given)} given: offstep's separate rollout pool (drop {given[0]} for the colocated layout)"
+        )
     if "rollout.replicas" not in direct and (colocate or ro.replicas < 1):
         ro.replicas = res.trainer_workers
         notes.append(f"-> rollout.replicas={ro.replicas} (one per trainer worker)")
     if "rollout.gpus_per_replica" not in direct and ro.gpus_per_replica == 0 and res.gpus_per_trainer_worker > 0:
         ro.gpus_per_replica = res.gpus_per_trainer_worker
-        notes.append(f"-> rollout.gpus_per_replica={ro.gpus_per_replica} (a replica on a GPU node has a GPU"
-                     + (")" if colocate else "; the rollout pool is separate, so the run needs those GPUs too)"))
+        notes.append(
+            f"-> rollout.gpus_per_replica={ro.gpus_per_replica} (a replica on a GPU node has a GPU"
+            + (")" if colocate else "; the rollout pool is separate, so the run needs those GPUs too)")
+        )
     return notes
 
 
@@ -94,8 +101,10 @@ def _warmup(cfg: Config, t: Translation, direct: set[str]) -> list[str]:
         optim = getattr(cfg, role).optim
         if set_by_verl or f"{role}.optim.warmup_steps" in direct or optim.warmup_steps == 0:
             continue
-        notes.append(f"{role}.optim.warmup_steps={optim.warmup_steps} (preset {cfg.preset}) -> 0: verl's default, "
-                     f"no warm-up (set {warm} to warm up)")
+        notes.append(
+            f"{role}.optim.warmup_steps={optim.warmup_steps} (preset {cfg.preset}) -> 0: verl's default, "
+            f"no warm-up (set {warm} to warm up)"
+        )
         optim.warmup_steps = 0
     return notes
 
@@ -133,8 +142,10 @@ def verl_values(cfg: Config, t: Translation) -> list[str]:
         if value == verl_value or (ours == "trainer.val_freq" and cfg.pipeline.mode == "fully_async"):
             continue
         setattr(node, name, verl_value)
-        notes.append(f"{ours}={value} (preset {cfg.preset}) -> {verl_value}: verl's default for {theirs} "
-                     f"(set {theirs} to choose)")
+        notes.append(
+            f"{ours}={value} (preset {cfg.preset}) -> {verl_value}: verl's default for {theirs} "
+            f"(set {theirs} to choose)"
+        )
     return notes
 
 
@@ -152,8 +163,10 @@ def verl_defaults(cfg: Config, t: Translation) -> list[str]:
             notes.append(f"rollout.dtype={cfg.rollout.dtype} -> bfloat16: verl's default for {key} (bf16)")
             cfg.rollout.dtype = "bfloat16"
         else:
-            notes.append(f"rollout.dtype={cfg.rollout.dtype}: verl generates in bf16 ({key}), which a CPU rollout "
-                         f"runs slower; set {key}=bf16 to match verl")
+            notes.append(
+                f"rollout.dtype={cfg.rollout.dtype}: verl generates in bf16 ({key}), which a CPU rollout "
+                f"runs slower; set {key}=bf16 to match verl"
+            )
     return notes
 
 
@@ -166,10 +179,12 @@ def _one_response_groups(cfg: Config, direct: set[str]) -> list[str]:
     algo.one_response_groups = "score"
     if cfg.rollout.n != 1 or algo.adv_estimator not in ("grpo", "rloo", "opo"):
         return []
-    return [f"algorithm.one_response_groups=zero -> score: with rollout.n=1 every group of "
-            f"algorithm.adv_estimator={algo.adv_estimator} has one response, which verl scores with group mean 0 and "
-            f"std 1, so the advantage is the score (offstep's own convention gives 0, no gradient; "
-            f"docs/from-verl.md)"]
+    return [
+        f"algorithm.one_response_groups=zero -> score: with rollout.n=1 every group of "
+        f"algorithm.adv_estimator={algo.adv_estimator} has one response, which verl scores with group mean 0 and "
+        f"std 1, so the advantage is the score (offstep's own convention gives 0, no gradient; "
+        f"docs/from-verl.md)"
+    ]
 
 
 def nodes_of(overrides: list[str]) -> int:

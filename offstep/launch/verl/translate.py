@@ -11,10 +11,19 @@ from typing import Any
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from offstep.config.schema import Config
-from offstep.launch.verl.convert import DOC
-from offstep.launch.verl.table import (DERIVED_TARGETS, MEGATRON, TABLE, VERL_ONLY_ROOTS, Derived, Note, Refuse,
-                                       prefix_of, rule_for)
 from offstep.errors import VerlKeyError
+from offstep.launch.verl.convert import DOC
+from offstep.launch.verl.table import (
+    DERIVED_TARGETS,
+    MEGATRON,
+    TABLE,
+    VERL_ONLY_ROOTS,
+    Derived,
+    Note,
+    Refuse,
+    prefix_of,
+    rule_for,
+)
 
 
 @dataclass
@@ -94,8 +103,10 @@ def _entry_flag(out: Translation, arg: str) -> None:
     flag, value = arg.split("=", 1)
     name = value.strip("'\"")
     if flag != "--config-name":
-        out.notes.append(f"{flag}={name}: accepted, no effect (verl's config folder; offstep's configuration is its "
-                         f"schema, which `offstep train --cfg` prints)")
+        out.notes.append(
+            f"{flag}={name}: accepted, no effect (verl's config folder; offstep's configuration is its "
+            f"schema, which `offstep train --cfg` prints)"
+        )
         return
     name = name.removesuffix(".yaml")
     if "megatron" in name:
@@ -104,8 +115,9 @@ def _entry_flag(out: Translation, arg: str) -> None:
         out.given.add(flag)
         out.verl[flag] = name
     else:
-        out.notes.append(f"{flag}={name}: accepted (verl's trainer config; offstep composes its own, and "
-                         f"translates the keys given)")
+        out.notes.append(
+            f"{flag}={name}: accepted (verl's trainer config; offstep composes its own, and translates the keys given)"
+        )
 
 
 def translate(overrides: list[str], collect: bool = False) -> Translation:
@@ -129,13 +141,18 @@ def translate(overrides: list[str], collect: bool = False) -> Translation:
         rule = rule_for(key)
         out.given.add(key)
         if rule is None:
-            out.errors.append(f"{key}: a verl key that offstep does not know; it is neither translated nor "
-                              f"noted, so it is refused rather than ignored. Fix: drop it ({DOC} lists the verl "
-                              f"keys offstep translates, notes and refuses)")
+            out.errors.append(
+                f"{key}: a verl key that offstep does not know; it is neither translated nor "
+                f"noted, so it is refused rather than ignored. Fix: drop it ({DOC} lists the verl "
+                f"keys offstep translates, notes and refuses)"
+            )
         elif isinstance(rule, Refuse):
             if value not in rule.allow:
-                out.errors.append(f"verl key {key}={value!r} is refused: {rule.why}. Fix: drop it"
-                                  + (f" or set {rule.allow[0]!r}" if rule.allow else "") + f" ({DOC})")
+                out.errors.append(
+                    f"verl key {key}={value!r} is refused: {rule.why}. Fix: drop it"
+                    + (f" or set {rule.allow[0]!r}" if rule.allow else "")
+                    + f" ({DOC})"
+                )
             else:
                 out.notes.append(f"{key}={value!r}: accepted, no effect (other values are refused: {rule.why})")
         elif isinstance(rule, Note):
@@ -143,7 +160,7 @@ def translate(overrides: list[str], collect: bool = False) -> Translation:
         elif isinstance(rule, Derived):
             out.verl[key] = value
         elif rule.key.endswith("."):  # a group of keys under one offstep dict (override_config.*)
-            target = rule.key + key[len(prefix_of(key)):]
+            target = rule.key + key[len(prefix_of(key)) :]
             out.origin[target] = key
             out.overrides.append(f"+{target}={line.split('=', 1)[1]}")
             out.notes.append(f"{key} -> {target}" + (f" ({rule.note})" if rule.note else ""))
@@ -151,8 +168,10 @@ def translate(overrides: list[str], collect: bool = False) -> Translation:
             try:
                 _claim(out, rule.key, key)
                 if value == "" and rule.convert is None and _is_bool_key(rule.key):
-                    out.notes.append(f"{key}='' (empty, as an unset shell variable gives) -> {rule.key}=false, as "
-                                     f"verl's untyped config reads it")
+                    out.notes.append(
+                        f"{key}='' (empty, as an unset shell variable gives) -> {rule.key}=false, as "
+                        f"verl's untyped config reads it"
+                    )
                     out.overrides.append(f"{rule.key}=false")
                     continue
                 converted = value if rule.convert is None else rule.convert(key, value)
@@ -193,8 +212,13 @@ def _note_once(out: Translation, key: str, why: str, what: str = "accepted, no e
 
 # offstep keys that verl spells two ways for one thing: clip_grad / grad_clip, and the DAPO
 # recipe's reward_model.overlong_buffer.* / its reward manager's reward_kwargs.overlong_buffer_cfg.*
-SAME_THING = ("actor.optim.grad_clip", "critic.optim.grad_clip", "algorithm.overlong_penalty",
-              "algorithm.overlong_buffer_len", "algorithm.overlong_penalty_factor")
+SAME_THING = (
+    "actor.optim.grad_clip",
+    "critic.optim.grad_clip",
+    "algorithm.overlong_penalty",
+    "algorithm.overlong_buffer_len",
+    "algorithm.overlong_penalty_factor",
+)
 
 
 def _claim(out: Translation, target: str, verl_key: str) -> None:

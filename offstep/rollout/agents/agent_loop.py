@@ -36,11 +36,10 @@ from typing import Any, Callable
 
 from offstep.batch import NO_VERSION, AgentStats
 from offstep.config.schema import AgentConfig
-from offstep.rollout.agents.tool_parsers import ToolCall, make_parser
 from offstep.rollout.agents.agent_tools import agent_tools
+from offstep.rollout.agents.tool_parsers import ToolCall, make_parser
 from offstep.rollout.agents.tools import Tool, ToolResult, run_tool
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
-
 
 
 @dataclass
@@ -73,8 +72,12 @@ class AgentResult:
 
     def agent_info(self) -> dict:
         """What the reward function finds in ``extra_info`` besides the row's own."""
-        return {"num_turns": self.turns, "tool_calls": self.calls, "final_text": self.final_text,
-                "ended_by": self.ended_by}
+        return {
+            "num_turns": self.turns,
+            "tool_calls": self.calls,
+            "final_text": self.final_text,
+            "ended_by": self.ended_by,
+        }
 
 
 LOOP_LISTS = ("response_ids", "logprobs", "versions", "loss_mask")  # one entry per response token
@@ -97,18 +100,23 @@ class ToolTurnRenderer:
         self.eos_ids = set(eos_ids)
 
     def text(self, results: list[str], model_ended_turn: bool) -> str:
-        base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
-                {"role": "assistant", "content": self.PLACEHOLDER}]
+        base = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": self.PLACEHOLDER},
+        ]
         tool_msgs = [{"role": self.role, "content": r} for r in results]
         full = self.tok.apply_chat_template(base + tool_msgs, add_generation_prompt=True, tokenize=False)
         at = full.rfind(self.PLACEHOLDER)
         if at < 0:
-            raise ValueError("the chat template does not render an assistant message's content; it cannot frame tool turns")
-        suffix = full[at + len(self.PLACEHOLDER):]
+            raise ValueError(
+                "the chat template does not render an assistant message's content; it cannot frame tool turns"
+            )
+        suffix = full[at + len(self.PLACEHOLDER) :]
         if model_ended_turn:  # the model sampled the end-of-turn marker itself: keep it its own
             for eos in self.eos_texts:
                 if eos and suffix.startswith(eos):
-                    return suffix[len(eos):]
+                    return suffix[len(eos) :]
         return suffix
 
     def tokens(self, results: list[str], last_token: int) -> list[int]:
@@ -193,8 +201,15 @@ class AgentRunner:
         stop = tuple(dict.fromkeys((*params.stop, *self.parser.stop_strings())))
         return dataclasses.replace(params, stop=stop, n=1)
 
-    def run(self, engine, prompts: list[list[int]], tools_kwargs: list[dict], params: SamplingParams, seed: int,
-            on_done: Callable[[AgentResult], None] | None = None) -> list[AgentResult]:
+    def run(
+        self,
+        engine,
+        prompts: list[list[int]],
+        tools_kwargs: list[dict],
+        params: SamplingParams,
+        seed: int,
+        on_done: Callable[[AgentResult], None] | None = None,
+    ) -> list[AgentResult]:
         """``params.n`` loops per prompt, prompt-major (sample ``i`` answers prompt ``i // n``);
         ``tools_kwargs[p]`` are prompt p's per-row tool arguments ({tool: {"create_kwargs": ...}}).
         ``on_done`` is called as each loop ends (from the engine's or the event loop's thread)."""
@@ -232,8 +247,9 @@ class AgentRunner:
                         feed.tools_done(None)
                     else:
                         turn = r.turns
-                        feed.tools_done(TurnRequest(turn * total + i, prompt + r.response_ids, i + (turn << 32), left,
-                                                    next(groups)))
+                        feed.tools_done(
+                            TurnRequest(turn * total + i, prompt + r.response_ids, i + (turn << 32), left, next(groups))
+                        )
                 except BaseException as exc:  # a bug here must not leave the engine waiting
                     feed.fail(exc)
 
@@ -267,9 +283,12 @@ class AgentRunner:
     def run_tools(self, r: AgentResult, calls: list[ToolCall], row_kwargs: dict, c: Completion, budget: int):
         """The tool turn after ``c`` on the tools' event loop (a ``concurrent.futures.Future``)."""
         return asyncio.run_coroutine_threadsafe(
-            self._tool_turn(r, calls[: self.spec.max_calls_per_turn], row_kwargs, c, budget), self.loop)
+            self._tool_turn(r, calls[: self.spec.max_calls_per_turn], row_kwargs, c, budget), self.loop
+        )
 
-    async def _tool_turn(self, r: AgentResult, calls: list[ToolCall], row_kwargs: dict, c: Completion, budget: int) -> None:
+    async def _tool_turn(
+        self, r: AgentResult, calls: list[ToolCall], row_kwargs: dict, c: Completion, budget: int
+    ) -> None:
         """Run a turn's calls together; append the tool turn's tokens (cut to the budget left)."""
         t0 = time.time()
         answers: list[ToolResult] = await asyncio.gather(*(self._call(call, row_kwargs) for call in calls))
@@ -302,9 +321,13 @@ class AgentRunner:
 
 def _call_record(call: ToolCall, answer: ToolResult | None) -> dict:
     """A call as the reward function and the metrics see it; ``ran``: the tool was called."""
-    return {"name": call.name, "arguments": call.arguments, "well_formed": call.well_formed,
-            "error": bool(answer.error) if answer is not None else call.error is not None,
-            "ran": answer is not None and call.well_formed}
+    return {
+        "name": call.name,
+        "arguments": call.arguments,
+        "well_formed": call.well_formed,
+        "error": bool(answer.error) if answer is not None else call.error is not None,
+        "ran": answer is not None and call.well_formed,
+    }
 
 
 def merge_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -320,13 +343,20 @@ def merge_spans(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def agent_stats(res: AgentResult) -> AgentStats:
     """How loop ``res`` went, as its sample carries it."""
-    return AgentStats(turns=res.turns, tool_calls=sum(c["ran"] for c in res.calls), tool_errors=res.tool_errors,
-                      attempts=res.attempts, well_formed=sum(c["well_formed"] for c in res.calls),
-                      tool_time_s=res.tool_time_s, max_turns_hit=res.max_turns_hit)
+    return AgentStats(
+        turns=res.turns,
+        tool_calls=sum(c["ran"] for c in res.calls),
+        tool_errors=res.tool_errors,
+        attempts=res.attempts,
+        well_formed=sum(c["well_formed"] for c in res.calls),
+        tool_time_s=res.tool_time_s,
+        max_turns_hit=res.max_turns_hit,
+    )
 
 
-def run_tool_rows(runner: AgentRunner, engine, requests: list, params: SamplingParams, seed: int, reward, pool,
-                  progress) -> tuple[list, tuple]:
+def run_tool_rows(
+    runner: AgentRunner, engine, requests: list, params: SamplingParams, seed: int, reward, pool, progress
+) -> tuple[list, tuple]:
     """The samples of tool rows (``worker.Request`` s): ``params.n`` loops each, scored as each
     loop ends by ``reward(request, text, extra_info)`` with the row's ``extra_info`` plus
     ``num_turns``, ``tool_calls`` and ``final_text``; and the merged spans during which tools ran."""
@@ -343,8 +373,14 @@ def run_tool_rows(runner: AgentRunner, engine, requests: list, params: SamplingP
         futures[id(res)] = pool.submit(score, res)
         progress.advance()
 
-    results = runner.run(engine, [r.prompt_ids for r in requests],
-                         [r.extra_info.get("tools_kwargs") or {} for r in requests], params, seed, on_done)
+    results = runner.run(
+        engine,
+        [r.prompt_ids for r in requests],
+        [r.extra_info.get("tools_kwargs") or {} for r in requests],
+        params,
+        seed,
+        on_done,
+    )
     samples = []
     for res in results:
         try:
@@ -354,9 +390,21 @@ def run_tool_rows(runner: AgentRunner, engine, requests: list, params: SamplingP
                 other.cancel()
             raise
         r = requests[res.request_pos]
-        samples.append(Sample(uid=r.uid, prompt_ids=list(r.prompt_ids), response_ids=res.response_ids,
-                              rollout_logprobs=res.logprobs, finish_reason=res.finish_reason, score=value,
-                              version=version, data_source=r.data_source, text=res.text, reward_extra=extra,
-                              loss_mask=res.loss_mask, agent=agent_stats(res)))
+        samples.append(
+            Sample(
+                uid=r.uid,
+                prompt_ids=list(r.prompt_ids),
+                response_ids=res.response_ids,
+                rollout_logprobs=res.logprobs,
+                finish_reason=res.finish_reason,
+                score=value,
+                version=version,
+                data_source=r.data_source,
+                text=res.text,
+                reward_extra=extra,
+                loss_mask=res.loss_mask,
+                agent=agent_stats(res),
+            )
+        )
     spans = tuple(Span(a, b) for a, b in merge_spans([s for res in results for s in res.spans]))
     return samples, spans

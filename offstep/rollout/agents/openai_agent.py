@@ -23,7 +23,11 @@ from offstep.rollout.agents.openai_server import OpenAIServer
 from offstep.rollout.agents.tools import IMPORT_TIMEOUT_S, import_file
 from offstep.rollout.types import SamplingParams
 
-KEYS = {"path": "rollout.agent.openai_path", "name": "rollout.agent.openai_name", "timeout": "rollout.agent.tool_timeout_s"}
+KEYS = {
+    "path": "rollout.agent.openai_path",
+    "name": "rollout.agent.openai_name",
+    "timeout": "rollout.agent.tool_timeout_s",
+}
 MODEL_NAME = "policy"  # the model name the endpoint serves (row["model"])
 SIGNATURE = "async def {}(client, row) -> float | dict"
 
@@ -36,34 +40,48 @@ class AgentError(RewardError):
     """An agent function failed during a rollout, or returned no usable reward."""
 
 
-def load_agent(path: str | None, name: str = "rollout", timeout_s: float | None = IMPORT_TIMEOUT_S,
-               keys: dict = KEYS) -> Callable[..., Any]:
+def load_agent(
+    path: str | None, name: str = "rollout", timeout_s: float | None = IMPORT_TIMEOUT_S, keys: dict = KEYS
+) -> Callable[..., Any]:
     """The ``async`` function ``name`` of the Python file ``path`` (imported within ``timeout_s``
     seconds); raises :class:`ToolConfigError` naming the setting and the fix."""
     sig = SIGNATURE.format(name)
     if not path:
-        raise AgentConfigError(f"{keys['path']} is not set: rows with agent_name=openai are answered by an agent "
-                               f"function. Fix: set {keys['path']} to a Python file that defines {sig}")
+        raise AgentConfigError(
+            f"{keys['path']} is not set: rows with agent_name=openai are answered by an agent "
+            f"function. Fix: set {keys['path']} to a Python file that defines {sig}"
+        )
     module = import_file(path, timeout_s, keys, "agent file", sig)
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         found = sorted(k for k, v in vars(module).items() if inspect.iscoroutinefunction(v) and not k.startswith("_"))
-        raise AgentConfigError(f"{path} has no function {name!r} ({keys['name']}); its async functions are {found}. "
-                               f"Fix: set {keys['name']} to one of them, or define {sig}")
+        raise AgentConfigError(
+            f"{path} has no function {name!r} ({keys['name']}); its async functions are {found}. "
+            f"Fix: set {keys['name']} to one of them, or define {sig}"
+        )
     if not inspect.iscoroutinefunction(fn):
-        raise AgentConfigError(f"{keys['name']}={name} in {path} is not async: the endpoint's client is "
-                               f"openai.AsyncOpenAI. Fix: define it as {sig}")
+        raise AgentConfigError(
+            f"{keys['name']}={name} in {path} is not async: the endpoint's client is "
+            f"openai.AsyncOpenAI. Fix: define it as {sig}"
+        )
     try:
         inspect.signature(fn).bind(None, {})
     except TypeError as exc:
-        raise AgentConfigError(f"{name} in {path} cannot be called as {name}(client, row): {exc}. Fix: define {sig}") from exc
+        raise AgentConfigError(
+            f"{name} in {path} cannot be called as {name}(client, row): {exc}. Fix: define {sig}"
+        ) from exc
     return fn
 
 
 def agent_row(request) -> dict:
     """What the agent function gets as ``row`` (a ``worker.Request``)."""
-    return {"messages": [dict(m) for m in request.messages], "data_source": request.data_source,
-            "ground_truth": request.ground_truth, "extra_info": dict(request.extra_info), "model": MODEL_NAME}
+    return {
+        "messages": [dict(m) for m in request.messages],
+        "data_source": request.data_source,
+        "ground_truth": request.ground_truth,
+        "extra_info": dict(request.extra_info),
+        "model": MODEL_NAME,
+    }
 
 
 class OpenAIRunner:
@@ -82,8 +100,16 @@ class OpenAIRunner:
     def run(self, engine, requests: list, params: SamplingParams, seed: int, progress=None) -> list[Sample]:
         """``params.n`` rollouts per request, request-major, through an endpoint that serves for the
         length of this call; the samples, scored with what the agent returned."""
-        server = OpenAIServer(engine, self.tok, self.eos, self.spec.format, params.max_new_tokens, (MODEL_NAME,),
-                              sampling=params, seed=seed).start(engine_thread=False)
+        server = OpenAIServer(
+            engine,
+            self.tok,
+            self.eos,
+            self.spec.format,
+            params.max_new_tokens,
+            (MODEL_NAME,),
+            sampling=params,
+            seed=seed,
+        ).start(engine_thread=False)
         try:
             outcomes = server.drive(lambda: self._all(server, requests, params.n, progress))
         finally:
@@ -96,6 +122,7 @@ class OpenAIRunner:
         import httpx
 
         async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None)) as http:
+
             async def one(i: int):
                 out = await self.rollout(server, http, requests[i // n])
                 if progress is not None:
@@ -125,9 +152,11 @@ class OpenAIRunner:
                 if attempt + 1 == tries and getattr(self.spec, "drop_failed", False):
                     return None, {"score": 0.0, FAILED: 1.0, **counts}  # its group leaves the batch
                 if attempt + 1 == tries:
-                    raise AgentError(f"env {self.env.kind}:{self.env.id} failed {tries} time(s) on row "
-                                     f"{r.extra_info.get('index', r.uid)!r} (env.on_error={self.env.on_error}, "
-                                     f"env.retries={self.env.retries}): {exc.__cause__}") from exc.__cause__
+                    raise AgentError(
+                        f"env {self.env.kind}:{self.env.id} failed {tries} time(s) on row "
+                        f"{r.extra_info.get('index', r.uid)!r} (env.on_error={self.env.on_error}, "
+                        f"env.retries={self.env.retries}): {exc.__cause__}"
+                    ) from exc.__cause__
                 continue
             return session, {**result, **counts}
         raise AssertionError("unreachable")
@@ -137,35 +166,68 @@ class OpenAIRunner:
 
         key = server.open_session()
         # max_retries=0: a retried call would be recorded twice
-        client = openai.AsyncOpenAI(base_url=server.base_url(key), api_key=server.token, max_retries=0, http_client=http)
+        client = openai.AsyncOpenAI(
+            base_url=server.base_url(key), api_key=server.token, max_retries=0, http_client=http
+        )
         try:
             result = await self.fn(client, agent_row(r))
         except Exception as exc:
-            raise AgentError(f"the agent {self.spec.openai_name!r} in {self.spec.openai_path} raised on row "
-                             f"{r.extra_info.get('index', r.uid)!r}: {type(exc).__name__}: {exc}. Fix: make the "
-                             "agent handle every row (give failures a low reward instead of raising)") from exc
+            raise AgentError(
+                f"the agent {self.spec.openai_name!r} in {self.spec.openai_path} raised on row "
+                f"{r.extra_info.get('index', r.uid)!r}: {type(exc).__name__}: {exc}. Fix: make the "
+                "agent handle every row (give failures a low reward instead of raising)"
+            ) from exc
         finally:
             session = server.close_session(key)
         return session, result
 
     def sample(self, r, session, result, version: int) -> Sample:
         if session is None:  # a dropped rollout (env.on_error): a placeholder its group's batch filters out
-            return Sample(uid=r.uid, prompt_ids=list(self.eos[:1]), response_ids=list(self.eos[:1]),
-                          rollout_logprobs=[0.0], finish_reason="abort", score=0.0, version=version,
-                          data_source=r.data_source, reward_extra=dict(result), loss_mask=[0])
-        where = f"the agent {self.spec.openai_name!r} in {self.spec.openai_path} (row {r.extra_info.get('index', r.uid)!r})"
+            return Sample(
+                uid=r.uid,
+                prompt_ids=list(self.eos[:1]),
+                response_ids=list(self.eos[:1]),
+                rollout_logprobs=[0.0],
+                finish_reason="abort",
+                score=0.0,
+                version=version,
+                data_source=r.data_source,
+                reward_extra=dict(result),
+                loss_mask=[0],
+            )
+        where = (
+            f"the agent {self.spec.openai_name!r} in {self.spec.openai_path} (row {r.extra_info.get('index', r.uid)!r})"
+        )
         try:
             score, extra = score_of(result)
         except ValueError as exc:
-            raise AgentError(f"{where} {exc}. Fix: return the reward, a finite number or a dict with a numeric "
-                             "'score'") from None
+            raise AgentError(
+                f"{where} {exc}. Fix: return the reward, a finite number or a dict with a numeric 'score'"
+            ) from None
         t = session.trajectory()
         if t is None or not t.response_ids:
-            raise AgentError(f"{where} sampled no token from the endpoint: a rollout needs at least one call to "
-                             f"client.chat.completions.create or client.completions.create")
-        stats = AgentStats(turns=t.turns, tool_calls=t.tool_calls, attempts=t.attempts, well_formed=t.tool_calls,
-                           prefix_breaks=session.breaks)
-        return Sample(uid=r.uid, prompt_ids=t.prompt_ids, response_ids=t.response_ids, rollout_logprobs=t.logprobs,
-                      finish_reason=t.finish_reason, score=score, version=t.versions[0] if t.versions else version,
-                      data_source=r.data_source, text=self.tok.decode(t.response_ids, skip_special_tokens=True),
-                      reward_extra=extra, loss_mask=t.loss_mask, agent=stats)
+            raise AgentError(
+                f"{where} sampled no token from the endpoint: a rollout needs at least one call to "
+                f"client.chat.completions.create or client.completions.create"
+            )
+        stats = AgentStats(
+            turns=t.turns,
+            tool_calls=t.tool_calls,
+            attempts=t.attempts,
+            well_formed=t.tool_calls,
+            prefix_breaks=session.breaks,
+        )
+        return Sample(
+            uid=r.uid,
+            prompt_ids=t.prompt_ids,
+            response_ids=t.response_ids,
+            rollout_logprobs=t.logprobs,
+            finish_reason=t.finish_reason,
+            score=score,
+            version=t.versions[0] if t.versions else version,
+            data_source=r.data_source,
+            text=self.tok.decode(t.response_ids, skip_special_tokens=True),
+            reward_extra=extra,
+            loss_mask=t.loss_mask,
+            agent=stats,
+        )

@@ -56,11 +56,18 @@ def check_context(prompt_len: int, completion: int, context: int | None, param: 
     if context is None or prompt_len + max(completion, 0) <= context and prompt_len < context:
         return
     where = "messages" if param == "messages" else "prompt"
-    asked = (f"you requested {prompt_len + completion} tokens ({prompt_len} in the {where}, {completion} in the "
-             "completion)" if completion > 0 else f"your {where} resulted in {prompt_len} tokens")
-    raise APIError(400, f"This model's maximum context length is {context} tokens. However, {asked}. Please reduce "
-                   f"the length of the {where}{' or completion' if completion > 0 else ''}.", param,
-                   "context_length_exceeded")
+    asked = (
+        f"you requested {prompt_len + completion} tokens ({prompt_len} in the {where}, {completion} in the completion)"
+        if completion > 0
+        else f"your {where} resulted in {prompt_len} tokens"
+    )
+    raise APIError(
+        400,
+        f"This model's maximum context length is {context} tokens. However, {asked}. Please reduce "
+        f"the length of the {where}{' or completion' if completion > 0 else ''}.",
+        param,
+        "context_length_exceeded",
+    )
 
 
 class Guard:
@@ -105,11 +112,18 @@ class _Gate:
         if scope["type"] != "http":
             return await self.inner(scope, receive, send)
         if not self.guard.authorized(scope):
-            return await answer(send, APIError(401, "missing or wrong API key: pass the run's token as 'Authorization: "
-                                               "Bearer <token>'", code="invalid_api_key"))
+            return await answer(
+                send,
+                APIError(
+                    401,
+                    "missing or wrong API key: pass the run's token as 'Authorization: Bearer <token>'",
+                    code="invalid_api_key",
+                ),
+            )
         limit = self.guard.limits.max_body_bytes
-        too_large = APIError(413, f"the request body is larger than this endpoint's limit of {limit} bytes",
-                             code="request_too_large")
+        too_large = APIError(
+            413, f"the request body is larger than this endpoint's limit of {limit} bytes", code="request_too_large"
+        )
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return await answer(send, too_large)  # nothing read: the server discards the rest

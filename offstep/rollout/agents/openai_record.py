@@ -81,8 +81,12 @@ class Session:
         for ci, call in enumerate(self.calls):
             for k, ch in enumerate(call.choices):
                 n = len(call.prompt_ids) + len(ch.ids)
-                if n > best_len and n <= len(prompt) and prompt[: len(call.prompt_ids)] == call.prompt_ids \
-                        and prompt[len(call.prompt_ids): n] == ch.ids:
+                if (
+                    n > best_len
+                    and n <= len(prompt)
+                    and prompt[: len(call.prompt_ids)] == call.prompt_ids
+                    and prompt[len(call.prompt_ids) : n] == ch.ids
+                ):
                     best, best_len = (ci, k), n
         return best
 
@@ -132,7 +136,7 @@ class Session:
             t = Trajectory(list(root.prompt_ids))
             for ci, k in chain:
                 call, ch = self.calls[ci], self.calls[ci].choices[k]
-                between = call.prompt_ids[len(t.prompt_ids) + len(t.response_ids):]
+                between = call.prompt_ids[len(t.prompt_ids) + len(t.response_ids) :]
                 t.response_ids += between + ch.ids
                 t.logprobs += [0.0] * len(between) + ch.logprobs
                 t.loss_mask += [0] * len(between) + [1] * len(ch.ids)
@@ -174,8 +178,9 @@ def _template_message(m: dict) -> dict:
     return out
 
 
-def render(tokenizer: Any, eos_ids: set[int], messages: list[dict], tools: list[dict] | None,
-           session: Session | None) -> list[int]:
+def render(
+    tokenizer: Any, eos_ids: set[int], messages: list[dict], tools: list[dict] | None, session: Session | None
+) -> list[int]:
     """The prompt ids of a chat request: the template's text tokenized, with the session's own
     sampled turns spliced in as their token ids (see the module's docstring)."""
     spliced: list[Choice] = []
@@ -204,7 +209,7 @@ def render(tokenizer: Any, eos_ids: set[int], messages: list[dict], tools: list[
 def _drop_eos(text: str, eos_texts: list[str]) -> str:
     for eos in eos_texts:
         if text.startswith(eos):
-            return text[len(eos):]
+            return text[len(eos) :]
     return text
 
 

@@ -17,14 +17,19 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class APIError(Exception):
     """An OpenAI error object: ``{"error": {"message", "type", "param", "code"}}`` with ``status``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
 
 
 class Message(BaseModel):
@@ -85,7 +90,9 @@ class ChatRequest(_Sampling):
         for i, t in enumerate(v or []):
             fn = t.get("function") if isinstance(t, dict) else None
             if t.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise ValueError(f"tool {i} is not {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+                raise ValueError(
+                    f"tool {i} is not {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}"
+                )
         return v
 
     def limit(self) -> Optional[int]:
@@ -108,7 +115,9 @@ def parse(model: type[BaseModel], body: Any):
         first = exc.errors()[0]
         param = ".".join(str(x) for x in first["loc"])
         code = "missing_required_parameter" if first["type"] == "missing" else "invalid_value"
-        what = {"tool_choice": " (offstep does not constrain decoding: 'auto' or 'none')",
-                "top_logprobs": " (only the sampled tokens' log-probs are returned)",
-                "stream": " (text completions are not streamed; chat completions are)"}.get(param, "")
+        what = {
+            "tool_choice": " (offstep does not constrain decoding: 'auto' or 'none')",
+            "top_logprobs": " (only the sampled tokens' log-probs are returned)",
+            "stream": " (text completions are not streamed; chat completions are)",
+        }.get(param, "")
         raise APIError(400, f"{param}: {first['msg']}{what}", param, code) from None

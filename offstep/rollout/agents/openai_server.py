@@ -26,8 +26,8 @@ import secrets
 import socket
 import threading
 import time
-from concurrent.futures import Future, InvalidStateError
 from collections.abc import Awaitable, Callable
+from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from offstep.rollout.agents.openai_limits import Guard, Limits, check_context, context_length
@@ -35,6 +35,7 @@ from offstep.rollout.agents.openai_record import Choice, Session, render
 from offstep.rollout.agents.openai_schema import APIError, ChatRequest, CompletionRequest, parse
 from offstep.rollout.agents.tool_parsers import make_parser
 from offstep.rollout.types import Completion, SamplingParams, check_request
+
 
 class Batcher:
     """The engine's one caller while the endpoint serves: waiting requests go to ``generate``
@@ -83,12 +84,16 @@ class Batcher:
         except Exception as exc:  # noqa: BLE001 - answered to its own request
             if len(items) > 1:
                 self._run(params, items[: len(items) // 2])
-                self._run(params, items[len(items) // 2:])
+                self._run(params, items[len(items) // 2 :])
                 return
             if not isinstance(exc, ValueError):  # the engine failed (a ValueError: the request's own fault)
                 self.error = exc
-            _settle(items[0][2], error=APIError(400, f"this request cannot be generated: {exc}", code="invalid_value")
-                    if isinstance(exc, ValueError) else exc)
+            _settle(
+                items[0][2],
+                error=APIError(400, f"this request cannot be generated: {exc}", code="invalid_value")
+                if isinstance(exc, ValueError)
+                else exc,
+            )
             return
         except BaseException as exc:  # noqa: BLE001 - an interrupt: every request of the call fails
             self.error = exc
@@ -96,7 +101,7 @@ class Batcher:
                 _settle(fut, error=exc)
             return
         for k, (_, _, fut) in enumerate(items):
-            _settle(fut, out[k * params.n:(k + 1) * params.n])
+            _settle(fut, out[k * params.n : (k + 1) * params.n])
 
     def start_thread(self) -> None:
         """Run ``loop`` on a thread of its own (an engine that any thread may drive)."""
@@ -116,9 +121,19 @@ class OpenAIServer:
     """The endpoint of one replica: ``start`` serves, ``open_session``/``close_session`` bracket a
     rollout, ``close`` stops serving (the socket is closed)."""
 
-    def __init__(self, engine, tokenizer, eos_ids, tool_format: str, budget: int, model_names: tuple[str, ...] = ("policy",),
-                 sampling: SamplingParams | None = None, seed: int = 0, token: str | None = None,
-                 limits: Limits | None = None):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        eos_ids,
+        tool_format: str,
+        budget: int,
+        model_names: tuple[str, ...] = ("policy",),
+        sampling: SamplingParams | None = None,
+        seed: int = 0,
+        token: str | None = None,
+        limits: Limits | None = None,
+    ):
         self.engine, self.tok, self.eos = engine, tokenizer, set(int(e) for e in eos_ids)
         self.tool_format, self.budget, self.model_names, self.sampling = tool_format, budget, model_names, sampling
         self.seed = seed
@@ -142,11 +157,19 @@ class OpenAIServer:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.bind(("127.0.0.1", 0))  # loopback only; the OS picks the port
         self.port = self._sock.getsockname()[1]
-        config = uvicorn.Config(self.guard.app(self.app()), http=self.guard.protocol(), ws="none", log_level="warning",
-                                access_log=False, lifespan="off", timeout_keep_alive=self.limits.keep_alive_s)
+        config = uvicorn.Config(
+            self.guard.app(self.app()),
+            http=self.guard.protocol(),
+            ws="none",
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_keep_alive=self.limits.keep_alive_s,
+        )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="openai-endpoint", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="openai-endpoint", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + 30
         while not self._server.started:
@@ -218,14 +241,25 @@ class OpenAIServer:
             loc = [str(x) for x in first.get("loc", ()) if x != "body"]
             if first.get("type") == "json_invalid":
                 return error(APIError(400, "the request body is not valid JSON", code="invalid_json"))
-            return error(APIError(400, f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}", ".".join(loc) or None,
-                                  "invalid_value"))
+            return error(
+                APIError(
+                    400,
+                    f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid')}",
+                    ".".join(loc) or None,
+                    "invalid_value",
+                )
+            )
 
         @app.exception_handler(HTTPException)
         async def http_error(request, exc: HTTPException):
             codes = {404: "not_found", 405: "method_not_allowed"}
-            return error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
-                                  code=codes.get(exc.status_code)))
+            return error(
+                APIError(
+                    exc.status_code,
+                    f"{request.method} {request.url.path}: {exc.detail}",
+                    code=codes.get(exc.status_code),
+                )
+            )
 
         @app.exception_handler(Exception)
         async def crashed(request, exc: Exception):
@@ -239,8 +273,10 @@ class OpenAIServer:
 
     async def _models(self, session: str | None = None) -> dict:
         self._session(session)
-        return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "offstep"}
-                                           for m in self.model_names]}
+        return {
+            "object": "list",
+            "data": [{"id": m, "object": "model", "created": 0, "owned_by": "offstep"} for m in self.model_names],
+        }
 
     async def _chat(self, body: dict[str, Any], session: str | None = None):
         req: ChatRequest = parse(ChatRequest, body)
@@ -248,10 +284,16 @@ class OpenAIServer:
         schemas = {t["function"]["name"]: t for t in req.tools or []}
         parser = make_parser(self.tool_format, schemas) if schemas and req.tool_choice != "none" else None
         try:
-            prompt = render(self.tok, self.eos, [m.model_dump(exclude_none=True) for m in req.messages], req.tools, sess)
+            prompt = render(
+                self.tok, self.eos, [m.model_dump(exclude_none=True) for m in req.messages], req.tools, sess
+            )
         except Exception as exc:  # noqa: BLE001 - the template refused these messages
-            raise APIError(422, f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
-                           "messages", "template_error") from exc
+            raise APIError(
+                422,
+                f"the chat template cannot render these messages: {type(exc).__name__}: {exc}",
+                "messages",
+                "template_error",
+            ) from exc
         extra_stop = parser.stop_strings() if parser else ()
         choices, left = await self._generate(prompt, req, sess, extra_stop, "messages")
         out = []
@@ -260,33 +302,60 @@ class OpenAIServer:
             calls = parser.parse(self.tok.decode(ch.ids, skip_special_tokens=False)) if parser else []
             good = [c for c in calls if c.well_formed]
             ch.tool_calls, ch.attempts = len(good), len(calls)
-            tool_calls = [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-                           "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in good]
+            tool_calls = [
+                {
+                    "id": f"call_{secrets.token_hex(12)}",
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+                }
+                for c in good
+            ]
             if sess is not None:
                 sess.remember(text, tuple(t["id"] for t in tool_calls), ch)
             message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": tool_calls or None}
-            out.append({"index": i, "message": message, "finish_reason": "tool_calls" if tool_calls else ch.finish_reason,
-                        "logprobs": {"content": self._token_logprobs(ch)} if req.logprobs else None})
+            out.append(
+                {
+                    "index": i,
+                    "message": message,
+                    "finish_reason": "tool_calls" if tool_calls else ch.finish_reason,
+                    "logprobs": {"content": self._token_logprobs(ch)} if req.logprobs else None,
+                }
+            )
         response = self._response("chat.completion", req.model, out, len(prompt), choices)
         return _streamed(response, (req.stream_options or {}).get("include_usage")) if req.stream else response
 
     async def _completions(self, body: dict[str, Any], session: str | None = None) -> dict:
         req: CompletionRequest = parse(CompletionRequest, body)
         sess = self._check(req.model, session)
-        prompt = req.prompt if isinstance(req.prompt, list) else self.tok(req.prompt, add_special_tokens=False)["input_ids"]
+        prompt = (
+            req.prompt if isinstance(req.prompt, list) else self.tok(req.prompt, add_special_tokens=False)["input_ids"]
+        )
         prompt = [int(t) for t in prompt]
         vocab = getattr(self.engine, "vocab_size", None) or len(self.tok)
         if not prompt or min(prompt) < 0 or max(prompt) >= vocab:
-            raise APIError(400, f"prompt: empty, or a token id outside the vocabulary [0, {vocab})", "prompt", "invalid_value")
+            raise APIError(
+                400, f"prompt: empty, or a token id outside the vocabulary [0, {vocab})", "prompt", "invalid_value"
+            )
         choices, _ = await self._generate(prompt, req, sess, (), "prompt")
         out = []
         for i, ch in enumerate(choices):
             lp = None
             if req.logprobs is not None:
-                lp = {"tokens": [self.tok.decode([t]) for t in ch.ids], "token_logprobs": list(ch.logprobs),
-                      "top_logprobs": None, "text_offset": None}
-            out.append({"index": i, "text": _cut_stop(self.tok.decode(ch.ids, skip_special_tokens=True), req.stops()),
-                        "finish_reason": ch.finish_reason, "logprobs": lp, "token_ids": list(ch.ids)})
+                lp = {
+                    "tokens": [self.tok.decode([t]) for t in ch.ids],
+                    "token_logprobs": list(ch.logprobs),
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
+            out.append(
+                {
+                    "index": i,
+                    "text": _cut_stop(self.tok.decode(ch.ids, skip_special_tokens=True), req.stops()),
+                    "finish_reason": ch.finish_reason,
+                    "logprobs": lp,
+                    "token_ids": list(ch.ids),
+                }
+            )
         return self._response("text_completion", req.model, out, len(prompt), choices)
 
     # ---------------------------------------------------------------- helpers
@@ -295,14 +364,20 @@ class OpenAIServer:
             return None
         sess = self.sessions.get(key)
         if sess is None:
-            raise APIError(404, f"no rollout session {key!r} on this endpoint (ended, or never opened)", code="session_not_found")
+            raise APIError(
+                404, f"no rollout session {key!r} on this endpoint (ended, or never opened)", code="session_not_found"
+            )
         return sess
 
     def _check(self, model: str, key: str | None) -> Session | None:
         sess = self._session(key)
         if model not in self.model_names:
-            raise APIError(404, f"the model {model!r} does not exist; this endpoint serves {list(self.model_names)}",
-                           "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this endpoint serves {list(self.model_names)}",
+                "model",
+                "model_not_found",
+            )
         return sess
 
     async def _generate(self, prompt: list[int], req, sess: Session | None, extra_stop: tuple[str, ...], param: str):
@@ -317,20 +392,32 @@ class OpenAIServer:
             if sess is not None:
                 sess.cut = True
             return [Choice([], [], [], "length") for _ in range(req.n)], left
-        params = SamplingParams(n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                                top_p=1.0 if req.top_p is None else req.top_p, max_new_tokens=limit,
-                                stop=tuple(dict.fromkeys((*req.stops(), *extra_stop))))
+        params = SamplingParams(
+            n=req.n,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            max_new_tokens=limit,
+            stop=tuple(dict.fromkeys((*req.stops(), *extra_stop))),
+        )
         if self.sampling is not None:  # training: the run's sampling, which the trainer's log-probs assume
-            params = dataclasses.replace(params, temperature=self.sampling.temperature, top_p=self.sampling.top_p,
-                                         top_k=self.sampling.top_k)
+            params = dataclasses.replace(
+                params, temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=self.sampling.top_k
+            )
         try:  # here, not in the engine's batch, where it would fail the requests batched with it
             check_request([prompt], params, getattr(self.engine, "vocab_size", None) or len(self.tok))
         except ValueError as exc:
             raise APIError(400, f"{param}: {exc}", param, "invalid_value") from None
         completions: list[Completion] = await asyncio.wrap_future(self.batcher.submit(prompt, params))
         version = getattr(self.engine, "version", 0)
-        choices = [Choice(list(c.response_ids), list(c.logprobs), list(c.versions) or [version] * len(c.response_ids),
-                          c.finish_reason) for c in completions]
+        choices = [
+            Choice(
+                list(c.response_ids),
+                list(c.logprobs),
+                list(c.versions) or [version] * len(c.response_ids),
+                c.finish_reason,
+            )
+            for c in completions
+        ]
         if sess is not None:
             sess.record(prompt, choices)
         return choices, left
@@ -344,9 +431,14 @@ class OpenAIServer:
 
     def _response(self, kind: str, model: str, choices: list[dict], prompt_len: int, sampled: list[Choice]) -> dict:
         n = sum(len(c.ids) for c in sampled)
-        return {"id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}", "object": kind,
-                "created": int(time.time()), "model": model, "choices": choices,
-                "usage": {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}}
+        return {
+            "id": f"{'chatcmpl' if kind.startswith('chat') else 'cmpl'}-{secrets.token_hex(12)}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n},
+        }
 
 
 def _cut_stop(text: str, stops: tuple[str, ...]) -> str:
@@ -369,8 +461,12 @@ def _streamed(response: dict, usage: bool):
         delta = {"role": "assistant", "content": m["content"]}
         if m["tool_calls"]:
             delta["tool_calls"] = [{"index": k, **t} for k, t in enumerate(m["tool_calls"])]
-        events.append({**head, "choices": [{"index": c["index"], "delta": delta, "finish_reason": None,
-                                            "logprobs": c["logprobs"]}]})
+        events.append(
+            {
+                **head,
+                "choices": [{"index": c["index"], "delta": delta, "finish_reason": None, "logprobs": c["logprobs"]}],
+            }
+        )
         events.append({**head, "choices": [{"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}]})
     if usage:
         events.append({**head, "choices": [], "usage": response["usage"]})

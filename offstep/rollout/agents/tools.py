@@ -73,8 +73,10 @@ def tool_schema(fn: Callable[..., Any]) -> dict:
                 "Google-style docstring, or set fn.schema = {'type': 'function', 'function': {...}}"
             ) from exc
     if not isinstance(schema, dict) or not isinstance(schema.get("function"), dict) or "name" not in schema["function"]:
-        raise ToolConfigError(f"tool {getattr(fn, '__name__', fn)!r}: schema {str(schema)[:120]} is not an OpenAI tool "
-                              "dict {'type': 'function', 'function': {'name': ..., 'parameters': ...}}")
+        raise ToolConfigError(
+            f"tool {getattr(fn, '__name__', fn)!r}: schema {str(schema)[:120]} is not an OpenAI tool "
+            "dict {'type': 'function', 'function': {'name': ..., 'parameters': ...}}"
+        )
     return schema
 
 
@@ -84,17 +86,24 @@ def make_tool(fn: Callable[..., Any]) -> Tool:
 
 
 # The settings that messages name: offstep train's config keys; offstep eval passes its flags.
-TRAIN_KEYS = {"path": "rollout.agent.tools_path", "names": "rollout.agent.tools", "timeout": "rollout.agent.tool_timeout_s"}
+TRAIN_KEYS = {
+    "path": "rollout.agent.tools_path",
+    "names": "rollout.agent.tools",
+    "timeout": "rollout.agent.tool_timeout_s",
+}
 IMPORT_TIMEOUT_S = AgentConfig.tool_timeout_s  # its default, for callers that give none
 
 
-def import_file(path: str, timeout_s: float | None, keys: dict, what: str = "tool file",
-                defines: str = "the tool functions") -> Any:
+def import_file(
+    path: str, timeout_s: float | None, keys: dict, what: str = "tool file", defines: str = "the tool functions"
+) -> Any:
     """The module of the Python file ``path`` (imported once), within ``timeout_s`` seconds;
     :class:`ToolConfigError` names the settings ``keys['path']`` and ``keys['timeout']``."""
     path = str(Path(path).expanduser().resolve())
     if not Path(path).is_file():
-        raise ToolConfigError(f"{what} {path} not found. Fix: set {keys['path']} to a Python file that defines {defines}")
+        raise ToolConfigError(
+            f"{what} {path} not found. Fix: set {keys['path']} to a Python file that defines {defines}"
+        )
     name = f"offstep_tools_{hashlib.sha1(path.encode()).hexdigest()[:12]}"
     if name in sys.modules:
         return sys.modules[name]
@@ -120,13 +129,17 @@ def import_file(path: str, timeout_s: float | None, keys: dict, what: str = "too
             raise ToolConfigError(too_slow) from None
         if not isinstance(exc, (Exception, SystemExit)):
             raise
-        raise ToolConfigError(f"{what} {path} failed to import: {type(exc).__name__}: {exc}. Fix: make it "
-                              "importable on its own (run `python <file>` to see the error)") from exc
+        raise ToolConfigError(
+            f"{what} {path} failed to import: {type(exc).__name__}: {exc}. Fix: make it "
+            "importable on its own (run `python <file>` to see the error)"
+        ) from exc
     return module
 
 
 def load_tools(
-    path: str | None, names: list[str] | tuple[str, ...], timeout_s: float | None = IMPORT_TIMEOUT_S,
+    path: str | None,
+    names: list[str] | tuple[str, ...],
+    timeout_s: float | None = IMPORT_TIMEOUT_S,
     keys: dict = TRAIN_KEYS,
 ) -> list[Tool]:
     """The tools ``names``: functions of the file ``path`` (imported within ``timeout_s`` seconds,
@@ -191,11 +204,15 @@ async def run_tool(tool: Tool, arguments: dict, row_kwargs: dict, timeout_s: flo
             call = loop.run_in_executor(executor, functools.partial(tool.fn, **kwargs))
         result = await asyncio.wait_for(call, timeout_s) if timeout_s else await call
     except asyncio.TimeoutError:
-        return ToolResult(_error(f"{tool.name} took longer than {timeout_s:g} s and was stopped"), True, loop.time() - t0)
+        return ToolResult(
+            _error(f"{tool.name} took longer than {timeout_s:g} s and was stopped"), True, loop.time() - t0
+        )
     except Exception as exc:  # noqa: BLE001 - the model reads the error; the run goes on
         return ToolResult(_error(exc), True, loop.time() - t0)
     if not isinstance(result, str):
-        return ToolResult(_error(f"{tool.name} returned a {type(result).__name__}, not a string"), True, loop.time() - t0)
+        return ToolResult(
+            _error(f"{tool.name} returned a {type(result).__name__}, not a string"), True, loop.time() - t0
+        )
     return ToolResult(result, False, loop.time() - t0)
 
 
@@ -275,7 +292,7 @@ class _Parser:
         widest = max(abs(base.numerator), base.denominator, 2)
         if abs(exp.numerator) * math.log10(widest) > _MAX_DIGITS:
             raise CalcError(f"the result would have more than {_MAX_DIGITS} digits")
-        return base ** exp.numerator
+        return base**exp.numerator
 
     def unary(self) -> Fraction:
         op = self.peek("-", "+")

@@ -76,12 +76,22 @@ def install() -> None:
     importable from this module, unless verl itself is."""
     if "verl.tools.base_tool" in sys.modules or importlib.util.find_spec("verl") is not None:
         return
-    names = {"verl": {}, "verl.tools": {}, "verl.utils": {},
-             "verl.tools.schemas": {"OpenAIFunctionSchema": OpenAIFunctionSchema,
-                                    "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema, "ToolResponse": ToolResponse},
-             "verl.tools.base_tool": {"BaseTool": BaseTool, "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema,
-                                      "ToolResponse": ToolResponse},
-             "verl.utils.rollout_trace": {"rollout_trace_op": rollout_trace_op}}
+    names = {
+        "verl": {},
+        "verl.tools": {},
+        "verl.utils": {},
+        "verl.tools.schemas": {
+            "OpenAIFunctionSchema": OpenAIFunctionSchema,
+            "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema,
+            "ToolResponse": ToolResponse,
+        },
+        "verl.tools.base_tool": {
+            "BaseTool": BaseTool,
+            "OpenAIFunctionToolSchema": OpenAIFunctionToolSchema,
+            "ToolResponse": ToolResponse,
+        },
+        "verl.utils.rollout_trace": {"rollout_trace_op": rollout_trace_op},
+    }
     for name, attrs in names.items():
         module = types.ModuleType(name, f"offstep's stand-in for {name} (offstep/rollout/agents/verl_tool_api.py)")
         module.__path__ = []  # a package, so that its submodules resolve

@@ -48,7 +48,7 @@ SANDBOX_FUSION = "verl.tools.sandbox_fusion_tools.SandboxFusionTool"
 # verl's bundled tools that need what offstep does not start: refused, saying why
 UNSERVED = {
     "verl.tools.search_tool.SearchTool": "it queries a retrieval server (config.retrieval_service_url) that offstep "
-                                         "does not start",
+    "does not start",
     "verl.tools.mcp_search_tool.MCPSearchTool": "it needs an MCP server that offstep does not start",
     "verl.tools.mcp_base_tool.MCPBaseTool": "it needs an MCP server that offstep does not start",
     "verl.tools.image_zoom_in_tool.ImageZoomInTool": "it returns images, and offstep's tool turns are text",
@@ -62,26 +62,36 @@ def read_tool_config(path: str | Path) -> list[dict]:
     try:
         doc = loads_yaml(read_text(path, MAX_CONFIG_BYTES))
     except FileNotFoundError:
-        raise ToolConfigError(f"{KEY}={path}: no such file. Fix: give verl's tool config YAML "
-                              f"(tools: [{{class_name, config, tool_schema}}])") from None
+        raise ToolConfigError(
+            f"{KEY}={path}: no such file. Fix: give verl's tool config YAML "
+            f"(tools: [{{class_name, config, tool_schema}}])"
+        ) from None
     except (OSError, ValueError, OffstepError) as e:
         raise ToolConfigError(f"{KEY}={path} cannot be read as a verl tool config ({e})") from None
     tools = doc.get("tools") if isinstance(doc, dict) else None
     if not isinstance(tools, list) or not tools:
-        raise ToolConfigError(f"{KEY}={path} has no list under 'tools:' (verl's layout: tools: [{{class_name: "
-                              f"..., config: {{...}}, tool_schema: {{...}}}}])")
+        raise ToolConfigError(
+            f"{KEY}={path} has no list under 'tools:' (verl's layout: tools: [{{class_name: "
+            f"..., config: {{...}}, tool_schema: {{...}}}}])"
+        )
     for i, entry in enumerate(tools):
         where = f"{KEY}={path}, tools[{i}]"
-        if not isinstance(entry, dict) or not isinstance(entry.get("class_name"), str) or "." not in entry["class_name"]:
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("class_name"), str)
+            or "." not in entry["class_name"]
+        ):
             raise ToolConfigError(f"{where}: needs class_name, a dotted name such as {GSM8K}")
         if not isinstance(entry.get("config") or {}, dict):
             raise ToolConfigError(f"{where} ({entry['class_name']}): config must be a mapping")
         schema = entry.get("tool_schema")
         function = schema.get("function") if isinstance(schema, dict) else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"]:
-            raise ToolConfigError(f"{where} ({entry['class_name']}): tool_schema must be an OpenAI function schema "
-                                  f"{{type: function, function: {{name: ..., parameters: {{...}}}}}}: the schema the "
-                                  f"model sees")
+            raise ToolConfigError(
+                f"{where} ({entry['class_name']}): tool_schema must be an OpenAI function schema "
+                f"{{type: function, function: {{name: ..., parameters: {{...}}}}}}: the schema the "
+                f"model sees"
+            )
         if not isinstance(function.get("parameters", {}), dict):
             raise ToolConfigError(f"{where} ({entry['class_name']}): tool_schema.function.parameters must be a mapping")
     return tools
@@ -93,8 +103,10 @@ def load_verl_tools(path: str | Path, timeout_s: float | None) -> list[Tool]:
     for entry in read_tool_config(path):
         cls, schema = entry["class_name"], entry["tool_schema"]
         if cls in UNSERVED:
-            raise ToolConfigError(f"{KEY}={path}: {cls} cannot run in offstep: {UNSERVED[cls]}. Fix: drop it from "
-                                  f"the config, or write the tool as a BaseTool subclass of your own")
+            raise ToolConfigError(
+                f"{KEY}={path}: {cls} cannot run in offstep: {UNSERVED[cls]}. Fix: drop it from "
+                f"the config, or write the tool as a BaseTool subclass of your own"
+            )
         if cls == GSM8K:
             fn = _gsm8k(schema)
         elif cls == SANDBOX_FUSION:
@@ -104,7 +116,9 @@ def load_verl_tools(path: str | Path, timeout_s: float | None) -> list[Tool]:
         tools.append(Tool(schema["function"]["name"], fn, schema))
     names = [t.name for t in tools]
     if len(set(names)) < len(names):
-        raise ToolConfigError(f"{KEY}={path}: tool names {sorted({n for n in names if names.count(n) > 1})} appear twice")
+        raise ToolConfigError(
+            f"{KEY}={path}: tool names {sorted({n for n in names if names.count(n) > 1})} appear twice"
+        )
     return tools
 
 
@@ -121,7 +135,9 @@ def _gsm8k(schema: dict):
         answer = answer if isinstance(answer, str) else str(answer)
         truth = kwargs.get("ground_truth")
         if truth is None:
-            raise ToolError("this row gives no ground_truth (extra_info.tools_kwargs.<tool>.create_kwargs.ground_truth)")
+            raise ToolError(
+                "this row gives no ground_truth (extra_info.tools_kwargs.<tool>.create_kwargs.ground_truth)"
+            )
         reward = gsm8k_score(answer if answer.startswith("#### ") else "#### " + answer, truth, method="flexible")
         return f"Current parsed answer={answer!r} reward={reward!r}"
 
@@ -148,27 +164,35 @@ def _instance(cls_name: str, config: dict, schema: dict, path, timeout_s: float 
 
     verl_tool_api.install()
     module_name, _, attr = cls_name.rpartition(".")
-    fix = (f"Fix: make {module_name!r} importable (run from the folder that holds it, or add that folder to "
-           f"PYTHONPATH), or correct class_name in {path}")
+    fix = (
+        f"Fix: make {module_name!r} importable (run from the folder that holds it, or add that folder to "
+        f"PYTHONPATH), or correct class_name in {path}"
+    )
     try:
         module = sys.modules.get(module_name) or _import(module_name, timeout_s)
     except ModuleNotFoundError as e:
         raise ToolConfigError(f"{KEY}={path}: the tool class {cls_name} cannot be imported ({e}). {fix}") from None
     except CallTimeout:
-        raise ToolConfigError(f"{KEY}={path}: importing {module_name} took longer than {timeout_s:g} s "
-                              f"(rollout.agent.tool_timeout_s): make importing it only define the tool") from None
+        raise ToolConfigError(
+            f"{KEY}={path}: importing {module_name} took longer than {timeout_s:g} s "
+            f"(rollout.agent.tool_timeout_s): make importing it only define the tool"
+        ) from None
     except Exception as e:  # noqa: BLE001 - the user's module failed while importing
         raise ToolConfigError(f"{KEY}={path}: importing {module_name} failed: {type(e).__name__}: {e}") from None
     cls = getattr(module, attr, None)
     if not isinstance(cls, type) or not all(callable(getattr(cls, m, None)) for m in ("create", "execute", "release")):
-        raise ToolConfigError(f"{KEY}={path}: {cls_name} is not a verl tool class (a BaseTool subclass with create, "
-                              f"execute and release). {fix}")
+        raise ToolConfigError(
+            f"{KEY}={path}: {cls_name} is not a verl tool class (a BaseTool subclass with create, "
+            f"execute and release). {fix}"
+        )
     from offstep.rollout.agents.verl_tool_api import OpenAIFunctionToolSchema
 
     try:
         return cls(config, OpenAIFunctionToolSchema.model_validate(schema))
     except Exception as e:  # noqa: BLE001
-        raise ToolConfigError(f"{KEY}={path}: {cls_name}(config, tool_schema) failed: {type(e).__name__}: {e}") from None
+        raise ToolConfigError(
+            f"{KEY}={path}: {cls_name}(config, tool_schema) failed: {type(e).__name__}: {e}"
+        ) from None
 
 
 def _import(name: str, timeout_s: float | None):

@@ -41,9 +41,18 @@ def build_engine(spec: EngineSpec, tok, eos: list[int], device: torch.device) ->
     if spec.kind == VLLM:
         from offstep.rollout.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(spec.path, tok, eos, dtype=spec.dtype, max_batch_size=spec.max_batch_size,
-                          num_threads=spec.num_threads, seed=spec.seed, lora=spec.lora, sleep_mode=spec.sleep_mode,
-                          scratch=spec.scratch)
+        return VLLMEngine(
+            spec.path,
+            tok,
+            eos,
+            dtype=spec.dtype,
+            max_batch_size=spec.max_batch_size,
+            num_threads=spec.num_threads,
+            seed=spec.seed,
+            lora=spec.lora,
+            sleep_mode=spec.sleep_mode,
+            scratch=spec.scratch,
+        )
     if spec.kind != BUILTIN:
         raise ValueError(f"unknown engine {spec.kind!r}: the engines are {BUILTIN!r} and {VLLM!r}")
     from offstep.rollout.engines.torch_engine import TorchEngine

@@ -31,8 +31,9 @@ class DeltaLoads:
     def loaded_full(self, specs: list, tensors: Mapping[str, torch.Tensor]) -> None:
         """A full load: an engine with its own loader keeps a copy for the deltas that follow."""
         if not self.in_place and self.wanted:
-            self.host = {s.name: tensors[s.name].detach().to(getattr(torch, s.dtype)).reshape(s.shape).clone()
-                         for s in specs}
+            self.host = {
+                s.name: tensors[s.name].detach().to(getattr(torch, s.dtype)).reshape(s.shape).clone() for s in specs
+            }
 
     def loader(self, delta: Delta, version: int, specs: list, load: Callable[[dict, int], None]) -> Callable[[], None]:
         """The function that applies ``delta`` as ``version`` (``DeltaRefused`` before any write
@@ -47,9 +48,11 @@ class DeltaLoads:
                 self.engine.reset_cache()
                 return
             if self.host is None:
-                raise DeltaRefused(f"a delta to version {version} reached a replica that keeps no copy of its "
-                                   "weights yet (it does after a full sync that follows a delta); it needs a full sync")
+                raise DeltaRefused(
+                    f"a delta to version {version} reached a replica that keeps no copy of its "
+                    "weights yet (it does after a full sync that follows a delta); it needs a full sync"
+                )
             apply(delta, specs, self.host.__getitem__, self.held_fp)
             load(self.host, version)
-        return run
 
+        return run

@@ -37,16 +37,27 @@ class RolloutEngine(Protocol):
         """Sample ``params.n`` completions per prompt, prompt-major; call ``on_finish`` as each finishes."""
         ...
 
-    def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None],
-              control: StepControl | None = None) -> None:
+    def serve(
+        self,
+        feed: TurnFeed,
+        params: SamplingParams,
+        seed: int,
+        on_finish: Callable[[int, Completion], None],
+        control: StepControl | None = None,
+    ) -> None:
         """Generate the requests of ``feed`` as they come until it is exhausted, calling
         ``on_finish(request index, completion)`` as each finishes. ``control``: weight loads and
         suspensions carried out between two decode steps (``offstep.rollout.engines.control``; an engine
         that cannot raises ``NotImplementedError``)."""
         ...
 
-    def base_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float,
-                      compute_dtype: str = "float32", micro_batch_size: int = 8) -> list[list[float]]:
+    def base_logprobs(
+        self,
+        sequences: Sequence[tuple[list[int], list[int]]],
+        temperature: float,
+        compute_dtype: str = "float32",
+        micro_batch_size: int = 8,
+    ) -> list[list[float]]:
         """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under the
         engine's base model (with LoRA: the adapters off), the reference of the KL term.
         ``compute_dtype`` and ``micro_batch_size`` as the trainer's forward (an engine that

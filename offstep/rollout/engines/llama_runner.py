@@ -51,11 +51,17 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "the model uses sliding-window attention"
     inner = getattr(model, "model", None)
     head = getattr(model, "lm_head", None)
-    if inner is None or head is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+    if (
+        inner is None
+        or head is None
+        or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+    ):
         return "the model lacks the Llama layout (model.embed_tokens/layers/norm/rotary_emb, lm_head)"
     for layer in inner.layers:
         attn = getattr(layer, "self_attn", None)
-        if attn is None or not all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")):
+        if attn is None or not all(
+            hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
+        ):
             return "an attention block lacks q/k/v/o projections"
         if any(hasattr(attn, a) for a in ("q_norm", "k_norm")) or getattr(attn, "sliding_window", None):
             return "attention has q/k norms or a sliding window"
@@ -176,7 +182,9 @@ def _grouped_linear(x: Tensor, linears: list[torch.nn.Linear]) -> Tensor:
     y = torch.nn.functional.linear(x, *fused)
     terms = [_lora_term(x, m) for m in linears]
     if any(t is not None for t in terms):
-        y = y + torch.cat([t if t is not None else x.new_zeros(x.shape[0], m.out_features) for t, m in zip(terms, linears)], -1)
+        y = y + torch.cat(
+            [t if t is not None else x.new_zeros(x.shape[0], m.out_features) for t, m in zip(terms, linears)], -1
+        )
     return y
 
 
@@ -209,9 +217,11 @@ class LlamaRunner:
         self.n_heads = attn.q_proj.out_features // self.head_dim
         self.n_kv = attn.k_proj.out_features // self.head_dim
         self.scaling = float(attn.scaling)
-        self.qkv = [[l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj] for l in self.layers]
-        self.gated = all(hasattr(l.mlp, a) for l in self.layers for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-        self.gate_up = [[l.mlp.gate_proj, l.mlp.up_proj] for l in self.layers] if self.gated else []
+        self.qkv = [[layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj] for layer in self.layers]
+        self.gated = all(
+            hasattr(layer.mlp, a) for layer in self.layers for a in ("gate_proj", "up_proj", "down_proj", "act_fn")
+        )
+        self.gate_up = [[layer.mlp.gate_proj, layer.mlp.up_proj] for layer in self.layers] if self.gated else []
         self.regroup()
 
     def regroup(self) -> None:
@@ -285,7 +295,8 @@ class LlamaRunner:
             # 0..start+t, so a real query never sees a padded one.
             pad_idx = torch.tensor(
                 [[offsets[p] - b + min(t, lens[p] - 1) for t in range(lmax)] for p in range(len(prompts))],
-                dtype=torch.long, device=dev,
+                dtype=torch.long,
+                device=dev,
             )
             valid = torch.arange(lmax, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
             first = torch.tensor([slots[0] for slots in prompt_slots], dtype=torch.long, device=dev)

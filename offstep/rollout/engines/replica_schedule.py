@@ -77,15 +77,19 @@ class Schedule:
             return None
         event = self._replay[self._next]
         if event[0] < self.t:
-            raise RuntimeError(f"replay: event {event} was due before decode step {self.t}, which this replica "
-                               f"passed without it: {DIFFERS}")
+            raise RuntimeError(
+                f"replay: event {event} was due before decode step {self.t}, which this replica "
+                f"passed without it: {DIFFERS}"
+            )
         return event if event[0] == self.t and event[1] != UNTIL else None
 
     def stuck(self) -> str:
         """Why a replica with nothing in flight cannot go on (the next event is for a later decode
         step, which only samples in flight would reach)."""
-        return (f"replay: this replica has nothing in flight at decode step {self.t}, but the recorded run's next "
-                f"event is {self._replay[self._next]}: {DIFFERS}")
+        return (
+            f"replay: this replica has nothing in flight at decode step {self.t}, but the recorded run's next "
+            f"event is {self._replay[self._next]}: {DIFFERS}"
+        )
 
     def allows(self, kind: str) -> bool:
         """Whether ``kind`` may run now: recording, always; replaying, only when it is the event due."""

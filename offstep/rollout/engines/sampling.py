@@ -80,8 +80,14 @@ def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
     return (bidx * _CDF_BLOCK + j).squeeze(-1).clamp_(max=v - 1)
 
 
-def sample_uniforms(indices: Sequence[int], params: SamplingParams, seed: int, device: torch.device,
-                    seeds: Sequence[int | None] | None = None, offsets: Sequence[int] | None = None) -> Tensor:
+def sample_uniforms(
+    indices: Sequence[int],
+    params: SamplingParams,
+    seed: int,
+    device: torch.device,
+    seeds: Sequence[int | None] | None = None,
+    offsets: Sequence[int] | None = None,
+) -> Tensor:
     """``[len(indices), max_new_tokens]`` float64 uniforms on ``device``, row ``r`` from sample
     ``indices[r]``'s own stream (all zeros for greedy decoding, which ignores them): seeded from
     ``(seeds[r], indices[r])`` where ``seeds[r]`` is given, else ``(seed, indices[r])``, and starting

@@ -26,11 +26,22 @@ def shared_prefix(prompts: list[list[int]]) -> int:
 class Row:
     """Decoding state of one sample (or one turn of an agent loop): at most ``limit`` tokens."""
 
-    __slots__ = ("index", "kv_age", "kv_version", "limit", "logprobs", "prompt", "prompt_index", "stop", "tokens",
-                 "versions")
+    __slots__ = (
+        "index",
+        "kv_age",
+        "kv_version",
+        "limit",
+        "logprobs",
+        "prompt",
+        "prompt_index",
+        "stop",
+        "tokens",
+        "versions",
+    )
 
-    def __init__(self, index: int, prompt_index: int, limit: int, prompt: list[int] = (),
-                 stop: tuple[str, ...] | None = None):
+    def __init__(
+        self, index: int, prompt_index: int, limit: int, prompt: list[int] = (), stop: tuple[str, ...] | None = None
+    ):
         self.index = index
         self.prompt_index = prompt_index
         self.limit = limit
@@ -65,8 +76,14 @@ def _row(req: TurnRequest) -> Row:
 
 def _uniforms(requests: list[TurnRequest], params: SamplingParams, seed: int, device) -> Tensor:
     """The uniforms of each request's own random stream, from its seed and offset."""
-    return sample_uniforms([r.stream for r in requests], params, seed, device,
-                           seeds=[r.seed for r in requests], offsets=[r.offset for r in requests])
+    return sample_uniforms(
+        [r.stream for r in requests],
+        params,
+        seed,
+        device,
+        seeds=[r.seed for r in requests],
+        offsets=[r.offset for r in requests],
+    )
 
 
 # ---------------------------------------------------------------- continuous batching
@@ -113,7 +130,9 @@ def continuous(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, 
                 if stale := stale_rows(rows, engine.version, control):
                     # Those samples' K/V again under the new weights: the prompt and the tokens but
                     # the last, which is the next step's input as before.
-                    runner.step(cache, none, none, [rows[j].prompt + rows[j].tokens[:-1] for j in stale], [[j] for j in stale])
+                    runner.step(
+                        cache, none, none, [rows[j].prompt + rows[j].tokens[:-1] for j in stale], [[j] for j in stale]
+                    )
         b = len(rows)
         # ---- admit waiting requests into the free slots; each new prompt is prefilled once
         new = feed.take(slots - b, block=b == 0) if admit and open_feed and b < slots else []
@@ -215,8 +234,15 @@ def static(engine, feed: TurnFeed, params: SamplingParams, seed: int, emit, cont
             control.run_load()
 
 
-def _chunk(engine, prompts: dict[int, list[int]], rows: list[Row], params: SamplingParams, uniforms: Tensor, emit,
-           control: StepControl | None = None) -> None:
+def _chunk(
+    engine,
+    prompts: dict[int, list[int]],
+    rows: list[Row],
+    params: SamplingParams,
+    uniforms: Tensor,
+    emit,
+    control: StepControl | None = None,
+) -> None:
     # ---- prefill the unique prompts of this chunk once; one cache row per sample
     unique: dict[int, int] = {}
     for row in rows:
@@ -254,6 +280,10 @@ def _chunk(engine, prompts: dict[int, list[int]], rows: list[Row], params: Sampl
             if control.partial != "off":  # off: the load waits for the end of this sub-batch
                 control.run_load()
                 # The rows of a sub-batch were prefilled together: all or none are past the bound.
-                if stale_rows([rows[i] for i in active], engine.version, control):  # their K/V again, under the new weights
-                    _, batch = runner.prefill([rows[i].prompt + rows[i].tokens[:-1] for i in active], list(range(len(active))))
+                if stale_rows(
+                    [rows[i] for i in active], engine.version, control
+                ):  # their K/V again, under the new weights
+                    _, batch = runner.prefill(
+                        [rows[i].prompt + rows[i].tokens[:-1] for i in active], list(range(len(active)))
+                    )
         logits = runner.decode(batch, tokens)

@@ -55,8 +55,10 @@ class SleepState:
         """Wake a sleeping engine before it generates; refuse when its weights were discarded and
         no load has filled them since (it would sample from uninitialised memory)."""
         if self.weights_lost:
-            raise RuntimeError(f"rollout replica asked to generate after its sleep discarded the weights (vLLM sleep "
-                               f"level 2) and before a weight load filled them again (version {self.engine.version})")
+            raise RuntimeError(
+                f"rollout replica asked to generate after its sleep discarded the weights (vLLM sleep "
+                f"level 2) and before a weight load filled them again (version {self.engine.version})"
+            )
         self.wake()
 
     def loaded(self) -> tuple[Span, ...]:

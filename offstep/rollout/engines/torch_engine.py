@@ -126,8 +126,14 @@ class TorchEngine:
         self._check(prompts, params)
         return serve_prompts(self.serve, prompts, params, seed, on_finish)
 
-    def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None],
-              control: StepControl | None = None) -> None:
+    def serve(
+        self,
+        feed: TurnFeed,
+        params: SamplingParams,
+        seed: int,
+        on_finish: Callable[[int, Completion], None],
+        control: StepControl | None = None,
+    ) -> None:
         """Generate the requests of ``feed`` as they come, until it is exhausted; call
         ``on_finish(request index, completion)`` as each finishes (from this thread: a request it
         adds to the feed is taken at the next step). ``params.n`` is ignored (one completion per
@@ -215,12 +221,18 @@ class TorchEngine:
         """The model: a collective receive writes into its parameters, which the runners read."""
         return self.model
 
-    def base_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float,
-                      compute_dtype: str = "float32", micro_batch_size: int = 8) -> list[list[float]]:
+    def base_logprobs(
+        self,
+        sequences: Sequence[tuple[list[int], list[int]]],
+        temperature: float,
+        compute_dtype: str = "float32",
+        micro_batch_size: int = 8,
+    ) -> list[list[float]]:
         """The base model's teacher-forced log-probs (the adapters off), as the trainer's forward."""
         with self.adapters_disabled() as model:
-            return sequence_logprobs(model, sequences, self.pad_id, self.device, temperature, compute_dtype,
-                                     micro_batch_size)
+            return sequence_logprobs(
+                model, sequences, self.pad_id, self.device, temperature, compute_dtype, micro_batch_size
+            )
 
     # ---------------------------------------------------------------- LoRA adapters
     def load_adapters(self, adapters: Mapping[str, Tensor], version: int) -> None:
@@ -236,14 +248,21 @@ class TorchEngine:
         """
         own = dict(adapter_parameters(self.model))
         if not own:
-            raise KeyError("load_adapters: the rollout model has no LoRA adapters (actor.lora.rank > 0 needs the "
-                           "rollout worker to build them too)")
+            raise KeyError(
+                "load_adapters: the rollout model has no LoRA adapters (actor.lora.rank > 0 needs the "
+                "rollout worker to build them too)"
+            )
         missing, unexpected = sorted(set(own) - set(adapters)), sorted(set(adapters) - set(own))
         if missing or unexpected:
-            raise KeyError(f"load_adapters: the adapters do not match the rollout model's: missing {missing[:10]} "
-                           f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)})")
-        bad = [f"{k}: got {tuple(v.shape)}, model has {tuple(own[k].shape)}" for k, v in adapters.items()
-               if tuple(v.shape) != tuple(own[k].shape)]
+            raise KeyError(
+                f"load_adapters: the adapters do not match the rollout model's: missing {missing[:10]} "
+                f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)})"
+            )
+        bad = [
+            f"{k}: got {tuple(v.shape)}, model has {tuple(own[k].shape)}"
+            for k, v in adapters.items()
+            if tuple(v.shape) != tuple(own[k].shape)
+        ]
         if bad:
             raise ValueError("load_adapters: shape mismatch: " + "; ".join(bad[:10]))
         with torch.no_grad():
@@ -344,7 +363,9 @@ class TorchEngine:
                 self.model.train()
         got = torch.cat([first, second])
         err = float((got - want).abs().max())
-        tol = (1e-3 if self.model.get_input_embeddings().weight.dtype == torch.float32 else 5e-2) * max(1.0, float(want.abs().max()))
+        tol = (1e-3 if self.model.get_input_embeddings().weight.dtype == torch.float32 else 5e-2) * max(
+            1.0, float(want.abs().max())
+        )
         if not err <= tol:
             return f"its logits differ from the model's forward by {err:.3g} (tolerance {tol:.3g})"
         return None

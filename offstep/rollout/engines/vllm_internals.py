@@ -34,8 +34,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["CPU_HEAD_SIZES", "adapter_sums", "held_sums", "in_process", "quiet_expected_warnings",
-           "record_rows_before_packing", "reload_weights", "shutdown"]
+__all__ = [
+    "CPU_HEAD_SIZES",
+    "adapter_sums",
+    "held_sums",
+    "in_process",
+    "quiet_expected_warnings",
+    "record_rows_before_packing",
+    "reload_weights",
+    "shutdown",
+]
 
 # Head sizes vLLM-CPU's attention kernels serve (vllm/v1/attention/backends/cpu_attn.py, v0.32).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -53,8 +61,13 @@ _TIED_HEAD_WARNING = ("vllm.model_executor.model_loader.reload.layerwise", "Para
 
 # vLLM's fused layers, by the Hugging Face names of their parts (Llama-family checkpoints): each
 # part is one block of the fused weight's rows, in this order.
-_FUSED = {".q_proj": (".qkv_proj", 0), ".k_proj": (".qkv_proj", 1), ".v_proj": (".qkv_proj", 2),
-          ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
+_FUSED = {
+    ".q_proj": (".qkv_proj", 0),
+    ".k_proj": (".qkv_proj", 1),
+    ".v_proj": (".qkv_proj", 2),
+    ".gate_proj": (".gate_up_proj", 0),
+    ".up_proj": (".gate_up_proj", 1),
+}
 
 
 class _DropExpected(logging.Filter):

@@ -30,8 +30,14 @@ class _Live:
     versions: list[int] = field(default_factory=list)
 
 
-def serve(engine, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: Callable[[int, Completion], None],
-          control: StepControl | None) -> None:
+def serve(
+    engine,
+    feed: TurnFeed,
+    params: SamplingParams,
+    seed: int,
+    on_finish: Callable[[int, Completion], None],
+    control: StepControl | None,
+) -> None:
     """``engine.serve`` (a ``VLLMEngine``): see the module's docstring. Steps that a call nested in
     this one runs (posted work: a validation's ``generate``, a reference pass) hand the outputs of
     this loop's requests back to it through ``engine._route``."""
@@ -51,8 +57,9 @@ def serve(engine, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: 
         step = out.outputs[0]
         ids = list(step.token_ids)
         if step.logprobs is None or len(step.logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {0 if step.logprobs is None else len(step.logprobs)} log-probs for "
-                               f"{len(ids)} tokens")
+            raise RuntimeError(
+                f"vLLM returned {0 if step.logprobs is None else len(step.logprobs)} log-probs for {len(ids)} tokens"
+            )
         rec.tokens += ids
         rec.logprobs += [float(lp[t].logprob) for t, lp in zip(ids, step.logprobs)]
         rec.versions += [engine.version] * len(ids)
@@ -75,10 +82,16 @@ def serve(engine, feed: TurnFeed, params: SamplingParams, seed: int, on_finish: 
                 open_feed, new = False, []
             for req in new:
                 rid = f"offstep-{call}-{req.index}"
-                llm.add_request(rid, engine._prompt(req.prompt_ids),
-                                engine._vllm_params(params if req.stop is None else dataclasses.replace(params, stop=req.stop),
-                                                    engine._seed(seed, req), req.max_new_tokens),
-                                lora_request=engine._lora_request)
+                llm.add_request(
+                    rid,
+                    engine._prompt(req.prompt_ids),
+                    engine._vllm_params(
+                        params if req.stop is None else dataclasses.replace(params, stop=req.stop),
+                        engine._seed(seed, req),
+                        req.max_new_tokens,
+                    ),
+                    lora_request=engine._lora_request,
+                )
                 live[rid] = _Live(req.index, req.group)
             if not live:
                 if open_feed:
@@ -115,7 +128,12 @@ def _between_steps(engine, control: StepControl, live: dict[str, _Live], emit: C
         if control.partial == "off" and live:
             return False
         control.run_load()
-        if control.kv_bound == 0 and live and not engine._engine.reset_prefix_cache(  # recompute, or max_kv_age=0
-                reset_running_requests=True):
+        if (
+            control.kv_bound == 0
+            and live
+            and not engine._engine.reset_prefix_cache(  # recompute, or max_kv_age=0
+                reset_running_requests=True
+            )
+        ):
             raise RuntimeError("vLLM could not preempt its running requests to recompute them under the new weights")
     return True

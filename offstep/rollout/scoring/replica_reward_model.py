@@ -87,8 +87,14 @@ class DiscriminativeScorer:
     @torch.inference_mode()
     def __call__(self, items: list[Item]) -> list[float | None]:
         texts = [render_chat(self.tok, it.prompt, it.response) for it in items]
-        enc = self.tok(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
-                       add_special_tokens=False).to(self.device)
+        enc = self.tok(
+            texts,
+            padding=True,
+            truncation=True,
+            max_length=self.max_length,
+            return_tensors="pt",
+            add_special_tokens=False,
+        ).to(self.device)
         logits = self.model(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"]).logits
         return [float(v) for v in logits[:, 0].float().cpu()]
 
@@ -112,12 +118,13 @@ class JudgeScorer:
     def prompt_ids(self, item: Item) -> list[int]:
         text = render_judge_prompt(self.cfg.template, question_of(item.prompt), item.response, item.ground_truth)
         if self.tok.chat_template:
-            ids = self.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True)
+            ids = self.tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         else:
             ids = self.tok(text, add_special_tokens=True)["input_ids"]
-        return list(ids)[-self.cfg.max_length:]
+        return list(ids)[-self.cfg.max_length :]
 
     def __call__(self, items: list[Item]) -> list[float | None]:
         completions = self.engine.generate([self.prompt_ids(it) for it in items], self.params, seed=0)
@@ -146,15 +153,22 @@ class ModelBatcher:
     """Scores items in batches on threads of its own (``threads``: batches in flight at once, one
     per reward worker of a pool); ``__call__`` waits for one item's score."""
 
-    def __init__(self, score_batch: Callable[[list[Item]], list[float | None]], batch_size: int, max_concurrency: int,
-                 timeout_s: float, threads: int = 1):
+    def __init__(
+        self,
+        score_batch: Callable[[list[Item]], list[float | None]],
+        batch_size: int,
+        max_concurrency: int,
+        timeout_s: float,
+        threads: int = 1,
+    ):
         self.score_batch, self.batch_size, self.timeout_s = score_batch, batch_size, timeout_s
         self._slots = threading.BoundedSemaphore(max_concurrency)
         self._queue: queue.Queue = queue.Queue()
         self._spans: list[Span] = []  # each batch's scoring, for the timeline
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, name=f"offstep-reward-model-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"offstep-reward-model-{i}", daemon=True) for i in range(threads)
+        ]
         for t in self._threads:
             t.start()
 
@@ -171,8 +185,9 @@ class ModelBatcher:
                 job.abandoned = True
                 return ModelScore(None, "timeout")
             except Exception as exc:  # noqa: BLE001 - the batch failed: this sample falls back, counted
-                log.warning("reward model: a batch failed (%s: %s); its samples get the fallback score",
-                            type(exc).__name__, exc)
+                log.warning(
+                    "reward model: a batch failed (%s: %s); its samples get the fallback score", type(exc).__name__, exc
+                )
                 return ModelScore(None, "failed")
             return ModelScore(value, "ok") if value is not None else ModelScore(None, "unparsed")
         finally:
@@ -236,6 +251,7 @@ def make_scorer(cfg: RewardModelConfig, device: torch.device) -> Callable[[list[
 def build_model_reward(cfg: RewardModelConfig, device: torch.device, pool: list | None = None) -> ModelBatcher:
     """A replica's reward model behind its batcher: here, or the reward pool's workers ``pool``."""
     if pool:
-        return ModelBatcher(PoolScorer(pool, cfg.timeout_s), cfg.batch_size, cfg.max_concurrency, cfg.timeout_s,
-                            threads=len(pool))
+        return ModelBatcher(
+            PoolScorer(pool, cfg.timeout_s), cfg.batch_size, cfg.max_concurrency, cfg.timeout_s, threads=len(pool)
+        )
     return ModelBatcher(make_scorer(cfg, device), cfg.batch_size, cfg.max_concurrency, cfg.timeout_s)

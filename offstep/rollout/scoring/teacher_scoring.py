@@ -50,8 +50,16 @@ class TeacherSpec:
     @classmethod
     def of(cls, cfg, path: str) -> "TeacherSpec":
         d = cfg.distill
-        return cls(path, d.teacher.dtype, d.teacher.engine, cfg.rollout.temperature, cfg.model.compute_dtype,
-                   d.teacher.batch_size, d.topk if d.loss_mode == "forward_kl_topk" else 0, d.teacher.timeout_s)
+        return cls(
+            path,
+            d.teacher.dtype,
+            d.teacher.engine,
+            cfg.rollout.temperature,
+            cfg.model.compute_dtype,
+            d.teacher.batch_size,
+            d.topk if d.loss_mode == "forward_kl_topk" else 0,
+            d.teacher.timeout_s,
+        )
 
 
 @dataclass
@@ -85,10 +93,25 @@ class TeacherModel:
         if self.engine is not None:
             return [TeacherTokens(lp) for lp in self.engine.base_logprobs(list(sequences), s.temperature)]
         if s.topk:
-            return [TeacherTokens(*t) for t in sequence_topk(self.model, sequences, self.pad_id, self.device,
-                                                             s.temperature, s.topk, s.compute_dtype, s.batch_size)]
-        return [TeacherTokens(lp) for lp in sequence_logprobs(self.model, sequences, self.pad_id, self.device,
-                                                              s.temperature, s.compute_dtype, s.batch_size)]
+            return [
+                TeacherTokens(*t)
+                for t in sequence_topk(
+                    self.model,
+                    sequences,
+                    self.pad_id,
+                    self.device,
+                    s.temperature,
+                    s.topk,
+                    s.compute_dtype,
+                    s.batch_size,
+                )
+            ]
+        return [
+            TeacherTokens(lp)
+            for lp in sequence_logprobs(
+                self.model, sequences, self.pad_id, self.device, s.temperature, s.compute_dtype, s.batch_size
+            )
+        ]
 
 
 class TeacherWorker:
@@ -109,8 +132,9 @@ class Teacher:
     def __init__(self, spec: TeacherSpec, device: torch.device, pool: list | None = None, num_threads: int = 1):
         score = PoolScorer(pool, spec.timeout_s) if pool else TeacherModel(spec, device, num_threads)
         self.spec = spec
-        self.batcher = ModelBatcher(score, spec.batch_size, max_concurrency=1, timeout_s=spec.timeout_s,
-                                    threads=len(pool) if pool else 1)
+        self.batcher = ModelBatcher(
+            score, spec.batch_size, max_concurrency=1, timeout_s=spec.timeout_s, threads=len(pool) if pool else 1
+        )
 
     def submit(self, prompt_ids: Sequence[int], response_ids: Sequence[int]) -> Future:
         """Queue a finished sample's tokens for the teacher's next batch, without waiting."""
@@ -126,15 +150,18 @@ class Teacher:
             try:
                 t: TeacherTokens = fut.result(timeout=max(0.0, deadline - time.monotonic()))
             except FutureTimeout:
-                raise TeacherError(f"distill.teacher ({self.spec.path}) gave no log-probs within "
-                                   f"distill.teacher.timeout_s={self.spec.timeout_s} s; raise the timeout, lower "
-                                   f"distill.teacher.batch_size, or give the teacher more cores "
-                                   f"(resources.cpus_per_teacher_worker with placement=pool)") from None
+                raise TeacherError(
+                    f"distill.teacher ({self.spec.path}) gave no log-probs within "
+                    f"distill.teacher.timeout_s={self.spec.timeout_s} s; raise the timeout, lower "
+                    f"distill.teacher.batch_size, or give the teacher more cores "
+                    f"(resources.cpus_per_teacher_worker with placement=pool)"
+                ) from None
             except Exception as e:  # noqa: BLE001 - named and re-raised as the run's error
                 raise TeacherError(f"distill.teacher ({self.spec.path}) failed: {type(e).__name__}: {e}") from e
             if len(t.logprobs) != len(s.response_ids):
-                raise TeacherError(f"distill.teacher gave {len(t.logprobs)} log-probs for a response of "
-                                   f"{len(s.response_ids)} tokens")
+                raise TeacherError(
+                    f"distill.teacher gave {len(t.logprobs)} log-probs for a response of {len(s.response_ids)} tokens"
+                )
             s.teacher_logprobs, s.teacher_topk_ids, s.teacher_topk_logprobs = t.logprobs, t.topk_ids, t.topk_logprobs
 
     def take_spans(self) -> tuple:

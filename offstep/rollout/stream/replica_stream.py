@@ -81,8 +81,14 @@ class StreamFeed:
     requests due at the coming decode step, waiting for them (``offstep.rollout.engines.replica_schedule``), and
     ``while_waiting`` runs meanwhile (the work posted to the engine's thread)."""
 
-    def __init__(self, prompts: list[list[int]], concurrency: int, share_prefix: bool = True,
-                 schedule: Schedule | None = None, while_waiting: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        concurrency: int,
+        share_prefix: bool = True,
+        schedule: Schedule | None = None,
+        while_waiting: Callable[[], None] = lambda: None,
+    ):
         self.prompts, self.concurrency, self.share_prefix = prompts, concurrency, share_prefix
         self.schedule, self.while_waiting = schedule, while_waiting
         self._cond = threading.Condition()
@@ -178,10 +184,22 @@ class StreamServer:
     (``offstep.rollout.stream.stream_agents``): their model turns are requests of this feed (``submit_turn``),
     and each sample comes back whole (``agent_done``)."""
 
-    def __init__(self, engine, prompts: list[list[int]], params: SamplingParams, partial: str, concurrency: int,
-                 score: Callable, pool: ThreadPoolExecutor, tokenizer, on_sample: Callable[[], None] = lambda: None,
-                 share_prefix: bool = True, replay: list | None = None, max_kv_age: int = -1,
-                 teach: Callable[[list[int], list[int]], Future] | None = None):
+    def __init__(
+        self,
+        engine,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        partial: str,
+        concurrency: int,
+        score: Callable,
+        pool: ThreadPoolExecutor,
+        tokenizer,
+        on_sample: Callable[[], None] = lambda: None,
+        share_prefix: bool = True,
+        replay: list | None = None,
+        max_kv_age: int = -1,
+        teach: Callable[[list[int], list[int]], Future] | None = None,
+    ):
         """``teach(prompt_ids, response_ids)``: hands each finished sample to a distillation teacher
         (``offstep.rollout.scoring.teacher_scoring``); its future is kept for the take (``teaching``)."""
         self.engine, self.params, self.score, self.pool, self.tok = engine, params, score, pool, tokenizer
@@ -189,7 +207,9 @@ class StreamServer:
         self.teaching: dict[tuple[int, int], Future] = {}  # (uid, sample index) -> the teacher's answer, until taken
         self.agents: dict[str, object] = {}
         self.control = StepControl(partial, max_kv_age)
-        self.schedule = Schedule(replay)  # when each load, suspension and admission happened (offstep.rollout.engines.replica_schedule)
+        self.schedule = Schedule(
+            replay
+        )  # when each load, suspension and admission happened (offstep.rollout.engines.replica_schedule)
         self.feed = StreamFeed(prompts, concurrency, share_prefix, self.schedule, self.control.run_posted)
         self.control.use_schedule(self.schedule, self.feed)
         self._lock = threading.Condition()
@@ -240,9 +260,17 @@ class StreamServer:
                         fresh_key = index if fresh_key is None else fresh_key
                         group = fresh_key
                     self._owner[index] = (uid, j)
-                    requests.append(TurnRequest(index, list(g.request.prompt_ids) + s.tokens, g.stream0 + j,
-                                                self.params.max_new_tokens - len(s.tokens), group, seed=g.seed,
-                                                offset=len(s.tokens)))
+                    requests.append(
+                        TurnRequest(
+                            index,
+                            list(g.request.prompt_ids) + s.tokens,
+                            g.stream0 + j,
+                            self.params.max_new_tokens - len(s.tokens),
+                            group,
+                            seed=g.seed,
+                            offset=len(s.tokens),
+                        )
+                    )
                 self._scoring[uid] = sum(1 for s in g.samples if s.finish_reason and s.score is None)
                 for j, s in enumerate(g.samples):
                     if s.finish_reason and s.score is None:
@@ -252,8 +280,16 @@ class StreamServer:
         for agent, uid, j, g in loops:
             agent.start(uid, j, g)
 
-    def submit_turn(self, prompt_ids: list[int], max_new_tokens: int, stream: int, seed: int | None,
-                    stop: tuple[str, ...] | None, on_done: Callable[[int, Completion], None], count: int = 1) -> None:
+    def submit_turn(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        stream: int,
+        seed: int | None,
+        stop: tuple[str, ...] | None,
+        on_done: Callable[[int, Completion], None],
+        count: int = 1,
+    ) -> None:
         """Queue ``count`` samples of one model turn of an agent (streams ``stream``, ``stream + 1``, ...;
         prefilled once); ``on_done(k, completion)`` as sample ``k`` ends, on the engine's thread."""
         with self._lock:
@@ -261,8 +297,12 @@ class StreamServer:
             self._next += count
             for k in range(count):
                 self._calls[first + k] = lambda c, k=k: on_done(k, c)
-        self.feed.put([TurnRequest(first + k, list(prompt_ids), stream + k, max_new_tokens, first, seed=seed, stop=stop)
-                       for k in range(count)])
+        self.feed.put(
+            [
+                TurnRequest(first + k, list(prompt_ids), stream + k, max_new_tokens, first, seed=seed, stop=stop)
+                for k in range(count)
+            ]
+        )
 
     def agent_done(self, uid: int, j: int, state: SampleState) -> None:
         """Sample ``j`` of group ``uid``, finished by its agent; scored here unless it has its score."""
@@ -345,12 +385,25 @@ class StreamServer:
             return
         del self._groups[uid], self._scoring[uid]
         r = g.request
-        samples = [Sample(uid=uid, prompt_ids=list(r.prompt_ids if s.prompt_ids is None else s.prompt_ids),
-                          response_ids=s.tokens, rollout_logprobs=s.logprobs, finish_reason=s.finish_reason, score=s.score,
-                          version=s.versions[0] if s.versions else self.engine.version, data_source=r.data_source,
-                          text=s.text, reward_extra=s.extra, token_versions=s.versions, loss_mask=s.loss_mask,
-                          agent=s.agent, kv_age=s.kv_age)
-                   for s in g.samples]
+        samples = [
+            Sample(
+                uid=uid,
+                prompt_ids=list(r.prompt_ids if s.prompt_ids is None else s.prompt_ids),
+                response_ids=s.tokens,
+                rollout_logprobs=s.logprobs,
+                finish_reason=s.finish_reason,
+                score=s.score,
+                version=s.versions[0] if s.versions else self.engine.version,
+                data_source=r.data_source,
+                text=s.text,
+                reward_extra=s.extra,
+                token_versions=s.versions,
+                loss_mask=s.loss_mask,
+                agent=s.agent,
+                kv_age=s.kv_age,
+            )
+            for s in g.samples
+        ]
         self._finished.append(FinishedGroup(uid, samples, g.started, time.time()))
         self._lock.notify_all()
 

@@ -25,9 +25,9 @@ from concurrent.futures import Future
 
 from offstep.batch import Span
 from offstep.rollout.agents.agent_loop import AgentResult, AgentRunner, agent_stats, merge_spans, resume_loop
-from offstep.rollout.engines.control import SUSPENDED
 from offstep.rollout.agents.openai_agent import MODEL_NAME, OpenAIRunner
 from offstep.rollout.agents.openai_server import OpenAIServer
+from offstep.rollout.engines.control import SUSPENDED
 from offstep.rollout.stream.replica_stream import GroupWork, SampleState, StreamServer
 from offstep.rollout.types import Completion, SamplingParams
 
@@ -64,9 +64,14 @@ class ToolLoops:
             if self._live.get((uid, j)) is not r:
                 return
             self._at_turn[(uid, j)] = {**dataclasses.asdict(r), "spans": []}  # where a suspension goes on from
-            self.server.submit_turn(list(work.request.prompt_ids) + r.response_ids, self.budget - len(r.response_ids),
-                                    work.stream0 + j + (r.turns << 32), work.seed, self.stop,
-                                    lambda _, c: self._on_turn(uid, j, work, r, c))
+            self.server.submit_turn(
+                list(work.request.prompt_ids) + r.response_ids,
+                self.budget - len(r.response_ids),
+                work.stream0 + j + (r.turns << 32),
+                work.seed,
+                self.stop,
+                lambda _, c: self._on_turn(uid, j, work, r, c),
+            )
 
     def _on_turn(self, uid: int, j: int, work: GroupWork, r: AgentResult, c: Completion) -> None:
         if c.finish_reason == SUSPENDED or not self._alive(uid, j, r):
@@ -98,9 +103,19 @@ class ToolLoops:
             del self._live[(uid, j)]
             self._at_turn.pop((uid, j), None)
             self._spans.extend(r.spans)
-        self.server.agent_done(uid, j, SampleState(
-            tokens=r.response_ids, logprobs=r.logprobs, versions=r.versions, finish_reason=r.finish_reason,
-            loss_mask=r.loss_mask, agent=dataclasses.asdict(agent_stats(r)), info=r.agent_info()))
+        self.server.agent_done(
+            uid,
+            j,
+            SampleState(
+                tokens=r.response_ids,
+                logprobs=r.logprobs,
+                versions=r.versions,
+                finish_reason=r.finish_reason,
+                loss_mask=r.loss_mask,
+                agent=dataclasses.asdict(agent_stats(r)),
+                info=r.agent_info(),
+            ),
+        )
 
     def take_spans(self) -> tuple[Span, ...]:
         """When tools ran for the loops finished since the last call, merged (the timeline's tool stage)."""
@@ -165,8 +180,9 @@ class AgentRollouts:
 
     def __init__(self, server: StreamServer, runner: OpenAIRunner, engine, params: SamplingParams):
         self.server, self.runner = server, runner
-        self.endpoint = OpenAIServer(engine, runner.tok, runner.eos, runner.spec.format, params.max_new_tokens,
-                                     (MODEL_NAME,), sampling=params).start(batcher=StreamBatcher(server))
+        self.endpoint = OpenAIServer(
+            engine, runner.tok, runner.eos, runner.spec.format, params.max_new_tokens, (MODEL_NAME,), sampling=params
+        ).start(batcher=StreamBatcher(server))
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, name="openai-agents", daemon=True).start()
         self._http = None  # made on the loop, at the first rollout
@@ -197,10 +213,22 @@ class AgentRollouts:
         except BaseException as e:  # the agent raised or returned no reward: the run stops, as in batch mode
             self.server.fail(e)
             return
-        self.server.agent_done(uid, j, SampleState(
-            tokens=s.response_ids, logprobs=s.rollout_logprobs, versions=session.trajectory().versions,
-            finish_reason=s.finish_reason, score=s.score, extra=s.reward_extra, text=s.text, loss_mask=s.loss_mask,
-            agent=dataclasses.asdict(s.agent), prompt_ids=s.prompt_ids))
+        self.server.agent_done(
+            uid,
+            j,
+            SampleState(
+                tokens=s.response_ids,
+                logprobs=s.rollout_logprobs,
+                versions=session.trajectory().versions,
+                finish_reason=s.finish_reason,
+                score=s.score,
+                extra=s.reward_extra,
+                text=s.text,
+                loss_mask=s.loss_mask,
+                agent=dataclasses.asdict(s.agent),
+                prompt_ids=s.prompt_ids,
+            ),
+        )
 
     def forget(self) -> None:
         """Cancel every rollout in flight (a suspension); their sessions close."""
