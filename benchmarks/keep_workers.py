@@ -58,7 +58,7 @@ def main() -> None:
 
     from offstep.launch.loader import load_config
     from offstep.pipeline.keep import keep_workers, release
-    from offstep.pipeline.workers import init_ray
+    from offstep.pipeline.ray_init import init_ray
 
     init_ray(load_config(["preset=tiny"]))
     times: dict[str, list[float]] = {"fresh": [], "kept": []}

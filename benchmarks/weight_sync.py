@@ -37,7 +37,8 @@ from benchmarks.readme import refresh
 from offstep.config.schema import ActorConfig, AlgorithmConfig
 from offstep.models.loading import cache_dir, resolve_model
 from offstep.rewards.registry import RewardFunction
-from offstep.rollout.worker import RolloutSpec, RolloutWorker
+from offstep.rollout.replica_spec import RolloutSpec
+from offstep.rollout.worker import RolloutWorker
 from offstep.sync.collective import connect
 from offstep.sync.digest import digest_of
 from offstep.train.actor import ActorWorker

@@ -106,7 +106,7 @@ def pytest_collection_finish(session):
                 if item.get_closest_marker("gpu"):
                     item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
     if os.environ.get("OFFSTEP_REQUIRE_VLLM") != "1" and any(item.get_closest_marker("vllm") for item in items):
-        from offstep.rollout.engines.vllm_engine import vllm_unavailable_reason
+        from offstep.rollout.engines.vllm_support import vllm_unavailable_reason
 
         reason = vllm_unavailable_reason()
         if reason is not None:
@@ -178,7 +178,7 @@ def ray_session():
 
     from offstep.launch.loader import load_config
     from offstep.pipeline.keep import keep_workers
-    from offstep.pipeline.workers import init_ray
+    from offstep.pipeline.ray_init import init_ray
 
     assert init_ray(load_config(["preset=tiny"])), "Ray was already running before the session's fixture"
     with keep_workers():

@@ -19,8 +19,9 @@ def assert_matches_in_process_reference(cfg, metrics: list[dict], ref_dir) -> No
     from offstep.data.prompt_stream import PromptStream
     from offstep.pipeline.fleet import gen_seed
     from offstep.pipeline.inputs import prepare_inputs, to_request
+    from offstep.rollout.replica_spec import RolloutSpec
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import RolloutSpec, RolloutWorker
+    from offstep.rollout.worker import RolloutWorker
     from offstep.sync.weights import pack_state_dict
     from offstep.train.actor import ActorWorker
     from offstep.train.distributed import GroupSpec

@@ -116,8 +116,9 @@ def run_eval(
     from offstep.models.loading import check_model_path, load_tokenizer, resolve_model
     from offstep.pipeline.inputs import check_safetensors, to_request
     from offstep.rewards.registry import RewardFunction
+    from offstep.rollout.replica_spec import RolloutSpec
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import RolloutSpec, RolloutWorker
+    from offstep.rollout.worker import RolloutWorker
 
     check_model_path(model)
     reward = RewardFunction(

@@ -20,7 +20,7 @@ from offstep.models.loading import load_tokenizer, resolve_model, with_config_ov
 from offstep.rewards.registry import RewardFunction
 from offstep.rollout.agents.agent_tools import agent_tools
 from offstep.rollout.agents.openai_agent import load_agent
-from offstep.rollout.worker import Request
+from offstep.rollout.replica_spec import Request
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
     model_path = with_config_overrides(resolve_model(cfg.model.path), cfg.model.override_config, out_dir)
     check_safetensors(model_path)
     if cfg.rollout.engine == "vllm":  # a model vLLM's backend cannot serve fails here, not in a worker
-        from offstep.rollout.engines.vllm_engine import attention_head_dim_problem
+        from offstep.rollout.engines.vllm_support import attention_head_dim_problem
 
         problem = attention_head_dim_problem(model_path, "cuda" if cfg.rollout.gpus_per_replica else "cpu")
         if problem is not None:

@@ -101,8 +101,8 @@ def test_trajectories_are_the_endpoints_tokens(tmp_path):
     from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
     from offstep.rollout.agents.openai_agent import OpenAIRunner
     from offstep.rollout.engines.torch_engine import TorchEngine
+    from offstep.rollout.replica_spec import Request
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import Request
 
     cfg = load_config(run_args(tmp_path))
     path = resolve_model("tiny")

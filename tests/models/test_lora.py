@@ -200,7 +200,8 @@ def test_rollout_reference_is_the_engines_own_base(tmp_path, tiny, engine):
     adapter load and after each of two, while what it samples follows the adapters (peft's forward
     with them on), which the reference then differs from."""
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RefSpec, Request, RolloutSpec, RolloutWorker
+    from offstep.rollout.replica_spec import RefSpec, Request, RolloutSpec
+    from offstep.rollout.worker import RolloutWorker
 
     (tmp_path / "r.py").write_text(REWARD)
     scratch = tmp_path / "run" / "tmp"  # the run folder's scratch (start_workers passes it)
@@ -263,7 +264,8 @@ def test_every_adapter_sync_reaches_the_rollout_engine(ray_free, tmp_path, tiny,
 
     from offstep.batch import collate
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RefSpec, Request, RolloutSpec, RolloutWorker
+    from offstep.rollout.replica_spec import RefSpec, Request, RolloutSpec
+    from offstep.rollout.worker import RolloutWorker
     from offstep.sync.collective import connect
     from offstep.train.actor import ActorWorker
     from offstep.train.distributed import GroupSpec

@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 from offstep.launch.loader import load_config
-from offstep.pipeline import workers
-from offstep.pipeline.workers import init_ray, keep_token_private, listen_summary
+from offstep.pipeline import ray_init
+from offstep.pipeline.ray_init import init_ray, keep_token_private, listen_summary
 
 OFFSTEP = Path(sys.executable).with_name("offstep")
 LOOPBACK = {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
@@ -211,8 +211,8 @@ def test_local_init_keeps_loopback_as_node_address(tmp_path, monkeypatch):
     def fake_init(**kwargs):
         calls.append((kwargs, ray_constants.ENABLE_RAY_CLUSTER))
 
-    monkeypatch.setattr(workers.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(workers.ray, "init", fake_init)
+    monkeypatch.setattr(ray_init.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_init.ray, "init", fake_init)
     before = ray_constants.ENABLE_RAY_CLUSTER
     assert init_ray(load_config(["preset=tiny", f"trainer.output_dir={tmp_path}"]))
     [(kwargs, cluster_mode)] = calls
@@ -233,8 +233,8 @@ def test_joining_a_cluster_on_loopback_keeps_its_address(tmp_path, monkeypatch, 
 
     monkeypatch.setenv("HOME", str(tmp_path))
     calls = []
-    monkeypatch.setattr(workers.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(workers.ray, "init", lambda **kw: calls.append((kw, ray_constants.ENABLE_RAY_CLUSTER)))
+    monkeypatch.setattr(ray_init.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_init.ray, "init", lambda **kw: calls.append((kw, ray_constants.ENABLE_RAY_CLUSTER)))
     monkeypatch.setattr(ray_address, "check_ray_address", lambda a: None)
     before = ray_constants.ENABLE_RAY_CLUSTER
     init_ray(load_config(["preset=tiny", f"trainer.output_dir={tmp_path}", f"resources.ray_address={address}"]))

@@ -231,14 +231,17 @@ def test_a_stored_tool_loop_is_checked_before_it_is_continued():
         "calls": [{"name": "x", "arguments": {}, "error": "", "ran": True}],
         "tool_time_s": 0.5,
     }
-    doc = lambda lp: {
-        "admitted": 1,
-        "drawn": [],
-        "epoch": 0,
-        "groups": [  # noqa: E731
-            {"g": 0, "epoch": 0, "prompt": 0, "replica": 0, "version": 0, "samples": None, "states": [{"loop": lp}]}
-        ],
-    }
+
+    def doc(lp):
+        return {
+            "admitted": 1,
+            "drawn": [],
+            "epoch": 0,
+            "groups": [
+                {"g": 0, "epoch": 0, "prompt": 0, "replica": 0, "version": 0, "samples": None, "states": [{"loop": lp}]}
+            ],
+        }
+
     assert decode_stream_groups(doc(loop))[0]["states"][0]["loop"] == loop
     for bad in (
         {**loop, "turns": "1"},

@@ -52,3 +52,14 @@ def test_no_module_file_name_is_used_twice():
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     twice = {name: paths for name, paths in seen.items() if len(paths) > 1}
     assert not twice, f"module file names used more than once: {twice}"
+
+
+def test_no_module_is_over_500_lines():
+    """A module past 500 lines holds more than one job: split it by section (the formatter, not
+    squeezing, decides how long its lines are: ``ruff format``, 120 columns)."""
+    long = {
+        str(p.relative_to(ROOT)): n
+        for p in sorted((ROOT / "offstep").rglob("*.py"))
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > 500
+    }
+    assert not long, f"modules over 500 lines: {long}"

@@ -243,8 +243,9 @@ def test_a_judge_on_vllm_answers_as_on_the_builtin_engine():
 
 
 def test_rollout_worker_scores_with_the_reward_model_as_samples_finish(tmp_path, tiny):
+    from offstep.rollout.replica_spec import Request, RolloutSpec
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import Request, RolloutSpec, RolloutWorker
+    from offstep.rollout.worker import RolloutWorker
 
     path, tok, _, _ = tiny
     folder = build_classifier(tmp_path / "rm", "qwen2", tok)

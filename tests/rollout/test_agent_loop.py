@@ -182,7 +182,7 @@ def test_rows_tools_kwargs_reach_the_tool_and_extra_info_reaches_the_reward(tok,
     """verl's extra_info.tools_kwargs: {tool: {"create_kwargs": {...}}} per row."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from offstep.rollout.worker import Request
+    from offstep.rollout.replica_spec import Request
     from offstep.telemetry.progress import ProgressClient
 
     runner = AgentRunner(AgentConfig(tools=["lookup"], tools_path=tool_file, max_turns=2), tok, eos)
@@ -230,7 +230,7 @@ def test_calculator_reward_counts_only_a_plain_final_answer(tok, eos):
     from concurrent.futures import ThreadPoolExecutor
 
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import Request
+    from offstep.rollout.replica_spec import Request
     from offstep.telemetry.progress import ProgressClient
 
     after_tool = _calc_script(tok)  # call, then "47 * 86 = 4042.<|im_end|>"
@@ -402,7 +402,8 @@ def test_a_loop_without_calls_is_the_single_turn_sample(tmp_path):
     from offstep.config.schema import AgentConfig
     from offstep.models.loading import resolve_model
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import Request, RolloutSpec, RolloutWorker
+    from offstep.rollout.replica_spec import Request, RolloutSpec
+    from offstep.rollout.worker import RolloutWorker
 
     path = resolve_model("tiny")
     worker = RolloutWorker(RolloutSpec.local(path, RewardFunction(), 16, agent=AgentConfig()))

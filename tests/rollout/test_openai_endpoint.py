@@ -23,8 +23,8 @@ from offstep.rollout.agents.agent_loop import AgentRunner
 from offstep.rollout.agents.openai_agent import AgentError, OpenAIRunner, load_agent
 from offstep.rollout.agents.openai_server import OpenAIServer
 from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.replica_spec import Request
 from offstep.rollout.types import SamplingParams
-from offstep.rollout.worker import Request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.heavy  # tiny-model generation behind an HTTP server

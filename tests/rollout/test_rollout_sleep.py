@@ -122,7 +122,8 @@ class Recording(TorchEngine):
 def worker(tiny):
     """A real rollout worker on the tiny model (CPU, built-in engine), its engine recording."""
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RolloutSpec, RolloutWorker
+    from offstep.rollout.replica_spec import RolloutSpec
+    from offstep.rollout.worker import RolloutWorker
 
     path = tiny[0]
     w = RolloutWorker(RolloutSpec.local(path, RewardFunction(), 8))
@@ -132,7 +133,7 @@ def worker(tiny):
 
 
 def _requests(w):
-    from offstep.rollout.worker import Request
+    from offstep.rollout.replica_spec import Request
 
     ids = w._tok("What is 2 + 3?", add_special_tokens=False).input_ids
     return [Request(0, ids, "arithmetic", "5"), Request(1, ids[:4], "arithmetic", "1")]

@@ -32,10 +32,10 @@ from offstep.config.schema import AgentConfig
 from offstep.rollout.agents.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.agents.openai_agent import OpenAIRunner
 from offstep.rollout.engines.torch_engine import TorchEngine
+from offstep.rollout.replica_spec import Request
 from offstep.rollout.stream.replica_stream import GroupWork, StreamServer
 from offstep.rollout.stream.stream_agents import attach_agents
 from offstep.rollout.types import SamplingParams
-from offstep.rollout.worker import Request
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytestmark = pytest.mark.heavy  # tiny-model generation, an HTTP endpoint

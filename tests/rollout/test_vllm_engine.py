@@ -213,7 +213,8 @@ def test_head_size_16_is_refused(tiny, tmp_path):
     import json
     import shutil
 
-    from offstep.rollout.engines.vllm_engine import VLLMEngine, attention_head_dim_problem
+    from offstep.rollout.engines.vllm_engine import VLLMEngine
+    from offstep.rollout.engines.vllm_support import attention_head_dim_problem
 
     folder = Path(shutil.copytree(tiny[0], tmp_path / "heads16"))
     cfg = json.loads((folder / "config.json").read_text())

@@ -37,8 +37,9 @@ def test_the_figures_over_the_replicas():
 def test_a_rollout_worker_reports_the_executions_of_its_code_rewards():
     from offstep.models.loading import resolve_model
     from offstep.rewards.registry import RewardFunction
+    from offstep.rollout.replica_spec import Request, RolloutSpec
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import Request, RolloutSpec, RolloutWorker
+    from offstep.rollout.worker import RolloutWorker
 
     worker = RolloutWorker(
         RolloutSpec.local(resolve_model("tiny"), RewardFunction(), 8, sandbox=SandboxConfig(timeout_s=3, concurrency=1))

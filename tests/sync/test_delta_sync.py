@@ -88,7 +88,8 @@ def test_truncated_or_damaged_delta_writes_nothing():
 
 def _worker(dtype):
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RolloutSpec, RolloutWorker
+    from offstep.rollout.replica_spec import RolloutSpec
+    from offstep.rollout.worker import RolloutWorker
 
     return RolloutWorker(RolloutSpec.local("tiny", RewardFunction(), 8, dtype=dtype))
 

@@ -92,7 +92,7 @@ def test_worker_digest_reads_back_what_the_engine_holds(dtype):
     digest."""
     from offstep.models.loading import load_causal_lm
     from offstep.rewards.registry import RewardFunction
-    from offstep.rollout.worker import RolloutSpec
+    from offstep.rollout.replica_spec import RolloutSpec
     from offstep.sync.weights import pack_state_dict
 
     worker = faulty_class("corrupt", 2)(RolloutSpec.local("tiny", RewardFunction(), 8, dtype=dtype))

@@ -287,8 +287,9 @@ def test_worker_hooks_report_samples_and_micro_batches(tiny_inputs, ray_session)
     from offstep.algos.advantages import grpo_outcome_advantage
     from offstep.batch import collate
     from offstep.pipeline.inputs import to_request
+    from offstep.rollout.replica_spec import RolloutSpec
     from offstep.rollout.types import SamplingParams
-    from offstep.rollout.worker import RolloutSpec, RolloutWorker
+    from offstep.rollout.worker import RolloutWorker
     from offstep.train.actor import ActorWorker
     from offstep.train.distributed import GroupSpec
 

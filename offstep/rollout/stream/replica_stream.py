@@ -51,7 +51,7 @@ class SampleState:
 
 @dataclass
 class GroupWork:
-    """A prompt group for a replica: the request (``offstep.rollout.worker.Request``), the seed and
+    """A prompt group for a replica: the request (``offstep.rollout.replica_spec.Request``), the seed and
     first stream of its samples' random streams, and its samples' states (empty: not started)."""
 
     request: object
