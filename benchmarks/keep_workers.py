@@ -1,5 +1,5 @@
 """Runs one after another in one Python process, on fresh workers against kept ones
-(``offstep.pipeline.keep.keep_workers``), side by side in one run.
+(the test suite's keeper, ``tests/keep_workers.py``), side by side in one run.
 
 The tiny preset, one-step, a few steps per run, on a Ray started once (as the test suite's
 session does). The settings alternate (fresh, kept, fresh, kept, ...) so that a change of the
@@ -57,8 +57,8 @@ def main() -> None:
     import ray
 
     from offstep.launch.loader import load_config
-    from offstep.pipeline.keep import keep_workers, release
     from offstep.pipeline.ray_init import init_ray
+    from tests.keep_workers import keep_workers, release
 
     init_ray(load_config(["preset=tiny"]))
     times: dict[str, list[float]] = {"fresh": [], "kept": []}

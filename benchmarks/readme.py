@@ -294,8 +294,9 @@ SECTIONS = [
         "keep_workers.py",
         ("results_keep.md",),
         "Short runs one after another in one Python process on a Ray started once: each run on fresh worker "
-        "processes, against each run on the processes the run before kept (`offstep.pipeline.keep.keep_workers`, "
-        "[docs/running.md](../docs/running.md#several-runs-in-one-python-process)); the two alternate within one run.",
+        "processes, against each run on the processes the run before kept (the test suite's keeper, "
+        "`tests/keep_workers.py`: [docs/running.md](../docs/running.md#several-runs-in-one-python-process)); the two "
+        "alternate within one run.",
         tables_of(("results_keep.md", None)),
     ),
     Section(

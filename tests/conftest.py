@@ -175,9 +175,9 @@ def ray_session():
     ends normally keeps its workers for the next run of the same shape (``keep_workers``: each worker
     process's start, seconds of CPU, is paid once per shape, not once per run)."""
     import ray
+    from keep_workers import keep_workers
 
     from offstep.launch.loader import load_config
-    from offstep.pipeline.keep import keep_workers
     from offstep.pipeline.ray_init import init_ray
 
     assert init_ray(load_config(["preset=tiny"])), "Ray was already running before the session's fixture"
@@ -191,7 +191,7 @@ def ray_free(ray_session):
     """The session's Ray with every core free, for a test that starts actors of its own: the workers
     a run kept (``ray_session``) hold the cores in their placement groups, and would leave such an
     actor waiting for a core forever."""
-    from offstep.pipeline.keep import release
+    from keep_workers import release
 
     release()
 

@@ -7,7 +7,6 @@ worker and the version. Installed by the test, never by a configuration:
 
 from __future__ import annotations
 
-import functools
 import sys
 
 from offstep.rollout.worker import RolloutWorker
@@ -64,8 +63,12 @@ def faulty_start(kind: str, replica: int, version: int):
     processes by value (they cannot import ``tests/``)."""
     import ray.cloudpickle
 
-    from offstep.pipeline.workers import start_workers
+    from offstep.pipeline import controller
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     faulty = faulty_class(kind, version)
-    return functools.partial(start_workers, rollout_class=lambda i: faulty if i == replica else RolloutWorker)
+
+    def start(cfg, inputs, console):  # the run's own start, looked up now: the session's keeper, if it wraps it
+        return controller.start_workers(cfg, inputs, console, lambda i: faulty if i == replica else RolloutWorker)
+
+    return start

@@ -312,13 +312,12 @@ class Controller:
         self.source.thaw()
 
     def close(self, finished: bool = False) -> None:
-        """``finished``: the run ended normally, so its workers may be kept for the next run
-        (inside ``offstep.pipeline.keep.keep_workers``)."""
+        """``finished``: the run ended normally (passed on to ``Workers.close``)."""
         self.console.close()
         self.loggers.close()
         self.timeline.close()
         if self.workers is not None:
-            self.workers.close(keep_them=finished)
+            self.workers.close(finished)
         self.lock.release()
 
 

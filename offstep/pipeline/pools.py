@@ -25,7 +25,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from offstep.dist import serve_store
 from offstep.errors import PlacementFailed
-from offstep.pipeline.keep import rebuild
 from offstep.train.distributed import GroupSpec
 
 # Actors take a token share of a bundle; the bundle itself reserves the cores, and each actor
@@ -137,12 +136,19 @@ class Rendezvous:
         return self.host, self.store.port
 
 
+def rebuild(worker, *args, **kwargs) -> None:
+    """Run inside a live worker of an earlier run (``__ray_call__``): its object built again from
+    this run's arguments, by the constructor a fresh start runs, on an empty object."""
+    worker.__dict__.clear()
+    type(worker).__init__(worker, *args, **kwargs)
+
+
 class RoleGroup:
     """The ranks of one trainer role, spread one per bundle of a pool."""
 
     def __init__(self, name: str, handles: list, rebuilding: list | None = None):
         self.name, self.handles = name, handles
-        self.rebuilding = rebuilding or []  # kept ranks being built again for this run (offstep.pipeline.keep)
+        self.rebuilding = rebuilding or []  # reused ranks being built again for this run (start_workers(reuse=...))
 
     @classmethod
     def create(
@@ -155,12 +161,13 @@ class RoleGroup:
         rendezvous: Rendezvous,
         *args,
         lendable: bool = False,
-        kept: dict[str, list] | None = None,
+        reuse: dict[str, list] | None = None,
     ) -> "RoleGroup":
         """``lendable``: each rank also serves ``lend_threads`` in a concurrency group of its own
         (``LEND_GROUP``), beside the call it is running; its other calls stay one at a time.
-        ``kept``: ranks a run of the same shape kept, by role name, built again for this run instead."""
-        reuse = (kept or {}).get(name)
+        ``reuse``: live ranks of an earlier run of the same shape, by role name, built again for this
+        run instead (``start_workers(reuse=...)``)."""
+        reuse = (reuse or {}).get(name)
         remote_cls = ray.remote(concurrency_groups={LEND_GROUP: 1})(worker_cls) if lendable else ray.remote(worker_cls)
         master_addr, port = rendezvous.endpoint
         handles, rebuilding = [], []

@@ -19,9 +19,8 @@ import ray
 from offstep.config.schema import Config, rollout_sleeps
 from offstep.errors import RolloutFailed, TrainerFailed
 from offstep.models.loading import cache_dir
-from offstep.pipeline import keep
 from offstep.pipeline.inputs import Inputs
-from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S, Pool, Rendezvous, RoleGroup
+from offstep.pipeline.pools import PLACEMENT_TIMEOUT_S, Pool, Rendezvous, RoleGroup, rebuild
 from offstep.pipeline.ray_init import (
     init_ray,
     listen_summary,
@@ -64,10 +63,7 @@ class Workers:
     teacher: list = field(default_factory=list)  # the teacher pool's workers (distill.teacher.placement=pool)
     teacher_pool: Pool | None = None
     sleeps: bool = False  # the replicas sleep while the trainer updates (rollout.sleep_during_update)
-    shape: tuple | None = (
-        None  # what the processes are fixed to, when they may be kept for the next run (offstep.pipeline.keep)
-    )
-    rebuilding: list = field(default_factory=list)  # kept workers' rebuilds under way (ObjectRefs)
+    rebuilding: list = field(default_factory=list)  # reused workers' rebuilds under way (ObjectRefs)
 
     @property
     def groups(self) -> list[RoleGroup]:
@@ -124,11 +120,9 @@ class Workers:
         nodes = ray.get([h.__ray_call__.remote(node_of) for _, h in roles])
         return ", ".join(f"{role} on {node}" for (role, _), node in zip(roles, nodes))
 
-    def close(self, keep_them: bool = False) -> None:
-        """Stop every worker and release the pools; or, with ``keep_them`` (a run that ended
-        normally) where this run's workers may be kept, empty them and keep them for the next run."""
-        if keep_them and self.shape is not None and self._keep():
-            return
+    def close(self, finished: bool = False) -> None:
+        """Stop every worker and release the pools. ``finished``: the run ended normally (what a
+        caller that keeps the processes for its next run needs: ``tests/keep_workers.py``)."""
         for g in self.groups:
             try:
                 ray.get(g.submit(RoleWorker.shutdown), timeout=30)
@@ -144,31 +138,16 @@ class Workers:
         if self.owns_ray:
             ray.shutdown()
 
-    def _keep(self) -> bool:
-        """Shut down and empty every worker, and keep them (``offstep.pipeline.keep``); False
-        if one of them fails to (then ``close`` stops them all)."""
-        try:
-            ray.get(
-                [
-                    *(h for g in self.groups for h in g.submit(RoleWorker.shutdown)),
-                    *(w.close.remote() for w in self.rollout),
-                ],
-                timeout=30,
-            )
-            ray.get([h.__ray_call__.remote(keep.empty) for _, h in self.roles()], timeout=30)
-        except Exception:
-            return False
-        self.live.close()
-        keep.park(
-            keep.Kept(
-                self.shape,
-                keep.cluster(),
-                list(self.pools),
-                {g.name: g.handles for g in self.groups},
-                list(self.rollout),
-            )
-        )
-        return True
+
+@dataclass
+class Processes:
+    """Live worker processes of an earlier run on this Ray, their objects emptied, for a run of the
+    same shape to build its workers in (``start_workers(reuse=...)``): its pools (the trainer's,
+    then the rollout's), each trainer role's ranks by role name, and its replicas."""
+
+    pools: list
+    roles: dict[str, list]
+    rollout: list
 
 
 def node_of(_worker) -> str:
@@ -267,12 +246,17 @@ def start_teacher_pool(cfg: Config, spec: TeacherSpec | None, env: dict) -> tupl
 
 
 def start_workers(
-    cfg: Config, inputs: Inputs, console, rollout_class: Callable[[int], type] = lambda i: RolloutWorker
+    cfg: Config,
+    inputs: Inputs,
+    console,
+    rollout_class: Callable[[int], type] = lambda i: RolloutWorker,
+    reuse: Processes | None = None,
 ) -> Workers:
     """Place the pools and start every role on them (one bundle per trainer rank or replica).
     ``rollout_class(i)``: the class replica ``i``'s actor runs (a test gives one a subclass that
-    injects a fault). Inside ``keep.keep_workers()``, the workers a run of the same shape kept are
-    built again instead (``offstep.pipeline.keep``)."""
+    injects a fault). ``reuse``: the processes of an earlier run of the same shape, in which this
+    run's workers are built instead of starting new ones (the test suite's keeper,
+    ``tests/keep_workers.py``); should one of them have died, the run starts afresh."""
     res, ro, k = cfg.resources, cfg.rollout, cfg.pipeline.max_staleness
     console.log("offstep: starting Ray and the worker pools")
     owns_ray = init_ray(cfg)
@@ -309,15 +293,8 @@ def start_workers(
             res.placement_timeout_s,
         )
     )
-    shape = None  # what fixes this run's processes, when they may be kept: the pools, roles, classes and options
-    if keep.keepable(cfg, inputs.agent is not None) and not owns_ray:
-        shape = (
-            repr((trainer_spec, rollout_spec, use_critic, share, lend > 0, sorted(env.items()))),
-            tuple(rollout_class(i) for i in range(ro.replicas)),
-        )
-    kept = keep.take(shape)  # releases workers kept by a run of another shape
-    trainer_pool = kept.pools[0] if kept else Pool.create(*trainer_spec)
-    rollout_pool = None if colocate else kept.pools[1] if kept else Pool.create(*rollout_spec)
+    trainer_pool = reuse.pools[0] if reuse else Pool.create(*trainer_spec)
+    rollout_pool = None if colocate else reuse.pools[1] if reuse else Pool.create(*rollout_spec)
     live = LiveStatus.create(console)
     ref_spec = (
         RefSpec(
@@ -335,7 +312,7 @@ def start_workers(
     micro, budget = cfg.actor.micro_batch_size, cfg.actor.micro_token_budget
     host = None if cfg.resources.ray_address else "127.0.0.1"  # a local run listens on loopback only
     rendezvous = Rendezvous(host or ray.util.get_node_ip_address())
-    roles = dict(kept=kept.roles if kept else {}, lendable=lend > 0)
+    roles = dict(reuse=reuse.roles if reuse else {}, lendable=lend > 0)
     actor = RoleGroup.create(
         Role.ACTOR,
         ActorWorker,
@@ -419,9 +396,9 @@ def start_workers(
             actor_classes[cls] = ray.remote(cls)
         return actor_classes[cls].options(**opts).remote(*rollout_args(i))
 
-    if kept:
-        rollout = kept.rollout
-        rebuilding = [h.__ray_call__.remote(keep.rebuild, *rollout_args(i)) for i, h in enumerate(rollout)]
+    if reuse:
+        rollout = reuse.rollout
+        rebuilding = [h.__ray_call__.remote(rebuild, *rollout_args(i)) for i, h in enumerate(rollout)]
     else:
         rollout, rebuilding = [make_rollout(i) for i in range(ro.replicas)], []
     workers = Workers(
@@ -442,7 +419,6 @@ def start_workers(
         teacher=teacher_workers,
         teacher_pool=teacher_pool,
         sleeps=sleeps,
-        shape=shape,
         rebuilding=[*rebuilding, *(r for g in (actor, ref, critic) if g is not None for r in g.rebuilding)],
     )
     try:
@@ -451,7 +427,7 @@ def start_workers(
             console.log(f"offstep: placement: {workers.placement()}")
     except BaseException as e:
         workers.close()
-        if kept and isinstance(e, ray.exceptions.RayError):  # a kept worker died or failed to rebuild: start afresh
+        if reuse and isinstance(e, ray.exceptions.RayError):  # a reused worker died or failed to rebuild: start afresh
             return start_workers(cfg, inputs, console, rollout_class)
         raise
     return workers

@@ -332,7 +332,7 @@ class RolloutWorker:
     def close(self) -> None:
         """Release what this worker holds besides its objects: the scoring threads (after the
         calls they run), the engine's cached memory, the process's sandbox log. For a worker kept for the next run
-        (``offstep.pipeline.keep``); a stopped one's process simply ends."""
+        (``tests/keep_workers.py``); a stopped one's process simply ends."""
         self.pool.shutdown(wait=True, cancel_futures=True)
         self.engine.close()
         shared().log.drain()  # executions no step reported: the next run's first step would count them

@@ -1,4 +1,4 @@
-"""Worker processes kept between runs (``offstep.pipeline.keep``; the test session's Ray keeps
+"""Worker processes kept between runs (``tests/keep_workers.py``; the test session's Ray keeps
 them): a run on kept workers equals one on fresh workers, in the same processes; a run of another
 shape, a failed run and a kept worker that died each leave no stale worker behind."""
 
@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import os
 
+import keep_workers as keep
 import pytest
 import ray
 
 from offstep.launch.loader import load_config
-from offstep.pipeline import keep
 from offstep.pipeline.controller import train
 
 pytestmark = pytest.mark.ray
@@ -36,7 +36,7 @@ def _run(tmp_path, name: str, *extra: str) -> list[dict]:
 def _kept_pids() -> list[int]:
     kept = keep._kept
     assert kept is not None, "the run kept no workers"
-    handles = [*(h for hs in kept.roles.values() for h in hs), *kept.rollout]
+    handles = [*(h for hs in kept.processes.roles.values() for h in hs), *kept.processes.rollout]
     return ray.get([h.__ray_call__.remote(lambda self: os.getpid()) for h in handles])
 
 
@@ -54,9 +54,9 @@ def test_a_run_of_another_shape_releases_the_kept_workers(tmp_path, ray_free):
     _run(tmp_path, "one")
     old = keep._kept
     _run(tmp_path, "critic", "algorithm.adv_estimator=gae")  # a critic role: another shape
-    assert keep._kept is not old and "critic" in keep._kept.roles and "critic" not in old.roles
+    assert keep._kept is not old and "critic" in keep._kept.processes.roles and "critic" not in old.processes.roles
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(old.rollout[0].__ray_ready__.remote(), timeout=30)
+        ray.get(old.processes.rollout[0].__ray_ready__.remote(), timeout=30)
 
 
 def test_a_failed_run_keeps_nothing(tmp_path, ray_free):
@@ -72,7 +72,7 @@ def test_a_failed_run_keeps_nothing(tmp_path, ray_free):
 
 def test_a_kept_worker_that_died_is_replaced_by_a_fresh_start(tmp_path, ray_free):
     fresh = _run(tmp_path, "fresh")
-    ray.kill(keep._kept.rollout[0])
+    ray.kill(keep._kept.processes.rollout[0])
     assert _run(tmp_path, "after") == fresh
 
 
