@@ -294,7 +294,12 @@ def start_workers(
         )
     )
     trainer_pool = reuse.pools[0] if reuse else Pool.create(*trainer_spec)
-    rollout_pool = None if colocate else reuse.pools[1] if reuse else Pool.create(*rollout_spec)
+    try:
+        rollout_pool = None if colocate else reuse.pools[1] if reuse else Pool.create(*rollout_spec)
+    except BaseException:  # placed for nothing, the trainer's pool would hold its cores and its name
+        if not reuse:
+            trainer_pool.remove()
+        raise
     live = LiveStatus.create(console)
     ref_spec = (
         RefSpec(

@@ -260,6 +260,7 @@ def test_ray_workers_collective_and_object_store_agree(ray_free, tmp_path):
 
     from offstep.config.schema import ActorConfig, AlgorithmConfig
     from offstep.rewards.registry import RewardFunction
+    from offstep.rollout.replica_spec import RolloutSpec
     from offstep.rollout.worker import RolloutWorker
     from offstep.sync.collective import connect
     from offstep.train.actor import ActorWorker
@@ -274,7 +275,7 @@ def test_ray_workers_collective_and_object_store_agree(ray_free, tmp_path):
     )
     reward = RewardFunction()
     rollouts = [
-        ray.remote(RolloutWorker).options(num_cpus=0.01, **env).remote("tiny", "float32", "cpu", 1, reward, 1, 8)
+        ray.remote(RolloutWorker).options(num_cpus=0.01, **env).remote(RolloutSpec.local("tiny", reward, 8))
         for _ in range(2)
     ]
     try:
