@@ -98,6 +98,7 @@ class GenTiming:
     sandbox: tuple = ()  # offstep.sandbox.Execution of each sandboxed run (code rewards, the python tool)
     reward: tuple[Span, ...] = ()  # the reward model's batches (reward.model), for the timeline
     teacher: tuple[Span, ...] = ()  # the distillation teacher's batches (distill.teacher), for the timeline
+    cut: int = 0  # samples the over-sampling cut (rollout.over_sample_rate): not among the call's samples
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from offstep.rollout.types import PromptFeed, SamplingParams, TurnRequest
+from offstep.rollout.engines.plain_generation import PromptFeed
+from offstep.rollout.types import SamplingParams, TurnRequest
 
 
 def check_serves_continuation(engine, model, tok, atol: float) -> None:

@@ -1,4 +1,4 @@
-"""verl command lines the tests translate."""
+"""verl command lines the tests translate, and a file verl's scripts name."""
 
 from __future__ import annotations
 
@@ -38,3 +38,24 @@ def main_ppo(out, *extra: str) -> list[str]:
         "trainer.n_gpus_per_node=8",
         *extra,
     ]
+
+
+# verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as verl ships it
+GSM8K_YAML = """
+tools:
+  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
+    config:
+      type: native
+    tool_schema:
+      type: "function"
+      function:
+        name: "calc_gsm8k_reward"
+        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
+        parameters:
+          type: "object"
+          properties:
+            answer:
+              type: "string"
+              description: "The model's answer to the GSM8K math problem, must be a digits"
+          required: ["answer"]
+"""

@@ -133,6 +133,8 @@ class RolloutConfig:
     """pipeline.mode=fully_async: how in-flight samples continue across a weight load: keep (their KV cache, computed under the old weights, stays; no extra work) | recompute (their prompt and tokens so far are prefilled again under the new weights) | off (they finish under the old weights before the load; no sample crosses a load)"""
     max_kv_age: int = -1
     """partial=keep: the most policy versions a sample's K/V cache may lag the weights it decodes with; after a load, a sample past it has its prompt and tokens prefilled again under the new weights, as partial=recompute does for every sample (0: recompute; -1: no bound, keep as is; docs/fully-async.md#kv-age)"""
+    over_sample_rate: float = 0.0
+    """verl's over-sampling, batch mode: a generation call stops once this share of its samples is left unfinished; the slowest (in flight or not started) are cut, not trained on, counted in rollout/over_sample_cut (0: wait for every sample; a length bias: docs/from-verl.md#over-sampling)"""
     val_temperature: float = 0.0
     """validation sampling temperature (0: greedy; otherwise finite and >= 0.01)"""
     val_n: int = 1

@@ -65,6 +65,19 @@ def check_mode(cfg: Config, e: list[str]) -> None:
         f"recomputes, as rollout.partial=recompute) or -1, or rollout.engine=builtin",
         e,
     )
+    rate = cfg.rollout.over_sample_rate
+    need(
+        math.isfinite(rate) and 0 <= rate < 1,
+        f"rollout.over_sample_rate={rate} must be in [0, 1): the share of a generation call's samples cut "
+        f"(0: none), e.g. 0.1",
+        e,
+    )
+    need(
+        not (rate > 0 and p.mode == "fully_async"),
+        f"rollout.over_sample_rate={rate} with pipeline.mode=fully_async: the stream trains each group as it "
+        f"finishes, so no batch waits for its slowest samples; set rollout.over_sample_rate=0",
+        e,
+    )
     need(
         cfg.pipeline.weight_sync_full_every >= 1,
         f"pipeline.weight_sync_full_every={cfg.pipeline.weight_sync_full_every} must be >= 1",

@@ -197,6 +197,7 @@ def sampling_params(cfg: Config) -> tuple[SamplingParams, SamplingParams]:
         max_new_tokens=ro.max_new_tokens,
         stop=tuple(ro.stop),
         greedy_baseline=cfg.algorithm.adv_estimator == "remax",
+        over_sample_rate=ro.over_sample_rate,  # training batches only: a validation scores every prompt
     )
     val = SamplingParams(
         n=ro.val_n,

@@ -78,6 +78,8 @@ class BatchPreparer:
         m.update(sandbox_metrics([r for results in gen.rounds for r in results]))
         m.update(dropped_metrics(gen.dropped, m))
         m[Data.PROMPTS_CRC32] = zlib.crc32(",".join(map(str, idx)).encode())
+        if self.cfg.rollout.over_sample_rate > 0:
+            m[Rollout.OVER_SAMPLE_CUT] = sum(t.cut for results in gen.rounds for _, t in results)
         if self.cfg.algorithm.dynamic_sampling:
             m[Rollout.DYNAMIC_SAMPLING_ATTEMPTS] = len(gen.rounds)
             m[Rollout.DYNAMIC_SAMPLING_FILLED_GROUPS] = gen.filled_groups

@@ -132,7 +132,7 @@ def _encode_generated(g: Generated) -> dict:
             for s in samples:
                 where[id(s)] = len(flat)
                 flat.append(dataclasses.asdict(s))
-            per_replica.append([len(samples), _span(timing.gen), _span(timing.ref)])
+            per_replica.append([len(samples), _span(timing.gen), _span(timing.ref), timing.cut])
         rounds.append(per_replica)
     chosen = [where[id(s)] if id(s) in where else dataclasses.asdict(s) for s in g.samples]
     return {
@@ -151,10 +151,15 @@ def _decode_generated(d: dict) -> Generated:
     pos, rounds = 0, []
     for per_replica in d["rounds"]:
         results = []
-        for n, gen, ref in per_replica:
+        for entry in per_replica:
+            if not isinstance(entry, list) or len(entry) not in (3, 4):  # 3: before over-sampling was counted
+                raise ValueError(f"a round's replica entry {short(entry)} is not [samples, gen, ref, cut]")
+            n, gen, ref, cut = (*entry, 0) if len(entry) == 3 else entry
             if not _int(n) or n < 0:
                 raise ValueError(f"a round holds {short(n)} samples")
-            results.append((flat[pos : pos + n], GenTiming(_unspan(gen), _unspan(ref))))
+            if not _int(cut) or cut < 0:
+                raise ValueError(f"a round's replica cut {short(cut)} samples")
+            results.append((flat[pos : pos + n], GenTiming(_unspan(gen), _unspan(ref), cut=cut)))
             pos += n
         rounds.append(results)
     if pos != len(flat):

@@ -37,6 +37,9 @@ class SamplingParams:
     # ReMax: also decode one greedy response per prompt (same weights) and score it; its score
     # becomes every sample's ``baseline_score``. Not part of the returned samples.
     greedy_baseline: bool = False
+    # verl's over-sampling (``rollout.over_sample_rate``): plain generation stops once this share of
+    # a call's samples is left unfinished; the rest are cut (``offstep.rollout.engines.plain_generation``).
+    over_sample_rate: float = 0.0
 
 
 @dataclass
@@ -96,42 +99,6 @@ class TurnFeed(Protocol):
         """Up to ``limit`` requests to start now; ``block``: wait until there is at least one.
         ``None``: no request will come any more."""
         ...
-
-
-class PromptFeed:
-    """The feed of plain generation: ``n`` samples of each prompt, prompt-major, all at once."""
-
-    def __init__(self, prompts: list[list[int]], n: int, max_new_tokens: int):
-        self.prompts, self.n, self.max_new_tokens = prompts, n, max_new_tokens
-        self.next, self.total = 0, len(prompts) * n
-        self.concurrency = self.total
-
-    def take(self, limit: int, block: bool) -> list[TurnRequest] | None:
-        if self.next >= self.total:
-            return None
-        out = []
-        while self.next < self.total and len(out) < limit:
-            i = self.next
-            out.append(TurnRequest(i, self.prompts[i // self.n], i, self.max_new_tokens, i // self.n))
-            self.next += 1
-        return out
-
-
-def serve_prompts(
-    serve, prompts: list[list[int]], params: SamplingParams, seed: int, on_finish=None
-) -> list[Completion]:
-    """Plain generation through an engine's ``serve``: ``params.n`` completions per prompt,
-    prompt-major, ``on_finish(completion)`` called as each finishes."""
-    results: list[Completion | None] = [None] * (len(prompts) * params.n)
-
-    def store(index: int, c: Completion) -> None:
-        results[index] = c
-        if on_finish is not None:
-            on_finish(c)
-
-    if results:
-        serve(PromptFeed(prompts, params.n, params.max_new_tokens), params, seed, store)
-    return results  # type: ignore[return-value]
 
 
 def check_request(prompts: list[list[int]], params: SamplingParams, vocab_size: int) -> None:

@@ -23,6 +23,7 @@ from offstep.rollout.agents.openai_agent import OpenAIRunner
 from offstep.rollout.engines.build import build_engine
 from offstep.rollout.engines.delta_load import DeltaLoads
 from offstep.rollout.engines.interface import RolloutEngine
+from offstep.rollout.engines.plain_generation import CUT_REASONS
 from offstep.rollout.engines.sleep import SleepState
 from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.replica_spec import Request, RolloutSpec, configure_sandbox
@@ -122,8 +123,11 @@ class RolloutWorker:
 
         self.progress.start(Stage.GEN, total=len(requests) * params.n, version=version)
         completions = self.engine.generate([r.prompt_ids for r in requests], params, seed, on_finish=on_finish)
-        samples, pending = [], {}
+        samples, pending, cut = [], {}, 0
         for c in completions:
+            if c.finish_reason in CUT_REASONS:  # rollout.over_sample_rate: not scored, not trained on
+                cut += 1
+                continue
             fut = futures.get(id(c)) or self.pool.submit(score, c)
             try:
                 value, extra = fut.result()  # a scorer's RewardError propagates to the controller
@@ -150,7 +154,7 @@ class RolloutWorker:
                 pending[id(samples[-1])] = taught[id(c)]
         if params.greedy_baseline:
             self._attach_greedy_baseline(requests, samples, params, seed)
-        return self._finish(samples, Span(t0, time.time(), version), with_ref, pending=pending)
+        return self._finish(samples, Span(t0, time.time(), version), with_ref, pending=pending, cut=cut)
 
     def _score(self, r: Request, text: str, extra_info: dict | None = None) -> tuple[float, dict]:
         """One finished sample's reward: the rule, the reward model, or both (``reward.model``)."""
@@ -166,6 +170,7 @@ class RolloutWorker:
         tools: tuple[Span, ...] = (),
         earlier: tuple = (),
         pending: dict | None = None,
+        cut: int = 0,
     ) -> tuple[list[Sample], GenTiming]:
         """The call's report; for training (``with_ref``), the teacher's log-probs (those asked for
         as the samples finished, ``pending``) and the reference's attached first."""
@@ -178,7 +183,7 @@ class RolloutWorker:
             self._attach_ref_logprobs(samples)
             ref = Span(gen.end, time.time())
         scored = self.model_reward.take_spans() if self.model_reward is not None else ()
-        return samples, GenTiming(gen, ref, tools, (*earlier, *shared().log.drain()), scored, taught)
+        return samples, GenTiming(gen, ref, tools, (*earlier, *shared().log.drain()), scored, taught, cut)
 
     def _generate_with_tools(self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool):
         """A call with tool rows or OpenAI agents' rows: those through their agent loops
@@ -190,17 +195,24 @@ class RolloutWorker:
         samples, plain_timing = self._generate(plain, params, seed, with_ref=False) if plain else ([], None)
         looped, spans = [], ()
         tool_rows = [r for r in requests if r.agent_name == TOOL_AGENT]
+        cut = plain_timing.cut if plain_timing else 0
         if tool_rows:
             looped, spans = run_tool_rows(
                 self._tool_loops(), self.engine, tool_rows, params, seed, self._score, self.pool, self.progress
             )
+            cut += len(tool_rows) * params.n - len(looped)  # the loops the over-sampling cut
         agent_rows = [r for r in requests if r.agent_name == OPENAI_AGENT]
         if agent_rows:
             looped += self._openai_agents().run(self.engine, agent_rows, params, seed, self.progress)
         order = {r.uid: k for k, r in enumerate(requests)}
         samples = sorted(samples + looped, key=lambda s: order[s.uid])  # stable: a request's samples keep their order
         return self._finish(
-            samples, Span(t0, time.time(), version), with_ref, spans, plain_timing.sandbox if plain_timing else ()
+            samples,
+            Span(t0, time.time(), version),
+            with_ref,
+            spans,
+            plain_timing.sandbox if plain_timing else (),
+            cut=cut,
         )
 
     def _tool_loops(self) -> AgentRunner:

@@ -143,6 +143,7 @@ class Rollout:
     IN_FLIGHT_GROUPS = "rollout/in_flight_groups"
     DROPPED_STALE = "rollout/dropped_stale"
     LENGTH_BIAS = "rollout/length_bias"
+    OVER_SAMPLE_CUT = "rollout/over_sample_cut"  # samples rollout.over_sample_rate cut: generated, not trained on
     DYNAMIC_SAMPLING_ATTEMPTS = "rollout/dynamic_sampling_attempts"
     DYNAMIC_SAMPLING_FILLED_GROUPS = "rollout/dynamic_sampling_filled_groups"
 

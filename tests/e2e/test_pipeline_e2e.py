@@ -193,3 +193,24 @@ def test_default_preset_runs_two_steps(tmp_path, ray_session, engine):
     assert all(math.isfinite(m["actor/grad_norm"]) and math.isfinite(m["actor/pg_loss"]) for m in metrics), metrics
     assert any(m["reward/mean"] > 0 for m in metrics) and any(m["actor/grad_norm"] > 0 for m in metrics), metrics
     assert "val/acc" in metrics[-1] and abs(metrics[-1]["actor/mismatch_kl_k1"]) < 0.05
+
+
+def test_over_sampling_cuts_the_slowest_samples_of_each_batch(tmp_path, ray_session):
+    """``rollout.over_sample_rate`` (verl's): each batch stops once half its samples finished; the
+    rest are cut, counted in ``rollout/over_sample_cut`` and left out of the batch, which trains on
+    the others. A stop string that random text meets spreads the tiny model's lengths out."""
+    cfg, metrics, _ = run(
+        tmp_path,
+        1,
+        2,
+        "rollout.over_sample_rate=0.5",
+        "rollout.stop=[e]",
+        "rollout.max_new_tokens=48",
+        "trainer.val_freq=-1",
+    )
+    total = cfg.data.train_batch_size * cfg.rollout.n
+    for m in metrics:
+        trained = round(m["perf/samples_per_s"] * m["timing_s/step"])
+        assert 1 <= m["rollout/over_sample_cut"] <= total // 2, m
+        assert trained == total - m["rollout/over_sample_cut"], m
+        assert m["actor/grad_norm"] > 0

@@ -131,6 +131,16 @@ RESOLVES = {
         "trainer.val_freq": 10,
         "model.override_config.max_position_embeddings": 32768,
     },
+    # SGLang multi-turn: verl's tool config (rollout.agent.tool_config_path), over-sampling that cuts the
+    # slowest tenth of each batch (rollout.over_sample_rate); vLLM serves in place of SGLang
+    "run_qwen2.5-3b_gsm8k_multiturn": {
+        **COLOCATED,
+        "resources.trainer_workers": 8,
+        "rollout.n": 16,
+        "data.train_batch_size": 256,
+        "actor.mini_batch_size": 256 * 16,
+        "rollout.over_sample_rate": 0.1,
+    },
     "grpo_0.6b_gsm8k_fsdp2_2_6": {
         "pipeline.colocate": False,
         "pipeline.max_staleness": 1,
@@ -148,8 +158,6 @@ RESOLVES = {
 REFUSED = {
     # the DAPO recipe filters groups on the reward with the overlong penalty added; offstep's filter sees the score
     "run_dapo": ["algorithm.filter_groups.metric='seq_reward'"],
-    # over-sampling cuts the slowest responses (its tool config translates: rollout.agent.tool_config_path)
-    "run_qwen2.5-3b_gsm8k_multiturn": ["actor_rollout_ref.rollout.over_sample_rate=0.1 is refused"],
 }
 # Translated as written; only the tiny test model is too narrow for the script's LoRA rank 64.
 TINY_MODEL_ONLY = {

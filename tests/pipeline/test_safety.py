@@ -118,7 +118,10 @@ def test_trainer_state_round_trips_exactly():
         for i in range(4)
     ]
     rounds = [
-        [(samples[:2], GenTiming(Span(1.25, 2.5, 3), Span(2.5, 2.75))), (samples[2:], GenTiming(Span(1.0, 3.0, 3)))]
+        [
+            (samples[:2], GenTiming(Span(1.25, 2.5, 3), Span(2.5, 2.75))),
+            (samples[2:], GenTiming(Span(1.0, 3.0, 3), cut=5)),
+        ]
     ]
     gen = Generated(rounds, [samples[2], samples[3], samples[0]], {16: 4, 17: 9}, kept_groups=1, filled_groups=1)
     stream = {"epoch": 1, "position": 8, "num_items": 40, "batch_size": 4, "seed": 0, "shuffle": True}
@@ -146,6 +149,7 @@ def test_trainer_state_round_trips_exactly():
     assert flat[0].ref_logprobs == [-math.inf, 1e-310] and math.isnan(flat[1].baseline_score)
     assert flat[0].reward_extra == {"acc": 0.5, "n": 2, "flag": True}
     assert g.rounds[0][0][1] == GenTiming(Span(1.25, 2.5, 3), Span(2.5, 2.75)) and g.rounds[0][1][1].ref is None
+    assert g.rounds[0][1][1].cut == 5  # the samples rollout.over_sample_rate cut, for the step's count
     # The training samples are the rounds' own objects, as in the run that wrote them.
     assert [id(s) for s in g.samples] == [id(flat[2]), id(flat[3]), id(flat[0])]
 

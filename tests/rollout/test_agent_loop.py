@@ -15,6 +15,7 @@ from test_tools import tool_file  # noqa: F401 (a fixture)
 from offstep.config.schema import AgentConfig
 from offstep.rollout.agents.agent_loop import AgentFeed, AgentRunner, ToolTurnRenderer, merge_spans, run_tool_rows
 from offstep.rollout.agents.tools import calculator, make_tool
+from offstep.rollout.engines.control import SUSPENDED
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -77,9 +78,16 @@ class ScriptedEngine:
         self.tok, self.eos, self.script, self.version = tok, eos, script, 3
         self.requests: list[TurnRequest] = []
 
-    def serve(self, feed, params, seed, on_finish):
+    def serve(self, feed, params, seed, on_finish, control=None):
+        """``control``: a suspension posted between two turns ends the turns taken and not yet
+        answered (``suspended``), as an engine's step boundary does."""
         while (new := feed.take(8, block=True)) is not None:
-            for req in new:
+            for k, req in enumerate(new):
+                if control is not None and control.pending() == "suspend":
+                    for rest in new[k:]:
+                        on_finish(rest.index, Completion(rest.group, [], [], SUSPENDED))
+                    control.run_suspend()
+                    break
                 self.requests.append(req)
                 ids = self.tok(self.script(req), add_special_tokens=False).input_ids
                 reason = "stop"
@@ -89,6 +97,8 @@ class ScriptedEngine:
                 on_finish(
                     req.index, Completion(req.group, ids, lps, reason, self.tok.decode(ids, skip_special_tokens=True))
                 )
+        if control is not None:
+            control.detach()
 
 
 def _calc_script(tok):
@@ -294,7 +304,7 @@ def test_ordered_feed_admits_the_same_way_whatever_the_tools_latency(tok, eos):
         log = []
         original = engine.serve
 
-        def serve(feed, params, seed, on_finish):
+        def serve(feed, params, seed, on_finish, control=None):
             take = feed.take
 
             def logged(limit, block):
@@ -303,7 +313,7 @@ def test_ordered_feed_admits_the_same_way_whatever_the_tools_latency(tok, eos):
                 return out
 
             feed.take = logged
-            original(feed, params, seed, on_finish)
+            original(feed, params, seed, on_finish, control)
 
         engine.serve = serve
         runner.run(

@@ -9,32 +9,13 @@ import os
 import sys
 
 import pytest
+from verl_command_lines import GSM8K_YAML
 
 from offstep.errors import ToolConfigError
 from offstep.launch.loader import load_config
 from offstep.rollout.agents.agent_tools import agent_tools
 from offstep.rollout.agents.tools import run_tool
 from offstep.rollout.agents.verl_tools import load_verl_tools
-
-# verl's examples/sglang_multiturn/config/tool_config/gsm8k_tool_config.yaml, as verl ships it
-GSM8K_YAML = """
-tools:
-  - class_name: "verl.tools.gsm8k_tool.Gsm8kTool"
-    config:
-      type: native
-    tool_schema:
-      type: "function"
-      function:
-        name: "calc_gsm8k_reward"
-        description: "A tool for calculating the reward of gsm8k. (1.0 if parsed answer is correct, 0.0 if parsed answer is incorrect or not correctly parsed)"
-        parameters:
-          type: "object"
-          properties:
-            answer:
-              type: "string"
-              description: "The model's answer to the GSM8K math problem, must be a digits"
-          required: ["answer"]
-"""
 
 SANDBOX_YAML = """
 tools:

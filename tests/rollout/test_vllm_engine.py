@@ -136,7 +136,7 @@ def test_serve_with_a_step_control_is_generate_with_versions(vengine, prompts):
     samples what ``generate`` does, each token tagged with the engine's version; the loads between
     decode steps are tests/rollout/test_partial_rollout.py's. A collective receive goes through ``load_weights``."""
     from offstep.rollout.engines.control import StepControl
-    from offstep.rollout.types import PromptFeed
+    from offstep.rollout.engines.plain_generation import PromptFeed
 
     p = SamplingParams(n=2, max_new_tokens=6)
     want = vengine.generate(prompts, p, seed=3)

@@ -55,6 +55,7 @@ METRICS = {
     "rollout/dropped_stale",
     "rollout/length_bias",
     "rollout/dynamic_sampling_attempts",
+    "rollout/over_sample_cut",
     "rollout/dynamic_sampling_filled_groups",
     "response_length/mean",
     "response_length/max",

@@ -186,9 +186,9 @@ ROLE_KEYS: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": Note(LOGPROB_MB),
     "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": Note(LOGPROB_MB),
     "actor_rollout_ref.rollout.ignore_eos": Refuse("offstep's responses end at EOS or rollout.stop", allow=(False,)),
-    "actor_rollout_ref.rollout.over_sample_rate": Refuse(
-        "offstep waits for every response; algorithm.dynamic_sampling generates more when groups are uninformative",
-        allow=(0, 0.0),
+    "actor_rollout_ref.rollout.over_sample_rate": To(
+        "rollout.over_sample_rate",
+        note="the cut samples are left out of the batch, not padded into it (docs/from-verl.md#over-sampling)",
     ),
     "actor_rollout_ref.rollout.quantization": Refuse(
         "offstep's engines serve float32 or bfloat16 weights (rollout.dtype)", allow=(None,)

@@ -39,6 +39,8 @@ from offstep.config.schema import AgentConfig
 from offstep.rollout.agents.agent_tools import agent_tools
 from offstep.rollout.agents.tool_parsers import ToolCall, make_parser
 from offstep.rollout.agents.tools import Tool, ToolResult, run_tool
+from offstep.rollout.engines.control import SUSPENDED, StepControl
+from offstep.rollout.engines.plain_generation import finish_target
 from offstep.rollout.types import Completion, SamplingParams, TurnRequest
 
 
@@ -61,6 +63,7 @@ class AgentResult:
     tool_time_s: float = 0.0
     max_turns_hit: bool = False
     spans: list[tuple[float, float]] = field(default_factory=list)  # when its tool turns ran
+    cut: bool = False  # ended by the over-sampling (rollout.over_sample_rate) before it finished: not trained on
 
     @property
     def ended_by(self) -> str:
@@ -138,6 +141,7 @@ class AgentFeed:
         self.running = 0  # loops whose tools are running
         self.cond = threading.Condition()
         self.error: BaseException | None = None
+        self.closed = False  # rollout.over_sample_rate met: no turn is taken any more
 
     def take(self, limit: int, block: bool) -> list[TurnRequest] | None:
         with self.cond:
@@ -166,7 +170,9 @@ class AgentFeed:
         """A loop's tools answered: its next turn, or ``None`` when the loop ended."""
         with self.cond:
             self.running -= 1
-            if next_turn is None:
+            if self.closed:
+                pass
+            elif next_turn is None:
                 self.active -= 1
             else:
                 self.arrived.append(next_turn)
@@ -174,7 +180,14 @@ class AgentFeed:
 
     def finished(self) -> None:
         with self.cond:
-            self.active -= 1
+            if not self.closed:
+                self.active -= 1
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        """Take no turn any more (the loops still open are cut)."""
+        with self.cond:
+            self.closed, self.queue, self.arrived, self.active = True, [], [], 0
             self.cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
@@ -219,16 +232,29 @@ class AgentRunner:
         first = [TurnRequest(i, prompts[i // n], i, budget, i // n) for i in range(total)]
         feed = AgentFeed(prompts, first, self.spec.ordered)
         groups = iter(range(len(prompts), 1 << 62))  # continuations: each its own prefill group
+        # rollout.over_sample_rate: once ``target`` loops ended, the open ones are cut (their turn in
+        # flight ended at the next step boundary, no turn taken after): plain_generation's rule.
+        target = finish_target(total, params.over_sample_rate)
+        control = StepControl("keep") if target < total else None
+        if control is not None:
+            control.attach(lambda: None)  # the engine's thread posts it: nothing to wake
+        ended: set[int] = set()
 
         def end(r: AgentResult) -> None:
             r.text = self.tok.decode(r.response_ids, skip_special_tokens=True)
+            ended.add(id(r))
             if on_done is not None:
                 on_done(r)
+            if control is not None and len(ended) == target:
+                feed.close()
+                control.post_suspend()
 
         def on_turn(index: int, c: Completion) -> None:
             i = index % total
             r = results[i]
             prompt = prompts[i // n]
+            if c.finish_reason == SUSPENDED or feed.closed:  # cut by the over-sampling
+                return
             calls = self.take_turn(r, c)
             if not calls:
                 end(r)
@@ -240,6 +266,9 @@ class AgentRunner:
             def answered(fut) -> None:
                 try:
                     fut.result()
+                    if feed.closed:  # cut by the over-sampling while its tools ran
+                        feed.tools_done(None)
+                        return
                     left = budget - len(r.response_ids)
                     if left <= 0:
                         r.finish_reason = "length"
@@ -256,10 +285,12 @@ class AgentRunner:
             future.add_done_callback(answered)
 
         try:
-            engine.serve(feed, self.params(params), seed, on_turn)
+            engine.serve(feed, self.params(params), seed, on_turn, control)
         except BaseException:
             feed.fail(RuntimeError("generation stopped"))
             raise
+        for r in results:
+            r.cut = id(r) not in ended
         return results
 
     def take_turn(self, r: AgentResult, c: Completion) -> list[ToolCall]:
@@ -383,6 +414,8 @@ def run_tool_rows(
     )
     samples = []
     for res in results:
+        if res.cut:  # rollout.over_sample_rate: not scored, not trained on
+            continue
         try:
             value, extra = (futures.get(id(res)) or pool.submit(score, res)).result()
         except BaseException:

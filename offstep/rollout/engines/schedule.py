@@ -9,8 +9,9 @@ import torch
 from torch import Tensor
 
 from offstep.rollout.engines.control import SUSPENDED, StepControl
+from offstep.rollout.engines.plain_generation import PromptFeed
 from offstep.rollout.engines.sampling import sample_tokens, sample_uniforms
-from offstep.rollout.types import PromptFeed, SamplingParams, TurnFeed, TurnRequest
+from offstep.rollout.types import SamplingParams, TurnFeed, TurnRequest
 
 
 def shared_prefix(prompts: list[list[int]]) -> int:

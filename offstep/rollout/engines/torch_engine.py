@@ -40,8 +40,9 @@ from offstep.rollout.engines.control import StepControl
 from offstep.rollout.engines.hf_runner import HFRunner
 from offstep.rollout.engines.interface import RolloutEngine
 from offstep.rollout.engines.llama_runner import LlamaRunner, unsupported_reason
+from offstep.rollout.engines.plain_generation import serve_prompts
 from offstep.rollout.engines.schedule import Row
-from offstep.rollout.types import Completion, SamplingParams, TurnFeed, check_request, serve_prompts
+from offstep.rollout.types import Completion, SamplingParams, TurnFeed, check_request
 from offstep.sync.collective import manifest
 from offstep.sync.digest import WeightDigest, digest_of
 

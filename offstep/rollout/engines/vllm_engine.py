@@ -23,20 +23,13 @@ from torch import Tensor
 
 from offstep.rollout.engines import vllm_internals, vllm_serve
 from offstep.rollout.engines.control import StepControl
+from offstep.rollout.engines.plain_generation import serve_prompts
 from offstep.rollout.engines.vllm_support import (
     attention_head_dim_problem,
     checkpoint_shapes,
     vllm_unavailable_reason,
 )
-from offstep.rollout.types import (
-    Completion,
-    SamplingParams,
-    TurnFeed,
-    TurnRequest,
-    check_request,
-    mix_seed,
-    serve_prompts,
-)
+from offstep.rollout.types import Completion, SamplingParams, TurnFeed, TurnRequest, check_request, mix_seed
 
 __all__ = ["VLLMEngine"]
 
