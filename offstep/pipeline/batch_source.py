@@ -210,9 +210,10 @@ def sampling_params(cfg: Config) -> tuple[SamplingParams, SamplingParams]:
     return train, val
 
 
-def make_source(
-    cfg: Config, inputs, prompts, workers, fleet, params, timeline, preparer
-) -> AheadBatches | StreamBatches:
+BatchSource = AheadBatches | StreamBatches  # what fills the loop's batches, in either mode
+
+
+def make_source(cfg: Config, inputs, prompts, workers, fleet, params, timeline, preparer) -> BatchSource:
     """The source of ``pipeline.mode``."""
     trainer_first = workers.ref is not None or workers.critic is not None  # passes the advantages need
     if cfg.pipeline.mode == "fully_async":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -29,14 +28,7 @@ import ray
 from offstep.config.schema import Config, to_yaml
 from offstep.data.prompt_stream import PromptStream
 from offstep.files import write_file
-from offstep.pipeline.batch_source import (
-    AheadBatches,
-    StreamBatches,
-    check_mode_of,
-    make_source,
-    sampling_params,
-    unless_failed,
-)
+from offstep.pipeline.batch_source import BatchSource, check_mode_of, make_source, sampling_params, unless_failed
 from offstep.pipeline.checkpoints import Checkpoints, TrainerState, complete_checkpoints, load_failed
 from offstep.pipeline.compute_advantages import build_kl_controller
 from offstep.pipeline.evaluation import summarise
@@ -46,7 +38,7 @@ from offstep.pipeline.lending import CoreLending
 from offstep.pipeline.prepare import BatchPreparer, Prepared
 from offstep.pipeline.replay import SCHEDULE_FILE
 from offstep.pipeline.run_dir import open_run
-from offstep.pipeline.step_metrics import record_generation
+from offstep.pipeline.step_metrics import StepRecord, record_generation
 from offstep.pipeline.stop import StopRequest
 from offstep.pipeline.train_stages import TrainerStages
 from offstep.pipeline.weight_sync import SyncReport, WeightSync
@@ -54,22 +46,8 @@ from offstep.pipeline.workers import Workers, failure, start_workers
 from offstep.telemetry.console import ConsoleProgress
 from offstep.telemetry.loggers import RunLoggers
 from offstep.telemetry.metrics import Timeline, truncate_jsonl
-from offstep.telemetry.names import Perf, Role, Stage, Sync, Timing, Val, replica
+from offstep.telemetry.names import Perf, Role, Stage, Timing, Val
 from offstep.train.fsdp import RoleWorker
-
-
-@dataclass
-class StepRecord:
-    """What a step hands to the completion of its record (after its weight sync is checked):
-    the metrics, and the control data beside them."""
-
-    step: int
-    version: int  # the policy version the step's update made
-    metrics: dict
-    export_s: float  # seconds of the weight export
-    loads: asyncio.Future  # the replicas' loads (SyncReport), checked
-    validate: bool  # a validation of the new version follows this step
-    validation: asyncio.Future | None = None  # already queued (batch mode) or None (started after the loads)
 
 
 class Controller:
@@ -94,7 +72,7 @@ class Controller:
         self.workers: Workers | None = None  # set by start()
         self.sync: WeightSync | None = None
         self.fleet: RolloutFleet | None = None
-        self.source: AheadBatches | StreamBatches | None = None  # where the batches come from
+        self.source: BatchSource | None = None  # where the batches come from
 
     def _prepare_run(self, run) -> None:
         cfg = self.cfg
@@ -241,28 +219,7 @@ class Controller:
             await previous
         m = record.metrics
         report: SyncReport = await record.loads  # raises if a replica does not hold what the trainer sent
-        transport = "collective" if report.collective else "object_store"
-        for i, r in enumerate(report.loads):
-            if r is not None:
-                self.timeline.add(
-                    replica(i),
-                    Stage.LOAD_WEIGHTS,
-                    record.step,
-                    r.span.start,
-                    r.span.end,
-                    version=r.span.version,
-                    transport=transport,
-                )
-                for wake in r.woke:  # a sleeping replica's wakes (rollout.sleep_during_update)
-                    self.timeline.add(replica(i), Stage.WAKE, record.step, wake.start, wake.end)
-        m[Timing.SYNC_WEIGHTS] = record.export_s + max(
-            (r.span.seconds for r in report.loads if r is not None), default=0.0
-        )
-        m[Sync.VERIFIED] = float(report.verified)
-        m[Timing.SYNC_VERIFY] = report.verify_s  # wall clock: with the other timings, not compared on resume
-        m[Sync.COLLECTIVE] = float(report.collective)
-        if report.wake_s is not None:  # the replicas slept during the update (rollout.sleep_during_update)
-            m[Timing.ROLLOUT_WAKE] = report.wake_s
+        report.record(self.timeline, record.step, record.export_s, m)
         self.source.loaded(record.version)
         val = record.validation
         if record.validate and val is None:  # fully_async: a replica serves calls at once, the loads are checked

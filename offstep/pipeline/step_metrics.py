@@ -4,7 +4,9 @@ and the sample log (``samples.jsonl``). Metric names are grouped: ``rollout/``, 
 
 from __future__ import annotations
 
+import asyncio
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +14,20 @@ from offstep.batch import GenTiming, Sample, TrainBatch
 from offstep.rewards.combine import FALLBACK, MODEL, RULE
 from offstep.telemetry.metrics import Timeline
 from offstep.telemetry.names import Env, ResponseLength, Reward, Rollout, Sandbox, Stage, replica, reward_lane
+
+
+@dataclass
+class StepRecord:
+    """What a step hands to the completion of its record (after its weight sync is checked):
+    the metrics, and the control data beside them."""
+
+    step: int
+    version: int  # the policy version the step's update made
+    metrics: dict
+    export_s: float  # seconds of the weight export
+    loads: asyncio.Future  # the replicas' loads (SyncReport), checked
+    validate: bool  # a validation of the new version follows this step
+    validation: asyncio.Future | None = None  # already queued (batch mode) or None (started after the loads)
 
 
 def record_generation(

@@ -36,6 +36,8 @@ from offstep.batch import Span
 from offstep.config.schema import PipelineConfig
 from offstep.pipeline.workers import Workers
 from offstep.sync.digest import Loaded, WeightDigest, check_load
+from offstep.telemetry.metrics import Timeline
+from offstep.telemetry.names import Stage, Sync, Timing, replica
 from offstep.train.actor import ActorWorker
 
 
@@ -70,6 +72,26 @@ class SyncReport:
         ``None`` when no replica was asleep."""
         woke = [sum(w.seconds for w in r.woke) for r in self.loads if r is not None and r.woke]
         return max(woke) if woke else None
+
+    def record(self, timeline: Timeline, step: int, export_s: float, m: dict) -> None:
+        """The replicas' loads (and a sleeping replica's wakes) on the timeline; the sync's
+        metrics into ``m`` (``export_s``: the trainer's export before the loads)."""
+        transport = "collective" if self.collective else "object_store"
+        for i, r in enumerate(self.loads):
+            if r is None:
+                continue
+            span = r.span
+            timeline.add(
+                replica(i), Stage.LOAD_WEIGHTS, step, span.start, span.end, version=span.version, transport=transport
+            )
+            for wake in r.woke:  # rollout.sleep_during_update
+                timeline.add(replica(i), Stage.WAKE, step, wake.start, wake.end)
+        m[Timing.SYNC_WEIGHTS] = export_s + max((r.span.seconds for r in self.loads if r is not None), default=0.0)
+        m[Sync.VERIFIED] = float(self.verified)
+        m[Timing.SYNC_VERIFY] = self.verify_s  # wall clock: with the other timings, not compared on resume
+        m[Sync.COLLECTIVE] = float(self.collective)
+        if self.wake_s is not None:  # the replicas slept during the update
+            m[Timing.ROLLOUT_WAKE] = self.wake_s
 
 
 class WeightSync:

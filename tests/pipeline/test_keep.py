@@ -81,3 +81,24 @@ def test_runs_that_hold_more_than_their_objects_are_not_kept(tmp_path, ray_free)
     assert keep._kept is None
     _run(tmp_path, "fully_async", "pipeline.mode=fully_async")
     assert keep._kept is None
+
+
+def test_a_pool_that_cannot_be_placed_leaves_no_pool_behind(tmp_path, ray_free, monkeypatch):
+    """The rollout pool refused after the trainer's was placed: the trainer's is removed, else its
+    cores and its name ('trainer') would stay taken and every later run in the process would fail."""
+    from offstep.errors import PlacementFailed
+    from offstep.pipeline.pools import Pool
+
+    real = Pool.create.__func__
+
+    def create(cls, name, *args, **kwargs):
+        if name == "rollout":
+            raise PlacementFailed("the rollout pool could not be placed (a test's refusal)")
+        return real(cls, name, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Pool, "create", classmethod(create))
+        with pytest.raises(PlacementFailed, match="a test's refusal"):
+            _run(tmp_path, "refused")
+    after = _run(tmp_path, "after")  # the trainer's pool placed again, by its name
+    assert [m["step"] for m in after if m["step"] >= 1] == [1, 2, 3]
