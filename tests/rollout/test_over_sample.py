@@ -10,6 +10,7 @@ import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import needs_vllm
 from test_agent_loop import ScriptedEngine, _prompt, eos, tok  # noqa: F401 (fixtures)
 from test_engine import prompts, tiny  # noqa: F401 (fixtures)
 from test_tools import tool_file  # noqa: F401 (a fixture)
@@ -101,3 +102,29 @@ def test_tool_loops_past_the_target_are_cut(tok, eos, tool_file):
         runner.close()
     assert len(got[0.0]) == 4 and len(got[0.5]) == 2
     assert all(s.agent.turns == 2 and s.finish_reason == "stop" for s in got[0.5])
+
+
+@needs_vllm
+@pytest.mark.own_process
+def test_vllm_cuts_the_slowest_samples_too(tiny, prompts):  # noqa: F811 (fixtures)
+    """The same rule on vLLM, through the step control its partial rollouts use: the finished
+    samples are those of a full generation (every sample admitted at once in both), a cut one is a
+    prefix of its full sample."""
+    from offstep.rollout.engines.vllm_engine import VLLMEngine
+
+    path, tok, _, _ = tiny
+    engine = VLLMEngine(path, tok, list(range(3, len(tok), 9)), dtype="float32", num_threads=2)
+    try:
+        params = SamplingParams(n=4, temperature=1.0, max_new_tokens=40)
+        full = engine.generate(prompts, params, seed=3)
+        seen = []
+        cut = engine.generate(prompts, dataclasses.replace(params, over_sample_rate=0.5), 3, on_finish=seen.append)
+    finally:
+        engine.close()
+    done = [c for c in cut if c.finish_reason not in CUT_REASONS]
+    assert finish_target(len(full), 0.5) <= len(done) < len(full) and len(seen) == len(done)
+    for a, b in zip(cut, full):
+        if a.finish_reason in CUT_REASONS:
+            assert a.response_ids == b.response_ids[: len(a.response_ids)] and len(a.response_ids) < len(b.response_ids)
+        else:
+            assert (a.response_ids, a.finish_reason) == (b.response_ids, b.finish_reason)
