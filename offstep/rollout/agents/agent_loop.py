@@ -245,7 +245,7 @@ class AgentRunner:
             ended.add(id(r))
             if on_done is not None:
                 on_done(r)
-            if control is not None and len(ended) == target:
+            if control is not None and len(ended) >= target and not feed.closed:  # ends on two threads
                 feed.close()
                 control.post_suspend()
 
