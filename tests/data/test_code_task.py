@@ -90,7 +90,7 @@ def test_one_step_of_the_code_task_records_sandbox_metrics(tmp_path, ray_session
                 "trainer.val_before_train=false",
                 f"trainer.output_dir={tmp_path}",
                 "trainer.progress=off",
-                "sandbox.timeout_s=3",
+                "sandbox.timeout_s=10",
             ]
         )
     )
@@ -120,15 +120,18 @@ def test_the_sandbox_metrics_in_the_fully_async_mode(tmp_path, ray_session):
                 "trainer.val_freq=-1",
                 f"trainer.output_dir={tmp_path}",
                 "trainer.progress=off",
-                "sandbox.timeout_s=3",
+                "sandbox.timeout_s=10",
             ]
         )
     )
     steps = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["step"] >= 1]
     # each take hands over the runs recorded since the last one: a step counts at least its own batch's
     # 4 prompts x 2 samples x 5 tests (a group is taken once scored), plus runs of groups scored early for
-    # later steps (scoring goes on beside the takes, so not in whole samples)
+    # later steps (scoring goes on beside the takes, so not in whole samples). A test that times out (a
+    # loaded machine can stretch a run past sandbox.timeout_s) ends its sample's tests: at most 4 fewer runs.
     first = steps[0]
-    assert first[Sandbox.EXECUTIONS] >= 40 and first[Sandbox.TIMEOUTS] == 0
+    assert first[Sandbox.EXECUTIONS] >= 40 - 4 * first[Sandbox.TIMEOUTS]
     assert 0 < first[Sandbox.SECONDS_MEAN] <= first[Sandbox.SECONDS_P95]
-    assert sum(m.get(Sandbox.EXECUTIONS, 0) for m in steps) >= 80
+    timeouts = sum(m.get(Sandbox.TIMEOUTS, 0) for m in steps)
+    assert timeouts <= 2, "the random model writes no loop: only a very loaded machine times a run out"
+    assert sum(m.get(Sandbox.EXECUTIONS, 0) for m in steps) >= 80 - 4 * timeouts
