@@ -66,3 +66,4 @@ DTYPE_NAMES = ("float32", "bfloat16")  # model.dtype, model.compute_dtype, rollo
 OVERLONG_MODES = ("filter", "error", "left", "right", "middle")  # data.overlong_prompts
 TRUNCATIONS = ("left", "right", "middle")  # the OVERLONG_MODES that cut a prompt (verl's data.truncation)
 NONFINITE_POLICIES = ("skip", "stop")  # actor.nonfinite, critic.nonfinite
+LR_SCHEDULES = ("constant", "cosine")  # actor.optim.lr_scheduler_type, critic.optim.lr_scheduler_type

@@ -110,6 +110,12 @@ class OptimConfig:
     """AdamW betas"""
     warmup_steps: int = 0
     """optimizer steps of linear learning-rate warm-up"""
+    lr_scheduler_type: str = "constant"
+    """after the warm-up: constant | cosine (verl's: decays to min_lr_ratio x lr over the run's optimizer steps)"""
+    min_lr_ratio: float = 0.0
+    """cosine: the learning rate the decay ends at, as a fraction of lr"""
+    num_cycles: float = 0.5
+    """cosine: periods over the run (0.5: one monotone decay)"""
     grad_clip: float = 1.0
     """the gradient norm is clipped to this"""
 

@@ -11,6 +11,7 @@ Tasks
     "What is 23 + 58?" with an instruction to end the reply with the final number. Scored by the
     last number in the reply (data_source ``"arithmetic"``). Keyword arguments:
     ``digits`` (max digits per operand, default 2), ``min_value`` (smallest operand, default 0),
+    ``max_value`` (largest operand, default the largest ``digits``-digit number),
     ``ops`` (operators from ``"+-*"``, default ``"+-"``), ``num_operands`` (default 2; a list, such
     as ``[2, 2, 2, 3, 5, 8]``, draws each problem's count from it: problems, and the model's replies,
     of mixed lengths with a long tail), ``allow_negative`` (default False: results are never negative).
@@ -108,6 +109,7 @@ def arithmetic(
     ops: str | list[str] = "+-",
     num_operands: int | list[int] = 2,
     allow_negative: bool = False,
+    max_value: int | None = None,
 ) -> list[dict]:
     """``n`` distinct integer-expression questions (see the module docstring)."""
     counts = [int(num_operands)] if isinstance(num_operands, (int, str)) else [int(c) for c in num_operands]
@@ -119,10 +121,14 @@ def arithmetic(
         raise ConfigError(f"arithmetic: digits must be >= 1, got {digits}.")
     if not counts or min(counts) < 2:
         raise ConfigError(f"arithmetic: num_operands must be >= 2 (or a list of such counts), got {num_operands}.")
-    hi = 10 ** int(digits) - 1
+    hi = 10 ** int(digits) - 1 if max_value is None else int(max_value)
     lo = int(min_value)
+    if max_value is not None and not 0 <= hi < 10 ** int(digits):
+        raise ConfigError(
+            f"arithmetic: max_value={hi} is not a {digits}-digit number. Fix: raise digits or lower max_value."
+        )
     if lo > hi:
-        raise ConfigError(f"arithmetic: min_value={lo} exceeds the largest {digits}-digit number.")
+        raise ConfigError(f"arithmetic: min_value={lo} exceeds the largest operand ({hi}).")
 
     rng = np.random.default_rng([int(seed), 0xA51])
 

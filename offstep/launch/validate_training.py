@@ -15,6 +15,7 @@ from offstep.config.choices import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    LR_SCHEDULES,
     M2PO_TOKENS,
     ONE_RESPONSE_GROUPS,
     POLICY_LOSSES,
@@ -190,6 +191,21 @@ def check_optim(o: OptimConfig, key: str, e: list[str]) -> None:
     )
     need(o.grad_clip > 0, f"{key}.grad_clip={o.grad_clip} must be a number > 0 (inf: no clipping)", e)
     need(o.warmup_steps >= 0, f"{key}.warmup_steps={o.warmup_steps} must be >= 0 (0: no warm-up)", e)
+    need(
+        o.lr_scheduler_type in LR_SCHEDULES,
+        f"{key}.lr_scheduler_type={o.lr_scheduler_type!r} must be one of {list(LR_SCHEDULES)}",
+        e,
+    )
+    need(
+        math.isfinite(o.min_lr_ratio) and 0 <= o.min_lr_ratio <= 1,
+        f"{key}.min_lr_ratio={o.min_lr_ratio} must be in [0, 1] (the cosine's end, as a fraction of lr)",
+        e,
+    )
+    need(
+        math.isfinite(o.num_cycles) and o.num_cycles > 0,
+        f"{key}.num_cycles={o.num_cycles} must be > 0 (0.5: one monotone decay)",
+        e,
+    )
 
 
 def check_distill(cfg: Config, e: list[str]) -> None:

@@ -333,6 +333,7 @@ def start_workers(
         live.client(Role.TRAINER),
         ref_on_trainer,
         cfg.distill,
+        cfg.trainer.total_steps,
         **roles,
     )
     ref = actor if ref_on_trainer else None  # the actor's frozen copy, or with LoRA its base
@@ -351,6 +352,7 @@ def start_workers(
             micro,
             cfg.actor.mini_batch_size,
             budget,
+            cfg.trainer.total_steps,
             **roles,
         )
         if use_critic

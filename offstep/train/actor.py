@@ -63,10 +63,12 @@ class ActorWorker(RoleWorker):
         progress: ProgressClient | None = None,
         reference: bool = False,
         distill: DistillConfig | None = None,
+        total_steps: int = 0,
     ):
-        """``distill``: with ``loss_mode=forward_kl_topk``, the teacher's top-k term is added to the loss."""
+        """``distill``: with ``loss_mode=forward_kl_topk``, the teacher's top-k term is added to the loss.
+        ``total_steps``: the run's updates (``trainer.total_steps``), the horizon of a decaying learning rate."""
         super().__init__(spec, seed)
-        self.cfg, self.algo, self.temperature = actor, algo, temperature
+        self.cfg, self.algo, self.temperature, self.total_steps = actor, algo, temperature, total_steps
         self.distill = (
             distill if distill is not None and distill.enabled and distill.loss_mode == "forward_kl_topk" else None
         )
@@ -87,7 +89,7 @@ class ActorWorker(RoleWorker):
         self._synced = is_adapter_name if self.lora else None
         model.train()
         self.model = self._shard(model)
-        self.opt, self.sched = make_optimizer(self.model.parameters(), actor.optim)
+        self.opt, self.sched, self.schedule = make_optimizer(self.model.parameters(), actor.optim)
         self.skipped_steps = 0
         # Live progress from rank 0 only (all ranks step together); a no-op without a hub.
         self.progress = progress if progress is not None and self.rank == 0 else ProgressClient()
@@ -276,7 +278,9 @@ class ActorWorker(RoleWorker):
         n_mini = 0
         self.updates += 1
         self._by_staleness = self._staleness_stats(batch)
-        self.progress.start(Stage.UPDATE_ACTOR, minis=mini_batch_count(len(local), mini, self.cfg.ppo_epochs))
+        minis = mini_batch_count(len(local), mini, self.cfg.ppo_epochs)
+        self.schedule.horizon = self.total_steps * minis  # the same every update: the batch's size is fixed
+        self.progress.start(Stage.UPDATE_ACTOR, minis=minis)
         for epoch in range(self.cfg.ppo_epochs):
             for j, mini_batch in enumerate(local.chunks(mini)):
                 denom = self._denominator(mini_batch, self.algo.loss_agg_mode)

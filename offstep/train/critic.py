@@ -16,6 +16,7 @@ from offstep.algos.losses import value_loss
 from offstep.batch import TrainBatch, scatter_rows
 from offstep.config.schema import AlgorithmConfig, CriticConfig
 from offstep.models.forward import DTYPES, autocast
+from offstep.telemetry.progress import mini_batch_count
 from offstep.train.distributed import GroupSpec, all_mean
 from offstep.train.fsdp import RoleWorker, clip_and_step, make_optimizer, timed
 
@@ -35,16 +36,19 @@ class CriticWorker(RoleWorker):
         micro_batch_size: int,
         mini_batch_size: int,
         micro_token_budget: int = 0,
+        total_steps: int = 0,
     ):
+        """``total_steps``: the run's updates, the horizon of a decaying learning rate (as the actor's)."""
         super().__init__(spec, seed)
         model = AutoModelForTokenClassification.from_pretrained(
             model_path, num_labels=1, dtype=DTYPES[dtype], attn_implementation="sdpa"
         ).to(self.device)
         model.train()
         self.model = self._shard(model)
-        self.opt, self.sched = make_optimizer(self.model.parameters(), critic.optim)
+        self.opt, self.sched, self.schedule = make_optimizer(self.model.parameters(), critic.optim)
         self.cfg, self.algo = critic, algo
         self.micro, self.mini, self.token_budget = micro_batch_size, mini_batch_size, micro_token_budget
+        self.total_steps = total_steps
         self.compute_dtype = compute_dtype
         self.skipped_steps = 0  # optimizer steps skipped for non-finite loss or gradients
         self.updates = 0
@@ -68,6 +72,7 @@ class CriticWorker(RoleWorker):
         mini = self._local_mini(batch, self.mini)
         sums, n_mini = {}, 0
         self.updates += 1
+        self.schedule.horizon = self.total_steps * mini_batch_count(len(local), mini, self.cfg.ppo_epochs)
         for epoch in range(self.cfg.ppo_epochs):
             for j, mini_batch in enumerate(local.chunks(mini)):
                 denom = self._denominator(mini_batch, self.algo.loss_agg_mode)

@@ -21,6 +21,7 @@ from offstep.errors import NonFiniteError
 from offstep.models.forward import forward_response
 from offstep.models.lora import base_of
 from offstep.train.distributed import GroupSpec, all_max, all_sum, setup
+from offstep.train.lr_schedule import LrSchedule
 from offstep.train.shards import divides, local_mini, shard_plan, take_rows, unshard
 from offstep.train.threads import ThreadLease
 
@@ -39,7 +40,8 @@ def make_optimizer(params, cfg: OptimConfig):
     """AdamW over the parameters that train (all of them, or a LoRA model's adapters), fused: one
     kernel over every tensor instead of torch's per-tensor loop, about 9x faster on a CPU core
     (``benchmarks/update_throughput.py``), equal to it within float32 rounding (a few ulp;
-    ``tests/train/test_optimizer.py``)."""
+    ``tests/train/test_optimizer.py``). The learning rate follows ``offstep.train.lr_schedule``; the
+    caller sets the schedule's horizon (returned third) once it knows the run's optimizer steps."""
     opt = torch.optim.AdamW(
         [p for p in params if p.requires_grad],
         lr=cfg.lr,
@@ -47,10 +49,9 @@ def make_optimizer(params, cfg: OptimConfig):
         weight_decay=cfg.weight_decay,
         fused=True,
     )
-    warmup = max(0, cfg.warmup_steps)
-    # Linear warm-up over the first `warmup` optimizer steps, then constant.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
-    return opt, sched
+    schedule = LrSchedule(max(0, cfg.warmup_steps), cfg.lr_scheduler_type, cfg.min_lr_ratio, cfg.num_cycles)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: schedule(step))
+    return opt, sched, schedule
 
 
 def clip_and_step(

@@ -191,7 +191,6 @@ REFUSED = [
     ("reward_model.enable=True", "needs reward_model.model.path"),
     ("actor_rollout_ref.rollout.expert_parallel_size=2", "expert parallelism"),
     ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "surrogates"),
-    ("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", "warm-up"),
     ("algorithm.adv_estimator=optimal_token_baseline", "grpo, rloo or opo"),
     ("data.truncation=sideways", "error, left, right and middle"),
     ("trainer.logger=['console','mlflow']", "mlflow"),
@@ -469,3 +468,22 @@ def test_multi_turn_keys_become_the_agent_loops():
     )
     ag = cfg.rollout.agent
     assert (ag.max_turns, ag.max_calls_per_turn, ag.format, ag.default_agent) == (5, 2, "hermes", "tool_agent")
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (
+            [
+                "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+                "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
+            ],
+            ("cosine", 0.1),
+        ),
+        (["actor_rollout_ref.actor.optim.warmup_style=null"], ("constant", 0.0)),  # verl's older key; null: constant
+        (["actor_rollout_ref.actor.optim.warmup_style=cosine"], ("cosine", 0.0)),
+    ],
+)
+def test_verl_schedules_map_onto_the_actors(args, expected):
+    cfg, _ = load(["preset=tiny", *args])
+    assert (cfg.actor.optim.lr_scheduler_type, cfg.actor.optim.min_lr_ratio) == expected

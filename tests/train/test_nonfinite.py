@@ -75,7 +75,7 @@ def test_critic_stop_names_the_critic_key():
 
 def test_skipped_step_leaves_adamw_state_untouched():
     model = torch.nn.Linear(2, 1, bias=False)
-    opt, sched = make_optimizer(model.parameters(), OptimConfig(lr=0.1))
+    opt, sched, _ = make_optimizer(model.parameters(), OptimConfig(lr=0.1))
     model.weight.grad = torch.ones_like(model.weight)
     clip_and_step(model, opt, sched, 1.0)
     before = {k: v.clone() for k, v in opt.state[model.weight].items()}

@@ -4,6 +4,7 @@ per-tensor AdamW within float32 rounding, and the linear warm-up."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def _train(net: torch.nn.Module, opt, sched, steps: int) -> None:
 def test_the_optimizer_is_fused_adamw_over_the_trained_parameters():
     net = _net()
     net[0].weight.requires_grad_(False)  # as a LoRA model's frozen base
-    opt, _ = make_optimizer(net.parameters(), OptimConfig(lr=1e-3))
+    opt, _, _ = make_optimizer(net.parameters(), OptimConfig(lr=1e-3))
     assert isinstance(opt, torch.optim.AdamW) and opt.defaults["fused"] is True
     assert {id(p) for p in opt.param_groups[0]["params"]} == {id(p) for p in net.parameters() if p.requires_grad}
 
@@ -37,7 +38,7 @@ def test_the_optimizer_is_fused_adamw_over_the_trained_parameters():
 def test_fused_equals_the_per_tensor_loop_within_float32_rounding():
     cfg = OptimConfig(lr=1e-2, weight_decay=0.01, warmup_steps=3)
     fused_net, loop_net = _net(), _net()
-    fused, fused_sched = make_optimizer(fused_net.parameters(), cfg)
+    fused, fused_sched, _ = make_optimizer(fused_net.parameters(), cfg)
     loop = torch.optim.AdamW(
         loop_net.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=False
     )
@@ -53,10 +54,24 @@ def test_fused_equals_the_per_tensor_loop_within_float32_rounding():
 
 @pytest.mark.parametrize("warmup,expected", [(0, [1.0, 1.0, 1.0]), (2, [0.5, 1.0, 1.0]), (4, [0.25, 0.5, 0.75])])
 def test_learning_rate_warms_up_linearly_then_stays(warmup, expected):
-    opt, sched = make_optimizer(_net().parameters(), OptimConfig(lr=0.1, warmup_steps=warmup))
+    opt, sched, _ = make_optimizer(_net().parameters(), OptimConfig(lr=0.1, warmup_steps=warmup))
     seen = []
     for _ in expected:
         seen.append(opt.param_groups[0]["lr"] / 0.1)
         opt.step()
         sched.step()
     assert seen == pytest.approx(expected)
+
+
+def test_a_cosine_schedule_decays_over_the_horizon_the_caller_sets():
+    cfg = OptimConfig(lr=0.1, warmup_steps=1, lr_scheduler_type="cosine", min_lr_ratio=0.2)
+    opt, sched, schedule = make_optimizer(_net().parameters(), cfg)
+    schedule.horizon = 5  # 1 warm-up step, then 4 of decay: progress 0, 1/4, 2/4, 3/4
+    seen = []
+    for _ in range(5):
+        seen.append(opt.param_groups[0]["lr"] / 0.1)
+        opt.step()
+        sched.step()
+    half = [0.5 * (1 + math.cos(math.pi * p)) for p in (0, 0.25, 0.5, 0.75)]
+    assert seen == pytest.approx([1.0, *(0.2 + 0.8 * h for h in half)])
+    assert sched.state_dict()["lr_lambdas"] == [None]  # a checkpoint stores none of the schedule's settings

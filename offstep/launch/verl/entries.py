@@ -16,6 +16,11 @@ class To:
     note: str = ""  # said when the key is used (a difference worth knowing)
 
 
+def schedule_name(key: str, value: Any) -> Any:
+    """verl's ``lr_scheduler_type`` or its older ``warmup_style``, where null means constant."""
+    return "constant" if value is None else value
+
+
 @dataclass(frozen=True)
 class Derived:
     """Translated with other keys or the composed config (a function of ``DERIVATIONS``)."""

@@ -28,7 +28,18 @@ from offstep.launch.verl.convert import (
     val_max_samples,
     zero_if_null,
 )
-from offstep.launch.verl.entries import ENGINE, FSDP, MEGATRON, PROFILE, ULYSSES, Derived, Note, Refuse, To
+from offstep.launch.verl.entries import (
+    ENGINE,
+    FSDP,
+    MEGATRON,
+    PROFILE,
+    ULYSSES,
+    Derived,
+    Note,
+    Refuse,
+    To,
+    schedule_name,
+)
 from offstep.launch.verl.table_roles import ROLE_KEYS
 
 # First parts of verl's keys that offstep's schema does not have: such a key is verl's, and one the
@@ -194,6 +205,10 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "critic.grad_clip": To("critic.optim.grad_clip"),
     "critic.optim.lr_warmup_steps": Derived("critic.optim.warmup_steps", "-1: from lr_warmup_steps_ratio"),
     "critic.optim.lr_warmup_steps_ratio": Derived("critic.optim.warmup_steps", "int(ratio x trainer.total_steps)"),
+    "critic.optim.lr_scheduler_type": To("critic.optim.lr_scheduler_type", schedule_name),
+    "critic.optim.warmup_style": To("critic.optim.lr_scheduler_type", schedule_name),  # verl's older name
+    "critic.optim.min_lr_ratio": To("critic.optim.min_lr_ratio"),
+    "critic.optim.num_cycles": To("critic.optim.num_cycles"),
     "critic.ppo_epochs": To("critic.ppo_epochs"),
     "critic.cliprange_value": To("critic.value_clip"),
     "critic.model.path": Derived(

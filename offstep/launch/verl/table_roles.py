@@ -13,7 +13,18 @@ from offstep.launch.verl.convert import (
     whole,
     zero_if_null,
 )
-from offstep.launch.verl.entries import ENGINE, FSDP, LOGPROB_MB, MEGATRON, ULYSSES, Derived, Note, Refuse, To
+from offstep.launch.verl.entries import (
+    ENGINE,
+    FSDP,
+    LOGPROB_MB,
+    MEGATRON,
+    ULYSSES,
+    Derived,
+    Note,
+    Refuse,
+    To,
+    schedule_name,
+)
 
 ROLE_KEYS: dict[str, To | Derived | Note | Refuse] = {
     # model
@@ -65,15 +76,15 @@ ROLE_KEYS: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": Derived(
         "actor.optim.warmup_steps", "int(ratio x trainer.total_steps), as verl"
     ),
-    "actor_rollout_ref.actor.optim.lr_scheduler_type": Refuse(
-        "offstep's schedule is a linear warm-up, then constant", allow=("constant",)
+    "actor_rollout_ref.actor.optim.lr_scheduler_type": To("actor.optim.lr_scheduler_type", schedule_name),
+    "actor_rollout_ref.actor.optim.warmup_style": To(
+        "actor.optim.lr_scheduler_type", schedule_name
+    ),  # verl's older name
+    "actor_rollout_ref.actor.optim.min_lr_ratio": To("actor.optim.min_lr_ratio"),
+    "actor_rollout_ref.actor.optim.num_cycles": To("actor.optim.num_cycles"),
+    "actor_rollout_ref.actor.optim.total_training_steps": Note(
+        "verl fills it in; offstep's decay spans trainer.total_steps"
     ),
-    "actor_rollout_ref.actor.optim.warmup_style": Refuse(
-        "offstep's schedule is a linear warm-up, then constant", allow=("constant", None)
-    ),
-    "actor_rollout_ref.actor.optim.min_lr_ratio": Note("used only by verl's cosine schedule"),
-    "actor_rollout_ref.actor.optim.num_cycles": Note("used only by verl's cosine schedule"),
-    "actor_rollout_ref.actor.optim.total_training_steps": Note("verl fills it in; offstep's schedule does not decay"),
     "actor_rollout_ref.actor.optim.optimizer": Refuse("offstep's optimizer is torch.optim.AdamW", allow=("AdamW",)),
     "actor_rollout_ref.actor.optim.optimizer_impl": Refuse(
         "offstep's optimizer is torch.optim.AdamW", allow=("torch.optim",)
