@@ -84,6 +84,21 @@ def test_arithmetic_operand_counts_drawn_from_a_list(tmp_path):
         arithmetic(5, seed=0, num_operands=[2, 1])
 
 
+def test_arithmetic_max_value_bounds_the_operands():
+    from offstep.data.tasks import arithmetic
+
+    # operands 0..19 with + and - (results not negative): 20 x 20 sums and 210 differences, all drawn
+    rows = arithmetic(610, seed=0, digits=2, max_value=19)
+    operands = [int(v) for r in rows for v in r["extra_info"]["expression"].split()[::2]]
+    assert min(operands) == 0 and max(operands) == 19
+    with pytest.raises(ValueError, match="distinct problems"):
+        arithmetic(611, seed=0, digits=2, max_value=19)
+    with pytest.raises(ValueError, match="max_value=120 is not a 2-digit number"):
+        arithmetic(5, seed=0, digits=2, max_value=120)
+    with pytest.raises(ValueError, match="min_value=7 exceeds the largest operand \\(5\\)"):
+        arithmetic(5, seed=0, min_value=7, max_value=5)
+
+
 def test_arithmetic_precedence():
     from offstep.data.tasks import _eval_expression
 
