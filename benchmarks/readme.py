@@ -432,6 +432,17 @@ SECTIONS = [
         "`results_presets.md` and this section.",
     ),
     Section(
+        "recipe",
+        "The default recipe: candidates per seed",
+        "recipe_runs.py",
+        ("results_recipe.md",),
+        "The default preset's candidate recipes (task, learning rate and its schedule, KL), each over the same seeds: "
+        "held-out accuracy before training, at its peak and at the last step, the entropy and the KL to the reference, "
+        "and the time. What chose the preset's recipe; the knobs: [running.md](../docs/running.md).",
+        tables_of(("results_recipe.md", None)),
+        missing="Not run yet: `python -m benchmarks.recipe_runs --seeds 0` writes `results_recipe.md` and this section.",
+    ),
+    Section(
         "judge",
         "A small judge against the rule",
         "judge_agreement.py",
