@@ -32,14 +32,14 @@ from benchmarks.training_runs import read_jsonl
 # operands 0..19, + and -: 610 problems, 200 held out
 T19 = [
     "data.task_options.digits=2",
-    "+data.task_options.max_value=19",
+    "++data.task_options.max_value=19",
     "data.task_train_size=410",
     "data.task_val_size=200",
 ]
 # operands 0..14: 345 problems, 200 held out
 T14 = [
     "data.task_options.digits=2",
-    "+data.task_options.max_value=14",
+    "++data.task_options.max_value=14",
     "data.task_train_size=145",
     "data.task_val_size=200",
 ]
