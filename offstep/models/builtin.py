@@ -89,7 +89,10 @@ def check_alias(alias: str, root: Path) -> None:
 def build_alias(alias: str, root: Path) -> Path:
     """The folder of ``alias`` under the cache root ``root``, built first if it is not there yet."""
     if alias == TINY_VL_MODEL:
-        from offstep.models.builtin_vl import build_tiny_vl as builder
+        from offstep.models.builtin_vl import build_tiny_vl
+
+        def builder(out: Path) -> None:
+            build_tiny_vl(out, build_tiny_tokenizer(), quiet_transformers)
     else:
         builder = _build_smollm2 if alias == DEFAULT_MODEL else _build_tiny
     return _build_cached(alias, builder, root)

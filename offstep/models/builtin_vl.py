@@ -8,8 +8,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from offstep.models.builtin import build_tiny_tokenizer, quiet_transformers
-
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 VL_CHATML_TEMPLATE = (
@@ -26,12 +24,13 @@ VL_CHATML_TEMPLATE = (
 )
 
 
-def build_tiny_vl(out: Path) -> None:
+def build_tiny_vl(out: Path, tok, quiet_transformers) -> None:
+    """Build into ``out`` from ``tok`` (the text tiny model's tokenizer, ``offstep.models.builtin``);
+    ``quiet_transformers``: the context that silences transformers' logging."""
     import torch
     from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    tok = build_tiny_tokenizer()
     # The call replaces the list of additional special tokens: keep <|im_start|> in it.
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
     tok.chat_template = VL_CHATML_TEMPLATE

@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 
 from offstep.batch import Sample, collate
 from offstep.data.dataset import PromptRecord, encode_prompts
-from offstep.data.images import image_spec
+from offstep.data.image_spec import image_spec
 from offstep.models.forward import forward_response, response_logits
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.vision import (
