@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from offstep.config.choices import AGENT_NAMES, OVERLONG_MODES, SINGLE_TURN, TOOL_AGENT, TRUNCATIONS
-from offstep.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageSpec, encode_images, row_images
+from offstep.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageSpec, check_image_model, encode_images, row_images
 from offstep.data.plain import to_plain as _to_plain
 from offstep.data.render import render_all
 from offstep.data.row_limits import DEFAULT_MAX_ROWS, check_size, out_of_memory
@@ -442,6 +442,7 @@ def encode_prompts(
     if not records:
         raise DatasetError("encode_prompts got no records. Fix: check that the dataset file has rows.")
 
+    check_image_model(records, image_spec)
     texts = render_all(tokenizer, records, tools)  # under a time limit per row: a template may hang
     encoded = tokenizer(texts, add_special_tokens=False)
     all_ids = encoded["input_ids"]

@@ -202,14 +202,19 @@ def row_images(row: dict, i: int, path: str, messages: list[dict], image_key: st
     return images
 
 
-def encode_images(record: Any, ids: list[int], spec: ImageSpec | None) -> tuple[list[int], tuple[bytes, ...]]:
+def check_image_model(records: list, spec: ImageSpec | None) -> None:
+    """Rows with images need a vision-language model (``spec``): :class:`DatasetError` naming the first."""
+    first = next((r for r in records if r.images), None)
+    if first is not None and spec is None:
+        raise DatasetError(
+            f"data_source {first.data_source!r} row {first.index} has images, but model.path is a text model. Fix: "
+            "use a vision-language model (Qwen2-VL, Qwen2.5-VL, or the alias tiny_vl), or drop the images column"
+        )
+
+
+def encode_images(record: Any, ids: list[int], spec: ImageSpec) -> tuple[list[int], tuple[bytes, ...]]:
     """A row with images: its prompt ids with each image token expanded, and its fitted images."""
     where = f"data_source {record.data_source!r} row {record.index}"
-    if spec is None:
-        raise DatasetError(
-            f"{where} has images, but model.path is a text model. Fix: use a vision-language model (Qwen2-VL, "
-            "Qwen2.5-VL, or the alias tiny_vl), or drop the images column"
-        )
     fitted = [fit_image(b, spec) for b in record.images]
     ids = expand_image_tokens(ids, spec.image_token_id, [n for _, n in fitted], where)
     return ids, tuple(png for png, _ in fitted)
