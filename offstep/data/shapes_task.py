@@ -63,7 +63,7 @@ def shapes(n: int, seed: int, max_shapes: int = 4) -> list[dict]:
                 "images": [{"bytes": png, "path": None}],
                 "ability": "vision",
                 "reward_model": {"style": "rule", "ground_truth": str(count)},
-                "extra_info": {"count": count},
+                "extra_info": {"count": count, "shapes": key},  # key: the picture drawn, distinct per row
             }
         )
     raise ConfigError(f"shapes: could only draw {len(rows)} distinct pictures of {n}. Fix: request fewer.")
