@@ -170,3 +170,14 @@ def _check_trainer(model, batch, temperature, banned):
     batch.images = None
     bad = forward_response(model, batch.select(slice(0, 2)), temperature)[0]
     assert float(((bad - batch.rollout_logprobs[:2]) * batch.response_mask[:2]).abs().max()) > 1e-3
+
+
+def test_decoder_layers_of_text_and_vl_models(vl, tiny):
+    from offstep.models.vision import decoder_layers
+
+    model = vl[2]
+    assert list(decoder_layers(model)) == list(model.model.language_model.layers) and len(decoder_layers(model)) == 2
+    # the vision blocks stay in the root FSDP unit: none of them is a decoder layer
+    assert not {id(b) for b in model.model.visual.blocks} & {id(x) for x in decoder_layers(model)}
+    text = tiny[2]
+    assert list(decoder_layers(text)) == list(text.model.layers)
