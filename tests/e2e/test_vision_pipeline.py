@@ -36,3 +36,26 @@ def test_tiny_vl_trains_two_steps(tmp_path, ray_session, k):
     assert all(math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0 for m in metrics), metrics
     assert all(m["response_length/mean"] > 0 for m in metrics), metrics
     assert abs(metrics[0]["actor/mismatch_kl_k1"]) < 1e-4, metrics[0]
+
+
+def test_tiny_vl_fsdp_two_ranks(tmp_path, ray_session):
+    """FSDP2 over 2 trainer ranks: the language model's decoder layers sharded, the vision tower in
+    the root unit; each rank's micro-batches take their own rows' images."""
+    cfg = load_config(
+        [
+            "preset=tiny_vl",
+            "pipeline.max_staleness=0",
+            "pipeline.colocate=true",
+            "resources.trainer_workers=2",
+            "actor.micro_batch_size=1",
+            "trainer.total_steps=2",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.progress=off",
+            "trainer.val_before_train=false",
+        ]
+    )
+    train(cfg)
+    metrics = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["step"] >= 1]
+    assert [m["policy_version"] for m in metrics] == [1, 2]
+    assert all(m["actor/grad_norm"] > 0 for m in metrics), metrics
+    assert abs(metrics[0]["actor/mismatch_kl_k1"]) < 1e-4, metrics[0]
