@@ -75,7 +75,7 @@ def _image_bytes(item: Any, row: int, k: int, path: str) -> bytes:
             f"{_where(path, row)}: image {k} path {item!r} is outside the data file's folder {root}: refused. Fix: "
             "put the images under that folder, or store their bytes in the column"
         )
-    if os.path.realpath(target) != str(target):
+    if os.path.realpath(target) != os.path.join(os.path.realpath(root), os.path.relpath(target, root)):
         raise DatasetError(
             f"{_where(path, row)}: image {k} path {item!r} goes through a symbolic link: refused. Fix: copy the image "
             "file itself under the data file's folder"

@@ -145,3 +145,23 @@ def test_fitting_and_placeholders():
         {"type": "image"},
     ]
     assert parts[1] == {"role": "system", "content": "s"}
+
+
+def test_jsonl_rows_with_image_paths(tmp_path):
+    import json
+
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(_png(56, 28))
+    row = {
+        "data_source": "shapes",
+        "prompt": "<image>How many?",
+        "images": ["img/a.png"],
+        "reward_model": {"ground_truth": "1"},
+    }
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps(row) + "\n" + json.dumps(dict(row, images=[])) + "\n")
+    with pytest.raises(DatasetError, match="row 1: the prompt has 1 <image> placeholders for 0 images"):
+        load_records(str(f))
+    f.write_text(json.dumps(row) + "\n")
+    [r] = load_records(str(f))
+    assert Image.open(io.BytesIO(r.images[0])).size == (56, 28)
