@@ -9,8 +9,10 @@ import math
 
 import pytest
 
+from offstep.cli import main
 from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
+from offstep.pipeline.evaluation import run_eval
 from offstep.telemetry.metrics import read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -26,6 +28,7 @@ def test_tiny_vl_trains_two_steps(tmp_path, ray_session, k):
             f"trainer.output_dir={tmp_path}",
             "trainer.progress=off",
             "trainer.val_before_train=false",
+            f"trainer.save_freq={2 if k == 0 else 0}",
         ]
     )
     assert cfg.preset == "tiny_vl" and cfg.model.path == "tiny_vl" and cfg.data.task == "shapes"
@@ -36,6 +39,12 @@ def test_tiny_vl_trains_two_steps(tmp_path, ray_session, k):
     assert all(math.isfinite(m["actor/pg_loss"]) and m["actor/grad_norm"] > 0 for m in metrics), metrics
     assert all(m["response_length/mean"] > 0 for m in metrics), metrics
     assert abs(metrics[0]["actor/mismatch_kl_k1"]) < 1e-4, metrics[0]
+    if k == 0:  # the exported model keeps its image processor, and evaluates on image rows
+        out = tmp_path / "exported"
+        assert main(["export", str(tmp_path), "--out", str(out)]) == 0
+        assert (out / "preprocessor_config.json").is_file()
+        metrics, samples = run_eval(str(out), str(tmp_path / "data" / "val.parquet"), n=1, max_new_tokens=4)
+        assert len(samples) == cfg.data.task_val_size and "shapes/acc" in metrics
 
 
 def test_tiny_vl_fsdp_two_ranks(tmp_path, ray_session):
