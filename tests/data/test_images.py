@@ -54,6 +54,7 @@ def _write(path, images, content="<image>Find x.", image_type=None) -> str:
 GEO3K_IMAGES = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
 
 
+@pytest.mark.heavy  # loads the tiny_vl tokenizer and image processor (about 5 s)
 def test_geo3k_layout_loads_and_encodes(tmp_path):
     from offstep.data.dataset import encode_prompts
     from offstep.data.image_spec import image_spec

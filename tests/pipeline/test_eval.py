@@ -64,6 +64,7 @@ def test_eval_cli_writes_results_and_rejects_missing_data(tmp_path, capsys):
     assert "missing.parquet" in capsys.readouterr().err
 
 
+@pytest.mark.heavy  # generates with tiny_vl
 def test_eval_image_rows(tmp_path, capsys):
     """`offstep eval` of the shapes task (image rows) with the tiny vision-language model; the same
     rows with a text model are refused, naming the row."""
