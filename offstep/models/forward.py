@@ -20,7 +20,13 @@ import torch
 from offstep.batch import Sample, TrainBatch, collate, prompt_groups, prompt_units, sample_lengths
 from offstep.models.lora import base_of
 from offstep.models.prompt_sharing import shared_layout
-from offstep.models.vision import ban_vision_tokens, concat_images, mrope_positions, vision_token_ids
+from offstep.models.vision import (
+    ban_vision_tokens,
+    concat_images,
+    mrope_positions,
+    unused_tower_term,
+    vision_token_ids,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -114,6 +120,8 @@ def response_logits(
             )
             logits = layout.logits(out.logits)
     logits = logits.float()
+    if pics is None and torch.is_grad_enabled() and (term := unused_tower_term(base_of(model))) is not None:
+        logits = logits + term  # a VL model's micro-batch without images: see unused_tower_term
     if temperature > 0:
         logits = logits / temperature
     return ban_vision_tokens(logits, vision_token_ids(getattr(base_of(model), "config", None)))

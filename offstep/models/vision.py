@@ -115,6 +115,18 @@ def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return pos, pos.max(0).values[:, -1] + 1
 
 
+def unused_tower_term(model):
+    """``0 * sum(vision tower weights)`` of a VL model whose tower trains, to add to the loss of a
+    micro-batch without images: every tower weight then gets a (zero) gradient. Under FSDP a rank
+    whose micro-batch had no image would otherwise reduce fewer gradients than the others, and the
+    collective would fail. ``None`` for a text model or a frozen tower."""
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    params = [p for p in visual.parameters() if p.requires_grad] if visual is not None else []
+    if not params:
+        return None
+    return 0.0 * sum(p.sum() for p in params)
+
+
 def decoder_layers(model) -> Sequence:
     """The decoder layers of a transformers LM (``model.model.layers``), or of a VL model's language
     model (``model.model.language_model.layers``). A VL model's vision blocks are left to the root

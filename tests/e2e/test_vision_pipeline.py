@@ -68,3 +68,40 @@ def test_tiny_vl_fsdp_two_ranks(tmp_path, ray_session):
     assert [m["policy_version"] for m in metrics] == [1, 2]
     assert all(m["actor/grad_norm"] > 0 for m in metrics), metrics
     assert abs(metrics[0]["actor/mismatch_kl_k1"]) < 1e-4, metrics[0]
+
+
+def test_tiny_vl_fsdp_two_ranks_text_and_image_rows(tmp_path, ray_session):
+    """Text rows beside image rows, one row a micro-batch on 2 ranks: a rank's micro-batch without an
+    image skips the vision tower, which must not leave the other rank waiting on a collective (the
+    tower is in the root FSDP unit)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from offstep.data.tasks import write_task
+
+    train_file, val_file = write_task("shapes", str(tmp_path / "data"), 16, 4, 0)
+    rows = pq.read_table(train_file).to_pylist()
+    for row in rows[::2]:  # every other row: the same question, no picture
+        row["prompt"] = [{"role": "user", "content": "How many shapes are in 1 + 1? Answer with a number."}]
+        row["images"] = []
+    pq.write_table(pa.Table.from_pylist(rows, schema=pq.read_schema(train_file)), str(tmp_path / "mixed.parquet"))
+    cfg = load_config(
+        [
+            "preset=tiny_vl",
+            f"data.train_files=[{tmp_path / 'mixed.parquet'}]",
+            f"data.val_files=[{val_file}]",
+            "data.shuffle=false",
+            "pipeline.max_staleness=0",
+            "pipeline.colocate=true",
+            "resources.trainer_workers=2",
+            "actor.micro_batch_size=1",
+            "trainer.total_steps=2",
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.progress=off",
+            "trainer.val_before_train=false",
+        ]
+    )
+    train(cfg)
+    metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if m["step"] >= 1]
+    assert [m["policy_version"] for m in metrics] == [1, 2]
+    assert abs(metrics[0]["actor/mismatch_kl_k1"]) < 1e-4, metrics[0]
