@@ -105,3 +105,72 @@ def test_tiny_vl_fsdp_two_ranks_text_and_image_rows(tmp_path, ray_session):
     metrics = [m for m in read_jsonl(tmp_path / "run" / "metrics.jsonl") if m["step"] >= 1]
     assert [m["policy_version"] for m in metrics] == [1, 2]
     assert abs(metrics[0]["actor/mismatch_kl_k1"]) < 1e-4, metrics[0]
+
+
+REWARD = '''
+import os, time
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    gate = os.environ.get("BLOCK_AFTER")
+    if gate and os.path.exists(gate):
+        time.sleep(3600)
+    return (len(solution_str) % 3) / 2.0
+'''
+
+
+def test_tiny_vl_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path, ray_session):
+    """4 steps at k = 1 in one go == 2 steps, SIGKILL in step 3, resume: the same metrics at every step
+    (the resumed run rebuilds each prompt's images from the prompt index; the batch in flight at the
+    checkpoint is stored with it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from run_records import step_records
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+
+    def overrides(out):
+        return [
+            "preset=tiny_vl",
+            f"trainer.output_dir={out}",
+            "trainer.total_steps=4",
+            "trainer.save_freq=2",
+            "pipeline.max_staleness=1",
+            "trainer.val_freq=0",
+            "trainer.val_before_train=false",
+            "trainer.progress=off",
+            f"reward.custom_path={reward}",
+            "reward.num_threads=1",
+        ]
+
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    train(load_config(overrides(full)))
+    gate = killed / "checkpoints" / "step_000002" / "trainer_state.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "offstep.cli", "train", *overrides(killed)],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "BLOCK_AFTER": str(gate)},
+    )
+    t0 = time.time()
+    while not gate.exists():
+        assert proc.poll() is None, f"the run ended (rc {proc.returncode}) early: {proc.stderr.read()}"
+        if time.time() - t0 > 240:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError(f"{gate} did not appear")
+        time.sleep(0.1)
+    time.sleep(1.0)  # into step 3, whose scoring now blocks
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert max(step_records(killed)) < 4, "the run was meant to be killed before it finished"
+    history = train(load_config(overrides(killed)))
+    assert [m["step"] for m in history] == [3, 4]
+    a, b = step_records(full), step_records(killed)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert a[step] == b[step], f"step {step} differs after resume"
