@@ -123,6 +123,9 @@ class TrainBatch:
     teacher_logprobs: Optional[torch.Tensor] = None  # [B, R]: distill.teacher's log-probs of the response tokens
     teacher_topk_ids: Optional[torch.Tensor] = None  # [B, R, k] long: its top-k ids (forward_kl_topk)
     teacher_topk_logprobs: Optional[torch.Tensor] = None  # [B, R, k]: their log-probs (-inf: no id)
+    # A vision-language model's images, by uid (group_ids): offstep.models.vision.ImageInputs. A dict,
+    # so it rides along select/chunks/to unchanged; the forward picks its rows' entries.
+    images: Optional[dict] = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -60,6 +60,10 @@ class DataConfig:
     """validation prompts at most (0: the whole validation set)"""
     max_rows: int = 10_000_000
     """rows a data file may hold at most, checked before it is read (0: no limit; a small parquet file can hold millions of rows)"""
+    image_key: str = "images"
+    """the column holding a row's images, one per <image> in its prompt (verl's multimodal layout; a vision-language model.path, docs/multimodal.md)"""
+    max_image_pixels: int = 64 * 1024 * 1024
+    """pixels an image may have at most, checked before it is decoded"""
 
 
 @dataclass

@@ -10,6 +10,8 @@ File formats
 * ``reward_model`` (struct): ``{"style": "rule", "ground_truth": ...}``.
 * ``extra_info`` (struct / dict, optional): passed through to the scorer; with a tool agent its
   ``tools_kwargs`` (``{tool name: {"create_kwargs": {...}}}``, verl's) are per-row tool arguments.
+* ``images`` (optional, verl's multimodal layout; ``image_key``): one image per ``<image>`` in the
+  prompt (``offstep.data.images``).
 * ``agent_name`` (str, optional, verl's): ``single_turn_agent`` or ``tool_agent``, the loop that
   answers the row (``offstep.rollout.agents.agent_loop``); absent: ``rollout.agent.default_agent``.
 
@@ -40,6 +42,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from offstep.config.choices import AGENT_NAMES, OVERLONG_MODES, SINGLE_TURN, TOOL_AGENT, TRUNCATIONS
+from offstep.data.images import DEFAULT_MAX_IMAGE_PIXELS, ImageSpec, check_image_model, encode_images, row_images
+from offstep.data.plain import to_plain as _to_plain
 from offstep.data.render import render_all
 from offstep.data.row_limits import DEFAULT_MAX_ROWS, check_size, out_of_memory
 from offstep.data.truncate import truncate_prompt
@@ -72,6 +76,7 @@ class PromptRecord:
     extra_info: dict = field(default_factory=dict)
     agent_name: str = SINGLE_TURN
     data_source_missing: bool = False  # the row had none: data_source is the file's stem
+    images: list[bytes] = field(default_factory=list)  # its image files, one per <image> (offstep.data.images)
 
 
 @dataclass
@@ -80,32 +85,11 @@ class EncodedPrompt:
 
     record: PromptRecord
     prompt_ids: list[int]
+    images: tuple[bytes, ...] = ()  # its images fitted to the model's size (PNG); prompt_ids has their tokens
 
 
 # --------------------------------------------------------------------------------------------------
 # conversion helpers
-
-
-def _to_plain(value: Any) -> Any:
-    """Recursively convert numpy / pyarrow containers and scalars to plain Python values."""
-    if value is None or isinstance(value, (str, bool, int, float)):
-        return value
-    if isinstance(value, dict):
-        return {str(k): _to_plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
-    # pyarrow scalars
-    as_py = getattr(value, "as_py", None)
-    if callable(as_py):
-        return _to_plain(as_py())
-    # numpy arrays and scalars (checked by duck typing so numpy is only needed when present)
-    tolist = getattr(value, "tolist", None)
-    if callable(tolist):
-        return _to_plain(tolist())
-    item = getattr(value, "item", None)
-    if callable(item):
-        return item()
-    return value
 
 
 def _is_missing(value: Any) -> bool:
@@ -253,6 +237,8 @@ def load_records(
     default_agent: str = SINGLE_TURN,
     keys: dict = TRAIN_KEYS,
     max_rows: int = DEFAULT_MAX_ROWS,
+    image_key: str = "images",
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> list[PromptRecord]:
     """Read a verl-format ``.parquet`` or a ``.jsonl``/``.json`` file into :class:`PromptRecord` s.
 
@@ -315,6 +301,7 @@ def load_records(
     records: list[PromptRecord] = []
     for i, row in enumerate(rows):
         messages = _normalize_messages(path, i, prompt_key, row.get(prompt_key), keys)
+        images = row_images(row, i, path, messages, image_key, max_image_pixels)
 
         if answer_key is not None:
             ground_truth = _to_plain(row.get(answer_key))
@@ -365,6 +352,7 @@ def load_records(
                 extra_info=extra_info,
                 agent_name=agent_name,
                 data_source_missing=source_missing,
+                images=images,
             )
         )
     return records
@@ -431,12 +419,14 @@ def encode_prompts(
     overlong: str = "filter",
     tools: list[dict] | None = None,
     keys: dict = TRAIN_KEYS,
+    image_spec: ImageSpec | None = None,
 ) -> list[EncodedPrompt]:
     """Chat-template (``apply_chat_template(messages, add_generation_prompt=True, tokenize=False)``;
     a ``tool_agent`` row with the ``tools`` schemas) and tokenize each record's messages, without
     special tokens (the template has them). Prompts longer than ``max_prompt_length`` tokens are
     dropped (``overlong="filter"``, the count is logged), raise :class:`DatasetError` (``"error"``)
-    or are cut (``left``, ``right``, ``middle``: ``truncate_prompt``). Raises if nothing is left.
+    or are cut (``left``, ``right``, ``middle``: ``truncate_prompt``; a row with images is dropped
+    instead, as a cut could split an image). ``image_spec``: a VL model's (images' tokens expanded).
     """
     if overlong not in OVERLONG_MODES:
         raise ValueError(
@@ -452,6 +442,7 @@ def encode_prompts(
     if not records:
         raise DatasetError("encode_prompts got no records. Fix: check that the dataset file has rows.")
 
+    check_image_model(records, image_spec)
     texts = render_all(tokenizer, records, tools)  # under a time limit per row: a template may hang
     encoded = tokenizer(texts, add_special_tokens=False)
     all_ids = encoded["input_ids"]
@@ -461,7 +452,8 @@ def encode_prompts(
     longest = 0
     for record, ids in zip(records, all_ids):
         ids = [int(t) for t in ids]
-        if len(ids) > max_prompt_length and overlong in TRUNCATIONS:
+        ids, images = encode_images(record, ids, image_spec) if record.images else (ids, ())
+        if len(ids) > max_prompt_length and overlong in TRUNCATIONS and not images:
             ids = truncate_prompt(ids, max_prompt_length, overlong)
         if len(ids) > max_prompt_length:
             if overlong == "error":
@@ -474,7 +466,7 @@ def encode_prompts(
             dropped += 1
             longest = max(longest, len(ids))
             continue
-        out.append(EncodedPrompt(record=record, prompt_ids=ids))
+        out.append(EncodedPrompt(record=record, prompt_ids=ids, images=images))
 
     if dropped:
         logger.warning(

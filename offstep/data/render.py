@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from offstep.config.choices import TOOL_AGENT
+from offstep.data.images import with_image_parts
 from offstep.errors import DatasetError
 from offstep.models.chat_check import TEMPLATE_TIMEOUT_S, template_source, too_slow
 from offstep.usercode import TimeLimit, run_stoppable
@@ -21,8 +22,9 @@ def render(tokenizer: Any, record: Any, tools: list[dict] | None = None) -> str:
     # system prompt); a template without tool support ignores them, and the row's own messages
     # must describe the tools (the calculator task's system prompt does).
     kwargs = {"tools": tools} if tools and record.agent_name == TOOL_AGENT else {}
+    messages = with_image_parts(record.messages) if getattr(record, "images", None) else record.messages
     try:
-        text = tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as exc:
         raise DatasetError(
             f"data_source {record.data_source!r} row {record.index}: the tokenizer's chat template "

@@ -34,6 +34,9 @@ Tasks
     "Write a Python function scale(x) that ...", with unit tests in verl's call-based format as the
     ground truth, scored by running them in the sandbox (data_source ``"code"``;
     ``offstep.data.code_task``).
+``shapes``
+    "How many shapes are in the image?" over a drawn picture, in verl's multimodal layout, for
+    vision-language models (data_source ``"shapes"``; ``offstep.data.shapes_task``).
 ``reasoning_gym``
     One of reasoning-gym's procedural datasets, scored by its own verifier: ``name`` (e.g.
     ``leg_counting``), ``system_prompt`` and the dataset's config options (data_source
@@ -49,6 +52,7 @@ import numpy as np
 
 from offstep.data.code_task import code
 from offstep.data.reasoning_gym_task import reasoning_gym
+from offstep.data.shapes_task import shapes
 from offstep.errors import ConfigError
 
 ARITHMETIC_INSTRUCTION = "Give the final answer as a single number at the end of your reply."
@@ -332,6 +336,7 @@ TASKS: dict[str, Callable[..., list[dict]]] = {
     "gsm8k_synthetic": gsm8k_synthetic,
     "code": code,
     "reasoning_gym": reasoning_gym,
+    "shapes": shapes,
 }
 
 

@@ -19,6 +19,7 @@ from offstep.config.choices import (
     WEIGHT_SYNC_PATHS,
 )
 from offstep.config.schema import Config
+from offstep.data.vision_refusals import images_expected, vision_problems
 from offstep.launch.checks import choice, floats, need
 from offstep.launch.validate_rollout import (
     check_agent,
@@ -148,6 +149,8 @@ def problems(cfg: Config) -> list[str]:
         e,
     )
     check_lending(cfg, e)
+    if images_expected(cfg):  # tiny_vl or an image task; a VL folder of one's own: when its rows are read
+        e.extend(vision_problems(cfg))
     need(cfg.trainer.total_steps >= 1, f"trainer.total_steps={cfg.trainer.total_steps} must be >= 1", e)
     need(
         cfg.trainer.seed >= 0,

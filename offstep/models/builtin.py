@@ -36,6 +36,7 @@ __all__ = [
     "ALIASES",
     "DEFAULT_MODEL",
     "TINY_MODEL",
+    "TINY_VL_MODEL",
     "ModelError",
     "build_alias",
     "check_alias",
@@ -45,10 +46,11 @@ __all__ = [
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TINY_MODEL = "tiny"
-ALIASES: tuple[str, ...] = (DEFAULT_MODEL, TINY_MODEL)
+TINY_VL_MODEL = "tiny_vl"  # a tiny random Qwen2-VL (offstep.models.builtin_vl)
+ALIASES: tuple[str, ...] = (DEFAULT_MODEL, TINY_MODEL, TINY_VL_MODEL)
 
 # Bump a recipe version when the way an alias is built changes: a new cache folder is then used.
-_RECIPES = {DEFAULT_MODEL: "v1", TINY_MODEL: "v2"}
+_RECIPES = {DEFAULT_MODEL: "v1", TINY_MODEL: "v2", TINY_VL_MODEL: "v1"}
 _DONE_MARKER = "offstep_build.json"
 _log = logging.getLogger(__name__)
 
@@ -86,7 +88,13 @@ def check_alias(alias: str, root: Path) -> None:
 
 def build_alias(alias: str, root: Path) -> Path:
     """The folder of ``alias`` under the cache root ``root``, built first if it is not there yet."""
-    builder = _build_smollm2 if alias == DEFAULT_MODEL else _build_tiny
+    if alias == TINY_VL_MODEL:
+        from offstep.models.builtin_vl import build_tiny_vl
+
+        def builder(out: Path) -> None:
+            build_tiny_vl(out, build_tiny_tokenizer(), quiet_transformers)
+    else:
+        builder = _build_smollm2 if alias == DEFAULT_MODEL else _build_tiny
     return _build_cached(alias, builder, root)
 
 
@@ -258,7 +266,7 @@ def _tiny_corpus() -> list[str]:
     return lines * 3
 
 
-def _build_tiny_tokenizer():
+def build_tiny_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -294,7 +302,7 @@ def _build_tiny(out: Path) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-    tokenizer = _build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<pad>")
     config = LlamaConfig(

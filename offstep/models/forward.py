@@ -18,7 +18,15 @@ import contextlib
 import torch
 
 from offstep.batch import Sample, TrainBatch, collate, prompt_groups, prompt_units, sample_lengths
+from offstep.models.lora import base_of
 from offstep.models.prompt_sharing import shared_layout
+from offstep.models.vision import (
+    ban_vision_tokens,
+    concat_images,
+    mrope_positions,
+    unused_tower_term,
+    vision_token_ids,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -81,16 +89,25 @@ def response_logits(
     """The float32 logits [B, R, V] that predict each response token, divided by ``temperature``
     (> 0): ``forward_response``'s, for a loss over the vocabulary (``distill.loss_mode=forward_kl_topk``)."""
     R = mb.response_mask.shape[1]
+    pics = None
+    if mb.images:  # this micro-batch's rows' images, in row order; 3-D positions
+        pics = concat_images([mb.images.get(u) for u in mb.group_ids.tolist()], mb.input_ids.device)
+    share_prompts = share_prompts and pics is None  # the shared layout has 2-D positions only
     units = prompt_units(prompt_groups(mb), *sample_lengths(mb)) if share_prompts else None
     layout = shared_layout(mb, units) if units is not None and len(units) < len(mb) else None  # a prompt repeats
     with autocast(mb.input_ids.device, compute_dtype):
         if layout is None:
+            extra, position_ids = {}, mb.position_ids
+            if pics is not None:
+                extra = {"pixel_values": pics.pixel_values, "image_grid_thw": pics.grid_thw}
+                position_ids = mrope_positions(base_of(model), mb.input_ids, mb.attention_mask, pics.grid_thw)[0]
             out = model(
                 input_ids=mb.input_ids,
                 attention_mask=mb.attention_mask,
-                position_ids=mb.position_ids,
+                position_ids=position_ids,
                 use_cache=False,
                 logits_to_keep=R + 1,
+                **extra,
             )
             logits = out.logits[:, :-1]
         else:
@@ -103,9 +120,11 @@ def response_logits(
             )
             logits = layout.logits(out.logits)
     logits = logits.float()
+    if pics is None and torch.is_grad_enabled() and (term := unused_tower_term(base_of(model))) is not None:
+        logits = logits + term  # a VL model's micro-batch without images: see unused_tower_term
     if temperature > 0:
         logits = logits / temperature
-    return logits
+    return ban_vision_tokens(logits, vision_token_ids(getattr(base_of(model), "config", None)))
 
 
 @torch.no_grad()

@@ -25,6 +25,7 @@ from offstep.models.builtin import (
     quiet_transformers,
 )
 from offstep.models.chat_check import check_chat_template
+from offstep.models.vision import VL_MODEL_TYPES, is_vision_language
 
 if TYPE_CHECKING:  # heavy imports stay lazy so that config validation stays cheap
     import torch
@@ -133,6 +134,8 @@ def _check_causal_lm_folder(path: Path, shown: str) -> None:
     model_type = cfg.get("model_type")
     architectures = cfg.get("architectures") or []
     mapping, class_names = _causal_lm_class_names()
+    if model_type in VL_MODEL_TYPES:  # loaded with AutoModelForImageTextToText (offstep.models.vision)
+        mapping, class_names = {model_type: None}, {*class_names, *architectures}
     if model_type not in mapping:
         raise ModelError(
             f"model.path {shown!r} is not a causal language model: model_type {model_type!r} (architectures "
@@ -210,12 +213,13 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
 def load_causal_lm(path: str | os.PathLike, dtype: torch.dtype | None = None) -> PreTrainedModel:
     """Load a causal LM from a model folder (or alias) in eval mode with SDPA attention (float32 by default)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     folder = _as_folder(path)
+    auto = AutoModelForImageTextToText if is_vision_language(folder) else AutoModelForCausalLM
     try:
         with quiet_transformers():
-            model = AutoModelForCausalLM.from_pretrained(
+            model = auto.from_pretrained(
                 folder, dtype=torch.float32 if dtype is None else dtype, attn_implementation="sdpa"
             )
     except pickle.UnpicklingError:

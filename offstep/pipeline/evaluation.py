@@ -113,6 +113,7 @@ def run_eval(
     import os
 
     from offstep.data.dataset import check_rule_ground_truths, encode_prompts, load_records
+    from offstep.data.image_spec import image_spec
     from offstep.models.loading import check_model_path, load_tokenizer, resolve_model
     from offstep.pipeline.inputs import check_safetensors, to_request
     from offstep.rewards.registry import RewardFunction
@@ -141,7 +142,10 @@ def run_eval(
         from offstep.rollout.agents.tools import load_tools
 
         schemas = [t.schema for t in load_tools(agent.tools_path, list(agent.tools), agent.tool_timeout_s, TOOL_FLAGS)]
-    prompts = encode_prompts(records, load_tokenizer(path), max_prompt_length, tools=schemas, keys=DATA_FLAGS)
+    spec = image_spec(path) if any(r.images for r in records) else None  # a VL model's image rows
+    prompts = encode_prompts(
+        records, load_tokenizer(path), max_prompt_length, tools=schemas, keys=DATA_FLAGS, image_spec=spec
+    )
     worker = RolloutWorker(
         RolloutSpec.local(
             path,

@@ -33,6 +33,7 @@ from offstep.models.builtin import ALIASES, normalise_alias
 from offstep.models.forward import DTYPES
 from offstep.models.loading import cache_dir, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_base, adapter_parameters, add_adapters, is_adapter_folder, merged_model
+from offstep.models.vision import load_image_processor
 from offstep.pipeline.checkpoints import (
     LEGACY_STATE_FILE,
     STATE_FILE,
@@ -125,6 +126,9 @@ def export_checkpoint(
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(folder).save_pretrained(tmp)
+        image_processor = load_image_processor(folder)  # a vision-language model's, None otherwise
+        if image_processor is not None:
+            image_processor.save_pretrained(tmp)
         done = {
             "checkpoint": str(loaded.path.resolve()),
             "step": loaded.state.step,

@@ -10,10 +10,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from offstep.config.choices import OPENAI_AGENT, TOOL_AGENT
+from offstep.config.choices import OPENAI_AGENT, SINGLE_TURN, TOOL_AGENT
 from offstep.config.schema import AgentConfig, Config
 from offstep.data.dataset import EncodedPrompt, PromptRecord, check_rule_ground_truths, encode_prompts, load_records
+from offstep.data.image_spec import image_spec
 from offstep.data.tasks import write_task
+from offstep.data.vision_refusals import vision_problems
 from offstep.errors import ConfigError, DatasetError, ModelError
 from offstep.files import refuse_links_under
 from offstep.models.loading import load_tokenizer, resolve_model, with_config_overrides
@@ -60,6 +62,8 @@ def _records(files: list[str], cfg: Config) -> list[PromptRecord]:
             answer_key=cfg.data.answer_key,
             default_agent=cfg.rollout.agent.default_agent,
             max_rows=cfg.data.max_rows,
+            image_key=cfg.data.image_key,
+            max_image_pixels=cfg.data.max_image_pixels,
         )
         scored = [r for r in loaded if r.agent_name != OPENAI_AGENT]  # an OpenAI agent's return is its reward
         if (
@@ -147,12 +151,13 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
         val_records = _records(val_files, cfg) if val_files else []
         agent, schemas = _tools_for(train_records + val_records, cfg)
     d = cfg.data
-    train = encode_prompts(train_records, tok, d.max_prompt_length, overlong=d.overlong_prompts, tools=schemas)
-    val = (
-        encode_prompts(val_records, tok, d.max_prompt_length, overlong=d.overlong_prompts, tools=schemas)
-        if val_records
-        else []
-    )
+    spec = None
+    if any(r.images for r in train_records + val_records):
+        _check_image_run(cfg, train_records + val_records)
+        spec = image_spec(model_path)
+    kw = dict(overlong=d.overlong_prompts, tools=schemas, image_spec=spec)
+    train = encode_prompts(train_records, tok, d.max_prompt_length, **kw)
+    val = encode_prompts(val_records, tok, d.max_prompt_length, **kw) if val_records else []
     if cfg.data.val_max_samples:
         val = val[: cfg.data.val_max_samples]
     if len(train) < cfg.data.train_batch_size:
@@ -176,6 +181,19 @@ def prepare_inputs(cfg: Config, out_dir: Path) -> Inputs:
     return Inputs(model_path, tok.pad_token_id, train, val, reward, agent, teacher)
 
 
+def _check_image_run(cfg: Config, records: list[PromptRecord]) -> None:
+    """Rows with images: refuse what image prompts do not support yet (docs/multimodal.md)."""
+    refused = vision_problems(cfg)
+    tools = [r for r in records if r.images and r.agent_name != SINGLE_TURN]
+    if tools:
+        refused.append(
+            f"row {tools[0].index} has images and agent_name={tools[0].agent_name}: the agent loops do not take "
+            "images yet. Fix: single-turn rows (agent_name single_turn_agent) for image prompts"
+        )
+    if refused:
+        raise ConfigError("image prompts: " + "; ".join(refused))
+
+
 def to_request(p: EncodedPrompt, uid: int) -> Request:
     r = p.record
     return Request(
@@ -186,4 +204,5 @@ def to_request(p: EncodedPrompt, uid: int) -> Request:
         extra_info=r.extra_info or {},
         agent_name=r.agent_name,
         messages=r.messages,
+        images=p.images,
     )

@@ -20,6 +20,7 @@ import torch
 from offstep.batch import TrainBatch, collate
 from offstep.config.schema import Config
 from offstep.errors import StalenessError
+from offstep.models.vision import load_image_processor, pixel_inputs
 from offstep.pipeline.compute_advantages import compute_advantages, needs_old_logprobs
 from offstep.pipeline.dynamic_sampling import Generated
 from offstep.pipeline.inputs import Inputs
@@ -61,6 +62,7 @@ class Prepared:
 class BatchPreparer:
     def __init__(self, cfg: Config, inputs: Inputs, timeline: Timeline, loggers: RunLoggers, kl_ctrl):
         self.cfg, self.inputs, self.timeline, self.loggers, self.kl_ctrl = cfg, inputs, timeline, loggers, kl_ctrl
+        self._image_processor = None  # a VL model's, loaded at the first batch with images
 
     def prepare(self, gen: Generated, step: int, epoch: int, idx: list[int], trainer_first: bool) -> Prepared:
         """Batch ``step`` (prompts ``idx`` of ``epoch``). ``trainer_first``: the advantages need a
@@ -72,6 +74,7 @@ class BatchPreparer:
             gen_s, ref_s = gen_s + g, ref_s + r
         self._log_samples(step, gen)
         batch = collate(gen.samples, self.inputs.pad_id)
+        batch.images = self._images(gen)
         # Per sample: the actor reports its correction metrics per staleness.
         batch.staleness = check_staleness(batch.versions, step - 1, self.cfg.pipeline.max_staleness)
         m = batch_metrics(step, epoch, gen.samples, batch, batch.staleness)
@@ -97,6 +100,15 @@ class BatchPreparer:
             ready.stored = self.advantages_and_put(batch, m)  # nothing needed from the trainer
         self.timeline.add(Role.DRIVER, Stage.PREPARE, step, t0, time.time())
         return ready
+
+    def _images(self, gen: Generated) -> dict | None:
+        """A VL model's images of the batch's prompts, by uid (``TrainBatch.images``), or None."""
+        train = self.inputs.train
+        if not any(train[i].images for i in gen.prompt_of.values()):
+            return None
+        if self._image_processor is None:
+            self._image_processor = load_image_processor(self.inputs.model_path)
+        return {uid: pixel_inputs(self._image_processor, train[i].images) for uid, i in gen.prompt_of.items()}
 
     def advantages_and_put(self, batch: TrainBatch, m: dict) -> ray.ObjectRef:
         algo = self.cfg.algorithm

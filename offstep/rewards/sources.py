@@ -83,6 +83,7 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
     "openai/gsm8k": _gsm8k,
     "gsm8k": _gsm8k,
     "arithmetic": _named("last_number", last_number_score),
+    "shapes": _named("last_number", last_number_score),  # offstep.data.shapes_task
     "calculator": _plain_final_answer,
     **dict.fromkeys(MATH_LIGHTEVAL_SOURCES, _named("math_lighteval", lighteval_math_score)),
     **dict.fromkeys(DAPO_SOURCES, _dapo),

@@ -29,6 +29,7 @@ class Request:
     messages: list = field(
         default_factory=list
     )  # the prompt's chat messages (an OpenAI agent starts from them; a reward model reads them)
+    images: tuple[bytes, ...] = ()  # its images, fitted PNGs (offstep.data.images); prompt_ids has their tokens
 
 
 def configure_sandbox(s: SandboxConfig) -> None:

@@ -4,7 +4,7 @@ both engines derive (``mix_seed``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 def mix_seed(seed: int, index: int) -> int:
@@ -82,6 +82,7 @@ class TurnRequest:
     seed: int | None = None  # the seed of its random stream; None: the serve call's
     offset: int = 0  # tokens of its stream already sampled (a continued sample): its uniforms start there
     stop: tuple[str, ...] | None = None  # its own stop strings (an agent's turn); None: the serve call's
+    images: Any = None  # its prompt's images (offstep.models.vision.ImageInputs; the built-in engine's HF runner)
 
 
 class TurnFeed(Protocol):

@@ -17,6 +17,7 @@ from offstep.batch import GenTiming, Sample, Span
 from offstep.config.choices import OPENAI_AGENT, TOOL_AGENT
 from offstep.models.forward import DTYPES, sequence_logprobs
 from offstep.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
+from offstep.models.vision import load_image_processor, pixel_inputs
 from offstep.rewards.combine import Combination, SampleReward
 from offstep.rollout.agents.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.agents.openai_agent import OpenAIRunner
@@ -89,6 +90,7 @@ class RolloutWorker:
         self._agent_runner: AgentRunner | None = None
         self._openai_runner: OpenAIRunner | None = None
         self._tok, self._eos = tok, eos
+        self._path, self._image_processor = e.path, None  # loaded at the first request with images
 
     def generate(
         self, requests: list[Request], params: SamplingParams, seed: int, with_ref: bool = True
@@ -122,7 +124,14 @@ class RolloutWorker:
             self.progress.advance()
 
         self.progress.start(Stage.GEN, total=len(requests) * params.n, version=version)
-        completions = self.engine.generate([r.prompt_ids for r in requests], params, seed, on_finish=on_finish)
+        image_kw = {}
+        if any(r.images for r in requests):  # a VL model's prompts (the built-in engine; validation refuses vLLM)
+            if self._image_processor is None:
+                self._image_processor = load_image_processor(self._path)
+            image_kw["images"] = [pixel_inputs(self._image_processor, r.images) for r in requests]
+        completions = self.engine.generate(
+            [r.prompt_ids for r in requests], params, seed, on_finish=on_finish, **image_kw
+        )
         samples, pending, cut = [], {}, 0
         for c in completions:
             if c.finish_reason in CUT_REASONS:  # rollout.over_sample_rate: not scored, not trained on

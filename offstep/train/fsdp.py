@@ -20,6 +20,7 @@ from offstep.config.schema import OptimConfig
 from offstep.errors import NonFiniteError
 from offstep.models.forward import forward_response
 from offstep.models.lora import base_of
+from offstep.models.vision import decoder_layers
 from offstep.train.distributed import GroupSpec, all_max, all_sum, setup
 from offstep.train.lr_schedule import LrSchedule
 from offstep.train.shards import divides, local_mini, shard_plan, take_rows, unshard
@@ -30,7 +31,7 @@ def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
     """FSDP2: one unit per decoder layer, then the root (embeddings, norm, head). A peft model is
     sharded the same way (its decoder layers hold the frozen base weights and the adapters side by
     side; FSDP2 shards each parameter on its own, so frozen and trainable ones share a unit)."""
-    for layer in base_of(model).model.layers:
+    for layer in decoder_layers(base_of(model)):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -120,7 +121,7 @@ class RoleWorker:
 
     def _shard(self, model: torch.nn.Module) -> torch.nn.Module:
         """``shard_model``, with each decoder layer taking the rank's thread count first."""
-        self.threads.follow(base_of(model).model.layers)
+        self.threads.follow(decoder_layers(base_of(model)))
         return shard_model(model, self.mesh)
 
     def lend_threads(self, cores: int) -> None:

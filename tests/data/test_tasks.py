@@ -10,8 +10,9 @@ from offstep.data.dataset import load_records
 from offstep.data.tasks import TASKS, write_task
 
 
-# the numeric tasks; code: tests/data/test_code_task.py, reasoning_gym (a library's datasets, by name): tests/data/test_reasoning_gym.py
-@pytest.mark.parametrize("name", sorted(set(TASKS) - {"code", "reasoning_gym"}))
+# the numeric tasks; code: tests/data/test_code_task.py, reasoning_gym (a library's datasets, by name): tests/data/test_reasoning_gym.py;
+# shapes (images): test_shapes_task below
+@pytest.mark.parametrize("name", sorted(set(TASKS) - {"code", "reasoning_gym", "shapes"}))
 def test_task_files_and_verl_columns(tmp_path, name):
     train, val = write_task(name, str(tmp_path / name), n_train=40, n_val=10, seed=0)
     assert train.endswith("train.parquet") and val.endswith("val.parquet")
@@ -44,8 +45,9 @@ def test_task_deterministic_and_disjoint(tmp_path):
         tc, _ = (pq.read_table(p).to_pylist() for p in c)
         assert ta == tb and va == vb
         assert ta != tc
-        train_q = {r["extra_info"]["question"] for r in ta}
-        val_q = {r["extra_info"]["question"] for r in va}
+        key = "shapes" if name == "shapes" else "question"  # shapes: the picture drawn
+        train_q = {r["extra_info"][key] for r in ta}
+        val_q = {r["extra_info"][key] for r in va}
         assert len(train_q) == 50 and len(val_q) == 20 and not train_q & val_q
 
 
@@ -131,3 +133,20 @@ def test_write_task_errors(tmp_path):
         write_task("arithmetic", str(tmp_path), 10, 0, 0)
     with pytest.raises(ValueError, match="ops"):
         write_task("arithmetic", str(tmp_path), 10, 1, 0, ops="/")
+
+
+def test_shapes_task(tmp_path):
+    import io
+
+    from PIL import Image
+
+    train, _ = write_task("shapes", str(tmp_path), 30, 5, seed=0, max_shapes=3)
+    records = load_records(train)
+    counts = set()
+    for r in records:
+        assert r.data_source == "shapes" and r.messages[-1]["content"].startswith("<image>How many shapes")
+        assert len(r.images) == 1 and Image.open(io.BytesIO(r.images[0])).size == (56, 56)
+        assert r.ground_truth == str(r.extra_info["count"]) and 1 <= r.extra_info["count"] <= 3
+        counts.add(r.extra_info["count"])
+    assert counts == {1, 2, 3}
+    assert len({r.images[0] for r in records}) == 30  # distinct pictures

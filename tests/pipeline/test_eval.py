@@ -62,3 +62,15 @@ def test_eval_cli_writes_results_and_rejects_missing_data(tmp_path, capsys):
     assert set(res["metrics"]) >= {"acc", "reward/mean", "arithmetic/acc"} and len(res["samples"]) == 3
     assert main(["eval", "tiny", "--data", str(tmp_path / "missing.parquet")]) == 2
     assert "missing.parquet" in capsys.readouterr().err
+
+
+@pytest.mark.heavy  # generates with tiny_vl
+def test_eval_image_rows(tmp_path, capsys):
+    """`offstep eval` of the shapes task (image rows) with the tiny vision-language model; the same
+    rows with a text model are refused, naming the row."""
+    _, val = write_task("shapes", str(tmp_path), 4, 3, 0)
+    metrics, samples = run_eval("tiny_vl", val, n=2, temperature=1.0, max_new_tokens=4, batch_size=4, threads=1)
+    assert len(samples) == 6 and "shapes/acc" in metrics
+    assert all(s.response_ids for s in samples)
+    assert main(["eval", "tiny", "--data", val, "--max-new-tokens", "2", "--out", str(tmp_path / "o.json")]) == 2
+    assert "row 0 has images, but model.path is a text model" in capsys.readouterr().err

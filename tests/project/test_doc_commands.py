@@ -259,6 +259,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
         "test",
         "tests/models/test_lora.py::test_export_peft_folder_and_merged_model",
     ),
+    # docs/multimodal.md
+    "offstep train preset=tiny_vl": CFG,
     # docs/distillation.md
     "offstep train trainer.output_dir=runs/teacher trainer.total_steps=25": CFG,
     "offstep export runs/teacher --out models/teacher": (

@@ -90,10 +90,10 @@ TABLE: dict[str, To | Derived | Note | Refuse] = {
     "data.seed": Note("trainer.seed seeds offstep's prompt order"),
     "data.use_shm": Note("loading tuning"),
     "data.trust_remote_code": Note("offstep loads tokenizers without remote code"),
-    "data.image_key": Note("offstep's prompts are text only"),
-    "data.video_key": Note("offstep's prompts are text only"),
-    "data.return_multi_modal_inputs": Note("offstep's prompts are text only"),
-    "data.image_patch_size": Note("offstep's prompts are text only"),
+    "data.image_key": To("data.image_key"),
+    "data.video_key": Note("offstep's prompts take images, not videos"),
+    "data.return_multi_modal_inputs": Note("offstep computes the images' pixel values itself (docs/multimodal.md)"),
+    "data.image_patch_size": Note("offstep takes the patch size from the model's image processor"),
     "data.tokenizer": Refuse("offstep loads the tokenizer from model.path", allow=(None,)),
     "data.custom_cls.path": Refuse(
         "offstep reads verl parquet and JSONL itself (data.prompt_key, data.answer_key)", allow=(None,)

@@ -15,6 +15,8 @@ import inspect
 import torch
 from torch import Tensor
 
+from offstep.models.vision import ImageInputs, concat_images, mrope_positions
+
 __all__ = ["HFBatch", "HFRunner"]
 
 
@@ -46,9 +48,13 @@ class HFRunner:
         # transformers >= 5.24 names the forward's KV-cache argument `cache` (`past_key_values` is deprecated).
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
-    def prefill(self, prompts: list[list[int]], expand: list[int]) -> tuple[Tensor, HFBatch]:
+    def prefill(
+        self, prompts: list[list[int]], expand: list[int], images: list[ImageInputs | None] | None = None
+    ) -> tuple[Tensor, HFBatch]:
         """Prefill ``prompts`` once (left-padded) and give batch row ``r`` the cache of prompt
-        ``expand[r]``. Returns the next-token logits ``[len(expand), V]`` (float32) and the batch."""
+        ``expand[r]``. Returns the next-token logits ``[len(expand), V]`` (float32) and the batch.
+        ``images[u]``: prompt ``u``'s images (a vision-language model), whose positions are 3-D;
+        decoding then goes on with 1-D positions, which the model broadcasts (text after the images)."""
         from transformers.cache_utils import DynamicCache
 
         dev = self.device
@@ -59,16 +65,22 @@ class HFRunner:
             ids[u, plen - len(p) :] = torch.as_tensor(p, dtype=torch.long)
             mask[u, plen - len(p) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, pos, cache)
+        pics = concat_images(images or [], dev)
+        if pics is None:
+            pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+            logits = self._forward(ids, mask, pos, cache)
+            next_pos = pos[:, -1] + 1
+        else:
+            pos, next_pos = mrope_positions(self.model, ids, mask, pics.grid_thw)
+            logits = self._forward(ids, mask, pos, cache, pixel_values=pics.pixel_values, image_grid_thw=pics.grid_thw)
 
         # ---- one cache row per batch row
         rows = torch.tensor(expand, dtype=torch.long, device=dev)
         if len(expand) != len(prompts) or not torch.equal(rows, torch.arange(len(expand), device=dev)):
             cache.batch_select_indices(rows)
-            logits, mask, pos = logits[rows], mask[rows], pos[rows]
-        return logits, HFBatch(cache, mask, pos[:, -1] + 1)
+            logits, mask, next_pos = logits[rows], mask[rows], next_pos[rows]
+        return logits, HFBatch(cache, mask, next_pos)
 
     def decode(self, batch: HFBatch, tokens: Tensor) -> Tensor:
         """Feed one token ``[B]`` per row; returns the next-token logits ``[B, V]`` (float32)."""
@@ -77,13 +89,14 @@ class HFRunner:
         batch.next_pos = batch.next_pos + 1
         return logits
 
-    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache) -> Tensor:
+    def _forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache, **images) -> Tensor:
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=True,
             logits_to_keep=1,
+            **images,
             **{self._cache_kw: cache},
         )
         return out.logits[:, -1, :].float()

@@ -33,8 +33,10 @@ class RolloutEngine(Protocol):
         params: SamplingParams,
         seed: int,
         on_finish: Callable[[Completion], None] | None = None,
+        images: list | None = None,
     ) -> list[Completion]:
-        """Sample ``params.n`` completions per prompt, prompt-major; call ``on_finish`` as each finishes."""
+        """Sample ``params.n`` completions per prompt, prompt-major; call ``on_finish`` as each finishes.
+        ``images``: per prompt, its ``offstep.models.vision.ImageInputs`` or None (the built-in engine only)."""
         ...
 
     def serve(

@@ -24,8 +24,9 @@ class PromptFeed:
     """The feed of plain generation: ``n`` samples of each prompt, prompt-major, all at once
     (until ``close``: no sample is started after it)."""
 
-    def __init__(self, prompts: list[list[int]], n: int, max_new_tokens: int):
+    def __init__(self, prompts: list[list[int]], n: int, max_new_tokens: int, images: list | None = None):
         self.prompts, self.n, self.max_new_tokens = prompts, n, max_new_tokens
+        self.images = images or [None] * len(prompts)  # per prompt: its ImageInputs or None
         self.next, self.total = 0, len(prompts) * n
         self.concurrency = self.total
 
@@ -35,7 +36,8 @@ class PromptFeed:
         out = []
         while self.next < self.total and len(out) < limit:
             i = self.next
-            out.append(TurnRequest(i, self.prompts[i // self.n], i, self.max_new_tokens, i // self.n))
+            p = i // self.n
+            out.append(TurnRequest(i, self.prompts[p], i, self.max_new_tokens, p, images=self.images[p]))
             self.next += 1
         return out
 
@@ -52,7 +54,12 @@ def finish_target(total: int, over_sample_rate: float) -> int:
 
 
 def serve_prompts(
-    serve, prompts: list[list[int]], params: SamplingParams, seed: int, on_finish: Callable | None = None
+    serve,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    seed: int,
+    on_finish: Callable | None = None,
+    images: list | None = None,
 ) -> list[Completion]:
     """``params.n`` completions per prompt, prompt-major, through ``serve``; ``on_finish(completion)``
     is called as each finishes (a cut one excepted). With ``params.over_sample_rate`` the samples
@@ -61,7 +68,7 @@ def serve_prompts(
     results: list[Completion | None] = [None] * total
     if not results:
         return []
-    feed = PromptFeed(prompts, params.n, params.max_new_tokens)
+    feed = PromptFeed(prompts, params.n, params.max_new_tokens, images)
     target = finish_target(total, params.over_sample_rate)
     control = None
     if target < total:  # in flight when the target is met: ended at the next step boundary

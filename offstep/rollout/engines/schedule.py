@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from offstep.models.vision import ban_vision_tokens
 from offstep.rollout.engines.control import SUSPENDED, StepControl
 from offstep.rollout.engines.plain_generation import PromptFeed
 from offstep.rollout.engines.sampling import sample_tokens, sample_uniforms
@@ -28,6 +29,7 @@ class Row:
     """Decoding state of one sample (or one turn of an agent loop): at most ``limit`` tokens."""
 
     __slots__ = (
+        "images",
         "index",
         "kv_age",
         "kv_version",
@@ -41,7 +43,13 @@ class Row:
     )
 
     def __init__(
-        self, index: int, prompt_index: int, limit: int, prompt: list[int] = (), stop: tuple[str, ...] | None = None
+        self,
+        index: int,
+        prompt_index: int,
+        limit: int,
+        prompt: list[int] = (),
+        stop: tuple[str, ...] | None = None,
+        images=None,
     ):
         self.index = index
         self.prompt_index = prompt_index
@@ -51,6 +59,7 @@ class Row:
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # the weight version that sampled each token
         self.stop = stop  # its own stop strings; None: the call's
+        self.images = images  # its prompt's images (offstep.models.vision.ImageInputs), or None
         self.kv_version = -1  # the version its oldest K/V entries were computed with (set when prefilled)
         self.kv_age = 0  # the most versions its K/V lagged the weights it decoded with
 
@@ -72,7 +81,7 @@ def stale_rows(rows: list[Row], version: int, control: StepControl) -> list[int]
 
 
 def _row(req: TurnRequest) -> Row:
-    return Row(req.index, req.group, req.max_new_tokens, req.prompt_ids, req.stop)
+    return Row(req.index, req.group, req.max_new_tokens, req.prompt_ids, req.stop, req.images)
 
 
 def _uniforms(requests: list[TurnRequest], params: SamplingParams, seed: int, device) -> Tensor:
@@ -249,11 +258,15 @@ def _chunk(
     for row in rows:
         unique.setdefault(row.prompt_index, len(unique))
     runner = engine._fallback
-    logits, batch = runner.prefill([prompts[pi] for pi in unique], [unique[row.prompt_index] for row in rows])
+    images = {row.prompt_index: row.images for row in rows}
+    logits, batch = runner.prefill(
+        [prompts[pi] for pi in unique], [unique[row.prompt_index] for row in rows], [images[pi] for pi in unique]
+    )
 
     window = 4 * max((len(s) for s in params.stop), default=0) + 4
     active = list(range(len(rows)))  # chunk-local row numbers still decoding, in batch order
     for step in range(params.max_new_tokens):
+        ban_vision_tokens(logits, engine.banned_ids)
         tokens, logps = sample_tokens(logits, params, uniforms[active, step])
         if control is not None:
             control.decoded()
@@ -285,6 +298,8 @@ def _chunk(
                     [rows[i] for i in active], engine.version, control
                 ):  # their K/V again, under the new weights
                     _, batch = runner.prefill(
-                        [rows[i].prompt + rows[i].tokens[:-1] for i in active], list(range(len(active)))
+                        [rows[i].prompt + rows[i].tokens[:-1] for i in active],
+                        list(range(len(active))),
+                        [rows[i].images for i in active],
                     )
         logits = runner.decode(batch, tokens)

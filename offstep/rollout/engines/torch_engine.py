@@ -35,6 +35,7 @@ from torch import Tensor
 
 from offstep.models.forward import sequence_logprobs
 from offstep.models.lora import adapter_parameters, base_of, is_adapter_name
+from offstep.models.vision import vision_token_ids
 from offstep.rollout.engines import schedule
 from offstep.rollout.engines.control import StepControl
 from offstep.rollout.engines.hf_runner import HFRunner
@@ -95,6 +96,7 @@ class TorchEngine:
         self.max_batch_size = int(max_batch_size)
         self.version: int = 0
         self.vocab_size: int = int(self.model.get_input_embeddings().weight.shape[0])
+        self.banned_ids: list[int] = vision_token_ids(base_of(self.model).config)  # never sampled
         # LoRA: ``model`` may be a peft model (offstep.models.lora); the runners call the
         # transformers model inside it, whose target layers add the adapters' low-rank term.
         self._runner: LlamaRunner | None = self._pick_runner(runner)
@@ -116,6 +118,7 @@ class TorchEngine:
         params: SamplingParams,
         seed: int,
         on_finish: Callable[[Completion], None] | None = None,
+        images: list | None = None,
     ) -> list[Completion]:
         """Sample ``params.n`` completions for each prompt.
 
@@ -125,7 +128,12 @@ class TorchEngine:
         outputs.
         """
         self._check(prompts, params)
-        return serve_prompts(self.serve, prompts, params, seed, on_finish)
+        if images is not None and any(x is not None for x in images):
+            if len(images) != len(prompts):
+                raise ValueError(f"images has {len(images)} entries for {len(prompts)} prompts")
+            if self._runner is not None:
+                raise ValueError("image prompts need the HF runner (runner='hf' or 'auto' with a VL model)")
+        return serve_prompts(self.serve, prompts, params, seed, on_finish, images)
 
     def serve(
         self,

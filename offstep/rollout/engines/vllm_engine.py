@@ -183,11 +183,14 @@ class VLLMEngine:
         params: SamplingParams,
         seed: int,
         on_finish: Callable[[Completion], None] | None = None,
+        images: list | None = None,
     ) -> list[Completion]:
         """Sample ``params.n`` completions per prompt, prompt-major; ``on_finish`` is called with
         each completion (the same object as in the returned list) as it finishes. The same seed and
         inputs give the same outputs as far as vLLM's kernels are deterministic for the same batch
-        (on CPU they are: see the tests)."""
+        (on CPU they are: see the tests). ``images``: not supported by this engine yet."""
+        if images is not None and any(x is not None for x in images):
+            raise ValueError("the vLLM engine does not take image prompts yet; use rollout.engine=builtin")
         self._check(prompts, params)
         total = len(prompts) * params.n
         results: list[Completion | None] = [None] * total
