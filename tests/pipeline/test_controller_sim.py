@@ -198,7 +198,7 @@ def test_a_batch_is_submitted_to_the_replicas_before_its_launch_returns():
         replicas = [Replica(0), Replica(1)]
         fleet = RolloutFleet(SimpleNamespace(rollout=replicas), RolloutConfig(), reload=None, log=print)
         record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None, messages=[])
-        prompts = [SimpleNamespace(prompt_ids=[1, 2], record=record) for _ in range(4)]
+        prompts = [SimpleNamespace(prompt_ids=[1, 2], images=(), record=record) for _ in range(4)]
         fut = generate_batch(fleet.submit, prompts, RolloutConfig(), AlgorithmConfig(), 0, 1, [0, 1, 2, 3])
         for r in replicas:  # what WeightSync.queue does on the collective path, with no await between
             r.receive_weights.remote(1)
@@ -250,7 +250,7 @@ def test_calls_queued_on_a_lost_replica_all_fail_when_no_replacement_can_start(m
         )
         fleet = RolloutFleet(workers, RolloutConfig(), reload=None, log=print)
         record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None, messages=[])
-        prompts = [SimpleNamespace(prompt_ids=[1, 2], record=record)]
+        prompts = [SimpleNamespace(prompt_ids=[1, 2], images=(), record=record)]
         params = SimpleNamespace()
         trained_next = fleet.submit(prompts, params, 0, 4, 0)  # the batch the trainer awaits
         later = fleet.submit(prompts, params, 0, 5, 1)

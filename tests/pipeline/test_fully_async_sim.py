@@ -247,7 +247,7 @@ def test_a_checkpoint_waits_for_the_groups_a_poll_is_bringing(tmp_path):
         ]
     )
     record = SimpleNamespace(data_source="s", ground_truth="1", extra_info={}, agent_name=None, messages=[])
-    inputs = SimpleNamespace(train=[SimpleNamespace(prompt_ids=[1, i], record=record) for i in range(8)])
+    inputs = SimpleNamespace(train=[SimpleNamespace(prompt_ids=[1, i], images=(), record=record) for i in range(8)])
     params = SamplingParams(n=1, max_new_tokens=4)
 
     async def main():
