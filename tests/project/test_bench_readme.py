@@ -81,25 +81,27 @@ def test_a_results_file_records_command_cpu_and_date():
 
 
 @pytest.mark.parametrize(
-    "labels, cpu",
+    "labels, cpu, rows_file",
     [
-        ("default,fully_async", "AVX2"),
-        ("long_tail,long_tail_fully_async", "AVX2"),
-        ("default,fully_async", "AVX-512 BF16"),
+        ("default,fully_async", "AVX2", "results_presets.jsonl"),
+        ("long_tail,long_tail_fully_async", "AVX2", "results_presets.jsonl"),
+        ("default,fully_async", "AVX-512 BF16", "results_presets.jsonl"),
+        ("t19_const", "AVX2", "results_recipe.jsonl"),  # README's plot of the default run
     ],
 )
-def test_preset_runs_draws_the_committed_rows(tmp_path, labels, cpu):
+def test_preset_runs_draws_the_committed_rows(tmp_path, labels, cpu, rows_file):
     """`preset_runs.py --plot` draws the labels the docs plot from the stored rows, and names a missing label."""
     import json
     import subprocess
 
-    rows = [
-        json.loads(line) for line in (common.RESULTS / "results_presets.jsonl").read_text().splitlines() if line.strip()
-    ]
+    rows = [json.loads(line) for line in (common.RESULTS / rows_file).read_text().splitlines() if line.strip()]
     assert set(labels.split(",")) <= {r["label"] for r in rows if r.get("cpu") == cpu}
     out = tmp_path / "p.png"
     subprocess.run(
-        [sys.executable, "-m", "benchmarks.preset_runs", "--plot", labels, "--plot-cpu", cpu, "--plot-out", str(out)],
+        [
+            *(sys.executable, "-m", "benchmarks.preset_runs", "--rows", str(common.RESULTS / rows_file)),
+            *("--plot", labels, "--plot-cpu", cpu, "--plot-out", str(out)),
+        ],
         check=True,
         capture_output=True,
         cwd=ROOT,
