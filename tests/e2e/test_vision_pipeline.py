@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from blocking_reward import BLOCKING_REWARD
 
 from offstep.cli import main
 from offstep.launch.loader import load_config
@@ -85,16 +86,6 @@ def test_tiny_vl_fsdp_two_ranks_text_and_image_rows(tmp_path, ray_session):
     assert abs(metrics[0]["actor/mismatch_kl_k1"]) < 1e-4, metrics[0]
 
 
-REWARD = '''
-import os, time
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    gate = os.environ.get("BLOCK_AFTER")
-    if gate and os.path.exists(gate):
-        time.sleep(3600)
-    return (len(solution_str) % 3) / 2.0
-'''
-
-
 def test_tiny_vl_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path, ray_session):
     """4 steps at k = 1 in one go == 2 steps, SIGKILL in step 3, resume: the same metrics at every step
     (the resumed run rebuilds each prompt's images from the prompt index; the batch in flight at the
@@ -108,7 +99,7 @@ def test_tiny_vl_sigkill_and_resume_equals_an_uninterrupted_run(tmp_path, ray_se
     from run_records import step_records
 
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(BLOCKING_REWARD)
 
     def overrides(out):
         return [

@@ -14,24 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from blocking_reward import BLOCKING_REWARD
 from conftest import ENGINES_SLOW_VLLM, needs_vllm
 from run_records import step_records
 
 from offstep.config.schema import to_yaml
 from offstep.launch.loader import ConfigError, load_config
 from offstep.pipeline.checkpoints import Checkpoints, TrainerState, check_compatible, complete_checkpoints, resolve_path
-
-# A reward that is deterministic and not constant (the tiny model earns nothing on arithmetic), and
-# that blocks forever once the file named by $BLOCK_AFTER exists: the run is then stuck mid-step
-# with a batch generating, the moment at which we kill it.
-REWARD = '''
-import os, time
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    gate = os.environ.get("BLOCK_AFTER")
-    if gate and os.path.exists(gate):
-        time.sleep(3600)
-    return (len(solution_str) % 3) / 2.0
-'''
 
 
 def _overrides(
@@ -284,7 +273,7 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, e
     from offstep.pipeline.controller import train
 
     reward = tmp_path / "reward.py"
-    reward.write_text(REWARD)
+    reward.write_text(BLOCKING_REWARD)
     full, killed = tmp_path / "full", tmp_path / "killed"
     train(load_config(_overrides(full, reward, k, engine=engine, lora=lora, agent=agent, mode=mode, teacher=teacher)))
     if lora:  # adapters and their AdamW moments, nothing of the frozen base
@@ -327,7 +316,7 @@ def test_export_writes_a_loadable_model_equal_to_the_checkpoint(tmp_path, ray_se
     from offstep.pipeline.controller import train
 
     run, reward = tmp_path / "run", tmp_path / "reward.py"
-    reward.write_text(REWARD)  # scores that differ from step to step, so that one step is the best
+    reward.write_text(BLOCKING_REWARD)  # scores that differ from step to step, so that one step is the best
     train(
         load_config(
             [
