@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from blocking_reward import BLOCKING_REWARD as REWARD
 from run_records import step_records  # per step, everything but wall-clock figures
-from test_checkpoint import REWARD
 
 from offstep.launch.loader import load_config
 from offstep.pipeline.checkpoints import complete_checkpoints
