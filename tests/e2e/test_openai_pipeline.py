@@ -112,7 +112,7 @@ def test_a_kill_inside_the_agents_resumes_without_losing_or_repeating_a_step(tmp
     import signal
     import time
 
-    from test_checkpoint import _cli, _wait_for
+    from cli_runs import cli, wait_for
 
     agent = tmp_path / "agent.py"
     agent.write_text(BLOCKING_AGENT)
@@ -131,8 +131,8 @@ def test_a_kill_inside_the_agents_resumes_without_losing_or_repeating_a_step(tmp
         f"rollout.agent.openai_path={agent}",
     ]
     gate = run / "checkpoints" / "step_000003" / "trainer_state.json"
-    proc = _cli(args, env={**os.environ, "BLOCK_AFTER": str(gate)})
-    _wait_for(gate, proc)
+    proc = cli(args, env={**os.environ, "BLOCK_AFTER": str(gate)})
+    wait_for(gate, proc)
     time.sleep(1.0)  # into step 4, whose next batch's agents now wait
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -151,14 +151,14 @@ def test_a_kill_resumes_and_trains_every_group_once(tmp_path, ray_session):
     import signal
     import time
 
-    from test_checkpoint import _cli, _wait_for
+    from cli_runs import cli, wait_for
 
     from offstep.pipeline.controller import train
 
     run = tmp_path / "run"
     args = run_args(run, "trainer.total_steps=4", "trainer.save_freq=2", "pipeline.max_staleness=1")
-    proc = _cli(args)
-    _wait_for(run / "checkpoints" / "step_000002" / "trainer_state.json", proc, timeout=900)
+    proc = cli(args)
+    wait_for(run / "checkpoints" / "step_000002" / "trainer_state.json", proc, timeout=900)
     time.sleep(1.0)  # into step 3, its batch's episodes in flight
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()

@@ -1,13 +1,11 @@
-"""Checkpoints: atomic commits, which one a resume picks, exact continuation after SIGKILL
-(including the batch that was generating), export to a Hugging Face folder, and clean stops."""
+"""Checkpoints: atomic commits, which one a resume picks, the best kept beside the last, exact
+continuation after SIGKILL (including the batch that was generating), and export to a Hugging Face folder."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -15,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from blocking_reward import BLOCKING_REWARD
-from conftest import ENGINES_SLOW_VLLM, needs_vllm
+from cli_runs import cli, wait_for
+from conftest import needs_vllm
 from run_records import step_records
 
 from offstep.config.schema import to_yaml
@@ -52,28 +51,6 @@ def _overrides(
         f"reward.custom_path={reward}",
         "reward.num_threads=1",
     ]
-
-
-def _cli(args: list[str], **kw) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "offstep.cli", "train", *args],
-        start_new_session=True,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kw,
-    )
-
-
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
-    t0 = time.time()
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended (rc {proc.returncode}) before {path} appeared: {proc.stderr.read()}")
-        if time.time() - t0 > timeout:
-            os.killpg(proc.pid, signal.SIGKILL)
-            raise AssertionError(f"{path} did not appear within {timeout} s")
-        time.sleep(0.1)
 
 
 # ------------------------------------------------------------------ on-disk layout, no Ray
@@ -285,11 +262,11 @@ def test_sigkill_and_resume_equals_uninterrupted_run(tmp_path, ray_session, k, e
         assert any(".lora_" in k and "exp_avg" in k for k in keys)
 
     gate = killed / "checkpoints" / "step_000003" / "trainer_state.json"
-    proc = _cli(
+    proc = cli(
         _overrides(killed, reward, k, engine=engine, lora=lora, agent=agent, mode=mode, teacher=teacher),
         env={**os.environ, "BLOCK_AFTER": str(gate)},
     )
-    _wait_for(gate, proc)
+    wait_for(gate, proc)
     time.sleep(1.0)  # let it get into step 4, whose generation (k=0) or the next one (k=1) now blocks
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -371,162 +348,3 @@ def test_export_writes_a_loadable_model_equal_to_the_checkpoint(tmp_path, ray_se
     assert any(not torch.equal(got[n], initial[n]) for n in reference), "the exported policy should be trained"
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     assert main(["export", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
-
-
-# ------------------------------------------------------------------ stops and failures
-SLOW_REWARD = '''
-import time
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    time.sleep(0.05)
-    return 0.0
-'''
-
-
-@pytest.mark.ray
-@pytest.mark.parametrize("engine", ENGINES_SLOW_VLLM)
-def test_sigint_finishes_the_step_writes_a_checkpoint_and_exits(tmp_path, engine):
-    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it): the step in progress
-    completes, a checkpoint is written, every process ends (vLLM's included), exit code 130."""
-    reward = tmp_path / "slow.py"
-    reward.write_text(SLOW_REWARD)
-    run = tmp_path / "run"
-    args = [
-        "preset=tiny",
-        f"rollout.engine={engine}",
-        f"trainer.output_dir={run}",
-        "trainer.total_steps=200",
-        "trainer.save_freq=1000",
-        "trainer.val_before_train=false",
-        "trainer.progress=plain",
-        f"reward.custom_path={reward}",
-    ]
-    proc = _cli(args)
-    _wait_for(run / "metrics.jsonl", proc)
-    t0 = time.time()
-    while not (run / "metrics.jsonl").read_text().strip() and time.time() - t0 < 300:
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err
-    assert "stopped at step" in err and "trainer.resume=auto" in err
-    found = complete_checkpoints(run / "checkpoints")
-    assert found, err
-    last_metric = max(step_records(run))
-    assert found[-1][0] == last_metric < 200
-    # Nothing of the run is left behind (its Ray processes share the session of the driver).
-    time.sleep(2)
-    leftover = subprocess.run(["pgrep", "-s", str(proc.pid)], capture_output=True, text=True).stdout.split()
-    assert not leftover, f"processes left running: {leftover}"
-
-
-DYING_REWARD = '''
-import os
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    marker = MARKER
-    # solution_str "": the driver's dry call of the scorer before any worker starts, not a sample.
-    if solution_str and not os.path.exists(marker):
-        open(marker, "w").close()
-        os._exit(1)  # the rollout worker process dies in the middle of a generation
-    return 0.0
-'''
-
-
-@pytest.mark.ray
-@pytest.mark.parametrize("engine", ENGINES_SLOW_VLLM)
-def test_rollout_worker_death_is_survived_by_a_restart(tmp_path, ray_session, engine):
-    """The replica's process dies mid-generation: a new replica (a new vLLM engine, for vLLM) is
-    started, given the current weights, and the lost requests are generated again."""
-    from offstep.pipeline.controller import train
-
-    reward = tmp_path / "dying.py"
-    reward.write_text(DYING_REWARD.replace("MARKER", repr(str(tmp_path / "died"))))
-    cfg = load_config(
-        [
-            "preset=tiny",
-            f"rollout.engine={engine}",
-            f"trainer.output_dir={tmp_path / 'run'}",
-            "trainer.total_steps=3",
-            "trainer.val_before_train=false",
-            "trainer.progress=off",
-            f"reward.custom_path={reward}",
-        ]
-    )
-    history = train(cfg)
-    assert (tmp_path / "died").exists(), "the worker was meant to die once"
-    assert [m["step"] for m in history if "reward/mean" in m] == [1, 2, 3]
-    assert max(m["rollout/staleness_max"] for m in history if "rollout/staleness_max" in m) <= 1
-
-
-HANGING_REWARD = '''
-import time
-def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
-    time.sleep(3600)
-'''
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_hung_generation_fails_within_bounded_time(tmp_path, ray_session):
-    from offstep.pipeline.controller import train
-    from offstep.pipeline.fleet import RolloutFailed
-
-    reward = tmp_path / "hang.py"
-    reward.write_text(HANGING_REWARD)
-    cfg = load_config(
-        [
-            "preset=tiny",
-            f"trainer.output_dir={tmp_path / 'run'}",
-            "trainer.total_steps=2",
-            "trainer.val_before_train=false",
-            "trainer.progress=off",
-            f"reward.custom_path={reward}",
-            "rollout.timeout_s=5",
-            "rollout.max_restarts=1",
-            "reward.timeout_s=3600",
-        ]
-    )
-    t0 = time.time()
-    with pytest.raises(RolloutFailed, match="rollout.timeout_s=5.*rollout.max_restarts=1"):
-        train(cfg)
-    assert time.time() - t0 < 120
-
-
-@pytest.mark.ray
-@pytest.mark.slow
-def test_trainer_worker_death_ends_the_run_and_keeps_the_checkpoint(tmp_path):
-    """SIGKILL the actor's process mid-run: the run ends (no hang) with a message naming the
-    last checkpoint, which stays complete and exportable."""
-    import psutil
-
-    from offstep.pipeline.export import export_checkpoint
-
-    reward = tmp_path / "slow.py"
-    reward.write_text(SLOW_REWARD)
-    run = tmp_path / "run"
-    proc = _cli(
-        [
-            "preset=tiny",
-            f"trainer.output_dir={run}",
-            "trainer.total_steps=200",
-            "trainer.save_freq=2",
-            "trainer.val_before_train=false",
-            "trainer.progress=off",
-            f"reward.custom_path={reward}",
-        ]
-    )
-    _wait_for(run / "checkpoints" / "step_000002" / "trainer_state.json", proc)
-    actors = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if "ActorWorker" in " ".join(p.info["cmdline"] or []) and os.getsid(p.pid) == proc.pid
-    ]
-    assert actors, "the actor worker process was not found"
-    for p in actors:
-        p.kill()
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2, err
-    assert "the actor worker died" in err and "is intact: continue with trainer.resume=auto" in err, err
-    last = complete_checkpoints(run / "checkpoints")[-1][1]
-    assert str(last) in err
-    export_checkpoint(last, tmp_path / "hf")
-    assert (tmp_path / "hf" / "model.safetensors").is_file()

@@ -94,7 +94,7 @@ def test_a_rollout_worker_that_dies_in_the_stream_is_replaced(tmp_path, ray_sess
     """The replica's process exits while scoring a finished sample (the scorer is the user's code):
     a new replica is started with the current weights, the dead one's groups are generated again,
     and the run trains every step, within the bound."""
-    from test_checkpoint import DYING_REWARD
+    from cli_runs import DYING_REWARD
 
     reward = tmp_path / "dying.py"
     reward.write_text(DYING_REWARD.replace("MARKER", repr(str(tmp_path / "died"))))
