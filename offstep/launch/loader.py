@@ -130,6 +130,35 @@ def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def _preset_options_of_another_task(cfg: Config, overrides: list[str]) -> str | None:
+    """A preset's ``data.task_options`` belong to the preset's task: where the command line names
+    another task, they are dropped and only the command line's own options stay (``offstep train
+    data.task=gsm8k_synthetic`` on the default preset must not hand gsm8k_synthetic arithmetic's
+    ``digits``). Returns the note saying so, or None."""
+    parsed = OverridesParser.create().parse_overrides([o for o in overrides if not o.startswith("~")])
+    if not any(o.key_or_group == "data.task" for o in parsed):
+        return None
+    path = Path(__file__).resolve().parents[1] / "config" / "preset" / f"{cfg.preset}.yaml"
+    preset = (OmegaConf.to_container(OmegaConf.load(path)) or {}).get("data", {}) if path.is_file() else {}
+    options = preset.get("task_options") or {}
+    if not options or preset.get("task") == cfg.data.task:
+        return None
+    mine: set[str] = set()  # the option names the command line sets
+    for o in parsed:
+        if o.key_or_group == "data.task_options" and isinstance(o.value(), dict):
+            mine |= set(o.value())
+        elif o.key_or_group.startswith("data.task_options."):
+            mine.add(o.key_or_group.split(".")[2])
+    dropped = {k: v for k, v in options.items() if k not in mine}
+    if not dropped:
+        return None
+    cfg.data.task_options = {k: v for k, v in cfg.data.task_options.items() if k not in dropped}
+    return (
+        f"data.task={cfg.data.task}: the preset {cfg.preset}'s data.task_options {dropped} are its task "
+        f"{preset.get('task')}'s, so they are dropped; set this task's with +data.task_options.KEY=VALUE"
+    )
+
+
 def load_config(
     overrides: list[str] | None = None, notes: list[str] | None = None, errors: list[str] | None = None
 ) -> Config:
@@ -155,6 +184,8 @@ def load_config(
     if added:
         raise ConfigError(refusals([*verl.errors, *(_unknown_key(k) for k in added)]))
     said = said_first + verl.notes
+    dropped = _preset_options_of_another_task(typed, verl.overrides)
+    said += [dropped] if dropped else []
     try:
         said += apply_derived(typed, verl, collect=errors)
     except VerlKeyError as e:

@@ -375,3 +375,26 @@ def test_compute_dtype_auto_follows_the_cpu(tmp_path, monkeypatch):
         assert load_config(["model.compute_dtype=float32"]).model.compute_dtype == "float32"
     monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
     assert load_config(["resources.gpus_per_trainer_worker=1"]).model.compute_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "overrides,options,dropped",
+    [
+        (["data.task=gsm8k_synthetic"], {}, "{'digits': 2, 'max_value': 19}"),
+        (["data.task=gsm8k_synthetic", "+data.task_options.two_step=0.3"], {"two_step": 0.3}, "'max_value': 19"),
+        (["data.task=gsm8k_synthetic", "data.task_options.max_value=7"], {"max_value": 7}, "{'digits': 2}"),
+        (["preset=calculator", "data.task=arithmetic"], {}, "its task calculator's"),
+        (["data.task=arithmetic"], {"digits": 2, "max_value": 19}, None),
+        (["data.task_options.digits=1"], {"digits": 1, "max_value": 19}, None),
+        (["preset=tiny", "data.task=gsm8k_synthetic"], {}, None),
+    ],
+)
+def test_a_presets_task_options_stay_with_its_task(overrides, options, dropped):
+    """The default preset's arithmetic options (digits, max_value) must not reach another task named on the
+    command line: gsm8k_synthetic would refuse them, and neither ``~`` nor ``={}`` removes a preset's key."""
+    notes: list[str] = []
+    cfg = load_config(overrides, notes=notes)
+    assert cfg.data.task_options == options
+    said = [n for n in notes if "are its task" in n]
+    assert (said and dropped in said[0]) if dropped else not said, notes
+    validate(cfg)  # the task takes what is left

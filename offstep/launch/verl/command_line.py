@@ -39,7 +39,9 @@ def delete_keys(args: list[str]) -> tuple[list[str], list[str]]:
         if arg.startswith("~"):
             key = _key(arg[1:])
             out = [a for a in out if _key(a) != key]
-            notes.append(f"~{key}: deleted, so its default applies (verl's, as offstep translates it)")
+            notes.append(
+                f"~{key}: deleted: its earlier values on the command line are dropped, so the preset's (or the default) applies"
+            )
         else:
             out.append(arg)
     return out, notes
