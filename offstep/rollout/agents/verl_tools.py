@@ -52,7 +52,8 @@ UNSERVED = {
     "verl.tools.mcp_search_tool.MCPSearchTool": "it needs an MCP server that offstep does not start",
     "verl.tools.mcp_base_tool.MCPBaseTool": "it needs an MCP server that offstep does not start",
     "verl.tools.image_zoom_in_tool.ImageZoomInTool": "it returns images, and offstep's tool turns are text",
-    "verl.tools.geo3k_tool.Geo3kTool": "its task is a vision-language one, which offstep does not train yet",
+    "verl.tools.geo3k_tool.Geo3kTool": "its rows are image prompts, and offstep's tool loops do not carry images yet "
+    "(single-turn image prompts train: docs/multimodal.md)",
 }
 
 
