@@ -1,19 +1,28 @@
 """What a run with image prompts cannot do yet (docs/multimodal.md), as messages naming the key and
 the fix. ``offstep.launch.validate`` asks before anything starts when the config names the ``tiny_vl``
-alias or the ``shapes`` task; ``offstep.pipeline.inputs`` asks again once the rows are read and
-have images (a vision-language model folder of one's own). Imports nothing heavy."""
+alias, a vision-language model folder (its config.json's model_type) or the ``shapes`` task;
+``offstep.pipeline.inputs`` asks again once the rows are read and have images. Imports nothing heavy."""
 
 from __future__ import annotations
 
+import os
+
 from offstep.config.schema import Config
+from offstep.models.vision import is_vision_language
 
 TINY_VL = "tiny_vl"
 IMAGE_TASKS = ("shapes",)
 
 
 def images_expected(cfg: Config) -> bool:
-    """The config alone says the prompts have images: the ``tiny_vl`` alias, or an image task."""
-    return str(cfg.model.path).strip().lower() == TINY_VL or (not cfg.data.train_files and cfg.data.task in IMAGE_TASKS)
+    """The config alone says the prompts have images: the ``tiny_vl`` alias, a vision-language model
+    folder, or an image task."""
+    path = str(cfg.model.path).strip()
+    return (
+        path.lower() == TINY_VL
+        or is_vision_language(os.path.expanduser(path))
+        or (not cfg.data.train_files and cfg.data.task in IMAGE_TASKS)
+    )
 
 
 def vision_problems(cfg: Config) -> list[str]:

@@ -48,3 +48,16 @@ def test_rows_with_images_are_checked_once_read():
     row.agent_name = TOOL_AGENT
     with pytest.raises(ConfigError, match="row 0 has images and agent_name=tool_agent"):
         _check_image_run(load_config(["preset=tiny"]), [row])
+
+
+@pytest.mark.heavy  # builds (once) the tiny_vl folder
+def test_a_vision_language_folder_of_ones_own_is_checked_before_the_run():
+    """A VL model given by its folder (not the alias), with data files: the config says images are coming
+    (the folder's config.json), so what images do not support is refused before any worker starts."""
+    from offstep.models.loading import resolve_model
+
+    folder = resolve_model("tiny_vl")
+    cfg = load_config([f"model.path={folder}", "data.train_files=[rows.parquet]", "rollout.engine=vllm"])
+    assert images_expected(cfg)
+    assert any("rollout.engine=vllm with image prompts" in p for p in problems(cfg)), problems(cfg)
+    assert not images_expected(load_config(["model.path=tiny", "data.train_files=[rows.parquet]"]))

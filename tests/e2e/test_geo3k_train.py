@@ -1,19 +1,13 @@
-"""verl's geo3k layout, as its preprocessing script writes it (``examples/data_preprocess/geo3k.py``: an
-``images`` column of ``{bytes, path}`` structs, ``<image>`` at the start of the user turn, the boxed-answer
-instruction, ``reward_model.ground_truth``), made here with pictures drawn in code, trains 2 steps on the tiny
-vision-language model, named with verl's keys; the rows are scored by verl's geo3k scorer (data_source
-``hiyouga/geometry3k``)."""
+"""verl's geo3k layout (``tests/geo3k_rows.py``) trains 2 steps on the tiny vision-language model, named
+with verl's keys; the rows are scored by verl's geo3k scorer (data_source ``hiyouga/geometry3k``)."""
 
 from __future__ import annotations
 
-import io
 import json
 import math
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-from PIL import Image, ImageDraw
+from geo3k_rows import write_geo3k
 
 from offstep.launch.loader import load_config
 from offstep.pipeline.controller import train
@@ -21,57 +15,12 @@ from offstep.telemetry.metrics import read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-INSTRUCTION = (
-    "You FIRST think about the reasoning process as an internal monologue and then provide the final answer. "
-    "The reasoning process MUST BE enclosed within <think> </think> tags. The final answer MUST BE put in \\boxed{}."
-)
-IMAGES = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
-
-
-def _figure(i: int) -> bytes:
-    """A line segment labelled with its length, in the manner of a geometry diagram."""
-    img = Image.new("RGB", (84 + 14 * (i % 3), 56), "white")
-    draw = ImageDraw.Draw(img)
-    draw.line([(8, 40), (70, 12 + 4 * (i % 5))], fill="black", width=2)
-    draw.text((30, 40), str(3 + i), fill="black")
-    buf = io.BytesIO()
-    img.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _geo3k(path, n: int, split: str) -> str:
-    rows = [
-        {
-            "data_source": "hiyouga/geometry3k",
-            "prompt": [{"role": "user", "content": f"<image>Find the length of the segment. {INSTRUCTION}"}],
-            "images": [{"bytes": _figure(i), "path": None}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(3 + i)},
-            "extra_info": {"split": split, "index": i, "answer": str(3 + i), "question": "Find the length."},
-        }
-        for i in range(n)
-    ]
-    schema = pa.schema(
-        [
-            ("data_source", pa.string()),
-            ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-            ("images", IMAGES),
-            ("ability", pa.string()),
-            ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-            (
-                "extra_info",
-                pa.struct(
-                    [("split", pa.string()), ("index", pa.int64()), ("answer", pa.string()), ("question", pa.string())]
-                ),
-            ),
-        ]
-    )
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), str(path))
-    return str(path)
-
 
 def test_verl_geo3k_parquet_trains_two_steps(tmp_path, ray_session):
-    train_file, val_file = _geo3k(tmp_path / "train.parquet", 8, "train"), _geo3k(tmp_path / "test.parquet", 4, "test")
+    train_file, val_file = (
+        write_geo3k(tmp_path / "train.parquet", 8, "train"),
+        write_geo3k(tmp_path / "test.parquet", 4, "test"),
+    )
     notes: list[str] = []
     cfg = load_config(
         [

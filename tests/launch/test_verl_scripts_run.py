@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from test_verl_fully_async import recorded_args
-from test_verl_scripts import REFUSED, RESOLVES, SCRIPTS, TINY_MODEL_ONLY, fill  # noqa: F401 (a fixture)
+from test_verl_scripts import REFUSED, RESOLVES, SCRIPTS, TINY_MODEL_ONLY, VLLM_WITH_IMAGES, fill  # noqa: F401 (a fixture)
 from verl_command_lines import GSM8K_YAML
 
 from offstep.cli import main
@@ -71,7 +71,7 @@ def scaled_args(name: str, fill: dict, out) -> list[str]:  # noqa: F811
     return [*args, f"trainer.default_local_dir={out}"] if "trainer.default_local_dir" not in keys else args
 
 
-@pytest.mark.parametrize("name", sorted([*RESOLVES, *TINY_MODEL_ONLY]))
+@pytest.mark.parametrize("name", sorted([*RESOLVES, *TINY_MODEL_ONLY, *VLLM_WITH_IMAGES]))
 def test_a_translated_verl_script_trains_a_step(name, fill, tmp_path, ray_session):  # noqa: F811
     assert name not in REFUSED
     tools = Path(fill["verl"]) / "examples" / "sglang_multiturn" / "config" / "tool_config"
