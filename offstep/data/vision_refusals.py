@@ -25,8 +25,6 @@ def vision_problems(cfg: Config) -> list[str]:
             f"rollout.engine={cfg.rollout.engine} {why}: only the built-in engine generates from images so far "
             "(vLLM's Qwen2-VL processor needs torchvision). Fix: rollout.engine=builtin"
         )
-    if cfg.pipeline.mode != "batch":
-        e.append(f"pipeline.mode={cfg.pipeline.mode} {why} is not supported yet. Fix: pipeline.mode=batch (any k)")
     if cfg.pipeline.ref_on_rollout:
         e.append(
             f"pipeline.ref_on_rollout=true {why}: the rollout side's reference does not take images yet. Fix: "

@@ -126,9 +126,7 @@ class RolloutWorker:
         self.progress.start(Stage.GEN, total=len(requests) * params.n, version=version)
         image_kw = {}
         if any(r.images for r in requests):  # a VL model's prompts (the built-in engine; validation refuses vLLM)
-            if self._image_processor is None:
-                self._image_processor = load_image_processor(self._path)
-            image_kw["images"] = [pixel_inputs(self._image_processor, r.images) for r in requests]
+            image_kw["images"] = [self._pixels(r) for r in requests]
         completions = self.engine.generate(
             [r.prompt_ids for r in requests], params, seed, on_finish=on_finish, **image_kw
         )
@@ -164,6 +162,14 @@ class RolloutWorker:
         if params.greedy_baseline:
             self._attach_greedy_baseline(requests, samples, params, seed)
         return self._finish(samples, Span(t0, time.time(), version), with_ref, pending=pending, cut=cut)
+
+    def _pixels(self, r: Request):
+        """The pixel values and grids of a request's images (``ImageInputs``), None without images."""
+        if not r.images:
+            return None
+        if self._image_processor is None:  # a VL model's, loaded at the first request with images
+            self._image_processor = load_image_processor(self._path)
+        return pixel_inputs(self._image_processor, r.images)
 
     def _score(self, r: Request, text: str, extra_info: dict | None = None) -> tuple[float, dict]:
         """One finished sample's reward: the rule, the reward model, or both (``reward.model``)."""
@@ -310,6 +316,7 @@ class RolloutWorker:
             replay=replay,
             max_kv_age=max_kv_age,
             teach=self.teacher.submit if self.teacher is not None else None,
+            pixels=self._pixels,
         )
         if self.agent is not None:  # tool rows and OpenAI agents' rows: their loops' turns go through the stream
             attach_agents(

@@ -199,11 +199,14 @@ class StreamServer:
         replay: list | None = None,
         max_kv_age: int = -1,
         teach: Callable[[list[int], list[int]], Future] | None = None,
+        pixels: Callable[[object], object] = lambda request: None,
     ):
         """``teach(prompt_ids, response_ids)``: hands each finished sample to a distillation teacher
-        (``offstep.rollout.scoring.teacher_scoring``); its future is kept for the take (``teaching``)."""
+        (``offstep.rollout.scoring.teacher_scoring``); its future is kept for the take (``teaching``).
+        ``pixels(request)``: its prompt's images as the engine takes them (``offstep.models.vision.ImageInputs``,
+        None for a text prompt), given to each of its samples' requests, a continued one's too."""
         self.engine, self.params, self.score, self.pool, self.tok = engine, params, score, pool, tokenizer
-        self.on_sample, self.teach = on_sample, teach
+        self.on_sample, self.teach, self.pixels = on_sample, teach, pixels
         self.teaching: dict[tuple[int, int], Future] = {}  # (uid, sample index) -> the teacher's answer, until taken
         self.agents: dict[str, object] = {}
         self.control = StepControl(partial, max_kv_age)
@@ -246,6 +249,7 @@ class StreamServer:
                 self._groups[uid] = g
                 fresh_key = None  # the fresh samples of one prompt share an engine group: prefilled once
                 agent = self.agents.get(g.request.agent_name)
+                images = self.pixels(g.request) if g.request.images else None
                 for j, s in enumerate(g.samples):
                     if s.finish_reason:
                         continue
@@ -269,6 +273,7 @@ class StreamServer:
                             group,
                             seed=g.seed,
                             offset=len(s.tokens),
+                            images=images,
                         )
                     )
                 self._scoring[uid] = sum(1 for s in g.samples if s.finish_reason and s.score is None)
