@@ -30,8 +30,6 @@ def vision_problems(cfg: Config) -> list[str]:
             f"pipeline.ref_on_rollout=true {why}: the rollout side's reference does not take images yet. Fix: "
             "pipeline.ref_on_rollout=false (the reference runs on the trainer pool, with the images)"
         )
-    if cfg.actor.lora.rank > 0:
-        e.append(f"actor.lora.rank={cfg.actor.lora.rank} {why} is untested so far. Fix: actor.lora.rank=0")
     if cfg.distill.enabled:
         e.append(f"distillation (distill.teacher) {why}: the teacher does not see the images yet. Fix: drop it")
     if cfg.algorithm.adv_estimator in ("gae", "remax"):

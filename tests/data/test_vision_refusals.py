@@ -23,7 +23,6 @@ def test_the_preset_is_valid_and_expects_images():
     [
         ("rollout.engine=vllm", "rollout.engine=vllm"),
         ("pipeline.ref_on_rollout=true", "pipeline.ref_on_rollout=true"),
-        ("actor.lora.rank=4", "actor.lora.rank=4"),
         ("algorithm.adv_estimator=remax", "algorithm.adv_estimator=remax"),
     ],
 )

@@ -163,3 +163,32 @@ def test_tiny_vl_fully_async_k0_killed_and_resumed_equals_batch_mode(tmp_path, r
         assert abs(b[step]["actor/mismatch_kl_k1"]) < 1e-4, b[step]
         assert b[step]["rollout/staleness_max"] == b[step]["rollout/partial_samples"] == 0
         assert b[step]["rollout/version_span_max"] == 1 and b[step]["response_length/mean"] > 0
+
+
+def test_tiny_vl_lora_trains_the_language_models_adapters(tmp_path, ray_session):
+    """``actor.lora.rank=8`` with images, 2 steps at k = 0: the adapters (on the language model's layers
+    only, the vision tower frozen with the base) train, travel to the engine (at each step the engine's log-probs
+    equal the trainer's: step 2's batch was generated with step 1's adapters), and are all the checkpoint holds of the weights."""
+    from offstep.train.checkpoint import SafeReader
+
+    cfg = load_config(
+        [
+            "preset=tiny_vl",
+            "actor.lora.rank=8",
+            "pipeline.max_staleness=0",
+            "trainer.total_steps=2",
+            "trainer.save_freq=2",
+            f"trainer.output_dir={tmp_path}",
+            "trainer.progress=off",
+            "trainer.val_before_train=false",
+        ]
+    )
+    train(cfg)
+    metrics = [m for m in read_jsonl(tmp_path / "metrics.jsonl") if m["step"] >= 1]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["actor/grad_norm"] > 0 for m in metrics), metrics
+    assert abs(metrics[0]["actor/mismatch_kl_k1"]) < 1e-4, metrics[0]
+    assert abs(metrics[1]["actor/mismatch_kl_k1"]) < 1e-4, "step 2: the engine got step 1's adapters"
+    keys = SafeReader(tmp_path / "checkpoints" / "step_000002" / "actor").read_metadata().state_dict_metadata
+    weights = [k for k in keys if k.startswith("model.")]
+    assert weights and all(".lora_" in k and ".language_model.layers." in k for k in weights), weights[:5]
