@@ -22,7 +22,6 @@ def test_the_preset_is_valid_and_expects_images():
     "override, key",
     [
         ("rollout.engine=vllm", "rollout.engine=vllm"),
-        ("pipeline.ref_on_rollout=true", "pipeline.ref_on_rollout=true"),
         ("algorithm.adv_estimator=remax", "algorithm.adv_estimator=remax"),
     ],
 )

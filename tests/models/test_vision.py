@@ -265,3 +265,45 @@ def test_a_stream_group_with_an_image_suspended_and_restored_equals_an_uninterru
     with torch.no_grad():
         logp = forward_response(model, batch, 1.0)[0]
     assert float(((logp - batch.rollout_logprobs) * batch.response_mask).abs().max()) < 1e-4
+
+
+def test_the_rollout_side_reference_takes_the_images(vl):
+    """``pipeline.ref_on_rollout=true``: the rollout worker's reference log-probs of image prompts, in batch
+    mode (``generate``) and from the stream (``stream_take``), equal the trainer-side reference's
+    (``forward_response`` of the initial policy on the collated batch with its images). The stream's
+    finished groups leave the worker without their pixels."""
+    from offstep.pipeline.inputs import to_request
+    from offstep.rewards.registry import RewardFunction
+    from offstep.rollout.replica_spec import RefSpec, RolloutSpec
+    from offstep.rollout.stream.replica_stream import GroupWork
+    from offstep.rollout.worker import RolloutWorker
+
+    path, tok, model, eos, ip = vl
+    enc = _prompts(
+        vl, [("<image>How many?", [_png((56, 56), 2)]), ("What is 2 + 3?", []), ("<image>Count.", [_png((84, 56), 1)])]
+    )
+    ref = RefSpec("float32", "float32", 1.0, 2)
+    worker = RolloutWorker(RolloutSpec.local(path, RewardFunction(), 8, ref=ref))
+    params = SamplingParams(n=2, max_new_tokens=8)
+    requests = [to_request(p, uid) for uid, p in enumerate(enc)]
+    samples, _ = worker.generate(requests, params, seed=1)
+    worker.stream_start([p.prompt_ids for p in enc], params, "recompute")
+    worker.stream_submit([GroupWork(to_request(enc[0], 10), seed=3, stream0=0)])
+    taken = []
+    for _ in range(120):
+        if taken := worker.stream_take(1.0):
+            break
+    assert taken and taken[0].images is None, "the pixels stay on the replica"
+    worker._stream.close()
+    pics = {u: pixel_inputs(ip, p.images) for u, p in enumerate(enc) if p.images}
+    pics[10] = pics[0]
+    for group in (samples, taken[0].samples):
+        batch = collate(group, worker.pad_id)
+        batch.images = {u: pics[u] for u in set(batch.group_ids.tolist()) if u in pics}
+        with torch.no_grad():
+            want = forward_response(model, batch, 1.0)[0]
+            diff = ((want - batch.ref_logprobs) * batch.response_mask).abs().max()
+            assert float(diff) < 1e-5, f"max |rollout-side reference - trainer's| = {diff}"
+            batch.images = None  # without the images the reference differs: the test can fail
+            blind = forward_response(model, batch, 1.0)[0]
+        assert float(((blind - batch.ref_logprobs) * batch.response_mask).abs().max()) > 1e-3

@@ -71,6 +71,7 @@ class FinishedGroup:
     teacher_spans: tuple = ()  # the distillation teacher's batches since the last take (distill.teacher), for the timeline
     sandbox: tuple = ()  # the sandboxed runs since the replica's last take (offstep.sandbox.Execution), for sandbox/*
     tool_spans: tuple = ()  # when the tool loops' tools ran (merged Spans) since the replica's last take, for the timeline
+    images: object = None  # its prompt's pixels (ImageInputs), for a reference here; the take drops them
 
 
 class StreamFeed:
@@ -217,6 +218,7 @@ class StreamServer:
         self.control.use_schedule(self.schedule, self.feed)
         self._lock = threading.Condition()
         self._groups: dict[int, GroupWork] = {}  # uid -> unfinished group
+        self._pixels: dict[int, object] = {}  # uid -> its prompt's ImageInputs, while unfinished
         self._owner: dict[int, tuple[int, int]] = {}  # request index -> (uid, sample)
         self._calls: dict[int, Callable[[Completion], None]] = {}  # request index -> an agent's turn's callback
         self._scoring: dict[int, int] = {}  # uid -> samples whose score is pending
@@ -250,6 +252,8 @@ class StreamServer:
                 fresh_key = None  # the fresh samples of one prompt share an engine group: prefilled once
                 agent = self.agents.get(g.request.agent_name)
                 images = self.pixels(g.request) if g.request.images else None
+                if images is not None:
+                    self._pixels[uid] = images
                 for j, s in enumerate(g.samples):
                     if s.finish_reason:
                         continue
@@ -409,7 +413,7 @@ class StreamServer:
             )
             for s in g.samples
         ]
-        self._finished.append(FinishedGroup(uid, samples, g.started, time.time()))
+        self._finished.append(FinishedGroup(uid, samples, g.started, time.time(), images=self._pixels.pop(uid, None)))
         self._lock.notify_all()
 
     # ---------------------------------------------------------------- the controller's calls
@@ -454,6 +458,7 @@ class StreamServer:
                     raise self._error
                 out = list(self._groups.values())
                 self._groups.clear()
+                self._pixels.clear()  # computed again when the groups are submitted again
                 self._scoring.clear()
                 self._owner.clear()
                 self._calls.clear()
