@@ -116,10 +116,11 @@ def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 def vision_tower(model):
-    """A VL transformers model's vision tower (``model.model.visual``; a peft model's base's), or None."""
-    from offstep.models.lora import base_of
-
-    return getattr(getattr(base_of(model), "model", None), "visual", None)
+    """A VL transformers model's vision tower (``model.model.visual``; a peft model's base's), or None.
+    (``offstep.models.lora`` imports this module: peft's ``get_base_model`` is called here directly.)"""
+    get = getattr(model, "get_base_model", None)
+    base = get() if callable(get) else model
+    return getattr(getattr(base, "model", None), "visual", None)
 
 
 def freeze_vision_tower(model) -> int:
