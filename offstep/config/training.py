@@ -163,7 +163,9 @@ class ActorConfig:
     share_prompts: bool = True
     """compute each distinct prompt of a micro-batch once: its responses run as one packed sequence after it, each attending to the prompt and to itself (the log-probs of the policy and the reference, equal to separate rows to float rounding); with a token budget it counts each prompt once. false: one padded row per sample"""
     lora: LoRAConfig = field(default_factory=LoRAConfig)
-    """low-rank adapters instead of full fine-tuning (lora.rank > 0)"""
+    """low-rank adapters instead of full fine-tuning (lora.rank > 0); on a vision-language model on its language model's layers only, the vision tower frozen with the base"""
+    freeze_vision_tower: bool = False
+    """a vision-language model's vision tower (``model.visual``) does not train: no gradient, no optimizer state, not in the checkpoint (it stays the model's); verl's actor.freeze_vision_tower"""
 
 
 @dataclass

@@ -173,6 +173,15 @@ def _check_model(cfg: Config, e: list[str]) -> None:
         check_layers = False
     try:
         check_model_path(cfg.model.path)
+        if cfg.actor.freeze_vision_tower:
+            from offstep.models.loading import resolve_model
+            from offstep.models.vision import is_vision_language
+
+            if not is_vision_language(resolve_model(cfg.model.path)):
+                e.append(
+                    f"actor.freeze_vision_tower=true: model.path={cfg.model.path} is not a vision-language model "
+                    "(model_type qwen2_vl or qwen2_5_vl) and has no vision tower. Fix: actor.freeze_vision_tower=false"
+                )
         if check_layers:
             from offstep.models.loading import resolve_model
             from offstep.models.lora import check_for_model

@@ -14,6 +14,7 @@ log-probs, so no float32 copy of the whole tensor)."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 
@@ -137,15 +138,18 @@ def sequence_logprobs(
     compute_dtype: str = "float32",
     micro_batch_size: int = 8,
     share_prompts: bool = False,
+    images: Sequence | None = None,
 ) -> list[list[float]]:
     """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under ``model``,
     as the trainer computes them: one padded batch, ``forward_response`` by micro-batches of
-    ``micro_batch_size`` rows (``share_prompts``: rows of one prompt packed after it)."""
+    ``micro_batch_size`` rows (``share_prompts``: rows of one prompt packed after it). ``images``: per
+    sequence, its prompt's ``offstep.models.vision.ImageInputs`` or None (a vision-language model)."""
     if not sequences:
         return []
+    pictured = images is not None and any(x is not None for x in images)
     samples = [
         Sample(
-            uid=0,
+            uid=i if pictured else 0,  # with images: a row's own, the key of batch.images
             prompt_ids=list(p),
             response_ids=list(r),
             rollout_logprobs=[0.0] * len(r),
@@ -153,9 +157,11 @@ def sequence_logprobs(
             score=0.0,
             version=0,
         )
-        for p, r in sequences
+        for i, (p, r) in enumerate(sequences)
     ]
     batch = collate(samples, pad_id).to(device)
+    if pictured:
+        batch.images = {i: x for i, x in enumerate(images) if x is not None}
     parts = [
         forward_response(model, mb, temperature, compute_dtype=compute_dtype, share_prompts=share_prompts)[0]
         for mb in batch.chunks(micro_batch_size)

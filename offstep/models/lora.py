@@ -28,12 +28,16 @@ if TYPE_CHECKING:
     import torch
 
 ADAPTER = "default"  # peft's name for the one adapter
+# A vision-language model's vision tower (``model.visual``; Qwen2.5-VL's blocks have gate/up/down_proj as
+# its language model does): no adapter goes there, the default target modules included.
+VISION_TOWER = r"(.*\.)?visual\..*"
 ADAPTER_CONFIG = "adapter_config.json"
 _LORA_PARAM = re.compile(r"\.lora_[AB]\.")
 
 
-def peft_config(cfg: LoRAConfig, base_path: str | None = None):
-    """``peft.LoraConfig`` for ``actor.lora`` (bias untouched, no modules saved besides the adapters)."""
+def peft_config(cfg: LoRAConfig, base_path: str | None = None, vision: bool = False):
+    """``peft.LoraConfig`` for ``actor.lora`` (bias untouched, no modules saved besides the adapters);
+    ``vision``: a vision-language model, whose vision tower gets no adapters (``VISION_TOWER``)."""
     from peft import LoraConfig
 
     return LoraConfig(
@@ -44,7 +48,16 @@ def peft_config(cfg: LoRAConfig, base_path: str | None = None):
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_path,
+        exclude_modules=VISION_TOWER if vision else None,
     )
+
+
+def _has_tower(model_or_folder) -> bool:
+    from offstep.models.vision import is_vision_language
+
+    if model_or_folder is None or isinstance(model_or_folder, (str, Path)):
+        return model_or_folder is not None and is_vision_language(model_or_folder)
+    return is_vision_language(getattr(base_of(model_or_folder), "config", None))
 
 
 def add_adapters(model: torch.nn.Module, cfg: LoRAConfig, base_path: str | None = None) -> torch.nn.Module:
@@ -52,7 +65,7 @@ def add_adapters(model: torch.nn.Module, cfg: LoRAConfig, base_path: str | None 
     base's). The random draw of A uses torch's generator: seed it the same on every rank."""
     from peft import get_peft_model
 
-    return get_peft_model(model, peft_config(cfg, base_path))
+    return get_peft_model(model, peft_config(cfg, base_path, _has_tower(model)))
 
 
 def is_adapter_name(name: str) -> bool:
@@ -81,15 +94,21 @@ def target_problems(model: torch.nn.Module, cfg: LoRAConfig) -> list[str]:
     import torch
     from peft.tuners.tuners_utils import check_target_module_exists
 
-    config = peft_config(cfg)
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    vision = _has_tower(model)
+    config = peft_config(cfg, vision=vision)
+    linears = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and not (vision and re.fullmatch(VISION_TOWER, n))
+    }
     matched = {n: m for n, m in linears.items() if check_target_module_exists(config, n)}
     problems = []
+    where = "the language model (the vision tower gets no adapters)" if vision else "the model"
     for target in cfg.target_modules:
         if not any(n == target or n.endswith("." + target) for n in matched):
             names = sorted({n.rsplit(".", 1)[-1] for n in linears})
             problems.append(
-                f"actor.lora.target_modules entry {target!r} matches no linear layer of the model; its "
+                f"actor.lora.target_modules entry {target!r} matches no linear layer of {where}; its "
                 f"linear layers are named {names}"
             )
     too_narrow = sorted(
@@ -114,12 +133,14 @@ def target_problems(model: torch.nn.Module, cfg: LoRAConfig) -> list[str]:
 def meta_model(folder: str, cfg: LoRAConfig | None = None) -> torch.nn.Module:
     """The model of ``folder`` on the meta device (no weights read), with adapters for ``cfg``."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from offstep.models.builtin import quiet_transformers
+    from offstep.models.vision import is_vision_language
 
+    auto = AutoModelForImageTextToText if is_vision_language(folder) else AutoModelForCausalLM
     with quiet_transformers(), torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+        model = auto.from_config(AutoConfig.from_pretrained(folder))
         return model if cfg is None else add_adapters(model, cfg)
 
 
@@ -143,7 +164,7 @@ def write_adapter_folder(
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    peft_config(cfg, base_path).save_pretrained(str(out))
+    peft_config(cfg, base_path, _has_tower(base_path)).save_pretrained(str(out))
     save_file(
         {n: t.detach().cpu().contiguous() for n, t in file_names(adapters).items()},
         str(out / "adapter_model.safetensors"),

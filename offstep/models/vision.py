@@ -115,12 +115,32 @@ def mrope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
     return pos, pos.max(0).values[:, -1] + 1
 
 
+def vision_tower(model):
+    """A VL transformers model's vision tower (``model.model.visual``; a peft model's base's), or None.
+    (``offstep.models.lora`` imports this module: peft's ``get_base_model`` is called here directly.)"""
+    get = getattr(model, "get_base_model", None)
+    base = get() if callable(get) else model
+    return getattr(getattr(base, "model", None), "visual", None)
+
+
+def freeze_vision_tower(model) -> int:
+    """Stop the vision tower of ``model`` from training (``actor.freeze_vision_tower``): its parameters
+    get no gradient, so the optimizer (built over the parameters that train) holds no state for them
+    and a checkpoint leaves them out. Returns how many parameters it froze; raises ``ValueError`` for a
+    model without a tower."""
+    visual = vision_tower(model)
+    if visual is None:
+        raise ValueError(f"{type(model).__name__} has no vision tower (model.visual) to freeze")
+    visual.requires_grad_(False)
+    return sum(1 for _ in visual.parameters())
+
+
 def unused_tower_term(model):
     """``0 * sum(vision tower weights)`` of a VL model whose tower trains, to add to the loss of a
     micro-batch without images: every tower weight then gets a (zero) gradient. Under FSDP a rank
     whose micro-batch had no image would otherwise reduce fewer gradients than the others, and the
     collective would fail. ``None`` for a text model or a frozen tower."""
-    visual = getattr(getattr(model, "model", None), "visual", None)
+    visual = vision_tower(model)
     params = [p for p in visual.parameters() if p.requires_grad] if visual is not None else []
     if not params:
         return None

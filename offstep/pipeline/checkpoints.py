@@ -454,6 +454,9 @@ def check_compatible(saved_yaml: str, cfg) -> None:
         for key in MUST_MATCH
         if select(saved, key) != select(now, key)
     ]
+    frozen = select(saved, "actor.freeze_vision_tower") is True  # a checkpoint from before the key: false
+    if frozen != cfg.actor.freeze_vision_tower:  # a frozen tower is not in the checkpoint
+        diffs.append(f"actor.freeze_vision_tower: checkpoint {frozen}, now {cfg.actor.freeze_vision_tower}")
     if diffs:
         raise ConfigError(
             "the checkpoint was written by a different run configuration (" + "; ".join(diffs) + "); resume with "

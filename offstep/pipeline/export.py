@@ -33,7 +33,7 @@ from offstep.models.builtin import ALIASES, normalise_alias
 from offstep.models.forward import DTYPES
 from offstep.models.loading import cache_dir, load_causal_lm, load_tokenizer, resolve_model
 from offstep.models.lora import adapter_base, adapter_parameters, add_adapters, is_adapter_folder, merged_model
-from offstep.models.vision import load_image_processor
+from offstep.models.vision import freeze_vision_tower, load_image_processor
 from offstep.pipeline.checkpoints import (
     LEGACY_STATE_FILE,
     STATE_FILE,
@@ -112,7 +112,12 @@ def export_checkpoint(
     model = load_causal_lm(folder, dtype=DTYPES[dtype])
     lora = _lora_of(loaded.config_yaml)
     try:
-        if lora is None:
+        if lora is None and select(read_config(loaded.config_yaml), "actor.freeze_vision_tower") is True:
+            freeze_vision_tower(model)  # the checkpoint holds what trained; the tower is the base model's
+            load_model_weights(
+                loaded.path / Role.ACTOR, model, names={n for n, p in model.named_parameters() if p.requires_grad}
+            )
+        elif lora is None:
             load_model_weights(loaded.path / Role.ACTOR, model)
         else:
             model = add_adapters(model, lora, base_path=folder)

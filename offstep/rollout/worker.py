@@ -126,9 +126,7 @@ class RolloutWorker:
         self.progress.start(Stage.GEN, total=len(requests) * params.n, version=version)
         image_kw = {}
         if any(r.images for r in requests):  # a VL model's prompts (the built-in engine; validation refuses vLLM)
-            if self._image_processor is None:
-                self._image_processor = load_image_processor(self._path)
-            image_kw["images"] = [pixel_inputs(self._image_processor, r.images) for r in requests]
+            image_kw["images"] = [self._pixels(r) for r in requests]
         completions = self.engine.generate(
             [r.prompt_ids for r in requests], params, seed, on_finish=on_finish, **image_kw
         )
@@ -163,7 +161,16 @@ class RolloutWorker:
                 pending[id(samples[-1])] = taught[id(c)]
         if params.greedy_baseline:
             self._attach_greedy_baseline(requests, samples, params, seed)
-        return self._finish(samples, Span(t0, time.time(), version), with_ref, pending=pending, cut=cut)
+        pics = dict(zip((r.uid for r in requests), image_kw["images"])) if image_kw else None
+        return self._finish(samples, Span(t0, time.time(), version), with_ref, pending=pending, cut=cut, images=pics)
+
+    def _pixels(self, r: Request):
+        """The pixel values and grids of a request's images (``ImageInputs``), None without images."""
+        if not r.images:
+            return None
+        if self._image_processor is None:  # a VL model's, loaded at the first request with images
+            self._image_processor = load_image_processor(self._path)
+        return pixel_inputs(self._image_processor, r.images)
 
     def _score(self, r: Request, text: str, extra_info: dict | None = None) -> tuple[float, dict]:
         """One finished sample's reward: the rule, the reward model, or both (``reward.model``)."""
@@ -180,6 +187,7 @@ class RolloutWorker:
         earlier: tuple = (),
         pending: dict | None = None,
         cut: int = 0,
+        images: dict | None = None,
     ) -> tuple[list[Sample], GenTiming]:
         """The call's report; for training (``with_ref``), the teacher's log-probs (those asked for
         as the samples finished, ``pending``) and the reference's attached first."""
@@ -189,7 +197,7 @@ class RolloutWorker:
             taught = self.teacher.take_spans()
         ref = None
         if self.ref is not None and with_ref:
-            self._attach_ref_logprobs(samples)
+            self._attach_ref_logprobs(samples, images)
             ref = Span(gen.end, time.time())
         scored = self.model_reward.take_spans() if self.model_reward is not None else ()
         return samples, GenTiming(gen, ref, tools, (*earlier, *shared().log.drain()), scored, taught, cut)
@@ -222,6 +230,7 @@ class RolloutWorker:
             spans,
             plain_timing.sandbox if plain_timing else (),
             cut=cut,
+            images={r.uid: self._pixels(r) for r in plain if r.images},  # tool rows with images are refused
         )
 
     def _tool_loops(self) -> AgentRunner:
@@ -249,15 +258,16 @@ class RolloutWorker:
         for s in samples:
             s.baseline_score, s.baseline_length = by_uid[s.uid]
 
-    def _attach_ref_logprobs(self, samples: list[Sample]) -> None:
+    def _attach_ref_logprobs(self, samples: list[Sample], images: dict | None = None) -> None:
         """Reference log-probs, computed here while the trainer is busy with the previous batch.
 
         The same forward as the trainer's reference role (``forward_response``, same temperature
         and compute dtype), on this worker's share of the batch: of the frozen initial policy, or
-        with LoRA of the engine's base (its adapters off).
+        with LoRA of the engine's base (its adapters off). ``images``: the prompts' pixels by uid.
         """
         self.progress.start(Stage.REF)
         ref, sequences = self.ref, [(s.prompt_ids, s.response_ids) for s in samples]
+        pics = [images.get(s.uid) for s in samples] if images else None
         if self.ref_model is not None:
             scored = sequence_logprobs(
                 self.ref_model,
@@ -268,9 +278,12 @@ class RolloutWorker:
                 ref.compute_dtype,
                 ref.micro_batch_size,
                 ref.share_prompts,
+                images=pics,
             )
         else:
-            scored = self.engine.base_logprobs(sequences, ref.temperature, ref.compute_dtype, ref.micro_batch_size)
+            scored = self.engine.base_logprobs(
+                sequences, ref.temperature, ref.compute_dtype, ref.micro_batch_size, images=pics
+            )
         for s, lp in zip(samples, scored):
             s.ref_logprobs = lp
 
@@ -310,6 +323,7 @@ class RolloutWorker:
             replay=replay,
             max_kv_age=max_kv_age,
             teach=self.teacher.submit if self.teacher is not None else None,
+            pixels=self._pixels,
         )
         if self.agent is not None:  # tool rows and OpenAI agents' rows: their loops' turns go through the stream
             attach_agents(
@@ -327,8 +341,12 @@ class RolloutWorker:
             asked = {id(s): self._stream.teaching.pop((g.uid, j), None) for g in out for j, s in enumerate(g.samples)}
             self.teacher.attach([s for g in out for s in g.samples], {k: f for k, f in asked.items() if f is not None})
             out[0].teacher_spans = self.teacher.take_spans()
+        pics = {g.uid: g.images for g in out if g.images is not None}
+        for g in out:  # the prompts' pixels stay here: the driver computes its own
+            g.images = None
         if out and self.ref is not None:  # on the engine's thread, between two decode steps: one core
-            self._stream.between_steps(lambda: self._attach_ref_logprobs([s for g in out for s in g.samples]))
+            samples = [s for g in out for s in g.samples]
+            self._stream.between_steps(lambda: self._attach_ref_logprobs(samples, pics))
             self._generating_again()
         if out and self.model_reward is not None:
             out[0].reward_spans = self.model_reward.take_spans()

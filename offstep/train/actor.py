@@ -37,6 +37,7 @@ from offstep.config.schema import ActorConfig, AlgorithmConfig, DistillConfig
 from offstep.models.forward import DTYPES, entropy_from_logits, forward_response, logprobs_from_logits, response_logits
 from offstep.models.loading import load_causal_lm
 from offstep.models.lora import add_adapters, is_adapter_name
+from offstep.models.vision import freeze_vision_tower
 from offstep.sync.collective import WeightSender, full_parameters, manifest
 from offstep.sync.delta import DeltaSender
 from offstep.sync.digest import WeightDigest, digest_of
@@ -83,6 +84,8 @@ class ActorWorker(RoleWorker):
         if reference and not self.lora:
             ref_model = copy.deepcopy(model).requires_grad_(False).eval()
             self.ref_model = self._shard(ref_model)
+        if actor.freeze_vision_tower:  # with LoRA too: the base, tower included, is frozen anyway
+            freeze_vision_tower(model)
         if self.lora:
             model = add_adapters(model, actor.lora)
         # What a weight sync carries: every parameter, or the adapters only.

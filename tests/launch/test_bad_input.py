@@ -276,6 +276,14 @@ OPTION_CASES = {
     ),
     "empty output dir": (["trainer.output_dir="], ["trainer.output_dir is empty", "runs/"]),
     "output dir in /sys": (["trainer.output_dir=/sys/offstep_run"], ["trainer.output_dir='/sys/offstep_run'", "/sys"]),
+    "vision tower of a text model": (
+        ["actor.freeze_vision_tower=true"],
+        ["actor.freeze_vision_tower=true", "model.path=tiny is not a vision-language model", "Fix: "],
+    ),
+    "LoRA on the vision tower only": (
+        ["model.path=tiny_vl", "data.task=shapes", "actor.lora.rank=4", "actor.lora.target_modules=[qkv]"],
+        ["'qkv' matches no linear layer of the language model (the vision tower gets no adapters)"],
+    ),
     "unreachable Ray cluster": (
         ["resources.ray_address=127.0.0.1:1"],
         ["resources.ray_address='127.0.0.1:1'", "ray start --head", "empty"],

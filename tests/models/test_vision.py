@@ -181,3 +181,129 @@ def test_decoder_layers_of_text_and_vl_models(vl, tiny):
     assert not {id(b) for b in model.model.visual.blocks} & {id(x) for x in decoder_layers(model)}
     text = tiny[2]
     assert list(decoder_layers(text)) == list(text.model.layers)
+
+
+def test_a_stream_group_with_an_image_suspended_and_restored_equals_an_uninterrupted_one(vl):
+    """``pipeline.mode=fully_async``: a replica's stream (``StreamServer``) gives each sample's engine request
+    its prompt's images, a suspended sample's continuation too (prompt, images and tokens so far prefilled
+    again). A group suspended mid-way, stored as a checkpoint stores it (its sample states as dicts, its
+    request rebuilt from the prompt) and submitted to a new stream, draws what an uninterrupted group
+    draws, and its log-probs equal the trainer's on the prompt with its image."""
+    import dataclasses
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from offstep.rollout.replica_spec import Request
+    from offstep.rollout.stream.replica_stream import GroupWork, SampleState, StreamServer
+
+    path, tok, model, eos, ip = vl
+    (enc,) = _prompts(vl, [("<image>How many shapes are there?", [_png((56, 56), 2)])])
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=16)
+    pixels_of = []  # the requests the stream asked the pixels of
+
+    def server_and_engine():
+        engine = TorchEngine(model, tok, [10_000_000 % len(tok)], max_batch_size=8)  # an eos not met early
+        pool = ThreadPoolExecutor(1)
+
+        def pixels(r):
+            pixels_of.append(r.uid)
+            return pixel_inputs(ip, r.images)
+
+        args = (engine, [enc.prompt_ids], params, "recompute", 8, lambda r, text, info=None: (0.0, {}), pool, tok)
+        return StreamServer(*args, pixels=pixels), engine
+
+    def request():  # as a resume rebuilds it: from the prompt (offstep.pipeline.inputs.to_request)
+        return Request(uid=7, prompt_ids=enc.prompt_ids, data_source="shapes", ground_truth="2", images=enc.images)
+
+    def take(server):
+        for _ in range(120):
+            if out := server.take(1.0):
+                return out[0].samples
+        raise AssertionError("the group did not finish")
+
+    server, _ = server_and_engine()
+    try:
+        server.submit([GroupWork(request(), seed=3, stream0=0)])
+        whole = take(server)
+    finally:
+        server.close()
+    assert all(len(s.response_ids) == params.max_new_tokens for s in whole)
+
+    server, engine = server_and_engine()
+    hit, append, count = threading.Event(), engine._append, [0]
+
+    def counting(*args):  # after 6 tokens in all, a suspension lands at the next step boundary
+        count[0] += 1
+        if count[0] == 6:
+            server.control.post_suspend()
+            hit.set()
+        return append(*args)
+
+    engine._append = counting
+    try:
+        server.submit([GroupWork(request(), seed=3, stream0=0)])
+        assert hit.wait(60)
+        (work,) = server.suspend()
+    finally:
+        server.close()
+    stored = [dataclasses.asdict(s) for s in work.samples]  # as the checkpoint's JSON holds them
+    assert all(0 < len(s["tokens"]) < params.max_new_tokens and not s["finish_reason"] for s in stored), stored
+    server, _ = server_and_engine()
+    try:
+        server.submit([GroupWork(request(), 3, 0, [SampleState(**s) for s in stored])])
+        resumed = take(server)
+    finally:
+        server.close()
+    assert pixels_of == [7, 7, 7], "one pixel computation a submitted group"
+    for a, b in zip(whole, resumed):
+        assert a.response_ids == b.response_ids
+        torch.testing.assert_close(
+            torch.tensor(a.rollout_logprobs), torch.tensor(b.rollout_logprobs), atol=1e-4, rtol=0
+        )
+    batch = collate(resumed, engine.pad_id)
+    batch.images = {7: pixel_inputs(ip, enc.images)}
+    with torch.no_grad():
+        logp = forward_response(model, batch, 1.0)[0]
+    assert float(((logp - batch.rollout_logprobs) * batch.response_mask).abs().max()) < 1e-4
+
+
+def test_the_rollout_side_reference_takes_the_images(vl):
+    """``pipeline.ref_on_rollout=true``: the rollout worker's reference log-probs of image prompts, in batch
+    mode (``generate``) and from the stream (``stream_take``), equal the trainer-side reference's
+    (``forward_response`` of the initial policy on the collated batch with its images). The stream's
+    finished groups leave the worker without their pixels."""
+    from offstep.pipeline.inputs import to_request
+    from offstep.rewards.registry import RewardFunction
+    from offstep.rollout.replica_spec import RefSpec, RolloutSpec
+    from offstep.rollout.stream.replica_stream import GroupWork
+    from offstep.rollout.worker import RolloutWorker
+
+    path, tok, model, eos, ip = vl
+    enc = _prompts(
+        vl, [("<image>How many?", [_png((56, 56), 2)]), ("What is 2 + 3?", []), ("<image>Count.", [_png((84, 56), 1)])]
+    )
+    ref = RefSpec("float32", "float32", 1.0, 2)
+    worker = RolloutWorker(RolloutSpec.local(path, RewardFunction(), 8, ref=ref))
+    params = SamplingParams(n=2, max_new_tokens=8)
+    requests = [to_request(p, uid) for uid, p in enumerate(enc)]
+    samples, _ = worker.generate(requests, params, seed=1)
+    worker.stream_start([p.prompt_ids for p in enc], params, "recompute")
+    worker.stream_submit([GroupWork(to_request(enc[0], 10), seed=3, stream0=0)])
+    taken = []
+    for _ in range(120):
+        if taken := worker.stream_take(1.0):
+            break
+    assert taken and taken[0].images is None, "the pixels stay on the replica"
+    worker._stream.close()
+    pics = {u: pixel_inputs(ip, p.images) for u, p in enumerate(enc) if p.images}
+    pics[10] = pics[0]
+    for group in (samples, taken[0].samples):
+        batch = collate(group, worker.pad_id)
+        batch.images = {u: pics[u] for u in set(batch.group_ids.tolist()) if u in pics}
+        with torch.no_grad():
+            want = forward_response(model, batch, 1.0)[0]
+            diff = ((want - batch.ref_logprobs) * batch.response_mask).abs().max()
+            assert float(diff) < 1e-5, f"max |rollout-side reference - trainer's| = {diff}"
+            batch.images = None  # without the images the reference differs: the test can fail
+            blind = forward_response(model, batch, 1.0)[0]
+        assert float(((blind - batch.ref_logprobs) * batch.response_mask).abs().max()) > 1e-3

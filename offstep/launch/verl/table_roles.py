@@ -142,6 +142,9 @@ ROLE_KEYS: dict[str, To | Derived | Note | Refuse] = {
     "actor_rollout_ref.actor.fsdp_config.dtype": To("model.compute_dtype", dtype),
     "actor_rollout_ref.actor.tau_pos": Note("SAPO's; offstep has no SAPO loss"),
     "actor_rollout_ref.actor.tau_neg": Note("SAPO's; offstep has no SAPO loss"),
+    "actor_rollout_ref.actor.freeze_vision_tower": To(
+        "actor.freeze_vision_tower", note="a vision-language model's tower (model.visual, its merger included)"
+    ),
     # reference
     "actor_rollout_ref.ref.strategy": Refuse(MEGATRON, allow=("fsdp", "fsdp2", "${actor_rollout_ref.actor.strategy}")),
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": Note(LOGPROB_MB),

@@ -59,11 +59,13 @@ class RolloutEngine(Protocol):
         temperature: float,
         compute_dtype: str = "float32",
         micro_batch_size: int = 8,
+        images: Sequence | None = None,
     ) -> list[list[float]]:
         """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under the
         engine's base model (with LoRA: the adapters off), the reference of the KL term.
         ``compute_dtype`` and ``micro_batch_size`` as the trainer's forward (an engine that
-        batches by itself may ignore them)."""
+        batches by itself may ignore them). ``images``: per sequence, its prompt's
+        ``offstep.models.vision.ImageInputs`` or None (the built-in engine only)."""
         ...
 
     # ---------------------------------------------------------------- weights

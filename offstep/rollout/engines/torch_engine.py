@@ -236,11 +236,13 @@ class TorchEngine:
         temperature: float,
         compute_dtype: str = "float32",
         micro_batch_size: int = 8,
+        images: Sequence | None = None,
     ) -> list[list[float]]:
-        """The base model's teacher-forced log-probs (the adapters off), as the trainer's forward."""
+        """The base model's teacher-forced log-probs (the adapters off), as the trainer's forward;
+        ``images``: per sequence, its prompt's ``ImageInputs`` or None."""
         with self.adapters_disabled() as model:
             return sequence_logprobs(
-                model, sequences, self.pad_id, self.device, temperature, compute_dtype, micro_batch_size
+                model, sequences, self.pad_id, self.device, temperature, compute_dtype, micro_batch_size, images=images
             )
 
     # ---------------------------------------------------------------- LoRA adapters

@@ -292,6 +292,7 @@ class VLLMEngine:
         temperature: float = 1.0,
         compute_dtype: str = "float32",
         micro_batch_size: int = 8,
+        images: Sequence | None = None,
     ) -> list[list[float]]:
         """Teacher-forced log-probs of each ``(prompt_ids, response_ids)``'s response under the base
         model: requests that name no adapter (with LoRA: the adapters off, the reference policy),
@@ -300,10 +301,12 @@ class VLLMEngine:
         untempered: they are the reference's at ``temperature`` 1 (and 0, which is scored
         untempered too); other temperatures raise ``ValueError`` (the config check refuses them).
         vLLM computes in its own dtype and batches by itself: ``compute_dtype`` and
-        ``micro_batch_size`` are not used."""
+        ``micro_batch_size`` are not used. ``images``: not supported by this engine yet."""
         from vllm import SamplingParams as VParams
         from vllm.sampling_params import RequestOutputKind
 
+        if images is not None and any(x is not None for x in images):
+            raise ValueError("the vLLM engine does not take image prompts yet; use rollout.engine=builtin")
         if temperature not in (0.0, 1.0):
             raise ValueError(
                 f"base_logprobs: vLLM scores prompt tokens untempered, so temperature={temperature} "

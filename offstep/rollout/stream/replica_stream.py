@@ -71,6 +71,7 @@ class FinishedGroup:
     teacher_spans: tuple = ()  # the distillation teacher's batches since the last take (distill.teacher), for the timeline
     sandbox: tuple = ()  # the sandboxed runs since the replica's last take (offstep.sandbox.Execution), for sandbox/*
     tool_spans: tuple = ()  # when the tool loops' tools ran (merged Spans) since the replica's last take, for the timeline
+    images: object = None  # its prompt's pixels (ImageInputs), for a reference here; the take drops them
 
 
 class StreamFeed:
@@ -199,11 +200,14 @@ class StreamServer:
         replay: list | None = None,
         max_kv_age: int = -1,
         teach: Callable[[list[int], list[int]], Future] | None = None,
+        pixels: Callable[[object], object] = lambda request: None,
     ):
         """``teach(prompt_ids, response_ids)``: hands each finished sample to a distillation teacher
-        (``offstep.rollout.scoring.teacher_scoring``); its future is kept for the take (``teaching``)."""
+        (``offstep.rollout.scoring.teacher_scoring``); its future is kept for the take (``teaching``).
+        ``pixels(request)``: its prompt's images as the engine takes them (``offstep.models.vision.ImageInputs``,
+        None for a text prompt), given to each of its samples' requests, a continued one's too."""
         self.engine, self.params, self.score, self.pool, self.tok = engine, params, score, pool, tokenizer
-        self.on_sample, self.teach = on_sample, teach
+        self.on_sample, self.teach, self.pixels = on_sample, teach, pixels
         self.teaching: dict[tuple[int, int], Future] = {}  # (uid, sample index) -> the teacher's answer, until taken
         self.agents: dict[str, object] = {}
         self.control = StepControl(partial, max_kv_age)
@@ -214,6 +218,7 @@ class StreamServer:
         self.control.use_schedule(self.schedule, self.feed)
         self._lock = threading.Condition()
         self._groups: dict[int, GroupWork] = {}  # uid -> unfinished group
+        self._pixels: dict[int, object] = {}  # uid -> its prompt's ImageInputs, while unfinished
         self._owner: dict[int, tuple[int, int]] = {}  # request index -> (uid, sample)
         self._calls: dict[int, Callable[[Completion], None]] = {}  # request index -> an agent's turn's callback
         self._scoring: dict[int, int] = {}  # uid -> samples whose score is pending
@@ -246,6 +251,9 @@ class StreamServer:
                 self._groups[uid] = g
                 fresh_key = None  # the fresh samples of one prompt share an engine group: prefilled once
                 agent = self.agents.get(g.request.agent_name)
+                images = self.pixels(g.request) if g.request.images else None
+                if images is not None:
+                    self._pixels[uid] = images
                 for j, s in enumerate(g.samples):
                     if s.finish_reason:
                         continue
@@ -269,6 +277,7 @@ class StreamServer:
                             group,
                             seed=g.seed,
                             offset=len(s.tokens),
+                            images=images,
                         )
                     )
                 self._scoring[uid] = sum(1 for s in g.samples if s.finish_reason and s.score is None)
@@ -404,7 +413,7 @@ class StreamServer:
             )
             for s in g.samples
         ]
-        self._finished.append(FinishedGroup(uid, samples, g.started, time.time()))
+        self._finished.append(FinishedGroup(uid, samples, g.started, time.time(), images=self._pixels.pop(uid, None)))
         self._lock.notify_all()
 
     # ---------------------------------------------------------------- the controller's calls
@@ -449,6 +458,7 @@ class StreamServer:
                     raise self._error
                 out = list(self._groups.values())
                 self._groups.clear()
+                self._pixels.clear()  # computed again when the groups are submitted again
                 self._scoring.clear()
                 self._owner.clear()
                 self._calls.clear()
