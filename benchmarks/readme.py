@@ -443,6 +443,21 @@ SECTIONS = [
         missing="Not run yet: `python -m benchmarks.recipe_runs --seeds 0` writes `results_recipe.md` and this section.",
     ),
     Section(
+        "staleness",
+        "Staleness on a real model",
+        "staleness_runs.py",
+        ("results_staleness.md",),
+        "SmolLM2-135M-Instruct on the default task with room for long answers, so that a few samples outlast "
+        "the update and cross a weight load: the synchronous loop, one-step, batch mode at a high staleness "
+        "bound, and the fully asynchronous mode at that bound with the decoupled correction and without any "
+        "(naive PPO), over the same seeds. Held-out accuracy, when each run first gains ten points (steps and "
+        "training seconds), and the samples that crossed a load. AReaL's question: does the correction hold where "
+        "naive PPO degrades? The modes: [fully-async.md](../docs/fully-async.md).",
+        tables_of(("results_staleness.md", None)),
+        missing="Not run yet: `python -m benchmarks.staleness_runs --seeds 0` writes `results_staleness.md` and "
+        "this section.",
+    ),
+    Section(
         "judge",
         "A small judge against the rule",
         "judge_agreement.py",

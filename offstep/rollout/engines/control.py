@@ -48,7 +48,7 @@ class StepControl:
         self.max_kv_age = max_kv_age  # keep: a sample's K/V may lag the weights by this many versions (-1: any)
         self._lock = threading.Lock()
         self._serving = False
-        self._load: tuple[Callable[[], None], Future] | None = None
+        self._loads: list[tuple[Callable[[], None], Future]] = []  # posted, not yet carried out: in order
         self._suspend: Future | None = None
         self._work: list[tuple[Callable[[], object], Future]] = []
         self._wake: Callable[[], None] = lambda: None
@@ -95,7 +95,7 @@ class StepControl:
         with self._lock:
             if self._suspend is not None and self._allows(SUSPEND):
                 return "suspend"
-            return "load" if self._load is not None and self._allows(LOAD) else None
+            return "load" if self._loads and self._allows(LOAD) else None
 
     def run_work(self) -> None:
         """Run the posted work (in the calling thread), each poster getting its result or error.
@@ -112,7 +112,7 @@ class StepControl:
             if event is None:
                 return
             with self._lock:
-                ready = self._suspend if event[1] == SUSPEND else self._load if event[1] == LOAD else True
+                ready = self._suspend if event[1] == SUSPEND else (self._loads or None) if event[1] == LOAD else True
             if self._feed.closed or ready is not None and (event[1] != ADMIT or self._feed.holds(event[2])):
                 return
             self._feed.wait_change(0.05)
@@ -128,23 +128,25 @@ class StepControl:
                 fut.set_exception(e)
 
     def run_load(self) -> bool:
-        """Carry out the posted load (in the calling thread); False when none was posted."""
-        with self._lock:
-            if not self._allows(LOAD):
-                return False
-            posted, self._load = self._load, None
-            if posted is not None and self._serving and self.schedule is not None:
-                self.schedule.note(LOAD)
-        if posted is None:
-            return False
-        apply, fut = posted
-        try:
-            apply()
-        except BaseException as e:  # the poster gets the error (a load that did not match the model)
-            fut.set_exception(e)
-        else:
-            fut.set_result(None)
-        return True
+        """Carry out the posted loads (in the calling thread), in the order they were posted; False
+        when none was posted. Two can be waiting: the engine's thread can be busy past a training
+        step (a reference pass over a long group, posted work), and the next step's load then
+        arrives before the last one ran. Each runs, so every version is loaded and confirmed."""
+        ran = False
+        while True:
+            with self._lock:
+                if not self._loads or not self._allows(LOAD):
+                    return ran
+                apply, fut = self._loads.pop(0)
+                if self._serving and self.schedule is not None:
+                    self.schedule.note(LOAD)
+            ran = True
+            try:
+                apply()
+            except BaseException as e:  # the poster gets the error (a load that did not match the model)
+                fut.set_exception(e)
+            else:
+                fut.set_result(None)
 
     def run_suspend(self) -> None:
         """The in-flight samples were ended (the engine emitted them); the poster may go on."""
@@ -170,12 +172,10 @@ class StepControl:
 
     def post_load(self, apply: Callable[[], None]) -> Future:
         """``apply()`` (which loads the weights into the engine and sets its version) at the next
-        step boundary; at once when the engine is not serving. One load at a time."""
+        step boundary, after the loads posted before it; at once when the engine is not serving."""
         fut: Future = Future()
         with self._lock:
-            if self._load is not None:
-                raise RuntimeError("a weight load is already waiting for the engine; post the next one after it")
-            self._load = (apply, fut)
+            self._loads.append((apply, fut))
         self._carry_out(self.run_load)
         return fut
 
