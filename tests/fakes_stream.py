@@ -112,7 +112,7 @@ class SimStream:
         self.running: list[tuple[int, int]] = []
         self.finished: list[FinishedGroup] = []
         self.handed = 0  # groups handed over by takes (the fault's clock)
-        self.load: tuple[int, Future] | None = None
+        self.loads: deque[tuple[int, Future]] = deque()  # posted, in order (as StepControl's)
         self.suspending: Future | None = None
         self.closed = False
         self.error: BaseException | None = None
@@ -140,7 +140,7 @@ class SimStream:
         try:
             while True:
                 with self.cond:
-                    while not (self.closed or self.suspending or self.load or self.queue or self.running):
+                    while not (self.closed or self.suspending or self.loads or self.queue or self.running):
                         pacer.idle()
                         self.cond.wait()
                     if self.closed:
@@ -152,10 +152,8 @@ class SimStream:
                         fut, self.suspending = self.suspending, None
                         fut.set_result(out)
                         continue
-                    load = self.load if self.load is not None and (self.partial != "off" or not self.running) else None
-                    if load is not None:
-                        self.load = None
-                    hold = self.load is not None  # partial=off: drain the running samples first
+                    load = self.loads.popleft() if self.loads and (self.partial != "off" or not self.running) else None
+                    hold = bool(self.loads) if load is None else False  # partial=off: drain the running samples first
                     while not hold and self.queue and len(self.running) < self.profile.slots:
                         self.running.append(self.queue.popleft())
                     running = bool(self.running)
@@ -243,9 +241,7 @@ class SimStream:
     def post_load(self, version: int) -> None:
         fut: Future = Future()
         with self.cond:
-            if self.load is not None:
-                raise RuntimeError("a weight load is already waiting for the engine")
-            self.load = (version, fut)
+            self.loads.append((version, fut))
             self.cond.notify_all()
         fut.result()
 
