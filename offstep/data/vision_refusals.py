@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from offstep.config.schema import Config
-from offstep.models.vision import is_vision_language
+from offstep.models.vl_types import is_vision_language
 
 TINY_VL = "tiny_vl"
 IMAGE_TASKS = ("shapes",)

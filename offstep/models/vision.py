@@ -12,17 +12,16 @@ the next forward ("image features and image tokens do not match")."""
 from __future__ import annotations
 
 import io
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from offstep.models.vl_types import VL_MODEL_TYPES, is_vision_language  # noqa: F401 (their home for the heavy side)
 
 if TYPE_CHECKING:
     import torch
 
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
 _VISION_TOKEN_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -33,17 +32,6 @@ class ImageInputs:
 
     pixel_values: torch.Tensor
     grid_thw: torch.Tensor
-
-
-def is_vision_language(config_or_folder: Any) -> bool:
-    """Whether a config (or a model folder's config.json) is a vision-language model offstep serves."""
-    if isinstance(config_or_folder, (str, os.PathLike)):
-        try:
-            cfg = json.loads((Path(config_or_folder) / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return False
-        return isinstance(cfg, dict) and cfg.get("model_type") in VL_MODEL_TYPES
-    return getattr(config_or_folder, "model_type", None) in VL_MODEL_TYPES
 
 
 def load_image_processor(folder: str | os.PathLike):

@@ -8,6 +8,7 @@ time), which is what orders generation and weight loads: a ``load_weights`` subm
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -22,24 +23,19 @@ from offstep.rewards.combine import Combination, SampleReward
 from offstep.rollout.agents.agent_loop import AgentRunner, run_tool_rows
 from offstep.rollout.agents.openai_agent import OpenAIRunner
 from offstep.rollout.engines.build import build_engine
-from offstep.rollout.engines.delta_load import DeltaLoads
 from offstep.rollout.engines.interface import RolloutEngine
 from offstep.rollout.engines.plain_generation import CUT_REASONS
 from offstep.rollout.engines.sleep import SleepState
-from offstep.rollout.engines.torch_engine import TorchEngine
 from offstep.rollout.replica_spec import Request, RolloutSpec, configure_sandbox
 from offstep.rollout.scoring.teacher_scoring import Teacher
 from offstep.rollout.types import Completion, SamplingParams
+from offstep.rollout.weight_loading import WeightLoading
 from offstep.sandbox import shared
-from offstep.sync.collective import TensorSpec, WeightReceiver
-from offstep.sync.delta import Delta, DeltaRefused
-from offstep.sync.digest import Loaded
-from offstep.sync.weights import unpack_state_dict
 from offstep.telemetry.names import Stage
 from offstep.telemetry.progress import ProgressClient
 
 
-class RolloutWorker:
+class RolloutWorker(WeightLoading):
     def __init__(
         self,
         spec: RolloutSpec,
@@ -82,6 +78,7 @@ class RolloutWorker:
             self.ref_model.requires_grad_(False)
         self.pad_id = tok.pad_token_id
         self._sleeping = SleepState(self.engine, self.ref_model, self.device)  # rollout.sleep_during_update
+        self._receiving = threading.Lock()  # fully_async, collective: one version in the buffers at a time
         self.pool = ThreadPoolExecutor(max_workers=max(1, reward_threads), thread_name_prefix="reward")
         self.progress = progress or ProgressClient()  # live progress; a no-op without a hub
         self.agent = (
@@ -381,108 +378,3 @@ class RolloutWorker:
         ``offstep.rollout.engines.sleep``) until the next load or generation wakes it; ``None``: asleep already."""
         self.progress.start(Stage.SLEEP)
         return self._sleeping.sleep()
-
-    def load_weights(self, packed: dict | Delta, version: int) -> Loaded:
-        """Full weights, or a delta from the version held (``pipeline.weight_sync_delta``): one
-        that does not fit is refused, the weights left as they were (``Loaded.refused``)."""
-        self._sleeping.wake(("weights",))  # a sleeping engine: the weights first, the load writes into them
-        t0 = time.time()
-        self.progress.start(Stage.LOAD_WEIGHTS, version=version)
-        if isinstance(packed, Delta):
-            run = self.deltas.loader(packed, version, self.weight_sync_manifest(), self._apply)
-        else:
-            tensors = unpack_state_dict(packed)
-
-            def run():
-                self._apply(tensors, version)
-                self.deltas.loaded_full(self.weight_sync_manifest(), tensors)
-
-        try:
-            if getattr(self, "_stream", None) is not None:  # between two decode steps of the running engine
-                try:
-                    self._stream.load(run)
-                finally:
-                    self._generating_again()
-            else:
-                run()
-        except DeltaRefused as e:
-            return self._loaded(t0, version, str(e))
-        return self._loaded(t0, version)
-
-    @property
-    def deltas(self) -> DeltaLoads:
-        if getattr(self, "_deltas", None) is None:
-            self._deltas = DeltaLoads(self.engine, isinstance(self.engine, TorchEngine) and self.lora is None)
-        return self._deltas
-
-    def _apply(self, tensors: dict, version: int) -> None:
-        """A sync's tensors into the engine: the adapters (LoRA) or every weight."""
-        (self.engine.load_adapters if self.lora is not None else self.engine.load_weights)(tensors, version)
-
-    def _loaded(self, t0: float, version: int, refused: str = "") -> Loaded:
-        """The report of a load that began at ``t0``, with the digest of what the engine holds
-        now, read back from the engine over the sync manifest (``offstep.sync.digest``)."""
-        woke = self._sleeping.loaded()  # the KV cache wakes once the weights are in
-        t_digest = time.perf_counter()
-        digest = self.engine.weights_digest(self.weight_sync_manifest())
-        self.deltas.held(digest)
-        return Loaded(Span(t0, time.time(), version), digest, time.perf_counter() - t_digest, woke, refused)
-
-    # Collective path (pipeline.weight_sync=collective): rank i + 1 of the weight-sync group, made
-    # by offstep.sync.collective.connect (again, with every replica, when one is replaced). The
-    # built-in engine receives into its parameters in place; vLLM into buffers, then through its
-    # own loader (as load_weights).
-    def weight_sync_manifest(self) -> list[TensorSpec]:
-        if getattr(self, "_manifest", None) is None:
-            if self.lora is not None:  # the adapters only, into buffers of their own (they are small)
-                self._manifest = self.engine.adapter_manifest()
-            else:
-                self._manifest = self.engine.weight_manifest()
-        return self._manifest
-
-    def join_weight_sync(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        backend: str,
-        specs: list,
-        bucket_bytes: int,
-        timeout_s: float,
-        in_place: bool = True,
-    ) -> None:
-        """Join the broadcast group. ``in_place=False`` (pipeline.mode=fully_async): receive into
-        buffers of the receiver's own, applied between two decode steps, never into the weights
-        that the running stream reads."""
-        model = self.engine.receive_in_place() if self.lora is None and in_place else None
-        if model is not None:
-            self._weight_receiver = WeightReceiver(model, self.device)
-        else:
-            self._weight_receiver = WeightReceiver(None, self.device, self.weight_sync_manifest())
-        self._weight_receiver.connect(host, port, rank, world_size, backend, specs, bucket_bytes, timeout_s)
-
-    def receive_weights(self, version: int) -> Loaded:
-        """The collective counterpart of ``load_weights``: ``start`` is when the actor's data began
-        to arrive (an idle worker may wait for the actor before that)."""
-        receiver = getattr(self, "_weight_receiver", None)
-        if receiver is None:
-            raise RuntimeError(
-                "receive_weights: this rollout worker has not joined the weight-sync group "
-                "(offstep.sync.collective.connect; a replaced worker needs a new group)"
-            )
-        self.progress.start(Stage.LOAD_WEIGHTS, version=version)
-        self._sleeping.wake(("weights",))
-        try:
-            t0 = receiver.receive(version, self.deltas.held_fp)
-        except DeltaRefused as e:  # received whole, applied to nothing
-            return self._loaded(time.time(), version, str(e))
-        if receiver.model is None and getattr(self, "_stream", None) is not None:  # between two decode steps
-            self._stream.load(lambda: self._apply(receiver.tensors(), version))
-            self._generating_again()
-        elif receiver.model is None:
-            self._apply(receiver.tensors(), version)
-        else:
-            self.engine.version = int(version)
-            self.engine.reset_cache()
-        return self._loaded(t0, version)

@@ -142,11 +142,11 @@ class StepControl:
                     self.schedule.note(LOAD)
             ran = True
             try:
-                apply()
+                result = apply()
             except BaseException as e:  # the poster gets the error (a load that did not match the model)
                 fut.set_exception(e)
             else:
-                fut.set_result(None)
+                fut.set_result(result)
 
     def run_suspend(self) -> None:
         """The in-flight samples were ended (the engine emitted them); the poster may go on."""
@@ -172,7 +172,9 @@ class StepControl:
 
     def post_load(self, apply: Callable[[], None]) -> Future:
         """``apply()`` (which loads the weights into the engine and sets its version) at the next
-        step boundary, after the loads posted before it; at once when the engine is not serving."""
+        step boundary, after the loads posted before it; at once when the engine is not serving. The
+        future gives what ``apply`` returns: what must be read before a later load runs (the digest
+        of the weights it loaded) is read inside it."""
         fut: Future = Future()
         with self._lock:
             self._loads.append((apply, fut))

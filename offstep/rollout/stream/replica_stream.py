@@ -428,9 +428,10 @@ class StreamServer:
             out, self._finished = self._finished, []
             return out
 
-    def load(self, apply: Callable[[], None]) -> None:
-        """Weights into the engine between two decode steps (``apply`` loads them); returns when done."""
-        self.control.post_load(apply).result()
+    def load(self, apply: Callable[[], object]) -> object:
+        """Weights into the engine between two decode steps (``apply`` loads them); returns, when done,
+        what ``apply`` returned."""
+        return self.control.post_load(apply).result()
 
     def between_steps(self, fn: Callable[[], object]):
         """``fn()`` run by the engine's thread between two decode steps (now, when called from
