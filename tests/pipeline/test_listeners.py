@@ -129,15 +129,16 @@ def run_and_sample(args: list[str], env: dict, log: Path, timeout_s: float = 240
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("weight_sync", ["object_store", "collective"])
-def test_local_run_listens_on_loopback_only(weight_sync, tmp_path):
+def test_local_run_listens_on_loopback_only(tmp_path):
+    """A local run on the collective weight sync: Ray's own listeners, the rollout workers' and the
+    gloo group's store (the one listener the object-store path lacks; Ray's are the same on both
+    paths), all on loopback."""
     home = tmp_path / "home"  # Ray's token file goes to $HOME/.ray/auth_token: this test's own
     home.mkdir()
     token = home / ".ray" / "auth_token"
-    if weight_sync == "collective":  # a token file readable to all (as Ray writes it): kept, made 0600
-        token.parent.mkdir()
-        token.write_text("ab" * 32)
-        token.chmod(0o644)
+    token.parent.mkdir()  # a token file readable to all (as Ray writes it): kept, made 0600
+    token.write_text("ab" * 32)
+    token.chmod(0o644)
     env = {**os.environ, "HOME": str(home), "RAY_ADDRESS": ""}  # its own local Ray, never another test's
     for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):  # Ray's defaults: token auth on
         env.pop(k, None)
@@ -150,7 +151,7 @@ def test_local_run_listens_on_loopback_only(weight_sync, tmp_path):
             "trainer.val_before_train=false",
             "trainer.val_freq=0",
             "trainer.save_freq=0",
-            f"pipeline.weight_sync={weight_sync}",
+            "pipeline.weight_sync=collective",
         ],
         env,
         tmp_path / "log.txt",
@@ -174,8 +175,7 @@ def test_local_run_listens_on_loopback_only(weight_sync, tmp_path):
 
     assert token.exists()  # token authentication is on for a local cluster (Ray's default)
     assert stat.S_IMODE(token.stat().st_mode) == 0o600, oct(token.stat().st_mode)
-    if weight_sync == "collective":
-        assert token.read_text() == "ab" * 32  # Ray used the existing token
+    assert token.read_text() == "ab" * 32  # Ray used the existing token
 
 
 def test_token_file_is_created_private_or_made_private(tmp_path, monkeypatch):

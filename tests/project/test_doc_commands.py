@@ -128,6 +128,12 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "python -m benchmarks.delta_sync": BENCHMARK,
     # docs/testing.md
     "python -m benchmarks.NAME": ("synopsis", "every concrete benchmark command on the pages is listed here"),
+    "OFFSTEP_TEST_TIMELINE=/tmp/timeline.jsonl bash scripts/test.sh": TEST_SUITE,
+    ".venv/bin/python -m tests.scheduling /tmp/timeline.jsonl": (
+        "not run",
+        "rewrites tests/durations.json from a whole suite's timeline; tests/project/test_scheduling.py "
+        "runs its functions on a timeline of its own",
+    ),
     "python -m benchmarks.readme --check": (
         "test",
         "tests/project/test_bench_readme.py::test_the_stored_results_give_the_committed_page",
