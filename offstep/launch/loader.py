@@ -13,7 +13,12 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, InterpolationResolutionError, OmegaConfBaseException
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    InterpolationResolutionError,
+    OmegaConfBaseException,
+)
 
 from offstep.config.schema import Config
 from offstep.errors import ConfigError, VerlKeyError
@@ -40,7 +45,7 @@ def _unknown_key(key: str) -> str:
     if node is not None and OmegaConf.get_type(node) is dict:  # an open mapping (data.task_options, ...)
         return (
             f"{key!r} is a new key in the open mapping {parent!r}, which Hydra adds only with a plus. "
-            f"Fix: write +{key}=VALUE"
+            f"Fix: write +{key}=VALUE, or the mapping whole with a plus: +{parent}={{KEY: VALUE, ...}}"
         )
     known = [str(k) for k in node] if hasattr(node, "keys") else []
     close = difflib.get_close_matches(name, known, n=3)
@@ -60,7 +65,7 @@ def _explain(e: Exception, overrides: list[str], origin: dict[str, str] | None =
     if key and origin and origin.get(key, key) != key:
         key = f"{key} (given as verl's {origin[key]})"
     text = str(cause).split("\n    full_key:")[0].split("\nConfig search path")[0].strip().rstrip(".")
-    if isinstance(cause, ConfigAttributeError) and key:
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:  # Key: an open mapping's, given whole
         return _unknown_key(key)
     if isinstance(cause, InterpolationResolutionError):
         env = re.search(r"Environment variable '([^']+)' not found", text)

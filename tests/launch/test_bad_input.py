@@ -262,6 +262,10 @@ OPTION_CASES = {
         ["data.task_options.num_operands=3"],
         ["open mapping 'data.task_options'", "+data.task_options.num_operands=VALUE"],
     ),
+    "task options given whole without a plus": (
+        ["data.task_options={num_operands: 3}"],
+        ["open mapping 'data.task_options'", "+data.task_options={KEY: VALUE, ...}"],
+    ),
     "unknown task option": (
         ["+data.task_options.bogus=1"],
         ["data.task_options.bogus", "data.task=arithmetic", "digits"],
