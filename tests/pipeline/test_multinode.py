@@ -258,7 +258,7 @@ def test_rollout_node_lost_with_a_spare_node_the_run_goes_on(tmp_path):
     on the other one, gets the current weights, and the run completes every step; the broadcast
     group is made again with the replacement, across the nodes, and carries the syncs after it.
     (The collective path only: it is the object store's restart, which
-    tests/pipeline/test_checkpoint.py's replica-death test covers, plus the group rebuilt.)"""
+    tests/pipeline/test_stops_and_failures.py's replica-death test covers, plus the group rebuilt.)"""
     sync = "collective"
     with local_cluster(
         train=_node(1, node_train=1), rollout_a=_node(1, node_rollout=1), rollout_b=_node(1, node_rollout=1)
