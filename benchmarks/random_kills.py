@@ -27,7 +27,7 @@ checkpoint, with records already written, it moves them aside (``<folder>.old-<t
 afresh, as ``trainer.resume=auto`` does for a run of the folder with no intact checkpoint.
 
 After each kill: no process of the run's session (``pgrep -s``), nor any process that descended
-from the driver, is left once Ray's workers have noticed (within ``LEFTOVER_S``); where the kill
+from the driver, is left once Ray's workers have noticed (within ``kill_processes.LEFTOVER_S``); where the kill
 landed, read off the folder (a new ``.partial`` or a paused write: during a checkpoint write; no
 complete checkpoint: before the first; else between); and the records so far must be the
 reference's (``check_records``). A resume is exact when the records after the run that follows it
@@ -42,12 +42,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -56,13 +54,14 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.common import RESULTS, ROOT, cpu_kind
+from benchmarks.common import RESULTS, cpu_kind
+from benchmarks.kill_processes import count_lines, spawn, wait_gone
+from benchmarks.random_kills_report import write_report
 from benchmarks.readme import refresh
 from benchmarks.run_records import Records, check_records, checkpoint_steps, partial_writes, read_lines
 from offstep.pipeline.checkpoints import PHASES
 
 STORE = RESULTS / "results_random_kills"  # .json: every kill; .md: the tables
-LEFTOVER_S = 30.0  # Ray's workers end when their raylet is gone (a few seconds here)
 KINDS = ("startup", "running", "partial", "pause")
 POINTS = PHASES[1:]  # where a ``pause`` holds a write; at ``begin`` none has begun (the ``early`` kill)
 # The first two kills of every configuration, so that each has one before the first checkpoint
@@ -154,63 +153,6 @@ class Kill:
         return not self.problems and not self.leftovers
 
 
-KILL_POINTS = ROOT / "tests" / "kill_points.py"  # offstep with the driver held at a checkpoint phase
-
-
-def _spawn(args: list[str], env: dict, log: Path, pause: str | None = None) -> subprocess.Popen:
-    entry = [str(KILL_POINTS), pause] if pause else ["-m", "offstep.cli"]
-    return subprocess.Popen(
-        [sys.executable, *entry, "train", *args],
-        cwd=ROOT,
-        start_new_session=True,
-        stdout=open(log, "w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-
-
-def _lines(path: Path) -> int:
-    try:
-        return sum(1 for line in path.read_text().splitlines() if line.strip())
-    except OSError:
-        return 0
-
-
-def _alive(pids) -> list[str]:
-    out = []
-    for pid in pids:
-        try:
-            p = psutil.Process(pid)
-            if p.status() != psutil.STATUS_ZOMBIE:
-                out.append(f"{pid} {' '.join(p.cmdline())[:80]}")
-        except psutil.Error:
-            pass
-    return out
-
-
-def _session(sid: int) -> set[int]:
-    found = subprocess.run(["pgrep", "-s", str(sid)], capture_output=True, text=True).stdout.split()
-    return {int(p) for p in found}
-
-
-def _wait_gone(sid: int, seen: set[int]) -> tuple[float, list[str]]:
-    """Seconds until no process of session ``sid`` nor of ``seen`` is alive; what was left after
-    ``LEFTOVER_S`` (then killed, so that the next run starts clean)."""
-    t0 = time.time()
-    while time.time() - t0 < LEFTOVER_S:
-        left = _alive(_session(sid) | seen)
-        if not left:
-            return time.time() - t0, []
-        time.sleep(0.1)
-    left = _alive(_session(sid) | seen)
-    for entry in left:
-        try:
-            os.kill(int(entry.split()[0]), signal.SIGKILL)
-        except OSError:
-            pass
-    return time.time() - t0, left
-
-
 class Attempt:
     """One start of the command: ``wait_moment`` waits for the drawn moment (``True``: reached,
     the run still going), ``kill`` kills its process group and checks what is left."""
@@ -219,10 +161,10 @@ class Attempt:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}
         self.run, self.log = run, log
         self.partials0 = partial_writes(run)
-        self.timeline0 = _lines(run / "timeline.jsonl")
+        self.timeline0 = count_lines(run / "timeline.jsonl")
         self.checkpoints0 = checkpoint_steps(run)
         self.t0 = time.time()
-        self.proc = _spawn(args, env, log, pause)
+        self.proc = spawn(args, env, log, pause)
 
     def _until(self, ready, timeout: float) -> bool:
         t0 = time.time()
@@ -242,7 +184,7 @@ class Attempt:
             return True
         if self.checkpoints0 or (self.timeline0 and "moved the previous contents" not in text):
             return False
-        return _lines(self.run / "timeline.jsonl") > 0
+        return count_lines(self.run / "timeline.jsonl") > 0
 
     def wait_moment(self, kind: str, arg, timeout: float) -> bool:
         if kind == "startup":
@@ -264,8 +206,8 @@ class Attempt:
         if kind == "early":
             if not self._until(self._training, timeout):
                 return False
-            n = _lines(self.run / "metrics.jsonl")
-            return self._until(lambda: _lines(self.run / "metrics.jsonl") > n, timeout)
+            n = count_lines(self.run / "metrics.jsonl")
+            return self._until(lambda: count_lines(self.run / "metrics.jsonl") > n, timeout)
         raise ValueError(kind)
 
     def kill(self, marker: Path | None) -> tuple[str, str, float, list[str]]:
@@ -275,7 +217,7 @@ class Attempt:
             seen = set()
         os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        seconds, left = _wait_gone(self.proc.pid, seen)
+        seconds, left = wait_gone(self.proc.pid, seen)
         ckpts = checkpoint_steps(self.run)
         if (marker is not None and marker.exists()) or (partial_writes(self.run) - self.partials0):
             landed = "during checkpoint write"
@@ -460,68 +402,6 @@ def run_setup(
         f"{summary['seconds']:.0f} s" + (f"; FAILED at {failure}" if failure else "")
     )
     return summary
-
-
-# ------------------------------------------------------------------ the report
-def write_report(results: dict, path: Path) -> None:
-    rows = [
-        "| configuration | kills | before first checkpoint | during checkpoint write | between checkpoints | "
-        "exact resumes | starts (rounds) | slowest exit of all processes | run time |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, r in results.items():
-        L = r["landed"]
-        rows.append(
-            f"| {name} | {r['kills']} | {L.get('before first checkpoint', 0)} | {L.get('during checkpoint write', 0)} | "
-            f"{L.get('between checkpoints', 0)} | **{r['exact']}/{r['kills']}** | {r['starts']} ({r['rounds']}) | "
-            f"{r['max_leftover_s']:.1f} s | {r['seconds'] / 60:.1f} min (reference {r['reference_s']:.0f} s) |"
-        )
-    excluded = sorted({k for r in results.values() for k in r["excluded"]})
-    points = Counter(
-        k["detail"].split(" of ")[0] for r in results.values() for k in r["kill_list"] if k["kind"] == "pause"
-    )
-    text = f"""# Kills at random moments (`benchmarks/random_kills.py`)
-
-Each configuration: the tiny preset, {next(iter(results.values()))['steps']} steps, a checkpoint every
-{next(iter(results.values()))['save_freq']} steps, run once uninterrupted, then SIGKILLed (the driver's
-process group) at seeded random moments and restarted with the same command after each kill,
-until the run completes (once the last step's checkpoint is written, the next start is left to
-complete: it has no step to do, and a kill there would test only the exit; further kills go to a
-new round in a fresh folder). A resume is exact when every record that the run after it left
-(`metrics.jsonl`, `timeline.jsonl`, `samples.jsonl`) equals the uninterrupted run's, with no step
-missing or repeated, and no process of the killed run is left. Each row's command (from the
-checkout's root, with `.venv/bin/python`):
-
-{chr(10).join(f"    {r.get('command', '?')}" for r in results.values())}
-
-{chr(10).join(rows)}
-
-CPU and date of each configuration's run: {
-        '; '.join(f"{n}: {r.get('cpu', 'not recorded')}, {r.get('date', 'not recorded')}" for n, r in results.items())
-    }.
-
-Compared: every field of every metrics record except these wall-clock ones: {', '.join(f'`{k}`' for k in excluded)};
-every timeline event's role, stage, step and other fields except `start`/`end`; every sample row
-in full. Kills paused inside a checkpoint write on purpose (`tests/kill_points.py`), by point:
-{', '.join(f'{p} {n}' for p, n in sorted(points.items()))}. "Slowest exit": the longest a kill's Ray workers took to end
-on their own once the driver's process group was gone (they are in their own process groups).
-
-Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, shared with other sessions'
-work (one configuration at a time under the shared lock; others' runs waited, but editors and
-light jobs did not), so the times are indicative.
-
-## Every kill
-
-| configuration | # | drawn | moment | landed | at | gone in | resumed | exact |
-|---|---|---|---|---|---|---|---|---|
-"""
-    for name, r in results.items():
-        for i, k in enumerate(r["kill_list"], 1):
-            text += (
-                f"| {name} | {i} | {k['kind']} | {k['detail']} | {k['landed']} | {k['at']} | {k['leftover_s']:.1f} s | "
-                f"{k['resumed']} | {'yes' if k['exact'] else 'NO: ' + '; '.join(k['problems'] + k['leftovers'])[:200]} |\n"
-            )
-    path.write_text(text)
 
 
 def main() -> int:
