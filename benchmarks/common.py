@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -63,9 +64,29 @@ def command() -> str:
     return shlex.join(["python", *script_args(sys.argv[0]), *sys.argv[1:]])
 
 
-def provenance() -> str:
-    """The line a results file carries: the command, the CPU kind and the date of this run."""
-    return f"Command: `{command()}`. CPU: {cpu_kind()}. Date: {time.strftime('%Y-%m-%d')}."
+def provenance(regenerate: str = "") -> str:
+    """The line a results file carries: the command (this process's, unless ``regenerate`` names
+    the one that reruns every row of the file), the CPU kind and the date of this run."""
+    return f"Command: `{regenerate or command()}`. CPU: {cpu_kind()}. Date: {time.strftime('%Y-%m-%d')}."
+
+
+def rows_command(script: str | Path, rows: list[dict]) -> str:
+    """The commands of ``script`` (``--only LABELS --seeds SEEDS``) that run every (label, seed) of
+    ``rows`` again: one per set of seeds, labels in their order of first appearance."""
+    by_seeds: dict[str, list[str]] = {}
+    for label in dict.fromkeys(r["label"] for r in rows):
+        seeds = ",".join(str(s) for s in sorted({r["seed"] for r in rows if r["label"] == label}))
+        by_seeds.setdefault(seeds, []).append(label)
+    run = ["python", *script_args(script)]
+    return "; ".join(shlex.join([*run, "--only", ",".join(ls), "--seeds", s]) for s, ls in by_seeds.items())
+
+
+def mean_range(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+    """``mean (min–max)`` of ``values`` times ``scale``, or the one value; "—" for none."""
+    if not values:
+        return "—"
+    f = lambda v: f"{scale * v:.{digits}f}"  # noqa: E731
+    return f"{f(statistics.mean(values))} ({f(min(values))}–{f(max(values))})" if len(values) > 1 else f(values[0])
 
 
 def results_arg(path: str | Path) -> str:

@@ -29,6 +29,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.common import NOT_RECORDED, RESULTS, cpu_kind
@@ -77,6 +78,50 @@ def reread(row: dict) -> dict:
         raise SystemExit(f"--reread: {path} does not exist (run the benchmark from the folder that holds runs/)")
     run = Run(None, path.parent, row["wall_s"], read_jsonl(path))
     return {**row, **row_of(run, row["label"], row["preset"], row["seed"], row["extra"], row["steps"])}
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The stored rows of ``path`` (JSON lines); none if it does not exist yet."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def store_row(rows: list[dict], row: dict, path: Path) -> list[dict]:
+    """``rows`` with ``row`` in place of an earlier row of its label and seed on the same kind of CPU,
+    sorted by label and seed, and written to ``path`` at once (a later run's crash keeps it)."""
+    same = lambda r: (r["label"], r["seed"], r.get("cpu", NOT_RECORDED)) == (row["label"], row["seed"], row["cpu"])  # noqa: E731
+    rows = sorted([r for r in rows if not same(r)] + [row], key=lambda r: (r["label"], r["seed"]))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def run_choices(
+    doc: str,
+    choices: dict[str, tuple[str, list[str]]],
+    store: Path,
+    base: list[str],
+    add: Callable[[str, int], dict],
+    shown: tuple[str, ...],
+) -> list[dict]:
+    """The command line of a script that compares named variants of the default preset
+    (``--only``, ``--seeds``, ``--table``): trains each chosen variant on each seed, seed by seed,
+    with ``base`` then the variant's overrides; adds ``add(label, seed)``'s fields to its row and
+    stores it; prints the ``shown`` fields. Returns all stored rows."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma-separated variants (default: all)")
+    ap.add_argument("--seeds", default="", help="comma-separated seeds to run now")
+    ap.add_argument("--table", action="store_true", help="only rewrite the table from the stored rows")
+    args = ap.parse_args()
+    rows = read_rows(store)
+    chosen = [c for c in args.only.split(",") if c] or list(choices)
+    unknown = [c for c in chosen if c not in choices]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; the variants: {list(choices)}")
+    for seed in [] if args.table else [int(s) for s in args.seeds.split(",") if s]:
+        for label in chosen:
+            row = {**run_one(label, "default", seed, [*base, *choices[label][1]], None), **add(label, seed)}
+            rows = store_row(rows, row, store)
+            print(json.dumps({k: row[k] for k in shown}), flush=True)
+    return rows
 
 
 def row_of(run: Run, label: str, preset: str, seed: int, extra: list[str], steps: int) -> dict:
@@ -300,9 +345,7 @@ def main() -> None:
     args = ap.parse_args()
     label = args.label or args.preset
     rows_path = Path(args.rows)
-    rows = (
-        [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()] if rows_path.exists() else []
-    )
+    rows = read_rows(rows_path)
     if args.plot:
         print(plot_labels(rows, args.plot.split(","), Path(args.plot_out), args.plot_cpu))
         return
@@ -313,10 +356,7 @@ def main() -> None:
         rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for seed in [] if args.table or args.reread else [int(s) for s in args.seeds.split(",") if s]:
         row = run_one(label, args.preset, seed, args.extra, args.steps)
-        same = lambda r: (r["label"], r["seed"], r.get("cpu", NOT_RECORDED)) == (label, seed, row["cpu"])  # noqa: E731
-        rows = [r for r in rows if not same(r)] + [row]
-        rows.sort(key=lambda r: (r["label"], r["seed"]))
-        rows_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        rows = store_row(rows, row, rows_path)
         print(json.dumps(row), flush=True)
     print(write_table(rows, Path(args.out), args.remark))
     refresh("presets", args.out)

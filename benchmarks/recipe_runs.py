@@ -19,13 +19,11 @@ error over prompts is ``val/acc_stderr``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from pathlib import Path
 
-from benchmarks.common import NOT_RECORDED, RESULTS, provenance
-from benchmarks.preset_runs import run_dir, run_one
+from benchmarks.common import NOT_RECORDED, RESULTS, mean_range, provenance, rows_command
+from benchmarks.preset_runs import run_choices, run_dir
 from benchmarks.readme import refresh
 from benchmarks.training_runs import read_jsonl
 
@@ -92,18 +90,13 @@ def verdict(row: dict) -> dict:
     }
 
 
-def _spread(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
-    f = lambda v: f"{scale * v:.{digits}f}"  # noqa: E731
-    return f"{f(statistics.mean(values))} ({f(min(values))}–{f(max(values))})" if len(values) > 1 else f(values[0])
-
-
 def write_table(rows: list[dict], out: Path) -> str:
     labels = [c for c in CANDIDATES if any(r["label"] == c for r in rows)]
     labels += sorted({r["label"] for r in rows} - set(labels))
     lines = [
         "# Candidate recipes for the default preset, per seed",
         "",
-        provenance(),
+        provenance(rows_command(__file__, sorted(rows, key=lambda r: labels.index(r["label"])))),
         "",
         "Held-out accuracy in points (greedy, 200 problems the run never trains on; the standard error of one is "
         "about 3.5 points at 50%). `gain`: last validation minus step 0; `below peak`: the run's best validation "
@@ -124,11 +117,11 @@ def write_table(rows: list[dict], out: Path) -> str:
             kl = [statistics.mean(r["kl"][-3:]) for r in rs]
             peaks = ", ".join(f"{100 * v['peak']:.1f} ({v['peak_step']})" for v in vs)
             lines.append(
-                f"| {label} | {','.join(str(r['seed']) for r in rs)} | {_spread([v['first'] for v in vs])} | {peaks} | "
-                f"{_spread([v['last'] for v in vs])} | {_spread([v['gain'] for v in vs])} | "
-                f"{_spread([v['below_peak'] for v in vs])} | {sum(v['holds'] for v in vs)} of {len(vs)} | "
-                f"{_spread(ent[0], 1, 2)} → {_spread(ent[1], 1, 2)} | {_spread(kl, 1, 3)} | "
-                f"{statistics.median(r['step_s'] for r in rs):.1f} | {_spread([r['wall_s'] for r in rs], 1 / 60)} | {cpu} |"
+                f"| {label} | {','.join(str(r['seed']) for r in rs)} | {mean_range([v['first'] for v in vs])} | {peaks} | "
+                f"{mean_range([v['last'] for v in vs])} | {mean_range([v['gain'] for v in vs])} | "
+                f"{mean_range([v['below_peak'] for v in vs])} | {sum(v['holds'] for v in vs)} of {len(vs)} | "
+                f"{mean_range(ent[0], 1, 2)} → {mean_range(ent[1], 1, 2)} | {mean_range(kl, 1, 3)} | "
+                f"{statistics.median(r['step_s'] for r in rs):.1f} | {mean_range([r['wall_s'] for r in rs], 1 / 60)} | {cpu} |"
             )
     lines += ["", "Each seed's held-out accuracy at every validation (points, step in brackets):", ""]
     for r in sorted(rows, key=lambda r: (labels.index(r["label"]), r["seed"])):
@@ -144,24 +137,7 @@ def write_table(rows: list[dict], out: Path) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma-separated candidates (default: all)")
-    ap.add_argument("--seeds", default="", help="comma-separated seeds to run now")
-    ap.add_argument("--table", action="store_true", help="only rewrite the table from the stored rows")
-    args = ap.parse_args()
-    rows = [json.loads(line) for line in ROWS.read_text().splitlines() if line.strip()] if ROWS.exists() else []
-    chosen = [c for c in args.only.split(",") if c] or list(CANDIDATES)
-    unknown = [c for c in chosen if c not in CANDIDATES]
-    if unknown:
-        raise SystemExit(f"unknown candidates {unknown}; the candidates: {list(CANDIDATES)}")
-    for seed in [] if args.table else [int(s) for s in args.seeds.split(",") if s]:
-        for label in chosen:
-            row = run_one(label, "default", seed, CANDIDATES[label][1], None)
-            row.update(curves(label, seed))
-            same = lambda r: (r["label"], r["seed"], r.get("cpu")) == (label, seed, row["cpu"])  # noqa: E731
-            rows = sorted([r for r in rows if not same(r)] + [row], key=lambda r: (r["label"], r["seed"]))
-            ROWS.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            print(json.dumps({k: row[k] for k in ("label", "seed", "val_curve", "wall_s")}), flush=True)
+    rows = run_choices(__doc__, CANDIDATES, ROWS, [], curves, ("label", "seed", "val_curve", "wall_s"))
     print(write_table(rows, OUT))
     refresh("recipe", OUT)
 

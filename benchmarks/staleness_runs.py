@@ -20,13 +20,11 @@ split of the task, so the held-out set differs by seed; rows compare on the same
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 from pathlib import Path
 
-from benchmarks.common import NOT_RECORDED, RESULTS, provenance
-from benchmarks.preset_runs import run_dir, run_one
+from benchmarks.common import NOT_RECORDED, RESULTS, mean_range, provenance, rows_command
+from benchmarks.preset_runs import run_choices, run_dir
 from benchmarks.readme import refresh
 from benchmarks.training_runs import read_jsonl
 
@@ -76,19 +74,12 @@ def reached(row: dict) -> tuple[int, float] | None:
     return None
 
 
-def _spread(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
-    if not values:
-        return "—"
-    f = lambda v: f"{scale * v:.{digits}f}"  # noqa: E731
-    return f"{f(statistics.mean(values))} ({f(min(values))}–{f(max(values))})" if len(values) > 1 else f(values[0])
-
-
 def write_table(rows: list[dict], out: Path) -> str:
     labels = [r for r in ROWS if any(x["label"] == r for x in rows)]
     lines = [
         "# Staleness on a real model",
         "",
-        provenance(),
+        provenance(rows_command(__file__, sorted(rows, key=lambda r: labels.index(r["label"])))),
         "",
         f"`preset=default` with `{' '.join(BASE)}`, then each row's keys. Held-out accuracy in points (greedy, "
         "200 problems; the standard error of one is about 3.5 points at 50%): mean (range) over the seeds. "
@@ -108,12 +99,12 @@ def write_table(rows: list[dict], out: Path) -> str:
             )
             hit = [h for h in map(reached, rs) if h is not None]
             lines.append(
-                f"| {label} | {','.join(str(r['seed']) for r in rs)} | {_spread([r['val_curve'][0][1] for r in rs])} | "
-                f"{_spread([r['val_curve'][-1][1] for r in rs])} | {_spread([max(a for _, a in r['val_curve']) for r in rs])} | "
-                f"{_spread([s for s, _ in hit], 1, 0)} | {_spread([t for _, t in hit], 1, 0)} | {len(rs) - len(hit)} | "
-                f"{_spread([sum(r['partial']) for r in rs], 1, 0)} | "
-                f"{_spread([statistics.mean(r['staleness']) for r in rs], 1, 2)} | "
-                f"{statistics.median(r['step_s'] for r in rs):.1f} | {_spread([r['wall_s'] for r in rs], 1 / 60)} | {cpu} |"
+                f"| {label} | {','.join(str(r['seed']) for r in rs)} | {mean_range([r['val_curve'][0][1] for r in rs])} | "
+                f"{mean_range([r['val_curve'][-1][1] for r in rs])} | {mean_range([max(a for _, a in r['val_curve']) for r in rs])} | "
+                f"{mean_range([s for s, _ in hit], 1, 0)} | {mean_range([t for _, t in hit], 1, 0)} | {len(rs) - len(hit)} | "
+                f"{mean_range([sum(r['partial']) for r in rs], 1, 0)} | "
+                f"{mean_range([statistics.mean(r['staleness']) for r in rs], 1, 2)} | "
+                f"{statistics.median(r['step_s'] for r in rs):.1f} | {mean_range([r['wall_s'] for r in rs], 1 / 60)} | {cpu} |"
             )
     lines += ["", "Each seed (held-out points at each validation, step in brackets; partial samples per step):", ""]
     for r in sorted(rows, key=lambda r: (labels.index(r["label"]), r["seed"])):
@@ -130,24 +121,7 @@ def write_table(rows: list[dict], out: Path) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="", help="comma-separated rows (default: all)")
-    ap.add_argument("--seeds", default="", help="comma-separated seeds to run now")
-    ap.add_argument("--table", action="store_true", help="only rewrite the table from the stored rows")
-    args = ap.parse_args()
-    rows = read_jsonl(STORE) if STORE.exists() else []
-    chosen = [c for c in args.only.split(",") if c] or list(ROWS)
-    unknown = [c for c in chosen if c not in ROWS]
-    if unknown:
-        raise SystemExit(f"unknown rows {unknown}; the rows: {list(ROWS)}")
-    for seed in [] if args.table else [int(s) for s in args.seeds.split(",") if s]:
-        for label in chosen:
-            row = run_one(label, "default", seed, [*BASE, *ROWS[label][1]], None)
-            row.update(per_step(label, seed))
-            same = lambda r: (r["label"], r["seed"], r.get("cpu")) == (label, seed, row["cpu"])  # noqa: E731
-            rows = sorted([r for r in rows if not same(r)] + [row], key=lambda r: (r["label"], r["seed"]))
-            STORE.write_text("".join(json.dumps(r) + "\n" for r in rows))
-            print(json.dumps({k: row[k] for k in ("label", "seed", "val_curve", "partial", "wall_s")}), flush=True)
+    rows = run_choices(__doc__, ROWS, STORE, BASE, per_step, ("label", "seed", "val_curve", "partial", "wall_s"))
     print(write_table(rows, OUT))
     refresh("staleness", OUT)
 
