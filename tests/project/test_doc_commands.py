@@ -254,6 +254,8 @@ COVERAGE: dict[str, tuple[str, str]] = {
     # docs/fully-async.md
     "offstep train pipeline.mode=fully_async": CFG,
     "offstep train pipeline.mode=fully_async pipeline.max_staleness=4 rollout.partial=recompute": CFG,
+    "python -m benchmarks.staleness_runs --only sync,one_step,batch_k4,fully_async_k4,fully_async_k4_naive "
+    "--seeds 0,1,2": BENCHMARK,
     "offstep train pipeline.mode=fully_async trainer.output_dir=runs/first": CFG,
     "offstep train pipeline.mode=fully_async trainer.output_dir=runs/again pipeline.replay=runs/first": (
         "test",
