@@ -160,3 +160,37 @@ def test_the_recorded_command_is_the_module_form(monkeypatch):
     assert common.command() == "python -m benchmarks.lora --parts runs --only 'r0 x'"
     monkeypatch.setattr(sys, "argv", ["/elsewhere/tool.py", "--n", "2"])
     assert common.command() == "python /elsewhere/tool.py --n 2"
+
+
+def test_a_results_file_names_the_commands_that_rerun_every_stored_row():
+    rows = [{"label": a, "seed": s} for a, s in [("b", 0), ("b", 1), ("a", 0), ("a", 1), ("c", 2)]]
+    assert common.rows_command(BENCH / "staleness_runs.py", rows) == (
+        "python -m benchmarks.staleness_runs --only b,a --seeds 0,1; "
+        "python -m benchmarks.staleness_runs --only c --seeds 2"
+    )
+    assert common.provenance("python -m benchmarks.x --seeds 0").startswith(
+        "Command: `python -m benchmarks.x --seeds 0`."
+    )
+
+
+def test_mean_and_range_of_the_seeds():
+    assert common.mean_range([0.5, 0.6, 0.7]) == "60.0 (50.0–70.0)"
+    assert common.mean_range([3, 7], scale=1, digits=0) == "5 (3–7)"
+    assert common.mean_range([0.425]) == "42.5"
+    assert common.mean_range([]) == "—"
+
+
+def test_a_stored_row_replaces_its_label_and_seed_on_the_same_cpu_only(tmp_path):
+    from benchmarks.preset_runs import read_rows, store_row
+
+    path = tmp_path / "rows.jsonl"
+    rows = store_row([], {"label": "b", "seed": 0, "cpu": "AVX2", "v": 1}, path)
+    rows = store_row(rows, {"label": "a", "seed": 0, "cpu": "AVX2", "v": 2}, path)
+    rows = store_row(rows, {"label": "b", "seed": 0, "cpu": "AVX-512 BF16", "v": 3}, path)
+    rows = store_row(rows, {"label": "b", "seed": 0, "cpu": "AVX2", "v": 4}, path)
+    assert read_rows(path) == rows
+    assert [(r["label"], r["cpu"], r["v"]) for r in rows] == [
+        ("a", "AVX2", 2),
+        ("b", "AVX-512 BF16", 3),
+        ("b", "AVX2", 4),
+    ]
