@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from offstep.pipeline.checkpoints import Checkpoints
+from offstep.pipeline.checkpoints import Checkpoints, file_digests
 from offstep.pipeline.run_dir import open_run
-from offstep.pipeline.trainer_state import TrainerState
+from offstep.pipeline.trainer_state import STATE_FILE, TrainerState
 from offstep.train.checkpoint import save_role
 
 
@@ -52,3 +53,10 @@ def ended_run(cfg, log):
     run = open_run(cfg, log)
     run.lock.release()
     return run
+
+
+def recraft(ckpt: Path) -> None:
+    """What a crafter does after editing a checkpoint's files: list their new digests in its state."""
+    doc = json.loads((ckpt / STATE_FILE).read_text())
+    doc["files"] = file_digests(ckpt)
+    (ckpt / STATE_FILE).write_text(json.dumps(doc))

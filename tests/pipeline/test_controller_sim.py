@@ -18,9 +18,9 @@ from offstep.telemetry.metrics import read_jsonl
 from offstep.telemetry.names import Role, Rollout, Stage, Timing, replica
 
 
-def _run(sim, tmp_path, k: int, steps: int):
+def _run(sim, tmp_path, k: int, steps: int, train_s: float = 0.05):
     cfg = sim.sim_config(tmp_path, k, steps)
-    hist = sim.run_sim(cfg, gen_s=0.05, train_s=0.05, export_s=0.01, load_s=0.01)
+    hist = sim.run_sim(cfg, gen_s=0.05, train_s=train_s, export_s=0.01, load_s=0.01)
     tl = read_jsonl(tmp_path / "timeline.jsonl")
     ev = {(e["role"], e["stage"], e["step"]): e for e in tl}
     return [m for m in hist if m["step"] >= 1], ev
@@ -35,7 +35,10 @@ def test_ideal_step():
 
 @pytest.mark.ray
 def test_one_step_off_policy_overlaps(tmp_path, ray_session):
-    metrics, ev = _run(sim, tmp_path, 1, 4)
+    # An update ten times as long as generation: batch s+1's generation needs only v(s-1), so it
+    # starts inside update s with a margin that a busy machine's Ray calls do not eat (at equal
+    # lengths a slow weight load could start it just after update s ended).
+    metrics, ev = _run(sim, tmp_path, 1, 4, train_s=0.5)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert [m[Rollout.STALENESS_MAX] for m in metrics] == [0, 1, 1, 1]
     assert [m["policy_version"] for m in metrics] == [1, 2, 3, 4]

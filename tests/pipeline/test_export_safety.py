@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_safety import _ended_run, _recraft
 
 from offstep.config.schema import to_yaml
 from offstep.launch.loader import load_config
 from offstep.pipeline.checkpoints import Checkpoints
 from offstep.pipeline.trainer_state import TrainerState
 from offstep.train.checkpoint import save_role
+from tests.saved_roles import ended_run, recraft
 
 
 @pytest.fixture(autouse=True)
@@ -33,7 +33,7 @@ def tiny_run(tmp_path_factory):
         warnings.simplefilter("ignore", UserWarning)
         out = tmp_path_factory.mktemp("tiny") / "run"
         cfg = load_config(["preset=tiny", f"trainer.output_dir={out}"])
-        ck = Checkpoints(out, 0, _ended_run(cfg, lambda _: None).run_id)
+        ck = Checkpoints(out, 0, ended_run(cfg, lambda _: None).run_id)
         model = load_causal_lm(resolve_model("tiny"))
         with torch.no_grad():
             next(model.parameters()).add_(1.0)  # a "trained" policy, unlike the base model
@@ -74,7 +74,7 @@ def test_export_trusts_the_saved_model_path_only_as_an_alias_or_folder(tiny_run,
     cfg_file.write_text(cfg_file.read_text().replace("path: tiny", "path: ${oc.env:HOME}/model"))
     assert main(["export", str(copy), "--out", str(tmp_path / "hf")]) == 2
     assert "config.yaml is not the file that was written" in capsys.readouterr().err  # edited after the write
-    _recraft(cfg_file.parent)
+    recraft(cfg_file.parent)
     assert main(["export", str(copy), "--out", str(tmp_path / "hf")]) == 2
     err = capsys.readouterr().err
     assert "${oc.env:HOME}/model" in err and "neither a built-in alias" in err and "--model" in err

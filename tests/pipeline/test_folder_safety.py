@@ -17,14 +17,13 @@ from offstep.launch.loader import ConfigError, load_config
 from offstep.pipeline.checkpoints import (
     Checkpoints,
     complete_checkpoints,
-    file_digests,
     open_checkpoint,
     read_run_id,
 )
 from offstep.pipeline.run_dir import MARKER, read_marker
 from offstep.pipeline.trainer_state import STATE_FILE, TrainerState
 from offstep.train.checkpoint import CheckpointError, save_role
-from tests.saved_roles import commit_small, ended_run, save_small_role, single_process_dcp  # noqa: F401 (an autouse fixture)
+from tests.saved_roles import commit_small, ended_run, recraft, save_small_role, single_process_dcp  # noqa: F401 (an autouse fixture)
 
 
 # ------------------------------------------------------------------ run folders
@@ -118,13 +117,6 @@ def test_folders_that_are_not_this_runs_are_refused(tmp_path):
     assert ended_run(_cfg(tmp_path / "new" / "deep"), log).run_id == read_marker(tmp_path / "new" / "deep")
 
 
-def _recraft(ckpt: Path) -> None:
-    """What a crafter does after editing a checkpoint's files: list their new digests in its state."""
-    doc = json.loads((ckpt / STATE_FILE).read_text())
-    doc["files"] = file_digests(ckpt)
-    (ckpt / STATE_FILE).write_text(json.dumps(doc))
-
-
 def _damage(kind: str, path: Path) -> None:
     shard = path / "actor" / "__0_0.distcp"
     if kind == "truncated state":
@@ -180,7 +172,7 @@ def _damage(kind: str, path: Path) -> None:
             (path / "config.yaml").write_text("model: {path: tiny, dtype: [float32]}\n")
         elif kind == "target_modules type":
             (path / "config.yaml").write_text("model: {path: tiny}\nactor: {lora: {rank: 8, target_modules: 5}}\n")
-        _recraft(path)
+        recraft(path)
 
 
 _DAMAGE = [

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 from test_export_safety import tiny_run  # noqa: F401  (a fixture: a run with one checkpoint of the tiny model)
-from test_safety import _cfg, _ended_run, _recraft
+from test_folder_safety import _cfg
 
 from offstep.errors import CheckpointError, ConfigError, NotAFile
 from offstep.files import open_record, printable, read_text, remove_tree, walk
 from offstep.pipeline.checkpoints import STATE_FILE, open_checkpoint
 from offstep.pipeline.run_dir import LOCK, MARKER, open_run
+from tests.saved_roles import ended_run, recraft
 
 QUIET = lambda _: None  # noqa: E731
 
@@ -129,7 +130,7 @@ def test_a_hard_linked_lock_or_record_never_writes_outside(tmp_path):
     notes.write_text("my notes\n")
     empty.write_text("")
     run = tmp_path / "run"
-    _ended_run(_cfg(run), QUIET)  # a fresh run folder: its marker, lock and config, no records
+    ended_run(_cfg(run), QUIET)  # a fresh run folder: its marker, lock and config, no records
     (run / LOCK).unlink()
     os.link(notes, run / LOCK)
     os.link(empty, run / "metrics.jsonl")  # an empty records file: not a record, so the run starts
@@ -157,7 +158,7 @@ def test_a_hard_linked_lock_or_record_never_writes_outside(tmp_path):
 @pytest.mark.parametrize("name", [MARKER, "metrics.jsonl", "config.yaml", LOCK])
 def test_a_fifo_among_the_run_files_is_refused_not_waited_on(tmp_path, name):
     run = tmp_path / "run"
-    _ended_run(_cfg(run), QUIET)
+    ended_run(_cfg(run), QUIET)
     (run / name).unlink(missing_ok=True)
     os.mkfifo(run / name)
     with pytest.raises(ConfigError, match=f"{name} is a FIFO"):
@@ -196,7 +197,7 @@ def test_a_sparse_giant_state_file_is_refused_unread(tiny_run, tmp_path, name): 
     shutil.copytree(run, copy)
     ckpt = copy / "checkpoints" / "step_000001"
     if name != STATE_FILE:
-        _recraft(ckpt)  # its digest listed, so that the read of the file itself is what refuses it
+        recraft(ckpt)  # its digest listed, so that the read of the file itself is what refuses it
     with open(ckpt / name, "r+b") as f:
         f.truncate(32 * 2**30)  # 32 GB, all holes: costs no disk
     with pytest.raises(CheckpointError, match="larger than"):
@@ -216,16 +217,16 @@ def test_trees_nested_thousands_deep_are_errors_not_recursion(tiny_run, tmp_path
     open_checkpoint(copy / "checkpoints" / "step_000001")  # walked to the bottom (an extra file is never read)
     assert sum(1 for _ in walk(copy / "checkpoints")) > 1200
     fresh = tmp_path / "fresh"
-    _ended_run(_cfg(fresh), QUIET)
+    ended_run(_cfg(fresh), QUIET)
     _deep(fresh / "data")
-    _ended_run(_cfg(fresh), QUIET)  # walked (no link, no FIFO), the run is still this folder's
+    ended_run(_cfg(fresh), QUIET)  # walked (no link, no FIFO), the run is still this folder's
     with pytest.raises(NotAFile, match="more than 5 files"):
         list(walk(fresh, limit=5))
 
 
 def test_a_file_where_a_folder_belongs_and_the_other_way_round(tmp_path):
     run = tmp_path / "run"
-    _ended_run(_cfg(run), QUIET)
+    ended_run(_cfg(run), QUIET)
     (run / "data").mkdir(exist_ok=True)
     os.rmdir(run / "data") if not any((run / "data").iterdir()) else None
     (run / "data").write_text("not a folder")
@@ -242,7 +243,7 @@ def test_a_file_where_a_folder_belongs_and_the_other_way_round(tmp_path):
 # ------------------------------------------------------------------ 9. escape codes, torch's advice, the intact step
 def test_escape_codes_in_a_run_id_never_reach_the_terminal(tmp_path):
     run = tmp_path / "run"
-    _ended_run(_cfg(run), QUIET)
+    ended_run(_cfg(run), QUIET)
     (run / MARKER).write_text(json.dumps({"run_id": "\x1b]0;pwned\x07\x1b[2J"}))
     with pytest.raises(ConfigError) as e:
         open_run(_cfg(run), QUIET)
@@ -259,7 +260,7 @@ def test_a_garbled_shard_gets_no_advice_to_load_it_unrestricted(tiny_run, tmp_pa
     ckpt = copy / "checkpoints" / "step_000001"
     shard = ckpt / "actor" / "__0_0.distcp"
     shard.write_bytes(os.urandom(64) + shard.read_bytes()[64:])  # no zip header: torch reads it as a bare pickle
-    _recraft(ckpt)
+    recraft(ckpt)
     code, err = _export(copy, tmp_path / "hf")
     assert code == 2 and "cannot be loaded" in err, err
     assert "weights_only" not in err and "can still be loaded" not in err
