@@ -32,7 +32,10 @@ SECTIONS = [
         "by `lora.py` as its full fine-tuning runs. Validation: held-out problems, greedy; training reward: the "
         "batch's mean at temperature one. One problem of the held-out set moves validation by its share, so "
         "accuracy moves between validations after its peak. Runs on an AVX-512 BF16 CPU train in bf16, a different "
-        "computation, so each CPU kind has its own table. `offstep report runs/default` draws a run's curves.",
+        "computation, so each CPU kind has its own table. `offstep report runs/default` draws a run's curves. "
+        "These runs predate the default preset's larger task (operands up to nineteen, two hundred problems held "
+        "out): the current default's seeds are in [the default recipe's table](#the-default-recipe-candidates-per-seed), "
+        "its row `t19_const`.",
         default_runs,
     ),
     Section(

@@ -194,3 +194,15 @@ def test_a_stored_row_replaces_its_label_and_seed_on_the_same_cpu_only(tmp_path)
         ("b", "AVX-512 BF16", 3),
         ("b", "AVX2", 4),
     ]
+
+
+def test_the_recipe_tables_row_t19_const_is_the_default_preset():
+    """The README's result and the recipe table's row ``t19_const`` describe the same runs: its
+    overrides change nothing in the default preset (a preset edit that breaks this must add a row)."""
+    from benchmarks.recipe_runs import CANDIDATES
+    from offstep.config.schema import to_yaml
+    from offstep.launch.loader import load_config
+
+    default = to_yaml(load_config(["preset=default"]))
+    assert to_yaml(load_config(["preset=default", *CANDIDATES["t19_const"][1]])) == default
+    assert to_yaml(load_config(["preset=default", *CANDIDATES["t19_cosine"][1]])) != default
