@@ -163,7 +163,7 @@ COVERAGE: dict[str, tuple[str, str]] = {
     "pipeline.mode=fully_async pipeline.max_staleness=4 algorithm.correction_mode=off": BENCHMARK,
     ".venv/bin/python -m benchmarks.preset_runs --label fully_async --preset default --seeds 1,2 --extra pipeline.mode=fully_async": BENCHMARK,
     ".venv/bin/python -m benchmarks.preset_runs --rows benchmarks/results/results_recipe.jsonl --plot t19_const "
-    "--plot-out benchmarks/results/default_run.png": (
+    "--plot-cpu AVX2 --plot-out benchmarks/results/default_run.png": (
         "test",
         "tests/project/test_bench_readme.py::test_preset_runs_draws_the_committed_rows",
     ),
